@@ -1,0 +1,109 @@
+"""The Starlette application: routes of both protocols, request ids, body limits, the error table.
+
+    request ─▶ RequestIdMiddleware ─▶ ExceptionMiddleware ─▶ route (openai | kserve | metrics)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sluice import metrics
+from sluice.api import kserve, openai
+from sluice.api.common import request_id
+from sluice.api.errors import error_response
+from sluice.errors import InvalidInput, ModelNotFound, SluiceError
+from sluice.gateway import Gateway
+
+log = logging.getLogger("sluice.api")
+
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    body_limit_bytes: int = 32 * 1024 * 1024
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the client's `x-request-id` if sane) and echoes it back."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
+        rid = incoming if _VALID_ID.match(incoming) else uuid.uuid4().hex
+        scope["sluice.request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _protocol(request: Request) -> str:
+    return "kserve" if request.url.path.startswith("/v2") else "openai"
+
+
+async def _on_sluice_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc, _protocol(request))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        error: SluiceError = ModelNotFound(f"no route for {request.method} {request.url.path}")
+    else:
+        error = InvalidInput(f"{exc.detail} ({request.method} {request.url.path})")
+    response = error_response(error, _protocol(request))
+    response.status_code = exc.status_code
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _on_bug(request: Request, exc: Exception) -> Response:
+    log.exception("internal error on %s %s (request %s)", request.method, request.url.path, request_id(request))
+    return error_response(exc, _protocol(request))
+
+
+async def _metrics(request: Request) -> Response:
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+def build_app(
+    gateway: Gateway,
+    config: ApiConfig | None = None,
+    lifespan: Callable[[Starlette], AbstractAsyncContextManager[Any]] | None = None,
+) -> ASGIApp:
+    config = config or ApiConfig()
+    app = Starlette(
+        routes=[
+            *openai.routes(gateway, config.body_limit_bytes),
+            *kserve.routes(gateway, config.body_limit_bytes),
+            Route("/metrics", _metrics, methods=["GET"]),
+        ],
+        exception_handlers={SluiceError: _on_sluice_error, HTTPException: _on_http_error, Exception: _on_bug},
+        lifespan=lifespan,
+    )
+    return RequestIdMiddleware(app)

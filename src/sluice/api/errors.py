@@ -1,0 +1,74 @@
+"""The one table from core errors to HTTP, in both protocols' error shapes.
+
+OpenAI: `{"error": {"message", "type", "param", "code"}}`; KServe v2: `{"error": "..."}`.
+Overload answers carry `Retry-After` (whole seconds, at least 1) and `retry-after-ms`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+from starlette.responses import Response
+
+from sluice.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ItemFailed,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    PayloadTooLarge,
+    SluiceError,
+    Unavailable,
+    WorkerLost,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    http: int
+    type: str
+    code: str
+
+
+# Most specific first: the first matching row wins.
+_TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
+    (PayloadTooLarge, Status(413, "invalid_request_error", "payload_too_large")),
+    (ItemFailed, Status(422, "invalid_request_error", "item_failed")),
+    (InvalidInput, Status(400, "invalid_request_error", "invalid_request")),
+    (ModelNotFound, Status(404, "invalid_request_error", "model_not_found")),
+    (Overloaded, Status(503, "server_overloaded", "overloaded")),
+    (ModelNotReady, Status(503, "server_error", "model_not_ready")),
+    (WorkerLost, Status(503, "server_error", "worker_lost")),
+    (Unavailable, Status(503, "server_error", "unavailable")),
+    (DeadlineExceeded, Status(504, "timeout", "deadline_exceeded")),
+)
+_INTERNAL = Status(500, "server_error", "internal_error")
+
+
+def status_of(error: Exception) -> Status:
+    for kind, status in _TABLE:
+        if isinstance(error, kind):
+            return status
+    return _INTERNAL
+
+
+def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
+    status = status_of(error)
+    message = error.message if isinstance(error, SluiceError) else "internal server error"
+    if protocol == "kserve":
+        body = msgspec.json.encode({"error": message})
+    else:
+        param = getattr(error, "param", None)
+        body = msgspec.json.encode({"error": {"message": message, "type": status.type, "param": param,
+                                              "code": status.code}})
+    headers = {}
+    retry_after_s = getattr(error, "retry_after_s", None)
+    if retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(retry_after_s * 1000)))
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(body, status_code=status.http, media_type="application/json", headers=headers)

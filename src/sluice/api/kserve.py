@@ -1,0 +1,165 @@
+"""KServe / Open Inference Protocol v2 endpoints, JSON and binary tensors.
+
+    GET  /v2                                   server metadata
+    GET  /v2/health/live | /v2/health/ready    {"live": true} | {"ready": bool}
+    GET  /v2/models/{m}[/versions/{v}]         model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready   {"name", "ready"}
+    POST /v2/models/{m}[/versions/{v}]/infer   inference
+
+The request-level `timeout` parameter is in microseconds, as in Triton and `tritonclient`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sluice import __version__, wire
+from sluice.api.common import header_timeout_s, read_body
+from sluice.api.tensors import NUMPY_TO_KSERVE, Tensor, parse_request, render_outputs
+from sluice.errors import InvalidInput, ModelNotReady
+from sluice.gateway import Gateway
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
+    async def server_metadata(request: Request) -> Response:
+        return _json({"name": "sluice", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+    async def live(request: Request) -> Response:
+        return _json({"live": True})
+
+    async def ready(request: Request) -> Response:
+        is_ready = gateway.is_ready()
+        return _json({"ready": is_ready}, status=200 if is_ready else 503)
+
+    async def model_metadata(request: Request) -> Response:
+        name, version = _path(request)
+        versions = gateway.models().get(name)
+        info = gateway.resolve(name, version)
+        assert versions is not None
+        return _json({
+            "name": info.name,
+            "versions": sorted(versions) if version is None else [info.version],
+            "platform": info.platform,
+            "inputs": [_spec(s) for s in info.inputs],
+            "outputs": [_spec(s) for s in info.outputs],
+        })
+
+    async def model_ready(request: Request) -> Response:
+        name, version = _path(request)
+        try:
+            info = gateway.resolve(name, version)
+        except ModelNotReady:
+            return _json({"name": name, "ready": False}, status=503)
+        return _json({"name": info.name, "ready": True})
+
+    async def infer(request: Request) -> Response:
+        name, version = _path(request)
+        info = gateway.resolve(name, version)
+        body = await read_body(request, body_limit_bytes)
+        header_length = _header_length(request)
+        parsed, tensors = parse_request(body, header_length)
+        payload = _to_payload(info, tensors)
+        timeout_s = _timeout(parsed.parameters) or header_timeout_s(request)
+        result = await gateway.infer(info.name, info.version, payload, timeout_s)
+        return _render(info, parsed, result.payload)
+
+    prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
+    table = [
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+    ]
+    for prefix in prefixes:
+        table += [
+            Route(prefix, model_metadata, methods=["GET"]),
+            Route(prefix + "/ready", model_ready, methods=["GET"]),
+            Route(prefix + "/infer", infer, methods=["POST"]),
+        ]
+    return table
+
+
+def _path(request: Request) -> tuple[str, str | None]:
+    return request.path_params["name"], request.path_params.get("version")
+
+
+def _header_length(request: Request) -> int | None:
+    raw = request.headers.get(HEADER_LENGTH)
+    if raw is None:
+        return None
+    if not raw.isdigit():
+        raise InvalidInput("Inference-Header-Content-Length must be a non-negative integer")
+    return int(raw)
+
+
+def _timeout(parameters: dict[str, Any]) -> float | None:
+    raw = parameters.get("timeout")
+    if raw is None:
+        return None
+    if not isinstance(raw, int | float) or isinstance(raw, bool) or raw <= 0:
+        raise InvalidInput("parameter 'timeout' must be a positive number of microseconds", param="timeout")
+    return float(raw) / 1e6
+
+
+def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
+    expected = info.inputs[0]
+    if len(tensors) != 1 or tensors[0].name != expected.name:
+        names = [t.name for t in tensors]
+        raise InvalidInput(f"model {info.name} takes one input named {expected.name!r}, got {names}")
+    tensor = tensors[0]
+    if tensor.datatype != expected.datatype:
+        raise InvalidInput(f"input {tensor.name!r} must be {expected.datatype}, got {tensor.datatype}")
+    if len(tensor.shape) != len(expected.shape) and not (expected.datatype == "BYTES" and len(tensor.shape) == 2
+                                                          and tensor.shape[1] == 1):
+        raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
+                           f"got {list(tensor.shape)}")
+    if tensor.datatype == "BYTES":
+        assert isinstance(tensor.values, list)
+        try:
+            return wire.TextPayload([v.decode() for v in tensor.values])
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
+    assert isinstance(tensor.values, np.ndarray)
+    array = np.ascontiguousarray(tensor.values)
+    return wire.TensorPayload(str(array.dtype), tuple(array.shape), array.tobytes())
+
+
+def _render(info: wire.ModelInfo, request: Any, payload: wire.Payload) -> Response:
+    spec = info.outputs[0]
+    if not isinstance(payload, wire.TensorPayload):
+        raise TypeError("models return tensors")
+    array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
+    datatype = NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype)
+    if request.outputs:
+        unknown = [o.name for o in request.outputs if o.name != spec.name]
+        if unknown:
+            raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r}")
+        binary = {o.name for o in request.outputs if o.parameters.get("binary_data")}
+    else:
+        binary = {spec.name} if request.parameters.get("binary_data_output") else set()
+    entries, raw = render_outputs([(spec.name, datatype, array)], binary)
+    body: dict[str, Any] = {"model_name": info.name, "model_version": info.version, "outputs": entries}
+    if request.id is not None:
+        body["id"] = request.id
+    header = msgspec.json.encode(body)
+    if not raw:
+        return Response(header, media_type="application/json")
+    return Response(header + raw, media_type="application/octet-stream",
+                    headers={"inference-header-content-length": str(len(header))})
+
+
+def _spec(spec: wire.TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
+
+
+def _json(content: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
+
+

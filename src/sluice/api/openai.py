@@ -1,0 +1,121 @@
+"""OpenAI-compatible endpoints: `/v1/models` and `/v1/embeddings`.
+
+Embeddings accept a string or a list of strings, and `encoding_format` `float` or `base64`
+(little-endian float32, what the `openai` SDK asks for by default and decodes itself).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sluice import wire
+from sluice.api.common import header_timeout_s, read_body
+from sluice.errors import InvalidInput, ModelNotFound
+from sluice.gateway import Gateway
+
+MAX_INPUTS = 2048
+MAX_INPUT_CHARS = 100_000
+_STARTED = int(time.time())
+
+
+class EmbeddingsRequest(msgspec.Struct):
+    model: str
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
+    async def list_models(request: Request) -> Response:
+        data = [_model_card(name) for name in sorted(gateway.models())]
+        return _json({"object": "list", "data": data})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in gateway.models():
+            raise ModelNotFound(f"the model {name!r} does not exist")
+        return _json(_model_card(name))
+
+    async def embeddings(request: Request) -> Response:
+        body = await read_body(request, body_limit_bytes)
+        parsed = _decode(body, EmbeddingsRequest)
+        texts = _texts(parsed.input)
+        info = gateway.resolve(parsed.model, None)
+        if not info.accepts_text:
+            raise InvalidInput(f"model {parsed.model!r} does not take text; use /v2/models/{parsed.model}/infer",
+                               param="model")
+        result = await gateway.infer(info.name, info.version, wire.TextPayload(texts), header_timeout_s(request))
+        payload = result.payload
+        assert isinstance(payload, wire.TensorPayload)
+        vectors = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape).astype("<f4", copy=False)
+        if parsed.dimensions is not None and parsed.dimensions != vectors.shape[1]:
+            raise InvalidInput(f"model {parsed.model!r} produces {vectors.shape[1]} dimensions and cannot be "
+                               f"shortened to {parsed.dimensions}", param="dimensions")
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode_vector(row, parsed.encoding_format)}
+            for i, row in enumerate(vectors)
+        ]
+        usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
+        return _json({"object": "list", "data": data, "model": info.name, "usage": usage})
+
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+    ]
+
+
+def _decode(body: bytes, kind: type[EmbeddingsRequest]) -> EmbeddingsRequest:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    marker = "at `$."
+    if marker in message:
+        return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0]
+    return None
+
+
+def _texts(raw: str | list[Any]) -> list[str]:
+    texts = [raw] if isinstance(raw, str) else raw
+    if not texts:
+        raise InvalidInput("'input' must not be empty", param="input")
+    if len(texts) > MAX_INPUTS:
+        raise InvalidInput(f"'input' may hold at most {MAX_INPUTS} items", param="input")
+    for text in texts:
+        if not isinstance(text, str):
+            raise InvalidInput("'input' must be a string or a list of strings (token arrays are not supported)",
+                               param="input")
+        if not text:
+            raise InvalidInput("'input' must not contain empty strings", param="input")
+        if len(text) > MAX_INPUT_CHARS:
+            raise InvalidInput(f"an input is longer than {MAX_INPUT_CHARS} characters", param="input")
+    return texts
+
+
+def _encode_vector(row: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(row.astype("<f4").tobytes()).decode()
+    return row.tolist()
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "sluice"}
+
+
+def _json(content: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")

@@ -1,0 +1,104 @@
+"""The `sluice` command line. Environment variables and flags are read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from sluice import __version__
+from sluice.errors import ConfigError
+
+
+@click.group()
+@click.version_option(__version__, prog_name="sluice")
+def main() -> None:
+    """sluice: batch inference requests onto devices, within their deadlines."""
+
+
+@main.command()
+@click.option("--models", "models_dir", type=click.Path(path_type=Path), default=None,
+              help="Model repository folder (default: the demo repository shipped with sluice).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--workers", "num_workers", type=click.IntRange(1, 64), default=None,
+              help="Worker processes (default: one per GPU, or one on a machine without a GPU).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
+          log_level: str) -> None:
+    """Start the embedded server: an HTTP gateway and supervised worker processes."""
+    _metrics_dir()
+    os.environ["SLUICE_LOG_LEVEL"] = log_level
+    import uvloop
+
+    from sluice import logs
+    from sluice.repository import demo_repository
+    from sluice.serve import ServeConfig, run
+
+    logs.configure(log_level)
+    config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
+                         num_workers=num_workers, device=device)
+    try:
+        uvloop.run(run(config))
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+@main.command()
+@click.option("--id", "worker_id", default="0", show_default=True)
+@click.option("--bind", "address", required=True, help="ZeroMQ address to listen on, e.g. tcp://0.0.0.0:7000.")
+@click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--metrics-port", type=int, default=None, help="Serve this worker's /metrics on this port.")
+def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None) -> None:
+    """Run one worker process (started for you by `sluice serve`)."""
+    from sluice import logs
+
+    logs.configure(os.environ.get("SLUICE_LOG_LEVEL", "warning"), process=f"worker-{worker_id}")
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+    from sluice.worker.main import WorkerConfig
+    from sluice.worker.main import main as worker_main
+
+    try:
+        worker_main(WorkerConfig(worker_id, address, models_dir, device))
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+@main.group()
+def models() -> None:
+    """Model repository tools."""
+
+
+@models.command("manifest")
+@click.argument("version_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def manifest(version_dir: Path) -> None:
+    """Write VERSION_DIR/SHA256SUMS over every file in the version folder."""
+    from sluice.repository import MANIFEST, write_manifest
+
+    text = write_manifest(version_dir, version_dir / MANIFEST)
+    click.echo(text, nl=False)
+
+
+def _metrics_dir() -> None:
+    """Share one Prometheus multiprocess folder between the gateway and its workers."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sluice-metrics-")
+    if "sluice.metrics" in sys.modules:
+        raise RuntimeError("sluice.metrics was imported before the metrics folder was set")
+
+
+try:
+    from sluice.bench.cli import bench
+
+    main.add_command(bench)
+except ImportError:  # pragma: no cover - the bench package is optional at import time
+    pass

@@ -1,0 +1,77 @@
+"""The small protocol every runner follows, and the factory that picks one by `kind`.
+
+A runner's life: construct (loads weights onto the device) -> `warmup()` -> many
+`prepare()` (event loop: validate and cost each item) and `run_batch()` (device thread) ->
+`close()`. `run_batch` returns one entry per item, in order: an output array, or an
+`ItemFailure` for an item the model could not process. An exception from `run_batch` means the
+whole batch failed; the worker then bisects the batch to isolate the poisoned item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from sluice import wire
+from sluice.errors import ConfigError
+from sluice.repository import ModelVersion
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedItem:
+    """One input row, ready for the device. `cost` is its length in elements or tokens."""
+
+    cost: int
+    data: Any
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ItemFailure:
+    message: str
+
+
+class Runner(Protocol):
+    info: wire.ModelInfo
+
+    def prior(self) -> tuple[float, float, float]:
+        """(alpha_s, beta_s per unit of padded cost, reference cost) to seed the latency profile."""
+        ...
+
+    def warmup(self) -> list[tuple[int, float]]:
+        """Run a few batches; return (padded_cost, seconds) for each, to fit the profile."""
+        ...
+
+    def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
+        """Split a request into items. Raises `InvalidInput` if the request as a whole is malformed."""
+        ...
+
+    def run_batch(self, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
+        """Execute on the device. Called from the device thread only."""
+        ...
+
+    def pack(self, outputs: Sequence[np.ndarray]) -> wire.Payload:
+        """Assemble a request's item outputs into its response payload."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def load_runner(version: ModelVersion, device: str) -> Runner:
+    if version.kind == "emulated":
+        from sluice.engines.emulated import EmulatedRunner
+
+        return EmulatedRunner(version, device)
+    if version.kind == "embedding":
+        from sluice.engines.embedding import EmbeddingRunner
+
+        return EmbeddingRunner(version, device)
+    raise ConfigError(f"unknown runner kind {version.kind!r}")
+
+
+def stack_rows(outputs: Sequence[np.ndarray]) -> wire.TensorPayload:
+    array = np.ascontiguousarray(np.stack(outputs)) if outputs else np.zeros((0,), np.float32)
+    return wire.TensorPayload(dtype=str(array.dtype), shape=tuple(array.shape), data=array.tobytes())

@@ -1,0 +1,115 @@
+"""An accelerator emulator, so scheduling and load behaviour can be measured without a GPU.
+
+A batch of n items whose longest item has L elements occupies the device for
+`alpha + beta * n * L / ref_len` seconds (padding, as on a transformer), times an optional
+jitter factor; one batch at a time. Tensor items (FP32 rows) return their sum; text items
+return a small deterministic unit vector, so results can be checked. Items with NaN/Inf fail
+alone, and `error_rate` injects random per-item faults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from sluice import wire
+from sluice.engines.base import ItemFailure, PreparedItem, stack_rows
+from sluice.errors import ConfigError, InvalidInput
+from sluice.repository import ModelVersion
+
+
+class EmulatedRunner:
+    def __init__(self, version: ModelVersion, device: str) -> None:
+        p = version.params
+        try:
+            self.alpha_s = float(p.get("alpha_ms", 8.0)) / 1000
+            self.beta_s = float(p.get("beta_ms", 0.5)) / 1000
+            self.ref_len = int(p.get("ref_len", 16))
+            self.jitter = float(p.get("jitter", 0.0))
+            self.error_rate = float(p.get("error_rate", 0.0))
+            self.max_len = int(p.get("max_len", 4096))
+            self.dims = int(p.get("dims", 16))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{version.name}: bad emulator parameter: {exc}") from exc
+        if self.ref_len < 1 or self.alpha_s < 0 or self.beta_s < 0 or not 0 <= self.error_rate <= 1:
+            raise ConfigError(f"{version.name}: emulator parameters out of range")
+        self._rng = random.Random(int(p.get("seed", 0)))
+        self.device = device
+        self.info = wire.ModelInfo(
+            name=version.name,
+            version=version.version,
+            kind="emulated",
+            platform=version.platform,
+            inputs=(wire.TensorSpec("INPUT0", "FP32", (-1, -1)),),
+            outputs=(wire.TensorSpec("OUTPUT0", "FP32", (-1,)),),
+            max_batch_size=version.batching.max_batch_size,
+            slo_s=version.slo_s,
+            accepts_text=True,
+            accepts_tensor=True,
+        )
+
+    def prior(self) -> tuple[float, float, float]:
+        return self.alpha_s, self.beta_s / self.ref_len, float(self.ref_len)
+
+    def warmup(self) -> list[tuple[int, float]]:
+        return []  # the emulator's timing is known exactly; nothing to learn at start
+
+    def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
+        if isinstance(payload, wire.TextPayload):
+            return [_text_item(text, self.max_len) for text in payload.texts]
+        if payload.dtype != "float32" or len(payload.shape) != 2:
+            raise InvalidInput(f"INPUT0 must be FP32 with shape [batch, length], got {payload.dtype} {list(payload.shape)}")
+        rows, length = payload.shape
+        if length < 1 or length > self.max_len:
+            raise InvalidInput(f"INPUT0 rows must have 1 to {self.max_len} elements, got {length}")
+        array = np.frombuffer(payload.data, dtype=np.float32).reshape(rows, length)
+        return [PreparedItem(cost=length, data=array[i]) for i in range(rows)]
+
+    def run_batch(self, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
+        longest = max(item.cost for item in items)
+        seconds = self.alpha_s + self.beta_s * len(items) * longest / self.ref_len
+        if self.jitter:
+            seconds *= max(0.0, 1.0 + self._rng.uniform(-self.jitter, self.jitter))
+        deadline = time.perf_counter() + seconds
+        outputs = [self._compute(item) for item in items]
+        _sleep_until(deadline)
+        return outputs
+
+    def pack(self, outputs: Sequence[np.ndarray]) -> wire.Payload:
+        return stack_rows(outputs)
+
+    def close(self) -> None:
+        pass
+
+    def _compute(self, item: PreparedItem) -> np.ndarray | ItemFailure:
+        if self.error_rate and self._rng.random() < self.error_rate:
+            return ItemFailure("injected device fault (emulator error_rate)")
+        if isinstance(item.data, str):
+            digest = hashlib.blake2b(item.data.encode(), digest_size=4 * self.dims).digest()
+            vector = np.frombuffer(digest, dtype=np.uint32).astype(np.float32) - 2**31
+            return vector / np.linalg.norm(vector)
+        row: np.ndarray = item.data
+        total = row.sum(dtype=np.float32)
+        if not np.isfinite(total):
+            return ItemFailure("input row contains NaN or infinite values")
+        return np.asarray(total, dtype=np.float32)
+
+
+def _text_item(text: str, max_len: int) -> PreparedItem:
+    num_tokens = max(1, len(text.split()))
+    if num_tokens > max_len:
+        raise InvalidInput(f"input has {num_tokens} tokens, more than the model's {max_len}")
+    return PreparedItem(cost=num_tokens, data=text, num_tokens=num_tokens)
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep to a perf_counter deadline; spin the last fraction of a millisecond for accuracy."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left - 0.0002 if left > 0.0005 else 0)

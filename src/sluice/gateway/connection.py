@@ -1,0 +1,152 @@
+"""One persistent, multiplexed ZeroMQ connection from this gateway to one worker.
+
+Requests are matched to answers by `request_id`. The connection keeps the worker's latest
+reported state, and knows which in-flight requests have started executing, so that when the
+worker dies the gateway can re-dispatch the ones that had not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from sluice import wire
+
+log = logging.getLogger("sluice.gateway")
+
+STALE_AFTER_S = 2.0
+HELLO_EVERY_S = 0.25
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    submit: wire.Submit
+    future: asyncio.Future[wire.Result | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    is_started: bool = False
+
+
+class WorkerConnection:
+    def __init__(self, worker_id: str, address: str, gateway_id: str, context: zmq.asyncio.Context) -> None:
+        self.worker_id = worker_id
+        self.address = address
+        self._gateway_id = gateway_id
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, gateway_id.encode())
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a worker that is not connected
+        self._socket.setsockopt(zmq.SNDHWM, 100_000)
+        self._socket.setsockopt(zmq.RCVHWM, 100_000)
+        self._socket.setsockopt(zmq.RECONNECT_IVL, 50)
+        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._socket.connect(address)
+        self.state: wire.WorkerState | None = None
+        self.state_at = 0.0
+        self.num_sent_since_state = 0
+        self._in_flight: dict[int, InFlight] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.is_lost = False
+        self._lost_incarnation: str | None = None
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._hello_loop())]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._socket.close(linger=0)
+
+    @property
+    def is_ready(self) -> bool:
+        return (
+            not self.is_lost
+            and self.state is not None
+            and self.state.is_ready
+            and time.monotonic() - self.state_at < STALE_AFTER_S
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def submit(self, message: wire.Submit) -> InFlight | None:
+        """Send a request; None if the worker cannot take it right now (not connected)."""
+        if not self._send_now(message):
+            return None
+        in_flight = InFlight(message)
+        self._in_flight[message.request_id] = in_flight
+        self.num_sent_since_state += 1
+        return in_flight
+
+    def cancel(self, request_id: int) -> None:
+        if self._in_flight.pop(request_id, None) is not None:
+            self._send_now(wire.Cancel([request_id]))
+
+    def send_drain(self) -> None:
+        self._send_now(wire.Drain())
+
+    def _send_now(self, message: wire.Message) -> bool:
+        """Send without waiting; False if the worker is not connected (or its queue is full)."""
+        sent = self._socket.send(wire.encode(message), flags=zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            return False
+        return True
+
+    def mark_lost(self) -> list[InFlight]:
+        """The worker process died: resolve every in-flight request with None and return them."""
+        self.is_lost = True
+        if self.state is not None:
+            self._lost_incarnation = self.state.incarnation
+        self.state = None
+        lost = list(self._in_flight.values())
+        self._in_flight.clear()
+        for in_flight in lost:
+            if not in_flight.future.done():
+                in_flight.future.set_result(None)
+        return lost
+
+    async def _receive_loop(self) -> None:
+        while True:
+            data = await self._socket.recv()
+            try:
+                message = wire.decode(data)
+            except Exception:
+                log.warning("undecodable message from worker %s", self.worker_id)
+                continue
+            if isinstance(message, wire.Result):
+                in_flight = self._in_flight.pop(message.request_id, None)
+                if in_flight is not None and not in_flight.future.done():
+                    in_flight.future.set_result(message)
+            elif isinstance(message, wire.Started):
+                for request_id in message.request_ids:
+                    started = self._in_flight.get(request_id)
+                    if started is not None:
+                        started.is_started = True
+            elif isinstance(message, wire.WorkerState):
+                if message.incarnation == self._lost_incarnation:
+                    continue  # a late report from a process that has since died
+                self.is_lost = False
+                self.state = message
+                self.state_at = time.monotonic()
+                self.num_sent_since_state = 0
+
+    async def _hello_loop(self) -> None:
+        """Introduce ourselves until the worker answers, and again whenever its reports stop."""
+        while True:
+            silent_s = time.monotonic() - self.state_at
+            if self.state is not None and silent_s > STALE_AFTER_S and self._in_flight:
+                log.warning("worker %s silent for %.1f s; treating it as lost", self.worker_id, silent_s)
+                self.mark_lost()
+            if silent_s > HELLO_EVERY_S:
+                self._send_now(wire.Hello(self._gateway_id))
+            await asyncio.sleep(HELLO_EVERY_S)

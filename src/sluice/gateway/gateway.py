@@ -1,0 +1,253 @@
+"""The gateway core: model lookup, deadline, replica choice, dispatch, re-dispatch after a crash.
+
+`infer()` always ends in a result or one of the errors in `sluice.errors`; it never leaves a
+request hanging: the worker answers every request it accepted, a worker that dies resolves its
+in-flight requests at once (re-dispatched if they had not started and the deadline allows), and
+a last-resort timer covers a worker that goes silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from sluice import wire
+from sluice.clock import Clock
+from sluice.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ItemFailed,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    Unavailable,
+    WorkerLost,
+)
+from sluice.gateway import router
+from sluice.gateway.connection import InFlight, WorkerConnection
+from sluice.metrics import GatewayMetrics
+
+log = logging.getLogger("sluice.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    max_timeout_s: float = 600.0
+    answer_grace_s: float = 5.0
+    """How long past a deadline to wait for a silent worker before giving up on it."""
+    redispatch_poll_s: float = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    model: wire.ModelInfo
+    payload: wire.Payload
+    num_tokens: int
+    queue_s: float
+    exec_s: float
+    batch_size: int
+
+
+class Gateway:
+    def __init__(self, clock: Clock, metrics: GatewayMetrics, config: GatewayConfig | None = None) -> None:
+        self._clock = clock
+        self._metrics = metrics
+        self._config = config or GatewayConfig()
+        self._context = zmq.asyncio.Context()
+        self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        self._connections: dict[str, WorkerConnection] = {}
+        self._next_id = 0
+        self._rng = random.Random()
+        self.is_draining = False
+        self.expected_models: set[str] = set()
+
+    # -- workers -------------------------------------------------------------------------------
+
+    async def add_worker(self, worker_id: str, address: str) -> None:
+        connection = WorkerConnection(worker_id, address, self.gateway_id, self._context)
+        self._connections[worker_id] = connection
+        await connection.start()
+
+    def worker_lost(self, worker_id: str) -> None:
+        """Called when a worker process is known to have died (e.g. by the supervisor)."""
+        connection = self._connections.get(worker_id)
+        if connection is None:
+            return
+        lost = connection.mark_lost()
+        if lost:
+            log.warning("worker %s lost with %d requests in flight", worker_id, len(lost))
+
+    def drain_workers(self) -> None:
+        for connection in self._connections.values():
+            connection.send_drain()
+
+    async def aclose(self) -> None:
+        for connection in self._connections.values():
+            await connection.aclose()
+        self._context.term()
+
+    def ready_workers(self) -> list[WorkerConnection]:
+        return [c for c in self._connections.values() if c.is_ready]
+
+    def num_in_flight(self) -> int:
+        return sum(c.num_in_flight for c in self._connections.values())
+
+    # -- models --------------------------------------------------------------------------------
+
+    def models(self) -> dict[str, dict[str, wire.ModelInfo]]:
+        """Every model version served by at least one ready worker: name -> version -> info."""
+        found: dict[str, dict[str, wire.ModelInfo]] = {}
+        for connection in self.ready_workers():
+            assert connection.state is not None
+            for info in connection.state.models:
+                found.setdefault(info.name, {})[info.version] = info
+        return found
+
+    def refused(self) -> list[wire.RefusedModel]:
+        seen: dict[tuple[str, str], wire.RefusedModel] = {}
+        for connection in self._connections.values():
+            for refused in connection.state.refused if connection.state else ():
+                seen[(refused.name, refused.version)] = refused
+        return list(seen.values())
+
+    def resolve(self, name: str, version: str | None) -> wire.ModelInfo:
+        versions = self.models().get(name)
+        if not versions:
+            if name in self.expected_models:
+                raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
+            raise ModelNotFound(f"model {name!r} does not exist")
+        if version is None:
+            return versions[max(versions, key=_version_order)]
+        if version not in versions:
+            raise ModelNotFound(f"model {name!r} has no version {version!r}")
+        return versions[version]
+
+    def is_ready(self) -> bool:
+        if self.is_draining:
+            return False
+        ready = self.models()
+        return bool(ready) and all(name in ready for name in self.expected_models)
+
+    # -- inference -----------------------------------------------------------------------------
+
+    async def infer(
+        self, name: str, version: str | None, payload: wire.Payload, timeout_s: float | None = None
+    ) -> InferResult:
+        started = self._clock.now()
+        info = self.resolve(name, version)
+        if self.is_draining:
+            raise Unavailable("server is shutting down", retry_after_s=1.0)
+        if timeout_s is not None and not 0 < timeout_s <= self._config.max_timeout_s:
+            raise InvalidInput(f"timeout must be in (0, {self._config.max_timeout_s:g}] seconds", param="timeout")
+        deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
+        outcome = "error"
+        try:
+            result = await self._dispatch(info, payload, deadline)
+            outcome = "ok"
+            return result
+        except Overloaded:
+            outcome = "rejected"
+            raise
+        except DeadlineExceeded:
+            outcome = "expired"
+            raise
+        except InvalidInput:
+            outcome = "failed"
+            raise
+        except Unavailable:
+            outcome = "unavailable"
+            raise
+        finally:
+            self._metrics.request_done(info.name, info.version, outcome, self._clock.now() - started)
+
+    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, deadline: float) -> InferResult:
+        self._next_id += 1
+        request_id = self._next_id
+        tried_lost = False
+        while True:
+            now = self._clock.now()
+            if now >= deadline:
+                if tried_lost:
+                    raise WorkerLost("the worker died before this request started, and no worker could take it "
+                                     "before its deadline", retry_after_s=1.0)
+                raise DeadlineExceeded("deadline passed before a worker could take the request")
+            connection = self._choose(info, deadline)
+            if connection is None:
+                if tried_lost:
+                    await asyncio.sleep(self._config.redispatch_poll_s)
+                    continue
+                raise ModelNotReady(f"no ready worker serves {info.name} v{info.version}", retry_after_s=1.0)
+            submit = wire.Submit(request_id, info.name, info.version, payload, deadline - now)
+            in_flight = connection.submit(submit)
+            if in_flight is None:  # not connected at this instant (e.g. restarting): try again shortly
+                await asyncio.sleep(self._config.redispatch_poll_s)
+                continue
+            result = await self._await_answer(connection, in_flight, deadline)
+            if result is not None:
+                return _interpret(info, result)
+            if in_flight.is_started:
+                raise WorkerLost(f"worker {connection.worker_id} died while executing this request; "
+                                 "it was not completed", retry_after_s=1.0)
+            self._metrics.redispatched(1)
+            tried_lost = True
+
+    def _choose(self, info: wire.ModelInfo, deadline: float) -> WorkerConnection | None:
+        candidates = []
+        by_id = {}
+        for connection in self.ready_workers():
+            assert connection.state is not None
+            if any(m.name == info.name and m.version == info.version for m in connection.state.models):
+                wait = connection.state.work_ahead_s + 0.001 * connection.num_sent_since_state
+                candidates.append(router.Candidate(connection.worker_id, wait))
+                by_id[connection.worker_id] = connection
+        chosen = router.choose(candidates, self._rng)
+        if chosen is None:
+            return None
+        if self._clock.now() + chosen.predicted_wait_s > deadline:
+            state = by_id[chosen.worker_id].state
+            drain = state.drain_rate if state else 1.0
+            excess = self._clock.now() + chosen.predicted_wait_s - deadline
+            raise Overloaded("the work queued ahead would make this request miss its deadline",
+                             retry_after_s=max(excess / max(drain, 0.05), 0.001))
+        return by_id[chosen.worker_id]
+
+    async def _await_answer(
+        self, connection: WorkerConnection, in_flight: InFlight, deadline: float
+    ) -> wire.Result | None:
+        budget = deadline - self._clock.now() + self._config.answer_grace_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(in_flight.future), timeout=budget)
+        except TimeoutError:
+            connection.cancel(in_flight.submit.request_id)
+            raise DeadlineExceeded("the worker did not answer before the deadline") from None
+        except asyncio.CancelledError:
+            connection.cancel(in_flight.submit.request_id)
+            raise
+
+
+def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
+    match result.outcome:
+        case wire.Outcome.OK:
+            assert result.payload is not None
+            return InferResult(info, result.payload, result.num_tokens, result.queue_s, result.exec_s,
+                               result.batch_size)
+        case wire.Outcome.REJECTED:
+            raise Overloaded(result.message or "overloaded", retry_after_s=result.retry_after_s)
+        case wire.Outcome.EXPIRED:
+            raise DeadlineExceeded(result.message or "deadline exceeded")
+        case wire.Outcome.NOT_FOUND:
+            raise ModelNotReady(result.message, retry_after_s=1.0)
+        case _:
+            errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
+            if any(e.index < 0 for e in result.errors):
+                raise InvalidInput(errors or result.message)
+            raise ItemFailed(errors or result.message)
+
+
+def _version_order(version: str) -> tuple[int, str]:
+    return (int(version), version) if version.isdigit() else (-1, version)

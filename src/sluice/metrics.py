@@ -1,0 +1,122 @@
+"""Every Prometheus metric sluice exports, declared once, with bounded labels.
+
+Components never create metrics; they receive a recorder (`GatewayMetrics`, `WorkerMetrics`).
+In the embedded server, gateway and workers are separate processes that share one
+`PROMETHEUS_MULTIPROC_DIR` (set by the CLI before this module is imported), so the gateway's
+`/metrics` shows the workers' series too.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess as _multiprocess
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    2.0, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+REQUESTS = Counter(
+    "sluice_requests", "Requests answered, by outcome (ok, rejected, expired, failed, invalid).",
+    ["model", "version", "outcome"],
+)
+REQUEST_DURATION = Histogram(
+    "sluice_request_duration_seconds", "Time from admission at the gateway to the answer.",
+    ["model", "version", "outcome"], buckets=_LATENCY_BUCKETS,
+)
+QUEUE_WAIT = Histogram(
+    "sluice_queue_wait_seconds", "Time items waited in the worker's queue before their batch started.",
+    ["model", "version"], buckets=_LATENCY_BUCKETS,
+)
+EXECUTION = Histogram(
+    "sluice_batch_execution_seconds", "Device time of one batch.",
+    ["model", "version"], buckets=_LATENCY_BUCKETS,
+)
+BATCH_SIZE = Histogram(
+    "sluice_batch_size", "Items per executed batch.", ["model", "version"], buckets=_BATCH_BUCKETS,
+)
+DEVICE_BUSY = Counter("sluice_device_busy_seconds", "Seconds the device spent executing batches.", ["worker"])
+DEVICE_BUSY_RATIO = Gauge(
+    "sluice_device_busy_ratio", "Fraction of the last few seconds the device was busy.", ["worker"],
+    multiprocess_mode="liveall",
+)
+QUEUE_DEPTH = Gauge(
+    "sluice_queue_depth", "Items queued on workers.", ["model", "version"], multiprocess_mode="livesum",
+)
+QUEUED_WORK = Gauge(
+    "sluice_queued_work_seconds", "Predicted device-seconds of queued work.", ["model", "version"],
+    multiprocess_mode="livesum",
+)
+PROFILE_ALPHA = Gauge(
+    "sluice_latency_profile_alpha_seconds", "Learned fixed cost of a batch.", ["model", "version", "worker"],
+    multiprocess_mode="liveall",
+)
+PROFILE_BETA = Gauge(
+    "sluice_latency_profile_beta_seconds", "Learned cost per unit of padded batch cost.",
+    ["model", "version", "worker"], multiprocess_mode="liveall",
+)
+ITEM_FAILURES = Counter("sluice_item_failures", "Items that failed inside the model.", ["model", "version"])
+WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="liveall")
+WORKER_RESTARTS = Counter("sluice_worker_restarts", "Worker processes restarted after an exit.")
+REDISPATCHED = Counter("sluice_redispatched_requests", "Requests sent again after their worker died.")
+
+
+class GatewayMetrics:
+    def request_done(self, model: str, version: str, outcome: str, seconds: float) -> None:
+        REQUESTS.labels(model, version, outcome).inc()
+        REQUEST_DURATION.labels(model, version, outcome).observe(seconds)
+
+    def workers_ready(self, count: int) -> None:
+        WORKERS_READY.set(count)
+
+    def worker_restarted(self) -> None:
+        WORKER_RESTARTS.inc()
+
+    def redispatched(self, count: int) -> None:
+        REDISPATCHED.inc(count)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._busy = DEVICE_BUSY.labels(worker_id)
+        self._busy_ratio = DEVICE_BUSY_RATIO.labels(worker_id)
+
+    def batch_done(self, model: str, version: str, size: int, exec_s: float, waits_s: list[float]) -> None:
+        BATCH_SIZE.labels(model, version).observe(size)
+        EXECUTION.labels(model, version).observe(exec_s)
+        wait = QUEUE_WAIT.labels(model, version)
+        for w in waits_s:
+            wait.observe(w)
+        self._busy.inc(exec_s)
+
+    def item_failed(self, model: str, version: str) -> None:
+        ITEM_FAILURES.labels(model, version).inc()
+
+    def queue(self, model: str, version: str, depth: int, work_s: float) -> None:
+        QUEUE_DEPTH.labels(model, version).set(depth)
+        QUEUED_WORK.labels(model, version).set(work_s)
+
+    def profile(self, model: str, version: str, alpha_s: float, beta_s: float) -> None:
+        PROFILE_ALPHA.labels(model, version, self.worker_id).set(alpha_s)
+        PROFILE_BETA.labels(model, version, self.worker_id).set(beta_s)
+
+    def busy_ratio(self, ratio: float) -> None:
+        self._busy_ratio.set(ratio)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The text exposition for `/metrics`, merging worker processes when in multiprocess mode."""
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        _multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _multiprocess.mark_process_dead(pid)

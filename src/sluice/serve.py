@@ -1,0 +1,133 @@
+"""The embedded server: one gateway (HTTP) and one supervised worker process per device.
+
+`sluice serve` calls `run()`. The CLI sets `PROMETHEUS_MULTIPROC_DIR` before this module is
+imported so workers' metrics show up on the gateway's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from rich.console import Console
+from starlette.applications import Starlette
+
+from sluice import __version__
+from sluice.api import ApiConfig, build_app
+from sluice.clock import MonotonicClock
+from sluice.gateway import Gateway
+from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
+from sluice.metrics import GatewayMetrics
+from sluice.repository import scan_repository
+
+log = logging.getLogger("sluice.serve")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    models_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_workers: int | None = None  # None: one per GPU, or one on a machine without a GPU
+    device: str = "auto"
+    graceful_timeout_s: float = 30.0
+    ready_timeout_s: float = 120.0
+    api: ApiConfig = ApiConfig()
+
+
+def detect_devices(device: str, num_workers: int | None) -> list[str]:
+    """One device name per worker. Uses nvidia-smi so the gateway never imports torch."""
+    gpus = _count_gpus() if device in ("auto", "cuda") else 0
+    if device == "cuda" and gpus == 0:
+        log.warning("--device cuda asked for, but no GPU was found; using the CPU")
+    count = num_workers if num_workers is not None else max(gpus, 1)
+    if gpus:
+        return [f"cuda:{i % gpus}" for i in range(count)]
+    return ["cpu"] * count
+
+
+def _count_gpus() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+async def run(config: ServeConfig, console: Console | None = None) -> None:
+    console = console or Console(stderr=True)
+    repository = scan_repository(config.models_dir)
+    devices = detect_devices(config.device, config.num_workers)
+    run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
+    gateway = Gateway(MonotonicClock(), GatewayMetrics())
+    gateway.expected_models = {v.name for v in repository.versions}
+    specs = [WorkerSpec(str(i), f"ipc://{run_dir}/worker-{i}.sock", config.models_dir, d)
+             for i, d in enumerate(devices)]
+    supervisor = Supervisor(specs, on_exit=gateway.worker_lost, on_restart=lambda worker_id: None,
+                            config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        for spec in specs:
+            await gateway.add_worker(spec.worker_id, spec.address)
+        await supervisor.start()
+        announcer = asyncio.create_task(_announce(config, gateway, devices, console))
+        try:
+            yield
+        finally:
+            announcer.cancel()
+            gateway.is_draining = True
+            await supervisor.aclose()
+            await gateway.aclose()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    app = build_app(gateway, config.api, lifespan)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, loop="uvloop", http="httptools", access_log=False,
+        log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
+    ))
+    await server.serve()
+
+
+async def _announce(config: ServeConfig, gateway: Gateway, devices: list[str], console: Console) -> None:
+    """Print where we listen and what is ready, once every model is up (or after a timeout)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + config.ready_timeout_s
+    while not gateway.is_ready() and loop.time() < give_up:
+        await asyncio.sleep(0.1)
+    url = f"http://{config.host}:{config.port}"
+    console.print(f"[bold]sluice {__version__}[/bold] listening on [cyan]{url}[/cyan] "
+                  f"with {len(devices)} worker(s) on {', '.join(sorted(set(devices)))}")
+    models = gateway.models()
+    for name, versions in sorted(models.items()):
+        for version, info in sorted(versions.items()):
+            console.print(f"  ready: [green]{name}[/green] v{version} ({info.kind}, "
+                          f"max batch {info.max_batch_size}, SLO {info.slo_s * 1000:g} ms)")
+    for refused in gateway.refused():
+        console.print(f"  [red]refused[/red]: {refused.name} v{refused.version}: {refused.reason}")
+    missing = gateway.expected_models - set(models)
+    for name in sorted(missing):
+        console.print(f"  [yellow]not ready[/yellow]: {name}")
+    text_model = next((n for n, v in models.items() if any(i.kind == "embedding" for i in v.values())),
+                      next((n for n, v in models.items() if any(i.accepts_text for i in v.values())), None))
+    tensor = next((i for v in models.values() for i in v.values()
+                   if i.accepts_tensor and i.inputs[0].datatype == "FP32"), None)
+    console.print("Try:")
+    if text_model:
+        console.print(f"  curl {url}/v1/embeddings -H 'Content-Type: application/json' "
+                      f"-d '{{\"model\": \"{text_model}\", \"input\": \"hello world\"}}'")
+    if tensor:
+        console.print(f"  curl {url}/v2/models/{tensor.name}/infer -d '{{\"inputs\": [{{\"name\": "
+                      f"\"{tensor.inputs[0].name}\", \"shape\": [1, 4], \"datatype\": \"FP32\", "
+                      f"\"data\": [1, 2, 3, 4]}}]}}'")
+    console.print(f"  curl {url}/metrics")

@@ -1,0 +1,155 @@
+"""Typed messages between gateways and workers, encoded with msgspec over ZeroMQ.
+
+One DEALER socket per gateway connects to each worker's ROUTER socket. Everything that crosses
+the process boundary is one of the `Message` structs below; nothing else does.
+
+    gateway                                   worker
+      Hello ───────────────────────────────────▶  (learns the gateway's identity)
+      Submit(request_id, payload, timeout_s) ──▶  queued, or answered Result(REJECTED)
+      Cancel(request_ids) ─────────────────────▶  dropped if not started
+      ◀─────────────────────── Started(ids)        the batch holding them went to the device
+      ◀─────────────────────── Result(...)         one per request, always
+      ◀─────────────────────── WorkerState(...)    queue state, on a timer and on Hello
+
+Deadlines travel as the remaining budget (`timeout_s`) so hosts need not share a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class TensorPayload(msgspec.Struct, frozen=True, tag="tensor"):
+    """A dense tensor whose first dimension indexes the items (rows) of a request."""
+
+    dtype: str  # numpy dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class TextPayload(msgspec.Struct, frozen=True, tag="text"):
+    """One item per string."""
+
+    texts: list[str]
+
+
+Payload = TensorPayload | TextPayload
+
+
+class Outcome(enum.StrEnum):
+    OK = "ok"
+    """Every item was computed."""
+    REJECTED = "rejected"
+    """Not admitted: the queued work ahead would make it miss its deadline."""
+    EXPIRED = "expired"
+    """Admitted, but its deadline passed (or could no longer be met) before it ran."""
+    FAILED = "failed"
+    """At least one item failed in the model; `errors` says which and why."""
+    NOT_FOUND = "not_found"
+    """The worker does not serve this model version."""
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    gateway_id: str
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    request_id: int
+    model: str
+    version: str
+    payload: Payload
+    timeout_s: float
+
+
+class Cancel(msgspec.Struct, tag="cancel"):
+    request_ids: list[int]
+
+
+class Drain(msgspec.Struct, tag="drain"):
+    """Stop admitting; finish what is queued; then exit."""
+
+
+class Started(msgspec.Struct, tag="started"):
+    request_ids: list[int]
+
+
+class ItemError(msgspec.Struct, frozen=True):
+    index: int
+    message: str
+
+
+class Result(msgspec.Struct, tag="result"):
+    request_id: int
+    outcome: Outcome
+    payload: Payload | None = None
+    errors: list[ItemError] = []
+    num_tokens: int = 0
+    queue_s: float = 0.0
+    exec_s: float = 0.0
+    batch_size: int = 0
+    retry_after_s: float | None = None
+    message: str = ""
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    name: str
+    datatype: str  # KServe datatype name, e.g. "FP32", "BYTES"
+    shape: tuple[int, ...]  # -1 for a variable dimension; batch dimension first
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """What a gateway needs to know about a model version a worker serves."""
+
+    name: str
+    version: str
+    kind: str
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    slo_s: float
+    accepts_text: bool
+    accepts_tensor: bool
+
+
+class RefusedModel(msgspec.Struct, frozen=True):
+    """A model version the worker would not load, and why (e.g. a checksum mismatch)."""
+
+    name: str
+    version: str
+    reason: str
+
+
+class QueueState(msgspec.Struct, frozen=True):
+    model: str
+    version: str
+    num_queued: int
+    work_ahead_s: float
+
+
+class WorkerState(msgspec.Struct, tag="state"):
+    worker_id: str
+    incarnation: str  # differs each time the worker process starts
+    is_ready: bool
+    is_draining: bool
+    models: list[ModelInfo]
+    refused: list[RefusedModel]
+    queues: list[QueueState]
+    work_ahead_s: float  # all queued work on the device plus the running batch's remainder
+    drain_rate: float  # measured device seconds retired per second of wall time (0..1)
+
+
+Message = Hello | Submit | Cancel | Drain | Started | Result | WorkerState
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -1,0 +1,68 @@
+"""Entry point of a worker process: load and verify models, warm them up, serve gateways.
+
+Started by the embedded supervisor (`sluice serve`) or on its own (`sluice worker`).
+SIGTERM drains: stop admitting, finish what is queued, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice import wire
+from sluice.clock import MonotonicClock
+from sluice.engines import load_runner
+from sluice.errors import ConfigError
+from sluice.metrics import WorkerMetrics
+from sluice.repository import scan_repository, verify
+from sluice.worker.server import LoadedModel, WorkerServer
+
+log = logging.getLogger("sluice.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    worker_id: str
+    address: str
+    models_dir: Path
+    device: str = "cpu"
+    model_names: tuple[str, ...] = ()  # empty: every model in the repository
+
+
+def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel]]:
+    repository = scan_repository(config.models_dir)
+    refused = [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused]
+    models: dict[tuple[str, str], LoadedModel] = {}
+    for version in repository.versions:
+        if config.model_names and version.name not in config.model_names:
+            continue
+        try:
+            verify(version)
+            runner = load_runner(version, config.device)
+        except ConfigError as exc:
+            log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
+            refused.append(wire.RefusedModel(version.name, version.version, exc.message))
+            continue
+        models[version.key] = LoadedModel(version, runner)
+        log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, config.device)
+    return models, refused
+
+
+async def run_worker(config: WorkerConfig) -> None:
+    models, refused = load_models(config)
+    server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id))
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, server.drain)
+    loop.add_signal_handler(signal.SIGINT, server.drain)
+    await server.serve(config.address)
+
+
+def main(config: WorkerConfig) -> None:
+    import uvloop
+
+    log.info("worker %s starting (pid %d)", config.worker_id, os.getpid())
+    uvloop.run(run_worker(config))

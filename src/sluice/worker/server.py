@@ -1,0 +1,353 @@
+"""The worker's RPC server: receives requests from gateways, queues them in the scheduler and
+runs batches on a dedicated device thread, so the event loop never blocks.
+
+    ROUTER socket ──Submit──▶ runner.prepare ──▶ scheduler.admit ──▶ queue
+                                                                      │ device free
+    ◀──Started── ◀── scheduler.next_batch ◀───────────────────────────┘
+    ◀──Result──── gather per request ◀── device thread: runner.run_batch
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from sluice import wire
+from sluice.clock import Clock
+from sluice.engines.base import ItemFailure, PreparedItem, Runner
+from sluice.errors import InvalidInput
+from sluice.metrics import WorkerMetrics
+from sluice.repository import ModelVersion
+from sluice.scheduler import Batch, LatencyProfile, Rejected, RejectReason, Scheduler
+from sluice.scheduler.batcher import ModelKey
+
+log = logging.getLogger("sluice.worker")
+
+STATE_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    version: ModelVersion
+    runner: Runner
+
+
+@dataclass(slots=True)
+class _Pending:
+    identity: bytes
+    gateway_request_id: int
+    key: ModelKey
+    items: list[PreparedItem]
+    outputs: list[np.ndarray | None]
+    errors: list[wire.ItemError] = field(default_factory=list)
+    num_left: int = 0
+    queue_s: float = 0.0
+    exec_s: float = 0.0
+    batch_size: int = 0
+
+
+class WorkerServer:
+    def __init__(
+        self,
+        worker_id: str,
+        models: dict[ModelKey, LoadedModel],
+        refused: list[wire.RefusedModel],
+        clock: Clock,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.worker_id = worker_id
+        self._runners = {key: model.runner for key, model in models.items()}
+        self._refused = refused
+        self._clock = clock
+        self._metrics = metrics
+        self._scheduler = Scheduler(clock)
+        for key, model in models.items():
+            alpha, beta, ref = model.runner.prior()
+            profile = LatencyProfile(alpha, beta, ref)
+            for cost, seconds in model.runner.warmup():
+                profile.observe(cost, seconds)
+            self._scheduler.add_model(key, model.version.batching, profile)
+        self._pending: dict[int, _Pending] = {}
+        self._by_gateway_id: dict[tuple[bytes, int], int] = {}
+        self._ids = itertools.count(1)
+        self._gateways: set[bytes] = set()
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._is_draining = False
+        self._drained = asyncio.Event()
+        self._busy_s = 0.0
+        self._socket: zmq.asyncio.Socket | None = None
+        self._incarnation = f"{os.getpid()}-{time.time_ns()}"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def serve(self, address: str) -> None:
+        context = zmq.asyncio.Context.instance()
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._socket.bind(address)
+        log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
+        receiver = asyncio.create_task(self._receive_loop())
+        ticker = asyncio.create_task(self._state_loop())
+        try:
+            await self._drained.wait()
+            await self._broadcast_state()
+        finally:
+            for task in (receiver, ticker):
+                task.cancel()
+            for task in (receiver, ticker):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._device.shutdown(wait=True)
+            for runner in self._runners.values():
+                runner.close()
+            self._socket.close(linger=100)
+
+    def drain(self) -> None:
+        """Stop admitting; exit once every admitted request has been answered."""
+        self._is_draining = True
+        self._check_drained()
+
+    # -- messages in ---------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        assert self._socket is not None
+        while True:
+            identity, data = await self._socket.recv_multipart()
+            try:
+                message = wire.decode(data)
+            except Exception:  # a malformed frame from a peer; never crash the worker for it
+                log.warning("dropping an undecodable message from a gateway")
+                continue
+            if isinstance(message, wire.Submit):
+                self._on_submit(identity, message)
+            elif isinstance(message, wire.Cancel):
+                self._on_cancel(identity, message)
+            elif isinstance(message, wire.Hello):
+                self._gateways.add(identity)
+                await self._send(identity, self._state())
+            elif isinstance(message, wire.Drain):
+                self.drain()
+
+    def _on_submit(self, identity: bytes, message: wire.Submit) -> None:
+        self._gateways.add(identity)
+        key = (message.model, message.version)
+        runner = self._runners.get(key)
+        if runner is None:
+            self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND,
+                                              message=f"model {message.model} v{message.version} is not on this worker"))
+            return
+        if self._is_draining:
+            self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
+                                              message="worker is draining"))
+            return
+        try:
+            items = runner.prepare(message.payload)
+        except InvalidInput as exc:
+            self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
+                                              errors=[wire.ItemError(-1, exc.message)], message=exc.message))
+            return
+        internal_id = next(self._ids)
+        deadline = self._clock.now() + message.timeout_s
+        decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline)
+        if isinstance(decision, Rejected):
+            self._reply(identity, _rejection(message.request_id, decision))
+            return
+        pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
+        self._pending[internal_id] = pending
+        self._by_gateway_id[(identity, message.request_id)] = internal_id
+        if not items:
+            self._finish(internal_id, pending)
+        self._kick()
+
+    def _on_cancel(self, identity: bytes, message: wire.Cancel) -> None:
+        for request_id in message.request_ids:
+            internal_id = self._by_gateway_id.pop((identity, request_id), None)
+            if internal_id is not None:
+                self._scheduler.cancel(internal_id)
+                self._pending.pop(internal_id, None)
+        self._check_drained()
+
+    # -- the device ----------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """If the device is free, form and start the next batch."""
+        if not self._scheduler.is_idle:
+            return
+        decision = self._scheduler.next_batch()
+        for item in decision.expired:
+            self._expire(item.request_id)
+        batch = decision.batch
+        if batch is None:
+            self._check_drained()
+            return
+        now = self._clock.now()
+        started: dict[bytes, list[int]] = {}
+        for item in batch.items:
+            pending = self._pending.get(item.request_id)
+            if pending is not None:
+                started.setdefault(pending.identity, []).append(pending.gateway_request_id)
+                pending.queue_s = max(pending.queue_s, now - item.enqueued_at)
+        for identity, ids in started.items():
+            self._reply(identity, wire.Started(ids))
+        runner = self._runners[batch.model]
+        prepared = [self._pending[i.request_id].items[i.index] if i.request_id in self._pending else None
+                    for i in batch.items]
+        future = asyncio.get_running_loop().run_in_executor(self._device, _execute, runner, prepared)
+        future.add_done_callback(lambda f: self._on_batch_done(batch, f))
+
+    def _on_batch_done(self, batch: Batch, future: asyncio.Future[tuple[list[np.ndarray | ItemFailure], float]]) -> None:
+        try:
+            outputs, exec_s = future.result()
+        except Exception as exc:  # a runner bug, not the input: fail this batch, keep serving
+            log.exception("batch failed on the device")
+            outputs, exec_s = [ItemFailure(f"device error: {exc}")] * len(batch.items), batch.predicted_s
+        self._scheduler.batch_done(batch, exec_s)
+        self._busy_s += exec_s
+        model, version = batch.model
+        now = self._clock.now()
+        self._metrics.batch_done(model, version, len(batch.items), exec_s,
+                                 [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
+        self._kick()  # keep the device busy before spending time on replies
+        for item, output in zip(batch.items, outputs, strict=True):
+            pending = self._pending.get(item.request_id)
+            if pending is None:
+                continue  # cancelled or expired while running
+            pending.exec_s = max(pending.exec_s, exec_s)
+            pending.batch_size = max(pending.batch_size, len(batch.items))
+            if isinstance(output, ItemFailure):
+                pending.errors.append(wire.ItemError(item.index, output.message))
+                self._metrics.item_failed(model, version)
+            else:
+                pending.outputs[item.index] = output
+            pending.num_left -= 1
+            if pending.num_left == 0:
+                self._finish(item.request_id, pending)
+        self._check_drained()
+
+    def _finish(self, internal_id: int, pending: _Pending) -> None:
+        del self._pending[internal_id]
+        self._by_gateway_id.pop((pending.identity, pending.gateway_request_id), None)
+        num_tokens = sum(item.num_tokens for item in pending.items)
+        if pending.errors:
+            result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=sorted(pending.errors, key=_index),
+                                 num_tokens=num_tokens, queue_s=pending.queue_s, exec_s=pending.exec_s,
+                                 batch_size=pending.batch_size, message=pending.errors[0].message)
+        else:
+            runner = self._runners[pending.key]
+            payload = runner.pack([o for o in pending.outputs if o is not None])
+            result = wire.Result(pending.gateway_request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
+                                 queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size)
+        self._reply(pending.identity, result)
+
+    def _expire(self, internal_id: int) -> None:
+        pending = self._pending.pop(internal_id, None)
+        if pending is None:
+            return
+        self._by_gateway_id.pop((pending.identity, pending.gateway_request_id), None)
+        self._reply(pending.identity, wire.Result(
+            pending.gateway_request_id, wire.Outcome.EXPIRED,
+            message="deadline could not be met; dropped before execution"))
+
+    def _check_drained(self) -> None:
+        if self._is_draining and not self._pending and self._scheduler.is_idle:
+            self._drained.set()
+
+    # -- messages out --------------------------------------------------------------------------
+
+    def _reply(self, identity: bytes, message: wire.Message) -> None:
+        assert self._socket is not None
+        sent = self._socket.send_multipart([identity, wire.encode(message)], flags=zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            log.warning("could not send to gateway %r: %s", identity, sent.exception())
+
+    async def _send(self, identity: bytes, message: wire.Message) -> None:
+        self._reply(identity, message)
+
+    def _state(self) -> wire.WorkerState:
+        queues = []
+        for key in self._scheduler.models():
+            depth, work = self._scheduler.queue_state(key)
+            queues.append(wire.QueueState(key[0], key[1], depth, work))
+        return wire.WorkerState(
+            worker_id=self.worker_id,
+            incarnation=self._incarnation,
+            is_ready=not self._is_draining,
+            is_draining=self._is_draining,
+            models=[runner.info for runner in self._runners.values()],
+            refused=self._refused,
+            queues=queues,
+            work_ahead_s=self._scheduler.work_ahead_s(),
+            drain_rate=self._scheduler.drain_rate,
+        )
+
+    async def _broadcast_state(self) -> None:
+        state = self._state()
+        for identity in self._gateways:
+            self._reply(identity, state)
+
+    async def _state_loop(self) -> None:
+        last_busy, last_at, ratio = 0.0, time.monotonic(), 0.0
+        ticks = itertools.count()
+        while True:
+            await asyncio.sleep(STATE_INTERVAL_S)
+            await self._broadcast_state()
+            if next(ticks) % 10 == 0:
+                now = time.monotonic()
+                sample = min((self._busy_s - last_busy) / max(now - last_at, 1e-6), 1.0)
+                ratio = sample if ratio == 0 else 0.5 * ratio + 0.5 * sample
+                last_busy, last_at = self._busy_s, now
+                self._metrics.busy_ratio(ratio)
+                for key in self._scheduler.models():
+                    depth, work = self._scheduler.queue_state(key)
+                    self._metrics.queue(key[0], key[1], depth, work)
+                    profile = self._scheduler.profile(key)
+                    self._metrics.profile(key[0], key[1], profile.alpha_s, profile.beta_s)
+
+
+def _execute(runner: Runner, items: Sequence[PreparedItem | None]) -> tuple[list[np.ndarray | ItemFailure], float]:
+    """Device thread: run a batch, isolating any item that makes the whole batch raise."""
+    started = time.perf_counter()
+    live = [item for item in items if item is not None]
+    results = iter(_run_isolating(runner, live) if live else [])
+    outputs: list[np.ndarray | ItemFailure] = [
+        next(results) if item is not None else ItemFailure("cancelled") for item in items
+    ]
+    return outputs, time.perf_counter() - started
+
+
+def _run_isolating(runner: Runner, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
+    try:
+        outputs = runner.run_batch(items)
+    except Exception as exc:  # the model raised: bisect so that only the poisoned item fails
+        if len(items) == 1:
+            log.warning("model error on one item: %s", type(exc).__name__)
+            return [ItemFailure(f"model error: {exc}")]
+        middle = len(items) // 2
+        return _run_isolating(runner, items[:middle]) + _run_isolating(runner, items[middle:])
+    if len(outputs) != len(items):
+        raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(items)} items")
+    return outputs
+
+
+def _rejection(request_id: int, rejected: Rejected) -> wire.Result:
+    if rejected.reason is RejectReason.DEADLINE_UNREACHABLE:
+        return wire.Result(request_id, wire.Outcome.EXPIRED,
+                           message="the deadline is shorter than the model's execution time")
+    return wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=rejected.retry_after_s,
+                       message=f"worker {rejected.reason.value}: queued work would miss the deadline")
+
+
+def _index(error: wire.ItemError) -> int:
+    return error.index

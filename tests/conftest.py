@@ -1,0 +1,123 @@
+"""Shared fixtures: real `sluice serve` processes on free loopback ports.
+
+`make_server(repo)` starts one and waits until it is ready; servers stop (SIGTERM, then kill) at
+the end of the test or session that made them. `emulated_repo(tmp_path, **params)` writes a
+model repository holding one emulated model with the given parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.repository import demo_repository
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def worker_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(models_dir: Path, log_dir: Path, *extra: str, ready_timeout_s: float = 120.0) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"sluice-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sluice", "serve", "--models", str(models_dir), "--port", str(port),
+         "--log-level", "info", *extra],
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env,
+    )
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sluice serve exited with {process.returncode}:\n{server.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/v2/health/ready", timeout=1).status_code == 200:
+                return server
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"sluice serve did not become ready:\n{server.log()}")
+
+
+def write_emulated_model(repo: Path, name: str = "emulated", slo_ms: float = 1000, max_batch_size: int = 32,
+                         **params: float) -> Path:
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / "SHA256SUMS").write_text("")
+    lines = ['kind = "emulated"', "[batching]", f"max_batch_size = {max_batch_size}", "[slo]",
+             f"default_ms = {slo_ms}", "[params]"]
+    lines += [f"{key} = {value}" for key, value in params.items()]
+    (model_dir / "model.toml").write_text("\n".join(lines) + "\n")
+    return repo
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The demo repository (real minilm + emulated), served once for the whole session."""
+    server = start_server(demo_repository(), tmp_path_factory.mktemp("demo-server"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    servers: list[ServerProcess] = []
+
+    def make(models_dir: Path, *extra: str) -> ServerProcess:
+        server = start_server(models_dir, tmp_path, *extra)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def emulated_repo(tmp_path: Path) -> Callable[..., Path]:
+    def make(**params: float) -> Path:
+        repo = tmp_path / "models"
+        shutil.rmtree(repo, ignore_errors=True)
+        return write_emulated_model(repo, **params)
+
+    return make
