@@ -57,7 +57,7 @@ PROFILE_BETA = Gauge(
     ["model", "version", "worker"], multiprocess_mode="liveall",
 )
 ITEM_FAILURES = Counter("sluice_item_failures", "Items that failed inside the model.", ["model", "version"])
-WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="liveall")
+WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="livemax")
 WORKER_RESTARTS = Counter("sluice_worker_restarts", "Worker processes restarted after an exit.")
 REDISPATCHED = Counter("sluice_redispatched_requests", "Requests sent again after their worker died.")
 

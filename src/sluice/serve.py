@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
@@ -69,11 +70,12 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     repository = scan_repository(config.models_dir)
     devices = detect_devices(config.device, config.num_workers)
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
-    gateway = Gateway(MonotonicClock(), GatewayMetrics())
+    gateway_metrics = GatewayMetrics()
+    gateway = Gateway(MonotonicClock(), gateway_metrics)
     gateway.expected_models = {v.name for v in repository.versions}
     specs = [WorkerSpec(str(i), f"ipc://{run_dir}/worker-{i}.sock", config.models_dir, d)
              for i, d in enumerate(devices)]
-    supervisor = Supervisor(specs, on_exit=gateway.worker_lost, on_restart=lambda worker_id: None,
+    supervisor = Supervisor(specs, on_exit=gateway.worker_lost, on_restart=lambda worker_id: gateway_metrics.worker_restarted(),
                             config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
 
     @contextlib.asynccontextmanager
@@ -92,11 +94,21 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     app = build_app(gateway, config.api, lifespan)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, loop="uvloop", http="httptools", access_log=False,
         log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
     ))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.handle_exit, sig, None)
     await server.serve()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown; a drained sluice exits 0 instead."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 async def _announce(config: ServeConfig, gateway: Gateway, devices: list[str], console: Console) -> None:

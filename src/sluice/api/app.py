@@ -82,13 +82,18 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _on_bug(request: Request, exc: Exception) -> Response:
-    log.exception("internal error on %s %s (request %s)", request.method, request.url.path, request_id(request))
+    log.exception("internal error on %s %s (request %s)", request.method, request.url.path,
+                  request_id(request))
     return error_response(exc, _protocol(request))
 
 
-async def _metrics(request: Request) -> Response:
-    body, content_type = metrics.exposition()
-    return Response(body, media_type=content_type)
+def _metrics_route(gateway: Gateway) -> Route:
+    async def scrape(request: Request) -> Response:
+        gateway.refresh_metrics()
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    return Route("/metrics", scrape, methods=["GET"])
 
 
 def build_app(
@@ -101,7 +106,7 @@ def build_app(
         routes=[
             *openai.routes(gateway, config.body_limit_bytes),
             *kserve.routes(gateway, config.body_limit_bytes),
-            Route("/metrics", _metrics, methods=["GET"]),
+            _metrics_route(gateway),
         ],
         exception_handlers={SluiceError: _on_sluice_error, HTTPException: _on_http_error, Exception: _on_bug},
         lifespan=lifespan,

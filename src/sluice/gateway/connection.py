@@ -48,6 +48,7 @@ class WorkerConnection:
         self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._socket.connect(address)
         self.state: wire.WorkerState | None = None
+        self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
         self.num_sent_since_state = 0
         self._in_flight: dict[int, InFlight] = {}
@@ -136,6 +137,7 @@ class WorkerConnection:
                 if message.incarnation == self._lost_incarnation:
                     continue  # a late report from a process that has since died
                 self.is_lost = False
+                self.known_models = message.models
                 self.state = message
                 self.state_at = time.monotonic()
                 self.num_sent_since_state = 0

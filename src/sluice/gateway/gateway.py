@@ -94,18 +94,22 @@ class Gateway:
     def ready_workers(self) -> list[WorkerConnection]:
         return [c for c in self._connections.values() if c.is_ready]
 
+    def refresh_metrics(self) -> None:
+        """Update gauges that are cheaper to compute on scrape than on every change."""
+        self._metrics.workers_ready(len(self.ready_workers()))
+
     def num_in_flight(self) -> int:
         return sum(c.num_in_flight for c in self._connections.values())
 
     # -- models --------------------------------------------------------------------------------
 
-    def models(self) -> dict[str, dict[str, wire.ModelInfo]]:
-        """Every model version served by at least one ready worker: name -> version -> info."""
+    def models(self, *, include_recovering: bool = False) -> dict[str, dict[str, wire.ModelInfo]]:
+        """Model versions served by a ready worker (or one being restarted): name -> version -> info."""
         found: dict[str, dict[str, wire.ModelInfo]] = {}
-        for connection in self.ready_workers():
-            assert connection.state is not None
-            for info in connection.state.models:
-                found.setdefault(info.name, {})[info.version] = info
+        for connection in self._connections.values():
+            if connection.is_ready or (include_recovering and connection.is_lost):
+                for info in connection.known_models:
+                    found.setdefault(info.name, {})[info.version] = info
         return found
 
     def refused(self) -> list[wire.RefusedModel]:
@@ -116,7 +120,7 @@ class Gateway:
         return list(seen.values())
 
     def resolve(self, name: str, version: str | None) -> wire.ModelInfo:
-        versions = self.models().get(name)
+        versions = self.models(include_recovering=True).get(name)
         if not versions:
             if name in self.expected_models:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
@@ -173,12 +177,13 @@ class Gateway:
             now = self._clock.now()
             if now >= deadline:
                 if tried_lost:
-                    raise WorkerLost("the worker died before this request started, and no worker could take it "
-                                     "before its deadline", retry_after_s=1.0)
+                    raise WorkerLost("the worker serving this model died and none recovered before the "
+                                     "request's deadline", retry_after_s=1.0)
                 raise DeadlineExceeded("deadline passed before a worker could take the request")
             connection = self._choose(info, deadline)
             if connection is None:
-                if tried_lost:
+                if tried_lost or self._is_recovering(info):
+                    tried_lost = True
                     await asyncio.sleep(self._config.redispatch_poll_s)
                     continue
                 raise ModelNotReady(f"no ready worker serves {info.name} v{info.version}", retry_after_s=1.0)
@@ -195,6 +200,10 @@ class Gateway:
                                  "it was not completed", retry_after_s=1.0)
             self._metrics.redispatched(1)
             tried_lost = True
+
+    def _is_recovering(self, info: wire.ModelInfo) -> bool:
+        """A worker that served this model is down but expected back (e.g. being restarted)."""
+        return any(c.is_lost and info in c.known_models for c in self._connections.values())
 
     def _choose(self, info: wire.ModelInfo, deadline: float) -> WorkerConnection | None:
         candidates = []
