@@ -127,6 +127,7 @@ class QueueState(msgspec.Struct, frozen=True):
     version: str
     num_queued: int
     work_ahead_s: float
+    item_s: float  # predicted device time one more typical item adds, for the gateway's estimates
 
 
 class WorkerState(msgspec.Struct, tag="state"):

@@ -31,6 +31,7 @@ class InFlight:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     is_started: bool = False
+    is_timed_out: bool = False
 
 
 class WorkerConnection:
@@ -51,6 +52,8 @@ class WorkerConnection:
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
         self.num_sent_since_state = 0
+        self.sent_work_since_state_s = 0.0
+        self._item_s: dict[tuple[str, str], float] = {}
         self._in_flight: dict[int, InFlight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_lost = False
@@ -87,7 +90,26 @@ class WorkerConnection:
         in_flight = InFlight(message)
         self._in_flight[message.request_id] = in_flight
         self.num_sent_since_state += 1
+        self.sent_work_since_state_s += self._item_s.get((message.model, message.version), 0.001) * _num_items(
+            message.payload)
         return in_flight
+
+    @property
+    def predicted_wait_s(self) -> float:
+        """Work ahead at the worker: its last report plus what we sent it since."""
+        reported = self.state.work_ahead_s if self.state is not None else 0.0
+        return reported + self.sent_work_since_state_s
+
+    def resolve_after(self, in_flight: InFlight, delay_s: float) -> asyncio.TimerHandle:
+        """Resolve the request with None after `delay_s` unless the worker answers first."""
+        def expire() -> None:
+            if self._in_flight.pop(in_flight.submit.request_id, None) is not None:
+                self._send_now(wire.Cancel([in_flight.submit.request_id]))
+            if not in_flight.future.done():
+                in_flight.is_timed_out = True
+                in_flight.future.set_result(None)
+
+        return asyncio.get_running_loop().call_later(delay_s, expire)
 
     def cancel(self, request_id: int) -> None:
         if self._in_flight.pop(request_id, None) is not None:
@@ -141,6 +163,8 @@ class WorkerConnection:
                 self.state = message
                 self.state_at = time.monotonic()
                 self.num_sent_since_state = 0
+                self.sent_work_since_state_s = 0.0
+                self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
 
     async def _hello_loop(self) -> None:
         """Introduce ourselves until the worker answers, and again whenever its reports stop."""
@@ -152,3 +176,9 @@ class WorkerConnection:
             if silent_s > HELLO_EVERY_S:
                 self._send_now(wire.Hello(self._gateway_id))
             await asyncio.sleep(HELLO_EVERY_S)
+
+
+def _num_items(payload: wire.Payload) -> int:
+    if isinstance(payload, wire.TextPayload):
+        return len(payload.texts)
+    return payload.shape[0] if payload.shape else 1

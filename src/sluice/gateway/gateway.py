@@ -211,8 +211,7 @@ class Gateway:
         for connection in self.ready_workers():
             assert connection.state is not None
             if any(m.name == info.name and m.version == info.version for m in connection.state.models):
-                wait = connection.state.work_ahead_s + 0.001 * connection.num_sent_since_state
-                candidates.append(router.Candidate(connection.worker_id, wait))
+                candidates.append(router.Candidate(connection.worker_id, connection.predicted_wait_s))
                 by_id[connection.worker_id] = connection
         chosen = router.choose(candidates, self._rng)
         if chosen is None:
@@ -229,14 +228,17 @@ class Gateway:
         self, connection: WorkerConnection, in_flight: InFlight, deadline: float
     ) -> wire.Result | None:
         budget = deadline - self._clock.now() + self._config.answer_grace_s
+        timer = connection.resolve_after(in_flight, budget)
         try:
-            return await asyncio.wait_for(asyncio.shield(in_flight.future), timeout=budget)
-        except TimeoutError:
-            connection.cancel(in_flight.submit.request_id)
-            raise DeadlineExceeded("the worker did not answer before the deadline") from None
-        except asyncio.CancelledError:
+            result = await in_flight.future
+        except asyncio.CancelledError:  # the client went away: withdraw the request
             connection.cancel(in_flight.submit.request_id)
             raise
+        finally:
+            timer.cancel()
+        if in_flight.is_timed_out:
+            raise DeadlineExceeded("the worker did not answer before the deadline")
+        return result
 
 
 def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:

@@ -78,6 +78,7 @@ class WorkerServer:
             for cost, seconds in model.runner.warmup():
                 profile.observe(cost, seconds)
             self._scheduler.add_model(key, model.version.batching, profile)
+        self._typical_cost = {key: float(model.runner.prior()[2]) for key, model in models.items()}
         self._pending: dict[int, _Pending] = {}
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
@@ -158,6 +159,8 @@ class WorkerServer:
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
                                               errors=[wire.ItemError(-1, exc.message)], message=exc.message))
             return
+        if items:
+            self._typical_cost[key] += 0.05 * (items[0].cost - self._typical_cost[key])
         internal_id = next(self._ids)
         deadline = self._clock.now() + message.timeout_s
         decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline)
@@ -279,7 +282,10 @@ class WorkerServer:
         queues = []
         for key in self._scheduler.models():
             depth, work = self._scheduler.queue_state(key)
-            queues.append(wire.QueueState(key[0], key[1], depth, work))
+            profile = self._scheduler.profile(key)
+            max_batch = self._runners[key].info.max_batch_size
+            item_s = profile.alpha_s / max_batch + profile.beta_s * self._typical_cost[key]
+            queues.append(wire.QueueState(key[0], key[1], depth, work, item_s))
         return wire.WorkerState(
             worker_id=self.worker_id,
             incarnation=self._incarnation,
