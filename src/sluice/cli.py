@@ -50,6 +50,26 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 
 
 @main.command()
+@click.option("--worker", "workers", multiple=True, required=True,
+              help="A worker's ZeroMQ address, e.g. tcp://10.0.0.5:7000 (repeat for each worker).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def gateway(workers: tuple[str, ...], host: str, port: int, log_level: str) -> None:
+    """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
+    import uvloop
+
+    from sluice import logs
+    from sluice.repository import demo_repository
+    from sluice.serve import ServeConfig, run
+
+    logs.configure(log_level)
+    config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers)
+    uvloop.run(run(config))
+
+
+@main.command()
 @click.option("--id", "worker_id", default="0", show_default=True)
 @click.option("--bind", "address", required=True, help="ZeroMQ address to listen on, e.g. tcp://0.0.0.0:7000.")
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -39,9 +39,11 @@ class ServeConfig:
     port: int = 8000
     num_workers: int | None = None  # None: one per GPU, or one on a machine without a GPU
     device: str = "auto"
+    remote_workers: tuple[str, ...] = ()
+    """ZeroMQ addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     graceful_timeout_s: float = 30.0
     ready_timeout_s: float = 120.0
-    api: ApiConfig = ApiConfig()
+    api: ApiConfig = field(default_factory=ApiConfig)
 
 
 def detect_devices(device: str, num_workers: int | None) -> list[str]:
@@ -67,21 +69,26 @@ def _count_gpus() -> int:
 
 async def run(config: ServeConfig, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
-    repository = scan_repository(config.models_dir)
-    devices = detect_devices(config.device, config.num_workers)
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
     gateway = Gateway(MonotonicClock(), gateway_metrics)
-    gateway.expected_models = {v.name for v in repository.versions}
-    specs = [WorkerSpec(str(i), f"ipc://{run_dir}/worker-{i}.sock", config.models_dir, d)
-             for i, d in enumerate(devices)]
-    supervisor = Supervisor(specs, on_exit=gateway.worker_lost, on_restart=lambda worker_id: gateway_metrics.worker_restarted(),
+    if config.remote_workers:
+        devices = [f"remote {address}" for address in config.remote_workers]
+        addresses = list(config.remote_workers)
+        specs: list[WorkerSpec] = []
+    else:
+        gateway.expected_models = {v.name for v in scan_repository(config.models_dir).versions}
+        devices = detect_devices(config.device, config.num_workers)
+        addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
+        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d) for i, d in enumerate(devices)]
+    supervisor = Supervisor(specs, on_exit=gateway.worker_lost,
+                            on_restart=lambda worker_id: gateway_metrics.worker_restarted(),
                             config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        for spec in specs:
-            await gateway.add_worker(spec.worker_id, spec.address)
+        for i, address in enumerate(addresses):
+            await gateway.add_worker(str(i), address)
         await supervisor.start()
         announcer = asyncio.create_task(_announce(config, gateway, devices, console))
         try:

@@ -113,3 +113,36 @@ def test_sigterm_drains_in_flight_requests_then_exits(make_server, tmp_path):
         raise AssertionError("the server still accepts connections after draining")
     except httpx.ConnectError:
         pass
+
+
+def test_gateway_in_front_of_a_separately_started_worker(tmp_path):
+    """Cluster mode: `sluice worker --bind tcp://...` and `sluice gateway --worker tcp://...`."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=1)
+    worker_port, http_port = free_port(), free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind", f"tcp://127.0.0.1:{worker_port}",
+                               "--models", str(repo)])
+    gateway = subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--worker",
+                                f"tcp://127.0.0.1:{worker_port}", "--port", str(http_port)])
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            time.sleep(0.1)
+        response = httpx.post(f"{url}/v2/models/emulated/infer", json=BODY)
+        assert response.status_code == 200
+        assert response.json()["outputs"][0]["data"] == [16.0]
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        worker.send_signal(signal.SIGTERM)
+        assert gateway.wait(timeout=30) == 0
+        assert worker.wait(timeout=30) == 0

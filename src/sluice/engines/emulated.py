@@ -62,7 +62,9 @@ class EmulatedRunner:
         if isinstance(payload, wire.TextPayload):
             return [_text_item(text, self.max_len) for text in payload.texts]
         if payload.dtype != "float32" or len(payload.shape) != 2:
-            raise InvalidInput(f"INPUT0 must be FP32 with shape [batch, length], got {payload.dtype} {list(payload.shape)}")
+            raise InvalidInput(
+                f"INPUT0 must be FP32 with shape [batch, length], got {payload.dtype} {list(payload.shape)}"
+            )
         rows, length = payload.shape
         if length < 1 or length > self.max_len:
             raise InvalidInput(f"INPUT0 rows must have 1 to {self.max_len} elements, got {length}")

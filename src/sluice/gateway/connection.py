@@ -121,9 +121,7 @@ class WorkerConnection:
     def _send_now(self, message: wire.Message) -> bool:
         """Send without waiting; False if the worker is not connected (or its queue is full)."""
         sent = self._socket.send(wire.encode(message), flags=zmq.NOBLOCK)
-        if sent.done() and sent.exception() is not None:
-            return False
-        return True
+        return not (sent.done() and sent.exception() is not None)
 
     def mark_lost(self) -> list[InFlight]:
         """The worker process died: resolve every in-flight request with None and return them."""

@@ -36,6 +36,8 @@ log = logging.getLogger("sluice.worker")
 
 STATE_INTERVAL_S = 0.05
 
+_BatchOutput = tuple[list[np.ndarray | ItemFailure], float]  # outputs in item order, device seconds
+
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
@@ -146,8 +148,8 @@ class WorkerServer:
         key = (message.model, message.version)
         runner = self._runners.get(key)
         if runner is None:
-            self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND,
-                                              message=f"model {message.model} v{message.version} is not on this worker"))
+            missing = f"model {message.model} v{message.version} is not on this worker"
+            self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND, message=missing))
             return
         if self._is_draining:
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
@@ -210,7 +212,7 @@ class WorkerServer:
         future = asyncio.get_running_loop().run_in_executor(self._device, _execute, runner, prepared)
         future.add_done_callback(lambda f: self._on_batch_done(batch, f))
 
-    def _on_batch_done(self, batch: Batch, future: asyncio.Future[tuple[list[np.ndarray | ItemFailure], float]]) -> None:
+    def _on_batch_done(self, batch: Batch, future: asyncio.Future[_BatchOutput]) -> None:
         try:
             outputs, exec_s = future.result()
         except Exception as exc:  # a runner bug, not the input: fail this batch, keep serving
@@ -244,7 +246,8 @@ class WorkerServer:
         self._by_gateway_id.pop((pending.identity, pending.gateway_request_id), None)
         num_tokens = sum(item.num_tokens for item in pending.items)
         if pending.errors:
-            result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=sorted(pending.errors, key=_index),
+            errors = sorted(pending.errors, key=_index)
+            result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=errors,
                                  num_tokens=num_tokens, queue_s=pending.queue_s, exec_s=pending.exec_s,
                                  batch_size=pending.batch_size, message=pending.errors[0].message)
         else:
@@ -322,7 +325,7 @@ class WorkerServer:
                     self._metrics.profile(key[0], key[1], profile.alpha_s, profile.beta_s)
 
 
-def _execute(runner: Runner, items: Sequence[PreparedItem | None]) -> tuple[list[np.ndarray | ItemFailure], float]:
+def _execute(runner: Runner, items: Sequence[PreparedItem | None]) -> _BatchOutput:
     """Device thread: run a batch, isolating any item that makes the whole batch raise."""
     started = time.perf_counter()
     live = [item for item in items if item is not None]
