@@ -89,10 +89,8 @@ def test_vectors_have_unit_norm(runner: EmbeddingRunner) -> None:
 
 
 def test_similar_sentences_score_higher_than_unrelated(runner: EmbeddingRunner) -> None:
-    cat, kitten, invoice = embed(
-        runner,
-        ["The cat sits on the mat.", "A kitten is resting on a rug.", "Quarterly invoices are due on Friday."],
-    )
+    texts = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Invoices are due on Friday."]
+    cat, kitten, invoice = embed(runner, texts)
     assert float(cat @ kitten) > float(cat @ invoice) + 0.2
 
 

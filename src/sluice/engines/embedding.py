@@ -135,7 +135,7 @@ class EmbeddingRunner:
         num_threads = version.params.get("num_threads")
         if num_threads is None or self.device.type != "cpu":
             return
-        if not isinstance(num_threads, int) or num_threads < 1:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
         torch.set_num_threads(num_threads)
 
@@ -158,14 +158,15 @@ def _torch_device(device: str, model_name: str) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(f"{model_name}: device {device!r} requested but CUDA is not available")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ConfigError(f"{model_name}: no CUDA device {parsed.index} ({torch.cuda.device_count()} present)")
+            count = torch.cuda.device_count()
+            raise ConfigError(f"{model_name}: no CUDA device {parsed.index} ({count} present)")
     elif parsed.type != "cpu":
         raise ConfigError(f"{model_name}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return parsed
 
 
 def _load_model(weights_dir: Path, model_name: str) -> Any:
-    transformers.logging.disable_progress_bar()  # no tqdm bars in the worker's logs
+    transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no tqdm bars in logs
     try:
         return transformers.AutoModel.from_pretrained(str(weights_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -178,8 +179,8 @@ def _max_seq_len(version: ModelVersion, weights_dir: Path, max_positions: int) -
         raw = _read_json(weights_dir / "sentence_bert_config.json", version.name).get(
             "max_seq_length", DEFAULT_MAX_SEQ_LEN
         )
-    if not isinstance(raw, int) or not 2 <= raw <= max_positions:
-        raise ConfigError(f"{version.name}: max_seq_len must be an integer from 2 to {max_positions}, got {raw!r}")
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 2 <= raw <= max_positions:
+        raise ConfigError(f"{version.name}: max_seq_len must be an integer in [2, {max_positions}], got {raw!r}")
     return raw
 
 
@@ -203,7 +204,7 @@ def _check_pooling(weights_dir: Path, model_name: str) -> None:
     """Refuse a model trained with another pooling: its vectors would load fine and be wrong."""
     pooling = _read_json(weights_dir / "1_Pooling" / "config.json", model_name)
     if pooling and not pooling.get("pooling_mode_mean_tokens", False):
-        raise ConfigError(f"{model_name}: only mean pooling is supported; 1_Pooling/config.json asks otherwise")
+        raise ConfigError(f"{model_name}: 1_Pooling/config.json asks for a pooling other than mean")
 
 
 def _read_json(path: Path, model_name: str) -> dict[str, Any]:

@@ -76,8 +76,10 @@ class WorkerServer:
         self._scheduler = Scheduler(clock)
         for key, model in models.items():
             alpha, beta, ref = model.runner.prior()
-            profile = LatencyProfile(alpha, beta, ref)
-            for cost, seconds in model.runner.warmup():
+            timings = model.runner.warmup()
+            # measured warm-up batches outweigh the runner's guess; with none, the prior stands
+            profile = LatencyProfile(alpha, beta, ref, prior_weight=0.5 if timings else 4.0)
+            for cost, seconds in timings:
                 profile.observe(cost, seconds)
             self._scheduler.add_model(key, model.version.batching, profile)
         self._typical_cost = {key: float(model.runner.prior()[2]) for key, model in models.items()}
