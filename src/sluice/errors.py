@@ -5,7 +5,8 @@
      ├── InvalidInput            the client sent something malformed            -> 400
      │    ├── PayloadTooLarge    request body over the limit                     -> 413
      │    └── ItemFailed         an input item was rejected by the model         -> 422
-     ├── ModelNotFound           no such model or version                        -> 404
+     ├── NotFound                no such route or resource                       -> 404
+     │    └── ModelNotFound      no such model or version
      ├── Unavailable             the service cannot take this request now        -> 503
      │    ├── ModelNotReady      no ready replica serves the model
      │    ├── Overloaded         queued work would make it miss its deadline
@@ -50,7 +51,11 @@ class ItemFailed(InvalidInput):
     """One input item could not be processed by the model (the rest of its batch still ran)."""
 
 
-class ModelNotFound(SluiceError):
+class NotFound(SluiceError):
+    """The route or resource does not exist."""
+
+
+class ModelNotFound(NotFound):
     """The named model (or version) does not exist."""
 
 

@@ -24,7 +24,7 @@ from sluice import metrics
 from sluice.api import kserve, openai
 from sluice.api.common import request_id
 from sluice.api.errors import error_response
-from sluice.errors import InvalidInput, ModelNotFound, SluiceError
+from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 
 log = logging.getLogger("sluice.api")
@@ -71,7 +71,7 @@ async def _on_sluice_error(request: Request, exc: Exception) -> Response:
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        error: SluiceError = ModelNotFound(f"no route for {request.method} {request.url.path}")
+        error: SluiceError = NotFound(f"no route for {request.method} {request.url.path}")
     else:
         error = InvalidInput(f"{exc.detail} ({request.method} {request.url.path})")
     response = error_response(error, _protocol(request))

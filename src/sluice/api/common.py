@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from sluice.errors import InvalidInput, PayloadTooLarge
 
@@ -11,17 +11,27 @@ TIMEOUT_HEADER = "x-request-timeout-ms"
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
     """The request body, refusing more than `limit_bytes` before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+    declared = parse_count(request.headers.get("content-length", ""))
+    if declared is not None and declared > limit_bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit_bytes}-byte limit")
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise PayloadTooLarge(f"request body is over the {limit_bytes}-byte limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise PayloadTooLarge(f"request body is over the {limit_bytes}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect as exc:  # nobody will read the answer; this only keeps it out of the bug log
+        raise InvalidInput("the client disconnected before sending the whole body") from exc
     return b"".join(chunks)
+
+
+def parse_count(raw: str) -> int | None:
+    """A header's non-negative integer (ASCII digits only: `str.isdigit` also accepts `²`)."""
+    if not raw or len(raw) > 18 or not (raw.isascii() and raw.isdigit()):
+        return None
+    return int(raw)
 
 
 def header_timeout_s(request: Request) -> float | None:
@@ -32,7 +42,8 @@ def header_timeout_s(request: Request) -> float | None:
     try:
         timeout_ms = float(raw)
     except ValueError:
-        raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds", param=TIMEOUT_HEADER) from None
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds, got {raw[:32]!r}",
+                           param=TIMEOUT_HEADER) from None
     if not 0 < timeout_ms <= 3_600_000:
         raise InvalidInput(f"{TIMEOUT_HEADER} must be in (0, 3600000]", param=TIMEOUT_HEADER)
     return timeout_ms / 1000.0

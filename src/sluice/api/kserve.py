@@ -6,7 +6,9 @@
     GET  /v2/models/{m}[/versions/{v}]/ready   {"name", "ready"}
     POST /v2/models/{m}[/versions/{v}]/infer   inference
 
-The request-level `timeout` parameter is in microseconds, as in Triton and `tritonclient`.
+The request-level `timeout` parameter is in microseconds, as in Triton and `tritonclient`; it
+takes precedence over an `X-Request-Timeout-Ms` header (which is still checked). The request's
+shape, inputs and requested outputs are checked here, before any worker time is spent on it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import __version__, wire
-from sluice.api.common import header_timeout_s, read_body
-from sluice.api.tensors import NUMPY_TO_KSERVE, Tensor, parse_request, render_outputs
+from sluice.api.common import header_timeout_s, parse_count, read_body
+from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Gateway
 
@@ -63,13 +65,16 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def infer(request: Request) -> Response:
         name, version = _path(request)
         info = gateway.resolve(name, version)
-        body = await read_body(request, body_limit_bytes)
+        header_timeout = header_timeout_s(request)
         header_length = _header_length(request)
+        body = await read_body(request, body_limit_bytes)
         parsed, tensors = parse_request(body, header_length)
         payload = _to_payload(info, tensors)
-        timeout_s = _timeout(parsed.parameters) or header_timeout_s(request)
-        result = await gateway.infer(info.name, info.version, payload, timeout_s)
-        return _render(info, parsed, result.payload)
+        binary_outputs = _binary_outputs(info, parsed)
+        timeout_s = _timeout(parsed.parameters)
+        result = await gateway.infer(info.name, info.version, payload,
+                                     header_timeout if timeout_s is None else timeout_s)
+        return _render(info, parsed, result.payload, binary_outputs)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
     table = [
@@ -94,9 +99,10 @@ def _header_length(request: Request) -> int | None:
     raw = request.headers.get(HEADER_LENGTH)
     if raw is None:
         return None
-    if not raw.isdigit():
-        raise InvalidInput("Inference-Header-Content-Length must be a non-negative integer")
-    return int(raw)
+    length = parse_count(raw)
+    if length is None:
+        raise InvalidInput(f"Inference-Header-Content-Length must be a non-negative integer, got {raw[:32]!r}")
+    return length
 
 
 def _timeout(parameters: dict[str, Any]) -> float | None:
@@ -116,8 +122,7 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     tensor = tensors[0]
     if tensor.datatype != expected.datatype:
         raise InvalidInput(f"input {tensor.name!r} must be {expected.datatype}, got {tensor.datatype}")
-    if len(tensor.shape) != len(expected.shape) and not (expected.datatype == "BYTES" and len(tensor.shape) == 2
-                                                          and tensor.shape[1] == 1):
+    if not _fits(tensor.shape, expected):
         raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
                            f"got {list(tensor.shape)}")
     if tensor.datatype == "BYTES":
@@ -131,19 +136,34 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     return wire.TensorPayload(str(array.dtype), tuple(array.shape), array.tobytes())
 
 
-def _render(info: wire.ModelInfo, request: Any, payload: wire.Payload) -> Response:
+def _fits(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:
+    """Same rank with every fixed dimension equal; BYTES also takes `[n, 1]` for `[n]`."""
+    if expected.datatype == "BYTES" and len(expected.shape) == 1 and len(shape) == 2 and shape[1] == 1:
+        shape = shape[:1]
+    if len(shape) != len(expected.shape):
+        return False
+    return all(e < 0 or d == e for d, e in zip(shape, expected.shape, strict=True))
+
+
+def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]:
+    """The outputs to send as binary, checked before inference so no device time is spent on a
+    request whose answer cannot be rendered. With no `outputs` listed, `binary_data_output`
+    applies to all (what tritonclient sends by default)."""
+    spec = info.outputs[0]
+    if not request.outputs:
+        return {spec.name} if request.parameters.get("binary_data_output") is True else set()
+    unknown = [o.name for o in request.outputs if o.name != spec.name]
+    if unknown:
+        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {spec.name!r})")
+    return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
+
+
+def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Payload, binary: set[str]) -> Response:
     spec = info.outputs[0]
     if not isinstance(payload, wire.TensorPayload):
         raise TypeError("models return tensors")
     array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
     datatype = NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype)
-    if request.outputs:
-        unknown = [o.name for o in request.outputs if o.name != spec.name]
-        if unknown:
-            raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r}")
-        binary = {o.name for o in request.outputs if o.parameters.get("binary_data")}
-    else:
-        binary = {spec.name} if request.parameters.get("binary_data_output") else set()
     entries, raw = render_outputs([(spec.name, datatype, array)], binary)
     body: dict[str, Any] = {"model_name": info.name, "model_version": info.version, "outputs": entries}
     if request.id is not None:

@@ -23,13 +23,14 @@ from sluice.gateway import Gateway
 
 MAX_INPUTS = 2048
 MAX_INPUT_CHARS = 100_000
+MAX_DIMENSIONS = 65_536
 _STARTED = int(time.time())
 
 
 class EmbeddingsRequest(msgspec.Struct):
     model: str
     input: str | list[Any]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = "float"  # null: the default
     dimensions: int | None = None
     user: str | None = None
 
@@ -49,17 +50,17 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         body = await read_body(request, body_limit_bytes)
         parsed = _decode(body, EmbeddingsRequest)
         texts = _texts(parsed.input)
+        timeout_s = header_timeout_s(request)
         info = gateway.resolve(parsed.model, None)
         if not info.accepts_text:
-            raise InvalidInput(f"model {parsed.model!r} does not take text; use /v2/models/{parsed.model}/infer",
-                               param="model")
-        result = await gateway.infer(info.name, info.version, wire.TextPayload(texts), header_timeout_s(request))
+            raise InvalidInput(f"model {parsed.model!r} does not take text; "
+                               f"use /v2/models/{parsed.model}/infer", param="model")
+        _check_dimensions(info, parsed.dimensions, None)
+        result = await gateway.infer(info.name, info.version, wire.TextPayload(texts), timeout_s)
         payload = result.payload
         assert isinstance(payload, wire.TensorPayload)
-        vectors = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape).astype("<f4", copy=False)
-        if parsed.dimensions is not None and parsed.dimensions != vectors.shape[1]:
-            raise InvalidInput(f"model {parsed.model!r} produces {vectors.shape[1]} dimensions and cannot be "
-                               f"shortened to {parsed.dimensions}", param="dimensions")
+        vectors = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
+        _check_dimensions(info, parsed.dimensions, vectors.shape[-1])
         data = [
             {"object": "embedding", "index": i, "embedding": _encode_vector(row, parsed.encoding_format)}
             for i, row in enumerate(vectors)
@@ -84,10 +85,27 @@ def _decode(body: bytes, kind: type[EmbeddingsRequest]) -> EmbeddingsRequest:
 
 
 def _param_of(message: str) -> str | None:
-    marker = "at `$."
-    if marker in message:
-        return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0]
+    """The top-level field a msgspec validation message points at, e.g. `dimensions`."""
+    for marker in ("at `$.", "missing required field `"):
+        if marker in message:
+            return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
     return None
+
+
+def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: int | None) -> None:
+    """Refuse a `dimensions` the model cannot give: before inference when its width is declared
+    (or the number is absurd), otherwise once the vectors are back."""
+    if dimensions is None:
+        return
+    if not 1 <= dimensions <= MAX_DIMENSIONS:
+        raise InvalidInput(f"'dimensions' must be in [1, {MAX_DIMENSIONS}], got {dimensions}",
+                           param="dimensions")
+    if produced is None:
+        shape = info.outputs[0].shape if info.outputs else ()
+        produced = shape[-1] if len(shape) == 2 and shape[-1] > 0 else None
+    if produced is not None and dimensions != produced:
+        raise InvalidInput(f"model {info.name!r} produces {produced} dimensions and cannot be shortened to "
+                           f"{dimensions}", param="dimensions")
 
 
 def _texts(raw: str | list[Any]) -> list[str]:
@@ -98,8 +116,8 @@ def _texts(raw: str | list[Any]) -> list[str]:
         raise InvalidInput(f"'input' may hold at most {MAX_INPUTS} items", param="input")
     for text in texts:
         if not isinstance(text, str):
-            raise InvalidInput("'input' must be a string or a list of strings (token arrays are not supported)",
-                               param="input")
+            raise InvalidInput("'input' must be a string or a list of strings "
+                               "(token arrays are not supported)", param="input")
         if not text:
             raise InvalidInput("'input' must not contain empty strings", param="input")
         if len(text) > MAX_INPUT_CHARS:
@@ -107,10 +125,11 @@ def _texts(raw: str | list[Any]) -> list[str]:
     return texts
 
 
-def _encode_vector(row: np.ndarray, encoding: str) -> list[float] | str:
+def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(row.astype("<f4").tobytes()).decode()
-    return row.tolist()
+    values: list[float] = row.tolist()
+    return values
 
 
 def _model_card(name: str) -> dict[str, Any]:

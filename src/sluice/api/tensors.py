@@ -35,6 +35,11 @@ DATATYPES: dict[str, np.dtype[Any]] = {
 }
 NUMPY_TO_KSERVE = {str(v): k for k, v in DATATYPES.items()}
 MAX_ELEMENTS = 16 * 1024 * 1024
+MAX_DIMS = 16
+# The Python type each JSON element must have: no strings for numbers, no numbers for BOOL.
+_JSON_ELEMENT: dict[str, type] = {
+    name: bool if name == "BOOL" else float if name.startswith("FP") else int for name in DATATYPES
+}
 
 
 class RequestedOutput(msgspec.Struct):
@@ -87,7 +92,7 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
     for tensor in request.inputs:
         size = tensor.parameters.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            if not _is_count(size) or offset + size > len(binary):
                 raise InvalidInput(f"input {tensor.name!r}: binary_data_size does not match the body")
             tensors.append(_from_binary(tensor, binary[offset : offset + size]))
             offset += size
@@ -98,16 +103,30 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
     return request, tensors
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_shape(tensor: InputTensor) -> int:
+    """The number of elements `tensor.shape` holds, refusing shapes no input could fill.
+
+    Every dimension is bounded on its own too, so `[0, 2**62]` (zero elements) is refused
+    before numpy is asked to build it.
+    """
     if tensor.datatype not in DATATYPES and tensor.datatype != "BYTES":
         raise InvalidInput(f"input {tensor.name!r}: unknown datatype {tensor.datatype!r}")
-    if not tensor.shape or any(not isinstance(d, int) or d < 0 for d in tensor.shape):
-        raise InvalidInput(f"input {tensor.name!r}: shape must be a list of non-negative integers")
+    if not tensor.shape or not all(_is_count(d) for d in tensor.shape):
+        raise InvalidInput(f"input {tensor.name!r}: shape must be a list of non-negative integers, "
+                           f"got {tensor.shape}")
+    if len(tensor.shape) > MAX_DIMS:
+        raise InvalidInput(f"input {tensor.name!r}: shape has {len(tensor.shape)} dimensions, at most "
+                           f"{MAX_DIMS} are allowed")
     count = 1
     for dim in tensor.shape:
         count *= dim
-        if count > MAX_ELEMENTS:
-            raise InvalidInput(f"input {tensor.name!r}: more than {MAX_ELEMENTS} elements")
+        if count > MAX_ELEMENTS or dim > MAX_ELEMENTS:
+            raise InvalidInput(f"input {tensor.name!r}: shape {tensor.shape} holds more than {MAX_ELEMENTS} "
+                               "elements")
     return count
 
 
@@ -120,13 +139,34 @@ def _from_json(tensor: InputTensor) -> Tensor:
         if len(flat) != count or not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {tensor.name!r}: expected {count} strings for shape {tensor.shape}")
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), [v.encode() for v in flat])
-    try:
-        array = np.asarray(tensor.data, dtype=DATATYPES[tensor.datatype])
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidInput(f"input {tensor.name!r}: data is not a {tensor.datatype} array: {exc}") from exc
+    array = _numeric_array(tensor)
     if array.size != count:
         raise InvalidInput(f"input {tensor.name!r}: {array.size} values do not fill shape {tensor.shape}")
     return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), array.reshape(tensor.shape))
+
+
+def _numeric_array(tensor: InputTensor) -> np.ndarray:
+    """JSON `data` (flat or nested, row-major) as an array, checking every element's JSON type
+    first: numpy alone would turn `"1.5"` or `true` into a number."""
+    data = tensor.data if isinstance(tensor.data, list) else [tensor.data]
+    kind: Any = _JSON_ELEMENT[tensor.datatype]
+    probe = data
+    while probe and isinstance(probe[0], list):  # nested: one list level per dimension seen
+        kind = list[kind]
+        probe = probe[0]
+    try:
+        checked = msgspec.convert(data, list[kind])
+    except msgspec.ValidationError as exc:
+        where = str(exc).replace("`$", "`data", 1)
+        raise InvalidInput(f"input {tensor.name!r}: data is not a {tensor.datatype} array: {where}") from exc
+    try:
+        with np.errstate(over="ignore"):
+            array = np.asarray(checked, dtype=DATATYPES[tensor.datatype])
+    except (ValueError, OverflowError) as exc:
+        raise InvalidInput(f"input {tensor.name!r}: data is not a {tensor.datatype} array: {exc}") from exc
+    if array.dtype.kind == "f" and np.isinf(array).any():  # JSON has no inf: a finite value overflowed
+        raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}")
+    return array
 
 
 def _from_binary(tensor: InputTensor, raw: bytes) -> Tensor:
@@ -134,7 +174,8 @@ def _from_binary(tensor: InputTensor, raw: bytes) -> Tensor:
     if tensor.datatype == "BYTES":
         values = decode_bytes_elements(raw)
         if len(values) != count:
-            raise InvalidInput(f"input {tensor.name!r}: {len(values)} BYTES elements do not fill {tensor.shape}")
+            raise InvalidInput(f"input {tensor.name!r}: {len(values)} BYTES elements do not fill "
+                               f"shape {tensor.shape}")
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), values)
     dtype = DATATYPES[tensor.datatype]
     if len(raw) != count * dtype.itemsize:

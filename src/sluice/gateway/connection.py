@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -32,6 +33,8 @@ class InFlight:
     )
     is_started: bool = False
     is_timed_out: bool = False
+    work_s: float = 0.0
+    state_generation: int = 0
 
 
 class WorkerConnection:
@@ -53,11 +56,15 @@ class WorkerConnection:
         self.state_at = 0.0
         self.num_sent_since_state = 0
         self.sent_work_since_state_s = 0.0
+        self._state_generation = 0
         self._item_s: dict[tuple[str, str], float] = {}
         self._in_flight: dict[int, InFlight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_lost = False
+        self.is_ready = False
         self._lost_incarnation: str | None = None
+        self.on_change: Callable[[], None] = lambda: None
+        """Called when readiness or the served models change, so the gateway can re-index."""
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._hello_loop())]
@@ -70,14 +77,16 @@ class WorkerConnection:
                 await task
         self._socket.close(linger=0)
 
-    @property
-    def is_ready(self) -> bool:
-        return (
+    def _update_readiness(self) -> None:
+        is_ready = (
             not self.is_lost
             and self.state is not None
             and self.state.is_ready
             and time.monotonic() - self.state_at < STALE_AFTER_S
         )
+        if is_ready != self.is_ready:
+            self.is_ready = is_ready
+            self.on_change()
 
     @property
     def num_in_flight(self) -> int:
@@ -87,11 +96,11 @@ class WorkerConnection:
         """Send a request; None if the worker cannot take it right now (not connected)."""
         if not self._send_now(message):
             return None
-        in_flight = InFlight(message)
+        work_s = self._item_s.get((message.model, message.version), 0.001) * _num_items(message.payload)
+        in_flight = InFlight(message, work_s=work_s, state_generation=self._state_generation)
         self._in_flight[message.request_id] = in_flight
         self.num_sent_since_state += 1
-        self.sent_work_since_state_s += self._item_s.get((message.model, message.version), 0.001) * _num_items(
-            message.payload)
+        self.sent_work_since_state_s += work_s
         return in_flight
 
     @property
@@ -129,6 +138,7 @@ class WorkerConnection:
         if self.state is not None:
             self._lost_incarnation = self.state.incarnation
         self.state = None
+        self._update_readiness()
         lost = list(self._in_flight.values())
         self._in_flight.clear()
         for in_flight in lost:
@@ -146,7 +156,12 @@ class WorkerConnection:
                 continue
             if isinstance(message, wire.Result):
                 in_flight = self._in_flight.pop(message.request_id, None)
-                if in_flight is not None and not in_flight.future.done():
+                if in_flight is None:
+                    continue
+                if in_flight.state_generation == self._state_generation:
+                    # answered before the worker's next report could count it: stop counting it here
+                    self.sent_work_since_state_s = max(self.sent_work_since_state_s - in_flight.work_s, 0.0)
+                if not in_flight.future.done():
                     in_flight.future.set_result(message)
             elif isinstance(message, wire.Started):
                 for request_id in message.request_ids:
@@ -157,11 +172,16 @@ class WorkerConnection:
                 if message.incarnation == self._lost_incarnation:
                     continue  # a late report from a process that has since died
                 self.is_lost = False
+                models_changed = message.models != self.known_models
                 self.known_models = message.models
                 self.state = message
                 self.state_at = time.monotonic()
+                self._update_readiness()
+                if models_changed:
+                    self.on_change()
                 self.num_sent_since_state = 0
                 self.sent_work_since_state_s = 0.0
+                self._state_generation += 1
                 self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
 
     async def _hello_loop(self) -> None:
@@ -173,6 +193,7 @@ class WorkerConnection:
                 self.mark_lost()
             if silent_s > HELLO_EVERY_S:
                 self._send_now(wire.Hello(self._gateway_id))
+            self._update_readiness()
             await asyncio.sleep(HELLO_EVERY_S)
 
 

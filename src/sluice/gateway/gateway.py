@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import zmq.asyncio
@@ -65,11 +66,13 @@ class Gateway:
         self._rng = random.Random()
         self.is_draining = False
         self.expected_models: set[str] = set()
+        self._index: _ModelIndex | None = None  # rebuilt lazily after a worker's change
 
     # -- workers -------------------------------------------------------------------------------
 
     async def add_worker(self, worker_id: str, address: str) -> None:
         connection = WorkerConnection(worker_id, address, self.gateway_id, self._context)
+        connection.on_change = self._invalidate
         self._connections[worker_id] = connection
         await connection.start()
 
@@ -103,14 +106,18 @@ class Gateway:
 
     # -- models --------------------------------------------------------------------------------
 
+    def _invalidate(self) -> None:
+        self._index = None
+
+    def _indexed(self) -> _ModelIndex:
+        if self._index is None:
+            self._index = _ModelIndex.build(self._connections.values())
+        return self._index
+
     def models(self, *, include_recovering: bool = False) -> dict[str, dict[str, wire.ModelInfo]]:
         """Model versions served by a ready worker (or one being restarted): name -> version -> info."""
-        found: dict[str, dict[str, wire.ModelInfo]] = {}
-        for connection in self._connections.values():
-            if connection.is_ready or (include_recovering and connection.is_lost):
-                for info in connection.known_models:
-                    found.setdefault(info.name, {})[info.version] = info
-        return found
+        index = self._indexed()
+        return index.with_recovering if include_recovering else index.ready
 
     def refused(self) -> list[wire.RefusedModel]:
         seen: dict[tuple[str, str], wire.RefusedModel] = {}
@@ -203,26 +210,25 @@ class Gateway:
 
     def _is_recovering(self, info: wire.ModelInfo) -> bool:
         """A worker that served this model is down but expected back (e.g. being restarted)."""
-        return any(c.is_lost and info in c.known_models for c in self._connections.values())
+        return info.name in self._indexed().with_recovering and any(
+            c.is_lost and info in c.known_models for c in self._connections.values())
 
     def _choose(self, info: wire.ModelInfo, deadline: float) -> WorkerConnection | None:
-        candidates = []
-        by_id = {}
-        for connection in self.ready_workers():
-            assert connection.state is not None
-            if any(m.name == info.name and m.version == info.version for m in connection.state.models):
-                candidates.append(router.Candidate(connection.worker_id, connection.predicted_wait_s))
-                by_id[connection.worker_id] = connection
+        replicas = self._indexed().replicas.get((info.name, info.version), ())
+        candidates = [router.Candidate(c.worker_id, c.predicted_wait_s) for c in replicas if c.is_ready]
+        by_id = {c.worker_id: c for c in replicas}
         chosen = router.choose(candidates, self._rng)
         if chosen is None:
             return None
-        if self._clock.now() + chosen.predicted_wait_s > deadline:
-            state = by_id[chosen.worker_id].state
-            drain = state.drain_rate if state else 1.0
-            excess = self._clock.now() + chosen.predicted_wait_s - deadline
+        connection = by_id[chosen.worker_id]
+        state = connection.state
+        # Reject here only on the worker's own report; what we sent since guides routing, and
+        # the worker's admission stays the authority.
+        if state is not None and self._clock.now() + state.work_ahead_s > deadline:
+            excess = self._clock.now() + state.work_ahead_s - deadline
             raise Overloaded("the work queued ahead would make this request miss its deadline",
-                             retry_after_s=max(excess / max(drain, 0.05), 0.001))
-        return by_id[chosen.worker_id]
+                             retry_after_s=max(excess / max(state.drain_rate, 0.05), 0.001))
+        return connection
 
     async def _await_answer(
         self, connection: WorkerConnection, in_flight: InFlight, deadline: float
@@ -239,6 +245,30 @@ class Gateway:
         if in_flight.is_timed_out:
             raise DeadlineExceeded("the worker did not answer before the deadline")
         return result
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelIndex:
+    """Which ready workers serve which model versions; rebuilt only when a worker changes."""
+
+    ready: dict[str, dict[str, wire.ModelInfo]]
+    with_recovering: dict[str, dict[str, wire.ModelInfo]]
+    replicas: dict[tuple[str, str], tuple[WorkerConnection, ...]]
+
+    @classmethod
+    def build(cls, connections: Iterable[WorkerConnection]) -> _ModelIndex:
+        ready: dict[str, dict[str, wire.ModelInfo]] = {}
+        with_recovering: dict[str, dict[str, wire.ModelInfo]] = {}
+        replicas: dict[tuple[str, str], list[WorkerConnection]] = {}
+        for connection in connections:
+            if not (connection.is_ready or connection.is_lost):
+                continue
+            for info in connection.known_models:
+                with_recovering.setdefault(info.name, {})[info.version] = info
+                if connection.is_ready:
+                    ready.setdefault(info.name, {})[info.version] = info
+                    replicas.setdefault((info.name, info.version), []).append(connection)
+        return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()})
 
 
 def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:

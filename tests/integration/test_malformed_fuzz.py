@@ -1,0 +1,138 @@
+"""Generated near-miss requests never make the server answer 5xx.
+
+Each example starts as a valid request (JSON or binary tensors, a few rows or texts) and then
+has zero to two of its fields replaced by junk, sizes nudged off by one, or the binary header
+length cut wrong, so that most examples get past the first checks and reach the deeper ones
+(and some reach the model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+ODD_VALUES = [-1, 0, 2**31, 2**63, 2**64 + 1, -(2**63), "", "1", [], {}, None, True, 1e308, [-1], [[1]]]
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+junk = st.sampled_from(ODD_VALUES) | st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+nudge = st.sampled_from([0, 0, 0, 0, 0, -1, 1])
+
+
+def _mutate(draw, body: dict, keys: list[str]) -> None:
+    for key in draw(st.lists(st.sampled_from(keys), max_size=2, unique=True)):
+        body[key] = draw(junk)
+
+
+@st.composite
+def v2_requests(draw) -> tuple[str, dict, bytes, int]:
+    """(model, JSON header, binary tail, header-length error)."""
+    model = draw(st.sampled_from(["emulated", "minilm"]))
+    is_binary = draw(st.booleans())
+    if model == "emulated":
+        shape = [draw(st.integers(0, 4)), draw(st.integers(0, 8))]
+        count = max(0, math.prod(shape) + draw(nudge))
+        values = draw(
+            st.lists(st.floats(width=32, allow_nan=is_binary, allow_infinity=is_binary), min_size=count, max_size=count)
+        )
+        entry: dict = {"name": "INPUT0", "shape": shape, "datatype": "FP32"}
+        raw = np.asarray(values, dtype="<f4").tobytes()
+    else:
+        shape = [draw(st.integers(0, 4))]
+        count = max(0, shape[0] + draw(nudge))
+        values = draw(st.lists(st.text(max_size=16), min_size=count, max_size=count))
+        entry = {"name": "text", "shape": shape, "datatype": "BYTES"}
+        raw = b"".join(struct.pack("<I", len(v.encode())) + v.encode() for v in values)
+    if is_binary:
+        entry["parameters"] = {"binary_data_size": len(raw) + draw(nudge)}
+    else:
+        entry["data"] = values
+        raw = b""
+    _mutate(draw, entry, ["name", "shape", "datatype", "data", "parameters"])
+    body: dict = {"inputs": [entry]}
+    if draw(st.booleans()):
+        body["parameters"] = {
+            "timeout": draw(st.integers(1_000_000, 10_000_000)),
+            "binary_data_output": draw(st.booleans()),
+        }
+    if draw(st.booleans()):
+        output = "OUTPUT0" if model == "emulated" else "embedding"
+        body["outputs"] = [{"name": output, "parameters": {"binary_data": draw(st.booleans())}}]
+    _mutate(draw, body, ["inputs", "parameters", "outputs", "id"])
+    return model, body, raw, draw(nudge) if is_binary else 0
+
+
+@st.composite
+def v1_requests(draw) -> dict:
+    body: dict = {
+        "model": draw(st.sampled_from(["minilm", "emulated", "nope"])),
+        "input": draw(st.text(min_size=1, max_size=40) | st.lists(st.text(min_size=1, max_size=20), max_size=4)),
+    }
+    if draw(st.booleans()):
+        body["encoding_format"] = draw(st.sampled_from(["float", "base64"]))
+    if draw(st.booleans()):
+        body["dimensions"] = draw(st.sampled_from([16, 384, 1]))
+    _mutate(draw, body, ["model", "input", "encoding_format", "dimensions", "user"])
+    return body
+
+
+@pytest.fixture(scope="module")
+def http(demo_server):
+    # A roomy default deadline: valid examples reach the model, and a loaded test machine does
+    # not turn the models' short SLOs into 503/504 answers.
+    headers = {"X-Request-Timeout-Ms": "30000"}
+    with httpx.Client(base_url=demo_server.url, timeout=60, headers=headers) as client:
+        yield client
+
+
+def _may_time_out(body: dict) -> bool:
+    """A junk `timeout` that happens to be a tiny positive number is a real, unmeetable deadline."""
+    parameters = body.get("parameters")
+    timeout = parameters.get("timeout") if isinstance(parameters, dict) else None
+    return isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout < 1_000_000
+
+
+def _assert_answered(response: httpx.Response, may_time_out: bool = False) -> None:
+    allowed = {503, 504} if may_time_out else set()
+    assert response.status_code < 500 or response.status_code in allowed, response.text
+    assert response.headers["x-request-id"]
+    if response.status_code != 200:
+        assert response.headers["content-type"] == "application/json"
+
+
+@SETTINGS
+@given(request=v2_requests())
+def test_v2_near_misses_are_never_5xx(http, request):
+    model, body, raw, cut = request
+    header = json.dumps(body).encode()
+    headers = {"Inference-Header-Content-Length": str(len(header) + cut)} if raw or cut else {}
+    response = http.post(f"/v2/models/{model}/infer", content=header + raw, headers=headers)
+    _assert_answered(response, _may_time_out(body))
+    if response.status_code != 200:
+        assert isinstance(response.json()["error"], str)
+
+
+@SETTINGS
+@given(body=v1_requests())
+def test_v1_near_misses_are_never_5xx(http, body):
+    response = http.post("/v1/embeddings", content=json.dumps(body))
+    _assert_answered(response)
+    if response.status_code != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
