@@ -1,0 +1,92 @@
+"""The model repository: parsing model.toml and refusing versions whose files do not match SHA256SUMS."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from sluice.errors import ConfigError
+from sluice.repository import demo_repository, scan_repository, verify, write_manifest
+
+
+def _model(repo, name="m", kind="emulated", extra=""):
+    folder = repo / name
+    folder.mkdir(parents=True)
+    config = f'kind = "{kind}"\n[batching]\nmax_batch_size = 8\n[slo]\ndefault_ms = 250\n{extra}'
+    (folder / "model.toml").write_text(config)
+    return folder
+
+
+def _version(model_dir, version, files):
+    folder = model_dir / version
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).write_text(content)
+    write_manifest(folder, folder / "SHA256SUMS")
+    return folder
+
+
+def test_scan_reads_limits_slo_and_versions(tmp_path):
+    model = _model(tmp_path)
+    _version(model, "1", {"weights.bin": "a"})
+    _version(model, "2", {"weights.bin": "b"})
+    repo = scan_repository(tmp_path)
+    assert [v.version for v in repo.versions] == ["1", "2"]
+    assert repo.versions[0].batching.max_batch_size == 8
+    assert repo.versions[0].slo_s == 0.25
+    for version in repo.versions:
+        verify(version)
+
+
+def test_checksum_mismatch_refuses_that_version_with_a_clear_error(tmp_path):
+    model = _model(tmp_path)
+    _version(model, "1", {"weights.bin": "good"})
+    bad = _version(model, "2", {"weights.bin": "good"})
+    (bad / "weights.bin").write_text("tampered")
+    good_version, bad_version = scan_repository(tmp_path).versions
+    verify(good_version)
+    with pytest.raises(ConfigError, match=r"checksum mismatch for weights\.bin"):
+        verify(bad_version)
+
+
+def test_unlisted_and_missing_files_are_refused(tmp_path):
+    model = _model(tmp_path)
+    folder = _version(model, "1", {"weights.bin": "x"})
+    (folder / "extra.bin").write_text("sneaky")
+    with pytest.raises(ConfigError, match="not in SHA256SUMS"):
+        verify(scan_repository(tmp_path).versions[0])
+    (folder / "extra.bin").unlink()
+    (folder / "weights.bin").unlink()
+    with pytest.raises(ConfigError, match="missing"):
+        verify(scan_repository(tmp_path).versions[0])
+
+
+def test_bad_config_is_refused_per_version_not_fatal(tmp_path):
+    _model(tmp_path, "broken", kind="nope")
+    (tmp_path / "broken" / "1").mkdir()
+    good = _model(tmp_path, "good")
+    _version(good, "1", {})
+    repo = scan_repository(tmp_path)
+    assert [v.name for v in repo.versions] == ["good"]
+    assert repo.refused[0].name == "broken" and "kind must be one of" in repo.refused[0].reason
+
+
+def test_demo_repository_verifies():
+    repo = scan_repository(demo_repository())
+    assert {v.name for v in repo.versions} == {"minilm", "emulated"}
+    for version in repo.versions:
+        verify(version)
+
+
+def test_server_serves_the_good_version_and_reports_the_refused_one(make_server, tmp_path):
+    model = _model(tmp_path / "models", "emulated", extra="[params]\nalpha_ms = 1\n")
+    _version(model, "1", {"notes.txt": "v1"})
+    bad = _version(model, "2", {"notes.txt": "v2"})
+    (bad / "notes.txt").write_text("corrupted")
+    server = make_server(tmp_path / "models")
+    metadata = httpx.get(f"{server.url}/v2/models/emulated").json()
+    assert metadata["versions"] == ["1"]
+    assert httpx.get(f"{server.url}/v2/models/emulated/versions/2/ready").status_code == 404
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+    assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=body).json()["model_version"] == "1"
+    assert "checksum mismatch for notes.txt" in server.log()
