@@ -144,13 +144,27 @@ class WorkerState(msgspec.Struct, tag="state"):
 
 Message = Hello | Submit | Cancel | Drain | Started | Result | WorkerState
 
+
+class Bundle(msgspec.Struct, tag="bundle"):
+    """Several messages in one frame: senders coalesce what one event-loop turn produced, so a
+    busy connection pays one socket send per turn rather than one per request."""
+
+    messages: list[Message]
+
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+_decoder = msgspec.msgpack.Decoder(Message | Bundle)
 
 
-def encode(message: Message) -> bytes:
+def encode(message: Message | Bundle) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes) -> Message:
-    return _decoder.decode(data)
+def encode_many(messages: list[Message]) -> bytes:
+    return _encoder.encode(messages[0] if len(messages) == 1 else Bundle(messages))
+
+
+def decode(data: bytes) -> list[Message]:
+    """The messages in one frame (a Bundle is unpacked)."""
+    decoded = _decoder.decode(data)
+    return decoded.messages if isinstance(decoded, Bundle) else [decoded]

@@ -59,6 +59,7 @@ class WorkerConnection:
         self._state_generation = 0
         self._item_s: dict[tuple[str, str], float] = {}
         self._in_flight: dict[int, InFlight] = {}
+        self._outbox: list[wire.Message] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.is_lost = False
         self.is_ready = False
@@ -128,14 +129,34 @@ class WorkerConnection:
         self._send_now(wire.Drain())
 
     def _send_now(self, message: wire.Message) -> bool:
-        """Send without waiting; False if the worker is not connected (or its queue is full)."""
-        sent = self._socket.send(wire.encode(message), flags=zmq.NOBLOCK)
-        return not (sent.done() and sent.exception() is not None)
+        """Queue a message; what one loop turn queues leaves in one frame. False if the worker is
+        known not to be connected (a failure found at flush time resolves the requests instead)."""
+        if self.is_lost and not isinstance(message, wire.Hello):
+            return False
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
+        return True
 
-    def mark_lost(self) -> list[InFlight]:
-        """The worker process died: resolve every in-flight request with None and return them."""
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        sent = self._socket.send(wire.encode_many(outbox), flags=zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            # not connected (IMMEDIATE): nothing was delivered; let these requests be re-dispatched
+            for message in outbox:
+                if isinstance(message, wire.Submit):
+                    in_flight = self._in_flight.pop(message.request_id, None)
+                    if in_flight is not None and not in_flight.future.done():
+                        in_flight.future.set_result(None)
+
+    def mark_lost(self, *, is_dead: bool = True) -> list[InFlight]:
+        """Resolve every in-flight request with None and return them.
+
+        `is_dead`: the process is known to have exited (its late reports will be ignored). A
+        worker that only went silent may come back; its next report makes it ready again.
+        """
         self.is_lost = True
-        if self.state is not None:
+        if self.state is not None and is_dead:
             self._lost_incarnation = self.state.incarnation
         self.state = None
         self._update_readiness()
@@ -150,47 +171,52 @@ class WorkerConnection:
         while True:
             data = await self._socket.recv()
             try:
-                message = wire.decode(data)
+                messages = wire.decode(data)
             except Exception:
                 log.warning("undecodable message from worker %s", self.worker_id)
                 continue
-            if isinstance(message, wire.Result):
-                in_flight = self._in_flight.pop(message.request_id, None)
-                if in_flight is None:
-                    continue
-                if in_flight.state_generation == self._state_generation:
-                    # answered before the worker's next report could count it: stop counting it here
-                    self.sent_work_since_state_s = max(self.sent_work_since_state_s - in_flight.work_s, 0.0)
-                if not in_flight.future.done():
-                    in_flight.future.set_result(message)
-            elif isinstance(message, wire.Started):
-                for request_id in message.request_ids:
-                    started = self._in_flight.get(request_id)
-                    if started is not None:
-                        started.is_started = True
-            elif isinstance(message, wire.WorkerState):
-                if message.incarnation == self._lost_incarnation:
-                    continue  # a late report from a process that has since died
-                self.is_lost = False
-                models_changed = message.models != self.known_models
-                self.known_models = message.models
-                self.state = message
-                self.state_at = time.monotonic()
-                self._update_readiness()
-                if models_changed:
-                    self.on_change()
-                self.num_sent_since_state = 0
-                self.sent_work_since_state_s = 0.0
-                self._state_generation += 1
-                self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
+            for message in messages:
+                self._on_message(message)
+
+    def _on_message(self, message: wire.Message) -> None:
+        if isinstance(message, wire.Result):
+            in_flight = self._in_flight.pop(message.request_id, None)
+            if in_flight is None:
+                return
+            if in_flight.state_generation == self._state_generation:
+                # answered before the worker's next report could count it: stop counting it here
+                self.sent_work_since_state_s = max(self.sent_work_since_state_s - in_flight.work_s, 0.0)
+            if not in_flight.future.done():
+                in_flight.future.set_result(message)
+        elif isinstance(message, wire.Started):
+            for request_id in message.request_ids:
+                started = self._in_flight.get(request_id)
+                if started is not None:
+                    started.is_started = True
+        elif isinstance(message, wire.WorkerState):
+            if message.incarnation == self._lost_incarnation:
+                return  # a late report from a process that has since died
+            self.is_lost = False
+            models_changed = message.models != self.known_models
+            self.known_models = message.models
+            self.state = message
+            self.state_at = time.monotonic()
+            self._update_readiness()
+            if models_changed:
+                self.on_change()
+            self.num_sent_since_state = 0
+            self.sent_work_since_state_s = 0.0
+            self._state_generation += 1
+            self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
 
     async def _hello_loop(self) -> None:
         """Introduce ourselves until the worker answers, and again whenever its reports stop."""
         while True:
             silent_s = time.monotonic() - self.state_at
-            if self.state is not None and silent_s > STALE_AFTER_S and self._in_flight:
+            has_unread = bool(self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)  # we are slow, not it
+            if self.state is not None and silent_s > STALE_AFTER_S and self._in_flight and not has_unread:
                 log.warning("worker %s silent for %.1f s; treating it as lost", self.worker_id, silent_s)
-                self.mark_lost()
+                self.mark_lost(is_dead=False)
             if silent_s > HELLO_EVERY_S:
                 self._send_now(wire.Hello(self._gateway_id))
             self._update_readiness()

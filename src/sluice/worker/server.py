@@ -92,6 +92,7 @@ class WorkerServer:
         self._drained = asyncio.Event()
         self._busy_s = 0.0
         self._socket: zmq.asyncio.Socket | None = None
+        self._outbox: dict[bytes, list[wire.Message]] = {}
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -107,7 +108,8 @@ class WorkerServer:
         ticker = asyncio.create_task(self._state_loop())
         try:
             await self._drained.wait()
-            await self._broadcast_state()
+            self._broadcast_state()
+            self._flush()
         finally:
             for task in (receiver, ticker):
                 task.cancel()
@@ -131,19 +133,23 @@ class WorkerServer:
         while True:
             identity, data = await self._socket.recv_multipart()
             try:
-                message = wire.decode(data)
+                messages = wire.decode(data)
             except Exception:  # a malformed frame from a peer; never crash the worker for it
                 log.warning("dropping an undecodable message from a gateway")
                 continue
-            if isinstance(message, wire.Submit):
-                self._on_submit(identity, message)
-            elif isinstance(message, wire.Cancel):
-                self._on_cancel(identity, message)
-            elif isinstance(message, wire.Hello):
-                self._gateways.add(identity)
-                await self._send(identity, self._state())
-            elif isinstance(message, wire.Drain):
-                self.drain()
+            for message in messages:
+                self._on_message(identity, message)
+
+    def _on_message(self, identity: bytes, message: wire.Message) -> None:
+        if isinstance(message, wire.Submit):
+            self._on_submit(identity, message)
+        elif isinstance(message, wire.Cancel):
+            self._on_cancel(identity, message)
+        elif isinstance(message, wire.Hello):
+            self._gateways.add(identity)
+            self._reply(identity, self._state())
+        elif isinstance(message, wire.Drain):
+            self.drain()
 
     def _on_submit(self, identity: bytes, message: wire.Submit) -> None:
         self._gateways.add(identity)
@@ -275,13 +281,18 @@ class WorkerServer:
     # -- messages out --------------------------------------------------------------------------
 
     def _reply(self, identity: bytes, message: wire.Message) -> None:
-        assert self._socket is not None
-        sent = self._socket.send_multipart([identity, wire.encode(message)], flags=zmq.NOBLOCK)
-        if sent.done() and sent.exception() is not None:
-            log.warning("could not send to gateway %r: %s", identity, sent.exception())
+        """Queue a message for a gateway; everything queued in one loop turn leaves in one frame."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.setdefault(identity, []).append(message)
 
-    async def _send(self, identity: bytes, message: wire.Message) -> None:
-        self._reply(identity, message)
+    def _flush(self) -> None:
+        assert self._socket is not None
+        outbox, self._outbox = self._outbox, {}
+        for identity, messages in outbox.items():
+            sent = self._socket.send_multipart([identity, wire.encode_many(messages)], flags=zmq.NOBLOCK)
+            if sent.done() and sent.exception() is not None:
+                log.warning("could not send to gateway %r: %s", identity, sent.exception())
 
     def _state(self) -> wire.WorkerState:
         queues = []
@@ -303,7 +314,7 @@ class WorkerServer:
             drain_rate=self._scheduler.drain_rate,
         )
 
-    async def _broadcast_state(self) -> None:
+    def _broadcast_state(self) -> None:
         state = self._state()
         for identity in self._gateways:
             self._reply(identity, state)
@@ -313,7 +324,7 @@ class WorkerServer:
         ticks = itertools.count()
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
-            await self._broadcast_state()
+            self._broadcast_state()
             if next(ticks) % 10 == 0:
                 now = time.monotonic()
                 sample = min((self._busy_s - last_busy) / max(now - last_at, 1e-6), 1.0)
