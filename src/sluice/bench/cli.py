@@ -1,0 +1,99 @@
+"""`sluice bench`: drive a running server with open-loop load and report what it sustained.
+
+    sluice bench --rate 500 --duration 10
+    sluice bench --rates 200,400,800,1200,1600 --slo-ms 100 --out sweep.json
+    sluice bench --self-test --rate 2700          # how fast can this machine send?
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import click
+
+# Heavy imports (numpy, aiohttp, matplotlib) happen inside the command: every `sluice` command
+# imports this module.
+
+_ENDPOINTS = ("kserve", "embeddings")
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
+@click.option("--endpoint", type=click.Choice(_ENDPOINTS), default="kserve", show_default=True)
+@click.option("--model", default="emulated", show_default=True)
+@click.option("--input-len", type=click.IntRange(1), default=16, show_default=True,
+              help="Elements per request for tensor inputs.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Offered load in requests per second (Poisson arrivals).")
+@click.option("--rates", default=None, help="A sweep: comma-separated rates, e.g. 200,400,800.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Measured seconds per rate.")
+@click.option("--warmup", "warmup_s", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Seconds at each rate before measuring.")
+@click.option("--timeout-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Send X-Request-Timeout-Ms (the server's deadline for each request).")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True,
+              help="p99 latency target for goodput.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="JSON result file (default: benchmarks/results/<timestamp>.json).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG plot (default: next to the JSON file).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival process.")
+@click.option("--request-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Client-side limit per request; a request over it counts as an error.")
+@click.option("--max-connections", type=click.IntRange(0), default=1000, show_default=True,
+              help="Cap on open connections (0: none). Requests over the cap wait in the client, "
+                   "and the run is reported as connection-limited.")
+@click.option("--max-lag-ms", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="A rate whose p99 send lag is over this is reported as behind schedule and "
+                   "does not count towards goodput.")
+@click.option("--self-test", is_flag=True,
+              help="Measure the generator itself against a null server: closed-loop maximum, and "
+                   "open-loop at --rate/--rates if given.")
+@click.option("--concurrency", type=click.IntRange(1), default=64, show_default=True,
+              help="Connections for the --self-test closed loop.")
+def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | None, rates: str | None,
+          duration_s: float, warmup_s: float, timeout_ms: float | None, slo_ms: float, out_path: Path | None,
+          plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int, max_lag_ms: float,
+          self_test: bool, concurrency: int) -> None:
+    """Open-loop load generator: offer Poisson load to a running server and report what it sustained."""
+    rates_per_s = _parse_rates(rate, rates, required=not self_test)
+    from rich.console import Console
+
+    from sluice.bench import runner
+    from sluice.bench.workloads import Endpoint
+
+    console = Console()
+    if self_test:
+        runner.self_test(console, concurrency, duration_s, rates_per_s, out_path, max_lag_ms)
+        return
+    config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, input_len, rates_per_s,
+                                duration_s, warmup_s, timeout_ms, slo_ms, seed, request_timeout_s,
+                                max_connections, max_lag_ms)
+    try:
+        runner.bench(config, console, out_path, plot_path)
+    except runner.BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _parse_rates(rate: float | None, rates: str | None, required: bool) -> tuple[float, ...]:
+    if rate is not None and rates is not None:
+        raise click.UsageError("give --rate or --rates, not both")
+    if rate is not None:
+        return (rate,)
+    if rates is None:
+        if required:
+            raise click.UsageError("give --rate R or --rates R1,R2,...")
+        return ()
+    try:
+        parsed = sorted({float(part) for part in rates.split(",") if part.strip()})
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of numbers: {rates!r}",
+                                 param_hint="--rates") from None
+    if not parsed or any(not math.isfinite(r) or r <= 0 for r in parsed):
+        raise click.BadParameter(f"rates must be positive numbers: {rates!r}", param_hint="--rates")
+    return tuple(parsed)
+
+
+__all__ = ["bench"]

@@ -1,0 +1,106 @@
+"""What the server says about a run, from two scrapes of its Prometheus `/metrics`.
+
+The load generator scrapes once when measurement starts and once after the last measured
+request has finished; the difference gives the server's view of the run:
+
+    mean batch size = Δ sluice_batch_size_sum / Δ sluice_batch_size_count   (summed over label sets)
+    busy ratio      = Δ Σ_workers sluice_device_busy_seconds_total / (wall seconds * number of workers)
+
+where the number of workers is the number of distinct `worker` labels on the busy counter.
+Parsing is pure (`parse_snapshot`, `server_delta`); only `scrape` does I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+_BATCH_SIZE = "sluice_batch_size"
+_DEVICE_BUSY = "sluice_device_busy_seconds"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSnapshot:
+    """Counter values at one instant (`taken_at_s` on the `time.perf_counter()` clock)."""
+
+    taken_at_s: float
+    batch_size_sum: float
+    batch_size_count: float
+    busy_s_by_worker: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """The server's view of one measured window; `None` where the window had nothing to divide by."""
+
+    wall_s: float
+    num_batches: float
+    mean_batch_size: float | None
+    num_workers: int
+    busy_ratio: float | None
+
+
+def parse_snapshot(text: str, taken_at_s: float, model: str | None = None) -> ServerSnapshot:
+    """Sum the counters this module needs out of a text exposition.
+
+    With `model`, batch sizes count only series labelled with that model. The busy counter has
+    no model label (a device is shared by the models on its worker), so it is never filtered.
+    """
+    batch_sum = 0.0
+    batch_count = 0.0
+    busy: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == _BATCH_SIZE:
+            for sample in family.samples:
+                if model is not None and sample.labels.get("model") != model:
+                    continue
+                if sample.name == _BATCH_SIZE + "_sum":
+                    batch_sum += sample.value
+                elif sample.name == _BATCH_SIZE + "_count":
+                    batch_count += sample.value
+        elif family.name == _DEVICE_BUSY:
+            for sample in family.samples:
+                if sample.name == _DEVICE_BUSY + "_total":
+                    worker = sample.labels.get("worker", "")
+                    busy[worker] = busy.get(worker, 0.0) + sample.value
+    return ServerSnapshot(taken_at_s, batch_sum, batch_count, busy)
+
+
+def server_delta(before: ServerSnapshot, after: ServerSnapshot) -> ServerStats:
+    wall_s = after.taken_at_s - before.taken_at_s
+    if wall_s <= 0:
+        raise ValueError(f"the second snapshot must be later than the first (wall {wall_s:.6f} s)")
+    num_batches = after.batch_size_count - before.batch_size_count
+    items = after.batch_size_sum - before.batch_size_sum
+    mean_batch_size = items / num_batches if num_batches > 0 else None
+    workers = set(before.busy_s_by_worker) | set(after.busy_s_by_worker)
+    # A worker that appears only afterwards (a restart under a new id) started from zero.
+    busy_s = sum(after.busy_s_by_worker.get(w, 0.0) - before.busy_s_by_worker.get(w, 0.0) for w in workers)
+    busy_ratio = busy_s / (wall_s * len(workers)) if workers else None
+    return ServerStats(wall_s, num_batches, mean_batch_size, len(workers), busy_ratio)
+
+
+async def scrape(session: aiohttp.ClientSession, base_url: str, model: str | None = None,
+                 timeout_s: float = 10.0) -> ServerSnapshot | None:
+    """One snapshot of the server's counters, or `None` when `/metrics` cannot be read.
+
+    A missing or broken `/metrics` is expected (not every server is sluice), so it is a value.
+    The snapshot is stamped at the midpoint of the request.
+    """
+    started = time.perf_counter()
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    taken_at_s = (started + time.perf_counter()) / 2
+    try:
+        return parse_snapshot(text, taken_at_s, model)
+    except ValueError:
+        return None

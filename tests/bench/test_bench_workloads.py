@@ -1,0 +1,63 @@
+"""Request bodies: valid for each protocol, distinct per request, built without I/O."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sluice.bench.workloads import (
+    TIMEOUT_HEADER,
+    Endpoint,
+    InputSpec,
+    build_workload,
+    input_spec_from_metadata,
+    sentences,
+)
+
+
+def test_kserve_fp32_bodies_follow_the_model_metadata() -> None:
+    metadata = {"name": "m", "inputs": [{"name": "IN", "datatype": "FP32", "shape": [-1, -1]}]}
+    workload = build_workload(Endpoint.KSERVE, "http://h:1/", "m", 16, 250, input_spec_from_metadata(metadata))
+    assert workload.url == "http://h:1/v2/models/m/infer"
+    assert workload.headers == {"Content-Type": "application/json", TIMEOUT_HEADER: "250"}
+    tensor = json.loads(workload.body(5))["inputs"][0]
+    assert (tensor["name"], tensor["datatype"], tensor["shape"]) == ("IN", "FP32", [1, 16])
+    assert len(tensor["data"]) == 16 and all(isinstance(x, int | float) for x in tensor["data"])
+
+
+def test_bytes_inputs_get_a_sentence() -> None:
+    workload = build_workload(Endpoint.KSERVE, "http://h", "minilm", 16, None, InputSpec("text", "BYTES"))
+    tensor = json.loads(workload.body(0))["inputs"][0]
+    assert tensor["shape"] == [1] and tensor["datatype"] == "BYTES"
+    assert isinstance(tensor["data"][0], str) and len(tensor["data"][0].split()) > 3
+    assert TIMEOUT_HEADER not in workload.headers
+
+
+def test_embeddings_bodies_name_the_model() -> None:
+    workload = build_workload(Endpoint.EMBEDDINGS, "http://h", "minilm", 16, None)
+    body = json.loads(workload.body(3))
+    assert workload.url == "http://h/v1/embeddings"
+    assert body["model"] == "minilm" and isinstance(body["input"], str)
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_every_request_body_is_distinct(endpoint: Endpoint) -> None:
+    workload = build_workload(endpoint, "http://h", "m", 4, None, InputSpec("IN", "FP32"))
+    bodies = [workload.body(i) for i in range(1000)]
+    assert len(set(bodies)) == 1000  # so a result cache cannot answer them
+
+
+def test_sentences_are_varied_and_repeatable() -> None:
+    texts = sentences(50)
+    assert texts == sentences(50)
+    assert len(set(texts)) == 50
+
+
+def test_unusable_metadata_and_settings_are_rejected() -> None:
+    with pytest.raises(ValueError, match="inputs"):
+        input_spec_from_metadata({"name": "m", "inputs": []})
+    with pytest.raises(ValueError, match="spec"):
+        build_workload(Endpoint.KSERVE, "http://h", "m", 4, None)
+    with pytest.raises(ValueError, match="positive"):
+        build_workload(Endpoint.EMBEDDINGS, "http://h", "m", 4, 0)
