@@ -139,7 +139,7 @@ class WorkerState(msgspec.Struct, tag="state"):
     refused: list[RefusedModel]
     queues: list[QueueState]
     work_ahead_s: float  # all queued work on the device plus the running batch's remainder
-    drain_rate: float  # measured device seconds retired per second of wall time (0..1)
+    drain_rate: float  # estimated work retired per second while work waits (0..1)
 
 
 Message = Hello | Submit | Cancel | Drain | Started | Result | WorkerState

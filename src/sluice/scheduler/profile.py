@@ -1,11 +1,19 @@
 """An online model of a device's batch latency: `seconds = alpha + beta * padded_cost`.
 
-Fitted by exponentially weighted least squares over observed batches, starting from a prior
-(the emulator's parameters, or timings taken at warm-up) entered as pseudo-observations, so the
-first predictions are sensible and later ones follow the device as it really behaves.
+Fitted by exponentially weighted least squares over observed batches. Until enough batches have
+been seen, a prior (the runner's parameters, or timings taken at warm-up) fills in, entered as
+pseudo-observations at two costs: it keeps the first predictions sensible, and keeps the slope
+sensible when every batch so far had the same cost (a fit that the data alone cannot pin down).
+The prior fades faster than the observations (`prior_fade` per observation against `decay`),
+so measurements take over after a few dozen batches even when the prior was far off.
+
+Invariants: `alpha_s >= 0`, `beta_s >= 0`, both finite, so `predict` is non-negative and
+non-decreasing in cost.
 """
 
 from __future__ import annotations
+
+import math
 
 
 class LatencyProfile:
@@ -17,53 +25,74 @@ class LatencyProfile:
         *,
         prior_weight: float = 4.0,
         decay: float = 0.995,
+        prior_fade: float = 0.95,
     ) -> None:
-        if alpha_s < 0 or beta_s < 0 or reference_cost <= 0:
+        if not (alpha_s >= 0 and beta_s >= 0 and reference_cost > 0):
             raise ValueError("a latency profile needs alpha >= 0, beta >= 0 and a positive reference cost")
-        if not 0 < decay <= 1:
-            raise ValueError("decay must be in (0, 1]")
+        if not (math.isfinite(alpha_s) and math.isfinite(beta_s) and math.isfinite(reference_cost)):
+            raise ValueError("a latency profile needs finite parameters")
+        if not (0 < decay <= 1 and 0 < prior_fade <= 1):
+            raise ValueError("decay and prior_fade must be in (0, 1]")
         self._decay = decay
-        self._s0 = self._s1 = self._s2 = self._t0 = self._t1 = 0.0
+        self._prior_fade = prior_fade
+        self._data = _Sums()
+        self._prior = _Sums()
+        for cost in (reference_cost, 4 * reference_cost):
+            self._prior.add(cost, alpha_s + beta_s * cost, prior_weight)
         self.alpha_s = alpha_s
         self.beta_s = beta_s
         self.num_observations = 0
-        for cost in (reference_cost, 4 * reference_cost):
-            self._add(cost, alpha_s + beta_s * cost, prior_weight)
 
     def predict(self, padded_cost: float) -> float:
         """Predicted execution time, in seconds, of a batch of this padded cost."""
         return self.alpha_s + self.beta_s * padded_cost
 
     def observe(self, padded_cost: float, seconds: float) -> None:
-        """Fold in one measured batch."""
-        if seconds < 0 or padded_cost < 0:
+        """Fold in one measured batch. Negative or non-finite measurements are ignored."""
+        if not (0 <= seconds < math.inf and 0 <= padded_cost < math.inf):
             return
-        self._s0 *= self._decay
-        self._s1 *= self._decay
-        self._s2 *= self._decay
-        self._t0 *= self._decay
-        self._t1 *= self._decay
-        self._add(padded_cost, seconds, 1.0)
+        self._data.scale(self._decay)
+        self._prior.scale(self._prior_fade)
+        self._data.add(padded_cost, seconds, 1.0)
         self.num_observations += 1
         self._refit()
 
-    def _add(self, x: float, y: float, weight: float) -> None:
-        self._s0 += weight
-        self._s1 += weight * x
-        self._s2 += weight * x * x
-        self._t0 += weight * y
-        self._t1 += weight * x * y
-
     def _refit(self) -> None:
-        denominator = self._s0 * self._s2 - self._s1 * self._s1
-        mean_x = self._s1 / self._s0
-        if denominator > 1e-9 * max(self._s0 * self._s2, 1e-12):
-            beta = (self._s0 * self._t1 - self._s1 * self._t0) / denominator
-        else:
-            beta = self.beta_s  # all batches alike: keep the slope, refit the intercept
-        beta = max(beta, 0.0)
-        alpha = self._t0 / self._s0 - beta * mean_x
-        if alpha < 0:
+        sums = self._data.plus(self._prior)
+        s0, s1, s2, t0, t1 = sums.s0, sums.s1, sums.s2, sums.t0, sums.t1
+        denominator = s0 * s2 - s1 * s1
+        is_spread = denominator > 1e-9 * s0 * s2  # else all batches alike: keep the slope, refit the intercept
+        beta = max((s0 * t1 - s1 * t0) / denominator if is_spread else self.beta_s, 0.0)
+        alpha = (t0 - beta * s1) / s0
+        if alpha < 0:  # the best line through the origin instead
             alpha = 0.0
-            beta = max(self._t1 / self._s2, 0.0) if self._s2 > 0 else beta
-        self.alpha_s, self.beta_s = alpha, beta
+            beta = max(t1 / s2, 0.0) if s2 > 0 else beta
+        if math.isfinite(alpha) and math.isfinite(beta):
+            self.alpha_s, self.beta_s = alpha, beta
+
+
+class _Sums:
+    """Weighted sums for a least-squares line: weights, x, x^2, y, x*y."""
+
+    __slots__ = ("s0", "s1", "s2", "t0", "t1")
+
+    def __init__(self, s0: float = 0.0, s1: float = 0.0, s2: float = 0.0, t0: float = 0.0, t1: float = 0.0) -> None:
+        self.s0, self.s1, self.s2, self.t0, self.t1 = s0, s1, s2, t0, t1
+
+    def add(self, x: float, y: float, weight: float) -> None:
+        self.s0 += weight
+        self.s1 += weight * x
+        self.s2 += weight * x * x
+        self.t0 += weight * y
+        self.t1 += weight * x * y
+
+    def scale(self, factor: float) -> None:
+        self.s0 *= factor
+        self.s1 *= factor
+        self.s2 *= factor
+        self.t0 *= factor
+        self.t1 *= factor
+
+    def plus(self, other: _Sums) -> _Sums:
+        return _Sums(self.s0 + other.s0, self.s1 + other.s1, self.s2 + other.s2, self.t0 + other.t0,
+                     self.t1 + other.t1)
