@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import uuid
@@ -29,6 +30,8 @@ from sluice.gateway import Gateway
 
 log = logging.getLogger("sluice.api")
 
+_ID_PREFIX = f"{uuid.uuid4().hex[:12]}-"  # unique per process; a counter makes each request's id unique
+_ID_COUNTER = itertools.count(1)
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -48,7 +51,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
-        rid = incoming if _VALID_ID.match(incoming) else uuid.uuid4().hex
+        rid = incoming if incoming and _VALID_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
         scope["sluice.request_id"] = rid
         header = (b"x-request-id", rid.encode())
 

@@ -63,6 +63,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         return _json({"name": info.name, "ready": True})
 
     async def infer(request: Request) -> Response:
+        arrived_at = gateway.now()
         name, version = _path(request)
         info = gateway.resolve(name, version)
         header_timeout = header_timeout_s(request)
@@ -72,8 +73,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         payload = _to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)
         timeout_s = _timeout(parsed.parameters)
-        result = await gateway.infer(info.name, info.version, payload,
-                                     header_timeout if timeout_s is None else timeout_s)
+        result = await gateway.infer(info, payload, header_timeout if timeout_s is None else timeout_s,
+                                     arrived_at=arrived_at)
         return _render(info, parsed, result.payload, binary_outputs)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]

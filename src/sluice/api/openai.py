@@ -47,6 +47,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         return _json(_model_card(name))
 
     async def embeddings(request: Request) -> Response:
+        arrived_at = gateway.now()
         body = await read_body(request, body_limit_bytes)
         parsed = _decode(body, EmbeddingsRequest)
         texts = _texts(parsed.input)
@@ -56,7 +57,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                f"use /v2/models/{parsed.model}/infer", param="model")
         _check_dimensions(info, parsed.dimensions, None)
-        result = await gateway.infer(info.name, info.version, wire.TextPayload(texts), timeout_s)
+        result = await gateway.infer(info, wire.TextPayload(texts), timeout_s, arrived_at=arrived_at)
         payload = result.payload
         assert isinstance(payload, wire.TensorPayload)
         vectors = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)

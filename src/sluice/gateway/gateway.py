@@ -146,11 +146,17 @@ class Gateway:
 
     # -- inference -----------------------------------------------------------------------------
 
+    def now(self) -> float:
+        """The gateway's clock, on which deadlines are set."""
+        return self._clock.now()
+
     async def infer(
-        self, name: str, version: str | None, payload: wire.Payload, timeout_s: float | None = None
+        self, info: wire.ModelInfo, payload: wire.Payload, timeout_s: float | None = None,
+        *, arrived_at: float | None = None,
     ) -> InferResult:
-        started = self._clock.now()
-        info = self.resolve(name, version)
+        """Run one request on `info` (from `resolve`). The deadline counts from `arrived_at`, the
+        moment the request reached the gateway (default: now)."""
+        started = self._clock.now() if arrived_at is None else arrived_at
         if self.is_draining:
             raise Unavailable("server is shutting down", retry_after_s=1.0)
         if timeout_s is not None and not 0 < timeout_s <= self._config.max_timeout_s:
