@@ -28,6 +28,7 @@ from sluice.gateway import Gateway
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.metrics import GatewayMetrics
 from sluice.repository import scan_repository
+from sluice.runtime import settle_garbage_collector
 
 log = logging.getLogger("sluice.serve")
 
@@ -90,6 +91,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         for i, address in enumerate(addresses):
             await gateway.add_worker(str(i), address)
         await supervisor.start()
+        settle_garbage_collector()
         announcer = asyncio.create_task(_announce(config, gateway, devices, console))
         try:
             yield

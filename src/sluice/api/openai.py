@@ -48,15 +48,16 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def embeddings(request: Request) -> Response:
         arrived_at = gateway.now()
+        timeout_s = header_timeout_s(request)
         body = await read_body(request, body_limit_bytes)
         parsed = _decode(body, EmbeddingsRequest)
         texts = _texts(parsed.input)
-        timeout_s = header_timeout_s(request)
         info = gateway.resolve(parsed.model, None)
         if not info.accepts_text:
             raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                f"use /v2/models/{parsed.model}/infer", param="model")
         _check_dimensions(info, parsed.dimensions, None)
+        gateway.shed_if_overloaded(info, timeout_s, arrived_at)
         result = await gateway.infer(info, wire.TextPayload(texts), timeout_s, arrived_at=arrived_at)
         payload = result.payload
         assert isinstance(payload, wire.TensorPayload)

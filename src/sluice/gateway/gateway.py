@@ -146,6 +146,22 @@ class Gateway:
 
     # -- inference -----------------------------------------------------------------------------
 
+    def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float) -> None:
+        """Refuse now, before the body is parsed, when every ready replica already reports more
+        work ahead than the request's deadline allows: under overload the excess costs the
+        gateway as little as possible and gets its answer at once."""
+        deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
+        now = self._clock.now()
+        replicas = self._indexed().replicas.get((info.name, info.version), ())
+        least = min((c.state for c in replicas if c.is_ready and c.state is not None),
+                    key=lambda s: s.work_ahead_s, default=None)
+        if least is None or now + least.work_ahead_s <= deadline:
+            return
+        self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
+        excess = now + least.work_ahead_s - deadline
+        raise Overloaded("the work queued ahead would make this request miss its deadline",
+                         retry_after_s=max(excess / max(least.drain_rate, 0.05), 0.001))
+
     def now(self) -> float:
         """The gateway's clock, on which deadlines are set."""
         return self._clock.now()

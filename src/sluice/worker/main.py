@@ -19,6 +19,7 @@ from sluice.engines import load_runner
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
 from sluice.repository import scan_repository, verify
+from sluice.runtime import settle_garbage_collector
 from sluice.worker.server import LoadedModel, WorkerServer
 
 log = logging.getLogger("sluice.worker")
@@ -55,6 +56,7 @@ def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel
 async def run_worker(config: WorkerConfig) -> None:
     models, refused = load_models(config)
     server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id))
+    settle_garbage_collector()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, server.drain)
     loop.add_signal_handler(signal.SIGINT, server.drain)
