@@ -14,9 +14,8 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,14 +28,14 @@ from sluice.engines.base import ItemFailure, PreparedItem, Runner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
 from sluice.repository import ModelVersion
-from sluice.scheduler import Batch, LatencyProfile, Rejected, RejectReason, Scheduler
+from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectReason, Scheduler
 from sluice.scheduler.batcher import ModelKey
+from sluice.worker.device import DeviceThread
 
 log = logging.getLogger("sluice.worker")
 
 STATE_INTERVAL_S = 0.05
 
-_BatchOutput = tuple[list[np.ndarray | ItemFailure], float]  # outputs in item order, device seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +86,8 @@ class WorkerServer:
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
         self._gateways: set[bytes] = set()
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._lock = threading.Lock()  # guards the scheduler, shared with the device thread
+        self._device: DeviceThread | None = None
         self._is_draining = False
         self._drained = asyncio.Event()
         self._busy_s = 0.0
@@ -103,6 +103,8 @@ class WorkerServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._socket.bind(address)
+        self._device = DeviceThread(self._scheduler, self._lock, self._runners, self._prepared_items,
+                                    self._on_batch_done, asyncio.get_running_loop())
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
         receiver = asyncio.create_task(self._receive_loop())
         ticker = asyncio.create_task(self._state_loop())
@@ -116,7 +118,7 @@ class WorkerServer:
             for task in (receiver, ticker):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            self._device.shutdown(wait=True)
+            self._device.stop()
             for runner in self._runners.values():
                 runner.close()
             self._socket.close(linger=100)
@@ -173,7 +175,8 @@ class WorkerServer:
             self._typical_cost[key] += 0.05 * (items[0].cost - self._typical_cost[key])
         internal_id = next(self._ids)
         deadline = self._clock.now() + message.timeout_s
-        decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline)
+        with self._lock:
+            decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline)
         if isinstance(decision, Rejected):
             self._reply(identity, _rejection(message.request_id, decision))
             return
@@ -188,17 +191,37 @@ class WorkerServer:
         for request_id in message.request_ids:
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
             if internal_id is not None:
-                self._scheduler.cancel(internal_id)
+                with self._lock:
+                    self._scheduler.cancel(internal_id)
                 self._pending.pop(internal_id, None)
         self._check_drained()
 
     # -- the device ----------------------------------------------------------------------------
 
     def _kick(self) -> None:
-        """If the device is free, form and start the next batch."""
-        if not self._scheduler.is_idle:
-            return
-        decision = self._scheduler.next_batch()
+        """If the device is idle, form the next batch and start it."""
+        assert self._device is not None
+        with self._lock:
+            if not self._scheduler.is_idle or self._device.is_stopping:
+                return
+            decision = self._scheduler.next_batch()
+            prepared = self._prepared_items(decision.batch) if decision.batch is not None else []
+        if decision.batch is not None:
+            self._device.start(decision.batch, prepared)
+        self._on_formed(decision)
+
+    def _prepared_items(self, batch: Batch) -> list[PreparedItem | None]:
+        """The inputs of a batch's items (None for a request withdrawn meanwhile). Called with the
+        lock held, from either thread; `_pending` entries are only added and removed whole."""
+        found = []
+        for item in batch.items:
+            pending = self._pending.get(item.request_id)
+            found.append(pending.items[item.index] if pending is not None else None)
+        return found
+
+    def _on_formed(self, decision: Decision) -> None:
+        """A batch has started (or none could): tell gateways which requests started and which
+        expired."""
         for item in decision.expired:
             self._expire(item.request_id)
         batch = decision.batch
@@ -214,25 +237,16 @@ class WorkerServer:
                 pending.queue_s = max(pending.queue_s, now - item.enqueued_at)
         for identity, ids in started.items():
             self._reply(identity, wire.Started(ids))
-        runner = self._runners[batch.model]
-        prepared = [self._pending[i.request_id].items[i.index] if i.request_id in self._pending else None
-                    for i in batch.items]
-        future = asyncio.get_running_loop().run_in_executor(self._device, _execute, runner, prepared)
-        future.add_done_callback(lambda f: self._on_batch_done(batch, f))
 
-    def _on_batch_done(self, batch: Batch, future: asyncio.Future[_BatchOutput]) -> None:
-        try:
-            outputs, exec_s = future.result()
-        except Exception as exc:  # a runner bug, not the input: fail this batch, keep serving
-            log.exception("batch failed on the device")
-            outputs, exec_s = [ItemFailure(f"device error: {exc}")] * len(batch.items), batch.predicted_s
-        self._scheduler.batch_done(batch, exec_s)
+    def _on_batch_done(self, batch: Batch, outputs: list[np.ndarray | ItemFailure], exec_s: float,
+                       next_decision: Decision) -> None:
+        """Loop thread: a batch finished (and the device thread already started the next one)."""
+        self._on_formed(next_decision)
         self._busy_s += exec_s
         model, version = batch.model
         now = self._clock.now()
         self._metrics.batch_done(model, version, len(batch.items), exec_s,
                                  [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
-        self._kick()  # keep the device busy before spending time on replies
         for item, output in zip(batch.items, outputs, strict=True):
             pending = self._pending.get(item.request_id)
             if pending is None:
@@ -247,6 +261,7 @@ class WorkerServer:
             pending.num_left -= 1
             if pending.num_left == 0:
                 self._finish(item.request_id, pending)
+        self._kick()  # the device thread found nothing: requests that arrived since can start
         self._check_drained()
 
     def _finish(self, internal_id: int, pending: _Pending) -> None:
@@ -275,7 +290,9 @@ class WorkerServer:
             message="deadline could not be met; dropped before execution"))
 
     def _check_drained(self) -> None:
-        if self._is_draining and not self._pending and self._scheduler.is_idle:
+        with self._lock:
+            is_idle = self._scheduler.is_idle
+        if self._is_draining and not self._pending and is_idle:
             self._drained.set()
 
     # -- messages out --------------------------------------------------------------------------
@@ -296,12 +313,14 @@ class WorkerServer:
 
     def _state(self) -> wire.WorkerState:
         queues = []
-        for key in self._scheduler.models():
-            depth, work = self._scheduler.queue_state(key)
-            profile = self._scheduler.profile(key)
-            max_batch = self._runners[key].info.max_batch_size
-            item_s = profile.alpha_s / max_batch + profile.beta_s * self._typical_cost[key]
-            queues.append(wire.QueueState(key[0], key[1], depth, work, item_s))
+        with self._lock:
+            for key in self._scheduler.models():
+                depth, work = self._scheduler.queue_state(key)
+                profile = self._scheduler.profile(key)
+                max_batch = self._runners[key].info.max_batch_size
+                item_s = profile.alpha_s / max_batch + profile.beta_s * self._typical_cost[key]
+                queues.append(wire.QueueState(key[0], key[1], depth, work, item_s))
+            work_ahead_s, drain_rate = self._scheduler.work_ahead_s(), self._scheduler.drain_rate
         return wire.WorkerState(
             worker_id=self.worker_id,
             incarnation=self._incarnation,
@@ -310,8 +329,8 @@ class WorkerServer:
             models=[runner.info for runner in self._runners.values()],
             refused=self._refused,
             queues=queues,
-            work_ahead_s=self._scheduler.work_ahead_s(),
-            drain_rate=self._scheduler.drain_rate,
+            work_ahead_s=work_ahead_s,
+            drain_rate=drain_rate,
         )
 
     def _broadcast_state(self) -> None:
@@ -331,36 +350,12 @@ class WorkerServer:
                 ratio = sample if ratio == 0 else 0.5 * ratio + 0.5 * sample
                 last_busy, last_at = self._busy_s, now
                 self._metrics.busy_ratio(ratio)
-                for key in self._scheduler.models():
-                    depth, work = self._scheduler.queue_state(key)
-                    self._metrics.queue(key[0], key[1], depth, work)
-                    profile = self._scheduler.profile(key)
-                    self._metrics.profile(key[0], key[1], profile.alpha_s, profile.beta_s)
-
-
-def _execute(runner: Runner, items: Sequence[PreparedItem | None]) -> _BatchOutput:
-    """Device thread: run a batch, isolating any item that makes the whole batch raise."""
-    started = time.perf_counter()
-    live = [item for item in items if item is not None]
-    results = iter(_run_isolating(runner, live) if live else [])
-    outputs: list[np.ndarray | ItemFailure] = [
-        next(results) if item is not None else ItemFailure("cancelled") for item in items
-    ]
-    return outputs, time.perf_counter() - started
-
-
-def _run_isolating(runner: Runner, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
-    try:
-        outputs = runner.run_batch(items)
-    except Exception as exc:  # the model raised: bisect so that only the poisoned item fails
-        if len(items) == 1:
-            log.warning("model error on one item: %s", type(exc).__name__)
-            return [ItemFailure(f"model error: {exc}")]
-        middle = len(items) // 2
-        return _run_isolating(runner, items[:middle]) + _run_isolating(runner, items[middle:])
-    if len(outputs) != len(items):
-        raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(items)} items")
-    return outputs
+                with self._lock:
+                    snapshot = [(key, *self._scheduler.queue_state(key), self._scheduler.profile(key))
+                                for key in self._scheduler.models()]
+                for (model, version), depth, work, profile in snapshot:
+                    self._metrics.queue(model, version, depth, work)
+                    self._metrics.profile(model, version, profile.alpha_s, profile.beta_s)
 
 
 def _rejection(request_id: int, rejected: Rejected) -> wire.Result:
