@@ -44,11 +44,17 @@ step_overload() {   # offered 2x capacity (2,666 req/s) for 30 s
         --out "$out/emulated-overload.json"
   stop
 }
-step_minilm() {     # the real model on CPU: batching against max batch 1, goodput at p99 <= 500 ms
+step_minilm() {
+  step_minilm_batching
+  step_minilm_nobatch
+}
+step_minilm_batching() {     # the real model on CPU: batching against max batch 1, goodput at p99 <= 500 ms
   serve src/sluice/demo_models
-  bench --endpoint embeddings --model minilm --rates 20,40,60,80,100,120,140,160 --duration 15 --slo-ms 500 \
+  bench --endpoint embeddings --model minilm --rates 100,150,200,250,300,350,400,450,500 --duration 15 --slo-ms 500 \
         --out "$out/minilm-batching.json"
   stop
+}
+step_minilm_nobatch() {
   serve benchmarks/models/nobatch
   bench --endpoint embeddings --model minilm --rates 20,40,60,80,100,120,140,160 --duration 15 --slo-ms 500 \
         --out "$out/minilm-nobatch.json"
