@@ -152,10 +152,13 @@ class Gateway:
         gateway as little as possible and gets its answer at once."""
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
+        if now >= deadline:
+            self._metrics.request_done(info.name, info.version, "expired", now - arrived_at)
+            raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         least = min((c.state for c in replicas if c.is_ready and c.state is not None),
                     key=lambda s: s.work_ahead_s, default=None)
-        if least is None or now + least.work_ahead_s <= deadline:
+        if least is None or least.work_ahead_s <= 0 or now + least.work_ahead_s <= deadline:
             return
         self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
         excess = now + least.work_ahead_s - deadline
@@ -246,7 +249,7 @@ class Gateway:
         state = connection.state
         # Reject here only on the worker's own report; what we sent since guides routing, and
         # the worker's admission stays the authority.
-        if state is not None and self._clock.now() + state.work_ahead_s > deadline:
+        if state is not None and state.work_ahead_s > 0 and self._clock.now() + state.work_ahead_s > deadline:
             excess = self._clock.now() + state.work_ahead_s - deadline
             raise Overloaded("the work queued ahead would make this request miss its deadline",
                              retry_after_s=max(excess / max(state.drain_rate, 0.05), 0.001))
