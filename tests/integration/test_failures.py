@@ -38,19 +38,25 @@ async def _kill_later(pid: int, delay_s: float) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def _fire_while_killing(
+    url: str, victim: int, kill_after_s: float, count: int, spacing_s: float
+) -> list[httpx.Response]:
+    """Send `count` requests `spacing_s` apart and SIGKILL `victim` `kill_after_s` into the stream."""
+
+    async def scenario() -> list[httpx.Response]:
+        killer = asyncio.create_task(_kill_later(victim, kill_after_s))
+        responses = await _fire(url, count, spacing_s)
+        await killer
+        return responses
+
+    return asyncio.run(scenario())
+
+
 def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(make_server, tmp_path):
     repo = write_emulated_model(tmp_path / "models", slo_ms=5000, alpha_ms=20, beta_ms=1)
     server = make_server(repo, "--workers", "2")
     _wait_workers_ready(server.url, 2)
-    victim = server.worker_pids()[0]
-
-    async def scenario() -> list[httpx.Response]:
-        killer = asyncio.create_task(_kill_later(victim, 0.5))
-        responses = await _fire(server.url, 300, 0.005)
-        await killer
-        return responses
-
-    responses = asyncio.run(scenario())
+    responses = _fire_while_killing(server.url, server.worker_pids()[0], 0.5, 300, 0.005)
     statuses = [r.status_code for r in responses]
     assert len(responses) == 300, "every request got an answer"
     assert set(statuses) <= {200, 503}, statuses
@@ -70,15 +76,7 @@ def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(ma
 def test_single_worker_killed_requests_wait_for_the_restart_when_their_deadline_allows(make_server, tmp_path):
     repo = write_emulated_model(tmp_path / "models", slo_ms=20000, alpha_ms=50, beta_ms=1)
     server = make_server(repo)
-    victim = server.worker_pids()[0]
-
-    async def scenario() -> list[httpx.Response]:
-        killer = asyncio.create_task(_kill_later(victim, 0.3))
-        responses = await _fire(server.url, 60, 0.01)
-        await killer
-        return responses
-
-    responses = asyncio.run(scenario())
+    responses = _fire_while_killing(server.url, server.worker_pids()[0], 0.3, 60, 0.01)
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 503}
     # at most the one batch that was executing is lost; the rest (queued, or arriving while the

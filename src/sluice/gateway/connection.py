@@ -54,7 +54,6 @@ class WorkerConnection:
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
-        self.num_sent_since_state = 0
         self.sent_work_since_state_s = 0.0
         self._state_generation = 0
         self._item_s: dict[tuple[str, str], float] = {}
@@ -89,10 +88,6 @@ class WorkerConnection:
             self.is_ready = is_ready
             self.on_change()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def submit(self, message: wire.Submit) -> InFlight | None:
         """Send a request; None if the worker cannot take it right now (not connected)."""
         if not self._send_now(message):
@@ -100,7 +95,6 @@ class WorkerConnection:
         work_s = self._item_s.get((message.model, message.version), 0.001) * _num_items(message.payload)
         in_flight = InFlight(message, work_s=work_s, state_generation=self._state_generation)
         self._in_flight[message.request_id] = in_flight
-        self.num_sent_since_state += 1
         self.sent_work_since_state_s += work_s
         return in_flight
 
@@ -124,9 +118,6 @@ class WorkerConnection:
     def cancel(self, request_id: int) -> None:
         if self._in_flight.pop(request_id, None) is not None:
             self._send_now(wire.Cancel([request_id]))
-
-    def send_drain(self) -> None:
-        self._send_now(wire.Drain())
 
     def _send_now(self, message: wire.Message) -> bool:
         """Queue a message; what one loop turn queues leaves in one frame. False if the worker is
@@ -204,8 +195,7 @@ class WorkerConnection:
             self._update_readiness()
             if models_changed:
                 self.on_change()
-            self.num_sent_since_state = 0
-            self.sent_work_since_state_s = 0.0
+                self.sent_work_since_state_s = 0.0
             self._state_generation += 1
             self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
 

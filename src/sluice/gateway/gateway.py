@@ -85,10 +85,6 @@ class Gateway:
         if lost:
             log.warning("worker %s lost with %d requests in flight", worker_id, len(lost))
 
-    def drain_workers(self) -> None:
-        for connection in self._connections.values():
-            connection.send_drain()
-
     async def aclose(self) -> None:
         for connection in self._connections.values():
             await connection.aclose()
@@ -100,9 +96,6 @@ class Gateway:
     def refresh_metrics(self) -> None:
         """Update gauges that are cheaper to compute on scrape than on every change."""
         self._metrics.workers_ready(len(self.ready_workers()))
-
-    def num_in_flight(self) -> int:
-        return sum(c.num_in_flight for c in self._connections.values())
 
     # -- models --------------------------------------------------------------------------------
 

@@ -54,9 +54,6 @@ class Supervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._is_stopping = False
 
-    def pids(self) -> dict[str, int]:
-        return {worker_id: p.pid for worker_id, p in self._processes.items() if p.returncode is None}
-
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._keep_running(spec)) for spec in self._specs]
 
