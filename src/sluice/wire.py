@@ -61,6 +61,8 @@ class Submit(msgspec.Struct, tag="submit"):
     version: str
     payload: Payload
     timeout_s: float
+    tenant: str = ""  # who pays for the device time; "" is the single local tenant
+    priority: int = 1  # sluice.priority.Priority: 0 interactive, 1 standard, 2 batch
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -88,6 +90,7 @@ class Result(msgspec.Struct, tag="result"):
     num_tokens: int = 0
     queue_s: float = 0.0
     exec_s: float = 0.0
+    device_s: float = 0.0  # this request's share of its batches' device time, split by cost
     batch_size: int = 0
     retry_after_s: float | None = None
     message: str = ""
