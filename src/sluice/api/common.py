@@ -51,3 +51,13 @@ def header_timeout_s(request: Request) -> float | None:
 
 def request_id(request: Request) -> str:
     return str(request.scope.get("sluice.request_id", ""))
+
+
+TENANT_SCOPE_KEY = "sluice.tenant"
+"""ASGI scope key holding the authenticated tenant's name, set by the auth middleware (or, for
+batch-job items run in-process, by the job executor). Never read from a client header."""
+
+
+def request_tenant(request: Request) -> str:
+    """The tenant this request is served for: "" is the single local tenant (no tenants file)."""
+    return str(request.scope.get(TENANT_SCOPE_KEY, ""))
