@@ -27,10 +27,12 @@ def main() -> None:
 @click.option("--workers", "num_workers", type=click.IntRange(1, 64), default=None,
               help="Worker processes (default: one per GPU, or one on a machine without a GPU).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--tenants", "tenants_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Tenants file (API keys, weights, limits). Without one: a single local tenant.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
-          log_level: str) -> None:
+          tenants_file: Path | None, log_level: str) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     os.environ["SLUICE_LOG_LEVEL"] = log_level
@@ -42,7 +44,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 
     logs.configure(log_level)
     config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
-                         num_workers=num_workers, device=device)
+                         num_workers=num_workers, device=device,
+                         tenants_file=tenants_file.resolve() if tenants_file else None)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -54,9 +57,11 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
               help="A worker's ZeroMQ address, e.g. tcp://10.0.0.5:7000 (repeat for each worker).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--tenants", "tenants_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Tenants file (API keys, weights, limits).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def gateway(workers: tuple[str, ...], host: str, port: int, log_level: str) -> None:
+def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path | None, log_level: str) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -65,8 +70,12 @@ def gateway(workers: tuple[str, ...], host: str, port: int, log_level: str) -> N
     from sluice.serve import ServeConfig, run
 
     logs.configure(log_level)
-    config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers)
-    uvloop.run(run(config))
+    config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
+                         tenants_file=tenants_file.resolve() if tenants_file else None)
+    try:
+        uvloop.run(run(config))
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from exc
 
 
 @main.command()
@@ -106,6 +115,31 @@ def manifest(version_dir: Path) -> None:
 
     text = write_manifest(version_dir, version_dir / MANIFEST)
     click.echo(text, nl=False)
+
+
+@main.group()
+def keys() -> None:
+    """API keys in a tenants file."""
+
+
+@keys.command("create")
+@click.argument("tenant", required=False)
+@click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("tenants.toml"), show_default=True, help="The tenants file to add the key to.")
+@click.option("--admin", "is_admin", is_flag=True, help="Create an admin key instead of a tenant's.")
+def create_key(tenant: str | None, tenants_file: Path, is_admin: bool) -> None:
+    """Create an API key for TENANT (adding the tenant if new), store its hash, print the key once."""
+    from sluice.gateway.keyfile import add_key
+
+    if not is_admin and not tenant:
+        raise click.UsageError("name a TENANT, or pass --admin")
+    try:
+        key = add_key(tenants_file, None if is_admin else tenant)
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from exc
+    click.echo(key)
+    who = "an admin key" if is_admin else f"a key for tenant {tenant!r}"
+    click.echo(f"Stored the hash of {who} in {tenants_file}. This is the only time the key is shown.", err=True)
 
 
 def _metrics_dir() -> None:

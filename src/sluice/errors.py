@@ -5,8 +5,12 @@
      ├── InvalidInput            the client sent something malformed            -> 400
      │    ├── PayloadTooLarge    request body over the limit                     -> 413
      │    └── ItemFailed         an input item was rejected by the model         -> 422
+     ├── Unauthenticated         no API key, or one that matches no tenant       -> 401
+     ├── PermissionDenied        the tenant may not use this model or route      -> 403
      ├── NotFound                no such route or resource                       -> 404
      │    └── ModelNotFound      no such model or version
+     ├── RateLimited             a tenant's limit is reached                     -> 429
+     │    └── BudgetExhausted    its device-second budget is spent (do not retry)
      ├── Unavailable             the service cannot take this request now        -> 503
      │    ├── ModelNotReady      no ready replica serves the model
      │    ├── Overloaded         queued work would make it miss its deadline
@@ -51,6 +55,14 @@ class ItemFailed(InvalidInput):
     """One input item could not be processed by the model (the rest of its batch still ran)."""
 
 
+class Unauthenticated(SluiceError):
+    """The request carries no API key, or one that belongs to no tenant."""
+
+
+class PermissionDenied(SluiceError):
+    """The tenant is known but may not use this model (or route)."""
+
+
 class NotFound(SluiceError):
     """The route or resource does not exist."""
 
@@ -81,3 +93,20 @@ class WorkerLost(Unavailable):
 
 class DeadlineExceeded(SluiceError):
     """The request's deadline passed before a result was ready."""
+
+
+class RateLimited(SluiceError):
+    """A tenant's limit is reached. `limit` names it (requests, tokens, concurrency, credits);
+    `headers` are the rate-limit headers to send (OpenAI's `x-ratelimit-*`)."""
+
+    def __init__(self, message: str, limit: str, retry_after_s: float | None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+
+
+class BudgetExhausted(RateLimited):
+    """The tenant's device-second budget for the current period is spent; retrying before the
+    period resets cannot succeed."""

@@ -61,6 +61,31 @@ WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", mu
 WORKER_RESTARTS = Counter("sluice_worker_restarts", "Worker processes restarted after an exit.")
 REDISPATCHED = Counter("sluice_redispatched_requests", "Requests sent again after their worker died.")
 
+# Per tenant and priority class; the tenant label is bounded by the tenants file ("local" without one).
+TENANT_ADMITTED = Counter(
+    "sluice_tenant_admitted", "Requests admitted past the tenant's limits.", ["tenant", "class"],
+)
+TENANT_REJECTED = Counter(
+    "sluice_tenant_rejected",
+    "Requests refused, by reason (requests, tokens, concurrency, credits, overloaded, expired).",
+    ["tenant", "class", "reason"],
+)
+TENANT_GOODPUT = Counter(
+    "sluice_tenant_goodput", "Requests completed successfully within their deadline.", ["tenant", "class"],
+)
+TENANT_DEVICE_SECONDS = Counter(
+    "sluice_tenant_device_seconds", "Device time used by the tenant's requests (each batch split by cost).",
+    ["tenant", "class"],
+)
+TENANT_QUEUE_WAIT = Histogram(
+    "sluice_tenant_queue_wait_seconds", "Time the tenant's requests waited in a worker's queue.",
+    ["tenant", "class"], buckets=_LATENCY_BUCKETS,
+)
+
+
+def tenant_label(tenant: str) -> str:
+    return tenant or "local"
+
 
 class GatewayMetrics:
     def request_done(self, model: str, version: str, outcome: str, seconds: float) -> None:
@@ -75,6 +100,23 @@ class GatewayMetrics:
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)
+
+    def tenant_admitted(self, tenant: str, klass: str) -> None:
+        TENANT_ADMITTED.labels(tenant_label(tenant), klass).inc()
+
+    def tenant_rejected(self, tenant: str, klass: str, reason: str) -> None:
+        TENANT_REJECTED.labels(tenant_label(tenant), klass, reason).inc()
+
+    def tenant_completed(self, tenant: str, klass: str, queue_s: float, device_s: float) -> None:
+        label = tenant_label(tenant)
+        TENANT_GOODPUT.labels(label, klass).inc()
+        TENANT_QUEUE_WAIT.labels(label, klass).observe(queue_s)
+        TENANT_DEVICE_SECONDS.labels(label, klass).inc(device_s)
+
+    def tenant_used(self, tenant: str, klass: str, device_s: float) -> None:
+        """Device time of a request that ran but did not succeed (still paid for)."""
+        if device_s > 0:
+            TENANT_DEVICE_SECONDS.labels(tenant_label(tenant), klass).inc(device_s)
 
 
 class WorkerMetrics:

@@ -24,8 +24,10 @@ from starlette.applications import Starlette
 from sluice import __version__
 from sluice.api import ApiConfig, build_app
 from sluice.clock import MonotonicClock
+from sluice.errors import ConfigError
 from sluice.gateway import Gateway
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
+from sluice.gateway.tenancy import Tenancy
 from sluice.metrics import GatewayMetrics
 from sluice.repository import scan_repository
 from sluice.runtime import settle_garbage_collector
@@ -40,6 +42,8 @@ class ServeConfig:
     port: int = 8000
     num_workers: int | None = None  # None: one per GPU, or one on a machine without a GPU
     device: str = "auto"
+    tenants_file: Path | None = None
+    """The tenants file (keys, weights, limits); None: one local tenant and no keys."""
     remote_workers: tuple[str, ...] = ()
     """ZeroMQ addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     graceful_timeout_s: float = 30.0
@@ -72,7 +76,9 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
-    gateway = Gateway(MonotonicClock(), gateway_metrics)
+    clock = MonotonicClock()
+    tenancy = Tenancy(clock, gateway_metrics, config.tenants_file)
+    gateway = Gateway(clock, gateway_metrics, tenancy=tenancy)
     if config.remote_workers:
         devices = [f"remote {address}" for address in config.remote_workers]
         addresses = list(config.remote_workers)
@@ -110,7 +116,16 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.handle_exit, sig, None)
+    loop.add_signal_handler(signal.SIGHUP, _reload_tenants, tenancy)
     await server.serve()
+
+
+def _reload_tenants(tenancy: Tenancy) -> None:
+    """SIGHUP: read the tenants file again; requests in flight are not disturbed."""
+    try:
+        tenancy.reload()
+    except ConfigError as exc:
+        log.error("tenants file not reloaded, the previous one stays in force: %s", exc.message)
 
 
 class _Server(uvicorn.Server):
@@ -134,6 +149,12 @@ async def _announce(config: ServeConfig, gateway: Gateway, devices: list[str], c
         for version, info in sorted(versions.items()):
             console.print(f"  ready: [green]{name}[/green] v{version} ({info.kind}, "
                           f"max batch {info.max_batch_size}, SLO {info.slo_s * 1000:g} ms)")
+    tenancy = gateway.tenancy
+    if tenancy.is_open:
+        console.print("  tenants: [yellow]none[/yellow] (no --tenants file): one local tenant, no API keys asked for")
+    else:
+        console.print(f"  tenants: {len(tenancy.directory.tenants)} from {tenancy.directory.path} "
+                      "(send 'Authorization: Bearer <key>'; SIGHUP reloads the file)")
     for refused in gateway.refused():
         console.print(f"  [red]refused[/red]: {refused.name} v{refused.version}: {refused.reason}")
     missing = gateway.expected_models - set(models)

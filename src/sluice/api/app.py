@@ -1,6 +1,7 @@
 """The Starlette application: routes of both protocols, request ids, body limits, the error table.
 
-    request ─▶ RequestIdMiddleware ─▶ ExceptionMiddleware ─▶ route (openai | kserve | metrics)
+    request ─▶ RequestIdMiddleware ─▶ AuthMiddleware ─▶ ExceptionMiddleware ─▶ route
+                                        (tenant)                                 (openai | kserve | admin | metrics)
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
-from sluice.api import kserve, openai
+from sluice.api import admin, kserve, openai
+from sluice.api.auth import AuthMiddleware
 from sluice.api.common import request_id
 from sluice.api.errors import error_response
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -109,9 +111,10 @@ def build_app(
         routes=[
             *openai.routes(gateway, config.body_limit_bytes),
             *kserve.routes(gateway, config.body_limit_bytes),
+            *admin.routes(gateway),
             _metrics_route(gateway),
         ],
         exception_handlers={SluiceError: _on_sluice_error, HTTPException: _on_http_error, Exception: _on_bug},
         lifespan=lifespan,
     )
-    return RequestIdMiddleware(app)
+    return RequestIdMiddleware(AuthMiddleware(app, gateway.tenancy))

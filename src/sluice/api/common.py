@@ -1,10 +1,14 @@
-"""Small helpers shared by the protocol modules: bounded body reads and request deadlines."""
+"""Small helpers shared by the protocol modules: bounded body reads, deadlines, tenant and class."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
 from sluice.errors import InvalidInput, PayloadTooLarge
+from sluice.gateway import Caller
+from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
@@ -61,3 +65,31 @@ batch-job items run in-process, by the job executor). Never read from a client h
 def request_tenant(request: Request) -> str:
     """The tenant this request is served for: "" is the single local tenant (no tenants file)."""
     return str(request.scope.get(TENANT_SCOPE_KEY, ""))
+
+
+PRIORITY_HEADER = "x-sluice-priority"
+
+
+def requested_priority(request: Request, *body_values: tuple[str, Any]) -> Priority | None:
+    """The class a request asks for: the `x-sluice-priority` header and the body's `service_tier` /
+    `priority` fields (names: interactive, standard, batch; OpenAI's `flex` is batch, `priority`
+    is interactive, `auto`/`default` keep the tenant's). If several are given the lowest counts;
+    the gateway never lets a request rise above its tenant's default class."""
+    found = [parse_priority(request.headers.get(PRIORITY_HEADER), PRIORITY_HEADER)]
+    for name, value in body_values:
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"'{name}' must be a string (interactive, standard or batch)", param=name)
+        found.append(parse_priority(value, name))
+    classes = [p for p in found if p is not None]
+    return max(classes) if classes else None
+
+
+def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0) -> Caller:
+    return Caller(request_tenant(request), priority, estimated_tokens)
+
+
+def estimate_text_tokens(texts: list[str]) -> float:
+    """A generous guess at a text's tokens before the model's tokenizer has seen it (a token per
+    three characters, where English averages four, plus two special tokens), reserved against the
+    tenant's tokens-per-minute limit and settled with the real count afterwards."""
+    return float(sum(len(text) // 3 + 2 for text in texts))

@@ -1,7 +1,10 @@
 """The one table from core errors to HTTP, in both protocols' error shapes.
 
 OpenAI: `{"error": {"message", "type", "param", "code"}}`; KServe v2: `{"error": "..."}`.
-Overload answers carry `Retry-After` (whole seconds, at least 1) and `retry-after-ms`.
+Overload and rate-limit answers carry `Retry-After` (whole seconds, at least 1) and `retry-after-ms`;
+rate-limit answers also OpenAI's `x-ratelimit-*` headers and a `code` naming the limit
+(`requests_limit_exceeded`, `tokens_limit_exceeded`, `concurrency_limit_exceeded`, or
+`insufficient_quota` with `x-should-retry: false` for a spent device-second budget).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import msgspec
 from starlette.responses import Response
 
 from sluice.errors import (
+    BudgetExhausted,
     DeadlineExceeded,
     InvalidInput,
     ItemFailed,
@@ -21,7 +25,10 @@ from sluice.errors import (
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    PermissionDenied,
+    RateLimited,
     SluiceError,
+    Unauthenticated,
     Unavailable,
     WorkerLost,
 )
@@ -39,6 +46,10 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (PayloadTooLarge, Status(413, "invalid_request_error", "payload_too_large")),
     (ItemFailed, Status(422, "invalid_request_error", "item_failed")),
     (InvalidInput, Status(400, "invalid_request_error", "invalid_request")),
+    (Unauthenticated, Status(401, "invalid_request_error", "invalid_api_key")),
+    (PermissionDenied, Status(403, "invalid_request_error", "model_not_permitted")),
+    (BudgetExhausted, Status(429, "insufficient_quota", "insufficient_quota")),
+    (RateLimited, Status(429, "rate_limit_exceeded", "rate_limit_exceeded")),
     (ModelNotFound, Status(404, "invalid_request_error", "model_not_found")),
     (NotFound, Status(404, "invalid_request_error", "not_found")),
     (Overloaded, Status(503, "server_overloaded", "overloaded")),
@@ -60,13 +71,16 @@ def status_of(error: Exception) -> Status:
 def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
     status = status_of(error)
     message = error.message if isinstance(error, SluiceError) else "internal server error"
+    code = status.code
+    if isinstance(error, RateLimited) and not isinstance(error, BudgetExhausted):
+        code = f"{error.limit}_limit_exceeded"  # which limit: requests, tokens, concurrency
     if protocol == "kserve":
         body = msgspec.json.encode({"error": message})
     else:
         param = getattr(error, "param", None)
         body = msgspec.json.encode({"error": {"message": message, "type": status.type, "param": param,
-                                              "code": status.code}})
-    headers = {}
+                                              "code": code}})
+    headers = dict(error.headers) if isinstance(error, RateLimited) else {}
     retry_after_s = getattr(error, "retry_after_s", None)
     if retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))

@@ -22,7 +22,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import __version__, wire
-from sluice.api.common import header_timeout_s, parse_count, read_body
+from sluice.api.common import (
+    caller,
+    estimate_text_tokens,
+    header_timeout_s,
+    parse_count,
+    read_body,
+    request_tenant,
+    requested_priority,
+)
 from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Gateway
@@ -45,6 +53,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         name, version = _path(request)
         versions = gateway.models().get(name)
         info = gateway.resolve(name, version)
+        _authorize(gateway, request, info)
         assert versions is not None
         return _json({
             "name": info.name,
@@ -60,6 +69,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             info = gateway.resolve(name, version)
         except ModelNotReady:
             return _json({"name": name, "ready": False}, status=503)
+        _authorize(gateway, request, info)
         return _json({"name": info.name, "ready": True})
 
     async def infer(request: Request) -> Response:
@@ -75,9 +85,11 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         payload = _to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)
         timeout_s = _timeout(parsed.parameters)
+        priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
+        tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
         result = await gateway.infer(info, payload, header_timeout if timeout_s is None else timeout_s,
-                                     arrived_at=arrived_at)
-        return _render(info, parsed, result.payload, binary_outputs)
+                                     arrived_at=arrived_at, caller=caller(request, priority, tokens))
+        return _render(info, parsed, result.payload, binary_outputs, result.rate_limit_headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
     table = [
@@ -92,6 +104,20 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             Route(prefix + "/infer", infer, methods=["POST"]),
         ]
     return table
+
+
+def _triton_priority(raw: Any) -> Any:
+    """Triton's `priority` parameter is a level, 1 the highest and 0 the model's default (what
+    `tritonclient`'s `priority=` sends); sluice also takes a class name there."""
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        return raw
+    if raw < 0:
+        raise InvalidInput("parameter 'priority' must be a non-negative level or a class name", param="priority")
+    return None if raw == 0 else ("interactive", "standard")[raw - 1] if raw <= 2 else "batch"
+
+
+def _authorize(gateway: Gateway, request: Request, info: wire.ModelInfo) -> None:
+    gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), info.name)
 
 
 def _path(request: Request) -> tuple[str, str | None]:
@@ -161,7 +187,8 @@ def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]
     return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
 
 
-def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Payload, binary: set[str]) -> Response:
+def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Payload, binary: set[str],
+            headers: dict[str, str] | None) -> Response:
     spec = info.outputs[0]
     if not isinstance(payload, wire.TensorPayload):
         raise TypeError("models return tensors")
@@ -173,9 +200,9 @@ def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Paylo
         body["id"] = request.id
     header = msgspec.json.encode(body)
     if not raw:
-        return Response(header, media_type="application/json")
+        return Response(header, media_type="application/json", headers=headers)
     return Response(header + raw, media_type="application/octet-stream",
-                    headers={"inference-header-content-length": str(len(header))})
+                    headers={**(headers or {}), "inference-header-content-length": str(len(header))})
 
 
 def _spec(spec: wire.TensorSpec) -> dict[str, Any]:

@@ -17,7 +17,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import wire
-from sluice.api.common import header_timeout_s, read_body
+from sluice.api.common import (
+    caller,
+    estimate_text_tokens,
+    header_timeout_s,
+    read_body,
+    request_tenant,
+    requested_priority,
+)
 from sluice.errors import InvalidInput, ModelNotFound
 from sluice.gateway import Gateway
 
@@ -33,17 +40,21 @@ class EmbeddingsRequest(msgspec.Struct):
     encoding_format: Literal["float", "base64"] | None = "float"  # null: the default
     dimensions: int | None = None
     user: str | None = None
+    service_tier: str | None = None
+    priority: str | None = None
 
 
 def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def list_models(request: Request) -> Response:
-        data = [_model_card(name) for name in sorted(gateway.models())]
+        tenant = gateway.tenancy.tenant(request_tenant(request))
+        data = [_model_card(name) for name in sorted(gateway.tenancy.visible(tenant, gateway.models()))]
         return _json({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
         if name not in gateway.models():
             raise ModelNotFound(f"the model {name!r} does not exist")
+        gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         return _json(_model_card(name))
 
     async def embeddings(request: Request) -> Response:
@@ -57,8 +68,10 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                f"use /v2/models/{parsed.model}/infer", param="model")
         _check_dimensions(info, parsed.dimensions, None)
+        priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
         gateway.shed_if_overloaded(info, timeout_s, arrived_at)
-        result = await gateway.infer(info, wire.TextPayload(texts), timeout_s, arrived_at=arrived_at)
+        result = await gateway.infer(info, wire.TextPayload(texts), timeout_s, arrived_at=arrived_at,
+                                     caller=caller(request, priority, estimate_text_tokens(texts)))
         payload = result.payload
         assert isinstance(payload, wire.TensorPayload)
         vectors = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
@@ -68,7 +81,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             for i, row in enumerate(vectors)
         ]
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
-        return _json({"object": "list", "data": data, "model": info.name, "usage": usage})
+        return _json({"object": "list", "data": data, "model": info.name, "usage": usage},
+                     headers=result.rate_limit_headers)
 
     return [
         Route("/v1/models", list_models, methods=["GET"]),
@@ -138,5 +152,6 @@ def _model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": _STARTED, "owned_by": "sluice"}
 
 
-def _json(content: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
+def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json",
+                    headers=headers)

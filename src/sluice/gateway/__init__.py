@@ -3,6 +3,6 @@
     Gateway.infer() ─▶ router.choose() ─▶ WorkerConnection.submit() ──ZeroMQ──▶ worker
 """
 
-from sluice.gateway.gateway import Gateway, GatewayConfig, InferResult
+from sluice.gateway.gateway import Caller, Gateway, GatewayConfig, InferResult
 
-__all__ = ["Gateway", "GatewayConfig", "InferResult"]
+__all__ = ["Caller", "Gateway", "GatewayConfig", "InferResult"]

@@ -13,7 +13,7 @@ import logging
 import random
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq.asyncio
 
@@ -31,7 +31,9 @@ from sluice.errors import (
 )
 from sluice.gateway import router
 from sluice.gateway.connection import InFlight, WorkerConnection
+from sluice.gateway.tenancy import Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
+from sluice.priority import Priority, effective_priority
 
 log = logging.getLogger("sluice.gateway")
 
@@ -45,6 +47,17 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request is for, as the API layer learned it."""
+
+    tenant: str = ""
+    priority: Priority | None = None
+    """The class the request asked for; it can only lower the tenant's default."""
+    estimated_tokens: float = 0.0
+    """Reserved against the tenant's tokens-per-minute limit until the real count is known."""
+
+
+@dataclass(frozen=True, slots=True)
 class InferResult:
     model: wire.ModelInfo
     payload: wire.Payload
@@ -52,13 +65,17 @@ class InferResult:
     queue_s: float
     exec_s: float
     batch_size: int
+    device_s: float = 0.0
+    rate_limit_headers: dict[str, str] | None = None
 
 
 class Gateway:
-    def __init__(self, clock: Clock, metrics: GatewayMetrics, config: GatewayConfig | None = None) -> None:
+    def __init__(self, clock: Clock, metrics: GatewayMetrics, config: GatewayConfig | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self._clock = clock
         self._metrics = metrics
         self._config = config or GatewayConfig()
+        self.tenancy = tenancy or Tenancy(clock, metrics)
         self._context = zmq.asyncio.Context()
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._connections: dict[str, WorkerConnection] = {}
@@ -164,26 +181,38 @@ class Gateway:
 
     async def infer(
         self, info: wire.ModelInfo, payload: wire.Payload, timeout_s: float | None = None,
-        *, arrived_at: float | None = None,
+        *, arrived_at: float | None = None, caller: Caller | None = None,
     ) -> InferResult:
-        """Run one request on `info` (from `resolve`). The deadline counts from `arrived_at`, the
-        moment the request reached the gateway (default: now)."""
+        """Run one request on `info` (from `resolve`) for `caller`. The deadline counts from
+        `arrived_at`, the moment the request reached the gateway (default: now).
+
+        The tenant's permission and limits are checked first (403/429, nothing else consumed);
+        tokens are reserved from the estimate and settled with the worker's count."""
         started = self._clock.now() if arrived_at is None else arrived_at
+        caller = caller or _LOCAL_CALLER
         if self.is_draining:
             raise Unavailable("server is shutting down", retry_after_s=1.0)
         if timeout_s is not None and not 0 < timeout_s <= self._config.max_timeout_s:
             raise InvalidInput(f"timeout must be in (0, {self._config.max_timeout_s:g}] seconds", param="timeout")
+        tenant = self.tenancy.tenant(caller.tenant)
+        self.tenancy.authorize(tenant, info.name)
+        priority = effective_priority(tenant.priority, caller.priority)
+        reservation = self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         outcome = "error"
+        result: InferResult | None = None
         try:
-            result = await self._dispatch(info, payload, deadline)
+            result = await self._dispatch(info, payload, deadline, tenant.name, priority)
             outcome = "ok"
-            return result
+            self._metrics.tenant_completed(tenant.name, priority.label, result.queue_s, result.device_s)
+            return replace(result, rate_limit_headers=rate_limit_headers(reservation.statuses))
         except Overloaded:
             outcome = "rejected"
+            self._metrics.tenant_rejected(tenant.name, priority.label, "overloaded")
             raise
         except DeadlineExceeded:
             outcome = "expired"
+            self._metrics.tenant_rejected(tenant.name, priority.label, "expired")
             raise
         except InvalidInput:
             outcome = "failed"
@@ -193,8 +222,11 @@ class Gateway:
             raise
         finally:
             self._metrics.request_done(info.name, info.version, outcome, self._clock.now() - started)
+            self.tenancy.settle(reservation, result.num_tokens if result else 0, result.device_s if result else 0.0,
+                                refund_request=outcome in ("rejected", "unavailable"))
 
-    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, deadline: float) -> InferResult:
+    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, deadline: float, tenant: str,
+                        priority: Priority) -> InferResult:
         self._next_id += 1
         request_id = self._next_id
         tried_lost = False
@@ -212,7 +244,7 @@ class Gateway:
                     await asyncio.sleep(self._config.redispatch_poll_s)
                     continue
                 raise ModelNotReady(f"no ready worker serves {info.name} v{info.version}", retry_after_s=1.0)
-            submit = wire.Submit(request_id, info.name, info.version, payload, deadline - now)
+            submit = wire.Submit(request_id, info.name, info.version, payload, deadline - now, tenant, int(priority))
             in_flight = connection.submit(submit)
             if in_flight is None:  # not connected at this instant (e.g. restarting): try again shortly
                 await asyncio.sleep(self._config.redispatch_poll_s)
@@ -265,6 +297,9 @@ class Gateway:
         return result
 
 
+_LOCAL_CALLER = Caller()
+
+
 @dataclass(frozen=True, slots=True)
 class _ModelIndex:
     """Which ready workers serve which model versions; rebuilt only when a worker changes."""
@@ -294,7 +329,7 @@ def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
         case wire.Outcome.OK:
             assert result.payload is not None
             return InferResult(info, result.payload, result.num_tokens, result.queue_s, result.exec_s,
-                               result.batch_size)
+                               result.batch_size, result.device_s)
         case wire.Outcome.REJECTED:
             raise Overloaded(result.message or "overloaded", retry_after_s=result.retry_after_s)
         case wire.Outcome.EXPIRED:

@@ -55,6 +55,7 @@ class _Pending:
     num_left: int = 0
     queue_s: float = 0.0
     exec_s: float = 0.0
+    device_s: float = 0.0  # its items' shares of their batches' device time, split by cost
     batch_size: int = 0
 
 
@@ -247,11 +248,13 @@ class WorkerServer:
         now = self._clock.now()
         self._metrics.batch_done(model, version, len(batch.items), exec_s,
                                  [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
+        per_cost_s = exec_s / max(sum(item.cost for item in batch.items), 1)
         for item, output in zip(batch.items, outputs, strict=True):
             pending = self._pending.get(item.request_id)
             if pending is None:
                 continue  # cancelled or expired while running
             pending.exec_s = max(pending.exec_s, exec_s)
+            pending.device_s += per_cost_s * item.cost
             pending.batch_size = max(pending.batch_size, len(batch.items))
             if isinstance(output, ItemFailure):
                 pending.errors.append(wire.ItemError(item.index, output.message))
@@ -272,12 +275,14 @@ class WorkerServer:
             errors = sorted(pending.errors, key=_index)
             result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=errors,
                                  num_tokens=num_tokens, queue_s=pending.queue_s, exec_s=pending.exec_s,
-                                 batch_size=pending.batch_size, message=pending.errors[0].message)
+                                 device_s=pending.device_s, batch_size=pending.batch_size,
+                                 message=pending.errors[0].message)
         else:
             runner = self._runners[pending.key]
             payload = runner.pack([o for o in pending.outputs if o is not None])
             result = wire.Result(pending.gateway_request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
-                                 queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size)
+                                 queue_s=pending.queue_s, exec_s=pending.exec_s, device_s=pending.device_s,
+                                 batch_size=pending.batch_size)
         self._reply(pending.identity, result)
 
     def _expire(self, internal_id: int) -> None:

@@ -1,0 +1,68 @@
+"""Authentication: the API key on each request becomes the tenant it is served for.
+
+    request ─▶ AuthMiddleware ─▶ scope["sluice.tenant"] = tenant name ─▶ routes
+                 │ no key / unknown key: 401    tenant key on /admin/*: 403
+
+Keys come from `Authorization: Bearer <key>` (what the `openai` SDK sends) or `api-key`.
+Health probes and `/metrics` need no key. Without a tenants file every request is the local
+tenant's and no key is asked for. A scope that already names a tenant was built in-process (a
+batch job's item, run for the job's owner) and is left as it is: clients cannot set scope keys.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sluice.api.common import TENANT_SCOPE_KEY
+from sluice.api.errors import error_response
+from sluice.errors import PermissionDenied, SluiceError
+from sluice.gateway.tenancy import Tenancy
+
+ADMIN_SCOPE_KEY = "sluice.admin"
+_OPEN_PATHS = frozenset({"/metrics", "/v2/health/live", "/v2/health/ready", "/health"})
+
+
+def presented_key(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+        elif name == b"api-key" and value:
+            return value.decode("latin-1").strip()
+    return None
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, tenancy: Tenancy) -> None:
+        self.app = app
+        self.tenancy = tenancy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or TENANT_SCOPE_KEY in scope or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._authenticate(scope)
+        except SluiceError as exc:
+            protocol = "kserve" if scope["path"].startswith("/v2") else "openai"
+            await error_response(exc, protocol)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authenticate(self, scope: Scope) -> None:
+        key = presented_key(scope)
+        is_admin_route = scope["path"].startswith("/admin/")
+        if self.tenancy.is_open:
+            scope[TENANT_SCOPE_KEY] = ""
+            scope[ADMIN_SCOPE_KEY] = True  # a server without tenants is a single user's
+            return
+        if self.tenancy.is_admin(key):
+            if not is_admin_route:
+                raise PermissionDenied("an admin key manages tenants; it cannot run inference")
+            scope[ADMIN_SCOPE_KEY] = True
+            return
+        tenant = self.tenancy.authenticate(key)
+        if is_admin_route:
+            raise PermissionDenied("this route needs an admin key")
+        scope[TENANT_SCOPE_KEY] = tenant.name

@@ -1,0 +1,52 @@
+"""`sluice keys create`: add a key's hash to a tenants file, keeping the file's comments and layout.
+
+The key is generated here, its SHA-256 digest written to the file, and the key itself returned to
+be printed once; sluice never stores it. The file is checked with the server's own loader before
+it is replaced (atomically), so a running server's SIGHUP never reads a half-written file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import tomlkit
+from tomlkit.exceptions import TOMLKitError
+
+from sluice.errors import ConfigError
+from sluice.gateway.tenants import hash_key, load_tenants, new_key
+
+__all__ = ["add_key"]
+
+
+def add_key(path: Path, tenant: str | None) -> str:
+    """Create a key for `tenant` (None: an admin key), adding the tenant if it is new."""
+    try:
+        document = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
+    except TOMLKitError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    key = new_key()
+    if tenant is None:
+        table = document.setdefault("admin", tomlkit.table())
+    else:
+        tenants = document.setdefault("tenants", tomlkit.table(is_super_table=True))
+        table = tenants.setdefault(tenant, tomlkit.table())
+    keys = table.setdefault("api_keys", tomlkit.array())
+    keys.append(hash_key(key))
+    text = tomlkit.dumps(document)
+    _replace(path, text if text.endswith("\n") else text + "\n", needs_tenant=tenant is not None)
+    return key
+
+
+def _replace(path: Path, text: str, needs_tenant: bool) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent.resolve(), prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        if needs_tenant:
+            load_tenants(Path(tmp))  # refuse to write a file the server would not load
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,208 @@
+"""Per-tenant limits at the gateway: request and token buckets, a concurrency cap, a credit budget.
+
+    admit(tenant, estimated_tokens) ──▶ Reservation ──(request runs)──▶ settle(tokens, device_s)
+              │
+              └──▶ Refusal(limit, retry_after_s)    nothing consumed
+
+Pure policy over an injected clock. Rules:
+- every limit is checked before any is consumed, so a request refused by one limit takes
+  nothing from the others;
+- tokens are reserved at admission from an estimate and settled with the real count when the
+  request completes, so concurrent requests cannot overshoot a tokens-per-minute limit between
+  admission and completion (they would, if counted only afterwards);
+- a bucket holds at most one minute's worth, refilled continuously; a request larger than the
+  bucket is let through when the bucket is full and leaves it in debt, rather than never;
+- credits are device-seconds per period (fixed windows on the gateway's clock), charged with the
+  device time the tenant's requests actually used; a request is admitted while the period's use is
+  under the budget, so the overshoot is at most what the tenant's in-flight requests use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sluice.clock import Clock
+from sluice.gateway.tenants import Tenant
+
+__all__ = ["LimitStatus", "Refusal", "Reservation", "TenantLimiter", "TokenBucket", "format_duration"]
+
+
+class TokenBucket:
+    def __init__(self, per_min: float, now: float) -> None:
+        self.capacity = per_min
+        self.rate_per_s = per_min / 60.0
+        self.level = per_min
+        self._at = now
+
+    def refill(self, now: float) -> None:
+        if now > self._at:
+            self.level = min(self.capacity, self.level + (now - self._at) * self.rate_per_s)
+            self._at = now
+
+    def wait_s(self, amount: float) -> float:
+        """Seconds until `amount` can be taken (a request larger than the bucket waits for a full one)."""
+        need = min(amount, self.capacity) - self.level
+        return 0.0 if need <= 0 else need / self.rate_per_s
+
+    def reset_s(self) -> float:
+        """Seconds until the bucket is full again."""
+        return max(0.0, self.capacity - self.level) / self.rate_per_s
+
+    def adjust(self, delta: float) -> None:
+        self.level = min(self.capacity, self.level + delta)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitStatus:
+    """One limit's state, for the `x-ratelimit-*` headers."""
+
+    name: str  # "requests" or "tokens"
+    limit: float
+    remaining: float
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    limit: str
+    """Which limit refused: "requests", "tokens", "concurrency" or "credits"."""
+    retry_after_s: float
+    is_final: bool
+    """True when retrying within the current period cannot help (an exhausted budget)."""
+    statuses: tuple[LimitStatus, ...]
+
+
+@dataclass(slots=True)
+class Reservation:
+    tenant: str
+    tokens: float
+    statuses: tuple[LimitStatus, ...]
+    is_settled: bool = False
+
+
+@dataclass(slots=True)
+class _TenantState:
+    tenant: Tenant
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    num_in_flight: int = 0
+    period_index: int = 0
+    used_device_s: float = 0.0
+    used_total_device_s: float = 0.0
+    statuses: tuple[LimitStatus, ...] = field(default=())
+
+
+class TenantLimiter:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._states: dict[str, _TenantState] = {}
+
+    def configure(self, tenants: Iterable[Tenant]) -> None:
+        """Apply a (re)loaded tenants file. Tenants whose limits did not change keep their state;
+        a changed limit starts a fresh bucket; in-flight counts and credit use always carry over."""
+        now = self._clock.now()
+        states: dict[str, _TenantState] = {}
+        for tenant in tenants:
+            old = self._states.get(tenant.name)
+            requests = _bucket(tenant.requests_per_min, old.requests if old else None, now)
+            tokens = _bucket(tenant.tokens_per_min, old.tokens if old else None, now)
+            state = _TenantState(tenant, requests, tokens)
+            if old is not None:
+                state.num_in_flight = old.num_in_flight
+                state.period_index, state.used_device_s = old.period_index, old.used_device_s
+                state.used_total_device_s = old.used_total_device_s
+            states[tenant.name] = state
+        self._states = states
+
+    def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+        state = self._states.get(tenant.name)
+        if state is None:  # removed by a reload while the request was being read
+            self.configure([*(s.tenant for s in self._states.values()), tenant])
+            state = self._states[tenant.name]
+        now = self._clock.now()
+        for bucket in (state.requests, state.tokens):
+            if bucket is not None:
+                bucket.refill(now)
+        self._roll_period(state, now)
+        refusal = self._check(state, estimated_tokens, now)
+        if refusal is not None:
+            return refusal
+        if state.requests is not None:
+            state.requests.adjust(-1)
+        if state.tokens is not None:
+            state.tokens.adjust(-estimated_tokens)
+        state.num_in_flight += 1
+        return Reservation(tenant.name, estimated_tokens, _statuses(state))
+
+    def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
+               refund_request: bool = False) -> None:
+        """The request is over: give back unused tokens (or take the excess), charge its device time.
+        `refund_request`: the system, not the tenant, refused it (overload), so it does not count."""
+        if reservation.is_settled:
+            return
+        reservation.is_settled = True
+        state = self._states.get(reservation.tenant)
+        if state is None:
+            return
+        state.num_in_flight = max(0, state.num_in_flight - 1)
+        if refund_request and state.requests is not None:
+            state.requests.adjust(1)
+        if state.tokens is not None:
+            state.tokens.refill(self._clock.now())
+            state.tokens.adjust(reservation.tokens - tokens)
+        self._roll_period(state, self._clock.now())
+        state.used_device_s += device_s
+        state.used_total_device_s += device_s
+
+    def used_device_s(self, tenant: str) -> float:
+        state = self._states.get(tenant)
+        return state.used_total_device_s if state else 0.0
+
+    def _check(self, state: _TenantState, tokens: float, now: float) -> Refusal | None:
+        tenant = state.tenant
+        if tenant.max_concurrent and state.num_in_flight >= tenant.max_concurrent:
+            return Refusal("concurrency", 1.0, False, _statuses(state))
+        if tenant.credits_device_s and state.used_device_s >= tenant.credits_device_s:
+            period_end = (state.period_index + 1) * tenant.credit_period_s
+            return Refusal("credits", max(period_end - now, 1.0), True, _statuses(state))
+        for name, bucket, amount in (("requests", state.requests, 1.0), ("tokens", state.tokens, tokens)):
+            if bucket is not None and (wait_s := bucket.wait_s(amount)) > 0:
+                return Refusal(name, wait_s, False, _statuses(state))
+        return None
+
+    @staticmethod
+    def _roll_period(state: _TenantState, now: float) -> None:
+        if not state.tenant.credits_device_s:
+            return
+        index = math.floor(now / state.tenant.credit_period_s)
+        if index != state.period_index:
+            state.period_index, state.used_device_s = index, 0.0
+
+
+def _bucket(per_min: float, old: TokenBucket | None, now: float) -> TokenBucket | None:
+    if per_min <= 0:
+        return None
+    if old is not None and old.capacity == per_min:
+        return old
+    return TokenBucket(per_min, now)
+
+
+def _statuses(state: _TenantState) -> tuple[LimitStatus, ...]:
+    return tuple(
+        LimitStatus(name, bucket.capacity, max(0.0, bucket.level), bucket.reset_s())
+        for name, bucket in (("requests", state.requests), ("tokens", state.tokens)) if bucket is not None
+    )
+
+
+def format_duration(seconds: float) -> str:
+    """A reset time as OpenAI writes it: `20ms`, `1.5s`, `6m0s`, `1h2m3s`."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 10) / 10:g}s"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h" if hours else "") + f"{minutes}m{secs}s"

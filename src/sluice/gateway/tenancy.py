@@ -1,0 +1,148 @@
+"""Tenancy at the gateway: keys to tenants, model permissions, limits, and the tenants file's reload.
+
+    key ──authenticate──▶ Tenant ──authorize(model)──▶ admit(tokens) ──▶ Reservation
+         401                        403                    429              │ request runs
+                                                                           settle(tokens, device_s)
+
+A reload (SIGHUP, or `POST /admin/reload`) swaps in a new directory atomically: requests already
+admitted keep their reservation, and the new weights go to the workers' schedulers. A tenants
+file that does not parse leaves the old one in force.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.clock import Clock
+from sluice.errors import BudgetExhausted, PermissionDenied, RateLimited, Unauthenticated
+from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration
+from sluice.gateway.tenants import LOCAL_TENANT, Tenant, TenantDirectory, load_tenants
+from sluice.metrics import GatewayMetrics
+from sluice.priority import Priority
+
+log = logging.getLogger("sluice.tenancy")
+
+__all__ = ["Tenancy", "TenantUsage", "rate_limit_headers"]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    name: str
+    weight: float
+    priority: str
+    device_s: float
+    models: list[str] | None
+
+
+class Tenancy:
+    def __init__(self, clock: Clock, metrics: GatewayMetrics, path: Path | None = None) -> None:
+        self._metrics = metrics
+        self.directory = load_tenants(path) if path is not None else TenantDirectory.open()
+        self.limiter = TenantLimiter(clock)
+        self.limiter.configure(self.directory.tenants.values())
+        self._listeners: list[Callable[[dict[str, float]], None]] = []
+
+    @property
+    def is_open(self) -> bool:
+        return self.directory.is_open
+
+    def on_weights(self, listener: Callable[[dict[str, float]], None]) -> None:
+        """Call `listener(weights)` now and after every reload (the workers' schedulers need them)."""
+        self._listeners.append(listener)
+        listener(self.weights())
+
+    def weights(self) -> dict[str, float]:
+        return {name: tenant.weight for name, tenant in self.directory.tenants.items()}
+
+    def reload(self) -> TenantDirectory:
+        """Read the tenants file again. Raises `ConfigError` (and keeps the old one) if it is invalid."""
+        if self.directory.path is None:
+            return self.directory
+        directory = load_tenants(self.directory.path)
+        self.directory = directory
+        self.limiter.configure(directory.tenants.values())
+        for listener in self._listeners:
+            listener(self.weights())
+        log.info("tenants file %s reloaded: %d tenants", directory.path, len(directory.tenants))
+        return directory
+
+    # -- who is calling ------------------------------------------------------------------------
+
+    def authenticate(self, key: str | None) -> Tenant:
+        if self.directory.is_open:
+            return LOCAL_TENANT
+        if not key:
+            raise Unauthenticated("this server needs an API key: send 'Authorization: Bearer <key>'")
+        tenant = self.directory.tenant_for_key(key)
+        if tenant is None:
+            raise Unauthenticated("the API key is not valid")
+        return tenant
+
+    def is_admin(self, key: str | None) -> bool:
+        return bool(key) and not self.directory.is_open and self.directory.is_admin_key(key or "")
+
+    def tenant(self, name: str) -> Tenant:
+        """The tenant a request was authenticated as (or that a batch job belongs to)."""
+        tenant = self.directory.tenants.get(name)
+        if tenant is None:  # removed by a reload since it was authenticated
+            raise Unauthenticated(f"tenant {name!r} no longer exists")
+        return tenant
+
+    def authorize(self, tenant: Tenant, model: str) -> None:
+        if not tenant.may_use(model):
+            raise PermissionDenied(f"this API key may not use the model {model!r}")
+
+    def visible(self, tenant: Tenant, models: Iterable[str]) -> list[str]:
+        return [name for name in models if tenant.may_use(name)]
+
+    # -- limits --------------------------------------------------------------------------------
+
+    def admit(self, tenant: Tenant, priority: Priority, estimated_tokens: float) -> Reservation:
+        outcome = self.limiter.admit(tenant, estimated_tokens)
+        if isinstance(outcome, Refusal):
+            self._metrics.tenant_rejected(tenant.name, priority.label, outcome.limit)
+            raise _refusal_error(tenant, outcome)
+        self._metrics.tenant_admitted(tenant.name, priority.label)
+        return outcome
+
+    def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
+               refund_request: bool = False) -> None:
+        self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
+
+    def usage(self) -> list[TenantUsage]:
+        return [TenantUsage(t.name, t.weight, t.priority.label, self.limiter.used_device_s(t.name),
+                            None if t.models is None else sorted(t.models))
+                for t in self.directory.tenants.values()]
+
+
+_MESSAGES = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "concurrency": "concurrent requests",
+    "credits": "device-second budget for this period",
+}
+
+
+def _refusal_error(tenant: Tenant, refusal: Refusal) -> RateLimited:
+    headers = rate_limit_headers(refusal.statuses)
+    message = f"rate limit reached for {_MESSAGES[refusal.limit]}"
+    if refusal.is_final:
+        headers["x-should-retry"] = "false"
+        return BudgetExhausted(f"tenant {tenant.name!r} has used its {_MESSAGES[refusal.limit]}; "
+                               f"it resets in {format_duration(refusal.retry_after_s)}",
+                               refusal.limit, refusal.retry_after_s, headers)
+    return RateLimited(f"{message}; retry in {format_duration(refusal.retry_after_s)}", refusal.limit,
+                       refusal.retry_after_s, headers)
+
+
+def rate_limit_headers(statuses: Iterable[LimitStatus]) -> dict[str, str]:
+    """OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers."""
+    headers: dict[str, str] = {}
+    for status in statuses:
+        headers[f"x-ratelimit-limit-{status.name}"] = f"{status.limit:.0f}"
+        headers[f"x-ratelimit-remaining-{status.name}"] = f"{int(status.remaining)}"
+        headers[f"x-ratelimit-reset-{status.name}"] = format_duration(status.reset_s)
+    return headers

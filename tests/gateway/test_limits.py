@@ -1,0 +1,136 @@
+"""Per-tenant limits as pure policy under a virtual clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.clock import VirtualClock
+from sluice.gateway.limits import Refusal, Reservation, TenantLimiter, format_duration
+from sluice.gateway.tenants import Tenant
+
+
+def limiter(clock: VirtualClock, **limits: float) -> tuple[TenantLimiter, Tenant]:
+    tenant = Tenant(name="t", **limits)  # type: ignore[arg-type]
+    lim = TenantLimiter(clock)
+    lim.configure([tenant])
+    return lim, tenant
+
+
+def test_requests_per_minute_refuses_the_excess_and_refills():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, requests_per_min=3)
+    for _ in range(3):
+        assert isinstance(lim.admit(tenant, 0), Reservation)
+    refusal = lim.admit(tenant, 0)
+    assert isinstance(refusal, Refusal) and refusal.limit == "requests"
+    assert refusal.retry_after_s == pytest.approx(20.0)  # 3/min: one request every 20 s
+    clock.advance(20.0)
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+
+
+def test_a_refusal_by_one_limit_consumes_no_other():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, requests_per_min=10, tokens_per_min=100)
+    first = lim.admit(tenant, 100)
+    assert isinstance(first, Reservation)
+    refusal = lim.admit(tenant, 50)  # tokens are spent: refused by the tokens limit
+    assert isinstance(refusal, Refusal) and refusal.limit == "tokens"
+    requests = {s.name: s for s in refusal.statuses}["requests"]
+    assert requests.remaining == pytest.approx(9)  # the refused request took no request token
+
+
+def test_reserved_tokens_stop_concurrent_overshoot_and_settle_refunds():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, tokens_per_min=1000)
+    held = [lim.admit(tenant, 400), lim.admit(tenant, 400)]
+    assert all(isinstance(r, Reservation) for r in held)
+    assert isinstance(lim.admit(tenant, 400), Refusal)  # 1,200 would overshoot: refused before any settles
+    for reservation in held:
+        assert isinstance(reservation, Reservation)
+        lim.settle(reservation, tokens=50, device_s=0.0)  # actual use was much smaller
+    assert isinstance(lim.admit(tenant, 400), Reservation)
+
+
+def test_settling_twice_counts_once():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, max_concurrent=1, credits_device_s=10)
+    reservation = lim.admit(tenant, 0)
+    assert isinstance(reservation, Reservation)
+    lim.settle(reservation, 0, device_s=1.0)
+    lim.settle(reservation, 0, device_s=1.0)
+    assert lim.used_device_s("t") == pytest.approx(1.0)
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+
+
+def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_then_leaves_debt():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, tokens_per_min=60)
+    assert isinstance(lim.admit(tenant, 120), Reservation)  # full bucket: let through, in debt
+    refusal = lim.admit(tenant, 1)
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_after_s == pytest.approx(61.0)  # 60 of debt + 1 token at 1 token/s
+
+
+def test_concurrency_cap_and_release():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, max_concurrent=2)
+    a, b = lim.admit(tenant, 0), lim.admit(tenant, 0)
+    refusal = lim.admit(tenant, 0)
+    assert isinstance(refusal, Refusal) and refusal.limit == "concurrency" and not refusal.is_final
+    assert isinstance(a, Reservation)
+    lim.settle(a, 0, 0.0)
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+    assert isinstance(b, Reservation)
+
+
+def test_credit_budget_is_final_until_the_period_resets():
+    clock = VirtualClock(start_s=1000.0)
+    lim, tenant = limiter(clock, credits_device_s=2.0, credit_period_s=3600)
+    for _ in range(2):
+        reservation = lim.admit(tenant, 0)
+        assert isinstance(reservation, Reservation)
+        lim.settle(reservation, 0, device_s=1.0)
+    refusal = lim.admit(tenant, 0)
+    assert isinstance(refusal, Refusal) and refusal.limit == "credits" and refusal.is_final
+    assert refusal.retry_after_s == pytest.approx(3600 - 1000)
+    clock.set(3600.0)
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+
+
+def test_reload_keeps_state_of_unchanged_limits_and_resets_changed_ones():
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, requests_per_min=2)
+    lim.admit(tenant, 0)
+    lim.admit(tenant, 0)
+    lim.configure([tenant])
+    assert isinstance(lim.admit(tenant, 0), Refusal)  # same limits: same (empty) bucket
+    lim.configure([Tenant(name="t", requests_per_min=5)])
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.integers(1, 300), st.booleans()), min_size=1, max_size=60))
+def test_tokens_admitted_never_exceed_the_bucket_plus_refill(events: list[tuple[float, int, bool]]):
+    """Whatever the arrival pattern, admitted estimates within any run stay within capacity + refill
+    (the one allowed overshoot is a single request larger than the whole bucket)."""
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, tokens_per_min=600)
+    admitted = 0.0
+    for gap_s, tokens, settle_now in events:
+        clock.advance(gap_s)
+        outcome = lim.admit(tenant, tokens)
+        if isinstance(outcome, Reservation):
+            admitted += tokens
+            if settle_now:
+                lim.settle(outcome, tokens, 0.0)  # used exactly what it reserved
+    assert admitted <= 600 + clock.now() * 10 + 1e-6
+
+
+def test_durations_read_like_openais():
+    assert format_duration(0.017) == "17ms"
+    assert format_duration(1.0) == "1s"
+    assert format_duration(1.25) == "1.3s"
+    assert format_duration(360) == "6m0s"
+    assert format_duration(3723) == "1h2m3s"

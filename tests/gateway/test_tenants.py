@@ -1,0 +1,53 @@
+"""The tenants file: parsing, key hashes, and `sluice keys create`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sluice.errors import ConfigError
+from sluice.gateway.keyfile import add_key
+from sluice.gateway.tenants import hash_key, load_tenants
+from sluice.priority import Priority
+
+
+def test_keys_are_stored_hashed_and_found_by_the_key(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("# our tenants\n[tenants.acme]\nweight = 2\npriority = 'interactive'\nmodels = ['minilm']\n")
+    key = add_key(path, "acme")
+    text = path.read_text()
+    assert key not in text and hash_key(key) in text
+    assert "# our tenants" in text  # comments survive
+    directory = load_tenants(path)
+    tenant = directory.tenant_for_key(key)
+    assert tenant is not None and tenant.name == "acme" and tenant.weight == 2
+    assert tenant.priority is Priority.INTERACTIVE
+    assert tenant.may_use("minilm") and not tenant.may_use("emulated")
+    assert directory.tenant_for_key(key + "x") is None
+    assert not directory.is_admin_key(key)
+
+
+def test_admin_keys_are_separate(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    add_key(path, "acme")
+    admin = add_key(path, None)
+    directory = load_tenants(path)
+    assert directory.is_admin_key(admin)
+    assert directory.tenant_for_key(admin) is None
+
+
+@pytest.mark.parametrize("body, message", [
+    ("[tenants.a]\napi_keys = ['sk-plain-text']\n", "never in plain text"),
+    ("[tenants.a]\nweight = -1\n", "weight must be a number"),
+    ("[tenants.a]\npriority = 'urgent'\n", "'priority' must be one of"),
+    ("[tenants.a]\nrate = 3\n", "unknown field"),
+    ("[tenant.a]\n", "unknown section"),
+    ("[admin]\n", "defines no tenants"),
+    ("[tenants.a\n", "not valid TOML"),
+])
+def test_a_bad_tenants_file_is_refused_with_the_reason(tmp_path: Path, body: str, message: str):
+    path = tmp_path / "tenants.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        load_tenants(path)

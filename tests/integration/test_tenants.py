@@ -1,0 +1,218 @@
+"""Tenants through a real server and the real `openai` SDK: 401, 403, 429 with OpenAI's headers,
+budgets, classes, the admin scope, and a SIGHUP reload that drops nothing in flight."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sluice.gateway.keyfile import add_key
+from sluice.gateway.tenants import hash_key, new_key
+from tests.conftest import write_emulated_model
+
+pytestmark = pytest.mark.slow
+
+ROOMY = {"X-Request-Timeout-Ms": "30000"}
+
+KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk")}
+ADMIN_KEY = new_key()
+
+TENANTS = f"""
+[admin]
+api_keys = ["{hash_key(ADMIN_KEY)}"]
+
+[tenants.alpha]
+api_keys = ["{hash_key(KEYS['alpha'])}"]
+weight = 2
+priority = "interactive"
+
+[tenants.beta]
+api_keys = ["{hash_key(KEYS['beta'])}"]
+models = ["emulated"]
+
+[tenants.tiny]
+api_keys = ["{hash_key(KEYS['tiny'])}"]
+requests_per_min = 60
+
+[tenants.tokens]
+api_keys = ["{hash_key(KEYS['tokens'])}"]
+tokens_per_min = 100
+
+[tenants.budget]
+api_keys = ["{hash_key(KEYS['budget'])}"]
+credits_device_s = 0.05
+credit_period_s = 3600
+models = ["slow"]
+
+[tenants.slow]
+api_keys = ["{hash_key(KEYS['slow'])}"]
+tokens_per_min = 600
+models = ["crawl"]
+
+[tenants.bulk]
+api_keys = ["{hash_key(KEYS['bulk'])}"]
+priority = "batch"
+"""
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text(TENANTS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path):
+    from tests.conftest import start_server
+
+    repo = tmp_path_factory.mktemp("repo")
+    write_emulated_model(repo, "emulated")
+    write_emulated_model(repo, "slow", alpha_ms=30, beta_ms=0.0)
+    write_emulated_model(repo, "crawl", alpha_ms=1500, beta_ms=0.0, slo_ms=20000)
+    started = start_server(repo, tmp_path_factory.mktemp("log"), "--tenants", str(tenants_file))
+    yield started
+    started.stop()
+
+
+def sdk(server, key: str | None, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key or "none", max_retries=retries, timeout=60,
+                         default_headers=ROOMY)
+
+
+def embed(server, tenant: str, model: str = "emulated", text: str = "hello world", retries: int = 0):
+    with sdk(server, KEYS[tenant], retries) as client:
+        return client.embeddings.with_raw_response.create(model=model, input=text)
+
+
+def test_no_key_or_a_wrong_key_is_401(server):
+    with sdk(server, None) as client, pytest.raises(openai.AuthenticationError) as caught:
+        client.models.list()
+    assert caught.value.status_code == 401
+    assert caught.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+    response = httpx.post(f"{server.url}/v2/models/emulated/infer", json={"inputs": []})
+    assert response.status_code == 401 and "error" in response.json()  # KServe's error shape
+
+
+def test_health_and_metrics_need_no_key(server):
+    assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_a_model_the_tenant_may_not_use_is_403_and_not_listed(server):
+    with sdk(server, KEYS["beta"]) as client:
+        assert [m.id for m in client.models.list().data] == ["emulated"]
+        with pytest.raises(openai.PermissionDeniedError):
+            client.embeddings.create(model="slow", input="hi")
+        with pytest.raises(openai.PermissionDeniedError):
+            client.models.retrieve("slow")
+        assert client.embeddings.create(model="emulated", input="hi").data
+
+
+def test_requests_limit_answers_429_with_openai_headers_and_the_sdk_waits_it_out(server):
+    first = embed(server, "tiny")
+    assert first.headers["x-ratelimit-limit-requests"] == "60"
+    assert int(first.headers["x-ratelimit-remaining-requests"]) == 59
+    with pytest.raises(openai.RateLimitError) as caught:  # the bucket refills at one a second meanwhile
+        for _ in range(120):
+            embed(server, "tiny")
+    headers = caught.value.response.headers
+    assert caught.value.body["code"] == "requests_limit_exceeded"  # type: ignore[index]
+    assert headers["retry-after"] == "1" and 0 < int(headers["retry-after-ms"]) <= 1000
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith(("ms", "s"))
+    started = time.monotonic()
+    assert embed(server, "tiny", retries=2).parse().data  # the SDK honours retry-after-ms, then succeeds
+    assert time.monotonic() - started < 5
+
+
+def test_tokens_limit_refuses_without_consuming_a_request(server):
+    embed(server, "tokens", text="word " * 100)  # a full bucket lets one large request through, in debt
+    with pytest.raises(openai.RateLimitError) as caught:
+        embed(server, "tokens", text="a few more words")
+    assert caught.value.body["code"] == "tokens_limit_exceeded"  # type: ignore[index]
+    assert caught.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_concurrent_requests_cannot_overshoot_the_tokens_limit(server):
+    """LiteLLM #18730: ten requests at once, each estimated at almost a third of the minute's
+    tokens, on a model slow enough that none completes (and settles) before the last arrives."""
+    text = "x" * 540  # estimated 182 tokens each; 600 per minute admit three
+
+    def attempt(_: int) -> int:
+        try:
+            embed(server, "slow", model="crawl", text=text)
+            return 200
+        except openai.RateLimitError:
+            return 429
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(attempt, range(10)))
+    assert outcomes.count(200) == 3
+    assert outcomes.count(429) == 7
+
+
+def test_a_spent_budget_is_429_insufficient_quota_and_not_retried(server):
+    for _ in range(2):  # 30 ms each against a 50 ms budget: the second is admitted, then overdraws
+        embed(server, "budget", model="slow")
+    with sdk(server, KEYS["budget"], retries=3) as client, pytest.raises(openai.RateLimitError) as caught:
+        started = time.monotonic()
+        client.embeddings.create(model="slow", input="one more")
+    assert time.monotonic() - started < 2  # x-should-retry: false stops the SDK's retries
+    assert caught.value.body["code"] == "insufficient_quota"  # type: ignore[index]
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert int(caught.value.response.headers["retry-after"]) > 60
+
+
+def test_a_request_may_lower_its_class_but_never_raise_it(server):
+    embed(server, "bulk")  # default batch
+    with sdk(server, KEYS["bulk"]) as client:
+        client.embeddings.create(model="emulated", input="hi", extra_body={"service_tier": "priority"})
+    with sdk(server, KEYS["alpha"]) as client:
+        client.embeddings.create(model="emulated", input="hi", extra_body={"service_tier": "flex"})
+        client.embeddings.create(model="emulated", input="hi")
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'sluice_tenant_admitted_total{class="batch",tenant="bulk"} 2.0' in text
+    assert 'sluice_tenant_admitted_total{class="interactive",tenant="bulk"}' not in text
+    assert 'sluice_tenant_admitted_total{class="batch",tenant="alpha"} 1.0' in text
+    assert 'sluice_tenant_admitted_total{class="interactive",tenant="alpha"}' in text
+    assert 'sluice_tenant_device_seconds_total{class="batch",tenant="bulk"}' in text
+    assert 'sluice_tenant_queue_wait_seconds_count{class="interactive",tenant="alpha"}' in text
+
+
+def test_admin_scope_is_separate_from_tenant_keys(server):
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    listing = httpx.get(f"{server.url}/admin/tenants", headers=admin)
+    assert listing.status_code == 200
+    assert {t["name"] for t in listing.json()["data"]} >= {"alpha", "beta", "budget"}
+    tenant_try = httpx.get(f"{server.url}/admin/tenants", headers={"Authorization": f"Bearer {KEYS['alpha']}"})
+    assert tenant_try.status_code == 403
+    with sdk(server, ADMIN_KEY) as client, pytest.raises(openai.PermissionDeniedError):
+        client.embeddings.create(model="emulated", input="hi")
+
+
+def test_sighup_reloads_keys_without_dropping_requests_in_flight(server, tenants_file: Path):
+    new = add_key(tenants_file, "gamma")
+    with sdk(server, new) as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(embed, server, "alpha", "crawl") for _ in range(8)]
+        time.sleep(0.02)
+        server.process.send_signal(signal.SIGHUP)
+        assert all(f.result().status_code == 200 for f in running)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with sdk(server, new) as client:
+                client.models.list()
+            break
+        except openai.AuthenticationError:
+            time.sleep(0.1)
+    else:
+        pytest.fail("the new key was not accepted after SIGHUP")
