@@ -9,6 +9,7 @@ In the embedded server, gateway and workers are separate processes that share on
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess as _multiprocess
@@ -82,9 +83,38 @@ TENANT_QUEUE_WAIT = Histogram(
     ["tenant", "class"], buckets=_LATENCY_BUCKETS,
 )
 
+# Generation, measured at the gateway as the client sees it (the definitions `vllm bench serve` uses).
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "sluice_time_to_first_token_seconds", "From arrival to the first streamed output.", ["model"],
+    buckets=_LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "sluice_inter_token_latency_seconds", "Between consecutive streamed outputs of one request.", ["model"],
+    buckets=_TOKEN_BUCKETS,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "sluice_time_per_output_token_seconds", "(end-to-end - time to first token) / (output tokens - 1).",
+    ["model"], buckets=_TOKEN_BUCKETS,
+)
+GENERATION_DURATION = Histogram(
+    "sluice_generation_duration_seconds", "End-to-end time of a completed generation.", ["model"],
+    buckets=_LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter("sluice_prompt_tokens", "Prompt tokens of completed generations.", ["model"])
+CACHED_PROMPT_TOKENS = Counter("sluice_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
+                               ["model"])
+GENERATION_TOKENS = Counter("sluice_generation_tokens", "Output tokens of completed generations.", ["model"])
+
 
 def tenant_label(tenant: str) -> str:
     return tenant or "local"
+
+
+class GenerationCounts(Protocol):
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
 
 
 class GatewayMetrics:
@@ -100,6 +130,20 @@ class GatewayMetrics:
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        TIME_TO_FIRST_TOKEN.labels(model).observe(seconds)
+
+    def inter_token(self, model: str, seconds: float) -> None:
+        INTER_TOKEN_LATENCY.labels(model).observe(seconds)
+
+    def generation_done(self, model: str, result: GenerationCounts, e2e_s: float, ttft_s: float | None) -> None:
+        GENERATION_DURATION.labels(model).observe(e2e_s)
+        PROMPT_TOKENS.labels(model).inc(result.num_prompt_tokens)
+        CACHED_PROMPT_TOKENS.labels(model).inc(result.num_cached_tokens)
+        GENERATION_TOKENS.labels(model).inc(result.num_output_tokens)
+        if ttft_s is not None and result.num_output_tokens > 1:
+            TIME_PER_OUTPUT_TOKEN.labels(model).observe(max(e2e_s - ttft_s, 0.0) / (result.num_output_tokens - 1))
 
     def tenant_admitted(self, tenant: str, klass: str) -> None:
         TENANT_ADMITTED.labels(tenant_label(tenant), klass).inc()

@@ -7,7 +7,9 @@ the process boundary is one of the `Message` structs below; nothing else does.
       Hello ───────────────────────────────────▶  (learns the gateway's identity)
       Submit(request_id, payload, timeout_s) ──▶  queued, or answered Result(REJECTED)
       Cancel(request_ids) ─────────────────────▶  dropped if not started
+      TenantWeights(weights) ──────────────────▶  the fair scheduler's shares (on connect, on reload)
       ◀─────────────────────── Started(ids)        the batch holding them went to the device
+      ◀─────────────────────── TokenChunk(...)     streamed output of a generation
       ◀─────────────────────── Result(...)         one per request, always
       ◀─────────────────────── WorkerState(...)    queue state, on a timer and on Hello
 
@@ -35,7 +37,41 @@ class TextPayload(msgspec.Struct, frozen=True, tag="text"):
     texts: list[str]
 
 
-Payload = TensorPayload | TextPayload
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
+    """A generation request: a prompt (text or token ids) or chat messages the worker renders with
+    the model's chat template, and how to sample. Streamed back as `TokenChunk`s, then a `Result`
+    whose payload is a `GenerationResult`."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    stream: bool = False
+
+
+class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
+    text: str  # the whole completion ("" when it was streamed: the chunks carried it)
+    finish_reason: str  # "stop" or "length"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult
 
 
 class Outcome(enum.StrEnum):
@@ -75,6 +111,23 @@ class Drain(msgspec.Struct, tag="drain"):
 
 class Started(msgspec.Struct, tag="started"):
     request_ids: list[int]
+
+
+class TokenChunk(msgspec.Struct, tag="chunk"):
+    """New output of a streamed generation: text since the last chunk and its token ids. The
+    first chunk of a request also means it started (it is not re-dispatched after that)."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TenantWeights(msgspec.Struct, tag="weights"):
+    """The tenants' weights for the worker's fair scheduler; sent on connect and on every reload."""
+
+    weights: dict[str, float]
 
 
 class ItemError(msgspec.Struct, frozen=True):
@@ -145,7 +198,7 @@ class WorkerState(msgspec.Struct, tag="state"):
     drain_rate: float  # estimated work retired per second while work waits (0..1)
 
 
-Message = Hello | Submit | Cancel | Drain | Started | Result | WorkerState
+Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState
 
 
 class Bundle(msgspec.Struct, tag="bundle"):

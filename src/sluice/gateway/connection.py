@@ -35,6 +35,15 @@ class InFlight:
     is_timed_out: bool = False
     work_s: float = 0.0
     state_generation: int = 0
+    chunks: asyncio.Queue[wire.TokenChunk | None] | None = None
+    """For a streamed generation: its output as it arrives; None when `future` is resolved."""
+
+    def resolve(self, result: wire.Result | None) -> None:
+        """The answer (None: lost or timed out). Ends a stream too."""
+        if not self.future.done():
+            self.future.set_result(result)
+            if self.chunks is not None:
+                self.chunks.put_nowait(None)
 
 
 class WorkerConnection:
@@ -63,6 +72,7 @@ class WorkerConnection:
         self.is_lost = False
         self.is_ready = False
         self._lost_incarnation: str | None = None
+        self._weights: dict[str, float] | None = None
         self.on_change: Callable[[], None] = lambda: None
         """Called when readiness or the served models change, so the gateway can re-index."""
 
@@ -94,6 +104,8 @@ class WorkerConnection:
             return None
         work_s = self._item_s.get((message.model, message.version), 0.001) * _num_items(message.payload)
         in_flight = InFlight(message, work_s=work_s, state_generation=self._state_generation)
+        if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
+            in_flight.chunks = asyncio.Queue()
         self._in_flight[message.request_id] = in_flight
         self.sent_work_since_state_s += work_s
         return in_flight
@@ -111,9 +123,15 @@ class WorkerConnection:
                 self._send_now(wire.Cancel([in_flight.submit.request_id]))
             if not in_flight.future.done():
                 in_flight.is_timed_out = True
-                in_flight.future.set_result(None)
+                in_flight.resolve(None)
 
         return asyncio.get_running_loop().call_later(delay_s, expire)
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """The tenants' weights for the worker's scheduler: sent now, and again with every Hello
+        (so a restarted worker learns them)."""
+        self._weights = weights
+        self._send_now(wire.TenantWeights(weights))
 
     def cancel(self, request_id: int) -> None:
         if self._in_flight.pop(request_id, None) is not None:
@@ -137,8 +155,8 @@ class WorkerConnection:
             for message in outbox:
                 if isinstance(message, wire.Submit):
                     in_flight = self._in_flight.pop(message.request_id, None)
-                    if in_flight is not None and not in_flight.future.done():
-                        in_flight.future.set_result(None)
+                    if in_flight is not None:
+                        in_flight.resolve(None)
 
     def mark_lost(self, *, is_dead: bool = True) -> list[InFlight]:
         """Resolve every in-flight request with None and return them.
@@ -154,8 +172,7 @@ class WorkerConnection:
         lost = list(self._in_flight.values())
         self._in_flight.clear()
         for in_flight in lost:
-            if not in_flight.future.done():
-                in_flight.future.set_result(None)
+            in_flight.resolve(None)
         return lost
 
     async def _receive_loop(self) -> None:
@@ -177,8 +194,13 @@ class WorkerConnection:
             if in_flight.state_generation == self._state_generation:
                 # answered before the worker's next report could count it: stop counting it here
                 self.sent_work_since_state_s = max(self.sent_work_since_state_s - in_flight.work_s, 0.0)
-            if not in_flight.future.done():
-                in_flight.future.set_result(message)
+            in_flight.resolve(message)
+        elif isinstance(message, wire.TokenChunk):
+            in_flight = self._in_flight.get(message.request_id)
+            if in_flight is not None:
+                in_flight.is_started = True
+                if in_flight.chunks is not None:
+                    in_flight.chunks.put_nowait(message)
         elif isinstance(message, wire.Started):
             for request_id in message.request_ids:
                 started = self._in_flight.get(request_id)
@@ -209,6 +231,8 @@ class WorkerConnection:
                 self.mark_lost(is_dead=False)
             if silent_s > HELLO_EVERY_S:
                 self._send_now(wire.Hello(self._gateway_id))
+                if self._weights is not None:
+                    self._send_now(wire.TenantWeights(self._weights))
             self._update_readiness()
             await asyncio.sleep(HELLO_EVERY_S)
 
@@ -216,4 +240,6 @@ class WorkerConnection:
 def _num_items(payload: wire.Payload) -> int:
     if isinstance(payload, wire.TextPayload):
         return len(payload.texts)
-    return payload.shape[0] if payload.shape else 1
+    if isinstance(payload, wire.TensorPayload):
+        return payload.shape[0] if payload.shape else 1
+    return 1

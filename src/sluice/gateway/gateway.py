@@ -12,8 +12,9 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import zmq.asyncio
 
@@ -31,6 +32,7 @@ from sluice.errors import (
 )
 from sluice.gateway import router
 from sluice.gateway.connection import InFlight, WorkerConnection
+from sluice.gateway.limits import Reservation
 from sluice.gateway.tenancy import Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority, effective_priority
@@ -188,6 +190,30 @@ class Gateway:
 
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
         tokens are reserved from the estimate and settled with the worker's count."""
+        ticket = self._admit(info, timeout_s, arrived_at, caller)
+        async with ticket:
+            result = await self._dispatch(info, payload, ticket)
+            ticket.done(result)
+            return replace(result, rate_limit_headers=rate_limit_headers(ticket.reservation.statuses))
+
+    async def generate(
+        self, info: wire.ModelInfo, payload: wire.GeneratePayload, timeout_s: float | None = None,
+        *, arrived_at: float | None = None, caller: Caller | None = None,
+    ) -> AsyncIterator[wire.TokenChunk | InferResult]:
+        """Stream a generation: its `TokenChunk`s as they come (only if `payload.stream`), then
+        the `InferResult` (payload `GenerationResult`). Errors before the first chunk are raised
+        from the first `__anext__`, so the API can still answer them with an HTTP status.
+        Closing the iterator early (client gone) withdraws the request from its worker."""
+        ticket = self._admit(info, timeout_s, arrived_at, caller)
+        async with ticket:
+            async for event in self._dispatch_stream(info, payload, ticket):
+                if isinstance(event, InferResult):
+                    ticket.done(event)
+                    event = replace(event, rate_limit_headers=rate_limit_headers(ticket.reservation.statuses))
+                yield event
+
+    def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
+               caller: Caller | None) -> _Ticket:
         started = self._clock.now() if arrived_at is None else arrived_at
         caller = caller or _LOCAL_CALLER
         if self.is_draining:
@@ -199,64 +225,77 @@ class Gateway:
         priority = effective_priority(tenant.priority, caller.priority)
         reservation = self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
-        outcome = "error"
-        result: InferResult | None = None
-        try:
-            result = await self._dispatch(info, payload, deadline, tenant.name, priority)
-            outcome = "ok"
-            self._metrics.tenant_completed(tenant.name, priority.label, result.queue_s, result.device_s)
-            return replace(result, rate_limit_headers=rate_limit_headers(reservation.statuses))
-        except Overloaded:
-            outcome = "rejected"
-            self._metrics.tenant_rejected(tenant.name, priority.label, "overloaded")
-            raise
-        except DeadlineExceeded:
-            outcome = "expired"
-            self._metrics.tenant_rejected(tenant.name, priority.label, "expired")
-            raise
-        except InvalidInput:
-            outcome = "failed"
-            raise
-        except Unavailable:
-            outcome = "unavailable"
-            raise
-        finally:
-            self._metrics.request_done(info.name, info.version, outcome, self._clock.now() - started)
-            self.tenancy.settle(reservation, result.num_tokens if result else 0, result.device_s if result else 0.0,
-                                refund_request=outcome in ("rejected", "unavailable"))
+        return _Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
+                       deadline)
 
-    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, deadline: float, tenant: str,
-                        priority: Priority) -> InferResult:
-        self._next_id += 1
-        request_id = self._next_id
+    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: _Ticket) -> InferResult:
         tried_lost = False
         while True:
+            connection, in_flight = await self._send(info, payload, ticket, tried_lost)
+            result = await self._await_answer(connection, in_flight, ticket.deadline)
+            if result is not None:
+                return _interpret(info, result)
+            self._check_restartable(connection, in_flight)
+            tried_lost = True
+
+    async def _dispatch_stream(
+        self, info: wire.ModelInfo, payload: wire.Payload, ticket: _Ticket
+    ) -> AsyncIterator[wire.TokenChunk | InferResult]:
+        tried_lost = False
+        while True:
+            connection, in_flight = await self._send(info, payload, ticket, tried_lost)
+            timer = connection.resolve_after(in_flight, ticket.deadline - self._clock.now()
+                                             + self._config.answer_grace_s)
+            try:
+                while in_flight.chunks is not None and (chunk := await in_flight.chunks.get()) is not None:
+                    ticket.chunk(chunk)
+                    yield chunk
+                result = await in_flight.future
+            finally:  # also when the consumer stops early (the client went away)
+                timer.cancel()
+                if not in_flight.future.done():
+                    connection.cancel(in_flight.submit.request_id)
+            if in_flight.is_timed_out:
+                raise DeadlineExceeded("the worker did not answer before the deadline")
+            if result is not None:
+                yield _interpret(info, result)
+                return
+            self._check_restartable(connection, in_flight)
+            tried_lost = True
+
+    async def _send(self, info: wire.ModelInfo, payload: wire.Payload, ticket: _Ticket,
+                    tried_lost: bool) -> tuple[WorkerConnection, InFlight]:
+        """Submit to the best ready replica, waiting (within the deadline) for one to recover if
+        the one that had the request died."""
+        self._next_id += 1
+        request_id = self._next_id
+        while True:
             now = self._clock.now()
-            if now >= deadline:
+            if now >= ticket.deadline:
                 if tried_lost:
                     raise WorkerLost("the worker serving this model died and none recovered before the "
                                      "request's deadline", retry_after_s=1.0)
                 raise DeadlineExceeded("deadline passed before a worker could take the request")
-            connection = self._choose(info, deadline)
+            connection = self._choose(info, ticket.deadline)
             if connection is None:
                 if tried_lost or self._is_recovering(info):
                     tried_lost = True
                     await asyncio.sleep(self._config.redispatch_poll_s)
                     continue
                 raise ModelNotReady(f"no ready worker serves {info.name} v{info.version}", retry_after_s=1.0)
-            submit = wire.Submit(request_id, info.name, info.version, payload, deadline - now, tenant, int(priority))
+            submit = wire.Submit(request_id, info.name, info.version, payload, ticket.deadline - now,
+                                 ticket.tenant, int(ticket.priority))
             in_flight = connection.submit(submit)
-            if in_flight is None:  # not connected at this instant (e.g. restarting): try again shortly
-                await asyncio.sleep(self._config.redispatch_poll_s)
-                continue
-            result = await self._await_answer(connection, in_flight, deadline)
-            if result is not None:
-                return _interpret(info, result)
-            if in_flight.is_started:
-                raise WorkerLost(f"worker {connection.worker_id} died while executing this request; "
-                                 "it was not completed", retry_after_s=1.0)
-            self._metrics.redispatched(1)
-            tried_lost = True
+            if in_flight is not None:
+                return connection, in_flight
+            await asyncio.sleep(self._config.redispatch_poll_s)  # not connected at this instant
+
+    def _check_restartable(self, connection: WorkerConnection, in_flight: InFlight) -> None:
+        """The worker was lost with the request: send it again only if it had not started."""
+        if in_flight.is_started:
+            raise WorkerLost(f"worker {connection.worker_id} died while executing this request; "
+                             "it was not completed", retry_after_s=1.0)
+        self._metrics.redispatched(1)
 
     def _is_recovering(self, info: wire.ModelInfo) -> bool:
         """A worker that served this model is down but expected back (e.g. being restarted)."""
@@ -298,6 +337,68 @@ class Gateway:
 
 
 _LOCAL_CALLER = Caller()
+
+
+class _Ticket:
+    """One admitted request's accounting: the outcome metric, the tenant's metrics, and the
+    settlement of its reservation, whatever way it ends (`async with`)."""
+
+    def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
+                 priority: Priority, reservation: Reservation, started: float, deadline: float) -> None:
+        self._metrics = metrics
+        self._tenancy = tenancy
+        self._clock = clock
+        self.info = info
+        self.tenant = tenant
+        self.priority = priority
+        self.reservation = reservation
+        self.started = started
+        self.deadline = deadline
+        self._result: InferResult | None = None
+        self._first_chunk_at: float | None = None
+        self._last_chunk_at = 0.0
+
+    def done(self, result: InferResult) -> None:
+        self._result = result
+
+    def chunk(self, chunk: wire.TokenChunk) -> None:
+        now = self._clock.now()
+        if self._first_chunk_at is None:
+            self._first_chunk_at = now
+            self._metrics.first_token(self.info.name, now - self.started)
+        else:
+            self._metrics.inter_token(self.info.name, now - self._last_chunk_at)
+        self._last_chunk_at = now
+
+    async def __aenter__(self) -> _Ticket:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        outcome = "ok" if error is None else next(
+            (name for cls, name in _OUTCOME_CLASSES if isinstance(error, cls)), "error")
+        label = self.priority.label
+        result = self._result
+        if outcome == "ok" and result is not None:
+            self._metrics.tenant_completed(self.tenant, label, result.queue_s, result.device_s)
+            if isinstance(result.payload, wire.GenerationResult):
+                ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
+                self._metrics.generation_done(self.info.name, result.payload, self._clock.now() - self.started, ttft_s)
+        elif outcome in ("rejected", "expired"):
+            self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
+        self._metrics.request_done(self.info.name, self.info.version, outcome, self._clock.now() - self.started)
+        self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
+                             result.device_s if result else 0.0,
+                             refund_request=outcome in ("rejected", "unavailable"))
+
+
+_OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
+    (Overloaded, "rejected"),
+    (DeadlineExceeded, "expired"),
+    (InvalidInput, "failed"),
+    (Unavailable, "unavailable"),
+    (asyncio.CancelledError, "cancelled"),
+    (GeneratorExit, "cancelled"),
+)
 
 
 @dataclass(frozen=True, slots=True)
