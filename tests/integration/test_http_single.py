@@ -24,16 +24,19 @@ def upstream() -> Iterator[UpstreamServer]:
         yield server
 
 
-@pytest.fixture
-def server(upstream: UpstreamServer, make_server, tmp_path: Path) -> ServerProcess:
+def _serve(make_server, tmp_path: Path, url: str, **params: object) -> ServerProcess:
+    settings = {"concurrency": 4, "timeout_ms": 1000, "max_attempts": 2, "backoff_ms": 5,
+                "failure_threshold": 1000, "expected_latency_ms": 200, **params}
     model = tmp_path / "models" / "up"
     (model / "1").mkdir(parents=True)
-    (model / "model.toml").write_text("\n".join([
-        'kind = "http-single"', "[slo]", "default_ms = 5000", "[params]", f'url = "{upstream.url}"',
-        "concurrency = 4", "timeout_ms = 1000", "max_attempts = 2", "backoff_ms = 5",
-        "failure_threshold = 1000", "expected_latency_ms = 200",
-    ]) + "\n")
+    lines = ['kind = "http-single"', "[slo]", "default_ms = 5000", "[params]", f'url = "{url}"']
+    (model / "model.toml").write_text("\n".join(lines + [f"{k} = {v}" for k, v in settings.items()]) + "\n")
     return make_server(tmp_path / "models")
+
+
+@pytest.fixture
+def server(upstream: UpstreamServer, make_server, tmp_path: Path) -> ServerProcess:
+    return _serve(make_server, tmp_path, upstream.url)
 
 
 def _embed(url: str, texts: list[str]) -> httpx.Response:
@@ -85,6 +88,20 @@ def test_failed_items_are_reported_per_item_and_nothing_else_is_lost(server, ups
     assert bad_row.status_code == 422
     assert "item 1: upstream failed after 2 attempts: HTTP 503" in bad_row.text
     assert "item 0" not in bad_row.text and "item 2" not in bad_row.text
+
+
+def test_an_upstream_that_is_down_fails_fast_then_recovers(upstream, make_server, tmp_path):
+    server = _serve(make_server, tmp_path, upstream.url, max_attempts=1, failure_threshold=3, open_s=1)
+    upstream.fail_rate, upstream.fail_status = 1.0, 500
+    for _ in range(3):
+        assert _embed(server.url, ["x"]).status_code == 422
+    response = _embed(server.url, ["y", "z"])
+    assert response.status_code == 422 and "upstream unavailable: circuit open" in response.text
+    assert upstream.num_requests == 3, "the open circuit answers without calling the upstream"
+    upstream.fail_rate = 0.0
+    time.sleep(1.0)
+    assert _embed(server.url, ["trial"]).status_code == 200
+    assert _embed(server.url, ["a", "b", "c"]).status_code == 200
 
 
 def _profile(metrics: str) -> tuple[float, float] | None:
