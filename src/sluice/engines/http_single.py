@@ -156,6 +156,9 @@ class _CallLoop:
 
 
 class HttpSingleRunner:
+    """The runner. `run_batch` blocks the device thread while the call loop fans the batch out;
+    the breaker, semaphore, session and jitter source belong to the call loop's thread."""
+
     def __init__(self, version: ModelVersion, device: str) -> None:
         self.config = parse_config(version)
         self.device = device
@@ -256,12 +259,16 @@ class HttpSingleRunner:
     async def _attempt(self, body: bytes) -> _Attempt:
         """One call. Records its outcome with the breaker: a 5xx, 408/429, timeout, connection
         error or unusable answer is a failure; any other answer (a 4xx included) shows the
-        upstream is up."""
-        outcome = await self._post(body)
-        if isinstance(outcome, np.ndarray) or (isinstance(outcome, _Final) and not outcome.is_upstream_fault):
-            self.breaker.record_success()
-        else:
-            self.breaker.record_failure()
+        upstream is up. Recorded even when the call raises or is cancelled, so that a half-open
+        breaker never waits forever for its trial."""
+        outcome: _Attempt = _Retry("call abandoned")
+        try:
+            outcome = await self._post(body)
+        finally:
+            if isinstance(outcome, np.ndarray) or (isinstance(outcome, _Final) and not outcome.is_upstream_fault):
+                self.breaker.record_success()
+            else:
+                self.breaker.record_failure()
         return outcome
 
     async def _post(self, body: bytes) -> _Attempt:
