@@ -24,7 +24,9 @@ from typing import Any
 from sluice.errors import ConfigError
 
 MANIFEST = "SHA256SUMS"
-RUNNER_KINDS = ("emulated", "embedding")
+RUNNER_KINDS = ("emulated", "embedding", "http-single")
+WEIGHTLESS_KINDS = ("http-single",)
+"""Runner kinds that load no files: a version folder without a SHA256SUMS manifest is fine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ def scan_repository(root: Path) -> Repository:
 def verify(version: ModelVersion) -> None:
     """Check the version's files against its SHA256SUMS manifest; raise ConfigError on mismatch."""
     if not version.manifest_path.is_file():
+        if version.kind in WEIGHTLESS_KINDS:
+            return
         raise ConfigError(f"{version.name} v{version.version}: missing {MANIFEST} manifest")
     listed = parse_manifest(version.manifest_path.read_text(), version.manifest_path)
     for rel_path, expected in listed.items():
@@ -162,6 +166,9 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
     if kind not in RUNNER_KINDS:
         raise ConfigError(f"{config_path}: kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
     batching_raw = config.get("batching", {})
+    concurrency = config.get("params", {}).get("concurrency")
+    if kind == "http-single" and isinstance(concurrency, int) and concurrency >= 1:
+        batching_raw = {"max_batch_size": concurrency, **batching_raw}  # a batch is one round of calls
     try:
         batching = BatchingConfig(**batching_raw)
     except TypeError as exc:

@@ -69,6 +69,10 @@ def load_runner(version: ModelVersion, device: str) -> Runner:
         from sluice.engines.embedding import EmbeddingRunner
 
         return EmbeddingRunner(version, device)
+    if version.kind == "http-single":
+        from sluice.engines.http_single import HttpSingleRunner
+
+        return HttpSingleRunner(version, device)
     raise ConfigError(f"unknown runner kind {version.kind!r}")
 
 
