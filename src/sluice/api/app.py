@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
-from sluice.api import admin, kserve, openai
+from sluice.api import admin, completions, kserve, openai
 from sluice.api.auth import AuthMiddleware
 from sluice.api.common import request_id
 from sluice.api.errors import error_response
@@ -110,6 +110,7 @@ def build_app(
     app = Starlette(
         routes=[
             *openai.routes(gateway, config.body_limit_bytes),
+            *completions.routes(gateway, config.body_limit_bytes),
             *kserve.routes(gateway, config.body_limit_bytes),
             *admin.routes(gateway),
             _metrics_route(gateway),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from sluice.errors import InvalidInput, PayloadTooLarge
@@ -93,3 +94,24 @@ def estimate_text_tokens(texts: list[str]) -> float:
     three characters, where English averages four, plus two special tokens), reserved against the
     tenant's tokens-per-minute limit and settled with the real count afterwards."""
     return float(sum(len(text) // 3 + 2 for text in texts))
+
+
+T = TypeVar("T")
+
+
+def decode_json(body: bytes, kind: type[T]) -> T:
+    """A JSON body decoded and validated into `kind`; a 400 naming the offending field otherwise."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    """The top-level field a msgspec validation message points at, e.g. `dimensions`."""
+    for marker in ("at `$.", "missing required field `"):
+        if marker in message:
+            return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from starlette.responses import Response
@@ -68,18 +69,22 @@ def status_of(error: Exception) -> Status:
     return _INTERNAL
 
 
-def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
+def error_body(error: Exception, protocol: str = "openai") -> dict[str, Any]:
+    """The error object a client sees, in the protocol's shape (also sent as an SSE event)."""
     status = status_of(error)
     message = error.message if isinstance(error, SluiceError) else "internal server error"
+    if protocol == "kserve":
+        return {"error": message}
     code = status.code
     if isinstance(error, RateLimited) and not isinstance(error, BudgetExhausted):
         code = f"{error.limit}_limit_exceeded"  # which limit: requests, tokens, concurrency
-    if protocol == "kserve":
-        body = msgspec.json.encode({"error": message})
-    else:
-        param = getattr(error, "param", None)
-        body = msgspec.json.encode({"error": {"message": message, "type": status.type, "param": param,
-                                              "code": code}})
+    param = getattr(error, "param", None)
+    return {"error": {"message": message, "type": status.type, "param": param, "code": code}}
+
+
+def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
+    status = status_of(error)
+    body = msgspec.json.encode(error_body(error, protocol))
     headers = dict(error.headers) if isinstance(error, RateLimited) else {}
     retry_after_s = getattr(error, "retry_after_s", None)
     if retry_after_s is not None:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from sluice import wire
 from sluice.api.common import (
     caller,
+    decode_json,
     estimate_text_tokens,
     header_timeout_s,
     read_body,
@@ -61,7 +62,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         arrived_at = gateway.now()
         timeout_s = header_timeout_s(request)
         body = await read_body(request, body_limit_bytes)
-        parsed = _decode(body, EmbeddingsRequest)
+        parsed = decode_json(body, EmbeddingsRequest)
         texts = _texts(parsed.input)
         info = gateway.resolve(parsed.model, None)
         if not info.accepts_text:
@@ -89,23 +90,6 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
-
-
-def _decode(body: bytes, kind: type[EmbeddingsRequest]) -> EmbeddingsRequest:
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as exc:
-        raise InvalidInput(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
-
-
-def _param_of(message: str) -> str | None:
-    """The top-level field a msgspec validation message points at, e.g. `dimensions`."""
-    for marker in ("at `$.", "missing required field `"):
-        if marker in message:
-            return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
-    return None
 
 
 def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: int | None) -> None:

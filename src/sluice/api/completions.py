@@ -1,0 +1,327 @@
+"""OpenAI-compatible text generation: `/v1/completions` and `/v1/chat/completions`.
+
+    body ─▶ validate ─▶ GeneratePayload ─▶ gateway.generate ─┬─▶ JSON (stream: false)
+                                                             └─▶ SSE chunks ... data: [DONE]
+
+Errors found before the first byte are HTTP statuses in OpenAI's envelope; once the stream has
+started, an error is sent as an SSE event carrying the same envelope, then `[DONE]`. A client that
+disconnects cancels its sequence on the worker. Fields `vllm bench serve` sends (`ignore_eos`,
+`top_k`, `min_tokens`, `repetition_penalty`) are honoured; `n > 1`, `echo`, `logprobs`, tools and
+penalties other than repetition are refused with a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from sluice import wire
+from sluice.api.common import (
+    caller,
+    decode_json,
+    estimate_text_tokens,
+    header_timeout_s,
+    read_body,
+    requested_priority,
+)
+from sluice.api.errors import error_body
+from sluice.errors import InvalidInput, SluiceError
+from sluice.gateway import Gateway, InferResult
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP = 4
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    priority: str | None = None
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+
+def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
+    async def completions(request: Request) -> Response:
+        return await _serve(gateway, request, body_limit_bytes, CompletionRequest)
+
+    async def chat(request: Request) -> Response:
+        return await _serve(gateway, request, body_limit_bytes, ChatRequest)
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+
+
+async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
+                 kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
+    arrived_at = gateway.now()
+    timeout_s = header_timeout_s(request)
+    body = await read_body(request, body_limit_bytes)
+    parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
+    info = gateway.resolve(parsed.model, None)
+    if info.kind not in ("generative", "openai-upstream"):
+        raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
+                           f"/v2/models/{parsed.model}/infer", param="model")
+    payload = _to_payload(parsed)
+    priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
+    estimate = _estimate_tokens(payload)
+    events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
+                              caller=caller(request, priority, estimate))
+    shape = _Shape(isinstance(parsed, ChatRequest), info.name)
+    if not payload.stream:
+        result = await _final(events)
+        return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
+                        headers=result.rate_limit_headers)
+    first = await anext(events)  # errors before the first byte become HTTP statuses
+    include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+    return StreamingResponse(_sse(shape, first, events, include_usage), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _final(events: AsyncIterator[wire.TokenChunk | InferResult]) -> InferResult:
+    async for event in events:
+        if isinstance(event, InferResult):
+            return event
+    raise RuntimeError("a generation ended without a result")
+
+
+async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
+               events: AsyncIterator[wire.TokenChunk | InferResult], include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        if shape.is_chat:
+            yield _event(shape.role_chunk())
+        event: wire.TokenChunk | InferResult | None = first
+        while event is not None:
+            if isinstance(event, InferResult):
+                assert isinstance(event.payload, wire.GenerationResult)
+                yield _event(shape.delta(event.payload.text, event.payload.finish_reason))
+                if include_usage:
+                    yield _event(shape.usage_chunk(event.payload))
+                break
+            if event.text:
+                yield _event(shape.delta(event.text, None))
+            event = await anext(events, None)
+    except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
+        yield _event(error_body(exc))
+    finally:
+        await events.aclose()  # withdraws the sequence if we stopped early (client gone)
+    yield b"data: [DONE]\n\n"
+
+
+def _event(content: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(content) + b"\n\n"
+
+
+class _Shape:
+    """OpenAI's response and chunk objects for one request."""
+
+    def __init__(self, is_chat: bool, model: str) -> None:
+        self.is_chat = is_chat
+        self.model = model
+        self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def whole(self, result: InferResult) -> dict[str, Any]:
+        payload = result.payload
+        assert isinstance(payload, wire.GenerationResult)
+        if self.is_chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": payload.text},
+                                      "logprobs": None, "finish_reason": payload.finish_reason}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": payload.text, "logprobs": None, "finish_reason": payload.finish_reason}
+            body = self._head("text_completion")
+        return {**body, "choices": [choice], "usage": _usage(payload)}
+
+    def role_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.is_chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, payload: wire.GenerationResult) -> dict[str, Any]:
+        name = "chat.completion.chunk" if self.is_chat else "text_completion"
+        return {**self._head(name), "choices": [], "usage": _usage(payload)}
+
+
+def _usage(payload: wire.GenerationResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": payload.num_prompt_tokens,
+        "completion_tokens": payload.num_output_tokens,
+        "total_tokens": payload.num_prompt_tokens + payload.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": payload.num_cached_tokens},
+    }
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def _to_payload(request: CompletionRequest | ChatRequest) -> wire.GeneratePayload:
+    _refuse_unsupported(request)
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    max_tokens = 16 if max_tokens is None and isinstance(request, CompletionRequest) else max_tokens
+    sampling = dict(
+        max_tokens=_bounded_int(max_tokens if max_tokens is not None else 1024, "max_tokens", 1, MAX_TOKENS_LIMIT),
+        min_tokens=_bounded_int(request.min_tokens, "min_tokens", 0, MAX_TOKENS_LIMIT),
+        temperature=_bounded(request.temperature, "temperature", 0.0, 2.0, 1.0),
+        top_p=_bounded(request.top_p, "top_p", 1e-9, 1.0, 1.0),
+        top_k=_bounded_int(0 if request.top_k in (None, -1) else request.top_k, "top_k", 0, 1 << 20),
+        repetition_penalty=_bounded(request.repetition_penalty, "repetition_penalty", 1e-3, 10.0, 1.0),
+        seed=request.seed,
+        stop=_stops(request.stop),
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        stream=request.stream,
+    )
+    if isinstance(request, ChatRequest):
+        return wire.GeneratePayload(messages=_messages(request.messages), **sampling)  # type: ignore[arg-type]
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if any(not 0 <= t < 1 << 31 for t in prompt):  # type: ignore[operator]
+            raise InvalidInput("'prompt' token ids must be non-negative integers", param="prompt")
+        return wire.GeneratePayload(prompt_token_ids=list(prompt), **sampling)  # type: ignore[arg-type]
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise InvalidInput("'prompt' must be a string, a list holding one string, or a list of token ids "
+                               "(batched prompts are not supported; send one request each)", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise InvalidInput("'prompt' must not be empty", param="prompt")
+    return wire.GeneratePayload(prompt=prompt, **sampling)  # type: ignore[arg-type]
+
+
+def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
+    if request.n != 1:
+        raise InvalidInput("only n = 1 is supported", param="n")
+    if request.logprobs not in (None, False, 0):
+        raise InvalidInput("logprobs are not supported", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name) not in (None, 0, 0.0):
+            raise InvalidInput(f"'{name}' is not supported (use repetition_penalty)", param=name)
+    if request.logit_bias:
+        raise InvalidInput("logit_bias is not supported", param="logit_bias")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise InvalidInput("echo is not supported", param="echo")
+        if request.best_of not in (None, 1):
+            raise InvalidInput("only best_of = 1 is supported", param="best_of")
+        if request.suffix:
+            raise InvalidInput("suffix is not supported", param="suffix")
+    elif request.tools:
+        raise InvalidInput("tools are not supported by this server", param="tools")
+    elif request.response_format and request.response_format.get("type") not in (None, "text"):
+        raise InvalidInput("only response_format type 'text' is supported", param="response_format")
+
+
+def _messages(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
+    if not messages:
+        raise InvalidInput("'messages' must not be empty", param="messages")
+    out = []
+    for message in messages:
+        if message.role not in ("system", "user", "assistant", "developer"):
+            raise InvalidInput(f"message role {message.role!r} is not supported", param="messages")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidInput("only text content parts are supported", param="messages")
+            content = "".join(part.text or "" for part in content)
+        out.append(wire.ChatMessage("system" if message.role == "developer" else message.role, content or ""))
+    return out
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP or any(not s for s in stops):
+        raise InvalidInput(f"'stop' takes up to {MAX_STOP} non-empty strings", param="stop")
+    return stops
+
+
+def _bounded(value: float | None, name: str, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    if not low <= value <= high:
+        raise InvalidInput(f"'{name}' must be in [{low:g}, {high:g}], got {value}", param=name)
+    return float(value)
+
+
+def _bounded_int(value: int, name: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidInput(f"'{name}' must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+def _estimate_tokens(payload: wire.GeneratePayload) -> float:
+    """Reserved against the tenant's tokens-per-minute limit: the prompt's estimate plus every
+    token the request may generate; settled with the real counts when it ends."""
+    if payload.prompt_token_ids is not None:
+        prompt = float(len(payload.prompt_token_ids))
+    elif payload.messages is not None:
+        prompt = estimate_text_tokens([m.content for m in payload.messages]) + 4 * len(payload.messages)
+    else:
+        prompt = estimate_text_tokens([payload.prompt or ""])
+    return prompt + payload.max_tokens
