@@ -1,0 +1,124 @@
+"""Generative engine benchmark on tiny-lm, CPU: decode-step breakdown and continuous vs static batching.
+
+    PYTHONPATH=src python benchmarks/generative/engine_bench.py [--requests 64] [--batch 32] [--json out.json]
+
+(a) 32 sequences in steady decode: median per-step time of each phase (schedule, prepare inputs,
+    forward, sample, output processing) and the share of the step outside the forward pass.
+(b) The same request set (prompts 32-256 tokens, outputs 16-128, fixed seed, all offered at t=0)
+    run two ways on the same engine and model:
+      continuous  all requests queued; up to --batch run at once, joining and leaving every step
+      static      request-level batches of --batch: a batch starts when the previous one is done and
+                  runs until its longest request is done (every row decodes to the batch's longest
+                  output, as a padded `generate()` batch does); only requested tokens count
+      static_padded_prompts  the same, with prompts also left-padded to the batch's longest, as
+                  `generate()` on a padded batch computes them
+    Output tokens/s and TTFT percentiles (from t=0 to a request's first token) of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
+from sluice.engines.generative.tiny import make_tiny_lm
+
+
+def request_set(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(4, vocab) for _ in range(rng.randint(32, 256))], rng.randint(16, 128)) for _ in range(n)]
+
+
+def engine_for(model_dir: Path, batch: int) -> LLMEngine:
+    config = EngineConfig(block_size=16, max_num_seqs=batch, max_num_batched_tokens=2048,
+                          long_prefill_token_threshold=512, kv_cache_bytes=512 * 1024 * 1024)
+    return LLMEngine(model_dir, config)
+
+
+def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40) -> dict[str, float]:
+    engine = engine_for(model_dir, num_seqs)
+    for i, (prompt, _) in enumerate(request_set(num_seqs, engine.spec.vocab_size, seed=1)):
+        engine.add_request(f"d{i}", prompt[:64], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    while engine.stats().last_step is None or engine.stats().last_step.num_batched_tokens != num_seqs:
+        engine.step()
+    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "sample", "output", "total")}
+    for _ in range(num_steps):
+        engine.step()
+        t = engine.stats().last_step
+        assert t is not None and t.num_seqs == num_seqs
+        for name in ("schedule", "prepare", "forward", "sample", "output"):
+            phases[name].append(getattr(t, f"{name}_s"))
+        phases["total"].append(t.total_s)
+    result = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in phases.items()}
+    overhead = [total - fwd for total, fwd in zip(phases["total"], phases["forward"], strict=True)]
+    result["overhead_pct"] = 100 * statistics.median(o / t for o, t in zip(overhead, phases["total"], strict=True))
+    return result
+
+
+def _run(engine: LLMEngine, requests: list[tuple[int, list[int], int]], t0: float,
+         first_token: dict[int, float], counted: dict[int, int]) -> None:
+    for i, prompt, max_tokens in requests:
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                first_token.setdefault(int(out.request_id), time.perf_counter() - t0)
+
+
+def throughput(model_dir: Path, num_requests: int, batch: int, static: bool, pad_prompts: bool = False
+               ) -> dict[str, float]:
+    engine = engine_for(model_dir, batch)
+    reqs = request_set(num_requests, engine.spec.vocab_size)
+    first_token: dict[int, float] = {}
+    counted: dict[int, int] = {}
+    t0 = time.perf_counter()
+    if static:
+        for start in range(0, num_requests, batch):
+            group = reqs[start:start + batch]
+            longest = max(out for _, out in group)
+            width = max(len(p) for p, _ in group)
+            padded = [([0] * (width - len(p)) + p) if pad_prompts else p for p, _ in group]
+            _run(engine, [(start + j, p, longest) for j, p in enumerate(padded)], t0, first_token, counted)
+    else:
+        _run(engine, [(i, p, out) for i, (p, out) in enumerate(reqs)], t0, first_token, counted)
+    elapsed = time.perf_counter() - t0
+    useful = sum(out for _, out in reqs)
+    ttft = sorted(first_token.values())
+    return {"elapsed_s": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed,
+            "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "preemptions": engine.stats().num_preemptions_total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_lm(Path(tmp) / "tiny-lm")
+        results = {"decode_breakdown_32": decode_breakdown(model_dir)}
+        print("decode step at 32 seqs (median ms):", json.dumps(results["decode_breakdown_32"], indent=1))
+        runs = (("continuous", False, False), ("static", True, False), ("static_padded_prompts", True, True))
+        for name, static, pad in runs:
+            results[name] = throughput(model_dir, args.requests, args.batch, static, pad)
+            print(name, json.dumps(results[name], indent=1))
+    for name in ("static", "static_padded_prompts"):
+        ratio = results["continuous"]["output_tokens_per_s"] / results[name]["output_tokens_per_s"]
+        results[f"speedup_vs_{name}"] = ratio
+        print(f"continuous / {name} output tokens/s: {ratio:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The two supported layer stacks, written against `model.attention` and the flattened batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sluice.engines.generative.model import (
+    ForwardInput,
+    KVCache,
+    ModelSpec,
+    _Weights,
+    attention,
+    rope_tables,
+    softmax_scale,
+)
+
+__all__ = ["GPT2Model", "LlamaModel"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as transformers: normalise in float32, scale in the model's dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+@dataclass(slots=True)
+class _LlamaLayer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, spec: ModelSpec, w: _Weights, dtype: torch.dtype, device: str) -> None:
+        self.spec = spec
+        self.embed = w.get("model.embed_tokens.weight", dtype, device)
+        self.norm = w.get("model.norm.weight", dtype, device)
+        tied = spec.tie_word_embeddings or not w.has("lm_head.weight")
+        self.lm_head = self.embed if tied else w.get("lm_head.weight", dtype, device)
+        self.cos, self.sin = (t.to(dtype) for t in rope_tables(spec, device))
+        self.layers = [self._layer(w, f"model.layers.{i}.", dtype, device) for i in range(spec.num_layers)]
+
+    @staticmethod
+    def _layer(w: _Weights, p: str, dtype: torch.dtype, device: str) -> _LlamaLayer:
+        def get(name: str) -> torch.Tensor:
+            return w.get(p + name, dtype, device)
+
+        qkv = torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = None
+        if w.has(p + "self_attn.q_proj.bias"):
+            bias = torch.cat([get(f"self_attn.{n}_proj.bias") for n in "qkv"])
+        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
+        return _LlamaLayer(get("input_layernorm.weight"), qkv, bias, get("self_attn.o_proj.weight"),
+                           get("post_attention_layernorm.weight"), gate_up, get("mlp.down_proj.weight"))
+
+    @torch.inference_mode()
+    def forward(self, inp: ForwardInput, cache: KVCache) -> torch.Tensor:
+        s = self.spec
+        num_tokens = inp.input_ids.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos, sin = self.cos[inp.positions][:, None, :], self.sin[inp.positions][:, None, :]
+        x = self.embed[inp.input_ids]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, s.norm_eps)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+            q = rotate(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
+            k = rotate(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.reshape(num_tokens, s.num_kv_heads, s.head_dim)
+            a = attention(q, k, v, i, cache, inp, softmax_scale(s, i))
+            x = x + F.linear(a.view(num_tokens, q_size), layer.o)
+            h = rms_norm(x, layer.post_norm, s.norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[inp.logits_index], self.norm, s.norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+
+@dataclass(slots=True)
+class _GPT2Layer:
+    ln_1: tuple[torch.Tensor, torch.Tensor]
+    c_attn: tuple[torch.Tensor, torch.Tensor]
+    c_proj: tuple[torch.Tensor, torch.Tensor]
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    c_fc: tuple[torch.Tensor, torch.Tensor]
+    mlp_proj: tuple[torch.Tensor, torch.Tensor]
+
+
+class GPT2Model:
+    def __init__(self, spec: ModelSpec, w: _Weights, dtype: torch.dtype, device: str) -> None:
+        self.spec = spec
+        self.wte = w.get("wte.weight", dtype, device)
+        self.wpe = w.get("wpe.weight", dtype, device)
+        self.ln_f = (w.get("ln_f.weight", dtype, device), w.get("ln_f.bias", dtype, device))
+        self.layers = [self._layer(w, f"h.{i}.", dtype, device) for i in range(spec.num_layers)]
+
+    @staticmethod
+    def _layer(w: _Weights, p: str, dtype: torch.dtype, device: str) -> _GPT2Layer:
+        def pair(name: str, conv1d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            # HF's Conv1D stores weights as [in, out]; F.linear wants [out, in]
+            weight = w.get(p + name + ".weight", dtype, device, transpose=conv1d)
+            return weight, w.get(p + name + ".bias", dtype, device)
+
+        return _GPT2Layer(pair("ln_1"), pair("attn.c_attn", True), pair("attn.c_proj", True), pair("ln_2"),
+                          pair("mlp.c_fc", True), pair("mlp.c_proj", True))
+
+    @torch.inference_mode()
+    def forward(self, inp: ForwardInput, cache: KVCache) -> torch.Tensor:
+        s = self.spec
+        num_tokens, hidden = inp.input_ids.shape[0], s.hidden_size
+        x = self.wte[inp.input_ids] + self.wpe[inp.positions]
+        for i, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (hidden,), *layer.ln_1, eps=s.norm_eps)
+            q, k, v = F.linear(h, *layer.c_attn).split(hidden, dim=-1)
+            shape = (num_tokens, s.num_heads, s.head_dim)
+            a = attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), i, cache, inp, softmax_scale(s, i))
+            x = x + F.linear(a.view(num_tokens, hidden), *layer.c_proj)
+            h = F.layer_norm(x, (hidden,), *layer.ln_2, eps=s.norm_eps)
+            x = x + F.linear(gelu_new(F.linear(h, *layer.c_fc)), *layer.mlp_proj)
+        x = F.layer_norm(x[inp.logits_index], (hidden,), *self.ln_f, eps=s.norm_eps)
+        return F.linear(x, self.wte).float()

@@ -1,0 +1,50 @@
+"""The generative engine's own narrow configuration (STYLE.md rule 7).
+
+The KV cache is sized either by a block count (`num_kv_blocks`, exact; tests use it to force
+preemption) or by a memory budget (`kv_cache_bytes`), from which the engine derives the count
+once it knows the model's shape: see `num_blocks_for`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 16
+    """Tokens per KV cache block; also the prefix-cache granularity."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; when None, derived from `kv_cache_bytes`."""
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    """At most this many sequences are running (hold KV blocks) at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decodes count 1 each, prefill chunks their length."""
+    long_prefill_token_threshold: int = 512
+    """A single sequence's prefill chunk never exceeds this in one step."""
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                     "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+
+    def num_blocks_for(self, bytes_per_block: int) -> int:
+        """The number of KV blocks: explicit, or as many as fit the memory budget."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        num_blocks = self.kv_cache_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is below one block ({bytes_per_block} bytes)")
+        return num_blocks

@@ -1,0 +1,237 @@
+"""`LLMEngine`: the iteration-level loop that ties scheduler, model runner and sampler together.
+
+    step():  inbox -> Scheduler.schedule -> ModelRunner.prepare/execute -> Sampler.sample
+                   -> Scheduler.update -> stop checks + detokenization -> [RequestOutput]
+
+`step()` runs on one thread (the worker's device thread). `add_request` and `abort` may be called
+from any thread: they validate at once (raising `ValueError` for bad input) and leave a message in
+a locked inbox that the next `step()` drains, so an abort frees its blocks within one step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.clock import Clock, MonotonicClock
+from sluice.engines.generative.block_manager import BlockManager
+from sluice.engines.generative.config import EngineConfig
+from sluice.engines.generative.model import KVCache, read_spec
+from sluice.engines.generative.model_runner import DTYPES, ModelRunner
+from sluice.engines.generative.sampler import Sampler, SampleRow
+from sluice.engines.generative.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence
+from sluice.engines.generative.tokenizer import Detokenizer, StopChecker, Tokenizer
+from sluice.priority import Priority
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTiming"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    is_finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    output_s: float
+    num_seqs: int
+    num_batched_tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    last_step: StepTiming | None
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    max_tokens: int  # params.max_tokens capped by the model's context length
+    detokenizer: Detokenizer | None
+    stops: StopChecker
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
+                 clock: Clock | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        model_dir = Path(model_dir)
+        self.spec = read_spec(model_dir)
+        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        bytes_per_block = KVCache.bytes_per_block(self.spec, config.block_size, DTYPES[config.dtype])
+        self.num_blocks = config.num_blocks_for(bytes_per_block)
+        self._blocks = BlockManager(self.num_blocks, config.block_size)
+        self._scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                    config.long_prefill_token_threshold), self._blocks)
+        self._runner = ModelRunner(model_dir, self.spec, num_blocks=self.num_blocks, block_size=config.block_size,
+                                   dtype=config.dtype, device=config.device)
+        self._sampler = Sampler(config.device)
+        self._clock = clock or MonotonicClock()
+        self._lock = threading.Lock()
+        self._inbox: list[_Request | str] = []  # a new request, or the id of one to abort
+        self._known_ids: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        self._last_step: StepTiming | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.spec.max_model_len
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    priority: Priority = Priority.STANDARD, deadline: float | None = None, salt: str = "") -> None:
+        """Queue a request. Raises ValueError for input the engine cannot serve (-> 400)."""
+        prompt = list(prompt_token_ids)
+        max_tokens = self._validate(prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer.json in the model folder")
+        seq = Sequence(request_id, prompt, params, self._clock.now(), priority, deadline, salt)
+        detok = Detokenizer(self.tokenizer, prompt) if self.tokenizer else None
+        with self._lock:
+            if request_id in self._known_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._known_ids.add(request_id)
+            self._inbox.append(_Request(seq, max_tokens, detok, StopChecker(params.stop)))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._inbox.extend(request_ids)
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> int:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
+        capacity = self.num_blocks * self.config.block_size
+        if len(prompt) + max_tokens > capacity:
+            raise ValueError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens exceeds the KV cache "
+                             f"({capacity} tokens)")
+        return max_tokens
+
+    # ---- the device thread -----------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            if self._inbox:
+                return True
+        return self._scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        prefix = self._blocks.stats()
+        return EngineStats(len(self._scheduler.running), len(self._scheduler.waiting), self._blocks.usage,
+                           self._scheduler.num_preemptions_total, prefix.num_query_tokens, prefix.num_hit_tokens,
+                           self._last_step)
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        self._drain_inbox()
+        scheduled = self._scheduler.schedule(self._clock.now())
+        t1 = time.perf_counter()
+        sampled: dict[str, int] = {}
+        t2 = t3 = t1
+        if scheduled.chunks:
+            inp = self._runner.prepare(scheduled)
+            t2 = time.perf_counter()
+            logits = self._runner.execute(inp)
+            t3 = time.perf_counter()
+            sampled = self._sample(scheduled, logits)
+        t4 = time.perf_counter()
+        outputs = [self._finished_output(seq) for seq in scheduled.finished if seq.request_id in self._requests]
+        outputs += self._process(self._scheduler.update(scheduled, sampled))
+        t5 = time.perf_counter()
+        self._last_step = StepTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(scheduled.chunks),
+                                     scheduled.num_batched_tokens)
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, _Request):
+                self._requests[item.seq.request_id] = item
+                self._scheduler.add(item.seq)
+            elif item in self._requests:
+                self._scheduler.abort(item)
+
+    def _sample(self, scheduled: SchedulerOutput, logits: object) -> dict[str, int]:
+        rows: list[SampleRow] = []
+        for chunk in scheduled.chunks:
+            if chunk.needs_sample:
+                req = self._requests[chunk.request_id]
+                params = req.seq.params
+                blocked = () if params.min_tokens == 0 else (*self.eos_token_ids, *params.stop_token_ids)
+                rows.append(SampleRow(chunk.request_id, req.seq.params, req.seq.all_token_ids,
+                                      req.seq.num_output_tokens, blocked))
+        tokens = self._sampler.sample(logits, rows)  # type: ignore[arg-type]
+        return {row.request_id: token for row, token in zip(rows, tokens, strict=True)}
+
+    def _process(self, advanced: list[Sequence]) -> list[RequestOutput]:
+        outputs = []
+        for seq in advanced:
+            req = self._requests[seq.request_id]
+            token = seq.output_token_ids[-1]
+            params = seq.params
+            reason = None
+            text = ""
+            is_eos = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+            if is_eos and seq.num_output_tokens >= params.min_tokens:
+                reason = FinishReason.STOP
+            elif req.detokenizer is not None:
+                text, hit = req.stops.push(req.detokenizer.push([token]))
+                reason = FinishReason.STOP if hit else None
+            if reason is None and seq.num_output_tokens >= req.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._scheduler.finish(seq, reason)
+                text += req.stops.flush()
+                self._forget(seq.request_id)
+            outputs.append(self._output(seq, (token,), text))
+        return outputs
+
+    def _finished_output(self, seq: Sequence) -> RequestOutput:
+        text = self._requests[seq.request_id].stops.flush()
+        self._forget(seq.request_id)
+        return self._output(seq, (), text)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._sampler.forget(request_id)
+        with self._lock:
+            self._known_ids.discard(request_id)
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: tuple[int, ...], text: str) -> RequestOutput:
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        return RequestOutput(seq.request_id, new_token_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, seq.num_output_tokens)

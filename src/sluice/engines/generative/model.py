@@ -1,0 +1,172 @@
+"""Decoder-only transformers in plain PyTorch, reading and writing a paged KV cache.
+
+Two architectures: Llama (also Qwen2 / Mistral-style checkpoints: RMSNorm, RoPE, GQA, SwiGLU,
+optional q/k/v biases) and GPT-2 (learned positions, LayerNorm, Conv1D weights stored [in, out]).
+
+All tokens of a step are flattened into one [T, hidden] batch for every linear layer; only
+attention is grouped (see `attention`). The KV cache of layer l is a pair of tensors
+
+    k_cache[l], v_cache[l] : [num_blocks * block_size, num_kv_heads, head_dim]   (one row per slot)
+
+and a token at position p of a sequence lives in slot table[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from sluice.errors import ConfigError
+
+__all__ = ["AttentionGroup", "CausalLM", "ForwardInput", "KVCache", "ModelSpec", "load_model", "read_spec"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    arch: str  # "llama" | "gpt2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    norm_eps: float
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    scale_by_layer: bool = False
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = config.get("model_type", "")
+    if model_type == "gpt2":
+        if config.get("activation_function", "gelu_new") != "gelu_new":
+            raise ConfigError("only GPT-2's gelu_new activation is supported")
+        hidden = config["n_embd"]
+        heads = config["n_head"]
+        return ModelSpec("gpt2", config["n_layer"], hidden, heads, heads, hidden // heads,
+                         config["vocab_size"], config["n_positions"], config.get("layer_norm_epsilon", 1e-5),
+                         tie_word_embeddings=True,
+                         scale_by_layer=bool(config.get("scale_attn_by_inverse_layer_idx", False)))
+    if model_type in ("llama", "qwen2", "mistral"):
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConfigError("only the SiLU (SwiGLU) MLP is supported")
+        heads = config["num_attention_heads"]
+        return ModelSpec("llama", config["num_hidden_layers"], config["hidden_size"], heads,
+                         config.get("num_key_value_heads") or heads,
+                         config.get("head_dim") or config["hidden_size"] // heads, config["vocab_size"],
+                         config.get("max_position_embeddings", 2048), config.get("rms_norm_eps", 1e-6),
+                         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, mistral, gpt2)")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Sequences attended together: B rows of Q query tokens over L gathered cache slots."""
+
+    token_index: torch.Tensor  # [B * Q] rows of the flattened batch
+    slots: torch.Tensor        # [B, L] cache slots to read (padding reads slot 0, masked out)
+    mask: torch.Tensor         # [B, 1, Q, L] True where the query may attend
+    num_seqs: int
+    num_queries: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardInput:
+    input_ids: torch.Tensor     # [T]
+    positions: torch.Tensor     # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    groups: tuple[AttentionGroup, ...]
+    logits_index: torch.Tensor  # [N] rows whose next-token logits are wanted
+
+
+class KVCache:
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
+        shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache,
+              inp: ForwardInput, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend each group over its gathered slots."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    k_cache.index_copy_(0, inp.slot_mapping, k)
+    v_cache.index_copy_(0, inp.slot_mapping, v)
+    out = torch.empty_like(q)
+    heads, head_dim = q.shape[1], q.shape[2]
+    for g in inp.groups:
+        qq = q[g.token_index].view(g.num_seqs, g.num_queries, heads, head_dim).transpose(1, 2)
+        kk = k_cache[g.slots].transpose(1, 2)  # [B, kv_heads, L, D]
+        vv = v_cache[g.slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=kk.shape[1] != heads)
+        out[g.token_index] = o.transpose(1, 2).reshape(-1, heads, head_dim)
+    return out
+
+
+class _Weights:
+    def __init__(self, model_dir: Path) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"no *.safetensors in {model_dir}")
+        self._tensors: dict[str, torch.Tensor] = {}
+        for path in files:
+            for name, tensor in load_file(str(path)).items():
+                self._tensors[name.removeprefix("transformer.")] = tensor
+
+    def get(self, name: str, dtype: torch.dtype, device: str, transpose: bool = False) -> torch.Tensor:
+        if name not in self._tensors:
+            raise ConfigError(f"weight {name!r} missing from the checkpoint")
+        tensor = self._tensors[name]
+        tensor = tensor.t() if transpose else tensor
+        return tensor.to(device=device, dtype=dtype).contiguous()
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+
+class CausalLM(Protocol):
+    def forward(self, inp: ForwardInput, cache: KVCache) -> torch.Tensor:
+        """Logits [N, vocab] (float32) for the rows in `inp.logits_index`."""
+        ...
+
+
+def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str) -> CausalLM:
+    from sluice.engines.generative.architectures import GPT2Model, LlamaModel
+
+    weights = _Weights(model_dir)
+    if spec.arch == "gpt2":
+        return GPT2Model(spec, weights, dtype, device)
+    return LlamaModel(spec, weights, dtype, device)
+
+
+def rope_tables(spec: ModelSpec, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position, [max_model_len, head_dim], float32 (as transformers computes them)."""
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+    positions = torch.arange(spec.max_model_len, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def softmax_scale(spec: ModelSpec, layer: int) -> float:
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    return scale / (layer + 1) if spec.scale_by_layer else scale

@@ -1,0 +1,90 @@
+"""Turns a `SchedulerOutput` into tensors, runs the model, and returns logits.
+
+    chunks (per sequence)            flattened batch (T tokens)          attention groups
+    A: decode 1 token @ pos 37  -->  ids/positions/slot_mapping [T]  --> all 1-token chunks: one
+    B: decode 1 token @ pos 80                                          padded group [B, 1, L]
+    C: prefill 120 tokens @ 0                                         --> each longer chunk: its own
+                                                                          causal group [1, n, L]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sluice.engines.generative.model import AttentionGroup, ForwardInput, KVCache, ModelSpec, load_model
+from sluice.engines.generative.scheduler import ScheduledChunk, SchedulerOutput
+
+__all__ = ["ModelRunner"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, spec: ModelSpec, *, num_blocks: int, block_size: int, dtype: str,
+                 device: str) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.device = device
+        self.dtype = DTYPES[dtype]
+        self.model = load_model(model_dir, spec, self.dtype, device)
+        self.cache = KVCache(spec, num_blocks, block_size, self.dtype, device)
+
+    def prepare(self, out: SchedulerOutput) -> ForwardInput:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        decodes: list[tuple[int, ScheduledChunk]] = []
+        groups: list[AttentionGroup] = []
+        bs = self.block_size
+        for chunk in out.chunks:
+            row = len(ids)
+            n = len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            table = chunk.block_table
+            for pos in range(chunk.start, chunk.start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if chunk.needs_sample:
+                logits_rows.append(row + n - 1)
+            if n == 1:
+                decodes.append((row, chunk))
+            else:
+                groups.append(self._prefill_group(row, chunk))
+        if decodes:
+            groups.append(self._decode_group(decodes))
+        return ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
+                            self._tensor(logits_rows))
+
+    def execute(self, inp: ForwardInput) -> torch.Tensor:
+        return self.model.forward(inp, self.cache)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _slots_of(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """[B, max_blocks] block tables -> [B, length] slot ids of positions 0..length-1."""
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (tables[:, :, None] * self.block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
+
+    def _prefill_group(self, row: int, chunk: ScheduledChunk) -> AttentionGroup:
+        n, length = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+        num_blocks = -(-length // self.block_size)
+        slots = self._slots_of(self._tensor(list(chunk.block_table[:num_blocks]))[None, :], length)
+        query_pos = torch.arange(chunk.start, length, device=self.device)
+        mask = torch.arange(length, device=self.device)[None, :] <= query_pos[:, None]
+        index = torch.arange(row, row + n, device=self.device)
+        return AttentionGroup(index, slots, mask[None, None], 1, n)
+
+    def _decode_group(self, decodes: list[tuple[int, ScheduledChunk]]) -> AttentionGroup:
+        lengths = [chunk.start + 1 for _, chunk in decodes]
+        max_len = max(lengths)
+        max_blocks = -(-max_len // self.block_size)
+        tables = [list(c.block_table[:max_blocks]) + [0] * (max_blocks - len(c.block_table[:max_blocks]))
+                  for _, c in decodes]
+        slots = self._slots_of(self._tensor([b for t in tables for b in t]).view(len(decodes), max_blocks), max_len)
+        mask = torch.arange(max_len, device=self.device)[None, :] < self._tensor(lengths)[:, None]
+        index = self._tensor([row for row, _ in decodes])
+        return AttentionGroup(index, slots, mask[:, None, None, :], len(decodes), 1)

@@ -1,0 +1,140 @@
+"""What one generation request is, inside the engine: its parameters and its mutable state.
+
+Pure: no torch. `SamplingParams` is a frozen value validated with `ValueError` (the integrator
+maps it to 400). `Sequence` is owned by the scheduler; the engine's output step appends tokens
+through `Sequence.append` and nothing else mutates it.
+
+    all_token_ids = prompt_token_ids + output_token_ids
+                    |<--- num_computed_tokens --->|<- still to compute ->|
+    (KV for the computed prefix lives in the blocks the block manager holds for `request_id`)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from sluice.priority import Priority
+
+__all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
+
+
+class SequenceStatus(enum.StrEnum):
+    WAITING = "waiting"
+    """Queued, holds no KV blocks yet."""
+    RUNNING = "running"
+    """Holds KV blocks; scheduled every step until it finishes or is preempted."""
+    PREEMPTED = "preempted"
+    """Its blocks were taken back; waits again and recomputes its KV when readmitted."""
+    FINISHED = "finished"
+    """Done; its blocks are freed and it is reported once more, then forgotten."""
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    """EOS, a stop token id or a stop string."""
+    LENGTH = "length"
+    """`max_tokens` reached, or the model's context length."""
+    ABORT = "abort"
+    """Cancelled by the client (`LLMEngine.abort`)."""
+    DEADLINE = "deadline"
+    """The request's deadline passed before it finished (the integrator answers 504)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1) disables top-k."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (disabled) or >= 1")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be > 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+    priority: Priority = Priority.STANDARD
+    deadline_s: float | None = None
+    salt: str = ""
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission (usage.cached_tokens)."""
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    _all: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._all = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the one newest token is still to compute."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def queue_key(self) -> tuple[int, float, float]:
+        """Waiting order: class first, then earliest deadline, then arrival."""
+        deadline = math.inf if self.deadline_s is None else self.deadline_s
+        return (int(self.priority), deadline, self.arrival_s)
+
+    def victim_key(self) -> tuple[int, float]:
+        """Preemption order: the largest key goes first (lowest class, latest arrival)."""
+        return (int(self.priority), self.arrival_s)
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all.append(token_id)

@@ -1,0 +1,136 @@
+"""Text in and out: `tokenizer.json` via the `tokenizers` library, incremental detokenization,
+stop strings, EOS ids and chat templates. Nothing here downloads anything.
+
+Incremental detokenization keeps two offsets into the token list:
+
+    tokens   [ ... context ... | prefix_offset ... read_offset | new ... ]
+    delta  = decode(tokens[prefix:]) minus decode(tokens[prefix:read])
+
+so a token that only completes a multi-byte character (decoded as U+FFFD until then) is held back
+until it does, and word-boundary spaces come out right because the window has left context.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from sluice.errors import ConfigError
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "Detokenizer", "StopChecker", "Tokenizer"]
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""Used when the model folder has no `chat_template`: each message as `<|role|>\\ncontent\\n`."""
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ConfigError(f"{model_dir} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.chat_template: str = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        self.bos_token: str = _token_text(config.get("bos_token")) or ""
+        self.eos_token: str = _token_text(config.get("eos_token")) or ""
+        self.eos_token_ids = _eos_ids(model_dir)
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Seq[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _eos_ids(model_dir: Path) -> tuple[int, ...]:
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(model_dir / name).get("eos_token_id")
+        if value is not None:
+            return tuple(value) if isinstance(value, list) else (int(value),)
+    return ()
+
+
+class Detokenizer:
+    """One sequence's output text, produced a delta at a time."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Seq[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-6:])  # left context for spacing
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, token_ids: Seq[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        full_text = self._tokenizer.decode(self._ids[self._prefix:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full_text[len(prefix_text):]
+
+
+class StopChecker:
+    """Stop strings over a growing text. Holds back a tail that could still become a stop string,
+    and strips the stop string itself from the output."""
+
+    def __init__(self, stop: Seq[str]) -> None:
+        self._stop = tuple(stop)
+        self._longest = max((len(s) for s in self._stop), default=0)
+        self._text = ""
+        self._emitted = 0
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
+        if not self._stop:
+            self._text += delta
+            return delta, False
+        search_from = max(0, len(self._text) - self._longest + 1)
+        self._text += delta
+        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
+        if hits:
+            self._text = self._text[:min(hits)]
+            return self.flush(), True
+        safe = len(self._text) - self._held_back()
+        out = self._text[self._emitted:safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        return out, False
+
+    def flush(self) -> str:
+        out = self._text[self._emitted:]
+        self._emitted = len(self._text)
+        return out
+
+    def _held_back(self) -> int:
+        for n in range(min(self._longest - 1, len(self._text)), 0, -1):
+            tail = self._text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

@@ -1,0 +1,80 @@
+"""Tiny random-weight models built with transformers' own classes, and their greedy reference output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from sluice.engines.generative import LLMEngine, SamplingParams
+
+VOCAB = 384
+
+
+def _save(model: PreTrainedModel, path: Path) -> Path:
+    model.generation_config.eos_token_id = None  # greedy comparisons run to max_tokens
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=500.0, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(1)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.1,
+                        bos_token_id=1, eos_token_id=2)
+    return _save(GPT2LMHeadModel(config).eval(), tmp_path_factory.mktemp("gpt2"))
+
+
+_HF_CACHE: dict[Path, PreTrainedModel] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
+    """transformers' `generate(do_sample=False)` continuation of one prompt."""
+
+    def run(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+        if model_dir not in _HF_CACHE:
+            from transformers import AutoModelForCausalLM
+
+            _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        model = _HF_CACHE[model_dir]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    return run
+
+
+def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until idle; every request's output token ids."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return tokens
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("engine did not finish")
+
+
+def prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
