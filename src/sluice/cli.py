@@ -29,8 +29,12 @@ def main() -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep batch jobs here (SQLite) so they survive restarts (default: a temporary folder).")
+@click.option("--jobs-db", default=None, metavar="postgresql://...",
+              help="Keep batch jobs in this PostgreSQL database instead (several gateways may share it).")
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
-          log_level: str) -> None:
+          log_level: str, data_dir: Path | None, jobs_db: str | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     os.environ["SLUICE_LOG_LEVEL"] = log_level
@@ -42,7 +46,10 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 
     logs.configure(log_level)
     config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
-                         num_workers=num_workers, device=device)
+                         num_workers=num_workers, device=device,
+                         data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db)
+    if jobs_db is not None and not jobs_db.startswith(("postgresql://", "postgres://")):
+        raise click.BadParameter("must be a postgresql:// URL", param_hint="--jobs-db")
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
