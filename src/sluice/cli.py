@@ -129,3 +129,7 @@ try:
     main.add_command(bench)
 except ImportError:  # pragma: no cover - the bench package is optional at import time
     pass
+
+from sluice.jobs.cli import batch  # noqa: E402
+
+main.add_command(batch)

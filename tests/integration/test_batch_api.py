@@ -131,3 +131,22 @@ def test_idempotency_key_returns_the_original_objects(served):
     assert repeat.id == batch.id
     assert len(client.batches.list().data) == 1
     assert wait_until_final(client, batch.id).request_counts.completed == 5
+
+
+def test_cli_submit_waits_and_downloads(served, tmp_path: Path):
+    import subprocess
+    import sys
+
+    server, _ = served
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(embedding_lines(20)))
+    out = subprocess.run([sys.executable, "-m", "sluice", "batch", "submit", str(source), "--endpoint",
+                          "/v1/embeddings", "--wait", "--url", server.url, "--output", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    batch_id = out.stdout.splitlines()[0]
+    lines = (tmp_path / "out" / f"{batch_id}_output.jsonl").read_text().splitlines()
+    assert len(lines) == 20
+    status = subprocess.run([sys.executable, "-m", "sluice", "batch", "status", batch_id, "--url", server.url],
+                            capture_output=True, text=True, timeout=60)
+    assert "completed  20 ok, 0 failed of 20" in status.stdout
