@@ -31,8 +31,12 @@ def main() -> None:
               default=None, help="Tenants file (API keys, weights, limits). Without one: a single local tenant.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep batch jobs here (SQLite) so they survive restarts (default: a temporary folder).")
+@click.option("--jobs-db", default=None, metavar="postgresql://...",
+              help="Keep batch jobs in this PostgreSQL database instead (several gateways may share it).")
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
-          tenants_file: Path | None, log_level: str) -> None:
+          tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     os.environ["SLUICE_LOG_LEVEL"] = log_level
@@ -45,7 +49,10 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
     logs.configure(log_level)
     config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
                          num_workers=num_workers, device=device,
-                         tenants_file=tenants_file.resolve() if tenants_file else None)
+                         tenants_file=tenants_file.resolve() if tenants_file else None,
+                         data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db)
+    if jobs_db is not None and not jobs_db.startswith(("postgresql://", "postgres://")):
+        raise click.BadParameter("must be a postgresql:// URL", param_hint="--jobs-db")
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -156,3 +163,7 @@ try:
     main.add_command(bench)
 except ImportError:  # pragma: no cover - the bench package is optional at import time
     pass
+
+from sluice.jobs.cli import batch  # noqa: E402
+
+main.add_command(batch)

@@ -115,6 +115,40 @@ class GenerationCounts(Protocol):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+_JOB_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 24 * 3600.0)
+BATCH_ITEMS = Counter(
+    "sluice_batch_items", "Batch-job items finished, by outcome (ok, error, dead_letter, cancelled, expired).",
+    ["outcome"],
+)
+BATCH_ITEM_RETRIES = Counter("sluice_batch_item_retries", "Batch-job item attempts that failed transiently.")
+BATCH_ITEMS_PENDING = Gauge(
+    "sluice_batch_items_pending", "Unfinished items of active batch jobs, by state (queued, running).",
+    ["state"], multiprocess_mode="livesum",
+)
+BATCH_JOBS = Counter("sluice_batch_jobs", "Batch jobs that reached a final status, by status.", ["status"])
+BATCH_JOB_DURATION = Histogram(
+    "sluice_batch_job_duration_seconds", "Batch job time from creation to its final status.", ["status"],
+    buckets=_JOB_BUCKETS,
+)
+
+
+class JobMetrics:
+    """The batch-job executor's recorder."""
+
+    def item_done(self, outcome: str, count: int = 1) -> None:
+        if count:
+            BATCH_ITEMS.labels(outcome).inc(count)
+
+    def item_retried(self) -> None:
+        BATCH_ITEM_RETRIES.inc()
+
+    def pending(self, num_queued: int, num_running: int) -> None:
+        BATCH_ITEMS_PENDING.labels("queued").set(num_queued)
+        BATCH_ITEMS_PENDING.labels("running").set(num_running)
+
+    def job_done(self, status: str, seconds: float) -> None:
+        BATCH_JOBS.labels(status).inc()
+        BATCH_JOB_DURATION.labels(status).observe(max(seconds, 0.0))
 
 
 class GatewayMetrics:

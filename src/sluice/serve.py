@@ -22,12 +22,16 @@ from rich.console import Console
 from starlette.applications import Starlette
 
 from sluice import __version__
-from sluice.api import ApiConfig, build_app
+from sluice.api import ApiConfig, batches, build_app
 from sluice.clock import MonotonicClock
 from sluice.errors import ConfigError
 from sluice.gateway import Gateway
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.gateway.tenancy import Tenancy
+from sluice.jobs.executor import ExecutorConfig, JobExecutor
+from sluice.jobs.postgres_store import PostgresJobStore
+from sluice.jobs.sqlite_store import SqliteJobStore
+from sluice.jobs.store import JobStore
 from sluice.metrics import GatewayMetrics
 from sluice.repository import scan_repository
 from sluice.runtime import settle_garbage_collector
@@ -49,6 +53,11 @@ class ServeConfig:
     graceful_timeout_s: float = 30.0
     ready_timeout_s: float = 120.0
     api: ApiConfig = field(default_factory=ApiConfig)
+    data_dir: Path | None = None
+    """Where batch jobs are kept (SQLite). None: a temporary folder, so jobs do not survive a restart."""
+    jobs_db: str | None = None
+    """A `postgresql://` DSN: keep batch jobs in PostgreSQL instead (shared by several gateways)."""
+    jobs: ExecutorConfig = field(default_factory=ExecutorConfig)
 
 
 def detect_devices(device: str, num_workers: int | None) -> list[str]:
@@ -88,6 +97,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
         specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d) for i, d in enumerate(devices)]
+    store = await _open_job_store(config, run_dir)
+    executor = JobExecutor(store, config.jobs)
     supervisor = Supervisor(specs, on_exit=gateway.worker_lost,
                             on_restart=lambda worker_id: gateway_metrics.worker_restarted(),
                             config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
@@ -99,18 +110,22 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         await supervisor.start()
         settle_garbage_collector()
         announcer = asyncio.create_task(_announce(config, gateway, devices, console))
+        await executor.start(asgi_app)  # the full app, middleware included
         try:
             yield
         finally:
             announcer.cancel()
+            await executor.aclose()
+            await store.aclose()
             gateway.is_draining = True
             await supervisor.aclose()
             await gateway.aclose()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    app = build_app(gateway, config.api, lifespan)
+    asgi_app = build_app(gateway, config.api, lifespan,
+                          extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes))
     server = _Server(uvicorn.Config(
-        app, host=config.host, port=config.port, loop="uvloop", http="httptools", access_log=False,
+        asgi_app, host=config.host, port=config.port, loop="uvloop", http="httptools", access_log=False,
         log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
     ))
     loop = asyncio.get_running_loop()
@@ -126,6 +141,12 @@ def _reload_tenants(tenancy: Tenancy) -> None:
         tenancy.reload()
     except ConfigError as exc:
         log.error("tenants file not reloaded, the previous one stays in force: %s", exc.message)
+async def _open_job_store(config: ServeConfig, run_dir: Path) -> JobStore:
+    if config.jobs_db is not None:
+        return await PostgresJobStore.connect(config.jobs_db)
+    if config.data_dir is None:
+        log.warning("no --data-dir given: batch jobs are kept in %s and will not survive a restart", run_dir)
+    return SqliteJobStore(config.data_dir or run_dir / "data")
 
 
 class _Server(uvicorn.Server):

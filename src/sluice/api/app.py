@@ -10,7 +10,7 @@ import itertools
 import logging
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
@@ -105,7 +105,9 @@ def build_app(
     gateway: Gateway,
     config: ApiConfig | None = None,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[Any]] | None = None,
+    extra_routes: Sequence[BaseRoute] = (),
 ) -> ASGIApp:
+    """`extra_routes`: optional services mounted beside the inference APIs (e.g. `api.batches`)."""
     config = config or ApiConfig()
     app = Starlette(
         routes=[
@@ -114,6 +116,7 @@ def build_app(
             *kserve.routes(gateway, config.body_limit_bytes),
             *admin.routes(gateway),
             _metrics_route(gateway),
+            *extra_routes,
         ],
         exception_handlers={SluiceError: _on_sluice_error, HTTPException: _on_http_error, Exception: _on_bug},
         lifespan=lifespan,

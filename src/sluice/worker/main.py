@@ -7,9 +7,11 @@ SIGTERM drains: stop admitting, finish what is queued, exit 0.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from sluice.runtime import settle_garbage_collector
 from sluice.worker.server import LoadedModel, WorkerServer
 
 log = logging.getLogger("sluice.worker")
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,22 @@ async def run_worker(config: WorkerConfig) -> None:
     await server.serve(config.address)
 
 
+def exit_with_parent() -> None:
+    """Have the kernel SIGTERM this worker when its parent dies (Linux), so a `kill -9`ed
+    `sluice serve` leaves no orphan holding the device. SIGTERM drains, as usual."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("could not ask to exit with the parent process (errno %d)", ctypes.get_errno())
+    elif os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(config: WorkerConfig) -> None:
     import uvloop
 
+    exit_with_parent()
     log.info("worker %s starting (pid %d)", config.worker_id, os.getpid())
     uvloop.run(run_worker(config))

@@ -1,0 +1,201 @@
+"""OpenAI Files and Batch APIs, over the durable job store.
+
+    POST /v1/files (multipart: file, purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content
+    DELETE /v1/files/{id}
+    POST /v1/batches   GET /v1/batches?after=&limit=   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
+    GET /v1/batches/{id}/results?order=input   (sluice: every recorded line, in input order, streamed)
+
+Every object belongs to the tenant that created it (`request_tenant`); other tenants get 404.
+`Idempotency-Key` on file upload and batch creation returns the original object on a repeat.
+Everything is committed to the store before the answer goes out.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from sluice.api.common import parse_count, read_body, request_tenant
+from sluice.errors import InvalidInput, NotFound, PayloadTooLarge
+from sluice.jobs.store import BatchJob, FileObject, JobStore, NewBatch
+from sluice.jobs.validate import ENDPOINTS
+
+MAX_FILE_BYTES = 512 * 1024 * 1024
+MAX_WINDOW_H = 24 * 14
+_WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
+_IDEMPOTENCY_HEADER = "idempotency-key"
+_RESULT_PAGE = 1000
+
+
+class CreateBatch(msgspec.Struct):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -> list[Route]:
+    async def upload(request: Request) -> Response:
+        declared = parse_count(request.headers.get("content-length", ""))
+        if declared is not None and declared > MAX_FILE_BYTES:
+            raise PayloadTooLarge(f"files are limited to {MAX_FILE_BYTES} bytes")
+        form = await request.form(max_files=1, max_fields=8)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise InvalidInput("'file' must be an uploaded file", param="file")
+        if purpose != "batch":
+            raise InvalidInput("'purpose' must be 'batch'", param="purpose")
+        content = await upload.read()
+        await form.close()
+        created = await store.create_file(request_tenant(request), upload.filename or "upload.jsonl", "batch",
+                                          content, int(time.time()), _idempotency_key(request))
+        return _json(_file_json(created))
+
+    async def get_file(request: Request) -> Response:
+        return _json(_file_json(await _file(store, request)))
+
+    async def file_content(request: Request) -> Response:
+        content = await store.file_content(request_tenant(request), request.path_params["file_id"])
+        if content is None:
+            raise NotFound(f"no file {request.path_params['file_id']!r}")
+        return Response(content, media_type="application/jsonl")
+
+    async def delete_file(request: Request) -> Response:
+        file_id = request.path_params["file_id"]
+        if not await store.delete_file(request_tenant(request), file_id):
+            raise NotFound(f"no file {file_id!r}")
+        return _json({"id": file_id, "object": "file", "deleted": True})
+
+    async def create_batch(request: Request) -> Response:
+        parsed = _decode(await read_body(request, body_limit_bytes))
+        owner = request_tenant(request)
+        hours = _check_batch(parsed)
+        if await store.get_file(owner, parsed.input_file_id) is None:
+            raise NotFound(f"no file {parsed.input_file_id!r}")
+        now = int(time.time())
+        batch = await store.create_batch(NewBatch(owner, parsed.endpoint, parsed.input_file_id,
+                                                  parsed.completion_window, parsed.metadata, now, now + hours * 3600),
+                                         _idempotency_key(request))
+        notify()
+        return _json(batch_json(batch))
+
+    async def get_batch(request: Request) -> Response:
+        return _json(batch_json(await _batch(store, request)))
+
+    async def list_batches(request: Request) -> Response:
+        limit = parse_count(request.query_params.get("limit", "20"))
+        if limit is None or not 1 <= limit <= 100:
+            raise InvalidInput("'limit' must be an integer in [1, 100]", param="limit")
+        page = await store.list_batches(request_tenant(request), request.query_params.get("after"), limit + 1)
+        data = [batch_json(b) for b in page[:limit]]
+        return _json({"object": "list", "data": data, "has_more": len(page) > limit,
+                      "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+    async def cancel_batch(request: Request) -> Response:
+        batch = await store.cancel_batch(request_tenant(request), request.path_params["batch_id"], int(time.time()))
+        if batch is None:
+            raise NotFound(f"no batch {request.path_params['batch_id']!r}")
+        notify()
+        return _json(batch_json(batch))
+
+    async def results(request: Request) -> Response:
+        if request.query_params.get("order", "input") != "input":
+            raise InvalidInput("'order' must be 'input'", param="order")
+        batch = await _batch(store, request)
+        return StreamingResponse(_result_stream(store, batch.id), media_type="application/jsonl")
+
+    return [
+        Route("/v1/files", upload, methods=["POST"]),
+        Route("/v1/files/{file_id}", get_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+        Route("/v1/batches", create_batch, methods=["POST"]),
+        Route("/v1/batches", list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
+        Route("/v1/batches/{batch_id}/results", results, methods=["GET"]),
+    ]
+
+
+async def _file(store: JobStore, request: Request) -> FileObject:
+    found = await store.get_file(request_tenant(request), request.path_params["file_id"])
+    if found is None:
+        raise NotFound(f"no file {request.path_params['file_id']!r}")
+    return found
+
+
+async def _batch(store: JobStore, request: Request) -> BatchJob:
+    found = await store.get_batch(request_tenant(request), request.path_params["batch_id"])
+    if found is None:
+        raise NotFound(f"no batch {request.path_params['batch_id']!r}")
+    return found
+
+
+async def _result_stream(store: JobStore, batch_id: str) -> AsyncIterator[bytes]:
+    after = -1
+    while True:
+        page = await store.result_lines(batch_id, after, _RESULT_PAGE)
+        if not page:
+            return
+        yield b"".join(r.line for r in page)
+        after = page[-1].idx
+
+
+def _check_batch(parsed: CreateBatch) -> int:
+    if parsed.endpoint not in ENDPOINTS:
+        raise InvalidInput(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    match = _WINDOW.match(parsed.completion_window)
+    if match is None or not 1 <= int(match.group(1)) <= MAX_WINDOW_H:
+        raise InvalidInput(f"'completion_window' must be a number of hours like '24h' (at most {MAX_WINDOW_H}h)",
+                           param="completion_window")
+    return int(match.group(1))
+
+
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get(_IDEMPOTENCY_HEADER)
+    if key is not None and not 1 <= len(key) <= 255:
+        raise InvalidInput("Idempotency-Key must be 1 to 255 characters", param=_IDEMPOTENCY_HEADER)
+    return key
+
+
+def _decode(body: bytes) -> CreateBatch:
+    try:
+        return msgspec.json.decode(body, type=CreateBatch)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+
+
+def _file_json(f: FileObject) -> dict[str, Any]:
+    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": f.created_at, "filename": f.filename,
+            "purpose": f.purpose, "status": "processed", "expires_at": None, "status_details": None}
+
+
+def batch_json(b: BatchJob) -> dict[str, Any]:
+    return {
+        "id": b.id, "object": "batch", "endpoint": b.endpoint, "input_file_id": b.input_file_id,
+        "completion_window": b.completion_window, "status": b.status.value,
+        "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
+        "errors": {"object": "list", "data": b.errors} if b.errors else None,
+        "created_at": b.created_at, "in_progress_at": b.in_progress_at, "expires_at": b.expires_at,
+        "finalizing_at": b.finalizing_at, "completed_at": b.completed_at, "failed_at": b.failed_at,
+        "expired_at": b.expired_at, "cancelling_at": b.cancelling_at, "cancelled_at": b.cancelled_at,
+        "request_counts": {"total": b.num_total, "completed": b.num_completed, "failed": b.num_failed},
+        "usage": {"input_tokens": b.input_tokens, "output_tokens": b.output_tokens,
+                  "total_tokens": b.input_tokens + b.output_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+        "metadata": b.metadata,
+    }
+
+
+def _json(content: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")

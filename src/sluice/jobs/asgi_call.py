@@ -1,0 +1,59 @@
+"""Calling the serving app in-process: an item takes the exact path an online request takes.
+
+No socket and no HTTP client: an ASGI scope is built for the item's POST and the app's
+`send` messages are collected. The app is passed in as a callable, so nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+Message = MutableMapping[str, Any]
+AsgiApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Message]],
+                    Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class AppResponse:
+    status_code: int
+    request_id: str
+    body: bytes
+
+
+async def post(app: AsgiApp, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
+               scope_extras: dict[str, Any]) -> AppResponse:
+    path, _, query = url.partition("?")
+    scope: dict[str, Any] = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+        "headers": [(b"content-length", str(len(body)).encode()), *headers], **scope_extras,
+    }
+    sent_body = False
+
+    async def receive() -> Message:
+        nonlocal sent_body
+        if sent_body:  # the "client" stays connected until the answer is complete
+            await asyncio.Event().wait()
+        sent_body = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    status_code = 500
+    request_id = ""
+    chunks: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        nonlocal status_code, request_id
+        if message["type"] == "http.response.start":
+            status_code = int(message["status"])
+            for key, value in message.get("headers", []):
+                if key == b"x-request-id":
+                    request_id = value.decode("latin-1")
+        elif message["type"] == "http.response.body":
+            chunks.append(bytes(message.get("body", b"")))
+
+    await app(scope, receive, send)
+    return AppResponse(status_code, request_id, b"".join(chunks))

@@ -1,0 +1,136 @@
+"""`sluice batch`: submit a JSONL file as a batch job, follow it with a progress bar, fetch its results.
+
+Talks to a running server over HTTP with the standard library only (no client dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+_FINAL = {"completed", "failed", "cancelled", "expired"}
+
+
+class _Api:
+    def __init__(self, url: str, api_key: str | None) -> None:
+        self.base = url.rstrip("/")
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def call(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> bytes:
+        request = urllib.request.Request(f"{self.base}{path}", data=body, method=method,
+                                         headers={**self.headers, **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return bytes(response.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            raise click.ClickException(f"{method} {path}: HTTP {exc.code}: {detail[:500]}") from exc
+        except urllib.error.URLError as exc:
+            raise click.ClickException(f"cannot reach {self.base}: {exc.reason}") from exc
+
+    def json(self, method: str, path: str, payload: dict[str, Any] | None = None,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
+        body = json.dumps(payload).encode() if payload is not None else None
+        extra = {"content-type": "application/json", **(headers or {})} if body is not None else headers
+        result: dict[str, Any] = json.loads(self.call(method, path, body, extra))
+        return result
+
+    def upload(self, path: Path, idempotency_key: str) -> dict[str, Any]:
+        boundary = secrets.token_hex(16)
+        body = b"".join((
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'.encode(),
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{path.name}"\r\n'
+            "Content-Type: application/jsonl\r\n\r\n".encode(), path.read_bytes(), f"\r\n--{boundary}--\r\n".encode(),
+        ))
+        headers = {"content-type": f"multipart/form-data; boundary={boundary}", "idempotency-key": idempotency_key}
+        result: dict[str, Any] = json.loads(self.call("POST", "/v1/files", body, headers))
+        return result
+
+
+_url = click.option("--url", default="http://127.0.0.1:8000", show_default=True, envvar="SLUICE_URL",
+                    help="The sluice server.")
+_key = click.option("--api-key", default=None, envvar="SLUICE_API_KEY", help="Bearer key, when the server has tenants.")
+
+
+@click.group()
+def batch() -> None:
+    """Batch jobs: submit a JSONL file, follow it, fetch its results."""
+
+
+@batch.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--endpoint", required=True, help="/v1/embeddings, /v1/completions, /v1/chat/completions or /v2/infer.")
+@click.option("--window", "completion_window", default="24h", show_default=True)
+@click.option("--wait", is_flag=True, help="Show progress until the job ends, then download its files.")
+@click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              show_default=True, help="Where --wait writes BATCH_output.jsonl / BATCH_errors.jsonl.")
+@_url
+@_key
+def submit(file: Path, endpoint: str, completion_window: str, wait: bool, output_dir: Path, url: str,
+           api_key: str | None) -> None:
+    """Upload FILE and create a batch job from it."""
+    api = _Api(url, api_key)
+    key = secrets.token_hex(16)  # a retried submit never makes a second job
+    uploaded = api.upload(file, f"file-{key}")
+    job = api.json("POST", "/v1/batches", {"input_file_id": uploaded["id"], "endpoint": endpoint,
+                                           "completion_window": completion_window}, {"idempotency-key": key})
+    click.echo(job["id"])
+    if wait:
+        job = _follow(api, job["id"])
+        _download(api, job, output_dir)
+        if job["status"] != "completed":
+            sys.exit(1)
+
+
+@batch.command()
+@click.argument("batch_id")
+@_url
+@_key
+def status(batch_id: str, url: str, api_key: str | None) -> None:
+    """Show a batch job's status and counts."""
+    job = _Api(url, api_key).json("GET", f"/v1/batches/{batch_id}")
+    counts = job.get("request_counts") or {}
+    click.echo(f"{job['id']}  {job['status']}  {counts.get('completed', 0)} ok, {counts.get('failed', 0)} failed "
+               f"of {counts.get('total', 0)}")
+    for error in (job.get("errors") or {}).get("data") or []:
+        click.echo(f"  line {error.get('line')}: {error.get('code')}: {error.get('message')}")
+    for name in ("output_file_id", "error_file_id"):
+        if job.get(name):
+            click.echo(f"  {name}: {job[name]}")
+
+
+def _follow(api: _Api, batch_id: str) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task(batch_id, total=None)
+        while True:
+            job = api.json("GET", f"/v1/batches/{batch_id}")
+            counts = job.get("request_counts") or {}
+            progress.update(task, total=counts.get("total") or None,
+                            completed=counts.get("completed", 0) + counts.get("failed", 0),
+                            description=f"{batch_id} {job['status']}")
+            if job["status"] in _FINAL:
+                return job
+            time.sleep(0.5)
+
+
+def _download(api: _Api, job: dict[str, Any], output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name, suffix in (("output_file_id", "output"), ("error_file_id", "errors")):
+        if job.get(name):
+            target = output_dir / f"{job['id']}_{suffix}.jsonl"
+            target.write_bytes(api.call("GET", f"/v1/files/{job[name]}/content"))
+            click.echo(f"{suffix}: {target}")
+    if job["status"] == "failed":
+        for error in (job.get("errors") or {}).get("data") or []:
+            click.echo(f"line {error.get('line')}: {error.get('code')}: {error.get('message')}", err=True)

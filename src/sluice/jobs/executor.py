@@ -1,0 +1,277 @@
+"""The batch-job executor: claims items in leases, runs each through the serving app, records outcomes.
+
+    store ─claim(n)─▶ leased items ─▶ app(POST url, x-sluice-priority: batch) ─▶ outcome buffer
+      ▲                                                                              │
+      └──────────────── record(token, outcomes) every flush_interval_s ◀─────────────┘
+
+- Items go through the app in-process (`asgi_call.post`), so they get the online path's
+  validation, batching, deadlines and metrics, at the `batch` priority class.
+- 429/503/504 are transient: the item returns to the queue after an exponential backoff with
+  full jitter, until `max_attempts`; then its last answer goes to the error file (dead letter).
+  Other non-2xx answers are final at once.
+- Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time.
+- Housekeeping (every `poll_interval_s`): validate new batches, renew leases still in use,
+  finalize batches whose items are all done, finish cancelled and expired ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sluice.api.common import TENANT_SCOPE_KEY
+from sluice.jobs import lines
+from sluice.jobs.asgi_call import AsgiApp, post
+from sluice.jobs.store import BatchJob, BatchStatus, Claim, Item, ItemOutcome, JobStore
+from sluice.jobs.validate import Valid, parse_input
+from sluice.metrics import JobMetrics
+
+log = logging.getLogger("sluice.jobs")
+
+TRANSIENT_STATUSES = frozenset({429, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    max_in_flight: int = 256
+    claim_size: int = 128
+    lease_s: float = 60.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 60.0
+    item_timeout_ms: int = 60_000
+    flush_interval_s: float = 0.02
+    poll_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.claim_size < 1 or self.max_attempts < 1 or self.lease_s <= 0:
+            raise ValueError("max_in_flight, claim_size and max_attempts must be >= 1, lease_s > 0")
+
+
+def backoff_s(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:
+    """Full jitter: uniform in [0, min(max, base * 2^(attempt-1))] (attempt counts from 1)."""
+    return rng() * min(max_s, base_s * 2 ** max(attempt - 1, 0))
+
+
+class _Lease:
+    __slots__ = ("num_open", "until")
+
+    def __init__(self, claim: Claim) -> None:
+        self.until = claim.until
+        self.num_open = len(claim.items)
+
+
+class JobExecutor:
+    def __init__(self, store: JobStore, config: ExecutorConfig | None = None,
+                 metrics: JobMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._app: AsgiApp | None = None
+        self._config = config or ExecutorConfig()
+        self._metrics = metrics or JobMetrics()
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self._flush_now = asyncio.Event()
+        self._leases: dict[str, _Lease] = {}
+        self._owners: dict[str, str] = {}
+        self._outcomes: dict[str, list[ItemOutcome]] = {}
+        self._num_in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
+                         (b"x-request-timeout-ms", str(self._config.item_timeout_ms).encode())]
+
+    async def start(self, app: AsgiApp) -> None:
+        """Resume every unfinished job and start running items through `app`."""
+        self._app = app
+        released = await self._store.release_leases()
+        if released:
+            log.info("resuming batch jobs: %d items returned to the queue", released)
+        self._loops = [asyncio.create_task(self._run()), asyncio.create_task(self._flush_loop())]
+
+    def notify(self) -> None:
+        """Something changed (a batch was created or cancelled): look now rather than at the next poll."""
+        self._wake.set()
+
+    async def aclose(self) -> None:
+        for task in [*self._loops, *self._tasks]:
+            task.cancel()
+        for task in [*self._loops, *self._tasks]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await self._flush()  # record what finished; the rest is re-run after its lease expires
+
+    # -- the main loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        next_housekeeping = 0.0
+        while True:
+            try:
+                if time.monotonic() >= next_housekeeping:
+                    next_housekeeping = time.monotonic() + self._config.poll_interval_s
+                    await self._housekeep()
+                while await self._fill():
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch executor step failed; retrying")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._config.poll_interval_s)
+
+    async def _fill(self) -> bool:
+        """Claim more items if there is room; True when a full claim came back (there may be more)."""
+        room = self._config.max_in_flight - self._num_in_flight
+        if room < min(self._config.claim_size, self._config.max_in_flight) // 2 or room <= 0:
+            return False
+        want = min(room, self._config.claim_size)
+        claim = await self._store.claim(want, self._config.lease_s, self._clock())
+        if claim is None:
+            return False
+        self._leases[claim.token] = _Lease(claim)
+        self._num_in_flight += len(claim.items)
+        for item in claim.items:
+            task = asyncio.create_task(self._execute(claim.token, item))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return len(claim.items) == want
+
+    async def _owner(self, batch_id: str) -> str:
+        owner = self._owners.get(batch_id)
+        if owner is None:
+            batch = await self._store.get_batch(None, batch_id)
+            owner = self._owners[batch_id] = batch.owner if batch else ""
+        return owner
+
+    async def _execute(self, token: str, item: Item) -> None:
+        owner = await self._owner(item.batch_id)
+        assert self._app is not None
+        try:
+            answer = await post(self._app, item.url, item.body, self._headers, {TENANT_SCOPE_KEY: owner})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the app answers errors itself; this is a bug: record it, keep going
+            log.exception("batch item %s/%d raised", item.batch_id, item.idx)
+            line = lines.error_only_line(item.custom_id, "internal_error", f"{type(exc).__name__}")
+            self._finish(token, ItemOutcome(item.batch_id, item.idx, line, True, attempts=item.attempts + 1))
+            return
+        self._finish(token, self._outcome(item, answer.status_code, answer.request_id, answer.body))
+
+    def _outcome(self, item: Item, status: int, request_id: str, body: bytes) -> ItemOutcome:
+        attempts = item.attempts + 1
+        if status in TRANSIENT_STATUSES and attempts < self._config.max_attempts:
+            self._metrics.item_retried()
+            delay = backoff_s(attempts, self._config.backoff_base_s, self._config.backoff_max_s)
+            return ItemOutcome(item.batch_id, item.idx, retry_at=self._clock() + delay, attempts=attempts)
+        input_tokens, output_tokens, error = lines.read_answer(body)
+        is_error = not 200 <= status < 300
+        if is_error and error is None:
+            error = {"code": f"http_{status}", "message": f"the request failed with status {status}"}
+        if is_error and status in TRANSIENT_STATUSES:
+            assert error is not None
+            error = {"code": error["code"], "message": f"gave up after {attempts} attempts: {error['message']}"}
+        self._metrics.item_done("dead_letter" if is_error and status in TRANSIENT_STATUSES
+                                else "error" if is_error else "ok")
+        line = lines.response_line(item.custom_id, status, request_id, body, error if is_error else None)
+        return ItemOutcome(item.batch_id, item.idx, line, is_error, input_tokens, output_tokens, attempts=attempts)
+
+    def _finish(self, token: str, outcome: ItemOutcome) -> None:
+        self._outcomes.setdefault(token, []).append(outcome)
+        self._flush_now.set()
+
+    # -- recording -------------------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._flush_now.wait()
+            await asyncio.sleep(self._config.flush_interval_s)  # gather a transaction's worth
+            self._flush_now.clear()
+            try:
+                await self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("recording batch item outcomes failed; retrying")
+                self._flush_now.set()
+                await asyncio.sleep(1.0)
+
+    async def _flush(self) -> None:
+        pending, self._outcomes = self._outcomes, {}
+        for token, outcomes in pending.items():
+            try:
+                await self._store.record(token, outcomes)
+            except Exception:
+                self._outcomes.setdefault(token, []).extend(outcomes)  # try again on the next flush
+                raise
+            lease = self._leases.get(token)
+            if lease is not None:
+                lease.num_open -= len(outcomes)
+                if lease.num_open <= 0:
+                    del self._leases[token]
+            self._num_in_flight -= len(outcomes)
+        self._wake.set()
+
+    # -- housekeeping ----------------------------------------------------------------------------
+
+    async def _housekeep(self) -> None:
+        now = self._clock()
+        await self._renew_leases(now)
+        num_queued = 0
+        for batch in await self._store.active_batches():
+            self._owners[batch.id] = batch.owner
+            if batch.status is BatchStatus.VALIDATING:
+                await self._validate(batch)
+                continue
+            num_queued += batch.num_total - batch.num_completed - batch.num_failed
+            await self._maybe_finalize(batch, now)
+        self._metrics.pending(max(num_queued - self._num_in_flight, 0), self._num_in_flight)
+
+    async def _renew_leases(self, now: float) -> None:
+        """Items may wait long behind online traffic: keep their leases alive while we hold them."""
+        for token, lease in list(self._leases.items()):
+            if lease.until - now < self._config.lease_s / 2:
+                lease.until = now + self._config.lease_s
+                await self._store.extend_lease(token, lease.until)
+
+    async def _validate(self, batch: BatchJob) -> None:
+        content = await self._store.file_content(batch.owner, batch.input_file_id)
+        now = int(self._clock())
+        if content is None:
+            await self._store.fail_batch(batch.id, [{"code": "input_file_missing", "param": "input_file_id", "line":
+                                                     None, "message": "the input file was deleted"}], now)
+            self._metrics.job_done(BatchStatus.FAILED.value, now - batch.created_at)
+            return
+        parsed = await asyncio.to_thread(parse_input, content, batch.endpoint)
+        if isinstance(parsed, Valid):
+            await self._store.start_batch(batch.id, parsed.items, now)
+            self._wake.set()
+        else:
+            await self._store.fail_batch(batch.id, parsed.errors, now)
+            self._metrics.job_done(BatchStatus.FAILED.value, now - batch.created_at)
+
+    async def _maybe_finalize(self, batch: BatchJob, now: float) -> None:
+        is_drained = batch.num_completed + batch.num_failed >= batch.num_total
+        if batch.status in (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING) and now < batch.expires_at:
+            final, code = (BatchStatus.COMPLETED, None) if is_drained else (None, None)
+        elif batch.status is BatchStatus.CANCELLING:
+            final, code = BatchStatus.CANCELLED, "batch_cancelled"
+        else:
+            final, code = (BatchStatus.COMPLETED, None) if is_drained else (BatchStatus.EXPIRED, "batch_expired")
+        if final is None or (code and await self._store.num_live_leases(batch.id, now)):
+            return  # running items finish (or their leases lapse) first
+        message = f"the batch was {final.value} before this request ran"
+        leftover = (lambda custom_id: lines.error_only_line(custom_id, code, message)) if code else None
+        done = await self._store.finalize(batch.id, final, leftover, int(now))
+        if done is not None:
+            if code:
+                self._metrics.item_done(final.value, batch.num_total - batch.num_completed - batch.num_failed)
+            self._metrics.job_done(final.value, now - batch.created_at)
+            self._owners.pop(batch.id, None)
+            log.info("batch %s %s: %d ok, %d failed of %d", batch.id, final.value, done.num_completed,
+                     done.num_failed, done.num_total)

@@ -1,0 +1,279 @@
+"""The shared job store: PostgreSQL through psycopg 3's async connection pool.
+
+Same tables and semantics as `SqliteJobStore`, for servers on several hosts sharing one job
+queue. Claims lock candidate rows `FOR UPDATE SKIP LOCKED`, so concurrent executors never wait
+on each other and never lease the same item; a lease that expires (its holder died) makes the
+item claimable again. `release_leases` is a no-op here: other hosts may hold live leases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from sluice.errors import ConfigError
+from sluice.jobs import rows
+from sluice.jobs.store import (
+    BatchJob,
+    BatchStatus,
+    Claim,
+    FileObject,
+    Item,
+    ItemOutcome,
+    LeftoverLine,
+    NewBatch,
+    NewItem,
+    ResultLine,
+)
+
+_BATCH_BY_ID = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = %s"
+_CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = %s AND {cond} "
+          "ORDER BY idx LIMIT %s FOR UPDATE SKIP LOCKED")
+_CLAIM_CONDITIONS = ("state = 'leased' AND lease_until < %s", "state = 'queued' AND not_before <= %s")
+
+
+class PostgresJobStore:
+    def __init__(self, pool: AsyncConnectionPool[AsyncConnection[Any]]) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def connect(cls, dsn: str, max_size: int = 8) -> PostgresJobStore:
+        pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(dsn, min_size=1, max_size=max_size,
+                                                                              open=False)
+        try:
+            await pool.open(wait=True, timeout=30)
+            async with pool.connection() as conn:
+                await conn.execute("SELECT pg_advisory_xact_lock(7312001)")  # one schema migration at a time
+                for statement in rows.SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION", int="BIGINT").split(";"):
+                    if statement.strip():
+                        await conn.execute(statement)
+        except Exception as exc:
+            await pool.close()
+            raise ConfigError(f"cannot use the PostgreSQL job store: {exc}") from exc
+        return cls(pool)
+
+    async def aclose(self) -> None:
+        await self._pool.close()
+
+    async def _one(self, query: str, params: Sequence[Any]) -> Any:
+        async with self._pool.connection() as conn:
+            return await (await conn.execute(query, params)).fetchone()
+
+    # -- files -----------------------------------------------------------------------------------
+
+    async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
+                          idempotency_key: str | None = None) -> FileObject:
+        file_id = rows.new_file_id()
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                (file_id, owner, filename, purpose, len(content), now, content, idempotency_key))
+            if idempotency_key is None:
+                cur = await conn.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE id = %s", (file_id,))
+            else:
+                cur = await conn.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE owner = %s "
+                                         "AND idempotency_key = %s", (owner, idempotency_key))
+            return rows.file_of(await cur.fetchone())  # type: ignore[arg-type]
+
+    async def get_file(self, owner: str, file_id: str) -> FileObject | None:
+        row = await self._one(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+        return rows.file_of(row) if row else None
+
+    async def file_content(self, owner: str, file_id: str) -> bytes | None:
+        row = await self._one("SELECT content FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+        return bytes(row[0]) if row else None
+
+    async def delete_file(self, owner: str, file_id: str) -> bool:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("DELETE FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+            return cur.rowcount > 0
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob:
+        batch_id = rows.new_batch_id()
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
+                "created_at, expires_at, idempotency_key, seq) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM batches)) ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                (batch_id, batch.owner, batch.endpoint, batch.input_file_id, batch.completion_window,
+                 BatchStatus.VALIDATING.value, rows.dump_json(batch.metadata), batch.created_at, batch.expires_at,
+                 idempotency_key))
+            if idempotency_key is None:
+                cur = await conn.execute(_BATCH_BY_ID, (batch_id,))
+            else:
+                cur = await conn.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s "
+                                         "AND idempotency_key = %s", (batch.owner, idempotency_key))
+            return rows.batch_of(await cur.fetchone())  # type: ignore[arg-type]
+
+    async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
+        if owner is None:
+            row = await self._one(_BATCH_BY_ID, (batch_id,))
+        else:
+            row = await self._one(_BATCH_BY_ID + " AND owner = %s", (batch_id, owner))
+        return rows.batch_of(row) if row else None
+
+    async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
+        query = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s"
+        params: list[Any] = [owner]
+        if after is not None:
+            query += " AND seq < (SELECT seq FROM batches WHERE id = %s AND owner = %s)"
+            params += [after, owner]
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(query + " ORDER BY seq DESC LIMIT %s", (*params, limit))
+            return [rows.batch_of(r) for r in await cur.fetchall()]
+
+    async def active_batches(self) -> list[BatchJob]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE status = ANY(%s) ORDER BY seq",
+                                     ([s.value for s in rows.ACTIVE],))
+            return [rows.batch_of(r) for r in await cur.fetchall()]
+
+    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int) -> bool:
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute("UPDATE batches SET status = %s, in_progress_at = %s, num_total = %s "
+                                     "WHERE id = %s AND status = %s",
+                                     (BatchStatus.IN_PROGRESS.value, now, len(items), batch_id,
+                                      BatchStatus.VALIDATING.value))
+            if cur.rowcount == 0:
+                return False
+            async with conn.cursor().copy("COPY items (batch_id, idx, custom_id, url, body) FROM STDIN") as copy:
+                for i in items:
+                    await copy.write_row((batch_id, i.idx, i.custom_id, i.url, i.body))
+            return True
+
+    async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute("UPDATE batches SET status = %s, failed_at = %s, errors = %s WHERE id = %s "
+                               "AND status = %s", (BatchStatus.FAILED.value, now, rows.dump_json(errors), batch_id,
+                                                   BatchStatus.VALIDATING.value))
+
+    async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None:
+        async with self._pool.connection() as conn:
+            await conn.execute("UPDATE batches SET status = %s, cancelling_at = %s WHERE id = %s AND owner = %s "
+                               "AND status IN (%s, %s)", (BatchStatus.CANCELLING.value, now, batch_id, owner,
+                                                          BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value))
+        return await self.get_batch(owner, batch_id)
+
+    # -- items -----------------------------------------------------------------------------------
+
+    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+        token, until = rows.new_token(), now + lease_s
+        claimed: list[Item] = []
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute("SELECT id FROM batches WHERE status = %s AND expires_at > %s ORDER BY seq",
+                                     (BatchStatus.IN_PROGRESS.value, now))
+            for (batch_id,) in await cur.fetchall():
+                for cond in _CLAIM_CONDITIONS:
+                    if len(claimed) < limit:
+                        found = await (await conn.execute(_CLAIM.format(cond=cond),
+                                                          (batch_id, now, limit - len(claimed)))).fetchall()
+                        claimed += [Item(batch_id, r[0], r[1], r[2], bytes(r[3]), r[4]) for r in found]
+            if not claimed:
+                return None
+            await conn.cursor().executemany(
+                "UPDATE items SET state = 'leased', lease_token = %s, lease_until = %s "
+                "WHERE batch_id = %s AND idx = %s",
+                [(token, until, i.batch_id, i.idx) for i in claimed])
+        return Claim(token, until, tuple(claimed))
+
+    async def extend_lease(self, token: str, until: float) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute("UPDATE items SET lease_until = %s WHERE lease_token = %s AND state = 'leased'",
+                               (until, token))
+
+    async def record(self, token: str, outcomes: Sequence[ItemOutcome]) -> int:
+        retries = [o for o in outcomes if o.retry_at is not None]
+        finals = {(o.batch_id, o.idx): o for o in outcomes if o.retry_at is None}
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = conn.cursor()
+            applied = 0
+            if retries:
+                await cur.executemany(
+                    "UPDATE items SET state = 'queued', lease_token = NULL, not_before = %s, attempts = %s "
+                    "WHERE batch_id = %s AND idx = %s AND lease_token = %s AND state = 'leased' RETURNING idx",
+                    [(o.retry_at, o.attempts, o.batch_id, o.idx, token) for o in retries], returning=True)
+                applied += _num_returned(cur)
+            if not finals:
+                return applied
+            await cur.executemany(
+                "UPDATE items SET state = 'done', line = %s, is_error = %s, attempts = %s WHERE batch_id = %s "
+                "AND idx = %s AND lease_token = %s AND state = 'leased' RETURNING batch_id, idx",
+                [(o.line, int(o.is_error), o.attempts, o.batch_id, o.idx, token) for o in finals.values()],
+                returning=True)
+            totals: dict[str, list[int]] = {}
+            while True:
+                for batch_id, idx in await cur.fetchall():
+                    o = finals[(batch_id, idx)]
+                    sums = totals.setdefault(batch_id, [0, 0, 0, 0])
+                    sums[1 if o.is_error else 0] += 1
+                    sums[2] += o.input_tokens
+                    sums[3] += o.output_tokens
+                    applied += 1
+                if not cur.nextset():
+                    break
+            await cur.executemany(
+                "UPDATE batches SET num_completed = num_completed + %s, num_failed = num_failed + %s, "
+                "input_tokens = input_tokens + %s, output_tokens = output_tokens + %s WHERE id = %s",
+                [(*sums, batch_id) for batch_id, sums in totals.items()])
+        return applied
+
+    async def release_leases(self) -> int:
+        return 0
+
+    async def num_live_leases(self, batch_id: str, now: float) -> int:
+        row = await self._one("SELECT COUNT(*) FROM items WHERE batch_id = %s AND state = 'leased' "
+                              "AND lease_until >= %s", (batch_id, now))
+        return int(row[0])
+
+    async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
+                       now: int) -> BatchJob | None:
+        async with self._pool.connection() as conn, conn.transaction():
+            row = await (await conn.execute(_BATCH_BY_ID + " FOR UPDATE", (batch_id,))).fetchone()
+            batch = rows.batch_of(row) if row else None
+            if batch is None or not batch.is_active:
+                return batch
+            left = await (await conn.execute("SELECT idx, custom_id FROM items WHERE batch_id = %s "
+                                             "AND state != 'done'", (batch_id,))).fetchall()
+            if left and leftover is None:
+                return None
+            if left and leftover is not None:
+                await conn.cursor().executemany(
+                    "UPDATE items SET state = 'done', is_error = 1, line = %s, lease_token = NULL "
+                    "WHERE batch_id = %s AND idx = %s", [(leftover(c), batch_id, i) for i, c in left])
+            lines = await (await conn.execute("SELECT line, is_error FROM items WHERE batch_id = %s ORDER BY idx",
+                                              (batch_id,))).fetchall()
+            output, errors = rows.assemble(lines)
+            file_ids: list[str | None] = []
+            for content, suffix in ((output, "output"), (errors, "errors")):
+                file_id = rows.new_file_id() if content else None
+                if file_id is not None:
+                    await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
+                                       "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                                       (file_id, batch.owner, f"{batch_id}_{suffix}.jsonl", "batch_output",
+                                        len(content), now, content))
+                file_ids.append(file_id)
+            await conn.execute(f"UPDATE batches SET status = %s, finalizing_at = %s, {rows.FINAL_STAMP[status]} = %s, "
+                               "output_file_id = %s, error_file_id = %s WHERE id = %s",
+                               (status.value, now, now, *file_ids, batch_id))
+            final = await (await conn.execute(_BATCH_BY_ID, (batch_id,))).fetchone()
+            return rows.batch_of(final)  # type: ignore[arg-type]
+
+    async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
+                                     "AND state = 'done' ORDER BY idx LIMIT %s", (batch_id, after_idx, limit))
+            return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
+
+
+def _num_returned(cur: Any) -> int:
+    count = 0
+    while True:
+        count += cur.rowcount if cur.rowcount > 0 else 0
+        if not cur.nextset():
+            return count

@@ -1,0 +1,125 @@
+"""What both store backends share: table layout, column lists, row <-> value conversion, new ids.
+
+Queries are written once with `?` placeholders; the PostgreSQL backend rewrites them to `%s`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from sluice.jobs.store import ACTIVE_STATUSES, BatchJob, BatchStatus, FileObject
+
+ACTIVE = ACTIVE_STATUSES
+FINAL_STAMP = {
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.CANCELLED: "cancelled_at",
+    BatchStatus.EXPIRED: "expired_at",
+}
+"""The timestamp column each final status sets."""
+
+# {blob}, {real}, {int} are filled per dialect.
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes {int} NOT NULL,
+    created_at {int} NOT NULL,
+    content {blob} NOT NULL,
+    idempotency_key TEXT,
+    UNIQUE (owner, idempotency_key)
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    metadata TEXT,
+    created_at {int} NOT NULL,
+    expires_at {int} NOT NULL,
+    num_total {int} NOT NULL DEFAULT 0,
+    num_completed {int} NOT NULL DEFAULT 0,
+    num_failed {int} NOT NULL DEFAULT 0,
+    input_tokens {int} NOT NULL DEFAULT 0,
+    output_tokens {int} NOT NULL DEFAULT 0,
+    in_progress_at {int},
+    finalizing_at {int},
+    completed_at {int},
+    failed_at {int},
+    expired_at {int},
+    cancelling_at {int},
+    cancelled_at {int},
+    output_file_id TEXT,
+    error_file_id TEXT,
+    errors TEXT,
+    idempotency_key TEXT,
+    seq {int} NOT NULL,
+    UNIQUE (owner, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq);
+CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
+CREATE TABLE IF NOT EXISTS items (
+    batch_id TEXT NOT NULL,
+    idx {int} NOT NULL,
+    custom_id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    body {blob} NOT NULL,
+    state TEXT NOT NULL DEFAULT 'queued',
+    attempts {int} NOT NULL DEFAULT 0,
+    not_before {real} NOT NULL DEFAULT 0,
+    lease_token TEXT,
+    lease_until {real},
+    is_error {int} NOT NULL DEFAULT 0,
+    line {blob},
+    PRIMARY KEY (batch_id, idx)
+);
+CREATE INDEX IF NOT EXISTS items_by_state ON items (batch_id, state, idx);
+"""
+
+FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at"
+BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status, metadata, created_at, "
+                 "expires_at, num_total, num_completed, num_failed, input_tokens, output_tokens, "
+                 "in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
+                 "cancelled_at, output_file_id, error_file_id, errors")
+ITEM_COLUMNS = "idx, custom_id, url, body, attempts"
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{secrets.token_hex(12)}"
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def file_of(row: Sequence[Any]) -> FileObject:
+    return FileObject(row[0], row[1], row[2], row[3], int(row[4]), int(row[5]))
+
+
+def batch_of(row: Sequence[Any]) -> BatchJob:
+    values = list(row)
+    values[5] = BatchStatus(values[5])
+    values[6] = json.loads(values[6]) if values[6] else None
+    values[-1] = json.loads(values[-1]) if values[-1] else None
+    return BatchJob(*values)
+
+
+def dump_json(value: object) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+def assemble(lines: Sequence[tuple[bytes, int]]) -> tuple[bytes, bytes]:
+    """The output file and the error file from (line, is_error) rows in input order."""
+    output = [bytes(line) for line, is_error in lines if not is_error]
+    errors = [bytes(line) for line, is_error in lines if is_error]
+    return b"".join(output), b"".join(errors)

@@ -1,0 +1,326 @@
+"""The embedded job store: one SQLite database in the server's data directory.
+
+- WAL journal, `synchronous=FULL`: a commit is on disk (fsync'd) before the API acknowledges it,
+  so even a power loss keeps acknowledged files and batches. The fsync is paid per transaction,
+  and the executor claims and records many items per transaction, so it costs little per item.
+- Every call runs on one dedicated thread that owns the connection: the event loop never blocks
+  and no two statements race.
+- File contents live in the database (a BLOB): a file and the batch that refers to it commit
+  atomically, and the data directory is one file to back up.
+- One server per data directory (an exclusive lock on `jobs.lock`), which is why `release_leases`
+  may hand every lease back at startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import sqlite3
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sluice.errors import ConfigError
+from sluice.jobs import rows
+from sluice.jobs.store import (
+    BatchJob,
+    BatchStatus,
+    Claim,
+    FileObject,
+    Item,
+    ItemOutcome,
+    LeftoverLine,
+    NewBatch,
+    NewItem,
+    ResultLine,
+)
+
+T = TypeVar("T")
+_CLAIMABLE_QUEUED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'queued' "
+                     "AND not_before <= ? ORDER BY idx LIMIT ?")
+_CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
+                      "AND lease_until < ? ORDER BY idx LIMIT ?")
+
+
+class SqliteJobStore:
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = (data_dir / "jobs.lock").open("w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            self._lock_file.close()
+            raise ConfigError(f"another sluice server already uses the data directory {data_dir}") from exc
+        self._path = data_dir / "jobs.sqlite3"
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-jobs-db")
+        self._db: sqlite3.Connection | None = None
+        self._thread.submit(self._open).result()
+
+    def _open(self) -> None:
+        db = sqlite3.connect(self._path, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+        db.executescript(rows.SCHEMA.format(blob="BLOB", real="REAL", int="INTEGER"))
+        self._db = db
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def _txn(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._call(self._in_txn, fn, *args)
+
+    def _in_txn(self, fn: Callable[..., T], *args: Any) -> T:
+        db = self._db
+        assert db is not None
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(db, *args)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    async def aclose(self) -> None:
+        def close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await self._call(close)
+        self._thread.shutdown(wait=True)
+        self._lock_file.close()
+
+    # -- files -----------------------------------------------------------------------------------
+
+    async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
+                          idempotency_key: str | None = None) -> FileObject:
+        def create(db: sqlite3.Connection) -> FileObject:
+            file_id = rows.new_file_id()
+            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                       (file_id, owner, filename, purpose, len(content), now, content, idempotency_key))
+            if idempotency_key is None:
+                row = db.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE id = ?", (file_id,))
+            else:
+                row = db.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE owner = ? AND idempotency_key = ?",
+                                 (owner, idempotency_key))
+            return rows.file_of(row.fetchone())
+
+        return await self._txn(create)
+
+    async def get_file(self, owner: str, file_id: str) -> FileObject | None:
+        def get(db: sqlite3.Connection) -> FileObject | None:
+            row = db.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE id = ? AND owner = ?",
+                             (file_id, owner)).fetchone()
+            return rows.file_of(row) if row else None
+
+        return await self._call(get, self._db)
+
+    async def file_content(self, owner: str, file_id: str) -> bytes | None:
+        def read(db: sqlite3.Connection) -> bytes | None:
+            row = db.execute("SELECT content FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+            return bytes(row[0]) if row else None
+
+        return await self._call(read, self._db)
+
+    async def delete_file(self, owner: str, file_id: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            return db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
+
+        return await self._txn(delete)
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob:
+        def create(db: sqlite3.Connection) -> BatchJob:
+            batch_id = rows.new_batch_id()
+            db.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
+                       "created_at, expires_at, idempotency_key, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                       "(SELECT COALESCE(MAX(seq), 0) + 1 FROM batches)) "
+                       "ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                       (batch_id, batch.owner, batch.endpoint, batch.input_file_id, batch.completion_window,
+                        BatchStatus.VALIDATING.value, rows.dump_json(batch.metadata), batch.created_at,
+                        batch.expires_at, idempotency_key))
+            if idempotency_key is None:
+                row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,))
+            else:
+                row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ? AND idempotency_key = ?",
+                                 (batch.owner, idempotency_key))
+            return rows.batch_of(row.fetchone())
+
+        return await self._txn(create)
+
+    async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
+        return await self._call(_get_batch, self._db, owner, batch_id)
+
+    async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
+        def page(db: sqlite3.Connection) -> list[BatchJob]:
+            query = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ?"
+            params: list[Any] = [owner]
+            if after is not None:
+                query += " AND seq < (SELECT seq FROM batches WHERE id = ? AND owner = ?)"
+                params += [after, owner]
+            query += " ORDER BY seq DESC LIMIT ?"
+            return [rows.batch_of(r) for r in db.execute(query, (*params, limit))]
+
+        return await self._call(page, self._db)
+
+    async def active_batches(self) -> list[BatchJob]:
+        def active(db: sqlite3.Connection) -> list[BatchJob]:
+            return [rows.batch_of(r) for r in db.execute(
+                f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE status IN (?, ?, ?, ?) ORDER BY seq",
+                [s.value for s in rows.ACTIVE])]
+
+        return await self._call(active, self._db)
+
+    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int) -> bool:
+        def start(db: sqlite3.Connection) -> bool:
+            updated = db.execute("UPDATE batches SET status = ?, in_progress_at = ?, num_total = ? "
+                                 "WHERE id = ? AND status = ?",
+                                 (BatchStatus.IN_PROGRESS.value, now, len(items), batch_id,
+                                  BatchStatus.VALIDATING.value)).rowcount
+            if updated:
+                db.executemany("INSERT INTO items (batch_id, idx, custom_id, url, body) VALUES (?, ?, ?, ?, ?)",
+                               ((batch_id, i.idx, i.custom_id, i.url, i.body) for i in items))
+            return updated > 0
+
+        return await self._txn(start)
+
+    async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None:
+        def fail(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE batches SET status = ?, failed_at = ?, errors = ? WHERE id = ? AND status = ?",
+                       (BatchStatus.FAILED.value, now, rows.dump_json(errors), batch_id,
+                        BatchStatus.VALIDATING.value))
+
+        await self._txn(fail)
+
+    async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None:
+        def cancel(db: sqlite3.Connection) -> BatchJob | None:
+            db.execute("UPDATE batches SET status = ?, cancelling_at = ? WHERE id = ? AND owner = ? "
+                       "AND status IN (?, ?)", (BatchStatus.CANCELLING.value, now, batch_id, owner,
+                                                BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value))
+            return _get_batch(db, owner, batch_id)
+
+        return await self._txn(cancel)
+
+    # -- items -----------------------------------------------------------------------------------
+
+    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+        def claim(db: sqlite3.Connection) -> Claim | None:
+            token, until = rows.new_token(), now + lease_s
+            claimed: list[Item] = []
+            batch_ids = [r[0] for r in db.execute(
+                "SELECT id FROM batches WHERE status = ? AND expires_at > ? ORDER BY seq",
+                (BatchStatus.IN_PROGRESS.value, now))]
+            for batch_id in batch_ids:
+                for query in (_CLAIMABLE_EXPIRED, _CLAIMABLE_QUEUED):
+                    if len(claimed) < limit:
+                        found = db.execute(query, (batch_id, now, limit - len(claimed))).fetchall()
+                        claimed += [Item(batch_id, r[0], r[1], r[2], bytes(r[3]), r[4]) for r in found]
+            if not claimed:
+                return None
+            db.executemany("UPDATE items SET state = 'leased', lease_token = ?, lease_until = ? "
+                           "WHERE batch_id = ? AND idx = ?", ((token, until, i.batch_id, i.idx) for i in claimed))
+            return Claim(token, until, tuple(claimed))
+
+        return await self._txn(claim)
+
+    async def extend_lease(self, token: str, until: float) -> None:
+        def extend(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE items SET lease_until = ? WHERE lease_token = ? AND state = 'leased'", (until, token))
+
+        await self._txn(extend)
+
+    async def record(self, token: str, outcomes: Sequence[ItemOutcome]) -> int:
+        return await self._txn(_record, token, outcomes)
+
+    async def release_leases(self) -> int:
+        def release(db: sqlite3.Connection) -> int:
+            return db.execute("UPDATE items SET state = 'queued', lease_token = NULL WHERE state = 'leased'").rowcount
+
+        return await self._txn(release)
+
+    async def num_live_leases(self, batch_id: str, now: float) -> int:
+        def count(db: sqlite3.Connection) -> int:
+            return int(db.execute("SELECT COUNT(*) FROM items WHERE batch_id = ? AND state = 'leased' "
+                                  "AND lease_until >= ?", (batch_id, now)).fetchone()[0])
+
+        return await self._call(count, self._db)
+
+    async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
+                       now: int) -> BatchJob | None:
+        return await self._txn(_finalize, batch_id, status, leftover, now)
+
+    async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
+        def page(db: sqlite3.Connection) -> list[ResultLine]:
+            found = db.execute("SELECT idx, line, is_error FROM items WHERE batch_id = ? AND idx > ? "
+                               "AND state = 'done' ORDER BY idx LIMIT ?", (batch_id, after_idx, limit))
+            return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in found]
+
+        return await self._call(page, self._db)
+
+
+def _get_batch(db: sqlite3.Connection, owner: str | None, batch_id: str) -> BatchJob | None:
+    if owner is None:
+        row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    else:
+        row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ? AND owner = ?",
+                         (batch_id, owner)).fetchone()
+    return rows.batch_of(row) if row else None
+
+
+def _record(db: sqlite3.Connection, token: str, outcomes: Sequence[ItemOutcome]) -> int:
+    totals: dict[str, list[int]] = {}
+    applied = 0
+    for o in outcomes:
+        if o.retry_at is not None:
+            count = db.execute("UPDATE items SET state = 'queued', lease_token = NULL, not_before = ?, attempts = ? "
+                               "WHERE batch_id = ? AND idx = ? AND lease_token = ? AND state = 'leased'",
+                               (o.retry_at, o.attempts, o.batch_id, o.idx, token)).rowcount
+            applied += count
+            continue
+        count = db.execute("UPDATE items SET state = 'done', line = ?, is_error = ?, attempts = ? "
+                           "WHERE batch_id = ? AND idx = ? AND lease_token = ? AND state = 'leased'",
+                           (o.line, int(o.is_error), o.attempts, o.batch_id, o.idx, token)).rowcount
+        if count:
+            applied += 1
+            sums = totals.setdefault(o.batch_id, [0, 0, 0, 0])
+            sums[1 if o.is_error else 0] += 1
+            sums[2] += o.input_tokens
+            sums[3] += o.output_tokens
+    db.executemany("UPDATE batches SET num_completed = num_completed + ?, num_failed = num_failed + ?, "
+                   "input_tokens = input_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
+                   ((*sums, batch_id) for batch_id, sums in totals.items()))
+    return applied
+
+
+def _finalize(db: sqlite3.Connection, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
+              now: int) -> BatchJob | None:
+    batch = _get_batch(db, None, batch_id)
+    if batch is None or not batch.is_active:
+        return batch
+    left = db.execute("SELECT idx, custom_id FROM items WHERE batch_id = ? AND state != 'done'",
+                      (batch_id,)).fetchall()
+    if left and leftover is None:
+        return None
+    db.executemany("UPDATE items SET state = 'done', is_error = 1, line = ?, lease_token = NULL "
+                   "WHERE batch_id = ? AND idx = ?", ((leftover(c), batch_id, i) for i, c in left) if leftover else ())
+    lines = db.execute("SELECT line, is_error FROM items WHERE batch_id = ? ORDER BY idx", (batch_id,)).fetchall()
+    output, errors = rows.assemble(lines)
+    file_ids: list[str | None] = []
+    for content, suffix in ((output, "output"), (errors, "errors")):
+        if not content:
+            file_ids.append(None)
+            continue
+        file_id = rows.new_file_id()
+        db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?)", (file_id, batch.owner, f"{batch_id}_{suffix}.jsonl",
+                                                    "batch_output", len(content), now, content))
+        file_ids.append(file_id)
+    stamp = rows.FINAL_STAMP[status]
+    db.execute(f"UPDATE batches SET status = ?, finalizing_at = ?, {stamp} = ?, output_file_id = ?, "
+               "error_file_id = ? WHERE id = ?", (status.value, now, now, *file_ids, batch_id))
+    return _get_batch(db, None, batch_id)

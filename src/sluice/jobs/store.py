@@ -1,0 +1,249 @@
+"""The durable store of batch jobs: its typed values and the `JobStore` protocol.
+
+Two backends implement the protocol with the same semantics: `SqliteJobStore` (embedded, the
+default) and `PostgresJobStore` (several hosts share one database). Everything the API
+acknowledges is committed first.
+
+    files    (id, owner, filename, purpose, bytes, content, created_at, idempotency_key)
+    batches  (id, owner, endpoint, input_file_id, status, counters, timestamps, ...)
+    items    (batch_id, idx) PRIMARY KEY, custom_id, url, body,
+             state: queued ─claim─▶ leased ─record─▶ done
+                      ▲                │
+                      └─retry/expiry───┘
+
+Invariants:
+- an item's result is written once: `record` updates only rows still `leased` under the caller's
+  lease token, in the same statement, so a replayed or expired lease cannot write twice;
+- output and error files are assembled at finalization from the item rows, in input order;
+- times are wall-clock seconds (`time.time()`), because leases and expiries outlive processes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "ACTIVE_STATUSES",
+    "BatchJob",
+    "BatchStatus",
+    "Claim",
+    "FileObject",
+    "Item",
+    "ItemOutcome",
+    "ItemState",
+    "JobStore",
+    "LeftoverLine",
+    "NewBatch",
+    "NewItem",
+    "ResultLine",
+]
+
+
+class BatchStatus(enum.StrEnum):
+    VALIDATING = "validating"
+    """Created and persisted; its input file has not been checked and expanded into items yet."""
+    FAILED = "failed"
+    """The input file was rejected at validation (see `errors`); no item ran."""
+    IN_PROGRESS = "in_progress"
+    """Items are being claimed and executed."""
+    FINALIZING = "finalizing"
+    """Every item has an outcome; the output and error files are being assembled."""
+    COMPLETED = "completed"
+    """Done: `output_file_id` / `error_file_id` hold every input line exactly once."""
+    EXPIRED = "expired"
+    """The completion window passed first; unfinished items are in the error file as expired."""
+    CANCELLING = "cancelling"
+    """Cancel was asked: no new items start; those running finish and are kept."""
+    CANCELLED = "cancelled"
+    """Cancelled: finished items are in the output/error files, the rest in the error file."""
+
+
+ACTIVE_STATUSES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
+                   BatchStatus.CANCELLING)
+
+
+class ItemState(enum.StrEnum):
+    QUEUED = "queued"
+    """Waiting to be claimed (not before its `not_before` time, after a retry)."""
+    LEASED = "leased"
+    """Claimed by an executor until its lease ends; an expired lease makes it claimable again."""
+    DONE = "done"
+    """Its output or error line is recorded; never changes again."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileObject:
+    id: str
+    owner: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class NewBatch:
+    owner: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    metadata: dict[str, str] | None
+    created_at: int
+    expires_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchJob:
+    id: str
+    owner: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    metadata: dict[str, str] | None
+    created_at: int
+    expires_at: int
+    num_total: int = 0
+    num_completed: int = 0
+    num_failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, object]] | None = None
+    """Validation errors, each `{"code", "message", "param", "line"}` (line numbers from 1)."""
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE_STATUSES
+
+
+@dataclass(frozen=True, slots=True)
+class NewItem:
+    idx: int
+    """0-based position in the input file; with the batch id, the item's unique key."""
+    custom_id: str
+    url: str
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    batch_id: str
+    idx: int
+    custom_id: str
+    url: str
+    body: bytes
+    attempts: int
+    """Attempts already used up by earlier transient failures."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Items leased to one executor until `until`; only `token` may record their outcomes."""
+
+    token: str
+    until: float
+    items: tuple[Item, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ItemOutcome:
+    """What became of one leased item.
+
+    Final (`retry_at is None`): `line` is its output-file line (`is_error` false) or error-file line.
+    Retry: the item goes back to the queue, claimable from `retry_at`, with `attempts` used up.
+    """
+
+    batch_id: str
+    idx: int
+    line: bytes = b""
+    is_error: bool = False
+    input_tokens: int = 0
+    output_tokens: int = 0
+    retry_at: float | None = None
+    attempts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ResultLine:
+    idx: int
+    line: bytes
+    is_error: bool
+
+
+LeftoverLine = Callable[[str], bytes]
+"""The error line for an item that never ran (batch cancelled or expired), from its custom_id."""
+
+
+class JobStore(Protocol):
+    """Files, batches and their items, durably. `owner` scopes every client-facing lookup."""
+
+    async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
+                          idempotency_key: str | None = None) -> FileObject: ...
+
+    async def get_file(self, owner: str, file_id: str) -> FileObject | None: ...
+
+    async def file_content(self, owner: str, file_id: str) -> bytes | None: ...
+
+    async def delete_file(self, owner: str, file_id: str) -> bool: ...
+
+    async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob: ...
+
+    async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
+        """`owner=None` is the executor's view, across owners."""
+        ...
+
+    async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
+        """Newest first, those created before the batch `after`."""
+        ...
+
+    async def active_batches(self) -> list[BatchJob]: ...
+
+    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int) -> bool:
+        """validating -> in_progress, inserting its items in the same transaction."""
+        ...
+
+    async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None: ...
+
+    async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None: ...
+
+    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+        """Lease up to `limit` claimable items of in-progress, unexpired batches, oldest batch first."""
+        ...
+
+    async def extend_lease(self, token: str, until: float) -> None: ...
+
+    async def record(self, token: str, outcomes: Sequence[ItemOutcome]) -> int:
+        """Apply outcomes of items still leased under `token`, in one transaction; returns how many
+        were applied (the others were not ours any more and are ignored)."""
+        ...
+
+    async def release_leases(self) -> int:
+        """Return every leased item to the queue (single-owner stores, at startup)."""
+        ...
+
+    async def num_live_leases(self, batch_id: str, now: float) -> int: ...
+
+    async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
+                       now: int) -> BatchJob | None:
+        """Assemble the output and error files and set the final `status`, atomically. Items not done
+        get the error line `leftover(custom_id)`; without `leftover`, the call does nothing and
+        returns None while some are not done. A batch already final is returned as it is."""
+        ...
+
+    async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
+        """Recorded lines (output and error) of items after `after_idx`, in input order."""
+        ...
+
+    async def aclose(self) -> None: ...

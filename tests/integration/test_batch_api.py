@@ -1,0 +1,152 @@
+"""The Files and Batch APIs end to end with the real `openai` SDK, on a real server and the emulated model."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def embedding_lines(n: int, prefix: str = "req") -> list[dict]:
+    return [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": "emulated", "input": f"item number {i}"}} for i in range(n)]
+
+
+def wait_until_final(client: openai.OpenAI, batch_id: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {batch.status} after {timeout_s} s")
+
+
+def output_rows(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).content.splitlines()]
+
+
+@pytest.fixture
+def served(make_server, emulated_repo, tmp_path: Path):
+    server = make_server(emulated_repo(), "--data-dir", str(tmp_path / "data"))
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        yield server, client
+
+
+def test_sdk_files_and_batches_end_to_end(served):
+    server, client = served
+    uploaded = client.files.create(file=("in.jsonl", jsonl(embedding_lines(300))), purpose="batch")
+    assert uploaded.object == "file" and uploaded.purpose == "batch" and uploaded.bytes > 0
+    assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h",
+                                  metadata={"team": "search"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"team": "search"}
+    done = wait_until_final(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 300 and done.request_counts.completed == 300
+    assert done.request_counts.failed == 0 and done.error_file_id is None
+    assert done.in_progress_at and done.completed_at and done.usage.input_tokens > 0
+    rows = output_rows(client, done.output_file_id)
+    assert [r["custom_id"] for r in rows] == [f"req-{i}" for i in range(300)]
+    first = rows[0]
+    assert first["error"] is None and first["response"]["status_code"] == 200
+    assert first["response"]["request_id"] and first["id"].startswith("batch_req_")
+    assert first["response"]["body"]["data"][0]["embedding"] == [pytest.approx(float(len("item number 0")))] or \
+        first["response"]["body"]["object"] == "list"
+    ordered = httpx.get(f"{server.url}/v1/batches/{batch.id}/results?order=input", timeout=30)
+    assert [json.loads(x)["custom_id"] for x in ordered.text.splitlines()] == [f"req-{i}" for i in range(300)]
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_list_pages_and_cancel_unknown(served):
+    _, client = served
+    uploaded = client.files.create(file=("in.jsonl", jsonl(embedding_lines(2))), purpose="batch")
+    ids = [client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                 completion_window="24h").id for _ in range(3)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+    assert [b.id for b in client.batches.list(limit=2, after=page.data[-1].id).data] == ids[:1]
+    assert [b.id for b in client.batches.list(limit=2)] == ids[::-1]  # the SDK follows the cursor
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/nothing", completion_window="24h")
+
+
+def test_bad_input_file_fails_validation_with_line_numbers(served):
+    _, client = served
+    lines = jsonl(embedding_lines(3)) + b"not json\n" + jsonl([
+        {"custom_id": "req-0", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": {}},
+    ])
+    uploaded = client.files.create(file=("bad.jsonl", lines), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    failed = wait_until_final(client, batch.id)
+    assert failed.status == "failed" and failed.request_counts.total == 0
+    assert [(e.line, e.code) for e in failed.errors.data] == [
+        (4, "invalid_json"), (5, "duplicate_custom_id"), (6, "invalid_url")]
+
+
+def test_item_errors_go_to_the_error_file_and_kserve_items_run(served):
+    _, client = served
+    rows = [
+        {"custom_id": "good", "method": "POST", "url": "/v2/models/emulated/infer",
+         "body": {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}},
+        {"custom_id": "bad", "method": "POST", "url": "/v2/models/missing/infer", "body": {"inputs": []}},
+    ]
+    uploaded = client.files.create(file=("t.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v2/infer", completion_window="24h")
+    done = wait_until_final(client, batch.id)
+    assert done.status == "completed" and done.request_counts.failed == 1
+    (good,) = output_rows(client, done.output_file_id)
+    assert good["custom_id"] == "good" and good["response"]["body"]["outputs"][0]["data"] == [6.0]
+    (bad,) = output_rows(client, done.error_file_id)
+    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 404 and bad["error"]["code"]
+
+
+def test_idempotency_key_returns_the_original_objects(served):
+    _, client = served
+    content = jsonl(embedding_lines(5))
+    key = {"Idempotency-Key": "upload-1"}
+    first = client.files.create(file=("a.jsonl", content), purpose="batch", extra_headers=key)
+    again = client.files.create(file=("a.jsonl", content), purpose="batch", extra_headers=key)
+    assert again.id == first.id
+    key = {"Idempotency-Key": "job-1"}
+    batch = client.batches.create(input_file_id=first.id, endpoint="/v1/embeddings", completion_window="24h",
+                                  extra_headers=key)
+    repeat = client.batches.create(input_file_id=first.id, endpoint="/v1/embeddings", completion_window="24h",
+                                   extra_headers=key)
+    assert repeat.id == batch.id
+    assert len(client.batches.list().data) == 1
+    assert wait_until_final(client, batch.id).request_counts.completed == 5
+
+
+def test_cli_submit_waits_and_downloads(served, tmp_path: Path):
+    import subprocess
+    import sys
+
+    server, _ = served
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(embedding_lines(20)))
+    out = subprocess.run([sys.executable, "-m", "sluice", "batch", "submit", str(source), "--endpoint",
+                          "/v1/embeddings", "--wait", "--url", server.url, "--output", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    batch_id = out.stdout.splitlines()[0]
+    lines = (tmp_path / "out" / f"{batch_id}_output.jsonl").read_text().splitlines()
+    assert len(lines) == 20
+    status = subprocess.run([sys.executable, "-m", "sluice", "batch", "status", batch_id, "--url", server.url],
+                            capture_output=True, text=True, timeout=60)
+    assert "completed  20 ok, 0 failed of 20" in status.stdout

@@ -1,0 +1,89 @@
+"""Crash safety: `kill -9` the server mid-job, restart it on the same data directory, and the job
+completes with every input line exactly once in the output or error file. Also: cancelling mid-job."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import openai
+
+from tests.conftest import start_server, write_emulated_model
+from tests.integration.test_batch_api import embedding_lines, jsonl, output_rows, wait_until_final
+
+NUM_ITEMS = 2000
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=2, timeout=60)
+
+
+def _wait_for_progress(client: openai.OpenAI, batch_id: str, at_least: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = client.batches.retrieve(batch_id).request_counts
+        if counts is not None and counts.completed + counts.failed >= at_least:
+            return counts.completed + counts.failed
+        time.sleep(0.05)
+    raise AssertionError(f"batch {batch_id} made no progress")
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_kill_9_mid_job_then_restart_loses_and_duplicates_nothing(tmp_path: Path):
+    repo = write_emulated_model(tmp_path / "models", slo_ms=2000, max_batch_size=8, alpha_ms=15)
+    data_dir = str(tmp_path / "data")
+    server = start_server(repo, tmp_path, "--data-dir", data_dir)
+    try:
+        with _client(server.url) as client:
+            uploaded = client.files.create(file=("in.jsonl", jsonl(embedding_lines(NUM_ITEMS))), purpose="batch")
+            batch_id = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                             completion_window="24h").id
+        for cycle in range(2):
+            with _client(server.url) as client:
+                _wait_for_progress(client, batch_id, at_least=300 * (cycle + 1))
+            workers = server.worker_pids()
+            server.process.kill()  # SIGKILL: no drain, no flush
+            server.process.wait()
+            deadline = time.monotonic() + 30
+            while any(_is_alive(pid) for pid in workers) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(_is_alive(pid) for pid in workers), "workers outlived their killed server"
+            server = start_server(repo, tmp_path, "--data-dir", data_dir)
+        with _client(server.url) as client:
+            done = wait_until_final(client, batch_id, timeout_s=180)
+            assert done.status == "completed"
+            rows = output_rows(client, done.output_file_id) + output_rows(client, done.error_file_id)
+    finally:
+        server.stop()
+    ids = [r["custom_id"] for r in rows]
+    assert len(ids) == NUM_ITEMS and set(ids) == {f"req-{i}" for i in range(NUM_ITEMS)}
+    assert done.request_counts.total == NUM_ITEMS
+    assert done.request_counts.completed + done.request_counts.failed == NUM_ITEMS
+
+
+def test_cancel_mid_job_keeps_finished_items_and_cancels_the_rest(make_server, tmp_path: Path):
+    repo = write_emulated_model(tmp_path / "models", slo_ms=2000, max_batch_size=4, alpha_ms=20)
+    server = make_server(repo, "--data-dir", str(tmp_path / "data"))
+    with _client(server.url) as client:
+        uploaded = client.files.create(file=("in.jsonl", jsonl(embedding_lines(NUM_ITEMS))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        _wait_for_progress(client, batch.id, at_least=50)
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = wait_until_final(client, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at
+        finished = output_rows(client, done.output_file_id)
+        errors = output_rows(client, done.error_file_id)
+    assert 50 <= len(finished) < NUM_ITEMS
+    assert len(finished) == done.request_counts.completed
+    cancelled = [r for r in errors if r["error"]["code"] == "batch_cancelled"]
+    assert len(finished) + len(errors) == NUM_ITEMS and len(cancelled) > 0
+    assert {r["custom_id"] for r in finished + errors} == {f"req-{i}" for i in range(NUM_ITEMS)}

@@ -1,0 +1,156 @@
+"""The JobStore contract, run against both backends: SQLite (embedded) and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sluice.jobs.postgres_store import PostgresJobStore
+from sluice.jobs.sqlite_store import SqliteJobStore
+from sluice.jobs.store import BatchStatus, ItemOutcome, JobStore, NewBatch, NewItem
+
+NOW = 1_700_000_000
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JobStore]:
+    if request.param == "sqlite":
+        opened: JobStore = SqliteJobStore(tmp_path / "data")
+    else:
+        opened = await PostgresJobStore.connect(request.getfixturevalue("postgres_dsn"))
+    yield opened
+    await opened.aclose()
+
+
+def _new_batch(owner: str = "acme") -> NewBatch:
+    return NewBatch(owner, "/v1/embeddings", "file-x", "24h", {"k": "v"}, NOW, NOW + 86_400)
+
+
+async def _started(store: JobStore, num_items: int, owner: str = "acme") -> str:
+    batch = await store.create_batch(_new_batch(owner))
+    items = [NewItem(i, f"req-{i}", "/v1/embeddings", b'{"input": "x"}') for i in range(num_items)]
+    assert await store.start_batch(batch.id, items, NOW)
+    return batch.id
+
+
+def _done(item_batch: str, idx: int, is_error: bool = False) -> ItemOutcome:
+    return ItemOutcome(item_batch, idx, f'{{"custom_id": "req-{idx}"}}\n'.encode(), is_error, input_tokens=2)
+
+
+async def test_files_round_trip_and_are_scoped_to_their_owner(store: JobStore):
+    created = await store.create_file("acme", "in.jsonl", "batch", b"hello\n", NOW)
+    assert created.bytes == 6 and created.id.startswith("file-")
+    assert await store.get_file("acme", created.id) == created
+    assert await store.file_content("acme", created.id) == b"hello\n"
+    assert await store.get_file("other", created.id) is None
+    assert await store.file_content("other", created.id) is None
+    assert not await store.delete_file("other", created.id)
+    assert await store.delete_file("acme", created.id)
+    assert await store.get_file("acme", created.id) is None
+
+
+async def test_idempotency_key_returns_the_original(store: JobStore):
+    first = await store.create_file("acme", "a.jsonl", "batch", b"1", NOW, idempotency_key="k1")
+    again = await store.create_file("acme", "b.jsonl", "batch", b"22", NOW, idempotency_key="k1")
+    assert again == first
+    other_tenant = await store.create_file("zeta", "a.jsonl", "batch", b"1", NOW, idempotency_key="k1")
+    assert other_tenant.id != first.id
+    batch = await store.create_batch(_new_batch(), idempotency_key="b1")
+    assert (await store.create_batch(_new_batch(), idempotency_key="b1")).id == batch.id
+    assert (await store.create_batch(_new_batch())).id != batch.id
+    assert len(await store.list_batches("acme", None, 100)) == 2
+
+
+async def test_list_batches_pages_newest_first(store: JobStore):
+    ids = [(await store.create_batch(_new_batch())).id for _ in range(5)]
+    await store.create_batch(_new_batch("other"))
+    first = await store.list_batches("acme", None, 2)
+    assert [b.id for b in first] == ids[::-1][:2]
+    rest = await store.list_batches("acme", first[-1].id, 10)
+    assert [b.id for b in rest] == ids[::-1][2:]
+    assert (await store.get_batch("acme", ids[0])).metadata == {"k": "v"}  # type: ignore[union-attr]
+    assert await store.get_batch("other", ids[0]) is None
+
+
+async def test_claims_lease_each_item_once_and_expired_leases_return(store: JobStore):
+    batch_id = await _started(store, 10)
+    first = await store.claim(6, lease_s=30, now=NOW)
+    second = await store.claim(6, lease_s=30, now=NOW)
+    assert first is not None and second is not None
+    assert [i.idx for i in first.items] == [0, 1, 2, 3, 4, 5]
+    assert [i.idx for i in second.items] == [6, 7, 8, 9]
+    assert await store.claim(6, lease_s=30, now=NOW + 1) is None
+    assert await store.num_live_leases(batch_id, NOW + 1) == 10
+    later = await store.claim(20, lease_s=30, now=NOW + 31)  # both leases expired
+    assert later is not None and len(later.items) == 10
+    # the old lease holders can no longer write results
+    assert await store.record(first.token, [_done(batch_id, 0)]) == 0
+    assert await store.record(later.token, [_done(batch_id, 0)]) == 1
+    assert await store.record(later.token, [_done(batch_id, 0)]) == 0  # exactly once
+    batch = await store.get_batch(None, batch_id)
+    assert batch is not None and batch.num_completed == 1 and batch.input_tokens == 2
+
+
+async def test_concurrent_claims_never_share_an_item(store: JobStore):
+    await _started(store, 200)
+    claims = await asyncio.gather(*(store.claim(15, lease_s=30, now=NOW) for _ in range(20)))
+    seen = [i.idx for c in claims if c is not None for i in c.items]
+    assert sorted(seen) == list(range(200))
+
+
+async def test_retry_requeues_after_its_backoff(store: JobStore):
+    batch_id = await _started(store, 1)
+    claim = await store.claim(5, lease_s=30, now=NOW)
+    assert claim is not None
+    retry = ItemOutcome(batch_id, 0, retry_at=NOW + 10, attempts=1)
+    assert await store.record(claim.token, [retry]) == 1
+    assert await store.claim(5, lease_s=30, now=NOW + 5) is None
+    again = await store.claim(5, lease_s=30, now=NOW + 10)
+    assert again is not None and again.items[0].attempts == 1
+
+
+async def test_finalize_assembles_files_in_input_order(store: JobStore):
+    batch_id = await _started(store, 4)
+    claim = await store.claim(10, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, 3), _done(batch_id, 1, is_error=True)])
+    assert await store.finalize(batch_id, BatchStatus.COMPLETED, None, NOW) is None  # items left
+    await store.record(claim.token, [_done(batch_id, 0), _done(batch_id, 2)])
+    lines = await store.result_lines(batch_id, 0, 10)
+    assert [r.idx for r in lines] == [1, 2, 3]
+    final = await store.finalize(batch_id, BatchStatus.COMPLETED, None, NOW + 5)
+    assert final is not None and final.status is BatchStatus.COMPLETED and final.completed_at == NOW + 5
+    assert (final.num_completed, final.num_failed, final.num_total) == (3, 1, 4)
+    output = await store.file_content("acme", final.output_file_id or "")
+    errors = await store.file_content("acme", final.error_file_id or "")
+    assert output == b'{"custom_id": "req-0"}\n{"custom_id": "req-2"}\n{"custom_id": "req-3"}\n'
+    assert errors == b'{"custom_id": "req-1"}\n'
+    assert await store.finalize(batch_id, BatchStatus.COMPLETED, None, NOW + 9) == final  # idempotent
+
+
+async def test_cancel_keeps_finished_items_and_writes_off_the_rest(store: JobStore):
+    batch_id = await _started(store, 3)
+    claim = await store.claim(1, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, 0)])
+    cancelling = await store.cancel_batch("acme", batch_id, NOW)
+    assert cancelling is not None and cancelling.status is BatchStatus.CANCELLING
+    assert await store.cancel_batch("other", batch_id, NOW) is None
+    assert await store.claim(5, lease_s=30, now=NOW) is None  # nothing new starts
+    final = await store.finalize(batch_id, BatchStatus.CANCELLED, lambda cid: f"{cid} cancelled\n".encode(), NOW)
+    assert final is not None and final.status is BatchStatus.CANCELLED
+    assert await store.file_content("acme", final.error_file_id or "") == b"req-1 cancelled\nreq-2 cancelled\n"
+    assert [b.id for b in await store.active_batches()] == []
+
+
+async def test_validation_failure_is_final(store: JobStore):
+    batch = await store.create_batch(_new_batch())
+    assert [b.id for b in await store.active_batches()] == [batch.id]
+    errors: list[dict[str, object]] = [{"code": "invalid_json", "message": "bad", "param": None, "line": 2}]
+    await store.fail_batch(batch.id, errors, NOW)
+    failed = await store.get_batch("acme", batch.id)
+    assert failed is not None and failed.status is BatchStatus.FAILED and failed.errors == errors
+    assert not await store.start_batch(batch.id, [], NOW)
