@@ -25,12 +25,16 @@ import zmq.asyncio
 from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, PreparedItem, Runner
+from sluice.engines.generative.engine import RequestOutput
+from sluice.engines.generative.runner import GenerativeRunner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
+from sluice.priority import Priority
 from sluice.repository import ModelVersion
 from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectReason, Scheduler
 from sluice.scheduler.batcher import ModelKey
 from sluice.worker.device import DeviceThread
+from sluice.worker.generation import GenerationLoop
 
 log = logging.getLogger("sluice.worker")
 
@@ -41,7 +45,19 @@ STATE_INTERVAL_S = 0.05
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     version: ModelVersion
-    runner: Runner
+    runner: Runner | GenerativeRunner
+
+
+@dataclass(slots=True)
+class _Generation:
+    """A generation in the engine: where its output goes."""
+
+    identity: bytes
+    gateway_request_id: int
+    is_streamed: bool
+    parts: list[str] = field(default_factory=list)
+    device_s: float = 0.0
+    is_started: bool = False
 
 
 @dataclass(slots=True)
@@ -69,20 +85,28 @@ class WorkerServer:
         metrics: WorkerMetrics,
     ) -> None:
         self.worker_id = worker_id
-        self._runners = {key: model.runner for key, model in models.items()}
+        self._generators = {key: m.runner for key, m in models.items() if isinstance(m.runner, GenerativeRunner)}
+        self._runners: dict[ModelKey, Runner] = {
+            key: m.runner for key, m in models.items() if not isinstance(m.runner, GenerativeRunner)}
+        self._infos = [model.runner.info for model in models.values()]
         self._refused = refused
         self._clock = clock
         self._metrics = metrics
         self._scheduler = Scheduler(clock)
-        for key, model in models.items():
-            alpha, beta, ref = model.runner.prior()
-            timings = model.runner.warmup()
+        for key, runner in self._runners.items():
+            model = models[key]
+            alpha, beta, ref = runner.prior()
+            timings = runner.warmup()
             # measured warm-up batches outweigh the runner's guess; with none, the prior stands
             profile = LatencyProfile(alpha, beta, ref, prior_weight=0.5 if timings else 4.0)
             for cost, seconds in timings:
                 profile.observe(cost, seconds)
             self._scheduler.add_model(key, model.version.batching, profile)
-        self._typical_cost = {key: float(model.runner.prior()[2]) for key, model in models.items()}
+        self._typical_cost = {key: float(runner.prior()[2]) for key, runner in self._runners.items()}
+        for generator in self._generators.values():
+            generator.warmup()
+        self._generation_loops: dict[ModelKey, GenerationLoop] = {}
+        self._generations: dict[int, _Generation] = {}
         self._pending: dict[int, _Pending] = {}
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
@@ -106,6 +130,8 @@ class WorkerServer:
         self._socket.bind(address)
         self._device = DeviceThread(self._scheduler, self._lock, self._runners, self._prepared_items,
                                     self._on_batch_done, asyncio.get_running_loop())
+        self._generation_loops = {key: GenerationLoop(runner, self._on_generated, asyncio.get_running_loop())
+                                  for key, runner in self._generators.items()}
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
         receiver = asyncio.create_task(self._receive_loop())
         ticker = asyncio.create_task(self._state_loop())
@@ -120,7 +146,9 @@ class WorkerServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self._device.stop()
-            for runner in self._runners.values():
+            for generation_loop in self._generation_loops.values():
+                generation_loop.stop()
+            for runner in [*self._runners.values(), *self._generators.values()]:
                 runner.close()
             self._socket.close(linger=100)
 
@@ -157,8 +185,11 @@ class WorkerServer:
     def _on_submit(self, identity: bytes, message: wire.Submit) -> None:
         self._gateways.add(identity)
         key = (message.model, message.version)
+        if key in self._generation_loops and not self._is_draining:
+            self._on_generate(identity, message, self._generation_loops[key])
+            return
         runner = self._runners.get(key)
-        if runner is None:
+        if runner is None and key not in self._generation_loops:
             missing = f"model {message.model} v{message.version} is not on this worker"
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND, message=missing))
             return
@@ -166,6 +197,7 @@ class WorkerServer:
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
                                               message="worker is draining"))
             return
+        assert runner is not None
         try:
             items = runner.prepare(message.payload)
         except InvalidInput as exc:
@@ -188,9 +220,69 @@ class WorkerServer:
             self._finish(internal_id, pending)
         self._kick()
 
+    def _on_generate(self, identity: bytes, message: wire.Submit, generation_loop: GenerationLoop) -> None:
+        payload = message.payload
+        internal_id = next(self._ids)
+        try:
+            if not isinstance(payload, wire.GeneratePayload):
+                raise InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
+            prepared = generation_loop.runner.prepare(payload)
+            generation_loop.submit(str(internal_id), prepared, Priority(message.priority),
+                                   self._clock.now() + message.timeout_s, salt=message.tenant)
+        except InvalidInput as exc:
+            self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
+                                              errors=[wire.ItemError(-1, exc.message)], message=exc.message))
+            return
+        self._generations[internal_id] = _Generation(identity, message.request_id, payload.stream)
+        self._by_gateway_id[(identity, message.request_id)] = internal_id
+
+    def _on_generated(self, outputs: list[RequestOutput], step_s: float) -> None:
+        """Loop thread: one engine step's output. Streams chunks; answers finished sequences."""
+        share_s = step_s / len(outputs)
+        for output in outputs:
+            internal_id = int(output.request_id)
+            generation = self._generations.get(internal_id)
+            if generation is None:
+                continue  # withdrawn meanwhile
+            generation.device_s += share_s
+            if generation.is_streamed and output.new_token_ids:
+                self._reply(generation.identity, wire.TokenChunk(
+                    generation.gateway_request_id, output.text_delta, list(output.new_token_ids),
+                    output.num_prompt_tokens, output.num_cached_tokens))
+            else:
+                generation.parts.append(output.text_delta)
+                if not generation.is_started:
+                    self._reply(generation.identity, wire.Started([generation.gateway_request_id]))
+            generation.is_started = True
+            if output.is_finished:
+                self._finish_generation(internal_id, generation, output)
+        self._check_drained()
+
+    def _finish_generation(self, internal_id: int, generation: _Generation, output: RequestOutput) -> None:
+        del self._generations[internal_id]
+        self._by_gateway_id.pop((generation.identity, generation.gateway_request_id), None)
+        request_id = generation.gateway_request_id
+        if output.finish_reason == "deadline":
+            result = wire.Result(request_id, wire.Outcome.EXPIRED, device_s=generation.device_s,
+                                 message="the deadline passed before the generation finished")
+        elif output.finish_reason in ("stop", "length"):
+            text = "" if generation.is_streamed else "".join(generation.parts)
+            payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
+                                            output.num_cached_tokens, output.num_output_tokens)
+            result = wire.Result(request_id, wire.Outcome.OK, payload=payload,
+                                 num_tokens=output.num_prompt_tokens + output.num_output_tokens,
+                                 device_s=generation.device_s)
+        else:
+            return  # aborted: the gateway withdrew it and expects no answer
+        self._reply(generation.identity, result)
+
     def _on_cancel(self, identity: bytes, message: wire.Cancel) -> None:
         for request_id in message.request_ids:
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
+            if internal_id is not None and self._generations.pop(internal_id, None) is not None:
+                for generation_loop in self._generation_loops.values():  # ids are unique across models
+                    generation_loop.abort([str(internal_id)])
+                continue
             if internal_id is not None:
                 with self._lock:
                     self._scheduler.cancel(internal_id)
@@ -297,7 +389,7 @@ class WorkerServer:
     def _check_drained(self) -> None:
         with self._lock:
             is_idle = self._scheduler.is_idle
-        if self._is_draining and not self._pending and is_idle:
+        if self._is_draining and not self._pending and not self._generations and is_idle:
             self._drained.set()
 
     # -- messages out --------------------------------------------------------------------------
@@ -331,7 +423,7 @@ class WorkerServer:
             incarnation=self._incarnation,
             is_ready=not self._is_draining,
             is_draining=self._is_draining,
-            models=[runner.info for runner in self._runners.values()],
+            models=self._infos,
             refused=self._refused,
             queues=queues,
             work_ahead_s=work_ahead_s,
