@@ -31,7 +31,8 @@ Invariants:
   `admit`); with one tenant in one class that is all the work queued, so
   `now + work_ahead_s() <= deadline` for every request right after it is admitted;
 - fairness and the class starvation bound are stated in `fair.py`;
-- nothing grows without bound: queues by that rule and `max_queue_items`, heaps by compaction.
+- nothing grows without bound: queues by that rule and `max_queue_items` per (class, tenant),
+  heaps by compaction.
 
 Under overload the device stays busy with full batches and the excess is refused early: the
 simulation tests (`tests/scheduler/test_simulate.py`, `test_fair_simulate.py`) hold goodput at
@@ -67,7 +68,7 @@ class RejectReason(enum.StrEnum):
     OVERLOADED = "overloaded"
     """The work queued ahead would make the request miss its deadline."""
     QUEUE_FULL = "queue_full"
-    """The model's queue holds its maximum number of items."""
+    """The tenant's queue for the model, in its class, holds its maximum number of items."""
     DEADLINE_UNREACHABLE = "deadline_unreachable"
     """Even alone on an idle device the request would finish after its deadline."""
 
@@ -127,7 +128,9 @@ class Scheduler:
 
         Refused, checked in this order:
         - DEADLINE_UNREACHABLE: alone on an idle device it would still finish after `deadline`;
-        - QUEUE_FULL: the model's queue would hold more than `max_queue_items`;
+        - QUEUE_FULL: its tenant would have more than `max_queue_items` items queued in its class
+          (a cap per flow, so that neither a flood of lower-class work nor another tenant's
+          flood can lock a request out; tenants are bounded by configuration);
         - OVERLOADED: it would finish late behind the work that runs before it: the running
           batch's remainder, then, at the measured drain rate, all queued work and the other
           buckets' fill room less what will wait for it (lower classes' work, and in its own
@@ -153,10 +156,11 @@ class Scheduler:
         estimate = queue.estimate(costs)
         if math.isnan(deadline) or now + estimate.alone_s > deadline:
             return Rejected(RejectReason.DEADLINE_UNREACHABLE, 0.0)
-        num_over = queue.num_items + len(costs) - queue.batching.max_queue_items
+        num_queued = self._fair.num_queued(priority, tenant)
+        num_over = num_queued + len(costs) - queue.batching.max_queue_items
         if num_over > 0:
-            share = min(num_over / max(queue.num_items, 1), 1.0)
-            return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * queue.work_s()))
+            share = min(num_over / max(num_queued, 1), 1.0)
+            return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * self._fair.queued_s(priority, tenant)))
         works_s = [queue.item_work_s(cost) for cost in costs]
         skipped_s = self._skipped_s(priority, tenant, sum(works_s))
         finish = now + self._wait_s(now, estimate.replaced_room_s, skipped_s) + estimate.own_s

@@ -126,6 +126,10 @@ class FairShare:
         return sorted((name for name, state in tenants.items() if state.num_queued),
                       key=lambda name: tenants[name].tag)
 
+    def num_queued(self, priority: Priority, tenant: str) -> int:
+        state = self._classes[priority].tenants.get(tenant)
+        return state.num_queued if state is not None else 0
+
     def queued_s(self, priority: Priority, tenant: str | None = None) -> float:
         """Predicted device-seconds queued in a class, or by one tenant in it."""
         tenants = self._classes[priority].tenants
