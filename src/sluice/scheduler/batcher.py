@@ -281,14 +281,19 @@ class Scheduler:
     def _wait_s(self, now: float, replaced_room_s: float, skipped_s: float = 0.0) -> float:
         """Wall seconds before a request joining buckets whose fill room is `replaced_room_s` would
         get to run: the running batch, then every queued item and the room left for other buckets'
-        batches to fill up (`ModelQueue.fill_room_s`), less `skipped_s` of work that would wait
-        for it, at the measured drain rate."""
+        batches to fill up (`ModelQueue.fill_room_s`), at the measured drain rate; all but the
+        fraction `skipped_s` is of the items' queued work (`WorkItem.work_s`), which would wait
+        for it. (The queues' estimate counts whole batches; the items' counts their shares of
+        full ones: the fraction carries the split over to the estimate.)"""
         queued_s = room_s = 0.0
         for queue in self._queues.values():
             queued_s += queue.work_s()
             room_s += queue.fill_room_s()
         room_s = max(room_s - replaced_room_s, 0.0)
-        ahead_s = max(queued_s + room_s - skipped_s, 0.0)
+        ahead_s = queued_s + room_s
+        if skipped_s > 0:
+            item_work_s = sum(self._fair.queued_s(p) for p in Priority)
+            ahead_s *= max(1.0 - skipped_s / item_work_s, 0.0) if item_work_s > 0 else 1.0
         return self._running_left_s(now) + ahead_s / max(self._drain_rate, 0.05)
 
     def _update_drain_rate(self, now: float, exec_s: float) -> None:
