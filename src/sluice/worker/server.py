@@ -27,6 +27,7 @@ from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, PreparedItem, Runner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
+from sluice.priority import Priority
 from sluice.repository import ModelVersion
 from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectReason, Scheduler
 from sluice.scheduler.batcher import ModelKey
@@ -56,6 +57,7 @@ class _Pending:
     queue_s: float = 0.0
     exec_s: float = 0.0
     batch_size: int = 0
+    device_s: float = 0.0
 
 
 class WorkerServer:
@@ -176,7 +178,8 @@ class WorkerServer:
         internal_id = next(self._ids)
         deadline = self._clock.now() + message.timeout_s
         with self._lock:
-            decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline)
+            decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
+                                             tenant=message.tenant, priority=_priority(message.priority))
         if isinstance(decision, Rejected):
             self._reply(identity, _rejection(message.request_id, decision))
             return
@@ -247,10 +250,12 @@ class WorkerServer:
         now = self._clock.now()
         self._metrics.batch_done(model, version, len(batch.items), exec_s,
                                  [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
+        device_s = batch.device_shares(exec_s)  # as the scheduler split it in batch_done
         for item, output in zip(batch.items, outputs, strict=True):
             pending = self._pending.get(item.request_id)
             if pending is None:
                 continue  # cancelled or expired while running
+            pending.device_s += device_s.pop(item.request_id, 0.0)
             pending.exec_s = max(pending.exec_s, exec_s)
             pending.batch_size = max(pending.batch_size, len(batch.items))
             if isinstance(output, ItemFailure):
@@ -272,12 +277,14 @@ class WorkerServer:
             errors = sorted(pending.errors, key=_index)
             result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=errors,
                                  num_tokens=num_tokens, queue_s=pending.queue_s, exec_s=pending.exec_s,
-                                 batch_size=pending.batch_size, message=pending.errors[0].message)
+                                 batch_size=pending.batch_size, message=pending.errors[0].message,
+                                 device_s=pending.device_s)
         else:
             runner = self._runners[pending.key]
             payload = runner.pack([o for o in pending.outputs if o is not None])
             result = wire.Result(pending.gateway_request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
-                                 queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size)
+                                 queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size,
+                                 device_s=pending.device_s)
         self._reply(pending.identity, result)
 
     def _expire(self, internal_id: int) -> None:
@@ -368,3 +375,11 @@ def _rejection(request_id: int, rejected: Rejected) -> wire.Result:
 
 def _index(error: wire.ItemError) -> int:
     return error.index
+
+
+def _priority(value: int) -> Priority:
+    """The class a gateway sent; an unknown value (a newer gateway) counts as standard."""
+    try:
+        return Priority(value)
+    except ValueError:
+        return Priority.STANDARD
