@@ -186,6 +186,15 @@ class QueueState(msgspec.Struct, frozen=True):
     item_s: float  # predicted device time one more typical item adds, for the gateway's estimates
 
 
+class WaitState(msgspec.Struct, frozen=True):
+    """Predicted wall seconds before new work of `priority` could start under fair sharing: for
+    `tenant`, behind its own queued work; for a tenant with nothing queued when `tenant` is None."""
+
+    priority: int
+    wait_s: float
+    tenant: str | None = None
+
+
 class WorkerState(msgspec.Struct, tag="state"):
     worker_id: str
     incarnation: str  # differs each time the worker process starts
@@ -196,6 +205,7 @@ class WorkerState(msgspec.Struct, tag="state"):
     queues: list[QueueState]
     work_ahead_s: float  # all queued work on the device plus the running batch's remainder
     drain_rate: float  # estimated work retired per second while work waits (0..1)
+    waits: list[WaitState] = []  # per class and per (tenant, class) with work queued
 
 
 Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState

@@ -80,7 +80,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         header_length = _header_length(request)
         body = await read_body(request, body_limit_bytes)
         if b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply if we must
-            gateway.shed_if_overloaded(info, header_timeout, arrived_at)
+            gateway.shed_if_overloaded(info, header_timeout, arrived_at, caller(request, requested_priority(request)))
         parsed, tensors = parse_request(body, header_length)
         payload = _to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)

@@ -86,6 +86,7 @@ class Gateway:
         self.is_draining = False
         self.expected_models: set[str] = set()
         self._index: _ModelIndex | None = None  # rebuilt lazily after a worker's change
+        self.tenancy.on_weights(self._send_weights)
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -94,6 +95,11 @@ class Gateway:
         connection.on_change = self._invalidate
         self._connections[worker_id] = connection
         await connection.start()
+        connection.set_weights(self.tenancy.weights())
+
+    def _send_weights(self, weights: dict[str, float]) -> None:
+        for connection in self._connections.values():
+            connection.set_weights(weights)
 
     def worker_lost(self, worker_id: str) -> None:
         """Called when a worker process is known to have died (e.g. by the supervisor)."""
@@ -158,24 +164,34 @@ class Gateway:
 
     # -- inference -----------------------------------------------------------------------------
 
-    def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float) -> None:
+    def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
+                           caller: Caller | None = None) -> None:
         """Refuse now, before the body is parsed, when every ready replica already reports more
-        work ahead than the request's deadline allows: under overload the excess costs the
-        gateway as little as possible and gets its answer at once."""
+        work ahead of this tenant's class than the request's deadline allows: under overload the
+        excess costs the gateway as little as possible and gets its answer at once."""
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         if now >= deadline:
             self._metrics.request_done(info.name, info.version, "expired", now - arrived_at)
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
+        tenant, priority = self._class_of(caller or _LOCAL_CALLER)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        least = min((c.state for c in replicas if c.is_ready and c.state is not None),
-                    key=lambda s: s.work_ahead_s, default=None)
-        if least is None or least.work_ahead_s <= 0 or now + least.work_ahead_s <= deadline:
+        waits = [(predicted_wait_s(c.state, tenant, priority), c.state) for c in replicas
+                 if c.is_ready and c.state is not None]
+        if not waits:
+            return
+        wait_s, state = min(waits, key=lambda pair: pair[0])
+        if wait_s <= 0 or now + wait_s <= deadline:
             return
         self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
-        excess = now + least.work_ahead_s - deadline
+        self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
         raise Overloaded("the work queued ahead would make this request miss its deadline",
-                         retry_after_s=max(excess / max(least.drain_rate, 0.05), 0.001))
+                         retry_after_s=max((now + wait_s - deadline) / max(state.drain_rate, 0.05), 0.001))
+
+    def _class_of(self, caller: Caller) -> tuple[str, Priority]:
+        tenant = self.tenancy.directory.tenants.get(caller.tenant)
+        default = tenant.priority if tenant is not None else Priority.STANDARD
+        return caller.tenant, effective_priority(default, caller.priority)
 
     def now(self) -> float:
         """The gateway's clock, on which deadlines are set."""
@@ -276,7 +292,7 @@ class Gateway:
                     raise WorkerLost("the worker serving this model died and none recovered before the "
                                      "request's deadline", retry_after_s=1.0)
                 raise DeadlineExceeded("deadline passed before a worker could take the request")
-            connection = self._choose(info, ticket.deadline)
+            connection = self._choose(info, ticket)
             if connection is None:
                 if tried_lost or self._is_recovering(info):
                     tried_lost = True
@@ -302,7 +318,7 @@ class Gateway:
         return info.name in self._indexed().with_recovering and any(
             c.is_lost and info in c.known_models for c in self._connections.values())
 
-    def _choose(self, info: wire.ModelInfo, deadline: float) -> WorkerConnection | None:
+    def _choose(self, info: wire.ModelInfo, ticket: _Ticket) -> WorkerConnection | None:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         candidates = [router.Candidate(c.worker_id, c.predicted_wait_s) for c in replicas if c.is_ready]
         by_id = {c.worker_id: c for c in replicas}
@@ -313,8 +329,9 @@ class Gateway:
         state = connection.state
         # Reject here only on the worker's own report; what we sent since guides routing, and
         # the worker's admission stays the authority.
-        if state is not None and state.work_ahead_s > 0 and self._clock.now() + state.work_ahead_s > deadline:
-            excess = self._clock.now() + state.work_ahead_s - deadline
+        wait_s = predicted_wait_s(state, ticket.tenant, ticket.priority) if state is not None else 0.0
+        if state is not None and wait_s > 0 and self._clock.now() + wait_s > ticket.deadline:
+            excess = self._clock.now() + wait_s - ticket.deadline
             raise Overloaded("the work queued ahead would make this request miss its deadline",
                              retry_after_s=max(excess / max(state.drain_rate, 0.05), 0.001))
         return connection
@@ -442,6 +459,19 @@ def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
             if any(e.index < 0 for e in result.errors):
                 raise InvalidInput(errors or result.message)
             raise ItemFailed(errors or result.message)
+
+
+def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority) -> float:
+    """What the worker reported for this tenant's class: behind the tenant's own queued work if it
+    has some, else what a newcomer to the class waits (higher classes and the running batch)."""
+    newcomer: float | None = None
+    for wait in state.waits:
+        if wait.priority == priority:
+            if wait.tenant == tenant:
+                return wait.wait_s
+            if wait.tenant is None:
+                newcomer = wait.wait_s
+    return state.work_ahead_s if newcomer is None else newcomer
 
 
 def _version_order(version: str) -> tuple[int, str]:

@@ -5,6 +5,9 @@ a `VirtualClock`.
 """
 
 from sluice.scheduler.batcher import Admitted, Batch, Decision, Rejected, RejectReason, Scheduler, WorkItem
+from sluice.scheduler.fair import TenantStats
 from sluice.scheduler.profile import LatencyProfile
+from sluice.scheduler.waits import ClassWait, TenantWait, WaitReport
 
-__all__ = ["Admitted", "Batch", "Decision", "LatencyProfile", "RejectReason", "Rejected", "Scheduler", "WorkItem"]
+__all__ = ["Admitted", "Batch", "ClassWait", "Decision", "LatencyProfile", "RejectReason", "Rejected", "Scheduler",
+           "TenantStats", "TenantWait", "WaitReport", "WorkItem"]

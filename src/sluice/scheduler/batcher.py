@@ -1,9 +1,21 @@
 """The device scheduler: which queued items run together next, decided when the device frees.
 
-    admit(request) ──▶ per-model queue (a deadline heap per length bucket) ──▶ next_batch() ──▶ device
-                        │                                                     │
-                        └─ Rejected(retry_after_s) when the work ahead        └─ expired items come back
-                           would make the request miss its deadline              in Decision.expired (504)
+    admit(request, tenant, class) ──▶ per-model queue: per length bucket, a deadline heap per
+         │                            flow (class, tenant)                     (model_queue.py)
+         └─ Rejected(retry_after_s) when the work            │
+            ahead of it (below) would make it late           ▼ next_batch(), when the device frees
+                                      1. class: strict priority; a lower class owed its minimum
+                                         share goes first                       (fair.ClassShares)
+                                      2. tenant: start-time fair queueing, smallest tag (fair.FairShare)
+                                      3. item: that tenant's earliest deadline; it fixes the batch's
+                                         (model version, length bucket)
+                                      4. fill: same-class items of that bucket in tag order, then
+                                         other classes' compatible items, within the limits and
+                                         the earliest member's deadline
+                                                             │
+                                                             ▼ device ──▶ batch_done(exec_s):
+                                        expired items come back     measured time, split by cost,
+                                        in Decision.expired (504)   replaces the predicted charges
 
 Invariants:
 - a lone request at an idle device starts at once: there is no batching window;
@@ -15,30 +27,36 @@ Invariants:
   neither does any other item of its request: they all come back in `Decision.expired`;
 - every admitted item leaves exactly once: in a batch, in `Decision.expired`, or by `cancel()`;
 - queued work is bounded in device-seconds: admission refuses, at once, a request whose
-  predicted completion behind all the work ahead is past its deadline (see `admit`), so
+  predicted completion behind the work that will run before it is past its deadline (see
+  `admit`); with one tenant in one class that is all the work queued, so
   `now + work_ahead_s() <= deadline` for every request right after it is admitted;
-- nothing grows without bound: queues by that rule and `max_queue_items`, heaps by compaction.
+- fairness and the class starvation bound are stated in `fair.py`;
+- nothing grows without bound: queues by that rule and `max_queue_items` per (class, tenant),
+  heaps by compaction.
 
 Under overload the device stays busy with full batches and the excess is refused early: the
-simulation tests (`tests/scheduler/test_simulate.py`) hold goodput at 2x capacity to >= 90%.
+simulation tests (`tests/scheduler/test_simulate.py`, `test_fair_simulate.py`) hold goodput at
+2x and 3x capacity to >= 90%, and tenants' device-time shares to their weights.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sluice.clock import Clock
+from sluice.priority import Priority
 from sluice.repository import BatchingConfig
+from sluice.scheduler.backlog import Backlog, Batch, ModelKey
+from sluice.scheduler.fair import DEFAULT_MIN_CLASS_SHARES, ClassShares, FairShare, TenantStats
 from sluice.scheduler.model_queue import ModelQueue, WorkItem
 from sluice.scheduler.profile import LatencyProfile
+from sluice.scheduler.waits import ClassWait, TenantWait, WaitReport, fair_excess_s
 
-ModelKey = tuple[str, str]
-
-__all__ = ["Admitted", "Batch", "Decision", "ModelKey", "RejectReason", "Rejected", "Scheduler", "WorkItem"]
+__all__ = ["Admitted", "Batch", "ClassWait", "Decision", "ModelKey", "RejectReason", "Rejected", "Scheduler",
+           "TenantStats", "TenantWait", "WaitReport", "WorkItem"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +68,7 @@ class RejectReason(enum.StrEnum):
     OVERLOADED = "overloaded"
     """The work queued ahead would make the request miss its deadline."""
     QUEUE_FULL = "queue_full"
-    """The model's queue holds its maximum number of items."""
+    """The tenant's queue for the model, in its class, holds its maximum number of items."""
     DEADLINE_UNREACHABLE = "deadline_unreachable"
     """Even alone on an idle device the request would finish after its deadline."""
 
@@ -62,35 +80,20 @@ class Rejected:
 
 
 @dataclass(frozen=True, slots=True)
-class Batch:
-    model: ModelKey
-    items: tuple[WorkItem, ...]
-    padded_cost: int
-    predicted_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class Decision:
     batch: Batch | None
     expired: tuple[WorkItem, ...] = ()
 
 
-@dataclass(slots=True)
-class _Request:
-    """The items of one request still waiting in a queue, by index."""
-
-    queue: ModelQueue
-    items: dict[int, WorkItem]
-
-
 class Scheduler:
     """Queues and batch formation for one device. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, clock: Clock, *, drain_halflife_s: float = 2.0) -> None:
+    def __init__(self, clock: Clock, *, drain_halflife_s: float = 2.0,
+                 min_class_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES) -> None:
         self._clock = clock
-        self._queues: dict[ModelKey, ModelQueue] = {}
-        self._requests: dict[int, _Request] = {}
-        self._seq = itertools.count()
+        self._backlog = Backlog(FairShare(), ClassShares(min_class_shares))
+        self._queues = self._backlog.queues
+        self._fair = self._backlog.fair  # read only: the backlog keeps it
         self._running: Batch | None = None
         self._running_since = 0.0
         self._running_credit_s = 0.0
@@ -112,46 +115,60 @@ class Scheduler:
     def models(self) -> list[ModelKey]:
         return list(self._queues)
 
+    def set_tenant_weights(self, weights: Mapping[str, float], *, default_weight: float = 1.0) -> None:
+        """Tenants' fair-share weights (a tenants file reload may call it at any time); tenants not
+        named get `default_weight`. Applies to device time charged from now on."""
+        self._fair.set_weights(weights, default_weight=default_weight)
+
     # -- admission -----------------------------------------------------------------------------
 
-    def admit(self, key: ModelKey, request_id: int, costs: Sequence[int], deadline: float) -> Admitted | Rejected:
+    def admit(self, key: ModelKey, request_id: int, costs: Sequence[int], deadline: float, *,
+              tenant: str = "", priority: Priority = Priority.STANDARD) -> Admitted | Rejected:
         """Queue every item of a request, or none of them.
 
         Refused, checked in this order:
         - DEADLINE_UNREACHABLE: alone on an idle device it would still finish after `deadline`;
-        - QUEUE_FULL: the model's queue would hold more than `max_queue_items`;
-        - OVERLOADED: it would finish late behind the work ahead, predicted as the running
-          batch's remainder, then (all queued work + the other buckets' fill room) at the
-          measured drain rate, then its own work with room for its batch to fill up.
-          Counting all queued work, not only what earliest-deadline-first would run first, means
-          a newcomer never pushes an earlier admission past its deadline; dividing by the drain
-          rate means a queue that drains slower than predicted (a slow device, batches cut short
-          by their deadlines) admits less until it has caught up. `retry_after_s` is how long
-          until the same request would fit, if nothing else arrived.
+        - QUEUE_FULL: its tenant would have more than `max_queue_items` items queued in its class
+          (a cap per flow, so that neither a flood of lower-class work nor another tenant's
+          flood can lock a request out; tenants are bounded by configuration);
+        - OVERLOADED: it would finish late behind the work that runs before it: the running
+          batch's remainder, then, at the measured drain rate, all queued work and the other
+          buckets' fill room less what will wait for it (lower classes' work, and in its own
+          class what other tenants have queued beyond their fair share of the time its tenant's
+          work takes, under generalized processor sharing), then its own work with room for its
+          batch to fill up. Counting all work of its class, not only what earliest-deadline-first
+          would run first, means a newcomer never pushes an earlier admission of its tenant past
+          its deadline; dividing by the drain rate means a queue that drains slower than predicted
+          admits less until it has caught up. A tenant flooding the device is refused on its own
+          backlog while others in its class are still admitted. `retry_after_s` is how long until
+          the same request would fit, if nothing else arrived.
         """
         queue = self._queues[key]
-        if request_id in self._requests:
+        if self._backlog.has_request(request_id):
             raise ValueError(f"request {request_id} is already queued")
         if len(costs) == 0:
             return Admitted(())
         costs = [int(cost) for cost in costs]
         if min(costs) < 0:
             raise ValueError("item costs must not be negative")
+        priority = Priority(priority)
         now = self._clock.now()
         estimate = queue.estimate(costs)
         if math.isnan(deadline) or now + estimate.alone_s > deadline:
             return Rejected(RejectReason.DEADLINE_UNREACHABLE, 0.0)
-        num_over = queue.num_items + len(costs) - queue.batching.max_queue_items
+        num_queued = self._fair.num_queued(priority, tenant)
+        num_over = num_queued + len(costs) - queue.batching.max_queue_items
         if num_over > 0:
-            share = min(num_over / max(queue.num_items, 1), 1.0)
-            return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * queue.work_s()))
-        finish = now + self._wait_s(now, estimate.replaced_room_s) + estimate.own_s
+            share = min(num_over / max(num_queued, 1), 1.0)
+            return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * self._fair.queued_s(priority, tenant)))
+        works_s = [queue.item_work_s(cost) for cost in costs]
+        skipped_s = self._skipped_s(priority, tenant, sum(works_s))
+        finish = now + self._wait_s(now, estimate.replaced_room_s, skipped_s) + estimate.own_s
         if finish > deadline:
             return Rejected(RejectReason.OVERLOADED, max(finish - deadline, 0.001))
-        items = tuple(WorkItem(request_id, i, cost, deadline, now) for i, cost in enumerate(costs))
-        for item in items:
-            queue.push((deadline, next(self._seq), item))
-        self._requests[request_id] = _Request(queue, {item.index: item for item in items})
+        items = tuple(WorkItem(request_id, i, cost, deadline, now, tenant=tenant, priority=priority, work_s=work_s)
+                      for i, (cost, work_s) in enumerate(zip(costs, works_s, strict=True)))
+        self._backlog.push(key, request_id, items)
         return Admitted(items)
 
     def cancel(self, request_id: int) -> int:
@@ -159,52 +176,48 @@ class Scheduler:
 
         Items already in a running batch are not touched: the worker discards their results.
         """
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return 0
-        for item in request.items.values():
-            item.is_cancelled = True
-            request.queue.discard(item)
-        return len(request.items)
+        return self._backlog.cancel(request_id)
 
     # -- batch formation -----------------------------------------------------------------------
 
     def next_batch(self) -> Decision:
-        """Form the next batch for a device that is free now.
-
-        The batch comes from the bucket holding the earliest deadline of any queue: that bucket's
-        earliest items, as many as the limits and the earliest member's deadline allow.
-        """
+        """Form the next batch for a device that is free now (see the module's diagram)."""
         if self._running is not None:
             raise RuntimeError("next_batch() called while a batch is running")
         now = self._clock.now()
         expired: list[WorkItem] = []
-        while (head := self._earliest_head(now, expired)) is not None:
-            filled = self._fill(*head, now, expired)
-            if filled is not None:
-                self._running, self._running_credit_s = filled
-                self._running_since = now
-                return Decision(self._running, tuple(expired))
+        filled = self._backlog.form(now, expired)
+        if filled is not None:
+            self._running, self._running_credit_s = filled
+            self._running_since = now
+            return Decision(self._running, tuple(expired))
         self._was_backlogged = False
         return Decision(None, tuple(expired))
 
-    def batch_done(self, batch: Batch, exec_s: float) -> None:
-        """Record that the running batch finished after `exec_s` seconds on the device."""
+    def batch_done(self, batch: Batch, exec_s: float) -> dict[int, float]:
+        """Record that the running batch finished after `exec_s` seconds on the device.
+
+        Returns each request's share of `exec_s` (split by cost; what `wire.Result.device_s`
+        adds up), which also replaces the predicted charges in its tenant's fair-queueing tag.
+        """
         if batch is not self._running:
             raise RuntimeError("batch_done() for a batch that is not running")
         self._running = None
         self._queues[batch.model].profile.observe(batch.padded_cost, exec_s)
         self._update_drain_rate(self._clock.now(), exec_s)
+        measured_s = max(exec_s, 0.0) if math.isfinite(exec_s) else batch.predicted_s
+        self._backlog.account(batch, measured_s)
+        return batch.device_shares(measured_s)
 
-    # -- state for routing and admission -------------------------------------------------------
+    # -- state for routing, admission and metrics ----------------------------------------------
 
     @property
     def is_idle(self) -> bool:
         return self._running is None
 
     def work_ahead_s(self) -> float:
-        """Device-seconds of work before a newly admitted item could start: the running batch's
-        predicted remainder and every queue's estimate (see `model_queue`)."""
+        """Device-seconds of work before a newly admitted item could start, were it last in line:
+        the running batch's predicted remainder and every queue's estimate (see `model_queue`)."""
         return self._running_left_s(self._clock.now()) + sum(q.work_s() for q in self._queues.values())
 
     def queue_state(self, key: ModelKey) -> tuple[int, float]:
@@ -213,6 +226,26 @@ class Scheduler:
 
     def num_queued(self) -> int:
         return sum(q.num_items for q in self._queues.values())
+
+    def tenant_stats(self) -> tuple[TenantStats, ...]:
+        """Per tenant and class: queued items and work, device-seconds used (for metrics)."""
+        return self._fair.stats()
+
+    def wait_report(self) -> WaitReport:
+        """Predicted waits, in wall seconds, for the gateway's early admission: per class, for a
+        tenant with nothing queued; per (tenant, class) with work queued, until that work is done."""
+        now = self._clock.now()
+        classes = []
+        for priority in Priority:
+            weight = sum(self._fair.weight(t) for t in self._fair.queued_by_tenant(priority))
+            classes.append(ClassWait(priority, self._wait_s(now, 0.0, self._skipped_s(priority, None, 0.0)), weight))
+        tenants = []
+        for stats in self._fair.stats():
+            if stats.num_queued:
+                skipped_s = self._skipped_s(stats.priority, stats.tenant, 0.0)
+                tenants.append(TenantWait(stats.tenant, stats.priority, stats.num_queued,
+                                          self._wait_s(now, 0.0, skipped_s)))
+        return WaitReport(tuple(classes), tuple(tenants))
 
     @property
     def drain_rate(self) -> float:
@@ -224,7 +257,7 @@ class Scheduler:
         """
         return self._drain_rate
 
-    # -- internals -----------------------------------------------------------------------------
+    # -- internals: estimates ------------------------------------------------------------------
 
     def _retry_after(self, excess_s: float) -> float:
         return max(excess_s / max(self._drain_rate, 0.05), 0.001)
@@ -234,88 +267,34 @@ class Scheduler:
             return 0.0
         return max(self._running.predicted_s - (now - self._running_since), 0.0)
 
-    def _wait_s(self, now: float, replaced_room_s: float) -> float:
+    def _skipped_s(self, priority: Priority, tenant: str | None, own_work_s: float) -> float:
+        """Queued device-seconds that would not run before `own_work_s` more of `tenant`'s work
+        (tenant None: a tenant with nothing queued, of the default weight): lower classes' work,
+        and other tenants' work in its class beyond their fair share (see `waits.fair_excess_s`)."""
+        lower_s = sum(self._fair.queued_s(p) for p in Priority if p > priority)
+        queued = self._fair.queued_by_tenant(priority)
+        own_s = own_work_s + (queued.pop(tenant, 0.0) if tenant is not None else 0.0)
+        weight = self._fair.weight(tenant) if tenant is not None else self._fair.default_weight
+        others = [(work_s, self._fair.weight(name)) for name, work_s in queued.items()]
+        return lower_s + fair_excess_s(own_s, weight, others)
+
+    def _wait_s(self, now: float, replaced_room_s: float, skipped_s: float = 0.0) -> float:
         """Wall seconds before a request joining buckets whose fill room is `replaced_room_s` would
         get to run: the running batch, then every queued item and the room left for other buckets'
-        batches to fill up (`ModelQueue.fill_room_s`), at the measured drain rate."""
+        batches to fill up (`ModelQueue.fill_room_s`), at the measured drain rate; all but the
+        fraction `skipped_s` is of the items' queued work (`WorkItem.work_s`), which would wait
+        for it. (The queues' estimate counts whole batches; the items' counts their shares of
+        full ones: the fraction carries the split over to the estimate.)"""
         queued_s = room_s = 0.0
         for queue in self._queues.values():
             queued_s += queue.work_s()
             room_s += queue.fill_room_s()
         room_s = max(room_s - replaced_room_s, 0.0)
-        return self._running_left_s(now) + (queued_s + room_s) / max(self._drain_rate, 0.05)
-
-    def _earliest_head(self, now: float, expired: list[WorkItem]) -> tuple[ModelKey, ModelQueue, int, WorkItem] | None:
-        """The live item with the earliest deadline of all buckets of all queues, expiring on the
-        way every bucket head that could no longer finish in time."""
-        best: tuple[ModelKey, ModelQueue, int, WorkItem] | None = None
-        for key, queue in self._queues.items():
-            if queue.num_items == 0:
-                continue
-            for bucket in list(queue.bucket_keys()):
-                item = self._live_top(queue, bucket, now, expired)
-                if item is not None and (best is None or item.deadline < best[3].deadline):
-                    best = (key, queue, bucket, item)
-        return best
-
-    def _live_top(self, queue: ModelQueue, bucket: int, now: float, expired: list[WorkItem]) -> WorkItem | None:
-        while (item := queue.top(bucket)) is not None:
-            if now + queue.profile.predict(item.cost) <= item.deadline:
-                return item
-            self._expire(self._take(queue, bucket), expired)
-        return None
-
-    def _fill(
-        self, key: ModelKey, queue: ModelQueue, bucket: int, head: WorkItem, now: float, expired: list[WorkItem]
-    ) -> tuple[Batch, float] | None:
-        """The batch headed by `head`, and its credit: how much it takes off the queue's work
-        estimate (less than its predicted time when the batch is cut short by its deadline)."""
-        if queue.top(bucket) is not head:
-            return None  # the head left while other heads were expired: look again
-        limits, profile = queue.batching, queue.profile
-        num_expired_before = len(expired)
-        num_before, high_before = queue.bucket_state(bucket)
-        members = [self._take(queue, bucket)]
-        longest = head.cost
-        while len(members) < limits.max_batch_size and (candidate := queue.top(bucket)) is not None:
-            if now + profile.predict(candidate.cost) > candidate.deadline:
-                self._expire(self._take(queue, bucket), expired)
-                continue
-            # heap order: no candidate's deadline is earlier than the head's
-            padded = (len(members) + 1) * max(longest, candidate.cost)
-            if padded > limits.max_batch_cost or now + profile.predict(padded) > head.deadline:
-                break
-            members.append(self._take(queue, bucket))
-            longest = max(longest, candidate.cost)
-        if len(expired) > num_expired_before:
-            # a member's request may have expired through another of its items: none of it runs
-            dead = {item.request_id for item in expired[num_expired_before:]}
-            expired.extend(m for m in members if m.request_id in dead)
-            members = [m for m in members if m.request_id not in dead]
-            if not members:
-                return None
-            longest = max(m.cost for m in members)
-        padded_cost = len(members) * longest
-        batch = Batch(key, tuple(members), padded_cost, profile.predict(padded_cost))
-        return batch, queue.credit_s(bucket, num_before, high_before, len(members))
-
-    def _take(self, queue: ModelQueue, bucket: int) -> WorkItem:
-        item = queue.take(bucket)
-        request = self._requests[item.request_id]
-        del request.items[item.index]
-        if not request.items:
-            del self._requests[item.request_id]
-        return item
-
-    def _expire(self, item: WorkItem, expired: list[WorkItem]) -> None:
-        """Expire a taken item and, with it, the items of its request still queued."""
-        expired.append(item)
-        request = self._requests.pop(item.request_id, None)
-        if request is not None:
-            for sibling in request.items.values():
-                sibling.is_cancelled = True
-                request.queue.discard(sibling)
-                expired.append(sibling)
+        ahead_s = queued_s + room_s
+        if skipped_s > 0:
+            item_work_s = sum(self._fair.queued_s(p) for p in Priority)
+            ahead_s *= max(1.0 - skipped_s / item_work_s, 0.0) if item_work_s > 0 else 1.0
+        return self._running_left_s(now) + ahead_s / max(self._drain_rate, 0.05)
 
     def _update_drain_rate(self, now: float, exec_s: float) -> None:
         """EWMA of the work estimate retired (the batch's credit) per second of wall time while

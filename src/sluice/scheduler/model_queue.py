@@ -1,15 +1,16 @@
-"""One model version's queue: a deadline-ordered heap per length bucket, and running estimates of
-the device time it holds.
+"""One model version's queue: per length bucket, a deadline-ordered heap per flow (a priority
+class and a tenant), and running estimates of the device time the whole queue holds.
 
-    bucket k  = costs in [2**(k-1), 2**k)     heap of (deadline, seq, item), earliest on top
-    ┌──────────┬───────────────────────────┐
-    │ k = 4    │ (0.31, 7, a) (0.52, 9, b) │──┐
-    │ k = 7    │ (0.12, 8, c) ...          │──┼─▶ the queue's head: the earliest top of any bucket
-    │ ...      │                           │──┘
-    └──────────┴───────────────────────────┘
+    bucket k  = costs in [2**(k-1), 2**k)     flow (class, tenant) -> heap of (deadline, seq, item)
+    ┌──────────┬──────────────────────────────────────────────┐
+    │ k = 4    │ (0, "a"): (0.31, 7, x) (0.52, 9, y)          │
+    │          │ (2, "b"): (0.12, 8, z) ...                   │
+    │ k = 7    │ (1, "a"): ...                                │
+    └──────────┴──────────────────────────────────────────────┘
 
 A batch is drawn from one bucket, so its longest member is under twice its shortest and padding
-wastes under half the batch.
+wastes under half the batch. Which flows' items join it is the scheduler's (fair) choice; within a
+flow, the earliest deadline comes first. The estimates below are per bucket, over all its flows.
 
 Removal is lazy: a cancelled or expired item stays in its heap, flagged `is_cancelled`, until it
 surfaces or the heaps are compacted (once flagged entries outnumber live ones), so withdrawing is
@@ -34,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from sluice.priority import Priority
 from sluice.repository import BatchingConfig
 from sluice.scheduler.profile import LatencyProfile
 
@@ -47,11 +49,22 @@ class WorkItem:
     cost: int
     deadline: float
     enqueued_at: float
+    tenant: str = ""
+    priority: Priority = Priority.STANDARD
+    work_s: float = 0.0
+    """Its predicted share of a full batch's device time, fixed at admission: what its tenant's
+    queued work counts for it, and its fair-queueing charge until the batch's time is measured."""
     is_cancelled: bool = False
     """Withdrawn (cancelled, or its request expired) while still in a heap; dropped when it surfaces."""
 
+    @property
+    def flow(self) -> Flow:
+        return (self.priority, self.tenant)
+
 
 Entry = tuple[float, int, WorkItem]
+Flow = tuple[Priority, str]
+"""Who queued an item: its priority class and its tenant."""
 
 _MIN_DEAD_TO_COMPACT = 64
 
@@ -88,7 +101,7 @@ _NO_TERMS: _Terms = (0, 0, 0, 0, 0)
 
 @dataclass(slots=True)
 class _Bucket:
-    heap: list[Entry] = field(default_factory=list)
+    heaps: dict[Flow, list[Entry]] = field(default_factory=dict)
     num_items: int = 0
     high_water_cost: int = 0
     terms: _Terms = _NO_TERMS
@@ -154,6 +167,12 @@ class ModelQueue:
         replaced_room_s = min(before[2] * alpha_s + before[3] * beta_s, before[4] * beta_s)
         return Estimate(alone_s, added_s, own_s, replaced_room_s)
 
+    def item_work_s(self, cost: int) -> float:
+        """An item's share of the device time of a full batch of items like it: what it adds to
+        its tenant's queued work, and its fair-queueing charge until its batch is measured."""
+        per_batch = max(1, min(self.batching.max_batch_size, self.batching.max_batch_cost // max(cost, 1)))
+        return self.profile.alpha_s / per_batch + self.profile.beta_s * cost
+
     def credit_s(self, key: int, num_before: int, high_before: int, num_taken: int) -> float:
         """How much taking `num_taken` items from bucket `key`, which held `num_before` items up to
         `high_before`, took off `work_s()`: a full batch's worth for a full batch, less for one
@@ -212,27 +231,39 @@ class ModelQueue:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket()
-        heapq.heappush(bucket.heap, entry)
+        heap = bucket.heaps.get(item.flow)
+        if heap is None:
+            heap = bucket.heaps[item.flow] = []
+        heapq.heappush(heap, entry)
         self._count(bucket, +1, item.cost)
 
     def bucket_keys(self) -> Iterator[int]:
         """Buckets holding live items. Buckets are never deleted: there are few (one per bit)."""
         return (key for key, bucket in self._buckets.items() if bucket.num_items)
 
-    def top(self, key: int) -> WorkItem | None:
-        """The live item with the earliest deadline in bucket `key`, left in place."""
-        heap = self._buckets[key].heap
+    def flows(self, key: int) -> list[Flow]:
+        """Flows with entries (perhaps only flagged ones) in bucket `key`."""
+        bucket = self._buckets.get(key)
+        return [flow for flow, heap in bucket.heaps.items() if heap] if bucket is not None else []
+
+    def top(self, key: int, flow: Flow) -> WorkItem | None:
+        """The live item of `flow` with the earliest deadline in bucket `key`, left in place."""
+        bucket = self._buckets.get(key)
+        heap = bucket.heaps.get(flow) if bucket is not None else None
+        if heap is None:
+            return None
         while heap and heap[0][2].is_cancelled:
             heapq.heappop(heap)
             self._num_dead -= 1
         return heap[0][2] if heap else None
 
-    def take(self, key: int) -> WorkItem:
-        """Remove and return the top live item of bucket `key` (the caller checked there is one)."""
-        item = self.top(key)
-        assert item is not None, "take() from an empty bucket"
+    def take(self, key: int, flow: Flow) -> WorkItem:
+        """Remove and return the top live item of `flow` in bucket `key` (the caller checked there
+        is one)."""
+        item = self.top(key, flow)
+        assert item is not None, "take() from an empty heap"
         bucket = self._buckets[key]
-        heapq.heappop(bucket.heap)
+        heapq.heappop(bucket.heaps[flow])
         self._count(bucket, -1, item.cost)
         return item
 
@@ -245,10 +276,15 @@ class ModelQueue:
 
     def num_entries(self) -> int:
         """Heap entries, live and flagged: what the queue holds in memory."""
-        return sum(len(bucket.heap) for bucket in self._buckets.values())
+        return sum(len(heap) for bucket in self._buckets.values() for heap in bucket.heaps.values())
 
     def _compact(self) -> None:
         for bucket in self._buckets.values():
-            bucket.heap = [entry for entry in bucket.heap if not entry[2].is_cancelled]
-            heapq.heapify(bucket.heap)
+            for flow, heap in list(bucket.heaps.items()):
+                live = [entry for entry in heap if not entry[2].is_cancelled]
+                if live:
+                    heapq.heapify(live)
+                    bucket.heaps[flow] = live
+                else:
+                    del bucket.heaps[flow]  # tenants come and go: keep no empty heaps
         self._num_dead = 0

@@ -71,8 +71,8 @@ class _Pending:
     num_left: int = 0
     queue_s: float = 0.0
     exec_s: float = 0.0
-    device_s: float = 0.0  # its items' shares of their batches' device time, split by cost
     batch_size: int = 0
+    device_s: float = 0.0  # its items' shares of their batches' device time, split by cost
 
 
 class WorkerServer:
@@ -181,6 +181,12 @@ class WorkerServer:
             self._reply(identity, self._state())
         elif isinstance(message, wire.Drain):
             self.drain()
+        elif isinstance(message, wire.TenantWeights):
+            try:
+                with self._lock:
+                    self._scheduler.set_tenant_weights(message.weights)
+            except ValueError as exc:
+                log.warning("ignoring tenant weights from a gateway: %s", exc)
 
     def _on_submit(self, identity: bytes, message: wire.Submit) -> None:
         self._gateways.add(identity)
@@ -209,7 +215,8 @@ class WorkerServer:
         internal_id = next(self._ids)
         deadline = self._clock.now() + message.timeout_s
         with self._lock:
-            decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline)
+            decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
+                                             tenant=message.tenant, priority=_priority(message.priority))
         if isinstance(decision, Rejected):
             self._reply(identity, _rejection(message.request_id, decision))
             return
@@ -340,13 +347,13 @@ class WorkerServer:
         now = self._clock.now()
         self._metrics.batch_done(model, version, len(batch.items), exec_s,
                                  [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
-        per_cost_s = exec_s / max(sum(item.cost for item in batch.items), 1)
+        device_s = batch.device_shares(exec_s)  # as the scheduler split it in batch_done
         for item, output in zip(batch.items, outputs, strict=True):
             pending = self._pending.get(item.request_id)
             if pending is None:
                 continue  # cancelled or expired while running
+            pending.device_s += device_s.pop(item.request_id, 0.0)
             pending.exec_s = max(pending.exec_s, exec_s)
-            pending.device_s += per_cost_s * item.cost
             pending.batch_size = max(pending.batch_size, len(batch.items))
             if isinstance(output, ItemFailure):
                 pending.errors.append(wire.ItemError(item.index, output.message))
@@ -367,14 +374,14 @@ class WorkerServer:
             errors = sorted(pending.errors, key=_index)
             result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=errors,
                                  num_tokens=num_tokens, queue_s=pending.queue_s, exec_s=pending.exec_s,
-                                 device_s=pending.device_s, batch_size=pending.batch_size,
-                                 message=pending.errors[0].message)
+                                 batch_size=pending.batch_size, message=pending.errors[0].message,
+                                 device_s=pending.device_s)
         else:
             runner = self._runners[pending.key]
             payload = runner.pack([o for o in pending.outputs if o is not None])
             result = wire.Result(pending.gateway_request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
-                                 queue_s=pending.queue_s, exec_s=pending.exec_s, device_s=pending.device_s,
-                                 batch_size=pending.batch_size)
+                                 queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size,
+                                 device_s=pending.device_s)
         self._reply(pending.identity, result)
 
     def _expire(self, internal_id: int) -> None:
@@ -418,6 +425,9 @@ class WorkerServer:
                 item_s = profile.alpha_s / max_batch + profile.beta_s * self._typical_cost[key]
                 queues.append(wire.QueueState(key[0], key[1], depth, work, item_s))
             work_ahead_s, drain_rate = self._scheduler.work_ahead_s(), self._scheduler.drain_rate
+            report = self._scheduler.wait_report()
+        waits = [wire.WaitState(int(c.priority), c.newcomer_wait_s) for c in report.classes]
+        waits += [wire.WaitState(int(t.priority), t.wait_s, t.tenant) for t in report.tenants]
         return wire.WorkerState(
             worker_id=self.worker_id,
             incarnation=self._incarnation,
@@ -428,6 +438,7 @@ class WorkerServer:
             queues=queues,
             work_ahead_s=work_ahead_s,
             drain_rate=drain_rate,
+            waits=waits,
         )
 
     def _broadcast_state(self) -> None:
@@ -465,3 +476,11 @@ def _rejection(request_id: int, rejected: Rejected) -> wire.Result:
 
 def _index(error: wire.ItemError) -> int:
     return error.index
+
+
+def _priority(value: int) -> Priority:
+    """The class a gateway sent; an unknown value (a newer gateway) counts as standard."""
+    try:
+        return Priority(value)
+    except ValueError:
+        return Priority.STANDARD
