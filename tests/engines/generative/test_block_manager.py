@@ -59,7 +59,7 @@ def test_shared_prefix_blocks_are_reference_counted():
     tokens = list(range(10))
     bm.allocate("a", 10)
     bm.commit("a", tokens, 10, salt="")
-    hits = bm.cached_prefix(tokens + [99], salt="")
+    hits = bm.cached_prefix([*tokens, 99], salt="")
     assert hits == bm.block_table("a")[:2]
     bm.allocate("b", 11, hits)
     assert [bm.ref_count(b) for b in hits] == [2, 2]
@@ -74,8 +74,8 @@ def test_salt_isolates_tenants():
     tokens = list(range(12))
     bm.allocate("a", 12)
     bm.commit("a", tokens, 12, salt="tenant-a")
-    assert len(bm.cached_prefix(tokens + [1], salt="tenant-a")) == 3
-    assert bm.cached_prefix(tokens + [1], salt="tenant-b") == []
+    assert len(bm.cached_prefix([*tokens, 1], salt="tenant-a")) == 3
+    assert bm.cached_prefix([*tokens, 1], salt="tenant-b") == []
 
 
 def test_whole_prompt_hit_still_leaves_a_token_to_compute():
