@@ -1,0 +1,103 @@
+"""LLMEngine behaviour a user notices: sampling, stops, limits, aborts, deadlines, overload."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sluice.clock import VirtualClock
+from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
+from tests.engines.generative.conftest import greedy, prompts, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir) -> LLMEngine:
+    return LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=128))
+
+
+def _one(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str = "x") -> list[int]:
+    engine.add_request(rid, prompt, params)
+    return run_to_completion(engine)[rid]
+
+
+def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(engine):
+    prompt = prompts(10, 1, 12, 12)[0]
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = _one(engine, prompt, params)
+    for i, other in enumerate(prompts(11, 3, 5, 30)):
+        engine.add_request(f"noise{i}", other, SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True))
+    engine.add_request("x", prompt, params)
+    assert run_to_completion(engine)["x"] == alone
+    assert _one(engine, prompt, SamplingParams(max_tokens=20, temperature=0.9, seed=99, ignore_eos=True)) != alone
+
+
+def test_top_k_one_equals_greedy(engine):
+    prompt = prompts(12, 1, 9, 9)[0]
+    sampled = _one(engine, prompt, SamplingParams(max_tokens=12, temperature=1.3, top_k=1, ignore_eos=True))
+    assert sampled == _one(engine, prompt, greedy(12))
+
+
+def test_stop_token_ids_and_max_tokens(engine):
+    prompt = prompts(13, 1, 9, 9)[0]
+    reference = _one(engine, prompt, greedy(12))
+    stop_at = reference[5]
+    first = reference.index(stop_at)
+    engine.add_request("s", prompt, greedy(12, stop_token_ids=(stop_at,)))
+    outs = [o for _ in range(100) for o in engine.step() if o.request_id == "s"]
+    assert [t for o in outs for t in o.new_token_ids] == reference[:first + 1]
+    assert outs[-1].is_finished and outs[-1].finish_reason == "stop"
+    assert len(_one(engine, prompt, greedy(7))) == 7
+
+
+def test_min_tokens_blocks_stop_ids(engine):
+    prompt = prompts(13, 1, 9, 9)[0]
+    reference = _one(engine, prompt, greedy(12))
+    out = _one(engine, prompt, greedy(12, stop_token_ids=(reference[0],), min_tokens=4))
+    assert len(out) >= 4 and reference[0] not in out[:4]
+
+
+def test_abort_from_another_thread_frees_blocks_within_one_step(engine):
+    engine.add_request("long", prompts(14, 1, 30, 30)[0], greedy(200))
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    threading.Thread(target=engine.abort, args=(["long"],)).start()
+    threading.Event().wait(0.05)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("long", "abort")]
+    assert engine.stats().kv_cache_usage == 0.0 and not engine.has_unfinished()
+
+
+def test_deadline_drops_the_sequence(llama_dir):
+    clock = VirtualClock(100.0)
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=32), clock=clock)
+    engine.add_request("d", prompts(15, 1, 10, 10)[0], greedy(50), deadline=101.0)
+    engine.step()
+    clock.advance(2.0)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.is_finished) for o in outs] == [("d", "deadline", True)]
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_invalid_requests_are_value_errors(engine, llama_dir):
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError):
+        engine.add_request("e", [], greedy(3))
+    with pytest.raises(ValueError):
+        engine.add_request("e", [10**6], greedy(3))
+    small = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=8))
+    with pytest.raises(ValueError):  # 80 tokens can never fit a 64-token KV cache
+        small.add_request("e", [5] * 50, greedy(30))
+
+
+def test_overload_beyond_the_kv_cache_all_finish(llama_dir):
+    # 40 requests of ~60 tokens each against a 20 x 8 = 160-token cache
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=20, max_num_seqs=16))
+    batch = prompts(16, 40, 10, 40)
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"o{i}", prompt, greedy(20))
+    done = run_to_completion(engine)
+    assert all(len(done[f"o{i}"]) == 20 for i in range(len(batch)))
+    stats = engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0

@@ -1,0 +1,78 @@
+"""Tokenizer side: tiny-lm generation, incremental detokenization, stop strings, chat templates."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
+from sluice.engines.generative.tiny import make_tiny_lm
+from sluice.engines.generative.tokenizer import Detokenizer, StopChecker, Tokenizer
+from tests.engines.generative.conftest import run_to_completion
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_lm(tmp_path_factory.mktemp("tiny") / "tiny-lm")
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_tiny_lm_is_byte_identical_across_runs(tiny_dir, tmp_path):
+    assert _digests(make_tiny_lm(tmp_path / "again")) == _digests(tiny_dir)
+    assert set(_digests(tiny_dir)) == {"config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json", "tokenizer_config.json"}
+
+
+def test_incremental_detokenization_handles_multibyte_and_spaces(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    text = "Über café 東京 数据 🙂 the model, naïve!"
+    ids = tok.encode(text)
+    detok = Detokenizer(tok, tok.encode("Prompt:"))
+    deltas = [detok.push([i]) for i in ids]
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_is_held_back_then_stripped():
+    checker = StopChecker(["STOP"])
+    emitted = []
+    for ch in "say ST":
+        emitted.append(checker.push(ch)[0])
+    assert "".join(emitted) == "say "  # "ST" could begin the stop string
+    out, hit = checker.push("OP and more")
+    assert hit and "".join(emitted) + out == "say "
+    no_stop = StopChecker(["xyz"])
+    assert no_stop.push("ab")[0] + no_stop.push("x")[0] + no_stop.flush() == "abx"
+
+
+def test_chat_template_from_tokenizer_config(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|user|>\nhi<|endoftext|>\n<|assistant|>\n"
+    assert tok.eos_token_ids == (0,)
+
+
+def test_engine_stops_on_a_stop_string_and_strips_it(tiny_dir):
+    engine = LLMEngine(tiny_dir, EngineConfig(block_size=8, num_kv_blocks=64))
+    prompt = engine.tokenizer.encode("the model serve the request")
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    texts: dict[str, str] = {}
+
+    def drain() -> None:
+        while engine.has_unfinished():
+            for out in engine.step():
+                texts[out.request_id] = texts.get(out.request_id, "") + out.text_delta
+
+    drain()
+    full = texts["ref"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    engine.add_request("s", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,)))
+    drain()
+    assert texts["s"] == full[:full.index(stop)]
+    assert run_to_completion(engine) == {}
