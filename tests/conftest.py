@@ -60,6 +60,7 @@ def start_server(models_dir: Path, log_dir: Path, *extra: str, ready_timeout_s: 
     port = free_port()
     log_path = log_dir / f"sluice-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("SLUICE_CACHE_DIR", str(log_dir / "sluice-cache"))  # generated demo weights (tiny-lm)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "sluice", "serve", "--models", str(models_dir), "--port", str(port),

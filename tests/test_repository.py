@@ -73,7 +73,7 @@ def test_bad_config_is_refused_per_version_not_fatal(tmp_path):
 
 def test_demo_repository_verifies():
     repo = scan_repository(demo_repository())
-    assert {v.name for v in repo.versions} == {"minilm", "emulated"}
+    assert {v.name for v in repo.versions} == {"minilm", "emulated", "tiny-lm"}
     for version in repo.versions:
         verify(version)
 

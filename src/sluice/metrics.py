@@ -106,6 +106,25 @@ CACHED_PROMPT_TOKENS = Counter("sluice_cached_prompt_tokens", "Prompt tokens ser
                                ["model"])
 GENERATION_TOKENS = Counter("sluice_generation_tokens", "Output tokens of completed generations.", ["model"])
 
+# Generative engines, per worker. The `vllm:` names are what the Kubernetes Gateway API Inference
+# Extension (and other LLM routers) read, so they can drive sluice workers unchanged.
+SEQUENCES_RUNNING = Gauge(
+    "vllm:num_requests_running", "Sequences running in the engine (holding KV blocks).", ["model_name"],
+    multiprocess_mode="livesum",
+)
+SEQUENCES_WAITING = Gauge(
+    "vllm:num_requests_waiting", "Sequences waiting for KV blocks or a slot.", ["model_name"],
+    multiprocess_mode="livesum",
+)
+KV_CACHE_USAGE = Gauge(
+    "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", ["model_name"],
+    multiprocess_mode="livemax",
+)
+PREEMPTIONS = Counter("sluice_preemptions", "Sequences preempted (freed, recomputed later).", ["model"])
+PREFIX_CACHE_QUERIES = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                               ["model"])
+PREFIX_CACHE_HITS = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model"])
+
 
 def tenant_label(tenant: str) -> str:
     return tenant or "local"
@@ -149,6 +168,15 @@ class JobMetrics:
     def job_done(self, status: str, seconds: float) -> None:
         BATCH_JOBS.labels(status).inc()
         BATCH_JOB_DURATION.labels(status).observe(max(seconds, 0.0))
+
+
+class EngineCounts(Protocol):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
 
 
 class GatewayMetrics:
@@ -224,6 +252,18 @@ class WorkerMetrics:
 
     def busy_ratio(self, ratio: float) -> None:
         self._busy_ratio.set(ratio)
+
+    def engine(self, model: str, stats: EngineCounts, previous: EngineCounts | None) -> None:
+        """A generative engine's state; counters advance by the change since `previous`."""
+        SEQUENCES_RUNNING.labels(model).set(stats.num_running)
+        SEQUENCES_WAITING.labels(model).set(stats.num_waiting)
+        KV_CACHE_USAGE.labels(model).set(stats.kv_cache_usage)
+        for counter, field in ((PREEMPTIONS, "num_preemptions_total"),
+                               (PREFIX_CACHE_QUERIES, "prefix_cache_query_tokens"),
+                               (PREFIX_CACHE_HITS, "prefix_cache_hit_tokens")):
+            now, before = getattr(stats, field), getattr(previous, field) if previous else 0
+            if now > before:
+                counter.labels(model).inc(now - before)
 
 
 def exposition() -> tuple[bytes, str]:

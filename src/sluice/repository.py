@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 from sluice.errors import ConfigError
 
 MANIFEST = "SHA256SUMS"
-RUNNER_KINDS = ("emulated", "embedding", "http-single")
+RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative")
 WEIGHTLESS_KINDS = ("http-single",)
 """Runner kinds that load no files: a version folder without a SHA256SUMS manifest is fine."""
 
@@ -49,6 +50,8 @@ class ModelVersion:
     weights_dir: Path
     manifest_path: Path
     params: Mapping[str, Any] = field(default_factory=dict)
+    generator: str | None = None
+    """Weights that sluice generates on first use (the demo `tiny-lm`), into `weights_dir`."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -188,10 +191,22 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
         weights_dir=_weights_dir(version_dir, config.get("weights", {}), config_path),
         manifest_path=version_dir / MANIFEST,
         params=dict(config.get("params", {})),
+        generator=config.get("weights", {}).get("generate"),
     )
 
 
+def generated_models_dir() -> Path:
+    """Where generated weights go: `$SLUICE_CACHE_DIR/models`, by default `~/.cache/sluice/models`."""
+    root = os.environ.get("SLUICE_CACHE_DIR") or str(Path.home() / ".cache" / "sluice")
+    return Path(root) / "models"
+
+
 def _weights_dir(version_dir: Path, weights: dict[str, Any], config_path: Path) -> Path:
+    generated = weights.get("generate")
+    if generated is not None:
+        if generated != "tiny-lm":
+            raise ConfigError(f"{config_path}: [weights] generate knows only 'tiny-lm', got {generated!r}")
+        return generated_models_dir() / f"{generated}-{version_dir.name}"
     package = weights.get("package")
     if package is None:
         return version_dir

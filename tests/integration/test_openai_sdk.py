@@ -20,7 +20,7 @@ def client(demo_server):
 
 def test_models_list_names_both_demo_models(client):
     models = client.models.list()
-    assert {m.id for m in models.data} == {"minilm", "emulated"}
+    assert {m.id for m in models.data} == {"minilm", "emulated", "tiny-lm"}
     assert all(m.object == "model" for m in models.data)
 
 

@@ -68,7 +68,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[Any]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -241,8 +241,8 @@ def _to_payload(request: CompletionRequest | ChatRequest) -> wire.GeneratePayloa
     if isinstance(request, ChatRequest):
         return wire.GeneratePayload(messages=_messages(request.messages), **sampling)  # type: ignore[arg-type]
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        if any(not 0 <= t < 1 << 31 for t in prompt):  # type: ignore[operator]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < 1 << 31 for t in prompt):
             raise InvalidInput("'prompt' token ids must be non-negative integers", param="prompt")
         return wire.GeneratePayload(prompt_token_ids=list(prompt), **sampling)  # type: ignore[arg-type]
     if isinstance(prompt, list):

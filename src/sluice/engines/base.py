@@ -69,6 +69,10 @@ def load_runner(version: ModelVersion, device: str) -> Runner:
         from sluice.engines.embedding import EmbeddingRunner
 
         return EmbeddingRunner(version, device)
+    if version.kind == "generative":
+        from sluice.engines.generative.runner import GenerativeRunner
+
+        return GenerativeRunner(version, device)  # type: ignore[return-value]  # not a one-shot Runner
     if version.kind == "http-single":
         from sluice.engines.http_single import HttpSingleRunner
 

@@ -45,6 +45,10 @@ def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel
         if config.model_names and version.name not in config.model_names:
             continue
         try:
+            if version.generator == "tiny-lm":
+                from sluice.engines.generative.tiny import ensure_tiny_lm
+
+                ensure_tiny_lm(version.weights_dir)
             verify(version)
             runner = load_runner(version, config.device)
         except ConfigError as exc:

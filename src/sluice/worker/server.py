@@ -25,7 +25,7 @@ import zmq.asyncio
 from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, PreparedItem, Runner
-from sluice.engines.generative.engine import RequestOutput
+from sluice.engines.generative.engine import EngineStats, RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
@@ -448,6 +448,7 @@ class WorkerServer:
 
     async def _state_loop(self) -> None:
         last_busy, last_at, ratio = 0.0, time.monotonic(), 0.0
+        engine_stats: dict[str, EngineStats] = {}
         ticks = itertools.count()
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
@@ -464,6 +465,10 @@ class WorkerServer:
                 for (model, version), depth, work, profile in snapshot:
                     self._metrics.queue(model, version, depth, work)
                     self._metrics.profile(model, version, profile.alpha_s, profile.beta_s)
+                for (model, _), generator in self._generators.items():
+                    stats = generator.engine.stats()
+                    self._metrics.engine(model, stats, engine_stats.get(model))
+                    engine_stats[model] = stats
 
 
 def _rejection(request_id: int, rejected: Rejected) -> wire.Result:

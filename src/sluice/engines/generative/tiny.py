@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -110,3 +112,22 @@ def make_tiny_lm(out_dir: str | Path, seed: int = 0) -> Path:
     })
     save_file(_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def ensure_tiny_lm(out_dir: Path, seed: int = 0) -> Path:
+    """Generate tiny-lm into `out_dir` unless it is already there. Safe when several workers start
+    at once: each writes a private folder and renames it into place; the first rename wins."""
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        make_tiny_lm(scratch, seed)
+        try:
+            scratch.rename(out_dir)
+        except OSError:  # another worker got there first
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out_dir

@@ -111,6 +111,7 @@ class StopChecker:
         """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
         if not self._stop:
             self._text += delta
+            self._emitted = len(self._text)
             return delta, False
         search_from = max(0, len(self._text) - self._longest + 1)
         self._text += delta

@@ -1,0 +1,129 @@
+"""Generation through a real server and the real `openai` SDK: completions and chat, unary and
+streamed, stop strings, prefix-cache hits in usage, cancellation on disconnect, and 400s."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from sluice.engines.generative.tiny import make_tiny_lm
+from sluice.repository import MANIFEST, write_manifest
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("repo")
+    version = make_tiny_lm(repo / MODEL / "1")
+    write_manifest(version, version / MANIFEST)
+    (repo / MODEL / "model.toml").write_text(
+        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 16\n'
+    )
+    started = start_server(repo, tmp_path_factory.mktemp("log"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
+        yield sdk
+
+
+def test_completion_is_deterministic_when_greedy_and_counts_usage(client):
+    first = client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=12, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=12, temperature=0)
+    assert first.choices[0].text == again.choices[0].text
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 12
+    assert first.usage.prompt_tokens > 0
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 12
+
+
+def test_streamed_chat_equals_the_unary_answer_and_ends_with_usage(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    assert len(text) >= 4
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert len(cut.choices[0].text) < len(text)
+
+
+def test_a_repeated_long_prompt_hits_the_prefix_cache(client):
+    prompt = "A long shared system prompt that many requests start with. " * 8
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_a_client_that_disconnects_frees_its_sequence(server, client):
+    stream = client.completions.create(model=MODEL, prompt="Keep going", max_tokens=800, temperature=0.8,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        if re.search(r'vllm:num_requests_running\{model_name="tiny"\} 0\.0', metrics):
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail("the disconnected client's sequence kept running")
+    assert "sluice_time_to_first_token_seconds_count" in metrics
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in metrics
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "temperature": 5}, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+])
+def test_unsupported_or_invalid_fields_are_400(server, body, param):
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_prompt_longer_than_the_context_is_400_not_500(server):
+    response = httpx.post(f"{server.url}/v1/completions",
+                          json={"model": MODEL, "prompt": list(range(5, 1100)), "max_tokens": 4})
+    assert response.status_code == 400
+
+
+def test_vllm_bench_fields_are_accepted(client):
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True, "top_k": 1, "min_tokens": 5,
+                                                "repetition_penalty": 1.0})
+    assert out.usage.completion_tokens == 5
+
+
+def test_the_model_is_listed_and_refused_by_embeddings(client, server):
+    assert MODEL in {m.id for m in client.models.list().data}
+    response = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert response.status_code == 400
