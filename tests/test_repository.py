@@ -71,10 +71,15 @@ def test_bad_config_is_refused_per_version_not_fatal(tmp_path):
     assert repo.refused[0].name == "broken" and "kind must be one of" in repo.refused[0].reason
 
 
-def test_demo_repository_verifies():
+def test_demo_repository_verifies(tmp_path, monkeypatch):
+    from sluice.engines.generative.tiny import ensure_tiny_lm
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     repo = scan_repository(demo_repository())
     assert {v.name for v in repo.versions} == {"minilm", "emulated", "tiny-lm"}
     for version in repo.versions:
+        if version.generator == "tiny-lm":
+            ensure_tiny_lm(version.weights_dir)  # generated on first use, then checked like any weights
         verify(version)
 
 
