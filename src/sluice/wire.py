@@ -133,6 +133,7 @@ class TenantWeights(msgspec.Struct, tag="weights"):
 class ItemError(msgspec.Struct, frozen=True):
     index: int
     message: str
+    is_transient: bool = False  # the device failed, not the input: 503, not 422
 
 
 class Result(msgspec.Struct, tag="result"):

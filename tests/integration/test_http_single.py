@@ -85,7 +85,7 @@ def test_failed_items_are_reported_per_item_and_nothing_else_is_lost(server, ups
                                    rtol=1e-5)
     assert bad_text.status_code == 422
     assert "item 1: upstream rejected the item: HTTP 400" in bad_text.text
-    assert bad_row.status_code == 422
+    assert bad_row.status_code == 503  # the upstream failed, not the input: worth retrying later
     assert "item 1: upstream failed after 2 attempts: HTTP 503" in bad_row.text
     assert "item 0" not in bad_row.text and "item 2" not in bad_row.text
 
@@ -94,9 +94,10 @@ def test_an_upstream_that_is_down_fails_fast_then_recovers(upstream, make_server
     server = _serve(make_server, tmp_path, upstream.url, max_attempts=1, failure_threshold=3, open_s=1)
     upstream.fail_rate, upstream.fail_status = 1.0, 500
     for _ in range(3):
-        assert _embed(server.url, ["x"]).status_code == 422
+        assert _embed(server.url, ["x"]).status_code == 503
     response = _embed(server.url, ["y", "z"])
-    assert response.status_code == 422 and "upstream unavailable: circuit open" in response.text
+    assert response.status_code == 503 and "upstream unavailable: circuit open" in response.text
+    assert response.headers["retry-after"] == "1"
     assert upstream.num_requests == 3, "the open circuit answers without calling the upstream"
     upstream.fail_rate = 0.0
     time.sleep(1.0)

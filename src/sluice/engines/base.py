@@ -32,6 +32,9 @@ class PreparedItem:
 @dataclass(frozen=True, slots=True)
 class ItemFailure:
     message: str
+    is_transient: bool = False
+    """The device failed, not the input (an upstream down, a circuit open): retrying later may
+    succeed. A request whose every failed item is transient is answered 503, not 422."""
 
 
 class Runner(Protocol):

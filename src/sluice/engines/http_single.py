@@ -243,7 +243,8 @@ class HttpSingleRunner:
                     return ItemFailure(
                         f"upstream unavailable: circuit open after repeated failures "
                         f"(next trial in {self.breaker.retry_after_s():.1f} s)"
-                        + (f"; last error: {reason}" if reason else "")
+                        + (f"; last error: {reason}" if reason else ""),
+                        is_transient=True,
                     )
                 outcome = await self._attempt(body)
             if isinstance(outcome, np.ndarray):
@@ -254,7 +255,7 @@ class HttpSingleRunner:
             if attempt < self.config.max_attempts:
                 cfg = self.config
                 await asyncio.sleep(backoff_delay_s(attempt, cfg.backoff_s, cfg.max_backoff_s, self._rng))
-        return ItemFailure(f"upstream failed after {self.config.max_attempts} attempts: {reason}")
+        return ItemFailure(f"upstream failed after {self.config.max_attempts} attempts: {reason}", is_transient=True)
 
     async def _attempt(self, body: bytes) -> _Attempt:
         """One call. Records its outcome with the breaker: a 5xx, 408/429, timeout, connection

@@ -458,6 +458,8 @@ def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
             errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
             if any(e.index < 0 for e in result.errors):
                 raise InvalidInput(errors or result.message)
+            if result.errors and all(e.is_transient for e in result.errors):
+                raise Unavailable(f"the model's device failed: {errors}", retry_after_s=1.0)
             raise ItemFailed(errors or result.message)
 
 

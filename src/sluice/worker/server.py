@@ -356,7 +356,7 @@ class WorkerServer:
             pending.exec_s = max(pending.exec_s, exec_s)
             pending.batch_size = max(pending.batch_size, len(batch.items))
             if isinstance(output, ItemFailure):
-                pending.errors.append(wire.ItemError(item.index, output.message))
+                pending.errors.append(wire.ItemError(item.index, output.message, output.is_transient))
                 self._metrics.item_failed(model, version)
             else:
                 pending.outputs[item.index] = output
