@@ -42,7 +42,7 @@ def postgres_server() -> Iterator[str]:
     """The base DSN (`postgresql://...@127.0.0.1:PORT`) of a server started for this session."""
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if initdb is None or pg_ctl is None:
-        pytest.fail("PostgreSQL is not installed (initdb not found); .ci/run installs it")
+        pytest.fail("PostgreSQL is not installed (initdb not found); ./scripts/test installs it")
     root = Path(tempfile.mkdtemp(prefix="sluice-pg-"))
     os.chmod(root, 0o755)
     data = root / "data"
