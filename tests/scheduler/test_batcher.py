@@ -13,6 +13,7 @@ import pytest
 from sluice.clock import VirtualClock
 from sluice.repository import BatchingConfig
 from sluice.scheduler import Admitted, Batch, LatencyProfile, Rejected, RejectReason, Scheduler
+from tests.scheduler.support import run, run_late
 
 ALPHA_S = 0.002
 BETA_S = 0.00001  # 10 us per unit of padded cost: 32 items x 128 = 4096 -> 43 ms
@@ -44,14 +45,6 @@ def admit(scheduler: Scheduler, clock: VirtualClock, request_id: int, costs: lis
     assert isinstance(outcome, Admitted), outcome
     return outcome
 
-
-def run(scheduler: Scheduler, clock: VirtualClock) -> Batch | None:
-    """Form the next batch, run it for exactly its predicted time, and report it done."""
-    batch = scheduler.next_batch().batch
-    if batch is not None:
-        clock.advance(batch.predicted_s)
-        scheduler.batch_done(batch, batch.predicted_s)
-    return batch
 
 
 def drain(scheduler: Scheduler, clock: VirtualClock) -> list[Batch]:
@@ -466,24 +459,14 @@ def test_drain_rate_is_one_when_the_device_keeps_up_and_ignores_idle_time():
 def test_drain_rate_falls_when_batches_start_late_while_work_waits():
     scheduler, clock = make_scheduler(max_batch_size=1, max_queue_items=10_000)
     admit(scheduler, clock, 1, [10] * 10_000, timeout_s=100.0)
-    for _ in range(5000):
-        batch = scheduler.next_batch().batch
-        assert batch is not None
-        clock.advance(batch.predicted_s)
-        scheduler.batch_done(batch, batch.predicted_s)
-        clock.advance(batch.predicted_s)  # as long again before the device gets its next batch
+    run_late(scheduler, clock, 5000)  # each batch starts as long again after the last ended
     assert scheduler.drain_rate == pytest.approx(0.5, abs=0.05)
 
 
 def test_admission_and_retry_after_allow_for_a_slow_drain():
     scheduler, clock = make_scheduler(max_batch_size=1, max_queue_items=10_000)
     admit(scheduler, clock, 1, [10] * 10_000, timeout_s=100.0)
-    for _ in range(5000):
-        batch = scheduler.next_batch().batch
-        assert batch is not None
-        clock.advance(batch.predicted_s)
-        scheduler.batch_done(batch, batch.predicted_s)
-        clock.advance(batch.predicted_s)
+    run_late(scheduler, clock, 5000)
     work_s = scheduler.work_ahead_s()
     assert work_s == pytest.approx(5000 * (ALPHA_S + BETA_S * 10))
     # the queue drains at half speed: work_s of work takes 2 * work_s of wall time

@@ -13,6 +13,7 @@ from sluice.priority import Priority
 from sluice.repository import BatchingConfig
 from sluice.scheduler import Admitted, Batch, LatencyProfile, Rejected, RejectReason, Scheduler
 from sluice.scheduler.fair import ClassShares
+from tests.scheduler.support import run
 
 ALPHA_S = 0.008
 BETA_S = 0.0005 / 16  # the emulated model: 32 items of 16 -> 24 ms
@@ -33,13 +34,6 @@ def admit(scheduler: Scheduler, clock: VirtualClock, request_id: int, tenant: st
     outcome = scheduler.admit(M1, request_id, [cost], clock.now() + timeout_s, tenant=tenant, priority=priority)
     assert isinstance(outcome, Admitted), outcome
 
-
-def run(scheduler: Scheduler, clock: VirtualClock) -> Batch | None:
-    batch = scheduler.next_batch().batch
-    if batch is not None:
-        clock.advance(batch.predicted_s)
-        scheduler.batch_done(batch, batch.predicted_s)
-    return batch
 
 
 def tenants(batch: Batch | None) -> list[str]:

@@ -83,6 +83,23 @@ def load_runner(version: ModelVersion, device: str) -> Runner:
     raise ConfigError(f"unknown runner kind {version.kind!r}")
 
 
+def rows_model_info(version: ModelVersion) -> wire.ModelInfo:
+    """The interface of a runner that takes FP32 rows `INPUT0 [n, L]` (or texts) and gives one
+    output per row, `OUTPUT0`: the emulated and http-single runners."""
+    return wire.ModelInfo(
+        name=version.name,
+        version=version.version,
+        kind=version.kind,
+        platform=version.platform,
+        inputs=(wire.TensorSpec("INPUT0", "FP32", (-1, -1)),),
+        outputs=(wire.TensorSpec("OUTPUT0", "FP32", (-1,)),),
+        max_batch_size=version.batching.max_batch_size,
+        slo_s=version.slo_s,
+        accepts_text=True,
+        accepts_tensor=True,
+    )
+
+
 def stack_rows(outputs: Sequence[np.ndarray]) -> wire.TensorPayload:
     array = np.ascontiguousarray(np.stack(outputs)) if outputs else np.zeros((0,), np.float32)
     return wire.TensorPayload(dtype=str(array.dtype), shape=tuple(array.shape), data=array.tobytes())

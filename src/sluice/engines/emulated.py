@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sluice import wire
-from sluice.engines.base import ItemFailure, PreparedItem, stack_rows
+from sluice.engines.base import ItemFailure, PreparedItem, rows_model_info, stack_rows
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
@@ -39,18 +39,7 @@ class EmulatedRunner:
             raise ConfigError(f"{version.name}: emulator parameters out of range")
         self._rng = random.Random(int(p.get("seed", 0)))
         self.device = device
-        self.info = wire.ModelInfo(
-            name=version.name,
-            version=version.version,
-            kind="emulated",
-            platform=version.platform,
-            inputs=(wire.TensorSpec("INPUT0", "FP32", (-1, -1)),),
-            outputs=(wire.TensorSpec("OUTPUT0", "FP32", (-1,)),),
-            max_batch_size=version.batching.max_batch_size,
-            slo_s=version.slo_s,
-            accepts_text=True,
-            accepts_tensor=True,
-        )
+        self.info = rows_model_info(version)
 
     def prior(self) -> tuple[float, float, float]:
         return self.alpha_s, self.beta_s / self.ref_len, float(self.ref_len)

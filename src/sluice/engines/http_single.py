@@ -40,7 +40,7 @@ import numpy as np
 from sluice import wire
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import MonotonicClock
-from sluice.engines.base import ItemFailure, PreparedItem, stack_rows
+from sluice.engines.base import ItemFailure, PreparedItem, rows_model_info, stack_rows
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
@@ -163,18 +163,7 @@ class HttpSingleRunner:
         self.config = parse_config(version)
         self.device = device
         self.max_batch_size = version.batching.max_batch_size
-        self.info = wire.ModelInfo(
-            name=version.name,
-            version=version.version,
-            kind="http-single",
-            platform=version.platform,
-            inputs=(wire.TensorSpec("INPUT0", "FP32", (-1, -1)),),
-            outputs=(wire.TensorSpec("OUTPUT0", "FP32", (-1,)),),
-            max_batch_size=version.batching.max_batch_size,
-            slo_s=version.slo_s,
-            accepts_text=True,
-            accepts_tensor=True,
-        )
+        self.info = rows_model_info(version)
         self.breaker = CircuitBreaker(self.config.circuit, MonotonicClock())  # used on the call loop only
         self._rng = random.Random(0)  # backoff jitter; call loop only
         self._calls = _CallLoop()

@@ -210,7 +210,7 @@ class Gateway:
         async with ticket:
             result = await self._dispatch(info, payload, ticket)
             ticket.done(result)
-            return replace(result, rate_limit_headers=rate_limit_headers(ticket.reservation.statuses))
+            return ticket.with_limits(result)
 
     async def generate(
         self, info: wire.ModelInfo, payload: wire.GeneratePayload, timeout_s: float | None = None,
@@ -225,7 +225,7 @@ class Gateway:
             async for event in self._dispatch_stream(info, payload, ticket):
                 if isinstance(event, InferResult):
                     ticket.done(event)
-                    event = replace(event, rate_limit_headers=rate_limit_headers(ticket.reservation.statuses))
+                    event = ticket.with_limits(event)
                 yield event
 
     def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
@@ -377,6 +377,11 @@ class _Ticket:
 
     def done(self, result: InferResult) -> None:
         self._result = result
+
+    def with_limits(self, result: InferResult) -> InferResult:
+        """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
+        statuses = self.reservation.statuses
+        return replace(result, rate_limit_headers=rate_limit_headers(statuses)) if statuses else result
 
     def chunk(self, chunk: wire.TokenChunk) -> None:
         now = self._clock.now()

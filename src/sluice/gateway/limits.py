@@ -105,23 +105,14 @@ class TenantLimiter:
         now = self._clock.now()
         states: dict[str, _TenantState] = {}
         for tenant in tenants:
-            old = self._states.get(tenant.name)
-            requests = _bucket(tenant.requests_per_min, old.requests if old else None, now)
-            tokens = _bucket(tenant.tokens_per_min, old.tokens if old else None, now)
-            state = _TenantState(tenant, requests, tokens)
-            if old is not None:
-                state.num_in_flight = old.num_in_flight
-                state.period_index, state.used_device_s = old.period_index, old.used_device_s
-                state.used_total_device_s = old.used_total_device_s
-            states[tenant.name] = state
+            states[tenant.name] = _new_state(tenant, self._states.get(tenant.name), now)
         self._states = states
 
     def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
-        state = self._states.get(tenant.name)
-        if state is None:  # removed by a reload while the request was being read
-            self.configure([*(s.tenant for s in self._states.values()), tenant])
-            state = self._states[tenant.name]
         now = self._clock.now()
+        state = self._states.get(tenant.name)
+        if state is None:  # not in the configured set (a caller's own Tenant): limits start fresh
+            state = self._states[tenant.name] = _new_state(tenant, None, now)
         for bucket in (state.requests, state.tokens):
             if bucket is not None:
                 bucket.refill(now)
@@ -179,6 +170,18 @@ class TenantLimiter:
         index = math.floor(now / state.tenant.credit_period_s)
         if index != state.period_index:
             state.period_index, state.used_device_s = index, 0.0
+
+
+def _new_state(tenant: Tenant, old: _TenantState | None, now: float) -> _TenantState:
+    """A tenant's state under (possibly new) limits, carrying over what `old` had."""
+    requests = _bucket(tenant.requests_per_min, old.requests if old else None, now)
+    tokens = _bucket(tenant.tokens_per_min, old.tokens if old else None, now)
+    state = _TenantState(tenant, requests, tokens)
+    if old is not None:
+        state.num_in_flight = old.num_in_flight
+        state.period_index, state.used_device_s = old.period_index, old.used_device_s
+        state.used_total_device_s = old.used_total_device_s
+    return state
 
 
 def _bucket(per_min: float, old: TokenBucket | None, now: float) -> TokenBucket | None:

@@ -54,6 +54,7 @@ class _Generation:
 
     identity: bytes
     gateway_request_id: int
+    loop: GenerationLoop
     is_streamed: bool
     parts: list[str] = field(default_factory=list)
     device_s: float = 0.0
@@ -191,17 +192,18 @@ class WorkerServer:
     def _on_submit(self, identity: bytes, message: wire.Submit) -> None:
         self._gateways.add(identity)
         key = (message.model, message.version)
-        if key in self._generation_loops and not self._is_draining:
-            self._on_generate(identity, message, self._generation_loops[key])
-            return
         runner = self._runners.get(key)
-        if runner is None and key not in self._generation_loops:
+        generation_loop = self._generation_loops.get(key)
+        if runner is None and generation_loop is None:
             missing = f"model {message.model} v{message.version} is not on this worker"
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND, message=missing))
             return
         if self._is_draining:
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
                                               message="worker is draining"))
+            return
+        if generation_loop is not None:
+            self._on_generate(identity, message, generation_loop)
             return
         assert runner is not None
         try:
@@ -240,7 +242,7 @@ class WorkerServer:
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
                                               errors=[wire.ItemError(-1, exc.message)], message=exc.message))
             return
-        self._generations[internal_id] = _Generation(identity, message.request_id, payload.stream)
+        self._generations[internal_id] = _Generation(identity, message.request_id, generation_loop, payload.stream)
         self._by_gateway_id[(identity, message.request_id)] = internal_id
 
     def _on_generated(self, outputs: list[RequestOutput], step_s: float) -> None:
@@ -286,11 +288,10 @@ class WorkerServer:
     def _on_cancel(self, identity: bytes, message: wire.Cancel) -> None:
         for request_id in message.request_ids:
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
-            if internal_id is not None and self._generations.pop(internal_id, None) is not None:
-                for generation_loop in self._generation_loops.values():  # ids are unique across models
-                    generation_loop.abort([str(internal_id)])
-                continue
-            if internal_id is not None:
+            generation = self._generations.pop(internal_id, None) if internal_id is not None else None
+            if generation is not None:
+                generation.loop.abort([str(internal_id)])
+            elif internal_id is not None:
                 with self._lock:
                     self._scheduler.cancel(internal_id)
                 self._pending.pop(internal_id, None)

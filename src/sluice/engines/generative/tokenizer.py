@@ -12,6 +12,7 @@ until it does, and word-boundary spaces come out right because the window has le
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -50,12 +51,15 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._compiled_template().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=self.bos_token, eos_token=self.eos_token)
+
+    @functools.cache  # noqa: B019 - one per tokenizer, which lives as long as its model
+    def _compiled_template(self) -> Any:
+        """Compiling a template takes milliseconds; it is done once, not on every chat request."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token, eos_token=self.eos_token)
+        return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
