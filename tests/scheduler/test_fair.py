@@ -207,3 +207,43 @@ def test_class_shares_owe_a_starved_class_its_minimum_share():
     assert shares.order([INTER, BAT]) == [BAT, INTER]
     shares.record(0.02, {INTER: 0.02}, [INTER])  # idle: the credit is forgotten
     assert shares.credit_s(BAT) == 0.0
+
+
+def test_an_item_too_late_for_a_larger_batch_is_expired_and_the_batch_still_fills():
+    """A rider whose deadline fits a batch of one but not two could only be saved by keeping the
+    batch small (no later batch finishes sooner): it is expired, and the batch fills."""
+    scheduler, clock = make_scheduler()
+    admit(scheduler, clock, 0, "a")
+    run(scheduler, clock)  # a has been served: b's tag is lower, so b heads the next batch
+    one_s = ALPHA_S + BETA_S * 16
+    admit(scheduler, clock, 2, "a", timeout_s=0.5)
+    for request_id in range(3, 40):
+        admit(scheduler, clock, request_id, "a")
+    clock.advance(0.5 - one_s - 1e-6)  # the device was elsewhere: item 2 now has slack for one item only
+    admit(scheduler, clock, 1, "b")
+    decision = scheduler.next_batch()
+    assert decision.batch is not None and decision.batch.items[0].tenant == "b"
+    assert len(decision.batch.items) == 32
+    assert [item.request_id for item in decision.expired] == [2]
+
+
+def test_admission_counts_a_quiet_tenants_later_requests_going_first():
+    """B sends steadily below its share; A floods. A's predicted wait is stretched by B's demand,
+    so A is admitted less than on an idle device, and B still gets in."""
+    def admitted_for_flood(with_quiet_tenant: bool) -> int:
+        scheduler, clock = make_scheduler()
+        if with_quiet_tenant:  # B's recent demand: 16 items every 40 ms, 0.3 device-seconds per second
+            for step in range(40):
+                for index in range(16):
+                    admit(scheduler, clock, 10_000 + 16 * step + index, "B", timeout_s=1.0)
+                batch = run(scheduler, clock)
+                assert batch is not None
+                clock.advance(0.04 - batch.predicted_s)
+        count = 0
+        for request_id in range(2000):
+            count += isinstance(scheduler.admit(M1, request_id, [16], clock.now() + 0.2, tenant="A"), Admitted)
+        assert isinstance(scheduler.admit(M1, 9000, [16], clock.now() + 0.2, tenant="B"), Admitted)
+        return count
+
+    alone, beside_quiet = admitted_for_flood(False), admitted_for_flood(True)
+    assert beside_quiet < 0.8 * alone

@@ -158,8 +158,9 @@ def test_weights_one_two_four_give_device_shares_within_five_percent():
 
 def test_noisy_neighbour_leaves_the_quiet_tenant_its_success_rate():
     """A sends 5x its fair share, B half of its share, equal weights. B keeps its success rate
-    (within 10% of alone) and meets its SLO; A gets the rest. B's p99 is NOT within 10% of B
-    alone: every batch A fills takes 24 ms where B alone ran 8-10 ms ones (see the report)."""
+    (within 10% of alone) and meets its SLO; A gets the rest of the device in full batches. B's
+    p99 is NOT within 10% of B alone: every batch A fills takes 24 ms where B alone ran 8-10 ms
+    ones (see benchmarks/README.md)."""
     alone = summary([TenantLoad("B", CAPACITY / 4, (16, 16), SLO_S)]).groups[("B", STD)]
     mixed = summary([TenantLoad("A", 5 * CAPACITY / 2, (16, 16), SLO_S),
                      TenantLoad("B", CAPACITY / 4, (16, 16), SLO_S)])
@@ -168,10 +169,10 @@ def test_noisy_neighbour_leaves_the_quiet_tenant_its_success_rate():
     assert quiet.latency_p99_s <= SLO_S
     assert quiet.latency_p99_s <= 2.5 * alone.latency_p99_s
     assert mixed.busy_ratio >= 0.95
-    # KNOWN WEAKNESS: A's admission does not foresee B's later arrivals going ahead of it, so A's
-    # items reach the device with little slack and batches are cut short: ~70% of capacity is goodput
+    # A's admission counts B's later requests going first (waits.jump_rate), so A's admitted
+    # requests meet their deadlines and batches stay nearly full.
     total = quiet.goodput_items_per_s + mixed.groups[("A", STD)].goodput_items_per_s
-    assert total >= 0.65 * CAPACITY
+    assert total >= 0.9 * CAPACITY
 
 
 def test_priority_mix_batch_class_uses_the_remaining_capacity():

@@ -3,6 +3,7 @@
     sluice bench --rate 500 --duration 10
     sluice bench --rates 200,400,800,1200,1600 --slo-ms 100 --out sweep.json
     sluice bench --self-test --rate 2700          # how fast can this machine send?
+    sluice bench --scenario noisy-neighbour       # a named multi-tenant scenario on its own server
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import click
 # imports this module.
 
 _ENDPOINTS = ("kserve", "embeddings")
+_SCENARIOS = ("overload", "noisy-neighbour", "priority-mix", "weights")  # sluice.bench.scenarios.SCENARIOS
 
 
 @click.command()
@@ -53,18 +55,35 @@ _ENDPOINTS = ("kserve", "embeddings")
                    "open-loop at --rate/--rates if given.")
 @click.option("--concurrency", type=click.IntRange(1), default=64, show_default=True,
               help="Connections for the --self-test closed loop.")
+@click.option("--scenario", type=click.Choice(_SCENARIOS), default=None,
+              help="Run a named multi-tenant scenario on a server it starts itself (ignores --url, "
+                   "--endpoint, --model, --rate/--rates); see benchmarks/README.md.")
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True,
+              help="For --scenario: the emulated device's slow-down against the demo model "
+                   "(alpha, beta and the SLO times this).")
 def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | None, rates: str | None,
           duration_s: float, warmup_s: float, timeout_ms: float | None, slo_ms: float, out_path: Path | None,
           plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int, max_lag_ms: float,
-          self_test: bool, concurrency: int) -> None:
+          self_test: bool, concurrency: int, scenario: str | None, scale: float) -> None:
     """Open-loop load generator: offer Poisson load to a running server and report what it sustained."""
-    rates_per_s = _parse_rates(rate, rates, required=not self_test)
     from rich.console import Console
 
+    console = Console()
+    if scenario is not None:
+        from sluice.bench import scenario_run
+        from sluice.bench.scenarios import SCENARIOS
+
+        config = scenario_run.ScenarioConfig(SCENARIOS[scenario], scenario_run.Device(scale), duration_s, warmup_s,
+                                             seed, max_connections)
+        try:
+            scenario_run.run(config, console, out_path, plot_path)
+        except scenario_run.ScenarioError as exc:
+            raise click.ClickException(str(exc)) from exc
+        return
+    rates_per_s = _parse_rates(rate, rates, required=not self_test)
     from sluice.bench import runner
     from sluice.bench.workloads import Endpoint
 
-    console = Console()
     if self_test:
         runner.self_test(console, concurrency, duration_s, rates_per_s, out_path, max_lag_ms)
         return

@@ -24,7 +24,7 @@ import gc
 import math
 import time
 from array import array
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -72,11 +72,18 @@ class LoadConfig:
 
 
 class LoadGenerator:
-    """Sends a workload over one shared aiohttp session. One run at a time."""
+    """Sends one or more workloads over one shared aiohttp session. One run at a time.
 
-    def __init__(self, session: aiohttp.ClientSession, workload: Workload) -> None:
+    With several workloads (streams), each has its own Poisson arrivals at its own rate; the
+    schedules are merged into one, so a single dispatcher sends them all on time.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, workload: Workload | Sequence[Workload]) -> None:
         self._session = session
-        self._workload = workload
+        self._workloads = (workload,) if isinstance(workload, Workload) else tuple(workload)
+        if not self._workloads:
+            raise ValueError("a load generator needs at least one workload")
+        self._stream = array("B")
         self._sent = array("d")
         self._done = array("d")
         self._status = array("h")
@@ -89,20 +96,27 @@ class LoadGenerator:
 
     async def run(self, config: LoadConfig, snapshot: Snapshotter | None = None,
                   progress: ProgressCallback | None = None) -> RunSamples:
-        rng = np.random.default_rng(config.seed)
-        warmup = np.empty(0)
-        if config.warmup_s > 0:
-            warmup = poisson_schedule(config.rate_per_s, config.warmup_s, rng)
-        measured = poisson_schedule(config.rate_per_s, config.duration_s, rng)
-        schedule = np.concatenate([warmup, measured + config.warmup_s])
-        num_warmup = len(warmup)
-        self._reset(len(schedule))
+        """The first workload alone at `config.rate_per_s`."""
+        (samples,) = await self.run_streams((config.rate_per_s,), config, snapshot, progress)
+        return samples
+
+    async def run_streams(self, rates_per_s: Sequence[float], config: LoadConfig,
+                          snapshot: Snapshotter | None = None, progress: ProgressCallback | None = None,
+                          ) -> list[RunSamples]:
+        """Workload i at `rates_per_s[i]` (a rate of 0 sends nothing), all at once; one result per stream.
+
+        `config.rate_per_s` is ignored; its duration, warm-up and seed apply to every stream.
+        """
+        if len(rates_per_s) > len(self._workloads):
+            raise ValueError(f"{len(rates_per_s)} rates for {len(self._workloads)} workloads")
+        offsets, streams, num_warmup, measured = _merged_schedule(rates_per_s, config)
+        self._reset(len(offsets), streams)
 
         tasks: set[asyncio.Task[Any]] = set()
         with _frozen_heap():
             cpu_start_s, wall_start_s = time.process_time(), time.perf_counter()
             start_s = wall_start_s + _START_DELAY_S
-            send_at = array("d", (schedule + start_s).tolist())
+            send_at = array("d", (offsets + start_s).tolist())
             try:
                 before_task = await self._dispatch(send_at, num_warmup, tasks, snapshot, progress)
                 await self._drain(tasks, progress)
@@ -116,20 +130,27 @@ class LoadGenerator:
 
         measure_start_s = start_s + config.warmup_s
         connector = self._session.connector
-        sent = np.frombuffer(self._sent, dtype=np.float64)[num_warmup:].copy()
-        done = np.frombuffer(self._done, dtype=np.float64)[num_warmup:].copy()
-        return RunSamples(
-            rate_per_s=config.rate_per_s, duration_s=config.duration_s, scheduled_s=measured,
-            sent_s=sent - measure_start_s, latency_s=done - sent,
-            status=np.frombuffer(self._status, dtype=np.int16)[num_warmup:].copy(),
-            has_retry_after=np.frombuffer(self._retry_after, dtype=np.int8)[num_warmup:].astype(bool),
-            server=server,
-            peak_in_flight=self._peak_in_flight, max_connections=0 if connector is None else connector.limit,
-            generator_cpu_cores=cpu_cores,
-        )
+        in_stream = np.frombuffer(self._stream, dtype=np.uint8)[num_warmup:]
+        sent = np.frombuffer(self._sent, dtype=np.float64)[num_warmup:]
+        done = np.frombuffer(self._done, dtype=np.float64)[num_warmup:]
+        status = np.frombuffer(self._status, dtype=np.int16)[num_warmup:]
+        retry_after = np.frombuffer(self._retry_after, dtype=np.int8)[num_warmup:]
+        results = []
+        for stream, rate_per_s in enumerate(rates_per_s):
+            mine = in_stream == stream
+            results.append(RunSamples(
+                rate_per_s=rate_per_s, duration_s=config.duration_s, scheduled_s=measured[stream],
+                sent_s=sent[mine] - measure_start_s, latency_s=done[mine] - sent[mine],
+                status=status[mine].copy(), has_retry_after=retry_after[mine].astype(bool),
+                server=server,
+                peak_in_flight=self._peak_in_flight, max_connections=0 if connector is None else connector.limit,
+                generator_cpu_cores=cpu_cores,
+            ))
+        return results
 
-    def _reset(self, num_requests: int) -> None:
+    def _reset(self, num_requests: int, streams: np.ndarray) -> None:
         # Flat typed arrays, not lists: the garbage collector never has to walk them.
+        self._stream = array("B", streams.astype(np.uint8).tobytes())
         self._sent = array("d", [math.nan]) * num_requests
         self._done = array("d", [math.nan]) * num_requests
         self._status = array("h", [TRANSPORT_ERROR]) * num_requests
@@ -185,7 +206,7 @@ class LoadGenerator:
         self._drained = None
 
     async def _send(self, index: int) -> None:
-        workload = self._workload
+        workload = self._workloads[self._stream[index]]
         body = workload.body(index)
         self._num_sent += 1
         in_flight = self._num_sent - self._num_done
@@ -204,6 +225,31 @@ class LoadGenerator:
         self._num_done += 1
         if self._drained is not None and self._num_done == len(self._done):
             self._drained.set()
+
+
+def _merged_schedule(rates_per_s: Sequence[float], config: LoadConfig,
+                     ) -> tuple[np.ndarray, np.ndarray, int, list[np.ndarray]]:
+    """Every stream's arrivals in one sorted schedule.
+
+    Returns (send offsets, stream of each send, number of warm-up sends, each stream's measured
+    offsets). Warm-up sends all come before measured ones. Stream 0 draws from `seed` itself, so
+    a single stream has the same schedule as before streams existed; stream i from (seed, i).
+    """
+    if len(rates_per_s) > 255 or any(r < 0 for r in rates_per_s) or not any(r > 0 for r in rates_per_s):
+        raise ValueError(f"need 1-255 streams with non-negative rates, some positive: {list(rates_per_s)}")
+    warmups, measured = [], []
+    for stream, rate_per_s in enumerate(rates_per_s):
+        rng = np.random.default_rng(config.seed if stream == 0 else [config.seed, stream])
+        warmup = np.empty(0)
+        if config.warmup_s > 0 and rate_per_s > 0:
+            warmup = poisson_schedule(rate_per_s, config.warmup_s, rng)
+        warmups.append(warmup)
+        measured.append(poisson_schedule(rate_per_s, config.duration_s, rng) if rate_per_s > 0 else np.empty(0))
+    offsets = np.concatenate([*warmups, *(m + config.warmup_s for m in measured)])
+    streams = np.concatenate([np.full(len(part), i % len(rates_per_s), dtype=np.uint8)
+                              for i, part in enumerate((*warmups, *measured))])
+    order = np.argsort(offsets, kind="stable")
+    return offsets[order], streams[order], sum(len(w) for w in warmups), measured
 
 
 def _spawn(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], tasks: set[asyncio.Task[Any]],

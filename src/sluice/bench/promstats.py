@@ -6,7 +6,11 @@ request has finished; the difference gives the server's view of the run:
     mean batch size = Δ sluice_batch_size_sum / Δ sluice_batch_size_count   (summed over label sets)
     busy ratio      = Δ Σ_workers sluice_device_busy_seconds_total / (wall seconds * number of workers)
 
-where the number of workers is the number of distinct `worker` labels on the busy counter.
+where the number of workers is the number of distinct `worker` labels on the busy counter, and
+
+    device share of tenant t = Δ sluice_tenant_device_seconds_total{tenant=t} / Σ_tenants of the same
+
+(summed over classes).
 Parsing is pure (`parse_snapshot`, `server_delta`); only `scrape` does I/O.
 """
 
@@ -20,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _BATCH_SIZE = "sluice_batch_size"
 _DEVICE_BUSY = "sluice_device_busy_seconds"
+_TENANT_DEVICE = "sluice_tenant_device_seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,7 @@ class ServerSnapshot:
     batch_size_sum: float
     batch_size_count: float
     busy_s_by_worker: dict[str, float] = field(default_factory=dict)
+    device_s_by_tenant: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,13 @@ class ServerStats:
     mean_batch_size: float | None
     num_workers: int
     busy_ratio: float | None
+    device_s_by_tenant: dict[str, float] = field(default_factory=dict)
+    """Device seconds each tenant's requests used in the window (all classes)."""
+
+    def device_shares(self) -> dict[str, float]:
+        """Each tenant's fraction of the device time that tenants used in the window."""
+        total = sum(self.device_s_by_tenant.values())
+        return {t: s / total for t, s in self.device_s_by_tenant.items()} if total > 0 else {}
 
 
 def parse_snapshot(text: str, taken_at_s: float, model: str | None = None) -> ServerSnapshot:
@@ -52,6 +65,7 @@ def parse_snapshot(text: str, taken_at_s: float, model: str | None = None) -> Se
     batch_sum = 0.0
     batch_count = 0.0
     busy: dict[str, float] = {}
+    tenants: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name == _BATCH_SIZE:
             for sample in family.samples:
@@ -66,7 +80,12 @@ def parse_snapshot(text: str, taken_at_s: float, model: str | None = None) -> Se
                 if sample.name == _DEVICE_BUSY + "_total":
                     worker = sample.labels.get("worker", "")
                     busy[worker] = busy.get(worker, 0.0) + sample.value
-    return ServerSnapshot(taken_at_s, batch_sum, batch_count, busy)
+        elif family.name == _TENANT_DEVICE:
+            for sample in family.samples:
+                if sample.name == _TENANT_DEVICE + "_total":
+                    tenant = sample.labels.get("tenant", "")
+                    tenants[tenant] = tenants.get(tenant, 0.0) + sample.value
+    return ServerSnapshot(taken_at_s, batch_sum, batch_count, busy, tenants)
 
 
 def server_delta(before: ServerSnapshot, after: ServerSnapshot) -> ServerStats:
@@ -80,7 +99,9 @@ def server_delta(before: ServerSnapshot, after: ServerSnapshot) -> ServerStats:
     # A worker that appears only afterwards (a restart under a new id) started from zero.
     busy_s = sum(after.busy_s_by_worker.get(w, 0.0) - before.busy_s_by_worker.get(w, 0.0) for w in workers)
     busy_ratio = busy_s / (wall_s * len(workers)) if workers else None
-    return ServerStats(wall_s, num_batches, mean_batch_size, len(workers), busy_ratio)
+    tenants = {t: after.device_s_by_tenant[t] - before.device_s_by_tenant.get(t, 0.0)
+               for t in after.device_s_by_tenant}
+    return ServerStats(wall_s, num_batches, mean_batch_size, len(workers), busy_ratio, tenants)
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str, model: str | None = None,

@@ -17,6 +17,7 @@ Sentences are built in code from a few word lists, so runs need no downloads and
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -126,10 +127,14 @@ def _template(doc: dict[str, Any], marker: str) -> BodyTemplate:
 
 
 def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int, timeout_ms: float | None,
-                   spec: InputSpec | None = None, seed: int = 0) -> Workload:
-    """The workload for one endpoint. KServe needs the model's `spec` (see `input_spec_from_metadata`)."""
+                   spec: InputSpec | None = None, seed: int = 0,
+                   extra_headers: Mapping[str, str] | None = None) -> Workload:
+    """The workload for one endpoint. KServe needs the model's `spec` (see `input_spec_from_metadata`).
+
+    `extra_headers` go on every request (an API key, a priority class).
+    """
     base_url = base_url.rstrip("/")
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     if timeout_ms is not None:
         if timeout_ms <= 0:
             raise ValueError(f"timeout must be positive, got {timeout_ms} ms")

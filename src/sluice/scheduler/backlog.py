@@ -190,8 +190,15 @@ class Backlog:
                 self._expire(self._take(queue, bucket, flow), expired)
                 continue
             padded = (len(members) + 1) * max(longest, candidate.cost)
-            if padded > limits.max_batch_cost or now + profile.predict(padded) > min(earliest, candidate.deadline):
+            finish = now + profile.predict(padded)
+            if padded > limits.max_batch_cost or finish > earliest:
                 flows.remove(flow)
+                continue
+            if finish > candidate.deadline:
+                # Too late in a batch one larger than this one, so in any later batch too (each
+                # costs alpha again): it is lost either way, and keeping the batch small to spare
+                # it would cost every item behind it. Expire it; its flow's next item may fit.
+                self._expire(self._take(queue, bucket, flow), expired)
                 continue
             members.append(self._take(queue, bucket, flow))
             longest, earliest = max(longest, candidate.cost), min(earliest, candidate.deadline)

@@ -53,7 +53,7 @@ from sluice.scheduler.backlog import Backlog, Batch, ModelKey
 from sluice.scheduler.fair import DEFAULT_MIN_CLASS_SHARES, ClassShares, FairShare, TenantStats
 from sluice.scheduler.model_queue import ModelQueue, WorkItem
 from sluice.scheduler.profile import LatencyProfile
-from sluice.scheduler.waits import ClassWait, TenantWait, WaitReport, fair_excess_s
+from sluice.scheduler.waits import ClassWait, DemandRates, TenantWait, WaitReport, fair_excess_s, jump_rate
 
 __all__ = ["Admitted", "Batch", "ClassWait", "Decision", "ModelKey", "RejectReason", "Rejected", "Scheduler",
            "TenantStats", "TenantWait", "WaitReport", "WorkItem"]
@@ -101,6 +101,7 @@ class Scheduler:
         self._drain_rate = 1.0
         self._last_done_at: float | None = None
         self._was_backlogged = False
+        self._demand = DemandRates()
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -163,12 +164,14 @@ class Scheduler:
             return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * self._fair.queued_s(priority, tenant)))
         works_s = [queue.item_work_s(cost) for cost in costs]
         skipped_s = self._skipped_s(priority, tenant, sum(works_s))
-        finish = now + self._wait_s(now, estimate.replaced_room_s, skipped_s) + estimate.own_s
+        finish = now + self._finish_s(now, estimate.replaced_room_s, skipped_s, estimate.own_s,
+                                      self._jump_rate(now, priority, tenant, sum(works_s)))
         if finish > deadline:
             return Rejected(RejectReason.OVERLOADED, max(finish - deadline, 0.001))
         items = tuple(WorkItem(request_id, i, cost, deadline, now, tenant=tenant, priority=priority, work_s=work_s)
                       for i, (cost, work_s) in enumerate(zip(costs, works_s, strict=True)))
         self._backlog.push(key, request_id, items)
+        self._demand.add(priority, tenant, sum(works_s), now)
         return Admitted(items)
 
     def cancel(self, request_id: int) -> int:
@@ -238,13 +241,16 @@ class Scheduler:
         classes = []
         for priority in Priority:
             weight = sum(self._fair.weight(t) for t in self._fair.queued_by_tenant(priority))
-            classes.append(ClassWait(priority, self._wait_s(now, 0.0, self._skipped_s(priority, None, 0.0)), weight))
+            wait_s = self._finish_s(now, 0.0, self._skipped_s(priority, None, 0.0), 0.0,
+                                    self._jump_rate(now, priority, None, 0.0))
+            classes.append(ClassWait(priority, wait_s, weight))
         tenants = []
         for stats in self._fair.stats():
             if stats.num_queued:
                 skipped_s = self._skipped_s(stats.priority, stats.tenant, 0.0)
-                tenants.append(TenantWait(stats.tenant, stats.priority, stats.num_queued,
-                                          self._wait_s(now, 0.0, skipped_s)))
+                jump = self._jump_rate(now, stats.priority, stats.tenant, 0.0)
+                wait_s = self._finish_s(now, 0.0, skipped_s, 0.0, jump)
+                tenants.append(TenantWait(stats.tenant, stats.priority, stats.num_queued, wait_s))
         return WaitReport(tuple(classes), tuple(tenants))
 
     @property
@@ -277,6 +283,24 @@ class Scheduler:
         weight = self._fair.weight(tenant) if tenant is not None else self._fair.default_weight
         others = [(work_s, self._fair.weight(name)) for name, work_s in queued.items()]
         return lower_s + fair_excess_s(own_s, weight, others)
+
+    def _jump_rate(self, now: float, priority: Priority, tenant: str | None, own_work_s: float) -> float:
+        """The device fraction later arrivals will take ahead of `tenant`'s queued work and
+        `own_work_s` more (see `waits.jump_rate`)."""
+        higher_s = sum(self._demand.class_rate(p, now) for p in Priority if p < priority)
+        queued = self._fair.queued_by_tenant(priority)
+        own_s = own_work_s + (queued.pop(tenant, 0.0) if tenant is not None else 0.0)
+        weight = self._fair.weight(tenant) if tenant is not None else self._fair.default_weight
+        others = {name: (queued.get(name, 0.0), self._fair.weight(name), rate)
+                  for name, rate in self._demand.rates(priority, now).items() if name != tenant}
+        return jump_rate(higher_s, own_s, weight, others)
+
+    def _finish_s(self, now: float, replaced_room_s: float, skipped_s: float, own_s: float, jump: float) -> float:
+        """Seconds from now until `own_s` more work would be done (`_wait_s` ahead of it), with
+        everything after the running batch stretched by later arrivals taking `jump` of the device."""
+        running_s = self._running_left_s(now)
+        queued_s = self._wait_s(now, replaced_room_s, skipped_s) - running_s
+        return running_s + (queued_s + own_s) / (1.0 - jump)
 
     def _wait_s(self, now: float, replaced_room_s: float, skipped_s: float = 0.0) -> float:
         """Wall seconds before a request joining buckets whose fill room is `replaced_room_s` would
