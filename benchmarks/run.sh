@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces every number in benchmarks/README.md on this machine (2 cores, no GPU).
 # Each step starts its own server, runs `sluice bench` against it, and stops it.
-# Usage: benchmarks/run.sh [step...]   steps: selftest emulated lowload overload minilm (default: all)
+# Usage: benchmarks/run.sh [step...]   steps: selftest emulated lowload overload minilm scenarios (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
@@ -61,6 +61,12 @@ step_minilm_nobatch() {
   stop
 }
 
+step_scenarios() {  # issue 3: each scenario starts its own server (emulated device x3, tenants file, keys)
+  for scenario in overload noisy-neighbour priority-mix weights; do
+    "$sluice" bench --scenario "$scenario" --duration 20 --warmup 3 --out "$out/scenario-$scenario.json"
+  done
+}
+
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(selftest emulated lowload overload minilm)
+[ ${#steps[@]} -eq 0 ] && steps=(selftest emulated lowload overload minilm scenarios)
 for step in "${steps[@]}"; do "step_$step"; done

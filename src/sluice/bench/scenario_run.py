@@ -9,10 +9,10 @@
 
 The scenario starts its own server so that it is reproducible from one command, with tenants
 and keys that match. Its device is the demo `emulated` model slowed down by `scale` (alpha,
-beta and the SLO all multiplied): at scale 1 the device serves 1,333 requests/s, and 3x
+beta and the deadline all multiplied): at scale 1 the device serves 1,333 requests/s, and 3x
 capacity (4,000 requests/s) is more than one 2-core machine can both send and serve; at the
-default scale 3 it is 444 requests/s with a 270 ms SLO. The scheduling problem is the same at any
-scale; only the HTTP work per second shrinks.
+default scale 3 it serves 444 requests/s, with a 270 ms deadline and a 300 ms p99 target at the
+client. The scheduling problem is the same at any scale; only the HTTP work per second shrinks.
 """
 
 from __future__ import annotations
@@ -71,8 +71,15 @@ class Device:
         return 0.5 * self.scale
 
     @property
-    def slo_ms(self) -> float:
+    def deadline_ms(self) -> float:
+        """The model's default SLO: the server's deadline for each request."""
         return 90.0 * self.scale
+
+    @property
+    def slo_ms(self) -> float:
+        """The latency target at the client: the deadline plus room for the HTTP path (as the
+        demo model's 90 ms deadline sits under issue 2's 100 ms p99 target)."""
+        return 100.0 * self.scale
 
     @property
     def capacity_per_s(self) -> float:
@@ -109,7 +116,8 @@ async def _run(config: ScenarioConfig, console: Console,
     scenario, device = config.scenario, config.device
     console.print(f"scenario {scenario.name}: {scenario.summary}")
     console.print(f"device: emulated x{device.scale:g} (batch of 32 in {device.alpha_ms + 32 * device.beta_ms:g} ms, "
-                  f"capacity {device.capacity_per_s:.0f} req/s), SLO {device.slo_ms:g} ms")
+                  f"capacity {device.capacity_per_s:.0f} req/s), deadline {device.deadline_ms:g} ms, "
+                  f"p99 target {device.slo_ms:g} ms")
     phases: dict[str, PhaseResult] = {}
     samples: dict[str, dict[str, RunSamples]] = {}
     with tempfile.TemporaryDirectory(prefix="sluice-scenario-") as folder:
@@ -140,7 +148,7 @@ def write_setup(folder: Path, scenario: Scenario, device: Device) -> dict[str, s
     (version / "SHA256SUMS").write_text("")
     (folder / "models" / MODEL / "model.toml").write_text(
         f'kind = "emulated"\nplatform = "sluice_emulated"\n\n[batching]\nmax_batch_size = {device.max_batch_size}\n'
-        f"max_batch_cost = 8192\n\n[slo]\ndefault_ms = {device.slo_ms:g}\n\n[params]\n"
+        f"max_batch_cost = 8192\n\n[slo]\ndefault_ms = {device.deadline_ms:g}\n\n[params]\n"
         f"alpha_ms = {device.alpha_ms:g}\nbeta_ms = {device.beta_ms:g}\nref_len = 16\n")
     keys = {t.name: new_key() for t in scenario.tenants}
     lines = []
@@ -194,7 +202,7 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str, process: asyncio
 
 def _workload(url: str, key: str, scenario: Scenario, device: Device, tenant: str, seed: int) -> Workload:
     spec = scenario.tenant(tenant)
-    timeout_ms = None if spec.timeout_slos is None else spec.timeout_slos * device.slo_ms
+    timeout_ms = None if spec.timeout_slos is None else spec.timeout_slos * device.deadline_ms
     return build_workload(Endpoint.KSERVE, url, MODEL, INPUT_LEN, timeout_ms, InputSpec("INPUT0", "FP32"),
                           seed=seed, extra_headers={"Authorization": f"Bearer {key}"})
 
@@ -220,7 +228,7 @@ def result_document(config: ScenarioConfig, measured: Measured, checks: Sequence
                      "timeout_slos": t.timeout_slos} for t in scenario.tenants],
         "device": {"scale": device.scale, "alpha_ms": device.alpha_ms, "beta_ms": device.beta_ms,
                    "max_batch_size": device.max_batch_size, "capacity_per_s": device.capacity_per_s,
-                   "slo_ms": device.slo_ms},
+                   "deadline_ms": device.deadline_ms, "slo_ms": device.slo_ms},
         "duration_s": config.duration_s, "warmup_s": config.warmup_s, "seed": config.seed,
         "phases": phases,
         "checks": [msgspec.to_builtins(c) for c in checks],
@@ -303,7 +311,7 @@ def plot(path: Path, config: ScenarioConfig, measured: Measured, samples: dict[s
     x = np.arange(len(labels))
     latency_ax.bar(x, p99s, color=bar_colours, alpha=0.5, label="p99")
     latency_ax.bar(x, p50s, color=bar_colours, label="p50")
-    latency_ax.axhline(measured.slo_ms, color="red", linestyle="--", label=f"SLO {measured.slo_ms:g} ms")
+    latency_ax.axhline(measured.slo_ms, color="red", linestyle="--", label=f"p99 target {measured.slo_ms:g} ms")
     latency_ax.set_xticks(x, labels, fontsize=8)
     latency_ax.set_ylabel("latency of successful requests (ms)")
     latency_ax.legend(loc="upper left", fontsize=8)

@@ -31,7 +31,7 @@ class TenantSpec:
     weight: float = 1.0
     priority: Priority = Priority.STANDARD
     timeout_slos: float | None = None
-    """Deadline sent with each request, in multiples of the model's SLO; None: the model's SLO."""
+    """Deadline sent with each request, in multiples of the model's default; None: that default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,7 @@ class Measured:
     phases: dict[str, PhaseResult]
     capacity_per_s: float
     slo_ms: float
+    """The p99 latency target at the client."""
 
 
 @dataclass(frozen=True, slots=True)
