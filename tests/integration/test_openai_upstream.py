@@ -153,6 +153,9 @@ def test_max_concurrency_one_runs_calls_one_at_a_time(front, upstream, via_front
     for (_, end), (next_start, _) in itertools.pairwise(spans):
         assert next_start >= end, f"two upstream calls overlapped: {spans}"
     assert observed and max(observed) <= 1
+    exported = httpx.get(f"{front.url}/metrics").text  # the front reports the upstream's load as an engine does
+    assert 'vllm:num_requests_running{model_name="proxy"}' in exported
+    assert 'vllm:num_requests_waiting{model_name="proxy"}' in exported
 
 
 def test_a_client_that_disconnects_closes_the_upstream_stream(via_front, upstream):
