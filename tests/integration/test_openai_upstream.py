@@ -185,3 +185,18 @@ def test_tenancy_applies_in_front_of_an_upstream_that_needs_no_key(front):
     with (openai.OpenAI(base_url=f"{front.url}/v1", api_key="sk-wrong", max_retries=0) as sdk,
           pytest.raises(openai.AuthenticationError)):
         sdk.completions.create(model="proxy", prompt="hello", max_tokens=4)
+
+
+def test_a_deadline_that_passes_mid_generation_is_504_and_stops_the_upstream(front, upstream):
+    response = httpx.post(f"{front.url}/v1/completions",
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Timeout-Ms": "400"},
+                          json={"model": "proxy", "prompt": "Go on", "max_tokens": 900, "ignore_eos": True},
+                          timeout=30)
+    assert response.status_code == 504, response.text
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if re.search(rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
+                     httpx.get(f"{upstream.url}/metrics").text):
+            return
+        time.sleep(0.25)
+    pytest.fail("the upstream kept generating past the request's deadline")
