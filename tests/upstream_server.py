@@ -13,15 +13,23 @@ attributes (the test owns the object, no admin endpoint needed):
 - per item: a text `status:NNN` or a row whose first value is `-NNN` always answers NNN.
 
 It counts requests and the most that were ever in flight at once.
+
+    POST /v1/completions, /v1/chat/completions  -> an OpenAI SSE stream, for `openai-upstream`
+
+plays the next entry of `sse_plans` (a `SsePlan`; when none is left, `SsePlan()`): an HTTP error
+status with OpenAI's error envelope, or text deltas, then (unless `is_broken`) a finish_reason, a
+usage chunk and `[DONE]`. The last request's body and headers are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 import socket
 import threading
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import numpy as np
@@ -37,6 +45,16 @@ def expected_text_output(text: str) -> list[float]:
     return [float(v) for v in vector / np.linalg.norm(vector)]
 
 
+@dataclass
+class SsePlan:
+    deltas: list[str] = field(default_factory=lambda: ["Hello", " world"])
+    status: int = 200
+    error_param: str | None = None
+    is_broken: bool = False  # the stream stops after the deltas: no finish_reason, no [DONE]
+    usage: dict[str, object] = field(default_factory=lambda: {
+        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}})
+
+
 class UpstreamServer:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
@@ -44,6 +62,9 @@ class UpstreamServer:
         self.slow_next = 0
         self.slow_s = 1.0
         self.fail_rate = 0.0
+        self.sse_plans: list[SsePlan] = []
+        self.last_body: dict[str, object] = {}
+        self.last_headers: dict[str, str] = {}
         self.fail_status = 503
         self.num_requests = 0
         self.num_in_flight = 0
@@ -76,6 +97,8 @@ class UpstreamServer:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_post("/infer", self._infer)
+        app.router.add_post("/v1/completions", self._sse)
+        app.router.add_post("/v1/chat/completions", self._sse)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -110,6 +133,34 @@ class UpstreamServer:
         if isinstance(item, list) and all(isinstance(v, int | float) for v in item):
             return web.json_response({"output": float(sum(item))})
         return web.json_response({"error": "input must be a string or a list of numbers"}, status=400)
+
+
+    async def _sse(self, request: web.Request) -> web.StreamResponse:
+        self.num_requests += 1
+        self.last_body = await request.json()
+        self.last_headers = dict(request.headers)
+        plan = self.sse_plans.pop(0) if self.sse_plans else SsePlan()
+        if plan.status != 200:
+            error = {"message": f"injected {plan.status}", "type": "invalid_request_error",
+                     "param": plan.error_param, "code": None}
+            return web.json_response({"error": error}, status=plan.status)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        is_chat = request.path.endswith("/chat/completions")
+        for text in plan.deltas:
+            choice = {"index": 0, "delta": {"content": text}} if is_chat else {"index": 0, "text": text}
+            await response.write(_event({"choices": [{**choice, "finish_reason": None}], "usage": None}))
+        if plan.is_broken:
+            return response
+        end = {"index": 0, "delta": {}} if is_chat else {"index": 0, "text": ""}
+        await response.write(_event({"choices": [{**end, "finish_reason": "stop"}], "usage": None}))
+        await response.write(_event({"choices": [], "usage": plan.usage}))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+def _event(content: object) -> bytes:
+    return b"data: " + json.dumps(content).encode() + b"\n\n"
 
 
 def _injected_status(item: object) -> int | None:

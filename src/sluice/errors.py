@@ -4,7 +4,8 @@
      ├── ConfigError             configuration or model repository is invalid
      ├── InvalidInput            the client sent something malformed            -> 400
      │    ├── PayloadTooLarge    request body over the limit                     -> 413
-     │    └── ItemFailed         an input item was rejected by the model         -> 422
+     │    ├── ItemFailed         an input item was rejected by the model         -> 422
+     │    └── UpstreamRefused    an upstream server refused the request          -> its 4xx
      ├── Unauthenticated         no API key, or one that matches no tenant       -> 401
      ├── PermissionDenied        the tenant may not use this model or route      -> 403
      ├── NotFound                no such route or resource                       -> 404
@@ -53,6 +54,15 @@ class PayloadTooLarge(InvalidInput):
 
 class ItemFailed(InvalidInput):
     """One input item could not be processed by the model (the rest of its batch still ran)."""
+
+
+class UpstreamRefused(InvalidInput):
+    """An upstream server (`openai-upstream`) refused the client's request with a 4xx; the client
+    sees that status and the upstream's message, as if it had asked the upstream itself."""
+
+    def __init__(self, message: str, status: int, param: str | None = None) -> None:
+        super().__init__(message, param)
+        self.status = status
 
 
 class Unauthenticated(SluiceError):

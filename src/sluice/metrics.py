@@ -253,6 +253,11 @@ class WorkerMetrics:
     def busy_ratio(self, ratio: float) -> None:
         self._busy_ratio.set(ratio)
 
+    def upstream(self, model: str, num_running: int, num_waiting: int) -> None:
+        """An `openai-upstream` model's load: calls in flight to its server, calls waiting here."""
+        SEQUENCES_RUNNING.labels(model).set(num_running)
+        SEQUENCES_WAITING.labels(model).set(num_waiting)
+
     def engine(self, model: str, stats: EngineCounts, previous: EngineCounts | None) -> None:
         """A generative engine's state; counters advance by the change since `previous`."""
         SEQUENCES_RUNNING.labels(model).set(stats.num_running)

@@ -25,8 +25,8 @@ from typing import Any
 from sluice.errors import ConfigError
 
 MANIFEST = "SHA256SUMS"
-RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative")
-WEIGHTLESS_KINDS = ("http-single",)
+RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative", "openai-upstream")
+WEIGHTLESS_KINDS = ("http-single", "openai-upstream")
 """Runner kinds that load no files: a version folder without a SHA256SUMS manifest is fine."""
 
 
@@ -52,6 +52,8 @@ class ModelVersion:
     params: Mapping[str, Any] = field(default_factory=dict)
     generator: str | None = None
     """Weights that sluice generates on first use (the demo `tiny-lm`), into `weights_dir`."""
+    upstream: Mapping[str, Any] = field(default_factory=dict)
+    """`[upstream]`: the server an `openai-upstream` model forwards to."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -192,6 +194,7 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
         manifest_path=version_dir / MANIFEST,
         params=dict(config.get("params", {})),
         generator=config.get("weights", {}).get("generate"),
+        upstream=dict(config.get("upstream", {})),
     )
 
 

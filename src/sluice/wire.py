@@ -134,6 +134,9 @@ class ItemError(msgspec.Struct, frozen=True):
     index: int
     message: str
     is_transient: bool = False  # the device failed, not the input: 503, not 422
+    upstream_status: int = 0
+    """An upstream server refused the request with this 4xx status (0: none): the client sees it."""
+    param: str | None = None  # the request field the upstream named, if any
 
 
 class Result(msgspec.Struct, tag="result"):
@@ -196,6 +199,20 @@ class WaitState(msgspec.Struct, frozen=True):
     tenant: str | None = None
 
 
+class UpstreamLoad(msgspec.Struct, frozen=True):
+    """An upstream server's load as this worker sees it: calls running there (at most
+    `max_running`), calls waiting here for a slot, and the predicted wait for a slot per class
+    (index = priority). `item_s` is what one more call adds to the wait."""
+
+    model: str
+    version: str
+    num_running: int
+    num_waiting: int
+    max_running: int
+    waits_s: list[float]
+    item_s: float
+
+
 class WorkerState(msgspec.Struct, tag="state"):
     worker_id: str
     incarnation: str  # differs each time the worker process starts
@@ -207,6 +224,7 @@ class WorkerState(msgspec.Struct, tag="state"):
     work_ahead_s: float  # all queued work on the device plus the running batch's remainder
     drain_rate: float  # estimated work retired per second while work waits (0..1)
     waits: list[WaitState] = []  # per class and per (tenant, class) with work queued
+    upstreams: list[UpstreamLoad] = []  # models served by an upstream server (not this device)
 
 
 Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState

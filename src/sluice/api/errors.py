@@ -31,6 +31,7 @@ from sluice.errors import (
     SluiceError,
     Unauthenticated,
     Unavailable,
+    UpstreamRefused,
     WorkerLost,
 )
 
@@ -46,6 +47,7 @@ class Status:
 _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (PayloadTooLarge, Status(413, "invalid_request_error", "payload_too_large")),
     (ItemFailed, Status(422, "invalid_request_error", "item_failed")),
+    (UpstreamRefused, Status(400, "invalid_request_error", "upstream_refused")),  # with the upstream's status
     (InvalidInput, Status(400, "invalid_request_error", "invalid_request")),
     (Unauthenticated, Status(401, "invalid_request_error", "invalid_api_key")),
     (PermissionDenied, Status(403, "invalid_request_error", "model_not_permitted")),
@@ -65,6 +67,8 @@ _INTERNAL = Status(500, "server_error", "internal_error")
 def status_of(error: Exception) -> Status:
     for kind, status in _TABLE:
         if isinstance(error, kind):
+            if isinstance(error, UpstreamRefused) and 400 <= error.status < 500:
+                return Status(error.status, status.type, status.code)
             return status
     return _INTERNAL
 

@@ -76,6 +76,10 @@ def load_runner(version: ModelVersion, device: str) -> Runner:
         from sluice.engines.generative.runner import GenerativeRunner
 
         return GenerativeRunner(version, device)  # type: ignore[return-value]  # not a one-shot Runner
+    if version.kind == "openai-upstream":
+        from sluice.engines.openai_upstream import OpenAIUpstreamRunner
+
+        return OpenAIUpstreamRunner(version, device)  # type: ignore[return-value]  # not a one-shot Runner
     if version.kind == "http-single":
         from sluice.engines.http_single import HttpSingleRunner
 

@@ -41,11 +41,11 @@ from sluice import wire
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import MonotonicClock
 from sluice.engines.base import ItemFailure, PreparedItem, rows_model_info, stack_rows
+from sluice.engines.retry import RETRYABLE_4XX, backoff_delay_s
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
-RETRYABLE_4XX = frozenset({408, 429})  # the upstream asks us to come back later; other 4xx are final
-
+__all__ = ["HttpSingleRunner", "UpstreamConfig", "backoff_delay_s", "parse_config", "upstream_prior"]
 
 @dataclass(frozen=True, slots=True)
 class UpstreamConfig:
@@ -114,11 +114,6 @@ def upstream_prior(latency_s: float, concurrency: int, max_batch_size: int) -> t
     if max_batch_size <= concurrency:
         return latency_s, 0.0, 1.0
     return latency_s * (concurrency - 1) / concurrency, latency_s / concurrency, 1.0
-
-
-def backoff_delay_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
-    """Full jitter: uniform in [0, min(cap, base * 2**(attempt - 1))] after failed attempt `attempt`."""
-    return rng.uniform(0.0, min(cap_s, base_s * 2 ** (attempt - 1)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,8 @@ class WorkerConnection:
         self.sent_work_since_state_s = 0.0
         self._state_generation = 0
         self._item_s: dict[tuple[str, str], float] = {}
+        self._upstreams: dict[tuple[str, str], wire.UpstreamLoad] = {}
+        self._sent_to_upstream: dict[tuple[str, str], int] = {}  # calls sent since the last report
         self._in_flight: dict[int, InFlight] = {}
         self._outbox: list[wire.Message] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -103,6 +105,9 @@ class WorkerConnection:
         if not self._send_now(message):
             return None
         work_s = self._item_s.get((message.model, message.version), 0.001) * _num_items(message.payload)
+        key = (message.model, message.version)
+        if key in self._upstreams:
+            self._sent_to_upstream[key] = self._sent_to_upstream.get(key, 0) + 1
         in_flight = InFlight(message, work_s=work_s, state_generation=self._state_generation)
         if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
             in_flight.chunks = asyncio.Queue()
@@ -115,6 +120,15 @@ class WorkerConnection:
         """Work ahead at the worker: its last report plus what we sent it since."""
         reported = self.state.work_ahead_s if self.state is not None else 0.0
         return reported + self.sent_work_since_state_s
+
+    def predicted_wait_for(self, model: str, version: str) -> float:
+        """Predicted wait for this model: the worker's device, or, for a model served by an
+        upstream server, a slot to it (its last report plus the calls we sent since)."""
+        load = self._upstreams.get((model, version))
+        if load is None:
+            return self.predicted_wait_s
+        num_sent = self._sent_to_upstream.get((model, version), 0)
+        return max(load.num_waiting + load.num_running + num_sent - load.max_running + 1, 0) * load.item_s
 
     def resolve_after(self, in_flight: InFlight, delay_s: float) -> asyncio.TimerHandle:
         """Resolve the request with None after `delay_s` unless the worker answers first."""
@@ -220,6 +234,8 @@ class WorkerConnection:
                 self.sent_work_since_state_s = 0.0
             self._state_generation += 1
             self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
+            self._upstreams = {(u.model, u.version): u for u in message.upstreams}
+            self._sent_to_upstream.clear()
 
     async def _hello_loop(self) -> None:
         """Introduce ourselves until the worker answers, and again whenever its reports stop."""

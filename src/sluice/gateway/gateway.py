@@ -28,6 +28,7 @@ from sluice.errors import (
     ModelNotReady,
     Overloaded,
     Unavailable,
+    UpstreamRefused,
     WorkerLost,
 )
 from sluice.gateway import router
@@ -176,7 +177,7 @@ class Gateway:
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         tenant, priority = self._class_of(caller or _LOCAL_CALLER)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        waits = [(predicted_wait_s(c.state, tenant, priority), c.state) for c in replicas
+        waits = [(predicted_wait_s(c.state, tenant, priority, info), c.state) for c in replicas
                  if c.is_ready and c.state is not None]
         if not waits:
             return
@@ -320,7 +321,8 @@ class Gateway:
 
     def _choose(self, info: wire.ModelInfo, ticket: _Ticket) -> WorkerConnection | None:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        candidates = [router.Candidate(c.worker_id, c.predicted_wait_s) for c in replicas if c.is_ready]
+        candidates = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
+                      for c in replicas if c.is_ready]
         by_id = {c.worker_id: c for c in replicas}
         chosen = router.choose(candidates, self._rng)
         if chosen is None:
@@ -329,7 +331,7 @@ class Gateway:
         state = connection.state
         # Reject here only on the worker's own report; what we sent since guides routing, and
         # the worker's admission stays the authority.
-        wait_s = predicted_wait_s(state, ticket.tenant, ticket.priority) if state is not None else 0.0
+        wait_s = predicted_wait_s(state, ticket.tenant, ticket.priority, info) if state is not None else 0.0
         if state is not None and wait_s > 0 and self._clock.now() + wait_s > ticket.deadline:
             excess = self._clock.now() + wait_s - ticket.deadline
             raise Overloaded("the work queued ahead would make this request miss its deadline",
@@ -460,17 +462,27 @@ def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
         case wire.Outcome.NOT_FOUND:
             raise ModelNotReady(result.message, retry_after_s=1.0)
         case _:
+            refused = next((e for e in result.errors if e.upstream_status), None)
+            if refused is not None:
+                raise UpstreamRefused(refused.message, refused.upstream_status, refused.param)
             errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
             if any(e.index < 0 for e in result.errors):
                 raise InvalidInput(errors or result.message)
             if result.errors and all(e.is_transient for e in result.errors):
-                raise Unavailable(f"the model's device failed: {errors}", retry_after_s=1.0)
+                raise Unavailable(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
             raise ItemFailed(errors or result.message)
 
 
-def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority) -> float:
+def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,
+                     model: wire.ModelInfo | None = None) -> float:
     """What the worker reported for this tenant's class: behind the tenant's own queued work if it
-    has some, else what a newcomer to the class waits (higher classes and the running batch)."""
+    has some, else what a newcomer to the class waits (higher classes and the running batch).
+    For a model served by an upstream server, the wait for a slot to that upstream instead."""
+    if model is not None and model.kind == "openai-upstream":
+        for load in state.upstreams:
+            if (load.model, load.version) == (model.name, model.version):
+                return load.waits_s[priority] if priority < len(load.waits_s) else load.waits_s[-1]
+        return 0.0
     newcomer: float | None = None
     for wait in state.waits:
         if wait.priority == priority:

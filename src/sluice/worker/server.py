@@ -27,6 +27,7 @@ from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, PreparedItem, Runner
 from sluice.engines.generative.engine import EngineStats, RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner
+from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
 from sluice.priority import Priority
@@ -35,6 +36,7 @@ from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectRe
 from sluice.scheduler.batcher import ModelKey
 from sluice.worker.device import DeviceThread
 from sluice.worker.generation import GenerationLoop
+from sluice.worker.upstream import UpstreamLoop
 
 log = logging.getLogger("sluice.worker")
 
@@ -45,7 +47,7 @@ STATE_INTERVAL_S = 0.05
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     version: ModelVersion
-    runner: Runner | GenerativeRunner
+    runner: Runner | GenerativeRunner | OpenAIUpstreamRunner
 
 
 @dataclass(slots=True)
@@ -87,8 +89,10 @@ class WorkerServer:
     ) -> None:
         self.worker_id = worker_id
         self._generators = {key: m.runner for key, m in models.items() if isinstance(m.runner, GenerativeRunner)}
+        self._upstreams = {key: m.runner for key, m in models.items() if isinstance(m.runner, OpenAIUpstreamRunner)}
         self._runners: dict[ModelKey, Runner] = {
-            key: m.runner for key, m in models.items() if not isinstance(m.runner, GenerativeRunner)}
+            key: m.runner for key, m in models.items()
+            if not isinstance(m.runner, GenerativeRunner | OpenAIUpstreamRunner)}
         self._infos = [model.runner.info for model in models.values()]
         self._refused = refused
         self._clock = clock
@@ -107,6 +111,7 @@ class WorkerServer:
         for generator in self._generators.values():
             generator.warmup()
         self._generation_loops: dict[ModelKey, GenerationLoop] = {}
+        self._upstream_loops: dict[ModelKey, UpstreamLoop] = {}
         self._generations: dict[int, _Generation] = {}
         self._pending: dict[int, _Pending] = {}
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
@@ -133,6 +138,10 @@ class WorkerServer:
                                     self._on_batch_done, asyncio.get_running_loop())
         self._generation_loops = {key: GenerationLoop(runner, self._on_generated, asyncio.get_running_loop())
                                   for key, runner in self._generators.items()}
+        self._upstream_loops = {key: UpstreamLoop(runner, self._reply, self._clock, self._check_drained)
+                                for key, runner in self._upstreams.items()}
+        for upstream in self._upstream_loops.values():
+            await upstream.start()
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
         receiver = asyncio.create_task(self._receive_loop())
         ticker = asyncio.create_task(self._state_loop())
@@ -147,6 +156,8 @@ class WorkerServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self._device.stop()
+            for upstream in self._upstream_loops.values():
+                await upstream.aclose()
             for generation_loop in self._generation_loops.values():
                 generation_loop.stop()
             for runner in [*self._runners.values(), *self._generators.values()]:
@@ -194,7 +205,8 @@ class WorkerServer:
         key = (message.model, message.version)
         runner = self._runners.get(key)
         generation_loop = self._generation_loops.get(key)
-        if runner is None and generation_loop is None:
+        upstream = self._upstream_loops.get(key)
+        if runner is None and generation_loop is None and upstream is None:
             missing = f"model {message.model} v{message.version} is not on this worker"
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND, message=missing))
             return
@@ -204,6 +216,9 @@ class WorkerServer:
             return
         if generation_loop is not None:
             self._on_generate(identity, message, generation_loop)
+            return
+        if upstream is not None:
+            upstream.submit(identity, message)
             return
         assert runner is not None
         try:
@@ -287,6 +302,8 @@ class WorkerServer:
 
     def _on_cancel(self, identity: bytes, message: wire.Cancel) -> None:
         for request_id in message.request_ids:
+            if any(upstream.cancel(identity, request_id) for upstream in self._upstream_loops.values()):
+                continue
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
             generation = self._generations.pop(internal_id, None) if internal_id is not None else None
             if generation is not None:
@@ -397,6 +414,7 @@ class WorkerServer:
     def _check_drained(self) -> None:
         with self._lock:
             is_idle = self._scheduler.is_idle
+        is_idle = is_idle and all(upstream.is_idle for upstream in self._upstream_loops.values())
         if self._is_draining and not self._pending and not self._generations and is_idle:
             self._drained.set()
 
@@ -440,6 +458,7 @@ class WorkerServer:
             work_ahead_s=work_ahead_s,
             drain_rate=drain_rate,
             waits=waits,
+            upstreams=[upstream.load() for upstream in self._upstream_loops.values()],
         )
 
     def _broadcast_state(self) -> None:
@@ -453,6 +472,8 @@ class WorkerServer:
         ticks = itertools.count()
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
+            for upstream in self._upstream_loops.values():
+                upstream.expire()
             self._broadcast_state()
             if next(ticks) % 10 == 0:
                 now = time.monotonic()
@@ -470,6 +491,9 @@ class WorkerServer:
                     stats = generator.engine.stats()
                     self._metrics.engine(model, stats, engine_stats.get(model))
                     engine_stats[model] = stats
+                for upstream in self._upstream_loops.values():
+                    load = upstream.load()
+                    self._metrics.upstream(load.model, load.num_running, load.num_waiting)
 
 
 def _rejection(request_id: int, rejected: Rejected) -> wire.Result:

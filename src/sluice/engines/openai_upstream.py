@@ -1,0 +1,333 @@
+"""`openai-upstream`: an existing OpenAI-compatible server (vLLM, SGLang, TGI, another sluice) as a
+worker's device. sluice keeps the gateway, tenancy, deadlines and queueing; the upstream runs
+the model.
+
+    GeneratePayload ─▶ one streaming POST {base}/completions or {base}/chat/completions
+                       (stream: true, stream_options.include_usage)
+                  ◀─ SSE chunks ─▶ TextDelta ... CallEnd(finish_reason, usage)
+                                   or CallFailure (a value, never an exception)
+
+Retries: a 5xx, 408/429, connection error, timeout or a stream that breaks is retried with
+backoff while nothing has been relayed yet (`RetryConfig`); once text has gone to the client, a
+failure ends the call. Any other 4xx is the client's request being refused: final, and its status
+reaches the client. 401/403 mean the upstream refused sluice's own key: final, and not the
+client's fault. Consecutive failures open the circuit breaker (`sluice.circuit`); while it is open
+calls fail at once.
+
+`model.toml`:
+
+    kind = "openai-upstream"
+    [upstream]
+    url = "http://10.0.0.7:8000/v1"   # the server's OpenAI base URL
+    model = "Qwen/Qwen2.5-7B-Instruct" # its name there (default: this model's name)
+    api_key_env = "UPSTREAM_KEY"       # optional: the key is read from this environment variable
+    max_concurrency = 16               # calls in flight to it, per worker; the rest wait in the worker
+    max_waiting = 1024                 # calls waiting for a slot, beyond which requests are refused
+    timeout_s = 600                    # per call; the request's deadline bounds it as well
+    max_attempts = 3, backoff_ms = 50, max_backoff_ms = 2000, failure_threshold = 5, open_s = 5.0
+    expected_latency_ms = 2000         # one call's duration, before any was measured
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from sluice import wire
+from sluice.circuit import CircuitBreaker
+from sluice.clock import MonotonicClock
+from sluice.engines.retry import RETRYABLE_4XX, RetryConfig, parse_retry
+from sluice.errors import ConfigError
+from sluice.repository import ModelVersion
+
+__all__ = ["CallEnd", "CallFailure", "OpenAIUpstreamConfig", "OpenAIUpstreamRunner", "TextDelta", "parse_config",
+           "request_for"]
+
+_CREDENTIAL_STATUSES = frozenset({401, 403})
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIUpstreamConfig:
+    base_url: str
+    model: str
+    api_key: str | None = None
+    max_concurrency: int = 8
+    max_waiting: int = 1024
+    timeout_s: float = 600.0
+    expected_latency_s: float = 2.0
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+
+def parse_config(version: ModelVersion) -> OpenAIUpstreamConfig:
+    """Read `[upstream]`; ConfigError naming the model for anything missing or out of range. The
+    API key is read from the environment here, once, and never from the file."""
+    where = f"{version.name} v{version.version}: [upstream]"
+    settings = dict(version.upstream)
+    url = settings.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: url must be an http(s) URL such as http://host:8000/v1")
+    api_key = None
+    if "api_key" in settings:
+        raise ConfigError(f"{where}: put the key in an environment variable and name it with api_key_env")
+    if (env := settings.get("api_key_env")) is not None:
+        api_key = os.environ.get(str(env))
+        if not api_key:
+            raise ConfigError(f"{where}: environment variable {env} (api_key_env) is not set")
+    try:
+        config = OpenAIUpstreamConfig(
+            base_url=url.rstrip("/"), model=str(settings.get("model", version.name)), api_key=api_key,
+            max_concurrency=int(settings.get("max_concurrency", 8)),
+            max_waiting=int(settings.get("max_waiting", 1024)),
+            timeout_s=float(settings.get("timeout_s", 600.0)),
+            expected_latency_s=float(settings.get("expected_latency_ms", 2000)) / 1000,
+            retry=parse_retry(settings, where),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    if config.max_concurrency < 1 or config.max_waiting < 0:
+        raise ConfigError(f"{where}: max_concurrency must be at least 1 and max_waiting at least 0")
+    if not config.timeout_s > 0 or not config.expected_latency_s > 0:
+        raise ConfigError(f"{where}: timeout_s and expected_latency_ms must be positive")
+    return config
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnd:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallFailure:
+    message: str
+    status: int = 0
+    """The upstream refused the client's request with this 4xx (final; the client sees it); 0 otherwise."""
+    param: str | None = None
+    is_retryable: bool = False
+    """Worth another attempt if nothing has been relayed yet (5xx, 408/429, connection, timeout)."""
+    retry_after_s: float | None = None
+
+
+CallEvent = TextDelta | CallEnd | CallFailure
+
+
+def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> tuple[str, dict[str, Any]]:
+    """The URL and JSON body of the streaming call for `payload`. Chat messages go as messages,
+    so the upstream applies its own chat template; sluice-only sampling fields are sent only when
+    set, so a strict server (OpenAI itself) is not handed fields it does not know."""
+    body: dict[str, Any] = {"model": config.model, "stream": True, "stream_options": {"include_usage": True},
+                            "max_tokens": payload.max_tokens, "temperature": payload.temperature,
+                            "top_p": payload.top_p}
+    optional = {"seed": payload.seed, "stop": payload.stop or None, "top_k": payload.top_k or None,
+                "min_tokens": payload.min_tokens or None, "stop_token_ids": payload.stop_token_ids or None,
+                "ignore_eos": payload.ignore_eos or None,
+                "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty}
+    body.update({key: value for key, value in optional.items() if value is not None})
+    if payload.messages is not None:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in payload.messages]
+        return f"{config.base_url}/chat/completions", body
+    body["prompt"] = payload.prompt_token_ids if payload.prompt_token_ids is not None else payload.prompt or ""
+    return f"{config.base_url}/completions", body
+
+
+class OpenAIUpstreamRunner:
+    """Constructed in the worker before its event loop runs; `start()` opens the connection pool
+    on the loop. The breaker and the jitter source are used from that loop only."""
+
+    def __init__(self, version: ModelVersion, device: str) -> None:
+        self.config = parse_config(version)
+        self.device = device
+        self.breaker = CircuitBreaker(self.config.retry.circuit, MonotonicClock())
+        self.info = wire.ModelInfo(
+            name=version.name, version=version.version, kind="openai-upstream", platform=version.platform,
+            inputs=(wire.TensorSpec("text_input", "BYTES", (-1,)),),
+            outputs=(wire.TensorSpec("text_output", "BYTES", (-1,)),),
+            max_batch_size=self.config.max_concurrency, slo_s=version.slo_s, accepts_text=False,
+            accepts_tensor=False,
+        )
+        self._rng = random.Random()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        limit = self.config.max_concurrency
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit))
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def close(self) -> None:
+        """The worker's synchronous close: the session is closed by `aclose` on the loop."""
+
+    async def generate(self, payload: wire.GeneratePayload, timeout_s: float) -> AsyncIterator[CallEvent]:
+        """Stream one generation: `TextDelta`s, then a `CallEnd` or a `CallFailure`. Retries what is
+        retryable until text has been relayed, within `timeout_s` (the request's remaining time)."""
+        loop_time = _LoopTime()
+        url, body = request_for(self.config, payload)
+        data = json.dumps(body).encode()
+        retry = self.config.retry
+        failure = CallFailure("no attempt was made", is_retryable=True)
+        for attempt in range(1, retry.max_attempts + 1):
+            remaining_s = timeout_s - loop_time.elapsed_s()
+            if remaining_s <= 0:
+                break
+            if not self.breaker.allow():
+                yield CallFailure(f"upstream unavailable: circuit open after repeated failures (next trial in "
+                                  f"{self.breaker.retry_after_s():.1f} s); last error: {failure.message}",
+                                  retry_after_s=max(self.breaker.retry_after_s(), 0.1))
+                return
+            num_relayed = 0
+            async with aclosing(self._attempt(url, data, min(remaining_s, self.config.timeout_s))) as events:
+                async for event in events:
+                    if isinstance(event, CallFailure) and event.is_retryable and num_relayed == 0:
+                        failure = event
+                        break
+                    num_relayed += isinstance(event, TextDelta)
+                    yield event
+                else:
+                    return
+            if attempt < retry.max_attempts:
+                delay_s = retry.delay_s(attempt, self._rng)
+                await asyncio.sleep(min(delay_s, max(timeout_s - loop_time.elapsed_s(), 0.0)))
+        yield CallFailure(f"upstream failed after {retry.max_attempts} attempts: {failure.message}",
+                          is_retryable=True)
+
+    async def _attempt(self, url: str, data: bytes, timeout_s: float) -> AsyncIterator[CallEvent]:
+        """One call, its outcome recorded with the breaker whatever way it ends (even cancelled),
+        so that a half-open breaker never waits forever for its trial."""
+        is_upstream_ok = False
+        try:
+            async with aclosing(self._post(url, data, timeout_s)) as events:
+                async for event in events:
+                    if isinstance(event, CallEnd) or (isinstance(event, CallFailure) and not event.is_retryable):
+                        is_upstream_ok = True
+                    yield event
+        finally:
+            if is_upstream_ok:
+                self.breaker.record_success()
+            else:
+                self.breaker.record_failure()
+
+    async def _post(self, url: str, data: bytes, timeout_s: float) -> AsyncIterator[CallEvent]:
+        assert self._session is not None, "start() opens the session"
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
+                   "X-Request-Timeout-Ms": str(max(int(timeout_s * 1000), 1))}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self._session.post(url, data=data, headers=headers, timeout=timeout) as response:
+                if response.status >= 400:
+                    yield _refusal(response.status, await response.text(errors="replace"))
+                    return
+                try:
+                    async with aclosing(_relay(response)) as events:
+                        async for event in events:
+                            yield event
+                finally:
+                    if not response.content.at_eof():
+                        response.close()  # stopped early (cancelled, deadline): close the upstream stream
+        except TimeoutError:
+            yield CallFailure(f"no complete answer within {timeout_s:.1f} s", is_retryable=True)
+        except aiohttp.ClientError as exc:
+            yield CallFailure(f"connection error: {type(exc).__name__}: {exc}", is_retryable=True)
+
+
+async def _relay(response: aiohttp.ClientResponse) -> AsyncIterator[CallEvent]:
+    """An OpenAI SSE stream as events: text deltas, then its end with the usage it reported."""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    num_deltas = 0
+    async for raw in response.content:
+        line = raw.decode("utf-8", errors="replace").strip()
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            yield CallFailure(f"upstream sent an undecodable event: {data[:100]!r}", is_retryable=True)
+            return
+        if not isinstance(chunk, dict):
+            continue
+        if "error" in chunk:
+            yield CallFailure(f"upstream error: {_error_message(chunk)}", is_retryable=True)
+            return
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if text:
+                num_deltas += 1
+                yield TextDelta(text)
+            finish_reason = choice.get("finish_reason") or finish_reason
+    if finish_reason is None:
+        yield CallFailure("upstream stream ended without a finish_reason", is_retryable=True)
+        return
+    yield _end(finish_reason, usage, num_deltas)
+
+
+def _end(finish_reason: str, usage: dict[str, Any] | None, num_deltas: int) -> CallEnd:
+    """Usage as the upstream counted it; without it, one token per delta and an unknown prompt (0)."""
+    if not usage:
+        return CallEnd(finish_reason, 0, 0, num_deltas)
+    details = usage.get("prompt_tokens_details") or {}
+    return CallEnd(finish_reason, int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
+                   int(usage.get("completion_tokens") or 0))
+
+
+def _refusal(status: int, text: str) -> CallFailure:
+    """An HTTP error status before the stream: retryable, the upstream's credentials, or the client's."""
+    message = _error_message(_json_or_none(text)) or text[:300]
+    if status >= 500 or status in RETRYABLE_4XX:
+        return CallFailure(f"HTTP {status}: {message}", is_retryable=True)
+    if status in _CREDENTIAL_STATUSES:
+        return CallFailure(f"the upstream refused sluice's credentials (HTTP {status}): {message}")
+    param = _error_field(_json_or_none(text), "param")
+    return CallFailure(message, status=status, param=param if isinstance(param, str) else None)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _error_message(body: Any) -> str:
+    message = _error_field(body, "message")
+    return message if isinstance(message, str) else ""
+
+
+def _error_field(body: Any, name: str) -> Any:
+    """A field of OpenAI's `{"error": {...}}` envelope, or of the flat `{"object": "error", ...}` shape."""
+    if not isinstance(body, dict):
+        return None
+    inner = body.get("error")
+    return inner.get(name) if isinstance(inner, dict) else body.get(name)
+
+
+class _LoopTime:
+    def __init__(self) -> None:
+        self._clock = MonotonicClock()
+        self._started = self._clock.now()
+
+    def elapsed_s(self) -> float:
+        return self._clock.now() - self._started
+

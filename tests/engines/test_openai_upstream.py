@@ -1,0 +1,143 @@
+"""The `openai-upstream` runner alone, against a scripted OpenAI SSE server on loopback
+(tests/upstream_server.py): configuration, the request it sends, relaying, retries before the
+first byte only, the upstream's refusals, and the circuit breaker."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice import wire
+from sluice.engines.openai_upstream import (
+    CallEnd,
+    CallEvent,
+    CallFailure,
+    OpenAIUpstreamRunner,
+    TextDelta,
+    parse_config,
+    request_for,
+)
+from sluice.errors import ConfigError
+from sluice.repository import BatchingConfig, ModelVersion
+from tests.upstream_server import SsePlan, UpstreamServer
+
+
+@pytest.fixture
+def upstream() -> Iterator[UpstreamServer]:
+    with UpstreamServer() as server:
+        yield server
+
+
+def _version(url: str, **settings: object) -> ModelVersion:
+    return ModelVersion(
+        name="proxy", version="1", kind="openai-upstream", platform="sluice_openai-upstream",
+        batching=BatchingConfig(), slo_s=10.0, weights_dir=Path("."), manifest_path=Path("SHA256SUMS"),
+        upstream={"url": url, "backoff_ms": 1, **settings},
+    )
+
+
+@pytest.fixture
+async def make_runner() -> AsyncIterator:
+    runners: list[OpenAIUpstreamRunner] = []
+
+    async def make(url: str, **settings: object) -> OpenAIUpstreamRunner:
+        runner = OpenAIUpstreamRunner(_version(url, **settings), "cpu")
+        await runner.start()
+        runners.append(runner)
+        return runner
+
+    yield make
+    for runner in runners:
+        await runner.aclose()
+
+
+async def _events(runner: OpenAIUpstreamRunner, payload: wire.GeneratePayload | None = None) -> list[CallEvent]:
+    return [event async for event in runner.generate(payload or wire.GeneratePayload(prompt="hi"), 10.0)]
+
+
+def _base(upstream: UpstreamServer) -> str:
+    return f"http://127.0.0.1:{upstream.port}/v1"
+
+
+def test_configuration_reads_the_key_from_the_environment_only(monkeypatch):
+    assert parse_config(_version("http://h:1/v1/")).model == "proxy"
+    assert parse_config(_version("http://h:1/v1/")).base_url == "http://h:1/v1"
+    with pytest.raises(ConfigError, match="api_key_env"):
+        parse_config(_version("http://h:1/v1", api_key="sk-in-the-file"))
+    with pytest.raises(ConfigError, match="UPSTREAM_TEST_KEY"):
+        parse_config(_version("http://h:1/v1", api_key_env="UPSTREAM_TEST_KEY"))
+    monkeypatch.setenv("UPSTREAM_TEST_KEY", "sk-secret")
+    assert parse_config(_version("http://h:1/v1", api_key_env="UPSTREAM_TEST_KEY")).api_key == "sk-secret"
+    with pytest.raises(ConfigError):
+        parse_config(_version("ftp://h:1/v1"))
+    for bad in ({"max_concurrency": 0}, {"timeout_s": 0}, {"max_attempts": 0}, {"max_concurrency": "many"}):
+        with pytest.raises(ConfigError):
+            parse_config(_version("http://h:1/v1", **bad))
+
+
+def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
+    config = parse_config(_version("http://h:1/v1", model="their-name"))
+    url, body = request_for(config, wire.GeneratePayload(prompt="hi", max_tokens=7, temperature=0.0, stop=["x"]))
+    assert url == "http://h:1/v1/completions"
+    assert body == {"model": "their-name", "stream": True, "stream_options": {"include_usage": True},
+                    "max_tokens": 7, "temperature": 0.0, "top_p": 1.0, "stop": ["x"], "prompt": "hi"}
+    chat = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")], top_k=5, seed=3, ignore_eos=True)
+    url, body = request_for(config, chat)
+    assert url == "http://h:1/v1/chat/completions"
+    assert body["messages"] == [{"role": "user", "content": "hey"}]
+    assert (body["top_k"], body["seed"], body["ignore_eos"]) == (5, 3, True)
+    assert "prompt" not in body and "min_tokens" not in body
+
+
+async def test_deltas_are_relayed_then_the_end_with_usage_and_the_key_is_sent(upstream, make_runner, monkeypatch):
+    monkeypatch.setenv("UPSTREAM_TEST_KEY", "sk-secret")
+    runner = await make_runner(_base(upstream), api_key_env="UPSTREAM_TEST_KEY")
+    events = await _events(runner)
+    assert events == [TextDelta("Hello"), TextDelta(" world"), CallEnd("stop", 5, 3, 2)]
+    assert upstream.last_headers["Authorization"] == "Bearer sk-secret"
+    assert upstream.last_body["stream_options"] == {"include_usage": True}
+
+
+async def test_a_5xx_before_the_first_byte_is_retried(upstream, make_runner):
+    upstream.sse_plans = [SsePlan(status=503), SsePlan(status=502)]
+    runner = await make_runner(_base(upstream), max_attempts=3)
+    events = await _events(runner)
+    assert events[-1] == CallEnd("stop", 5, 3, 2) and upstream.num_requests == 3
+
+
+async def test_retries_spent_is_a_retryable_failure_without_a_client_status(upstream, make_runner):
+    upstream.sse_plans = [SsePlan(status=500)] * 2
+    runner = await make_runner(_base(upstream), max_attempts=2)
+    (failure,) = await _events(runner)
+    assert isinstance(failure, CallFailure) and failure.status == 0 and "2 attempts" in failure.message
+
+
+async def test_a_client_error_is_final_and_keeps_its_status(upstream, make_runner):
+    upstream.sse_plans = [SsePlan(status=422, error_param="max_tokens")]
+    runner = await make_runner(_base(upstream))
+    assert await _events(runner) == [CallFailure("injected 422", status=422, param="max_tokens")]
+    assert upstream.num_requests == 1
+
+
+async def test_refused_credentials_are_not_the_clients_error(upstream, make_runner):
+    upstream.sse_plans = [SsePlan(status=401)]
+    (failure,) = await _events(await make_runner(_base(upstream)))
+    assert isinstance(failure, CallFailure) and failure.status == 0 and "credentials" in failure.message
+
+
+async def test_a_stream_that_breaks_after_text_is_not_retried(upstream, make_runner):
+    upstream.sse_plans = [SsePlan(deltas=["Hel"], is_broken=True)]
+    events = await _events(await make_runner(_base(upstream)))
+    assert events[0] == TextDelta("Hel") and isinstance(events[1], CallFailure) and len(events) == 2
+    assert upstream.num_requests == 1
+
+
+async def test_repeated_failures_open_the_circuit(make_runner):
+    runner = await make_runner("http://127.0.0.1:9/v1", max_attempts=1, failure_threshold=2, open_s=30)
+    for _ in range(2):
+        (failure,) = await _events(runner)
+        assert "connection error" in failure.message
+    (failure,) = await _events(runner)
+    assert "circuit open" in failure.message and failure.retry_after_s is not None

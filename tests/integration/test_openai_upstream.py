@@ -1,0 +1,202 @@
+"""An `openai-upstream` model: a front sluice whose worker forwards generations to a second, real
+sluice serving a tiny generative model, driven through the `openai` SDK.
+
+    client ──openai SDK──▶ front sluice (tenants, deadlines, max_concurrency = 1)
+                                 └── worker ──HTTP SSE──▶ upstream sluice (tiny-lm, no keys)
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sluice.engines.generative.tiny import make_tiny_lm
+from sluice.gateway.tenants import hash_key
+from sluice.repository import MANIFEST, write_manifest
+from tests.conftest import ServerProcess, free_port, start_server
+
+pytestmark = pytest.mark.slow
+
+UPSTREAM_MODEL = "tiny"
+KEY = "sk-front-test-key"
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("upstream-repo")
+    version = make_tiny_lm(repo / UPSTREAM_MODEL / "1")
+    write_manifest(version, version / MANIFEST)
+    (repo / UPSTREAM_MODEL / "model.toml").write_text(
+        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 16\n')
+    started = start_server(repo, tmp_path_factory.mktemp("upstream-log"))
+    yield started
+    started.stop()
+
+
+def _upstream_model(repo: Path, name: str, url: str, **settings: object) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    lines = ['kind = "openai-upstream"', "[slo]", "default_ms = 60000", "[upstream]", f'url = "{url}"']
+    lines += [f"{key} = {value!r}".replace("'", '"') for key, value in settings.items()]
+    (repo / name / "model.toml").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory, upstream: ServerProcess):
+    repo = tmp_path_factory.mktemp("front-repo")
+    _upstream_model(repo, "proxy", f"{upstream.url}/v1", model=UPSTREAM_MODEL, max_concurrency=1)
+    _upstream_model(repo, "down", f"http://127.0.0.1:{free_port()}/v1", max_attempts=2, backoff_ms=5,
+                    failure_threshold=1000)
+    tenants = repo.parent / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\napi_keys = ["{hash_key(KEY)}"]\n')
+    started = start_server(repo, tmp_path_factory.mktemp("front-log"), "--tenants", str(tenants))
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def via_front(front):
+    with openai.OpenAI(base_url=f"{front.url}/v1", api_key=KEY, max_retries=0, timeout=60) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def direct(upstream):
+    with openai.OpenAI(base_url=f"{upstream.url}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
+        yield sdk
+
+
+def test_greedy_completion_equals_asking_the_upstream_with_its_usage(via_front, direct):
+    ask = dict(prompt="The weather today is", max_tokens=12, temperature=0)
+    mine = via_front.completions.create(model="proxy", **ask)
+    theirs = direct.completions.create(model=UPSTREAM_MODEL, **ask)
+    assert mine.choices[0].text == theirs.choices[0].text
+    assert mine.choices[0].finish_reason == theirs.choices[0].finish_reason == "length"
+    assert mine.model == "proxy"
+    assert (mine.usage.prompt_tokens, mine.usage.completion_tokens) == (theirs.usage.prompt_tokens, 12)
+    assert mine.usage.total_tokens == mine.usage.prompt_tokens + 12
+
+
+def test_streamed_completion_equals_the_unary_answer(via_front, direct):
+    ask = dict(prompt="Once upon a time", max_tokens=10, temperature=0)
+    chunks = list(via_front.completions.create(model="proxy", stream=True, stream_options={"include_usage": True},
+                                               **ask))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == direct.completions.create(model=UPSTREAM_MODEL, **ask).choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_goes_through_the_upstreams_chat_template_unary_and_streamed(via_front, direct):
+    ask = dict(messages=[{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say something"}],
+               max_tokens=10, temperature=0)
+    theirs = direct.chat.completions.create(model=UPSTREAM_MODEL, **ask)
+    mine = via_front.chat.completions.create(model="proxy", **ask)
+    assert mine.choices[0].message.content == theirs.choices[0].message.content
+    assert mine.usage.prompt_tokens == theirs.usage.prompt_tokens
+    chunks = list(via_front.chat.completions.create(model="proxy", stream=True,
+                                                    stream_options={"include_usage": True}, **ask))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == theirs.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == theirs.usage.completion_tokens
+
+
+def test_a_stop_string_is_forwarded(via_front, direct):
+    full = direct.completions.create(model=UPSTREAM_MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = via_front.completions.create(model="proxy", prompt="Once upon a time", max_tokens=16, temperature=0,
+                                       stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+
+
+def test_an_upstream_refusal_reaches_the_client_with_its_status(front):
+    response = httpx.post(f"{front.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "proxy", "prompt": list(range(5, 1100)), "max_tokens": 4}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "context" in response.json()["error"]["message"]
+
+
+def test_max_concurrency_one_runs_calls_one_at_a_time(front, upstream, via_front):
+    observed: list[float] = []
+    is_done = threading.Event()
+
+    def watch() -> None:
+        while not is_done.is_set():
+            text = httpx.get(f"{upstream.url}/metrics").text
+            found = re.search(rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} (\S+)', text)
+            if found:
+                observed.append(float(found.group(1)))
+            time.sleep(0.05)
+
+    def one(i: int) -> tuple[float, float]:
+        stream = via_front.completions.create(model="proxy", prompt=f"Request {i}", max_tokens=40, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        times = [time.monotonic() for chunk in stream if chunk.choices and chunk.choices[0].text]
+        return times[0], times[-1]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            spans = sorted(pool.map(one, range(3)))
+    finally:
+        is_done.set()
+        watcher.join()
+    for (_, end), (next_start, _) in itertools.pairwise(spans):
+        assert next_start >= end, f"two upstream calls overlapped: {spans}"
+    assert observed and max(observed) <= 1
+    exported = httpx.get(f"{front.url}/metrics").text  # the front reports the upstream's load as an engine does
+    assert 'vllm:num_requests_running{model_name="proxy"}' in exported
+    assert 'vllm:num_requests_waiting{model_name="proxy"}' in exported
+
+
+def test_a_client_that_disconnects_closes_the_upstream_stream(via_front, upstream):
+    stream = via_front.completions.create(model="proxy", prompt="Keep going", max_tokens=800, temperature=0.8,
+                                          stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if re.search(rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
+                     httpx.get(f"{upstream.url}/metrics").text):
+            return
+        time.sleep(0.25)
+    pytest.fail("the upstream kept generating for a client that left")
+
+
+def test_an_upstream_that_is_down_is_503_with_retry_after(front):
+    response = httpx.post(f"{front.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "down", "prompt": "hello", "max_tokens": 4}, timeout=30)
+    assert response.status_code == 503, response.text
+    assert int(response.headers["retry-after"]) >= 1
+    assert "connection" in response.json()["error"]["message"]
+
+
+def test_tenancy_applies_in_front_of_an_upstream_that_needs_no_key(front):
+    with (openai.OpenAI(base_url=f"{front.url}/v1", api_key="sk-wrong", max_retries=0) as sdk,
+          pytest.raises(openai.AuthenticationError)):
+        sdk.completions.create(model="proxy", prompt="hello", max_tokens=4)
+
+
+def test_a_deadline_that_passes_mid_generation_is_504_and_stops_the_upstream(front, upstream):
+    response = httpx.post(f"{front.url}/v1/completions",
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Timeout-Ms": "400"},
+                          json={"model": "proxy", "prompt": "Go on", "max_tokens": 900, "ignore_eos": True},
+                          timeout=30)
+    assert response.status_code == 504, response.text
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if re.search(rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
+                     httpx.get(f"{upstream.url}/metrics").text):
+            return
+        time.sleep(0.25)
+    pytest.fail("the upstream kept generating past the request's deadline")
