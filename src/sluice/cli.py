@@ -35,8 +35,12 @@ def main() -> None:
               help="Keep batch jobs here (SQLite) so they survive restarts (default: a temporary folder).")
 @click.option("--jobs-db", default=None, metavar="postgresql://...",
               help="Keep batch jobs in this PostgreSQL database instead (several gateways may share it).")
+@click.option("--limits-redis", default=None, metavar="redis://...",
+              help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
+                   "gateway that uses it (default: each gateway keeps its own).")
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
-          tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None) -> None:
+          tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
+          limits_redis: str | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     os.environ["SLUICE_LOG_LEVEL"] = log_level
@@ -50,7 +54,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
     config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
                          num_workers=num_workers, device=device,
                          tenants_file=tenants_file.resolve() if tenants_file else None,
-                         data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db)
+                         data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
+                         limits_redis=_redis_url(limits_redis))
     if jobs_db is not None and not jobs_db.startswith(("postgresql://", "postgres://")):
         raise click.BadParameter("must be a postgresql:// URL", param_hint="--jobs-db")
     try:
@@ -68,7 +73,11 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
               default=None, help="Tenants file (API keys, weights, limits).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path | None, log_level: str) -> None:
+@click.option("--limits-redis", default=None, metavar="redis://...",
+              help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
+                   "gateway that uses it (default: each gateway keeps its own).")
+def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path | None, log_level: str,
+            limits_redis: str | None) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -78,7 +87,8 @@ def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path |
 
     logs.configure(log_level)
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
-                         tenants_file=tenants_file.resolve() if tenants_file else None)
+                         tenants_file=tenants_file.resolve() if tenants_file else None,
+                         limits_redis=_redis_url(limits_redis))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -167,3 +177,9 @@ except ImportError:  # pragma: no cover - the bench package is optional at impor
 from sluice.jobs.cli import batch  # noqa: E402
 
 main.add_command(batch)
+
+
+def _redis_url(url: str | None) -> str | None:
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise click.BadParameter("must be a redis://, rediss:// or unix:// URL", param_hint="--limits-redis")
+    return url

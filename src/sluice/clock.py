@@ -19,6 +19,14 @@ class MonotonicClock:
         return time.monotonic()
 
 
+class WallClock:
+    """Seconds since the epoch: for state shared between hosts (e.g. limits kept in Redis), where
+    a monotonic clock's origin would differ from host to host."""
+
+    def now(self) -> float:
+        return time.time()
+
+
 class VirtualClock:
     """A clock that moves only when told to. For tests and simulations."""
 

@@ -78,6 +78,10 @@ TENANT_DEVICE_SECONDS = Counter(
     "sluice_tenant_device_seconds", "Device time used by the tenant's requests (each batch split by cost).",
     ["tenant", "class"],
 )
+SHARED_LIMITS_ERRORS = Counter(
+    "sluice_shared_limits_errors",
+    "Calls to the shared limits in Redis that failed (this gateway's own limits applied instead).",
+)
 TENANT_QUEUE_WAIT = Histogram(
     "sluice_tenant_queue_wait_seconds", "Time the tenant's requests waited in a worker's queue.",
     ["tenant", "class"], buckets=_LATENCY_BUCKETS,
@@ -218,6 +222,9 @@ class GatewayMetrics:
         TENANT_GOODPUT.labels(label, klass).inc()
         TENANT_QUEUE_WAIT.labels(label, klass).observe(queue_s)
         TENANT_DEVICE_SECONDS.labels(label, klass).inc(device_s)
+
+    def shared_limits_error(self) -> None:
+        SHARED_LIMITS_ERRORS.inc()
 
     def tenant_used(self, tenant: str, klass: str, device_s: float) -> None:
         """Device time of a request that ran but did not succeed (still paid for)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from redis.exceptions import RedisError
 from rich.console import Console
 from starlette.applications import Starlette
 
@@ -26,6 +27,8 @@ from sluice.api import ApiConfig, batches, build_app
 from sluice.clock import MonotonicClock
 from sluice.errors import ConfigError
 from sluice.gateway import Gateway
+from sluice.gateway.gateway import GatewayConfig
+from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.gateway.tenancy import Tenancy
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
@@ -58,6 +61,21 @@ class ServeConfig:
     jobs_db: str | None = None
     """A `postgresql://` DSN: keep batch jobs in PostgreSQL instead (shared by several gateways)."""
     jobs: ExecutorConfig = field(default_factory=ExecutorConfig)
+    limits_redis: str | None = None
+    """A `redis://` URL: keep tenants' rate limits, concurrency and credits there, shared by every
+    gateway using it. None: each gateway keeps its own."""
+
+
+async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
+    if config.limits_redis is None:
+        return None
+    limiter = SharedLimiter.from_url(config.limits_redis, lease_s=GatewayConfig().max_timeout_s + 60.0)
+    try:
+        await limiter.ping()
+    except RedisError as exc:
+        await limiter.aclose()
+        raise ConfigError(f"cannot reach the Redis for shared limits at {config.limits_redis}: {exc}") from exc
+    return limiter
 
 
 def detect_devices(device: str, num_workers: int | None) -> list[str]:
@@ -86,7 +104,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
     clock = MonotonicClock()
-    tenancy = Tenancy(clock, gateway_metrics, config.tenants_file)
+    tenancy = Tenancy(clock, gateway_metrics, config.tenants_file, await _shared_limits(config))
     gateway = Gateway(clock, gateway_metrics, tenancy=tenancy)
     if config.remote_workers:
         devices = [f"remote {address}" for address in config.remote_workers]
@@ -120,6 +138,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             gateway.is_draining = True
             await supervisor.aclose()
             await gateway.aclose()
+            await tenancy.aclose()
             shutil.rmtree(run_dir, ignore_errors=True)
 
     asgi_app = build_app(gateway, config.api, lifespan,

@@ -1,6 +1,12 @@
-"""Per-tenant limits as pure policy under a virtual clock."""
+"""Per-tenant limits under a virtual clock: the same cases for this gateway's own limiter (pure
+policy) and for the limiter shared through a real Redis (`shared_limits`), which must agree."""
 
 from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -10,15 +16,58 @@ from sluice.clock import VirtualClock
 from sluice.gateway.limits import Refusal, Reservation, TenantLimiter, format_duration
 from sluice.gateway.tenants import Tenant
 
-
-def limiter(clock: VirtualClock, **limits: float) -> tuple[TenantLimiter, Tenant]:
-    tenant = Tenant(name="t", **limits)  # type: ignore[arg-type]
-    lim = TenantLimiter(clock)
-    lim.configure([tenant])
-    return lim, tenant
+_PREFIXES = itertools.count()
 
 
-def test_requests_per_minute_refuses_the_excess_and_refills():
+class _Shared:
+    """`SharedLimiter` driven synchronously (one event loop per test), as the cases are written."""
+
+    def __init__(self, url: str, clock: VirtualClock) -> None:
+        import redis.asyncio as redis
+
+        from sluice.gateway.shared_limits import SharedLimiter
+
+        self._runner = asyncio.Runner()
+        self._limiter = SharedLimiter(redis.Redis.from_url(url), clock, prefix=f"test-{next(_PREFIXES)}")
+
+    def configure(self, tenants: Iterable[Tenant]) -> None:
+        self._limiter.configure(tenants)
+
+    def admit(self, tenant: Tenant, tokens: float) -> Reservation | Refusal:
+        return self._runner.run(self._limiter.admit(tenant, tokens))
+
+    def settle(self, reservation: Reservation, tokens: float, device_s: float, **kwargs: Any) -> None:
+        self._runner.run(self._limiter.settle(reservation, tokens, device_s, **kwargs))
+
+    def used_device_s(self, tenant: str) -> float:
+        return self._runner.run(self._limiter.used_device_s(tenant))
+
+    def close(self) -> None:
+        self._runner.run(self._limiter.aclose())
+        self._runner.close()
+
+
+@pytest.fixture(params=["local", "redis"])
+def limiter(request: pytest.FixtureRequest) -> Iterator[Callable[..., tuple[Any, Tenant]]]:
+    made: list[_Shared] = []
+
+    def make(clock: VirtualClock, **limits: float) -> tuple[Any, Tenant]:
+        tenant = Tenant(name="t", **limits)  # type: ignore[arg-type]
+        lim: Any
+        if request.param == "local":
+            lim = TenantLimiter(clock)
+        else:
+            lim = _Shared(request.getfixturevalue("redis_url"), clock)
+            made.append(lim)
+        lim.configure([tenant])
+        return lim, tenant
+
+    yield make
+    for lim in made:
+        lim.close()
+
+
+def test_requests_per_minute_refuses_the_excess_and_refills(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, requests_per_min=3)
     for _ in range(3):
@@ -30,7 +79,7 @@ def test_requests_per_minute_refuses_the_excess_and_refills():
     assert isinstance(lim.admit(tenant, 0), Reservation)
 
 
-def test_a_refusal_by_one_limit_consumes_no_other():
+def test_a_refusal_by_one_limit_consumes_no_other(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, requests_per_min=10, tokens_per_min=100)
     first = lim.admit(tenant, 100)
@@ -41,7 +90,7 @@ def test_a_refusal_by_one_limit_consumes_no_other():
     assert requests.remaining == pytest.approx(9)  # the refused request took no request token
 
 
-def test_reserved_tokens_stop_concurrent_overshoot_and_settle_refunds():
+def test_reserved_tokens_stop_concurrent_overshoot_and_settle_refunds(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, tokens_per_min=1000)
     held = [lim.admit(tenant, 400), lim.admit(tenant, 400)]
@@ -53,7 +102,7 @@ def test_reserved_tokens_stop_concurrent_overshoot_and_settle_refunds():
     assert isinstance(lim.admit(tenant, 400), Reservation)
 
 
-def test_settling_twice_counts_once():
+def test_settling_twice_counts_once(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, max_concurrent=1, credits_device_s=10)
     reservation = lim.admit(tenant, 0)
@@ -64,7 +113,7 @@ def test_settling_twice_counts_once():
     assert isinstance(lim.admit(tenant, 0), Reservation)
 
 
-def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_then_leaves_debt():
+def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_then_leaves_debt(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, tokens_per_min=60)
     assert isinstance(lim.admit(tenant, 120), Reservation)  # full bucket: let through, in debt
@@ -73,7 +122,7 @@ def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_then_leaves_de
     assert refusal.retry_after_s == pytest.approx(61.0)  # 60 of debt + 1 token at 1 token/s
 
 
-def test_concurrency_cap_and_release():
+def test_concurrency_cap_and_release(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, max_concurrent=2)
     a, b = lim.admit(tenant, 0), lim.admit(tenant, 0)
@@ -85,7 +134,7 @@ def test_concurrency_cap_and_release():
     assert isinstance(b, Reservation)
 
 
-def test_credit_budget_is_final_until_the_period_resets():
+def test_credit_budget_is_final_until_the_period_resets(limiter):
     clock = VirtualClock(start_s=1000.0)
     lim, tenant = limiter(clock, credits_device_s=2.0, credit_period_s=3600)
     for _ in range(2):
@@ -99,15 +148,16 @@ def test_credit_budget_is_final_until_the_period_resets():
     assert isinstance(lim.admit(tenant, 0), Reservation)
 
 
-def test_reload_keeps_state_of_unchanged_limits_and_resets_changed_ones():
+def test_reload_keeps_state_of_unchanged_limits_and_resets_changed_ones(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, requests_per_min=2)
     lim.admit(tenant, 0)
     lim.admit(tenant, 0)
     lim.configure([tenant])
     assert isinstance(lim.admit(tenant, 0), Refusal)  # same limits: same (empty) bucket
-    lim.configure([Tenant(name="t", requests_per_min=5)])
-    assert isinstance(lim.admit(tenant, 0), Reservation)
+    changed = Tenant(name="t", requests_per_min=5)
+    lim.configure([changed])
+    assert isinstance(lim.admit(changed, 0), Reservation)  # a changed limit: a fresh bucket
 
 
 @settings(max_examples=60, deadline=None)
@@ -116,7 +166,9 @@ def test_tokens_admitted_never_exceed_the_bucket_plus_refill(events: list[tuple[
     """Whatever the arrival pattern, admitted estimates within any run stay within capacity + refill
     (the one allowed overshoot is a single request larger than the whole bucket)."""
     clock = VirtualClock()
-    lim, tenant = limiter(clock, tokens_per_min=600)
+    tenant = Tenant(name="t", tokens_per_min=600)
+    lim = TenantLimiter(clock)
+    lim.configure([tenant])
     admitted = 0.0
     for gap_s, tokens, settle_now in events:
         clock.advance(gap_s)

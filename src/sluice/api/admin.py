@@ -23,7 +23,7 @@ def routes(gateway: Gateway) -> list[Route]:
 
     async def tenants(request: Request) -> Response:
         check(request)
-        return _json({"object": "list", "data": gateway.tenancy.usage()})
+        return _json({"object": "list", "data": await gateway.tenancy.usage()})
 
     async def reload(request: Request) -> Response:
         check(request)

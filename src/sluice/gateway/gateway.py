@@ -207,7 +207,7 @@ class Gateway:
 
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
         tokens are reserved from the estimate and settled with the worker's count."""
-        ticket = self._admit(info, timeout_s, arrived_at, caller)
+        ticket = await self._admit(info, timeout_s, arrived_at, caller)
         async with ticket:
             result = await self._dispatch(info, payload, ticket)
             ticket.done(result)
@@ -221,7 +221,7 @@ class Gateway:
         the `InferResult` (payload `GenerationResult`). Errors before the first chunk are raised
         from the first `__anext__`, so the API can still answer them with an HTTP status.
         Closing the iterator early (client gone) withdraws the request from its worker."""
-        ticket = self._admit(info, timeout_s, arrived_at, caller)
+        ticket = await self._admit(info, timeout_s, arrived_at, caller)
         async with ticket:
             async for event in self._dispatch_stream(info, payload, ticket):
                 if isinstance(event, InferResult):
@@ -229,7 +229,7 @@ class Gateway:
                     event = ticket.with_limits(event)
                 yield event
 
-    def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
+    async def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
                caller: Caller | None) -> _Ticket:
         started = self._clock.now() if arrived_at is None else arrived_at
         caller = caller or _LOCAL_CALLER
@@ -240,7 +240,7 @@ class Gateway:
         tenant = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(tenant, info.name)
         priority = effective_priority(tenant.priority, caller.priority)
-        reservation = self.tenancy.admit(tenant, priority, caller.estimated_tokens)
+        reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         return _Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
                        deadline)
@@ -410,9 +410,9 @@ class _Ticket:
         elif outcome in ("rejected", "expired"):
             self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
         self._metrics.request_done(self.info.name, self.info.version, outcome, self._clock.now() - self.started)
-        self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
-                             result.device_s if result else 0.0,
-                             refund_request=outcome in ("rejected", "unavailable"))
+        await self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
+                                   result.device_s if result else 0.0,
+                                   refund_request=outcome in ("rejected", "unavailable"))
 
 
 _OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (

@@ -80,6 +80,10 @@ class Reservation:
     tokens: float
     statuses: tuple[LimitStatus, ...]
     is_settled: bool = False
+    lease_id: str = ""
+    """The shared limiter's in-flight entry (`shared_limits`); unused in one process."""
+    limits: Tenant | None = None
+    """The limits it was admitted under (the shared limiter settles with them)."""
 
 
 @dataclass(slots=True)

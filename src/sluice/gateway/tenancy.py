@@ -12,13 +12,18 @@ file that does not parse leaves the old one in force.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from redis.exceptions import RedisError
+
 from sluice.clock import Clock
 from sluice.errors import BudgetExhausted, PermissionDenied, RateLimited, Unauthenticated
 from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration
+from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.tenants import LOCAL_TENANT, Tenant, TenantDirectory, load_tenants
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
@@ -38,8 +43,12 @@ class TenantUsage:
 
 
 class Tenancy:
-    def __init__(self, clock: Clock, metrics: GatewayMetrics, path: Path | None = None) -> None:
+    def __init__(self, clock: Clock, metrics: GatewayMetrics, path: Path | None = None,
+                 shared: SharedLimiter | None = None) -> None:
         self._metrics = metrics
+        self._shared = shared
+        """Limits kept in Redis for every gateway; None: this gateway's own (`limiter`)."""
+        self._last_shared_warning_at = -math.inf
         self.directory = load_tenants(path) if path is not None else TenantDirectory.open()
         self.limiter = TenantLimiter(clock)
         self.limiter.configure(self.directory.tenants.values())
@@ -100,22 +109,59 @@ class Tenancy:
 
     # -- limits --------------------------------------------------------------------------------
 
-    def admit(self, tenant: Tenant, priority: Priority, estimated_tokens: float) -> Reservation:
-        outcome = self.limiter.admit(tenant, estimated_tokens)
+    async def admit(self, tenant: Tenant, priority: Priority, estimated_tokens: float) -> Reservation:
+        outcome = await self._admit_limits(tenant, estimated_tokens)
         if isinstance(outcome, Refusal):
             self._metrics.tenant_rejected(tenant.name, priority.label, outcome.limit)
             raise _refusal_error(tenant, outcome)
         self._metrics.tenant_admitted(tenant.name, priority.label)
         return outcome
 
-    def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
-               refund_request: bool = False) -> None:
+    async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
+                     refund_request: bool = False) -> None:
+        if reservation.lease_id and self._shared is not None:
+            try:
+                await self._shared.settle(reservation, tokens, device_s, refund_request=refund_request)
+                return
+            except RedisError as exc:
+                self._shared_failed(exc)
+                reservation.is_settled = False  # let the local limiter count its device time at least
         self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
 
-    def usage(self) -> list[TenantUsage]:
-        return [TenantUsage(t.name, t.weight, t.priority.label, self.limiter.used_device_s(t.name),
-                            None if t.models is None else sorted(t.models))
-                for t in self.directory.tenants.values()]
+    async def usage(self) -> list[TenantUsage]:
+        usage = []
+        for t in self.directory.tenants.values():
+            device_s = self.limiter.used_device_s(t.name)
+            if self._shared is not None and not self.is_open:
+                try:
+                    device_s = await self._shared.used_device_s(t.name)
+                except RedisError as exc:
+                    self._shared_failed(exc)
+            usage.append(TenantUsage(t.name, t.weight, t.priority.label, device_s,
+                                     None if t.models is None else sorted(t.models)))
+        return usage
+
+    async def aclose(self) -> None:
+        if self._shared is not None:
+            await self._shared.aclose()
+
+    async def _admit_limits(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+        """Shared limits when a Redis is configured (and a tenants file defines tenants); this
+        gateway's own when not, or while Redis cannot be reached: limits then hold per gateway
+        rather than refusing every request."""
+        if self._shared is not None and not self.is_open:
+            try:
+                return await self._shared.admit(tenant, estimated_tokens)
+            except RedisError as exc:
+                self._shared_failed(exc)
+        return self.limiter.admit(tenant, estimated_tokens)
+
+    def _shared_failed(self, exc: Exception) -> None:
+        self._metrics.shared_limits_error()
+        now = time.monotonic()
+        if now - self._last_shared_warning_at > 10.0:
+            self._last_shared_warning_at = now
+            log.warning("shared limits in Redis unavailable (%s): limits hold per gateway until it is back", exc)
 
 
 _MESSAGES = {

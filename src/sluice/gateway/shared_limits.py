@@ -1,0 +1,197 @@
+"""Tenant limits shared by every gateway, kept in Redis.
+
+`TenantLimiter` (limits.py) keeps its buckets in one process: with N gateways behind a load
+balancer a tenant would get N times its limits. `SharedLimiter` applies the same rules to one set
+of buckets in Redis, each admission and settlement one Lua script, so the check-all-then-consume
+rule holds across gateways too (a script runs atomically; no other client's command interleaves).
+
+    sluice:limits:{tenant}            hash: request and token buckets (capacity, level, refilled-at),
+                                      credit period index, device-seconds used in it and in total
+    sluice:limits:{tenant}:inflight   sorted set: one member per admitted request, scored by the
+                                      time its lease ends
+
+Concurrency is counted from the in-flight set, whose members expire with their lease (the
+gateway's longest request timeout), so a gateway that dies with requests in flight cannot hold
+its tenants' concurrency forever. The two keys share the `{tenant}` hash tag, so a Redis Cluster
+keeps them on one shard. Times are wall-clock seconds from the gateway's clock, so gateways must
+keep their clocks in sync (NTP); a skew of a second or two only shifts refills by as much.
+
+The semantics, including every edge (a request larger than a bucket, a changed limit starting a
+fresh bucket, refunds), are those of `TenantLimiter`: tests/gateway/test_limits.py runs the same
+cases against both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Iterable
+
+import redis.asyncio as redis
+
+from sluice.clock import Clock, WallClock
+from sluice.gateway.limits import LimitStatus, Refusal, Reservation
+from sluice.gateway.tenants import Tenant
+
+__all__ = ["SharedLimiter"]
+
+# Shared by both scripts: load a bucket from the hash (a fresh, full one if the limit changed)
+# and refill it to `now`.
+_LOAD = """
+local now = tonumber(ARGV[1])
+local function bucket(cap, c, l, a)
+  if cap <= 0 then return nil end
+  c = tonumber(c); l = tonumber(l); a = tonumber(a)
+  if c ~= cap or l == nil or a == nil then return {cap = cap, level = cap, at = now} end
+  if now > a then l = math.min(cap, l + (now - a) * cap / 60.0); a = now end
+  return {cap = cap, level = l, at = a}
+end
+local rpm, tpm = tonumber(ARGV[2]), tonumber(ARGV[3])
+local credits, period = tonumber(ARGV[4]), tonumber(ARGV[5])
+local h = redis.call('HMGET', KEYS[1], 'rc', 'rl', 'ra', 'tc', 'tl', 'ta', 'pi', 'pu', 'tu')
+local req = bucket(rpm, h[1], h[2], h[3])
+local tok = bucket(tpm, h[4], h[5], h[6])
+local pi, pu, tu = tonumber(h[7]) or -1, tonumber(h[8]) or 0, tonumber(h[9]) or 0
+if credits > 0 then
+  local index = math.floor(now / period)
+  if index ~= pi then pi = index; pu = 0 end
+end
+local function save()
+  local fields = {'pi', pi, 'pu', tostring(pu), 'tu', tostring(tu)}
+  if req then for _, v in ipairs({'rc', tostring(req.cap), 'rl', tostring(req.level), 'ra', tostring(req.at)}) do
+    table.insert(fields, v) end end
+  if tok then for _, v in ipairs({'tc', tostring(tok.cap), 'tl', tostring(tok.level), 'ta', tostring(tok.at)}) do
+    table.insert(fields, v) end end
+  redis.call('HSET', KEYS[1], unpack(fields))
+end
+local function status(b)
+  if b == nil then return {'', '', ''} end
+  return {tostring(b.cap), tostring(math.max(0, b.level)), tostring(math.max(0, b.cap - b.level) / (b.cap / 60.0))}
+end
+"""
+
+# ARGV: now rpm tpm credits period max_concurrent estimated_tokens lease_id lease_until
+_ADMIT = _LOAD + """
+local maxc, est, lease_id, lease_until = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local in_flight = redis.call('ZCARD', KEYS[2])
+local function wait(b, amount)
+  if b == nil then return 0 end
+  local need = math.min(amount, b.cap) - b.level
+  if need <= 0 then return 0 end
+  return need / (b.cap / 60.0)
+end
+local refused, retry, final = '', 0, 0
+if maxc > 0 and in_flight >= maxc then
+  refused, retry = 'concurrency', 1
+elseif credits > 0 and pu >= credits then
+  refused, retry, final = 'credits', math.max((pi + 1) * period - now, 1), 1
+else
+  local w = wait(req, 1)
+  if w > 0 then refused, retry = 'requests', w
+  else
+    w = wait(tok, est)
+    if w > 0 then refused, retry = 'tokens', w end
+  end
+end
+if refused == '' then
+  if req then req.level = math.min(req.cap, req.level - 1) end
+  if tok then tok.level = math.min(tok.cap, tok.level - est) end
+  redis.call('ZADD', KEYS[2], lease_until, lease_id)
+  redis.call('PEXPIRE', KEYS[2], math.ceil((lease_until - now) * 1000))
+end
+save()
+local reply = {refused, tostring(retry), final}
+for _, v in ipairs(status(req)) do table.insert(reply, v) end
+for _, v in ipairs(status(tok)) do table.insert(reply, v) end
+return reply
+"""
+
+# ARGV: now rpm tpm credits period lease_id refund reserved_tokens tokens device_s
+_SETTLE = _LOAD + """
+redis.call('ZREM', KEYS[2], ARGV[6])
+if req and ARGV[7] == '1' then req.level = math.min(req.cap, req.level + 1) end
+if tok then tok.level = math.min(tok.cap, tok.level + tonumber(ARGV[8]) - tonumber(ARGV[9])) end
+pu = pu + tonumber(ARGV[10])
+tu = tu + tonumber(ARGV[10])
+save()
+return 1
+"""
+
+
+class SharedLimiter:
+    """`TenantLimiter`'s rules over buckets in Redis, shared by every gateway that uses the same
+    Redis and prefix. Raises `redis.RedisError` when Redis cannot be reached (the caller decides
+    whether to fall back)."""
+
+    def __init__(self, client: redis.Redis, clock: Clock | None = None, *, prefix: str = "sluice:limits",
+                 lease_s: float = 3600.0) -> None:
+        self._client = client
+        self._clock = clock or WallClock()
+        self._prefix = prefix
+        self._lease_s = lease_s
+        self._admit = client.register_script(_ADMIT)
+        self._settle = client.register_script(_SETTLE)
+        self._ids = itertools.count()
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: object) -> SharedLimiter:
+        return cls(redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), **kwargs)  # type: ignore[arg-type]
+
+    def configure(self, tenants: Iterable[Tenant]) -> None:
+        """Limits travel with every call, and a changed limit starts a fresh bucket in the script."""
+
+    async def ping(self) -> None:
+        await self._client.ping()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+        now = self._clock.now()
+        lease_id = f"{self._owner}:{next(self._ids)}"
+        reply = await self._admit(keys=self._keys(tenant.name), args=[
+            *self._limit_args(tenant, now), tenant.max_concurrent, estimated_tokens, lease_id, now + self._lease_s])
+        refused, retry_after_s, is_final = _text(reply[0]), float(reply[1]), bool(int(reply[2]))
+        statuses = _statuses([_text(v) for v in reply[3:9]])
+        if refused:
+            return Refusal(refused, retry_after_s, is_final, statuses)
+        return Reservation(tenant.name, estimated_tokens, statuses, lease_id=lease_id, limits=tenant)
+
+    async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
+                     refund_request: bool = False) -> None:
+        if reservation.is_settled:
+            return
+        reservation.is_settled = True
+        tenant = reservation.limits
+        if tenant is None:
+            return
+        await self._settle(keys=self._keys(tenant.name), args=[
+            *self._limit_args(tenant, self._clock.now()), reservation.lease_id, "1" if refund_request else "0",
+            reservation.tokens, tokens, device_s])
+
+    async def used_device_s(self, tenant: str) -> float:
+        value = await self._client.hget(self._keys(tenant)[0], "tu")
+        return float(value) if value is not None else 0.0
+
+    def _keys(self, tenant: str) -> list[str]:
+        base = f"{self._prefix}:{{{tenant}}}"
+        return [base, f"{base}:inflight"]
+
+    @staticmethod
+    def _limit_args(tenant: Tenant, now: float) -> list[float]:
+        return [now, tenant.requests_per_min, tenant.tokens_per_min, tenant.credits_device_s, tenant.credit_period_s]
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _statuses(fields: list[str]) -> tuple[LimitStatus, ...]:
+    statuses = []
+    for name, (capacity, remaining, reset_s) in (("requests", fields[0:3]), ("tokens", fields[3:6])):
+        if capacity:
+            statuses.append(LimitStatus(name, float(capacity), float(remaining), float(reset_s)))
+    return tuple(statuses)

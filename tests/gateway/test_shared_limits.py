@@ -1,0 +1,98 @@
+"""What only the Redis-kept limits do: several gateways draw on one set of buckets, a dead
+gateway's in-flight requests stop counting when their lease ends, and a Redis that cannot be
+reached leaves each gateway its own limits instead of refusing every request."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import redis.asyncio as redis
+
+from sluice.clock import VirtualClock
+from sluice.errors import RateLimited
+from sluice.gateway.limits import Refusal, Reservation
+from sluice.gateway.shared_limits import SharedLimiter
+from sluice.gateway.tenancy import Tenancy
+from sluice.gateway.tenants import Tenant
+from sluice.metrics import GatewayMetrics
+from sluice.priority import Priority
+
+_PREFIXES = itertools.count()
+
+
+def _pair(url: str, clock: VirtualClock, **kwargs: float) -> tuple[SharedLimiter, SharedLimiter]:
+    prefix = f"shared-{next(_PREFIXES)}"
+    return (SharedLimiter(redis.Redis.from_url(url), clock, prefix=prefix, **kwargs),
+            SharedLimiter(redis.Redis.from_url(url), clock, prefix=prefix, **kwargs))
+
+
+def test_two_gateways_share_one_request_bucket(redis_url: str) -> None:
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        first, second = _pair(redis_url, clock)
+        tenant = Tenant(name="t", requests_per_min=3)
+        outcomes = [await first.admit(tenant, 0), await second.admit(tenant, 0), await first.admit(tenant, 0)]
+        assert all(isinstance(o, Reservation) for o in outcomes)
+        refused = await second.admit(tenant, 0)
+        assert isinstance(refused, Refusal) and refused.limit == "requests"
+        assert refused.retry_after_s == pytest.approx(20.0)
+        clock.advance(20.0)
+        assert isinstance(await second.admit(tenant, 0), Reservation)
+        for limiter in (first, second):
+            await limiter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_concurrency_is_shared_and_a_lost_gateways_requests_expire_with_their_lease(redis_url: str) -> None:
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        first, second = _pair(redis_url, clock, lease_s=30.0)
+        tenant = Tenant(name="t", max_concurrent=2)
+        held = [await first.admit(tenant, 0), await first.admit(tenant, 0)]  # then `first` dies unsettled
+        assert all(isinstance(r, Reservation) for r in held)
+        refused = await second.admit(tenant, 0)
+        assert isinstance(refused, Refusal) and refused.limit == "concurrency"
+        clock.advance(31.0)
+        assert isinstance(await second.admit(tenant, 0), Reservation)
+        for limiter in (first, second):
+            await limiter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_device_time_settled_by_one_gateway_counts_against_the_others_budget(redis_url: str) -> None:
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        first, second = _pair(redis_url, clock)
+        tenant = Tenant(name="t", credits_device_s=1.0, credit_period_s=3600)
+        reservation = await first.admit(tenant, 0)
+        assert isinstance(reservation, Reservation)
+        await first.settle(reservation, 0, device_s=1.5)
+        refused = await second.admit(tenant, 0)
+        assert isinstance(refused, Refusal) and refused.limit == "credits" and refused.is_final
+        assert await second.used_device_s("t") == pytest.approx(1.5)
+        for limiter in (first, second):
+            await limiter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_redis_leaves_each_gateway_its_own_limits(tmp_path) -> None:
+    async def scenario() -> None:
+        tenants = tmp_path / "tenants.toml"
+        tenants.write_text('[tenants.t]\napi_keys = []\nrequests_per_min = 2\n')
+        dead = SharedLimiter(redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5))
+        tenancy = Tenancy(VirtualClock(), GatewayMetrics(), tenants, dead)
+        tenant = tenancy.tenant("t")
+        first = await tenancy.admit(tenant, Priority.STANDARD, 0)
+        await tenancy.settle(first, 0, 0.1)
+        await tenancy.admit(tenant, Priority.STANDARD, 0)
+        with pytest.raises(RateLimited):  # the local bucket of 2/min is spent
+            await tenancy.admit(tenant, Priority.STANDARD, 0)
+        assert (await tenancy.usage())[0].device_s == pytest.approx(0.1)
+        await tenancy.aclose()
+
+    asyncio.run(scenario())
