@@ -5,7 +5,7 @@
 # benchmarks/generative/README.md.
 #
 # Usage: benchmarks/generative/serve_bench.sh [mode...]   modes: continuous static static-maxtokens
-# Env:   RATE (req/s, default 16), DURATION (s of arrivals, default 20), SLUICE (the sluice command)
+# Env:   RATE (req/s, default 16), DURATION (s of arrivals, default 15), SLUICE (the sluice command)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/results
@@ -13,7 +13,7 @@ mkdir -p "$out"
 sluice=${SLUICE:-.venv/bin/sluice}
 port=${PORT:-8766}
 rate=${RATE:-16}
-duration=${DURATION:-20}
+duration=${DURATION:-15}
 
 serve() {  # serve MODELS_DIR: start a server and wait until it is ready
   $sluice serve --port "$port" --models "$1" > "$out/server-generative.log" 2>&1 &
