@@ -4,6 +4,7 @@
     sluice bench --rates 200,400,800,1200,1600 --slo-ms 100 --out sweep.json
     sluice bench --self-test --rate 2700          # how fast can this machine send?
     sluice bench --scenario noisy-neighbour       # a named multi-tenant scenario on its own server
+    sluice bench --endpoint completions --model tiny-lm --rates 2,4,8 --prompt-len 32:256 --output-len 16:128
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import click
 
 _ENDPOINTS = ("kserve", "embeddings")
 _SCENARIOS = ("overload", "noisy-neighbour", "priority-mix", "weights")  # sluice.bench.scenarios.SCENARIOS
+_GENERATIVE_ENDPOINTS = ("completions", "chat")
 
 
 @click.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
-@click.option("--endpoint", type=click.Choice(_ENDPOINTS), default="kserve", show_default=True)
+@click.option("--endpoint", type=click.Choice(_ENDPOINTS + _GENERATIVE_ENDPOINTS), default="kserve", show_default=True,
+              help="completions/chat: streaming generation (SSE), reported with vLLM's TTFT/TPOT/ITL metrics.")
 @click.option("--model", default="emulated", show_default=True)
 @click.option("--input-len", type=click.IntRange(1), default=16, show_default=True,
               help="Elements per request for tensor inputs.")
@@ -61,11 +64,23 @@ _SCENARIOS = ("overload", "noisy-neighbour", "priority-mix", "weights")  # sluic
 @click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True,
               help="For --scenario: the emulated device's slow-down against the demo model "
                    "(alpha, beta and the SLO times this).")
+@click.option("--prompt-len", default="32:256", show_default=True,
+              help="completions/chat: prompt tokens, a number or a uniform low:high range.")
+@click.option("--output-len", default="16:128", show_default=True,
+              help="completions/chat: output tokens (max_tokens with ignore_eos), a number or low:high.")
+@click.option("--ttft-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="completions/chat: TTFT target for goodput.")
+@click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="completions/chat: TPOT target for goodput.")
 def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | None, rates: str | None,
           duration_s: float, warmup_s: float, timeout_ms: float | None, slo_ms: float, out_path: Path | None,
           plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int, max_lag_ms: float,
-          self_test: bool, concurrency: int, scenario: str | None, scale: float) -> None:
-    """Open-loop load generator: offer Poisson load to a running server and report what it sustained."""
+          self_test: bool, concurrency: int, scenario: str | None, scale: float, prompt_len: str, output_len: str,
+          ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> None:
+    """Open-loop load generator: offer Poisson load to a running server and report what it sustained.
+
+    For completions/chat each rate sends round(rate * duration) streamed requests (no warm-up).
+    """
     from rich.console import Console
 
     console = Console()
@@ -81,6 +96,11 @@ def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | Non
             raise click.ClickException(str(exc)) from exc
         return
     rates_per_s = _parse_rates(rate, rates, required=not self_test)
+    if endpoint in _GENERATIVE_ENDPOINTS:
+        _bench_generative(url, endpoint, model, rates_per_s, duration_s, prompt_len, output_len, ttft_slo_ms,
+                          tpot_slo_ms, seed, request_timeout_s, max_connections, timeout_ms, out_path, plot_path)
+        return
+
     from sluice.bench import runner
     from sluice.bench.workloads import Endpoint
 
@@ -93,6 +113,29 @@ def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | Non
     try:
         runner.bench(config, console, out_path, plot_path)
     except runner.BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _bench_generative(url: str, endpoint: str, model: str, rates_per_s: tuple[float, ...], duration_s: float,
+                      prompt_len: str, output_len: str, ttft_slo_ms: float | None, tpot_slo_ms: float | None,
+                      seed: int, request_timeout_s: float, max_connections: int, timeout_ms: float | None,
+                      out_path: Path | None, plot_path: Path | None) -> None:
+    from rich.console import Console
+
+    from sluice.bench import genreport
+    from sluice.bench.generative import parse_length
+    from sluice.bench.genstats import SloConfig
+
+    try:
+        prompt, output = parse_length(prompt_len), parse_length(output_len)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    config = genreport.GenBenchConfig(url.rstrip("/"), endpoint, model, rates_per_s, duration_s, prompt, output,
+                                      SloConfig(ttft_slo_ms, tpot_slo_ms), seed, request_timeout_s,
+                                      max_connections, timeout_ms)
+    try:
+        genreport.bench_generative(config, Console(), out_path, plot_path)
+    except genreport.GenBenchError as exc:
         raise click.ClickException(str(exc)) from exc
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 __all__ = ["EngineConfig"]
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
+_SCHEDULINGS = ("continuous", "static")
+_STATIC_RESERVES = ("max_model_len", "max_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,12 @@ class EngineConfig:
     """A single sequence's prefill chunk never exceeds this in one step."""
     device: str = "cpu"
     dtype: str = "float32"
+    max_model_len: int | None = None
+    """Cap on prompt + output tokens (default: the model's context length)."""
+    scheduling: str = "continuous"
+    """"continuous", or "static": request-level batching, a benchmark baseline (see static_scheduler)."""
+    static_reserve: str = "max_model_len"
+    """Static only: KV each sequence reserves, "max_model_len" or "max_tokens" (prompt + max_tokens)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
@@ -37,6 +45,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.scheduling not in _SCHEDULINGS:
+            raise ValueError(f"scheduling must be one of {', '.join(_SCHEDULINGS)}; got {self.scheduling!r}")
+        if self.static_reserve not in _STATIC_RESERVES:
+            raise ValueError(f"static_reserve must be one of {', '.join(_STATIC_RESERVES)}; "
+                             f"got {self.static_reserve!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
 

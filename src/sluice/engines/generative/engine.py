@@ -25,6 +25,7 @@ from sluice.engines.generative.model_runner import DTYPES, ModelRunner
 from sluice.engines.generative.sampler import Sampler, SampleRow
 from sluice.engines.generative.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence
+from sluice.engines.generative.static_scheduler import StaticScheduler
 from sluice.engines.generative.tokenizer import Detokenizer, StopChecker, Tokenizer
 from sluice.priority import Priority
 
@@ -87,9 +88,9 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
         bytes_per_block = KVCache.bytes_per_block(self.spec, config.block_size, DTYPES[config.dtype])
         self.num_blocks = config.num_blocks_for(bytes_per_block)
+        self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
         self._blocks = BlockManager(self.num_blocks, config.block_size)
-        self._scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                    config.long_prefill_token_threshold), self._blocks)
+        self._scheduler = self._make_scheduler(config)
         self._runner = ModelRunner(model_dir, self.spec, num_blocks=self.num_blocks, block_size=config.block_size,
                                    dtype=config.dtype, device=config.device)
         self._sampler = Sampler(config.device)
@@ -100,9 +101,20 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._last_step: StepTiming | None = None
 
+    def _make_scheduler(self, config: EngineConfig) -> Scheduler:
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                           config.long_prefill_token_threshold)
+        if config.scheduling == "continuous":
+            return Scheduler(scheduler_config, self._blocks)
+        reserve_max_model_len = config.static_reserve == "max_model_len"
+        if reserve_max_model_len and self._max_model_len > self.num_blocks * config.block_size:
+            raise ValueError(f"static batching reserves max_model_len = {self._max_model_len} tokens per sequence; "
+                             f"the KV cache holds {self.num_blocks * config.block_size}")
+        return StaticScheduler(scheduler_config, self._blocks, self._max_model_len, reserve_max_model_len)
+
     @property
     def max_model_len(self) -> int:
-        return self.spec.max_model_len
+        return self._max_model_len
 
     # ---- any thread ----------------------------------------------------------------------------
 

@@ -114,12 +114,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cac
     heads, head_dim = q.shape[1], q.shape[2]
     for g in inp.groups:
         qq = q[g.token_index].view(g.num_seqs, g.num_queries, heads, head_dim).transpose(1, 2)
-        kk = k_cache[g.slots].transpose(1, 2)  # [B, kv_heads, L, D]
-        vv = v_cache[g.slots].transpose(1, 2)
+        # index_select on the flattened slots, not k_cache[g.slots]: advanced indexing with a 2-D
+        # index was 56% of a CPU decode step at 32 sequences; this gather is several times faster.
+        kk = _gather(k_cache, g.slots)  # [B, kv_heads, L, D]
+        vv = _gather(v_cache, g.slots)
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=scale,
                                            enable_gqa=kk.shape[1] != heads)
         out[g.token_index] = o.transpose(1, 2).reshape(-1, heads, head_dim)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows `slots` [B, L] of one layer's cache [S, kv_heads, D] -> [B, kv_heads, L, D]."""
+    rows = torch.index_select(cache, 0, slots.reshape(-1))
+    return rows.view(slots.shape[0], slots.shape[1], cache.shape[1], cache.shape[2]).transpose(1, 2)
 
 
 class _Weights:

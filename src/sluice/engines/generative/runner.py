@@ -9,12 +9,18 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     max_num_batched_tokens = 2048   # tokens one step may compute (decodes + prefill chunks)
     long_prefill_token_threshold = 512
     dtype = "float32"               # or bfloat16 / float16 (on CUDA)
+    max_model_len = 1024            # cap on prompt + output tokens (default: the model's context)
+    num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
+    scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
+    static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from sluice import wire
 from sluice.engines.generative.config import EngineConfig
@@ -25,7 +31,8 @@ from sluice.repository import ModelVersion
 
 __all__ = ["GenerativeRunner", "PreparedGeneration"]
 
-_ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype")
+_ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
+                  "max_model_len", "scheduling", "static_reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +51,11 @@ class GenerativeRunner:
             config = EngineConfig(device=device, **settings)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{version.name} v{version.version}: [params]: {exc}") from exc
-        self.engine = LLMEngine(version.weights_dir, config)
+        _apply_num_threads(version, params.get("num_threads"), device)
+        try:
+            self.engine = LLMEngine(version.weights_dir, config)
+        except ValueError as exc:
+            raise ConfigError(f"{version.name} v{version.version}: [params]: {exc}") from exc
         if self.engine.tokenizer is None:
             raise ConfigError(f"{version.name} v{version.version}: a generative model needs a tokenizer.json")
         self.tokenizer = self.engine.tokenizer
@@ -89,3 +100,12 @@ class GenerativeRunner:
 
     def close(self) -> None:
         pass
+
+
+def _apply_num_threads(version: ModelVersion, num_threads: object, device: str) -> None:
+    """torch's intra-op threads on CPU; process-wide, so the worker's other CPU models share it."""
+    if num_threads is None or not device.startswith("cpu"):
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
+    torch.set_num_threads(num_threads)
