@@ -5,6 +5,7 @@
     submit() ─▶ engine.add_request ──(inbox)──▶ step() ─▶ step() ─▶ ... (until nothing is left)
     abort()  ─▶ engine.abort ───────(inbox)──▶   freed within one step
     on_outputs(outputs, step_s) ◀── call_soon_threadsafe, once per step that produced output
+                                              (a step that raises ends every sequence with "error")
 
 The engine does continuous batching itself: a request joins the running batch at the next step
 and leaves it the step it finishes, so this thread only has to keep stepping.
@@ -66,8 +67,8 @@ class GenerationLoop:
                 started = time.perf_counter()
                 try:
                     outputs = self._engine.step()
-                except Exception:  # an engine bug: keep the worker alive; its sequences time out
-                    log.exception("generation step failed")
-                    break
+                except Exception:  # an engine bug or a device fault: keep the worker alive
+                    log.exception("generation step failed; ending this model's sequences with an error")
+                    outputs = self._engine.fail_all()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs, time.perf_counter() - started)

@@ -296,6 +296,10 @@ class WorkerServer:
             result = wire.Result(request_id, wire.Outcome.OK, payload=payload,
                                  num_tokens=output.num_prompt_tokens + output.num_output_tokens,
                                  device_s=generation.device_s)
+        elif output.finish_reason == "error":
+            message = "the model failed while generating; try again"
+            result = wire.Result(request_id, wire.Outcome.FAILED, device_s=generation.device_s, message=message,
+                                 errors=[wire.ItemError(-1, message, is_transient=True)])
         else:
             return  # aborted: the gateway withdrew it and expects no answer
         self._reply(generation.identity, result)

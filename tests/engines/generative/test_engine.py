@@ -101,3 +101,23 @@ def test_overload_beyond_the_kv_cache_all_finish(llama_dir):
     assert all(len(done[f"o{i}"]) == 20 for i in range(len(batch)))
     stats = engine.stats()
     assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0
+
+
+def test_a_failed_step_ends_every_sequence_with_an_error_and_the_engine_goes_on(engine, monkeypatch):
+    engine.add_request("running", prompts(15, 1, 20, 20)[0], greedy(50))
+    engine.step()
+    engine.add_request("queued", prompts(16, 1, 20, 20)[0], greedy(50))
+
+    def broken(_inp):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(engine._runner, "execute", broken)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    outputs = engine.fail_all()
+    assert sorted((o.request_id, o.finish_reason, o.is_finished) for o in outputs) == [
+        ("queued", "error", True), ("running", "error", True)]
+    assert engine.stats().kv_cache_usage == 0.0 and not engine.has_unfinished()
+    monkeypatch.undo()
+    prompt = prompts(17, 1, 9, 9)[0]
+    assert len(_one(engine, prompt, greedy(5), rid="running")) == 5  # ids are free again

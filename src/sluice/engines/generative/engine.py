@@ -186,6 +186,20 @@ class LLMEngine:
                                      scheduled.num_batched_tokens)
         return outputs
 
+    def fail_all(self) -> list[RequestOutput]:
+        """After a step raised: end every sequence, queued or running, with finish_reason "error",
+        freeing its blocks, so that its client hears at once instead of at its deadline. The
+        engine stays usable for new requests."""
+        self._drain_inbox()
+        outputs = []
+        for request_id in list(self._requests):
+            seq = self._requests[request_id].seq
+            self._scheduler.finish(seq, FinishReason.ERROR)
+            self._forget(request_id)
+            outputs.append(self._output(seq, (), ""))
+        self._scheduler.discard_finished()
+        return outputs
+
     def _drain_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []

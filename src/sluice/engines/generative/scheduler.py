@@ -94,6 +94,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished)
 
+    def discard_finished(self) -> None:
+        """Forget sequences finished between steps (their owner has been told otherwise)."""
+        self._finished.clear()
+
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> SchedulerOutput:

@@ -40,6 +40,8 @@ class FinishReason(enum.StrEnum):
     """Cancelled by the client (`LLMEngine.abort`)."""
     DEADLINE = "deadline"
     """The request's deadline passed before it finished (the integrator answers 504)."""
+    ERROR = "error"
+    """A step failed inside the engine (`LLMEngine.fail_all`): the device, not the request (503)."""
 
 
 @dataclass(frozen=True, slots=True)
