@@ -39,8 +39,8 @@ TRANSIENT_STATUSES = frozenset({429, 503, 504})
 
 @dataclass(frozen=True, slots=True)
 class ExecutorConfig:
-    max_in_flight: int = 256
-    claim_size: int = 128
+    max_in_flight: int = 1024
+    claim_size: int = 256
     lease_s: float = 60.0
     max_attempts: int = 5
     backoff_base_s: float = 0.5
