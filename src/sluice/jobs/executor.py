@@ -81,14 +81,15 @@ class JobExecutor:
         self._clock = clock
         self._wake = asyncio.Event()
         self._is_housekeeping_due = False
-        self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, clock, self._config.first_load_size,
-                                         self._config.load_chunk_size)
+        self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, self.abandon, clock,
+                                         self._config.first_load_size, self._config.load_chunk_size)
         self._flush_now = asyncio.Event()
         self._leases: dict[str, _Lease] = {}
         self._owners: dict[str, str] = {}
         self._outcomes: dict[str, list[ItemOutcome]] = {}
         self._num_in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], tuple[str, str]] = {}
+        """Each running item's task -> (lease token, batch id)."""
         self._loops: list[asyncio.Task[None]] = []
         self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
                          (b"x-request-timeout-ms", str(self._config.item_timeout_ms).encode())]
@@ -153,9 +154,25 @@ class JobExecutor:
         self._num_in_flight += len(claim.items)
         for item in claim.items:
             task = asyncio.create_task(self._execute(claim.token, item))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[task] = (claim.token, item.batch_id)
+            task.add_done_callback(self._forget)
         return len(claim.items) == want
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+
+    async def abandon(self, batch_id: str) -> None:
+        """Stop the batch's running items (it is cancelled or expired) and record those that finished,
+        so that finalizing writes off exactly the items that have no outcome."""
+        stopped = [(task, token) for task, (token, owner_batch) in self._tasks.items() if owner_batch == batch_id]
+        for task, _ in stopped:
+            task.cancel()
+        for task, token in stopped:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if task.cancelled():
+                self._close_lease(token, 1)
+        await self._flush()
 
     async def _owner(self, batch_id: str) -> str:
         owner = self._owners.get(batch_id)
@@ -224,15 +241,19 @@ class JobExecutor:
             except Exception:
                 self._outcomes.setdefault(token, []).extend(outcomes)  # try again on the next flush
                 raise
-            lease = self._leases.get(token)
-            if lease is not None:
-                lease.num_open -= len(outcomes)
-                if lease.num_open <= 0:
-                    del self._leases[token]
-            self._num_in_flight -= len(outcomes)
+            self._close_lease(token, len(outcomes))
         if not self._num_in_flight:
             self._is_housekeeping_due = True  # a batch may be drained: finalize it now, not at the next poll
         self._wake.set()
+
+    def _close_lease(self, token: str, num_items: int) -> None:
+        """`num_items` of the lease `token` are no longer ours to run."""
+        lease = self._leases.get(token)
+        if lease is not None:
+            lease.num_open -= num_items
+            if lease.num_open <= 0:
+                del self._leases[token]
+        self._num_in_flight -= num_items
 
     # -- housekeeping ----------------------------------------------------------------------------
 

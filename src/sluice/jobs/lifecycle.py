@@ -2,13 +2,14 @@
 
     validating ─parse─▶ in_progress ─every item done─▶ finalizing ─files written─▶ completed
         │                   │  (items stored in chunks while the first ones run)
-        ▼                   ├─ cancel ────────────▶ cancelling ─running items end─▶ cancelled
-      failed                └─ now ≥ expires_at ─running items end─▶ expired
+        ▼                   ├─ cancel ──────────▶ cancelling ─▶ cancelled
+      failed                └─ now ≥ expires_at ─────────────▶ expired
 
 Each arrow is one committed store call, so a server killed anywhere resumes from the status it
 left: a batch whose items were half stored stores the rest (`resume`), a finalizing batch writes
-its files again. Cancelled and expired batches keep every item that finished; the others go to
-the error file with the code `batch_cancelled` / `batch_expired`.
+its files again. Cancelled and expired batches keep every item that finished; the others, those
+still running included (they are stopped), go to the error file with the code `batch_cancelled` /
+`batch_expired`.
 
 Validation and storing run as one background task per batch, so a large new file never stalls
 the items of the batches already running.
@@ -20,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from sluice.jobs import lines
@@ -35,13 +36,16 @@ _STORE_RETRY_S = 1.0
 
 class BatchLifecycle:
     def __init__(self, store: JobStore, metrics: JobMetrics, wake: Callable[[], None],
-                 clock: Callable[[], float] = time.time, first_load_size: int = 1000,
-                 load_chunk_size: int = 5000) -> None:
+                 abandon: Callable[[str], Awaitable[None]], clock: Callable[[], float] = time.time,
+                 first_load_size: int = 1000, load_chunk_size: int = 5000) -> None:
+        """`wake` asks the executor to claim now; `abandon(batch_id)` stops the batch's running items
+        and records those that finished."""
         if first_load_size < 1 or load_chunk_size < 1:
             raise ValueError("first_load_size and load_chunk_size must be >= 1")
         self._store = store
         self._metrics = metrics
         self._wake = wake
+        self._abandon = abandon
         self._clock = clock
         self._first_load_size = first_load_size
         self._load_chunk_size = load_chunk_size
@@ -146,8 +150,10 @@ class BatchLifecycle:
             self._finished(done, now)
 
     async def _write_off(self, batch: BatchJob, final: BatchStatus, code: str, now: float) -> None:
-        if await self._store.num_live_leases(batch.id, now):
-            return  # running items finish (or their leases lapse) first
+        """Items with an outcome are kept; the rest, running ones included, are written off at once:
+        items queued behind online traffic could otherwise hold a cancelled or expired batch open
+        for as long as their own deadline."""
+        await self._abandon(batch.id)
         message = f"the batch was {final.value} before this request ran"
         done = await self._store.finalize(batch.id, final, lambda custom_id: lines.error_only_line(
             custom_id, code, message), int(now))

@@ -62,7 +62,7 @@ class BatchStatus(enum.StrEnum):
     """The completion window (`expires_at`) passed first: items that finished are kept in the output
     and error files, the others are in the error file with the code `batch_expired`."""
     CANCELLING = "cancelling"
-    """Cancel was asked: no new items start; those running finish and are kept."""
+    """Cancel was asked: no new items start; those running are stopped (brief: the next housekeeping)."""
     CANCELLED = "cancelled"
     """Cancelled: finished items are in the output/error files, the rest in the error file."""
 
