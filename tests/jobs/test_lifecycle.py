@@ -211,3 +211,30 @@ async def test_a_crash_while_storing_items_stores_the_rest_on_restart(tmp_path: 
     assert done.status is BatchStatus.COMPLETED and (done.num_total, done.num_completed) == (7, 7)
     assert [r["custom_id"] for r in await _lines(store, done.output_file_id)] == [f"c{i}" for i in range(7)]
     await store.aclose()
+
+
+async def test_cancel_stops_running_items_and_keeps_finished_ones(tmp_path: Path):
+    store = SqliteJobStore(tmp_path / "data")
+    batch_id = await _create(store, ["ok", "hang", "hang", "hang", "ok"])
+    app = HangingApp()
+    executor = JobExecutor(store, ExecutorConfig(max_in_flight=3, claim_size=3, poll_interval_s=0.01,
+                                                 flush_interval_s=0.002))
+    cancelled_before = _items_total("cancelled")
+    await executor.start(app)
+
+    async def hanging() -> bool:
+        batch = await store.get_batch(None, batch_id)
+        return app.calls["hang"] == 3 and batch is not None and batch.num_completed == 1
+
+    await _until(hanging)  # item 0 done, 1 to 3 running forever, 4 queued
+    assert await store.cancel_batch("", batch_id, 5) is not None
+    executor.notify()
+    done = await _final(store, batch_id)
+    await executor.aclose()
+    assert done.status is BatchStatus.CANCELLED and done.cancelled_at is not None
+    assert [r["custom_id"] for r in await _lines(store, done.output_file_id)] == ["c0"]
+    errors = await _lines(store, done.error_file_id)
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
+        ("c1", "batch_cancelled"), ("c2", "batch_cancelled"), ("c3", "batch_cancelled"), ("c4", "batch_cancelled")]
+    assert _items_total("cancelled") - cancelled_before == 4 and app.calls["ok"] == 1
+    await store.aclose()
