@@ -100,7 +100,6 @@ class JobExecutor:
         released = await self._store.release_leases()
         if released:
             log.info("resuming batch jobs: %d items returned to the queue", released)
-        await self._lifecycle.resume()
         self._loops = [asyncio.create_task(self._run()), asyncio.create_task(self._flush_loop())]
 
     def notify(self) -> None:

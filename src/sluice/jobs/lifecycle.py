@@ -6,8 +6,8 @@
       failed                └─ now ≥ expires_at ─────────────▶ expired
 
 Each arrow is one committed store call, so a server killed anywhere resumes from the status it
-left: a batch whose items were half stored stores the rest (`resume`), a finalizing batch writes
-its files again. Cancelled and expired batches keep every item that finished; the others, those
+left: a batch whose items were half stored stores the rest (checked once per batch), a
+finalizing batch writes its files again. Cancelled and expired batches keep every item that finished; the others, those
 still running included (they are stopped), go to the error file with the code `batch_cancelled` /
 `batch_expired`.
 
@@ -50,20 +50,12 @@ class BatchLifecycle:
         self._first_load_size = first_load_size
         self._load_chunk_size = load_chunk_size
         self._loading: dict[str, asyncio.Task[None]] = {}
+        self._fully_stored: set[str] = set()
+        """Started batches seen with all their items stored (checked once per batch and process)."""
 
     @property
     def num_loading(self) -> int:
         return len(self._loading)
-
-    async def resume(self) -> None:
-        """At startup: finish storing the items of batches whose loading a crash interrupted."""
-        for batch in await self._store.active_batches():
-            if batch.status is BatchStatus.VALIDATING or batch.num_total == 0:
-                continue
-            num_stored = await self._store.num_items(batch.id)
-            if num_stored < batch.num_total:
-                log.info("batch %s: storing its items from %d of %d", batch.id, num_stored, batch.num_total)
-                self._own(batch.id, self._reload(batch, num_stored))
 
     async def step(self, batch: BatchJob, now: float) -> None:
         """Move `batch` on if it can move now; a batch being validated or stored waits for that."""
@@ -71,6 +63,8 @@ class BatchLifecycle:
             return
         if batch.status is BatchStatus.VALIDATING:
             self._own(batch.id, self._validate(batch))
+        elif batch.id not in self._fully_stored and not await self._check_stored(batch):
+            return
         elif batch.status is BatchStatus.FINALIZING or (
                 batch.status is BatchStatus.IN_PROGRESS and batch.num_completed + batch.num_failed >= batch.num_total):
             await self._complete(batch, now)
@@ -117,12 +111,25 @@ class BatchLifecycle:
         await self._store.fail_batch(batch.id, errors, now)
         self._metrics.job_done(BatchStatus.FAILED.value, now - batch.created_at)
 
+    async def _check_stored(self, batch: BatchJob) -> bool:
+        """True when every item of `batch` is stored; if not (a crash, here or on another gateway,
+        interrupted storing them), store the rest. Inserts ignore items already there, so two
+        gateways doing this at once only repeat work."""
+        num_stored = await self._store.num_items(batch.id)
+        if num_stored >= batch.num_total:
+            self._fully_stored.add(batch.id)
+            return True
+        log.info("batch %s: storing its items from %d of %d", batch.id, num_stored, batch.num_total)
+        self._own(batch.id, self._reload(batch, num_stored))
+        return False
+
     async def _reload(self, batch: BatchJob, num_stored: int) -> None:
         content = await self._store.file_content(batch.owner, batch.input_file_id)
         parsed = None if content is None else await asyncio.to_thread(parse_input, content, batch.endpoint)
         if not isinstance(parsed, Valid):
-            log.error("batch %s: its input file is gone or changed; %d of %d items were stored", batch.id,
-                      num_stored, batch.num_total)
+            log.error("batch %s: its input file is gone or changed; only %d of %d items were stored and "
+                      "the batch can only expire or be cancelled", batch.id, num_stored, batch.num_total)
+            self._fully_stored.add(batch.id)  # nothing more to store: do not try again
             return
         await self._store_items(batch.id, parsed.items[num_stored:])
 
@@ -162,6 +169,7 @@ class BatchLifecycle:
             self._finished(done, now)
 
     def _finished(self, done: BatchJob, now: float) -> None:
+        self._fully_stored.discard(done.id)
         self._metrics.job_done(done.status.value, now - done.created_at)
         log.info("batch %s %s: %d ok, %d failed of %d", done.id, done.status.value, done.num_completed,
                  done.num_failed, done.num_total)
