@@ -9,7 +9,9 @@
 - 429/503/504 are transient: the item returns to the queue after an exponential backoff with
   full jitter, until `max_attempts`; then its last answer goes to the error file (dead letter).
   Other non-2xx answers are final at once.
-- Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time.
+- Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
+  enough that the worker's queue never runs dry (the device is what the job waits for), started
+  `launch_slice` at a time so online requests interleave with a claim's burst.
 - Housekeeping (every `poll_interval_s`, and at once when a batch is created or cancelled or the
   executor runs dry): renew leases still in use, and move each active batch on (`BatchLifecycle`:
   validate and store new batches, finalize finished ones, finish cancelled and expired ones).
@@ -48,14 +50,17 @@ class ExecutorConfig:
     item_timeout_ms: int = 60_000
     flush_interval_s: float = 0.02
     poll_interval_s: float = 0.25
+    launch_slice: int = 32
+    """Items of a claim started per event-loop turn: a claim's items all starting at once would keep
+    online requests arriving meanwhile waiting for the whole burst to pass through the app."""
     first_load_size: int = 1000
     """Items stored with the batch's start; they run while the rest are stored..."""
     load_chunk_size: int = 5000
     """...in transactions of this many items."""
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.claim_size < 1 or self.max_attempts < 1 or self.lease_s <= 0:
-            raise ValueError("max_in_flight, claim_size and max_attempts must be >= 1, lease_s > 0")
+        if min(self.max_in_flight, self.claim_size, self.max_attempts, self.launch_slice) < 1 or self.lease_s <= 0:
+            raise ValueError("max_in_flight, claim_size, max_attempts and launch_slice must be >= 1, lease_s > 0")
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:
@@ -151,10 +156,13 @@ class JobExecutor:
             return False
         self._leases[claim.token] = _Lease(claim)
         self._num_in_flight += len(claim.items)
-        for item in claim.items:
-            task = asyncio.create_task(self._execute(claim.token, item))
-            self._tasks[task] = (claim.token, item.batch_id)
-            task.add_done_callback(self._forget)
+        for start in range(0, len(claim.items), self._config.launch_slice):
+            if start:
+                await asyncio.sleep(0)  # online requests get the event loop between slices
+            for item in claim.items[start:start + self._config.launch_slice]:
+                task = asyncio.create_task(self._execute(claim.token, item))
+                self._tasks[task] = (claim.token, item.batch_id)
+                task.add_done_callback(self._forget)
         return len(claim.items) == want
 
     def _forget(self, task: asyncio.Task[None]) -> None:
