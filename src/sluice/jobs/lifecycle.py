@@ -53,10 +53,6 @@ class BatchLifecycle:
         self._fully_stored: set[str] = set()
         """Started batches seen with all their items stored (checked once per batch and process)."""
 
-    @property
-    def num_loading(self) -> int:
-        return len(self._loading)
-
     async def step(self, batch: BatchJob, now: float) -> None:
         """Move `batch` on if it can move now; a batch being validated or stored waits for that."""
         if batch.id in self._loading:
