@@ -69,3 +69,22 @@ def test_bad_requests_are_400_in_the_openai_shape(client: TestClient):
                                               "completion_window": "forever"})
     assert window.status_code == 400 and window.json()["error"]["param"] == "completion_window"
     assert client.get("/v1/batches?limit=0").status_code == 400
+
+
+@pytest.mark.parametrize(("window", "seconds"), [("24h", 86_400), ("1h", 3600), ("30m", 1800), ("90s", 90),
+                                                 ("336h", 14 * 86_400)])
+def test_completion_window_sets_expires_at(client: TestClient, window: str, seconds: int):
+    file_id = client.post("/v1/files", files={"file": ("a.jsonl", LINE)}, data={"purpose": "batch"}).json()["id"]
+    created = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
+                                               "completion_window": window})
+    assert created.status_code == 200, created.text
+    batch = created.json()
+    assert batch["completion_window"] == window and batch["expires_at"] - batch["created_at"] == seconds
+
+
+@pytest.mark.parametrize("window", ["0h", "24", "h", "1d", "-1h", "1.5h", "337h", "24H", ""])
+def test_invalid_completion_windows_are_400(client: TestClient, window: str):
+    file_id = client.post("/v1/files", files={"file": ("a.jsonl", LINE)}, data={"purpose": "batch"}).json()["id"]
+    rejected = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
+                                                "completion_window": window})
+    assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "completion_window"

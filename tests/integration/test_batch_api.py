@@ -150,3 +150,28 @@ def test_cli_submit_waits_and_downloads(served, tmp_path: Path):
     status = subprocess.run([sys.executable, "-m", "sluice", "batch", "status", batch_id, "--url", server.url],
                             capture_output=True, text=True, timeout=60)
     assert "completed  20 ok, 0 failed of 20" in status.stdout
+
+
+def test_a_job_past_its_window_expires_keeping_what_finished(make_server, emulated_repo, tmp_path: Path):
+    """A slow device (one item per 100 ms batch) and a 2 s window: about 20 of 60 items finish."""
+    server = make_server(emulated_repo(max_batch_size=1, alpha_ms=100.0, beta_ms=0.0), "--data-dir",
+                         str(tmp_path / "data"))
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        uploaded = client.files.create(file=("in.jsonl", jsonl(embedding_lines(60))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                      completion_window="2s")  # a sluice extension: OpenAI takes only "24h"
+        assert batch.expires_at == batch.created_at + 2
+        done = wait_until_final(client, batch.id, timeout_s=60)
+        assert done.status == "expired", done
+        assert done.expired_at is not None and done.expired_at >= done.expires_at and done.completed_at is None
+        ok = output_rows(client, done.output_file_id)
+        expired = output_rows(client, done.error_file_id)
+        assert 1 <= len(ok) < 60 and len(ok) == done.request_counts.completed and done.request_counts.failed == 0
+        assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in ok)
+        assert {r["error"]["code"] for r in expired} == {"batch_expired"}
+        assert all(r["response"] is None for r in expired)
+        ids = sorted((r["custom_id"] for r in ok + expired), key=lambda c: int(c.split("-")[1]))
+        assert ids == [f"req-{i}" for i in range(60)]  # every line exactly once
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert f'sluice_batch_items_total{{outcome="expired"}} {float(len(expired))}' in metrics
+        assert 'sluice_batch_jobs_total{status="expired"} 1.0' in metrics

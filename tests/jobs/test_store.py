@@ -154,3 +154,40 @@ async def test_validation_failure_is_final(store: JobStore):
     failed = await store.get_batch("acme", batch.id)
     assert failed is not None and failed.status is BatchStatus.FAILED and failed.errors == errors
     assert not await store.start_batch(batch.id, [], NOW)
+
+
+async def test_finalizing_is_committed_before_the_files_and_only_once_every_item_is_done(store: JobStore):
+    batch_id = await _started(store, 2)
+    claim = await store.claim(10, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, 0)])
+    assert await store.begin_finalizing(batch_id, NOW + 1) is None  # one item left
+    await store.record(claim.token, [_done(batch_id, 1)])
+    finalizing = await store.begin_finalizing(batch_id, NOW + 2)
+    assert finalizing is not None and finalizing.status is BatchStatus.FINALIZING
+    assert finalizing.finalizing_at == NOW + 2
+    assert finalizing.output_file_id is None and finalizing.is_active
+    assert await store.get_batch("acme", batch_id) == finalizing  # what a polling client sees
+    assert await store.begin_finalizing(batch_id, NOW + 3) == finalizing  # again (a resumed server): unchanged
+    final = await store.finalize(batch_id, BatchStatus.COMPLETED, None, NOW + 4)
+    assert final is not None and final.status is BatchStatus.COMPLETED
+    assert (final.finalizing_at, final.completed_at) == (NOW + 2, NOW + 4) and final.output_file_id
+    assert await store.begin_finalizing(batch_id, NOW + 5) is None
+
+
+async def test_items_stored_in_chunks_after_the_start_run_while_the_rest_arrive(store: JobStore):
+    batch = await store.create_batch(_new_batch())
+    items = [NewItem(i, f"req-{i}", "/v1/embeddings", b'{"input": "x"}') for i in range(10)]
+    assert await store.start_batch(batch.id, items[:3], NOW, num_total=10)
+    started = await store.get_batch(None, batch.id)
+    assert started is not None and started.status is BatchStatus.IN_PROGRESS and started.num_total == 10
+    assert await store.num_items(batch.id) == 3
+    claim = await store.claim(20, lease_s=30, now=NOW)
+    assert claim is not None and [i.idx for i in claim.items] == [0, 1, 2]
+    await store.record(claim.token, [_done(batch.id, i) for i in range(3)])
+    assert await store.begin_finalizing(batch.id, NOW) is None  # 7 items are not even stored yet
+    await store.add_items(batch.id, items[3:8])
+    await store.add_items(batch.id, items[5:])  # a resumed load may repeat a chunk: kept once
+    assert await store.num_items(batch.id) == 10
+    later = await store.claim(20, lease_s=30, now=NOW)
+    assert later is not None and [i.idx for i in later.items] == list(range(3, 10))

@@ -68,7 +68,8 @@ def batch() -> None:
 @batch.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--endpoint", required=True, help="/v1/embeddings, /v1/completions, /v1/chat/completions or /v2/infer.")
-@click.option("--window", "completion_window", default="24h", show_default=True)
+@click.option("--window", "completion_window", default="24h", show_default=True,
+              help="Completion window: hours, minutes or seconds (24h, 30m, 90s); past it the job expires.")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends, then download its files.")
 @click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Where --wait writes BATCH_output.jsonl / BATCH_errors.jsonl.")

@@ -9,9 +9,12 @@
 - 429/503/504 are transient: the item returns to the queue after an exponential backoff with
   full jitter, until `max_attempts`; then its last answer goes to the error file (dead letter).
   Other non-2xx answers are final at once.
-- Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time.
-- Housekeeping (every `poll_interval_s`): validate new batches, renew leases still in use,
-  finalize batches whose items are all done, finish cancelled and expired ones.
+- Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
+  enough that the worker's queue never runs dry (the device is what the job waits for), started
+  `launch_slice` at a time so online requests interleave with a claim's burst.
+- Housekeeping (every `poll_interval_s`, and at once when a batch is created or cancelled or the
+  executor runs dry): renew leases still in use, and move each active batch on (`BatchLifecycle`:
+  validate and store new batches, finalize finished ones, finish cancelled and expired ones).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.jobs import lines
 from sluice.jobs.asgi_call import AsgiApp, post
-from sluice.jobs.store import BatchJob, BatchStatus, Claim, Item, ItemOutcome, JobStore
-from sluice.jobs.validate import Valid, parse_input
+from sluice.jobs.lifecycle import BatchLifecycle
+from sluice.jobs.store import BatchStatus, Claim, Item, ItemOutcome, JobStore
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
@@ -38,8 +41,8 @@ TRANSIENT_STATUSES = frozenset({429, 503, 504})
 
 @dataclass(frozen=True, slots=True)
 class ExecutorConfig:
-    max_in_flight: int = 256
-    claim_size: int = 128
+    max_in_flight: int = 1024
+    claim_size: int = 256
     lease_s: float = 60.0
     max_attempts: int = 5
     backoff_base_s: float = 0.5
@@ -47,10 +50,17 @@ class ExecutorConfig:
     item_timeout_ms: int = 60_000
     flush_interval_s: float = 0.02
     poll_interval_s: float = 0.25
+    launch_slice: int = 32
+    """Items of a claim started per event-loop turn: a claim's items all starting at once would keep
+    online requests arriving meanwhile waiting for the whole burst to pass through the app."""
+    first_load_size: int = 1000
+    """Items stored with the batch's start; they run while the rest are stored..."""
+    load_chunk_size: int = 5000
+    """...in transactions of this many items."""
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.claim_size < 1 or self.max_attempts < 1 or self.lease_s <= 0:
-            raise ValueError("max_in_flight, claim_size and max_attempts must be >= 1, lease_s > 0")
+        if min(self.max_in_flight, self.claim_size, self.max_attempts, self.launch_slice) < 1 or self.lease_s <= 0:
+            raise ValueError("max_in_flight, claim_size, max_attempts and launch_slice must be >= 1, lease_s > 0")
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:
@@ -75,12 +85,16 @@ class JobExecutor:
         self._metrics = metrics or JobMetrics()
         self._clock = clock
         self._wake = asyncio.Event()
+        self._is_housekeeping_due = False
+        self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, self.abandon, clock,
+                                         self._config.first_load_size, self._config.load_chunk_size)
         self._flush_now = asyncio.Event()
         self._leases: dict[str, _Lease] = {}
         self._owners: dict[str, str] = {}
         self._outcomes: dict[str, list[ItemOutcome]] = {}
         self._num_in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], tuple[str, str]] = {}
+        """Each running item's task -> (lease token, batch id)."""
         self._loops: list[asyncio.Task[None]] = []
         self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
                          (b"x-request-timeout-ms", str(self._config.item_timeout_ms).encode())]
@@ -95,9 +109,11 @@ class JobExecutor:
 
     def notify(self) -> None:
         """Something changed (a batch was created or cancelled): look now rather than at the next poll."""
+        self._is_housekeeping_due = True
         self._wake.set()
 
     async def aclose(self) -> None:
+        await self._lifecycle.aclose()
         for task in [*self._loops, *self._tasks]:
             task.cancel()
         for task in [*self._loops, *self._tasks]:
@@ -111,8 +127,10 @@ class JobExecutor:
     async def _run(self) -> None:
         next_housekeeping = 0.0
         while True:
+            self._wake.clear()  # anything that sets it from here on is seen by the wait below
             try:
-                if time.monotonic() >= next_housekeeping:
+                if self._is_housekeeping_due or time.monotonic() >= next_housekeeping:
+                    self._is_housekeeping_due = False
                     next_housekeeping = time.monotonic() + self._config.poll_interval_s
                     await self._housekeep()
                 while await self._fill():
@@ -121,9 +139,11 @@ class JobExecutor:
                 raise
             except Exception:
                 log.exception("batch executor step failed; retrying")
-            self._wake.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that races
+            # with the event being set, and aclose() would then wait for this loop forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._config.poll_interval_s)
+                async with asyncio.timeout(self._config.poll_interval_s):
+                    await self._wake.wait()
 
     async def _fill(self) -> bool:
         """Claim more items if there is room; True when a full claim came back (there may be more)."""
@@ -136,11 +156,30 @@ class JobExecutor:
             return False
         self._leases[claim.token] = _Lease(claim)
         self._num_in_flight += len(claim.items)
-        for item in claim.items:
-            task = asyncio.create_task(self._execute(claim.token, item))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        for start in range(0, len(claim.items), self._config.launch_slice):
+            if start:
+                await asyncio.sleep(0)  # online requests get the event loop between slices
+            for item in claim.items[start:start + self._config.launch_slice]:
+                task = asyncio.create_task(self._execute(claim.token, item))
+                self._tasks[task] = (claim.token, item.batch_id)
+                task.add_done_callback(self._forget)
         return len(claim.items) == want
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+
+    async def abandon(self, batch_id: str) -> None:
+        """Stop the batch's running items (it is cancelled or expired) and record those that finished,
+        so that finalizing writes off exactly the items that have no outcome."""
+        stopped = [(task, token) for task, (token, owner_batch) in self._tasks.items() if owner_batch == batch_id]
+        for task, _ in stopped:
+            task.cancel()
+        for task, token in stopped:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if task.cancelled():
+                self._close_lease(token, 1)
+        await self._flush()
 
     async def _owner(self, batch_id: str) -> str:
         owner = self._owners.get(batch_id)
@@ -209,13 +248,19 @@ class JobExecutor:
             except Exception:
                 self._outcomes.setdefault(token, []).extend(outcomes)  # try again on the next flush
                 raise
-            lease = self._leases.get(token)
-            if lease is not None:
-                lease.num_open -= len(outcomes)
-                if lease.num_open <= 0:
-                    del self._leases[token]
-            self._num_in_flight -= len(outcomes)
+            self._close_lease(token, len(outcomes))
+        if not self._num_in_flight:
+            self._is_housekeeping_due = True  # a batch may be drained: finalize it now, not at the next poll
         self._wake.set()
+
+    def _close_lease(self, token: str, num_items: int) -> None:
+        """`num_items` of the lease `token` are no longer ours to run."""
+        lease = self._leases.get(token)
+        if lease is not None:
+            lease.num_open -= num_items
+            if lease.num_open <= 0:
+                del self._leases[token]
+        self._num_in_flight -= num_items
 
     # -- housekeeping ----------------------------------------------------------------------------
 
@@ -223,13 +268,12 @@ class JobExecutor:
         now = self._clock()
         await self._renew_leases(now)
         num_queued = 0
-        for batch in await self._store.active_batches():
-            self._owners[batch.id] = batch.owner
-            if batch.status is BatchStatus.VALIDATING:
-                await self._validate(batch)
-                continue
-            num_queued += batch.num_total - batch.num_completed - batch.num_failed
-            await self._maybe_finalize(batch, now)
+        active = await self._store.active_batches()
+        self._owners = {batch.id: batch.owner for batch in active}
+        for batch in active:
+            if batch.status is not BatchStatus.VALIDATING:
+                num_queued += batch.num_total - batch.num_completed - batch.num_failed
+            await self._lifecycle.step(batch, now)
         self._metrics.pending(max(num_queued - self._num_in_flight, 0), self._num_in_flight)
 
     async def _renew_leases(self, now: float) -> None:
@@ -238,40 +282,3 @@ class JobExecutor:
             if lease.until - now < self._config.lease_s / 2:
                 lease.until = now + self._config.lease_s
                 await self._store.extend_lease(token, lease.until)
-
-    async def _validate(self, batch: BatchJob) -> None:
-        content = await self._store.file_content(batch.owner, batch.input_file_id)
-        now = int(self._clock())
-        if content is None:
-            await self._store.fail_batch(batch.id, [{"code": "input_file_missing", "param": "input_file_id", "line":
-                                                     None, "message": "the input file was deleted"}], now)
-            self._metrics.job_done(BatchStatus.FAILED.value, now - batch.created_at)
-            return
-        parsed = await asyncio.to_thread(parse_input, content, batch.endpoint)
-        if isinstance(parsed, Valid):
-            await self._store.start_batch(batch.id, parsed.items, now)
-            self._wake.set()
-        else:
-            await self._store.fail_batch(batch.id, parsed.errors, now)
-            self._metrics.job_done(BatchStatus.FAILED.value, now - batch.created_at)
-
-    async def _maybe_finalize(self, batch: BatchJob, now: float) -> None:
-        is_drained = batch.num_completed + batch.num_failed >= batch.num_total
-        if batch.status in (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING) and now < batch.expires_at:
-            final, code = (BatchStatus.COMPLETED, None) if is_drained else (None, None)
-        elif batch.status is BatchStatus.CANCELLING:
-            final, code = BatchStatus.CANCELLED, "batch_cancelled"
-        else:
-            final, code = (BatchStatus.COMPLETED, None) if is_drained else (BatchStatus.EXPIRED, "batch_expired")
-        if final is None or (code and await self._store.num_live_leases(batch.id, now)):
-            return  # running items finish (or their leases lapse) first
-        message = f"the batch was {final.value} before this request ran"
-        leftover = (lambda custom_id: lines.error_only_line(custom_id, code, message)) if code else None
-        done = await self._store.finalize(batch.id, final, leftover, int(now))
-        if done is not None:
-            if code:
-                self._metrics.item_done(final.value, batch.num_total - batch.num_completed - batch.num_failed)
-            self._metrics.job_done(final.value, now - batch.created_at)
-            self._owners.pop(batch.id, None)
-            log.info("batch %s %s: %d ok, %d failed of %d", batch.id, final.value, done.num_completed,
-                     done.num_failed, done.num_total)

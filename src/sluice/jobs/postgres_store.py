@@ -134,11 +134,13 @@ class PostgresJobStore:
                                      ([s.value for s in rows.ACTIVE],))
             return [rows.batch_of(r) for r in await cur.fetchall()]
 
-    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int) -> bool:
+    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int,
+                          num_total: int | None = None) -> bool:
         async with self._pool.connection() as conn, conn.transaction():
             cur = await conn.execute("UPDATE batches SET status = %s, in_progress_at = %s, num_total = %s "
                                      "WHERE id = %s AND status = %s",
-                                     (BatchStatus.IN_PROGRESS.value, now, len(items), batch_id,
+                                     (BatchStatus.IN_PROGRESS.value, now,
+                                      len(items) if num_total is None else num_total, batch_id,
                                       BatchStatus.VALIDATING.value))
             if cur.rowcount == 0:
                 return False
@@ -146,6 +148,18 @@ class PostgresJobStore:
                 for i in items:
                     await copy.write_row((batch_id, i.idx, i.custom_id, i.url, i.body))
             return True
+
+    async def add_items(self, batch_id: str, items: Sequence[NewItem]) -> None:
+        """Plain inserts rather than COPY: another gateway resuming the same load may race us."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.cursor().executemany(
+                "INSERT INTO items (batch_id, idx, custom_id, url, body) VALUES (%s, %s, %s, %s, %s) "
+                "ON CONFLICT (batch_id, idx) DO NOTHING",
+                [(batch_id, i.idx, i.custom_id, i.url, i.body) for i in items])
+
+    async def num_items(self, batch_id: str) -> int:
+        row = await self._one("SELECT COUNT(*) FROM items WHERE batch_id = %s", (batch_id,))
+        return int(row[0])
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None:
         async with self._pool.connection() as conn:
@@ -231,6 +245,15 @@ class PostgresJobStore:
                               "AND lease_until >= %s", (batch_id, now))
         return int(row[0])
 
+    async def begin_finalizing(self, batch_id: str, now: int) -> BatchJob | None:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("UPDATE batches SET status = %s, finalizing_at = %s WHERE id = %s AND status = %s "
+                               "AND num_completed + num_failed >= num_total",
+                               (BatchStatus.FINALIZING.value, now, batch_id, BatchStatus.IN_PROGRESS.value))
+            row = await (await conn.execute(_BATCH_BY_ID, (batch_id,))).fetchone()
+        batch = rows.batch_of(row) if row else None
+        return batch if batch is not None and batch.status is BatchStatus.FINALIZING else None
+
     async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
                        now: int) -> BatchJob | None:
         async with self._pool.connection() as conn, conn.transaction():
@@ -258,8 +281,9 @@ class PostgresJobStore:
                                        (file_id, batch.owner, f"{batch_id}_{suffix}.jsonl", "batch_output",
                                         len(content), now, content))
                 file_ids.append(file_id)
-            await conn.execute(f"UPDATE batches SET status = %s, finalizing_at = %s, {rows.FINAL_STAMP[status]} = %s, "
-                               "output_file_id = %s, error_file_id = %s WHERE id = %s",
+            await conn.execute(f"UPDATE batches SET status = %s, finalizing_at = COALESCE(finalizing_at, %s), "
+                               f"{rows.FINAL_STAMP[status]} = %s, output_file_id = %s, error_file_id = %s "
+                               "WHERE id = %s",
                                (status.value, now, now, *file_ids, batch_id))
             final = await (await conn.execute(_BATCH_BY_ID, (batch_id,))).fetchone()
             return rows.batch_of(final)  # type: ignore[arg-type]

@@ -39,6 +39,8 @@ from sluice.jobs.store import (
 T = TypeVar("T")
 _CLAIMABLE_QUEUED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'queued' "
                      "AND not_before <= ? ORDER BY idx LIMIT ?")
+_BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id = ? AND status = ? "
+                     "AND num_completed + num_failed >= num_total")
 _CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
                       "AND lease_until < ? ORDER BY idx LIMIT ?")
 
@@ -176,18 +178,27 @@ class SqliteJobStore:
 
         return await self._call(active, self._db)
 
-    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int) -> bool:
+    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int,
+                          num_total: int | None = None) -> bool:
         def start(db: sqlite3.Connection) -> bool:
             updated = db.execute("UPDATE batches SET status = ?, in_progress_at = ?, num_total = ? "
                                  "WHERE id = ? AND status = ?",
-                                 (BatchStatus.IN_PROGRESS.value, now, len(items), batch_id,
-                                  BatchStatus.VALIDATING.value)).rowcount
+                                 (BatchStatus.IN_PROGRESS.value, now, len(items) if num_total is None else num_total,
+                                  batch_id, BatchStatus.VALIDATING.value)).rowcount
             if updated:
-                db.executemany("INSERT INTO items (batch_id, idx, custom_id, url, body) VALUES (?, ?, ?, ?, ?)",
-                               ((batch_id, i.idx, i.custom_id, i.url, i.body) for i in items))
+                _insert_items(db, batch_id, items)
             return updated > 0
 
         return await self._txn(start)
+
+    async def add_items(self, batch_id: str, items: Sequence[NewItem]) -> None:
+        await self._txn(_insert_items, batch_id, items)
+
+    async def num_items(self, batch_id: str) -> int:
+        def count(db: sqlite3.Connection) -> int:
+            return int(db.execute("SELECT COUNT(*) FROM items WHERE batch_id = ?", (batch_id,)).fetchone()[0])
+
+        return await self._call(count, self._db)
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None:
         def fail(db: sqlite3.Connection) -> None:
@@ -250,6 +261,15 @@ class SqliteJobStore:
 
         return await self._call(count, self._db)
 
+    async def begin_finalizing(self, batch_id: str, now: int) -> BatchJob | None:
+        def begin(db: sqlite3.Connection) -> BatchJob | None:
+            db.execute(_BEGIN_FINALIZING, (BatchStatus.FINALIZING.value, now, batch_id,
+                                           BatchStatus.IN_PROGRESS.value))
+            batch = _get_batch(db, None, batch_id)
+            return batch if batch is not None and batch.status is BatchStatus.FINALIZING else None
+
+        return await self._txn(begin)
+
     async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
                        now: int) -> BatchJob | None:
         return await self._txn(_finalize, batch_id, status, leftover, now)
@@ -270,6 +290,12 @@ def _get_batch(db: sqlite3.Connection, owner: str | None, batch_id: str) -> Batc
         row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ? AND owner = ?",
                          (batch_id, owner)).fetchone()
     return rows.batch_of(row) if row else None
+
+
+def _insert_items(db: sqlite3.Connection, batch_id: str, items: Sequence[NewItem]) -> None:
+    db.executemany("INSERT INTO items (batch_id, idx, custom_id, url, body) VALUES (?, ?, ?, ?, ?) "
+                   "ON CONFLICT (batch_id, idx) DO NOTHING",
+                   ((batch_id, i.idx, i.custom_id, i.url, i.body) for i in items))
 
 
 def _record(db: sqlite3.Connection, token: str, outcomes: Sequence[ItemOutcome]) -> int:
@@ -321,6 +347,6 @@ def _finalize(db: sqlite3.Connection, batch_id: str, status: BatchStatus, leftov
                                                     "batch_output", len(content), now, content))
         file_ids.append(file_id)
     stamp = rows.FINAL_STAMP[status]
-    db.execute(f"UPDATE batches SET status = ?, finalizing_at = ?, {stamp} = ?, output_file_id = ?, "
-               "error_file_id = ? WHERE id = ?", (status.value, now, now, *file_ids, batch_id))
+    db.execute(f"UPDATE batches SET status = ?, finalizing_at = COALESCE(finalizing_at, ?), {stamp} = ?, "
+               "output_file_id = ?, error_file_id = ? WHERE id = ?", (status.value, now, now, *file_ids, batch_id))
     return _get_batch(db, None, batch_id)

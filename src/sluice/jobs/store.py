@@ -11,6 +11,11 @@ acknowledges is committed first.
                       ▲                │
                       └─retry/expiry───┘
 
+    batch:  validating ─▶ in_progress ─▶ finalizing ─▶ completed     (each step its own commit)
+                 │             ├──▶ cancelling ──▶ cancelled
+                 ▼             └──▶ expired      (expires_at passed; unfinished items written off)
+              failed
+
 Invariants:
 - an item's result is written once: `record` updates only rows still `leased` under the caller's
   lease token, in the same statement, so a replayed or expired lease cannot write twice;
@@ -48,15 +53,16 @@ class BatchStatus(enum.StrEnum):
     FAILED = "failed"
     """The input file was rejected at validation (see `errors`); no item ran."""
     IN_PROGRESS = "in_progress"
-    """Items are being claimed and executed."""
+    """Items are being claimed and executed (the first ones while the rest are still being stored)."""
     FINALIZING = "finalizing"
     """Every item has an outcome; the output and error files are being assembled."""
     COMPLETED = "completed"
     """Done: `output_file_id` / `error_file_id` hold every input line exactly once."""
     EXPIRED = "expired"
-    """The completion window passed first; unfinished items are in the error file as expired."""
+    """The completion window (`expires_at`) passed first: items that finished are kept in the output
+    and error files, the others are in the error file with the code `batch_expired`."""
     CANCELLING = "cancelling"
-    """Cancel was asked: no new items start; those running finish and are kept."""
+    """Cancel was asked: no new items start; those running are stopped (brief: the next housekeeping)."""
     CANCELLED = "cancelled"
     """Cancelled: finished items are in the output/error files, the rest in the error file."""
 
@@ -210,8 +216,18 @@ class JobStore(Protocol):
 
     async def active_batches(self) -> list[BatchJob]: ...
 
-    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int) -> bool:
-        """validating -> in_progress, inserting its items in the same transaction."""
+    async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int,
+                          num_total: int | None = None) -> bool:
+        """validating -> in_progress, inserting `items` (the first of `num_total`, default all of them)
+        in the same transaction; the executor inserts the rest with `add_items` while these run."""
+        ...
+
+    async def add_items(self, batch_id: str, items: Sequence[NewItem]) -> None:
+        """Insert more items of a started batch, in one transaction; an item already there is kept."""
+        ...
+
+    async def num_items(self, batch_id: str) -> int:
+        """How many of the batch's items are inserted (less than `num_total` while still loading)."""
         ...
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None: ...
@@ -234,6 +250,12 @@ class JobStore(Protocol):
         ...
 
     async def num_live_leases(self, batch_id: str, now: float) -> int: ...
+
+    async def begin_finalizing(self, batch_id: str, now: int) -> BatchJob | None:
+        """in_progress -> finalizing (`finalizing_at = now`) once every item is done, and commit it, so
+        clients see it while `finalize` assembles the files; a crash in between resumes finalizing.
+        Returns the finalizing batch (also when it already was), else None."""
+        ...
 
     async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
                        now: int) -> BatchJob | None:

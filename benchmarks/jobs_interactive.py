@@ -1,0 +1,158 @@
+"""Batch jobs on a shared device: the device busy ratio of a job, and the interactive p99 beside one.
+
+Starts `sluice serve` on the emulated model (the demo repository's `emulated`, capacity 1,333
+items/s at 16 values per item) with its own data directory, then:
+
+1. `busy`: a job of `--items` embeddings lines runs alone; the device busy ratio is
+   Δ`sluice_device_busy_seconds_total` / wall time from `POST /v1/batches` (the file is uploaded
+   before) until a poll every 0.1 s sees `completed` (validation and finalization included).
+2. `interactive`: `sluice bench` offers KServe infer requests at `--rate` (666 = 50% of capacity)
+   for `--duration` s alone, then again while a job of `--items` lines runs; it prints both p99s
+   and their ratio (target: <= 1.10). The job is cancelled once the second window ends.
+
+    python benchmarks/jobs_interactive.py                        # both, 100,000 items, 20 s windows
+    python benchmarks/jobs_interactive.py --items 5000 --duration 5 --phases interactive
+
+Run it on a quiet machine: the generator, the gateway, the worker and SQLite share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_EMULATED = REPO / "src" / "sluice" / "demo_models" / "emulated"
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def _start_server(work: Path, port: int) -> subprocess.Popen[bytes]:
+    models = work / "models"
+    shutil.copytree(DEMO_EMULATED, models / "emulated")
+    log = (work / "server.log").open("wb")
+    server = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--models", str(models), "--port", str(port),
+                               "--data-dir", str(work / "data")], stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None:
+            break
+        time.sleep(0.2)
+    server.kill()
+    sys.exit(f"the server did not start; see {work / 'server.log'}")
+
+
+def _metric_sum(client: httpx.Client, name: str) -> float:
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _busy_s(client: httpx.Client) -> float:
+    return _metric_sum(client, "sluice_device_busy_seconds_total")
+
+
+def _job_file(client: httpx.Client, num_items: int) -> str:
+    lines = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
+                                 "body": {"model": "emulated", "input": f"item number {i}"}}).encode() + b"\n"
+                     for i in range(num_items))
+    uploaded = client.post("/v1/files", files={"file": ("job.jsonl", lines)}, data={"purpose": "batch"})
+    uploaded.raise_for_status()
+    return str(uploaded.json()["id"])
+
+
+def _create(client: httpx.Client, file_id: str) -> str:
+    batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
+                                             "completion_window": "24h"})
+    batch.raise_for_status()
+    return str(batch.json()["id"])
+
+
+def _wait(client: httpx.Client, batch_id: str, until: tuple[str, ...], poll_s: float = 0.1) -> dict:
+    while True:
+        batch = client.get(f"/v1/batches/{batch_id}").json()
+        if batch["status"] in until:
+            return dict(batch)
+        time.sleep(poll_s)
+
+
+def measure_busy(client: httpx.Client, num_items: int) -> None:
+    file_id = _job_file(client, num_items)
+    busy_before, started = _busy_s(client), time.monotonic()
+    batch_id = _create(client, file_id)
+    done = _wait(client, batch_id, FINAL)
+    wall_s = time.monotonic() - started
+    busy = (_busy_s(client) - busy_before) / wall_s
+    counts = done["request_counts"]
+    print(f"busy: {num_items} items {done['status']} in {wall_s:.1f} s ({num_items / wall_s:.0f} items/s), "
+          f"{counts['completed']} ok, {counts['failed']} failed; device busy {100 * busy:.1f}%; item retries "
+          f"{_metric_sum(client, 'sluice_batch_item_retries_total'):.0f}")
+
+
+def _bench_p99(port: int, rate: float, duration_s: float, out: Path) -> float:
+    subprocess.run([sys.executable, "-m", "sluice", "bench", "--url", f"http://127.0.0.1:{port}", "--endpoint",
+                    "kserve", "--model", "emulated", "--input-len", "16", "--rate", str(rate), "--duration",
+                    str(duration_s), "--out", str(out), "--plot", str(out.with_suffix(".png"))],
+                   check=True, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())["results"][0]
+    ok = result["status_counts"]
+    print(f"  {out.stem}: {result['completed_per_s']:.0f} ok/s, p50 {result['latency']['p50_ms']:.1f} ms, "
+          f"p99 {result['latency']['p99_ms']:.1f} ms, outcomes {ok}")
+    return float(result["latency"]["p99_ms"])
+
+
+def measure_interactive(client: httpx.Client, port: int, args: argparse.Namespace, work: Path) -> None:
+    alone = _bench_p99(port, args.rate, args.duration, work / "alone.json")
+    batch_id = _create(client, _job_file(client, args.items))
+    _wait(client, batch_id, ("in_progress", *FINAL), poll_s=0.02)
+    with_job = _bench_p99(port, args.rate, args.duration, work / "with_job.json")
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    counts = batch["request_counts"]
+    print(f"  job: {batch['status']}, {counts['completed']} of {counts['total']} items done during the window")
+    if batch["status"] in FINAL:
+        print("  warning: the job ended before the window did; use more --items")
+    else:
+        client.post(f"/v1/batches/{batch_id}/cancel")
+    print(f"interactive p99: alone {alone:.1f} ms, with a job {with_job:.1f} ms, ratio {with_job / alone:.3f} "
+          f"(target <= 1.10)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=100_000)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per interactive window")
+    parser.add_argument("--rate", type=float, default=666.0, help="interactive requests per second")
+    parser.add_argument("--port", type=int, default=8766)
+    parser.add_argument("--phases", default="busy,interactive")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sluice-jobs-bench-"))
+    server = _start_server(work, args.port)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; results in {work}")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as client:
+            if "busy" in args.phases:
+                measure_busy(client, args.items)
+            if "interactive" in args.phases:
+                measure_interactive(client, args.port, args, work)
+    finally:
+        server.terminate()
+        server.wait(60)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
