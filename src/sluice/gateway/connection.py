@@ -64,6 +64,7 @@ class WorkerConnection:
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
         self.sent_work_since_state_s = 0.0
+        self._sent_by_flow: dict[tuple[str, int], float] = {}
         self._state_generation = 0
         self._item_s: dict[tuple[str, str], float] = {}
         self._upstreams: dict[tuple[str, str], wire.UpstreamLoad] = {}
@@ -113,7 +114,13 @@ class WorkerConnection:
             in_flight.chunks = asyncio.Queue()
         self._in_flight[message.request_id] = in_flight
         self.sent_work_since_state_s += work_s
+        flow = (message.tenant, message.priority)
+        self._sent_by_flow[flow] = self._sent_by_flow.get(flow, 0.0) + work_s
         return in_flight
+
+    def sent_flow_work_s(self, tenant: str, priority: int) -> float:
+        """Device work this gateway sent for (tenant, class) since the worker's last report."""
+        return self._sent_by_flow.get((tenant, priority), 0.0)
 
     @property
     def predicted_wait_s(self) -> float:
@@ -208,6 +215,9 @@ class WorkerConnection:
             if in_flight.state_generation == self._state_generation:
                 # answered before the worker's next report could count it: stop counting it here
                 self.sent_work_since_state_s = max(self.sent_work_since_state_s - in_flight.work_s, 0.0)
+                flow = (in_flight.submit.tenant, in_flight.submit.priority)
+                if flow in self._sent_by_flow:
+                    self._sent_by_flow[flow] = max(self._sent_by_flow[flow] - in_flight.work_s, 0.0)
             in_flight.resolve(message)
         elif isinstance(message, wire.TokenChunk):
             in_flight = self._in_flight.get(message.request_id)
@@ -231,7 +241,9 @@ class WorkerConnection:
             self._update_readiness()
             if models_changed:
                 self.on_change()
-                self.sent_work_since_state_s = 0.0
+            # the report counts everything it received before it: count only what follows it
+            self.sent_work_since_state_s = 0.0
+            self._sent_by_flow.clear()
             self._state_generation += 1
             self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
             self._upstreams = {(u.model, u.version): u for u in message.upstreams}

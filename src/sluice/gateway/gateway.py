@@ -177,7 +177,7 @@ class Gateway:
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         tenant, priority = self._class_of(caller or _LOCAL_CALLER)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        waits = [(predicted_wait_s(c.state, tenant, priority, info), c.state) for c in replicas
+        waits = [(self._tenant_wait_s(c, tenant, priority, info), c.state) for c in replicas
                  if c.is_ready and c.state is not None]
         if not waits:
             return
@@ -188,6 +188,18 @@ class Gateway:
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
         raise Overloaded("the work queued ahead would make this request miss its deadline",
                          retry_after_s=max((now + wait_s - deadline) / max(state.drain_rate, 0.05), 0.001))
+
+    @staticmethod
+    def _tenant_wait_s(connection: WorkerConnection, tenant: str, priority: Priority, info: wire.ModelInfo) -> float:
+        """The worker's last report for this tenant's class, plus what this gateway has sent for
+        the same tenant and class since (it queues behind), at the reported drain rate."""
+        state = connection.state
+        if state is None:
+            return 0.0
+        wait_s = predicted_wait_s(state, tenant, priority, info)
+        if info.kind == "openai-upstream":
+            return wait_s
+        return wait_s + connection.sent_flow_work_s(tenant, int(priority)) / max(state.drain_rate, 0.05)
 
     def _class_of(self, caller: Caller) -> tuple[str, Priority]:
         tenant = self.tenancy.directory.tenants.get(caller.tenant)
@@ -329,9 +341,9 @@ class Gateway:
             return None
         connection = by_id[chosen.worker_id]
         state = connection.state
-        # Reject here only on the worker's own report; what we sent since guides routing, and
-        # the worker's admission stays the authority.
-        wait_s = predicted_wait_s(state, ticket.tenant, ticket.priority, info) if state is not None else 0.0
+        # The worker's admission stays the authority; refusing here what it would refuse spares
+        # the round trip (most of a rejection's latency under overload).
+        wait_s = self._tenant_wait_s(connection, ticket.tenant, ticket.priority, info) if state is not None else 0.0
         if state is not None and wait_s > 0 and self._clock.now() + wait_s > ticket.deadline:
             excess = self._clock.now() + wait_s - ticket.deadline
             raise Overloaded("the work queued ahead would make this request miss its deadline",
