@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
@@ -191,15 +192,18 @@ class Gateway:
 
     @staticmethod
     def _tenant_wait_s(connection: WorkerConnection, tenant: str, priority: Priority, info: wire.ModelInfo) -> float:
-        """The worker's last report for this tenant's class, plus what this gateway has sent for
-        the same tenant and class since (it queues behind), at the reported drain rate."""
+        """The worker's last report for this tenant's class, less the time since (the device has
+        been working), plus what this gateway has sent for the same tenant and class since (it
+        queues behind), at the reported drain rate."""
         state = connection.state
         if state is None:
             return 0.0
         wait_s = predicted_wait_s(state, tenant, priority, info)
         if info.kind == "openai-upstream":
             return wait_s
-        return wait_s + connection.sent_flow_work_s(tenant, int(priority)) / max(state.drain_rate, 0.05)
+        elapsed_s = max(time.monotonic() - connection.state_at, 0.0)
+        sent_s = connection.sent_flow_work_s(tenant, int(priority)) / max(state.drain_rate, 0.05)
+        return max(wait_s - elapsed_s, 0.0) + sent_s
 
     def _class_of(self, caller: Caller) -> tuple[str, Priority]:
         tenant = self.tenancy.directory.tenants.get(caller.tenant)
