@@ -37,7 +37,7 @@ def test_summary_counts_statuses_and_keeps_latency_of_successes_only() -> None:
     latency = [10.0] * 90 + [1.0] * 7 + [50.0, 2.0, float("nan")]
     retry_after = [False] * 90 + [True] * 6 + [False] + [False] * 3
     result = summarize(_samples(status, latency, retry_after))
-    assert result.status_counts == {"200": 90, "429": 4, "503": 3, "504": 1, "other": 1, "error": 1}
+    assert result.status_counts == {"200": 90, "429": 4, "503": 3, "504": 1, "other": 1, "error": 1, "500": 1}
     assert result.num_ok == 90 and result.success_rate == pytest.approx(0.9)
     assert result.latency is not None and result.latency.p99_ms == pytest.approx(10.0)
     assert result.rejection_latency is not None and result.rejection_latency.p50_ms == pytest.approx(1.0)

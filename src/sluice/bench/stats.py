@@ -115,11 +115,16 @@ def latency_summary(seconds: np.ndarray) -> LatencySummary | None:
 
 
 def status_counts(status: np.ndarray) -> dict[str, int]:
+    """Counts under `STATUS_KEYS`; each status counted as "other" also appears under its own code."""
     counts = dict.fromkeys(STATUS_KEYS, 0)
     for key in ("200", "429", "503", "504"):
         counts[key] = int(np.count_nonzero(status == int(key)))
     counts["error"] = int(np.count_nonzero(status == TRANSPORT_ERROR))
     counts["other"] = int(status.size) - sum(counts.values())
+    if counts["other"]:
+        known = np.isin(status, [200, 429, 503, 504, TRANSPORT_ERROR])
+        codes, numbers = np.unique(status[~known], return_counts=True)
+        counts.update({str(int(c)): int(n) for c, n in zip(codes, numbers, strict=True)})
     return counts
 
 
