@@ -3,6 +3,7 @@
     Gateway.infer() ─▶ router.choose() ─▶ WorkerConnection.submit() ──ZeroMQ──▶ worker
 """
 
-from sluice.gateway.gateway import Caller, Gateway, GatewayConfig, InferResult
+from sluice.gateway.gateway import Caller, Gateway, GatewayConfig
+from sluice.gateway.ticket import InferResult
 
 __all__ = ["Caller", "Gateway", "GatewayConfig", "InferResult"]

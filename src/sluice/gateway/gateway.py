@@ -14,8 +14,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import zmq.asyncio
 
@@ -24,18 +23,16 @@ from sluice.clock import Clock
 from sluice.errors import (
     DeadlineExceeded,
     InvalidInput,
-    ItemFailed,
     ModelNotFound,
     ModelNotReady,
     Overloaded,
     Unavailable,
-    UpstreamRefused,
     WorkerLost,
 )
 from sluice.gateway import router
 from sluice.gateway.connection import InFlight, WorkerConnection
-from sluice.gateway.limits import Reservation
-from sluice.gateway.tenancy import Tenancy, rate_limit_headers
+from sluice.gateway.tenancy import Tenancy
+from sluice.gateway.ticket import InferResult, Ticket, interpret
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority, effective_priority
 
@@ -59,18 +56,6 @@ class Caller:
     """The class the request asked for; it can only lower the tenant's default."""
     estimated_tokens: float = 0.0
     """Reserved against the tenant's tokens-per-minute limit until the real count is known."""
-
-
-@dataclass(frozen=True, slots=True)
-class InferResult:
-    model: wire.ModelInfo
-    payload: wire.Payload
-    num_tokens: int
-    queue_s: float
-    exec_s: float
-    batch_size: int
-    device_s: float = 0.0
-    rate_limit_headers: dict[str, str] | None = None
 
 
 class Gateway:
@@ -246,7 +231,7 @@ class Gateway:
                 yield event
 
     async def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
-               caller: Caller | None) -> _Ticket:
+               caller: Caller | None) -> Ticket:
         started = self._clock.now() if arrived_at is None else arrived_at
         caller = caller or _LOCAL_CALLER
         if self.is_draining:
@@ -258,21 +243,21 @@ class Gateway:
         priority = effective_priority(tenant.priority, caller.priority)
         reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
-        return _Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
+        return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
                        deadline)
 
-    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: _Ticket) -> InferResult:
+    async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False
         while True:
             connection, in_flight = await self._send(info, payload, ticket, tried_lost)
             result = await self._await_answer(connection, in_flight, ticket.deadline)
             if result is not None:
-                return _interpret(info, result)
+                return interpret(info, result)
             self._check_restartable(connection, in_flight)
             tried_lost = True
 
     async def _dispatch_stream(
-        self, info: wire.ModelInfo, payload: wire.Payload, ticket: _Ticket
+        self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket
     ) -> AsyncIterator[wire.TokenChunk | InferResult]:
         tried_lost = False
         while True:
@@ -291,12 +276,12 @@ class Gateway:
             if in_flight.is_timed_out:
                 raise DeadlineExceeded("the worker did not answer before the deadline")
             if result is not None:
-                yield _interpret(info, result)
+                yield interpret(info, result)
                 return
             self._check_restartable(connection, in_flight)
             tried_lost = True
 
-    async def _send(self, info: wire.ModelInfo, payload: wire.Payload, ticket: _Ticket,
+    async def _send(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket,
                     tried_lost: bool) -> tuple[WorkerConnection, InFlight]:
         """Submit to the best ready replica, waiting (within the deadline) for one to recover if
         the one that had the request died."""
@@ -335,7 +320,7 @@ class Gateway:
         return info.name in self._indexed().with_recovering and any(
             c.is_lost and info in c.known_models for c in self._connections.values())
 
-    def _choose(self, info: wire.ModelInfo, ticket: _Ticket) -> WorkerConnection | None:
+    def _choose(self, info: wire.ModelInfo, ticket: Ticket) -> WorkerConnection | None:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         candidates = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
                       for c in replicas if c.is_ready]
@@ -374,73 +359,6 @@ class Gateway:
 _LOCAL_CALLER = Caller()
 
 
-class _Ticket:
-    """One admitted request's accounting: the outcome metric, the tenant's metrics, and the
-    settlement of its reservation, whatever way it ends (`async with`)."""
-
-    def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
-                 priority: Priority, reservation: Reservation, started: float, deadline: float) -> None:
-        self._metrics = metrics
-        self._tenancy = tenancy
-        self._clock = clock
-        self.info = info
-        self.tenant = tenant
-        self.priority = priority
-        self.reservation = reservation
-        self.started = started
-        self.deadline = deadline
-        self._result: InferResult | None = None
-        self._first_chunk_at: float | None = None
-        self._last_chunk_at = 0.0
-
-    def done(self, result: InferResult) -> None:
-        self._result = result
-
-    def with_limits(self, result: InferResult) -> InferResult:
-        """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
-        statuses = self.reservation.statuses
-        return replace(result, rate_limit_headers=rate_limit_headers(statuses)) if statuses else result
-
-    def chunk(self, chunk: wire.TokenChunk) -> None:
-        now = self._clock.now()
-        if self._first_chunk_at is None:
-            self._first_chunk_at = now
-            self._metrics.first_token(self.info.name, now - self.started)
-        else:
-            self._metrics.inter_token(self.info.name, now - self._last_chunk_at)
-        self._last_chunk_at = now
-
-    async def __aenter__(self) -> _Ticket:
-        return self
-
-    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        outcome = "ok" if error is None else next(
-            (name for cls, name in _OUTCOME_CLASSES if isinstance(error, cls)), "error")
-        label = self.priority.label
-        result = self._result
-        if outcome == "ok" and result is not None:
-            self._metrics.tenant_completed(self.tenant, label, result.queue_s, result.device_s)
-            if isinstance(result.payload, wire.GenerationResult):
-                ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
-                self._metrics.generation_done(self.info.name, result.payload, self._clock.now() - self.started, ttft_s)
-        elif outcome in ("rejected", "expired"):
-            self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
-        self._metrics.request_done(self.info.name, self.info.version, outcome, self._clock.now() - self.started)
-        await self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
-                                   result.device_s if result else 0.0,
-                                   refund_request=outcome in ("rejected", "unavailable"))
-
-
-_OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
-    (Overloaded, "rejected"),
-    (DeadlineExceeded, "expired"),
-    (InvalidInput, "failed"),
-    (Unavailable, "unavailable"),
-    (asyncio.CancelledError, "cancelled"),
-    (GeneratorExit, "cancelled"),
-)
-
-
 @dataclass(frozen=True, slots=True)
 class _ModelIndex:
     """Which ready workers serve which model versions; rebuilt only when a worker changes."""
@@ -463,30 +381,6 @@ class _ModelIndex:
                     ready.setdefault(info.name, {})[info.version] = info
                     replicas.setdefault((info.name, info.version), []).append(connection)
         return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()})
-
-
-def _interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
-    match result.outcome:
-        case wire.Outcome.OK:
-            assert result.payload is not None
-            return InferResult(info, result.payload, result.num_tokens, result.queue_s, result.exec_s,
-                               result.batch_size, result.device_s)
-        case wire.Outcome.REJECTED:
-            raise Overloaded(result.message or "overloaded", retry_after_s=result.retry_after_s)
-        case wire.Outcome.EXPIRED:
-            raise DeadlineExceeded(result.message or "deadline exceeded")
-        case wire.Outcome.NOT_FOUND:
-            raise ModelNotReady(result.message, retry_after_s=1.0)
-        case _:
-            refused = next((e for e in result.errors if e.upstream_status), None)
-            if refused is not None:
-                raise UpstreamRefused(refused.message, refused.upstream_status, refused.param)
-            errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
-            if any(e.index < 0 for e in result.errors):
-                raise InvalidInput(errors or result.message)
-            if result.errors and all(e.is_transient for e in result.errors):
-                raise Unavailable(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
-            raise ItemFailed(errors or result.message)
 
 
 def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,

@@ -35,7 +35,7 @@ from sluice.repository import ModelVersion
 from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectReason, Scheduler
 from sluice.scheduler.batcher import ModelKey
 from sluice.worker.device import DeviceThread
-from sluice.worker.generation import GenerationLoop
+from sluice.worker.generation import GenerationLoop, Generations
 from sluice.worker.upstream import UpstreamLoop
 
 log = logging.getLogger("sluice.worker")
@@ -48,19 +48,6 @@ STATE_INTERVAL_S = 0.05
 class LoadedModel:
     version: ModelVersion
     runner: Runner | GenerativeRunner | OpenAIUpstreamRunner
-
-
-@dataclass(slots=True)
-class _Generation:
-    """A generation in the engine: where its output goes."""
-
-    identity: bytes
-    gateway_request_id: int
-    loop: GenerationLoop
-    is_streamed: bool
-    parts: list[str] = field(default_factory=list)
-    device_s: float = 0.0
-    is_started: bool = False
 
 
 @dataclass(slots=True)
@@ -112,7 +99,7 @@ class WorkerServer:
             generator.warmup()
         self._generation_loops: dict[ModelKey, GenerationLoop] = {}
         self._upstream_loops: dict[ModelKey, UpstreamLoop] = {}
-        self._generations: dict[int, _Generation] = {}
+        self._generations = Generations(clock, self._reply, self._forget)
         self._pending: dict[int, _Pending] = {}
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
@@ -245,77 +232,28 @@ class WorkerServer:
         self._kick()
 
     def _on_generate(self, identity: bytes, message: wire.Submit, generation_loop: GenerationLoop) -> None:
-        payload = message.payload
         internal_id = next(self._ids)
-        try:
-            if not isinstance(payload, wire.GeneratePayload):
-                raise InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
-            prepared = generation_loop.runner.prepare(payload)
-            generation_loop.submit(str(internal_id), prepared, Priority(message.priority),
-                                   self._clock.now() + message.timeout_s, salt=message.tenant)
-        except InvalidInput as exc:
-            self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
-                                              errors=[wire.ItemError(-1, exc.message)], message=exc.message))
-            return
-        self._generations[internal_id] = _Generation(identity, message.request_id, generation_loop, payload.stream)
-        self._by_gateway_id[(identity, message.request_id)] = internal_id
+        if self._generations.submit(internal_id, identity, message, generation_loop):
+            self._by_gateway_id[(identity, message.request_id)] = internal_id
 
     def _on_generated(self, outputs: list[RequestOutput], step_s: float) -> None:
-        """Loop thread: one engine step's output. Streams chunks; answers finished sequences."""
-        share_s = step_s / len(outputs)
-        for output in outputs:
-            internal_id = int(output.request_id)
-            generation = self._generations.get(internal_id)
-            if generation is None:
-                continue  # withdrawn meanwhile
-            generation.device_s += share_s
-            if generation.is_streamed and output.new_token_ids:
-                self._reply(generation.identity, wire.TokenChunk(
-                    generation.gateway_request_id, output.text_delta, list(output.new_token_ids),
-                    output.num_prompt_tokens, output.num_cached_tokens))
-            else:
-                generation.parts.append(output.text_delta)
-                if not generation.is_started:
-                    self._reply(generation.identity, wire.Started([generation.gateway_request_id]))
-            generation.is_started = True
-            if output.is_finished:
-                self._finish_generation(internal_id, generation, output)
+        """Loop thread: one engine step's output (see `Generations.on_outputs`)."""
+        self._generations.on_outputs(outputs, step_s)
         self._check_drained()
 
-    def _finish_generation(self, internal_id: int, generation: _Generation, output: RequestOutput) -> None:
-        del self._generations[internal_id]
-        self._by_gateway_id.pop((generation.identity, generation.gateway_request_id), None)
-        request_id = generation.gateway_request_id
-        if output.finish_reason == "deadline":
-            result = wire.Result(request_id, wire.Outcome.EXPIRED, device_s=generation.device_s,
-                                 message="the deadline passed before the generation finished")
-        elif output.finish_reason in ("stop", "length"):
-            text = "" if generation.is_streamed else "".join(generation.parts)
-            payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
-                                            output.num_cached_tokens, output.num_output_tokens)
-            result = wire.Result(request_id, wire.Outcome.OK, payload=payload,
-                                 num_tokens=output.num_prompt_tokens + output.num_output_tokens,
-                                 device_s=generation.device_s)
-        elif output.finish_reason == "error":
-            message = "the model failed while generating; try again"
-            result = wire.Result(request_id, wire.Outcome.FAILED, device_s=generation.device_s, message=message,
-                                 errors=[wire.ItemError(-1, message, is_transient=True)])
-        else:
-            return  # aborted: the gateway withdrew it and expects no answer
-        self._reply(generation.identity, result)
+    def _forget(self, identity: bytes, gateway_request_id: int) -> None:
+        self._by_gateway_id.pop((identity, gateway_request_id), None)
 
     def _on_cancel(self, identity: bytes, message: wire.Cancel) -> None:
         for request_id in message.request_ids:
             if any(upstream.cancel(identity, request_id) for upstream in self._upstream_loops.values()):
                 continue
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
-            generation = self._generations.pop(internal_id, None) if internal_id is not None else None
-            if generation is not None:
-                generation.loop.abort([str(internal_id)])
-            elif internal_id is not None:
-                with self._lock:
-                    self._scheduler.cancel(internal_id)
-                self._pending.pop(internal_id, None)
+            if internal_id is None or self._generations.cancel(internal_id):
+                continue
+            with self._lock:
+                self._scheduler.cancel(internal_id)
+            self._pending.pop(internal_id, None)
         self._check_drained()
 
     # -- the device ----------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""One admitted request at the gateway: its accounting while it runs, and its answer.
+
+    Gateway._admit ──▶ Ticket ──(async with: dispatch, stream)──▶ __aexit__: outcome metric,
+                                                                  tenant metrics, settle limits
+    worker's wire.Result ──interpret()──▶ InferResult, or the error in `sluice.errors` it means
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sluice import wire
+from sluice.clock import Clock
+from sluice.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ItemFailed,
+    ModelNotReady,
+    Overloaded,
+    Unavailable,
+    UpstreamRefused,
+)
+from sluice.gateway.limits import Reservation
+from sluice.gateway.tenancy import Tenancy, rate_limit_headers
+from sluice.metrics import GatewayMetrics
+from sluice.priority import Priority
+
+__all__ = ["InferResult", "Ticket", "interpret"]
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    model: wire.ModelInfo
+    payload: wire.Payload
+    num_tokens: int
+    queue_s: float
+    exec_s: float
+    batch_size: int
+    device_s: float = 0.0
+    rate_limit_headers: dict[str, str] | None = None
+
+
+class Ticket:
+    """One admitted request's accounting: the outcome metric, the tenant's metrics, and the
+    settlement of its reservation, whatever way it ends (`async with`)."""
+
+    def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
+                 priority: Priority, reservation: Reservation, started: float, deadline: float) -> None:
+        self._metrics = metrics
+        self._tenancy = tenancy
+        self._clock = clock
+        self.info = info
+        self.tenant = tenant
+        self.priority = priority
+        self.reservation = reservation
+        self.started = started
+        self.deadline = deadline
+        self._result: InferResult | None = None
+        self._first_chunk_at: float | None = None
+        self._last_chunk_at = 0.0
+
+    def done(self, result: InferResult) -> None:
+        self._result = result
+
+    def with_limits(self, result: InferResult) -> InferResult:
+        """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
+        statuses = self.reservation.statuses
+        return replace(result, rate_limit_headers=rate_limit_headers(statuses)) if statuses else result
+
+    def chunk(self, chunk: wire.TokenChunk) -> None:
+        now = self._clock.now()
+        if self._first_chunk_at is None:
+            self._first_chunk_at = now
+            self._metrics.first_token(self.info.name, now - self.started)
+        else:
+            self._metrics.inter_token(self.info.name, now - self._last_chunk_at)
+        self._last_chunk_at = now
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        outcome = "ok" if error is None else next(
+            (name for cls, name in _OUTCOME_CLASSES if isinstance(error, cls)), "error")
+        label = self.priority.label
+        result = self._result
+        if outcome == "ok" and result is not None:
+            self._metrics.tenant_completed(self.tenant, label, result.queue_s, result.device_s)
+            if isinstance(result.payload, wire.GenerationResult):
+                ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
+                self._metrics.generation_done(self.info.name, result.payload, self._clock.now() - self.started, ttft_s)
+        elif outcome in ("rejected", "expired"):
+            self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
+        self._metrics.request_done(self.info.name, self.info.version, outcome, self._clock.now() - self.started)
+        await self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
+                                   result.device_s if result else 0.0,
+                                   refund_request=outcome in ("rejected", "unavailable"))
+
+
+_OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
+    (Overloaded, "rejected"),
+    (DeadlineExceeded, "expired"),
+    (InvalidInput, "failed"),
+    (Unavailable, "unavailable"),
+    (asyncio.CancelledError, "cancelled"),
+    (GeneratorExit, "cancelled"),
+)
+
+
+def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
+    match result.outcome:
+        case wire.Outcome.OK:
+            assert result.payload is not None
+            return InferResult(info, result.payload, result.num_tokens, result.queue_s, result.exec_s,
+                               result.batch_size, result.device_s)
+        case wire.Outcome.REJECTED:
+            raise Overloaded(result.message or "overloaded", retry_after_s=result.retry_after_s)
+        case wire.Outcome.EXPIRED:
+            raise DeadlineExceeded(result.message or "deadline exceeded")
+        case wire.Outcome.NOT_FOUND:
+            raise ModelNotReady(result.message, retry_after_s=1.0)
+        case _:
+            refused = next((e for e in result.errors if e.upstream_status), None)
+            if refused is not None:
+                raise UpstreamRefused(refused.message, refused.upstream_status, refused.param)
+            errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
+            if any(e.index < 0 for e in result.errors):
+                raise InvalidInput(errors or result.message)
+            if result.errors and all(e.is_transient for e in result.errors):
+                raise Unavailable(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
+            raise ItemFailed(errors or result.message)
