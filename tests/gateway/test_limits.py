@@ -31,7 +31,7 @@ class _Shared:
         self._limiter = SharedLimiter(redis.Redis.from_url(url), clock, prefix=f"test-{next(_PREFIXES)}")
 
     def configure(self, tenants: Iterable[Tenant]) -> None:
-        self._limiter.configure(tenants)
+        """Nothing to do: the shared limiter takes each tenant's limits with every call."""
 
     def admit(self, tenant: Tenant, tokens: float) -> Reservation | Refusal:
         return self._runner.run(self._limiter.admit(tenant, tokens))

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import redis.asyncio as redis
+from redis.exceptions import RedisError
 
 from sluice.clock import VirtualClock
 from sluice.errors import RateLimited
@@ -94,5 +95,23 @@ def test_an_unreachable_redis_leaves_each_gateway_its_own_limits(tmp_path) -> No
             await tenancy.admit(tenant, Priority.STANDARD, 0)
         assert (await tenancy.usage())[0].device_s == pytest.approx(0.1)
         await tenancy.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_after_a_failure_redis_is_left_alone_until_the_circuit_lets_a_trial_through() -> None:
+    """During an outage only one call per `open_s` waits for Redis; the rest fail at once."""
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        limiter = SharedLimiter(redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5), clock)
+        tenant = Tenant(name="t", requests_per_min=10)
+        with pytest.raises(redis.ConnectionError):
+            await limiter.admit(tenant, 0)  # tried, and failed
+        with pytest.raises(RedisError, match="not calling Redis"):
+            await limiter.admit(tenant, 0)  # refused at once: the circuit is open
+        clock.advance(5.1)
+        with pytest.raises(redis.ConnectionError):
+            await limiter.admit(tenant, 0)  # the trial call goes to Redis again
+        await limiter.aclose()
 
     asyncio.run(scenario())

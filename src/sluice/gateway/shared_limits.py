@@ -23,18 +23,28 @@ cases against both.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import redis.asyncio as redis
+from redis.exceptions import RedisError
 
+from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import Clock, WallClock
 from sluice.gateway.limits import LimitStatus, Refusal, Reservation
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["SharedLimiter"]
+
+T = TypeVar("T")
+
+REDIS_CIRCUIT = CircuitConfig(failure_threshold=1, open_s=5.0)
+"""One failure opens the circuit: Redis is local infrastructure, and a second caller should not wait
+for a timeout the first one just hit."""
 
 # Shared by both scripts: load a bucket from the hash (a fresh, full one if the limit changed)
 # and refill it to `now`.
@@ -122,11 +132,15 @@ return 1
 
 class SharedLimiter:
     """`TenantLimiter`'s rules over buckets in Redis, shared by every gateway that uses the same
-    Redis and prefix. Raises `redis.RedisError` when Redis cannot be reached (the caller decides
-    whether to fall back)."""
+    Redis and prefix. Limits travel with every call (a changed limit starts a fresh bucket in the
+    script), so there is nothing to configure on a reload.
+
+    Raises `redis.RedisError` when Redis cannot be reached, and the caller decides whether to fall
+    back. A circuit breaker stops calling a Redis that failed: while it is open every call fails at
+    once, so during an outage only one request per `open_s` waits for the socket timeout."""
 
     def __init__(self, client: redis.Redis, clock: Clock | None = None, *, prefix: str = "sluice:limits",
-                 lease_s: float = 3600.0) -> None:
+                 lease_s: float = 3600.0, circuit: CircuitConfig = REDIS_CIRCUIT) -> None:
         self._client = client
         self._clock = clock or WallClock()
         self._prefix = prefix
@@ -135,16 +149,14 @@ class SharedLimiter:
         self._settle = client.register_script(_SETTLE)
         self._ids = itertools.count()
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+        self._breaker = CircuitBreaker(circuit, self._clock)
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: object) -> SharedLimiter:
-        return cls(redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), **kwargs)  # type: ignore[arg-type]
-
-    def configure(self, tenants: Iterable[Tenant]) -> None:
-        """Limits travel with every call, and a changed limit starts a fresh bucket in the script."""
+    def from_url(cls, url: str, *, lease_s: float) -> SharedLimiter:
+        return cls(redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), lease_s=lease_s)
 
     async def ping(self) -> None:
-        await self._client.ping()
+        await self._guarded(self._client.ping())
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -152,8 +164,8 @@ class SharedLimiter:
     async def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
         now = self._clock.now()
         lease_id = f"{self._owner}:{next(self._ids)}"
-        reply = await self._admit(keys=self._keys(tenant.name), args=[
-            *self._limit_args(tenant, now), tenant.max_concurrent, estimated_tokens, lease_id, now + self._lease_s])
+        reply = await self._guarded(self._admit(keys=self._keys(tenant.name), args=[
+            *self._limit_args(tenant, now), tenant.max_concurrent, estimated_tokens, lease_id, now + self._lease_s]))
         refused, retry_after_s, is_final = _text(reply[0]), float(reply[1]), bool(int(reply[2]))
         statuses = _statuses([_text(v) for v in reply[3:9]])
         if refused:
@@ -168,13 +180,27 @@ class SharedLimiter:
         tenant = reservation.limits
         if tenant is None:
             return
-        await self._settle(keys=self._keys(tenant.name), args=[
+        await self._guarded(self._settle(keys=self._keys(tenant.name), args=[
             *self._limit_args(tenant, self._clock.now()), reservation.lease_id, "1" if refund_request else "0",
-            reservation.tokens, tokens, device_s])
+            reservation.tokens, tokens, device_s]))
 
     async def used_device_s(self, tenant: str) -> float:
-        value = await self._client.hget(self._keys(tenant)[0], "tu")
+        value = await self._guarded(self._client.hget(self._keys(tenant)[0], "tu"))
         return float(value) if value is not None else 0.0
+
+    async def _guarded(self, call: Awaitable[T]) -> T:
+        """Await a Redis call through the circuit breaker."""
+        if not self._breaker.allow():
+            if inspect.iscoroutine(call):
+                call.close()
+            raise RedisError(f"not calling Redis for {self._breaker.retry_after_s():.1f} s after a failure")
+        try:
+            result = await call
+        except RedisError:
+            self._breaker.record_failure()
+            raise
+        self._breaker.record_success()
+        return result
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"

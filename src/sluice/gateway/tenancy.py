@@ -119,14 +119,14 @@ class Tenancy:
 
     async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                      refund_request: bool = False) -> None:
-        if reservation.lease_id and self._shared is not None:
-            try:
-                await self._shared.settle(reservation, tokens, device_s, refund_request=refund_request)
-                return
-            except RedisError as exc:
-                self._shared_failed(exc)
-                reservation.is_settled = False  # let the local limiter count its device time at least
-        self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
+        if not reservation.lease_id or self._shared is None:
+            self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
+            return
+        try:
+            await self._shared.settle(reservation, tokens, device_s, refund_request=refund_request)
+        except RedisError as exc:
+            # Lost: its in-flight entry ends with its lease, and its tokens and device time go uncounted.
+            self._shared_failed(exc)
 
     async def usage(self) -> list[TenantUsage]:
         usage = []
