@@ -63,8 +63,8 @@ class WorkerConnection:
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
-        self.sent_work_since_state_s = 0.0
         self._sent_by_flow: dict[tuple[str, int], float] = {}
+        """Device work sent per (tenant, class) since the worker's last report."""
         self._state_generation = 0
         self._item_s: dict[tuple[str, str], float] = {}
         self._upstreams: dict[tuple[str, str], wire.UpstreamLoad] = {}
@@ -113,7 +113,6 @@ class WorkerConnection:
         if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
             in_flight.chunks = asyncio.Queue()
         self._in_flight[message.request_id] = in_flight
-        self.sent_work_since_state_s += work_s
         flow = (message.tenant, message.priority)
         self._sent_by_flow[flow] = self._sent_by_flow.get(flow, 0.0) + work_s
         return in_flight
@@ -127,6 +126,11 @@ class WorkerConnection:
         """Work ahead at the worker: its last report plus what we sent it since."""
         reported = self.state.work_ahead_s if self.state is not None else 0.0
         return reported + self.sent_work_since_state_s
+
+    @property
+    def sent_work_since_state_s(self) -> float:
+        """Device work sent since the worker's last report, all tenants and classes."""
+        return sum(self._sent_by_flow.values())
 
     def predicted_wait_for(self, model: str, version: str) -> float:
         """Predicted wait for this model: the worker's device, or, for a model served by an
@@ -214,7 +218,6 @@ class WorkerConnection:
                 return
             if in_flight.state_generation == self._state_generation:
                 # answered before the worker's next report could count it: stop counting it here
-                self.sent_work_since_state_s = max(self.sent_work_since_state_s - in_flight.work_s, 0.0)
                 flow = (in_flight.submit.tenant, in_flight.submit.priority)
                 if flow in self._sent_by_flow:
                     self._sent_by_flow[flow] = max(self._sent_by_flow[flow] - in_flight.work_s, 0.0)
@@ -242,7 +245,6 @@ class WorkerConnection:
             if models_changed:
                 self.on_change()
             # the report counts everything it received before it: count only what follows it
-            self.sent_work_since_state_s = 0.0
             self._sent_by_flow.clear()
             self._state_generation += 1
             self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
