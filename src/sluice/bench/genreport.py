@@ -136,14 +136,9 @@ def _triple(p: Percentiles | None) -> str:
 
 
 def plot(path: Path, results: Sequence[GenRateResult], slo: SloConfig, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ordered = sorted(results, key=lambda r: r.offered_rate_per_s)
     rates = [r.offered_rate_per_s for r in ordered]
-    figure, (latency_ax, throughput_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 7.5))
+    figure, latency_ax, throughput_ax = report.two_panels(sharex=True, figsize=(8, 7.5))
     for name, limit in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms)):
         for key, style in (("median_ms", "o-"), ("p99_ms", "s--")):
             values = [_get(getattr(r, name), key) for r in ordered]
@@ -161,10 +156,7 @@ def plot(path: Path, results: Sequence[GenRateResult], slo: SloConfig, title: st
     throughput_ax.set_ylim(0, None)
     throughput_ax.legend(loc="upper left")
     throughput_ax.grid(True, alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    report.save_figure(figure, path)
 
 
 def _get(p: Percentiles | None, key: str) -> float:

@@ -246,8 +246,9 @@ def _merged_schedule(rates_per_s: Sequence[float], config: LoadConfig,
         warmups.append(warmup)
         measured.append(poisson_schedule(rate_per_s, config.duration_s, rng) if rate_per_s > 0 else np.empty(0))
     offsets = np.concatenate([*warmups, *(m + config.warmup_s for m in measured)])
-    streams = np.concatenate([np.full(len(part), i % len(rates_per_s), dtype=np.uint8)
-                              for i, part in enumerate((*warmups, *measured))])
+    labels = [np.full(len(part), stream, dtype=np.uint8) for parts in (warmups, measured)
+              for stream, part in enumerate(parts)]
+    streams = np.concatenate(labels)
     order = np.argsort(offsets, kind="stable")
     return offsets[order], streams[order], sum(len(w) for w in warmups), measured
 

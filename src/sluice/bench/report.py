@@ -106,16 +106,33 @@ def print_warnings(console: Console, results: Sequence[RateResult]) -> None:
                           "were outstanding, over the connection cap: the excess waited in the client")
 
 
-def plot(path: Path, results: Sequence[RateResult], goodput: Goodput, title: str) -> None:
-    """Latency percentiles and throughput against offered rate, as a PNG."""
+def two_panels(**subplots: Any) -> tuple[Any, Any, Any]:
+    """A headless matplotlib figure with two stacked panels: (figure, top axes, bottom axes).
+    matplotlib is imported here, not at module level: every `sluice` command imports this package."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figure, (top, bottom) = plt.subplots(2, 1, **subplots)
+    return figure, top, bottom
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    """Lay out, write as PNG (creating the folder) and release the figure."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def plot(path: Path, results: Sequence[RateResult], goodput: Goodput, title: str) -> None:
+    """Latency percentiles and throughput against offered rate, as a PNG."""
     ordered = sorted(results, key=lambda r: r.offered_rate_per_s)
     rates = [r.offered_rate_per_s for r in ordered]
-    figure, (latency_ax, throughput_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 7.5))
+    figure, latency_ax, throughput_ax = two_panels(sharex=True, figsize=(8, 7.5))
     for key, label in (("p50_ms", "p50"), ("p95_ms", "p95"), ("p99_ms", "p99")):
         values = [getattr(r.latency, key) if r.latency is not None else float("nan") for r in ordered]
         latency_ax.plot(rates, values, "o-", label=label)
@@ -144,10 +161,7 @@ def plot(path: Path, results: Sequence[RateResult], goodput: Goodput, title: str
     throughput_ax.legend(loc="upper left")
     throughput_ax.grid(True, alpha=0.3)
 
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def _number(value: float | None, spec: str) -> str:

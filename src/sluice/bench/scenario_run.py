@@ -272,21 +272,17 @@ def plot(path: Path, config: ScenarioConfig, measured: Measured, samples: dict[s
          checks: Sequence[Check]) -> None:
     """Top: each tenant's successful completions per second over time, phase after phase.
     Bottom: p50 and p99 latency per tenant and phase, with the SLO."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (rate_ax, latency_ax) = plt.subplots(2, 1, figsize=(9, 8))
+    figure, rate_ax, latency_ax = report.two_panels(figsize=(9, 8))
     colours = {t.name: f"C{i}" for i, t in enumerate(config.scenario.tenants)}
     offset_s, bin_s = 0.0, 0.5
+    bins = np.arange(0.0, config.duration_s + bin_s, bin_s)
+    labelled: set[str] = set()
     for phase_name, runs in samples.items():
         for tenant, run in runs.items():
-            ok = run.status == 200
-            done_s = (run.sent_s + run.latency_s)[ok]
-            bins = np.arange(0.0, config.duration_s + bin_s, bin_s)
+            done_s = (run.sent_s + run.latency_s)[run.status == 200]
             counts, _ = np.histogram(done_s, bins)
-            label = tenant if phase_name == next(iter(samples)) or tenant not in samples[next(iter(samples))] else None
+            label = None if tenant in labelled else tenant  # one legend entry per tenant
+            labelled.add(tenant)
             rate_ax.step(bins[:-1] + offset_s, counts / bin_s, where="post", color=colours[tenant], label=label)
         rate_ax.axvline(offset_s, color="grey", linewidth=0.8)
         rate_ax.text(offset_s + 0.2, measured.capacity_per_s * 1.02, phase_name, fontsize=9)
@@ -316,7 +312,4 @@ def plot(path: Path, config: ScenarioConfig, measured: Measured, samples: dict[s
     latency_ax.set_ylabel("latency of successful requests (ms)")
     latency_ax.legend(loc="upper left", fontsize=8)
     latency_ax.grid(True, axis="y", alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    report.save_figure(figure, path)
