@@ -92,6 +92,19 @@ def write_emulated_model(repo: Path, name: str = "emulated", slo_ms: float = 100
     return repo
 
 
+def write_tiny_lm_model(repo: Path, name: str = "tiny") -> Path:
+    """A repository entry `name`: a tiny random-weight Llama (generated, with its SHA256SUMS) served
+    by the generative engine with a roomy deadline and a small KV cache."""
+    from sluice.engines.generative.tiny import make_tiny_lm
+    from sluice.repository import MANIFEST, write_manifest
+
+    version = make_tiny_lm(repo / name / "1")
+    write_manifest(version, version / MANIFEST)
+    (repo / name / "model.toml").write_text(
+        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 16\n')
+    return repo
+
+
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The demo repository (real minilm + emulated), served once for the whole session."""

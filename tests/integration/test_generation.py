@@ -10,9 +10,7 @@ import httpx
 import openai
 import pytest
 
-from sluice.engines.generative.tiny import make_tiny_lm
-from sluice.repository import MANIFEST, write_manifest
-from tests.conftest import start_server
+from tests.conftest import start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +19,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("repo")
-    version = make_tiny_lm(repo / MODEL / "1")
-    write_manifest(version, version / MANIFEST)
-    (repo / MODEL / "model.toml").write_text(
-        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 16\n'
-    )
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), MODEL)
     started = start_server(repo, tmp_path_factory.mktemp("log"))
     yield started
     started.stop()

@@ -18,10 +18,8 @@ import httpx
 import openai
 import pytest
 
-from sluice.engines.generative.tiny import make_tiny_lm
 from sluice.gateway.tenants import hash_key
-from sluice.repository import MANIFEST, write_manifest
-from tests.conftest import ServerProcess, free_port, start_server
+from tests.conftest import ServerProcess, free_port, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +29,7 @@ KEY = "sk-front-test-key"
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory: pytest.TempPathFactory):
-    repo = tmp_path_factory.mktemp("upstream-repo")
-    version = make_tiny_lm(repo / UPSTREAM_MODEL / "1")
-    write_manifest(version, version / MANIFEST)
-    (repo / UPSTREAM_MODEL / "model.toml").write_text(
-        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 16\n')
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("upstream-repo"), UPSTREAM_MODEL)
     started = start_server(repo, tmp_path_factory.mktemp("upstream-log"))
     yield started
     started.stop()
@@ -158,19 +152,37 @@ def test_max_concurrency_one_runs_calls_one_at_a_time(front, upstream, via_front
     assert 'vllm:num_requests_waiting{model_name="proxy"}' in exported
 
 
+def _upstream_cancellations(upstream: ServerProcess) -> float:
+    """Requests the upstream sluice saw withdrawn by its client (the front) before they finished."""
+    for line in httpx.get(f"{upstream.url}/metrics").text.splitlines():
+        labels, _, value = line.partition("} ")
+        if (labels.startswith("sluice_requests_total{") and f'model="{UPSTREAM_MODEL}"' in labels
+                and 'outcome="cancelled"' in labels):
+            return float(value)
+    return 0.0
+
+
+def _wait_for_upstream_cancellation(upstream: ServerProcess, before: float, what: str) -> None:
+    """The upstream counts one more cancelled request (a generation that ran to its end would count
+    as ok instead), and its engine has nothing left running."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if _upstream_cancellations(upstream) >= before + 1 and re.search(
+                rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
+                httpx.get(f"{upstream.url}/metrics").text):
+            return
+        time.sleep(0.25)
+    pytest.fail(f"the upstream kept generating {what}")
+
+
 def test_a_client_that_disconnects_closes_the_upstream_stream(via_front, upstream):
+    before = _upstream_cancellations(upstream)
     stream = via_front.completions.create(model="proxy", prompt="Keep going", max_tokens=800, temperature=0.8,
                                           stream=True, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(3), stream, strict=False):
         pass
     stream.close()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if re.search(rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
-                     httpx.get(f"{upstream.url}/metrics").text):
-            return
-        time.sleep(0.25)
-    pytest.fail("the upstream kept generating for a client that left")
+    _wait_for_upstream_cancellation(upstream, before, "for a client that left")
 
 
 def test_an_upstream_that_is_down_is_503_with_retry_after(front):
@@ -188,15 +200,10 @@ def test_tenancy_applies_in_front_of_an_upstream_that_needs_no_key(front):
 
 
 def test_a_deadline_that_passes_mid_generation_is_504_and_stops_the_upstream(front, upstream):
+    before = _upstream_cancellations(upstream)
     response = httpx.post(f"{front.url}/v1/completions",
                           headers={"Authorization": f"Bearer {KEY}", "X-Request-Timeout-Ms": "400"},
                           json={"model": "proxy", "prompt": "Go on", "max_tokens": 900, "ignore_eos": True},
                           timeout=30)
     assert response.status_code == 504, response.text
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if re.search(rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
-                     httpx.get(f"{upstream.url}/metrics").text):
-            return
-        time.sleep(0.25)
-    pytest.fail("the upstream kept generating past the request's deadline")
+    _wait_for_upstream_cancellation(upstream, before, "past the request's deadline")
