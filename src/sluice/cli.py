@@ -66,7 +66,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 
 @main.command()
 @click.option("--worker", "workers", multiple=True, required=True,
-              help="A worker's ZeroMQ address, e.g. tcp://10.0.0.5:7000 (repeat for each worker).")
+              help="A worker's address, e.g. tcp://10.0.0.5:7000 (repeat for each worker).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--tenants", "tenants_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -97,7 +97,7 @@ def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path |
 
 @main.command()
 @click.option("--id", "worker_id", default="0", show_default=True)
-@click.option("--bind", "address", required=True, help="ZeroMQ address to listen on, e.g. tcp://0.0.0.0:7000.")
+@click.option("--bind", "address", required=True, help="Address to listen on for gateways, e.g. tcp://0.0.0.0:7000 or ipc:///run/sluice/w0.sock.")
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--metrics-port", type=int, default=None, help="Serve this worker's /metrics on this port.")

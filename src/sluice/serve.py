@@ -52,7 +52,7 @@ class ServeConfig:
     tenants_file: Path | None = None
     """The tenants file (keys, weights, limits); None: one local tenant and no keys."""
     remote_workers: tuple[str, ...] = ()
-    """ZeroMQ addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
+    """Addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     graceful_timeout_s: float = 30.0
     ready_timeout_s: float = 120.0
     api: ApiConfig = field(default_factory=ApiConfig)

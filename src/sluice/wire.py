@@ -1,7 +1,8 @@
-"""Typed messages between gateways and workers, encoded with msgspec over ZeroMQ.
+"""Typed messages between gateways and workers, encoded with msgspec, framed by `sluice.transport`.
 
-One DEALER socket per gateway connects to each worker's ROUTER socket. Everything that crosses
-the process boundary is one of the `Message` structs below; nothing else does.
+Each gateway holds one connection to each worker (`transport.Channel` to `transport.Listener`).
+Everything that crosses the process boundary is one of the `Message` structs below; nothing else
+does.
 
     gateway                                   worker
       Hello ───────────────────────────────────▶  (learns the gateway's identity)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import zmq.asyncio
 
 from sluice import wire
 from sluice.gateway.connection import WorkerConnection
@@ -28,8 +27,7 @@ def _submit(request_id: int, tenant: str) -> wire.Submit:
 
 def test_sent_work_counts_per_flow_until_the_next_report() -> None:
     async def scenario() -> None:
-        context = zmq.asyncio.Context()
-        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g", context)
+        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
         state = _state(0.2)
         connection._on_message(state)
         for request_id, tenant in ((1, "a"), (2, "a"), (3, "b")):
@@ -48,6 +46,5 @@ def test_sent_work_counts_per_flow_until_the_next_report() -> None:
         connection._on_message(_state(0.25))  # the next report includes them
         assert connection.sent_flow_work_s("a", 1) == 0.0
         assert connection.predicted_wait_s == pytest.approx(0.5)
-        context.destroy(linger=0)
 
     asyncio.run(scenario())

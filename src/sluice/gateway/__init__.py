@@ -1,6 +1,6 @@
 """The gateway: admits requests, picks a worker, and waits for the answer.
 
-    Gateway.infer() ─▶ router.choose() ─▶ WorkerConnection.submit() ──ZeroMQ──▶ worker
+    Gateway.infer() ─▶ router.choose() ─▶ WorkerConnection.submit() ──transport──▶ worker
 """
 
 from sluice.gateway.gateway import Caller, Gateway, GatewayConfig

@@ -1,4 +1,4 @@
-"""One persistent, multiplexed ZeroMQ connection from this gateway to one worker.
+"""One persistent, multiplexed connection (`sluice.transport`) from this gateway to one worker.
 
 Requests are matched to answers by `request_id`. The connection keeps the worker's latest
 reported state, and knows which in-flight requests have started executing, so that when the
@@ -14,10 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-
-from sluice import wire
+from sluice import transport, wire
 
 log = logging.getLogger("sluice.gateway")
 
@@ -47,19 +44,11 @@ class InFlight:
 
 
 class WorkerConnection:
-    def __init__(self, worker_id: str, address: str, gateway_id: str, context: zmq.asyncio.Context) -> None:
+    def __init__(self, worker_id: str, address: str, gateway_id: str) -> None:
         self.worker_id = worker_id
         self.address = address
         self._gateway_id = gateway_id
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, gateway_id.encode())
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a worker that is not connected
-        self._socket.setsockopt(zmq.SNDHWM, 100_000)
-        self._socket.setsockopt(zmq.RCVHWM, 100_000)
-        self._socket.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._socket.connect(address)
+        self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._introduce)
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
@@ -80,7 +69,8 @@ class WorkerConnection:
         """Called when readiness or the served models change, so the gateway can re-index."""
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._hello_loop())]
+        self._channel.start()
+        self._tasks = [asyncio.create_task(self._hello_loop())]
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -88,7 +78,7 @@ class WorkerConnection:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._socket.close(linger=0)
+        await self._channel.aclose()
 
     def _update_readiness(self) -> None:
         is_ready = (
@@ -174,9 +164,8 @@ class WorkerConnection:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        sent = self._socket.send(wire.encode_many(outbox), flags=zmq.NOBLOCK)
-        if sent.done() and sent.exception() is not None:
-            # not connected (IMMEDIATE): nothing was delivered; let these requests be re-dispatched
+        if not self._channel.send(wire.encode_many(outbox)):
+            # not connected: nothing was delivered; let these requests be re-dispatched
             for message in outbox:
                 if isinstance(message, wire.Submit):
                     in_flight = self._in_flight.pop(message.request_id, None)
@@ -200,16 +189,14 @@ class WorkerConnection:
             in_flight.resolve(None)
         return lost
 
-    async def _receive_loop(self) -> None:
-        while True:
-            data = await self._socket.recv()
-            try:
-                messages = wire.decode(data)
-            except Exception:
-                log.warning("undecodable message from worker %s", self.worker_id)
-                continue
-            for message in messages:
-                self._on_message(message)
+    def _on_frame(self, data: bytes) -> None:
+        try:
+            messages = wire.decode(data)
+        except Exception:
+            log.warning("undecodable message from worker %s", self.worker_id)
+            return
+        for message in messages:
+            self._on_message(message)
 
     def _on_message(self, message: wire.Message) -> None:
         if isinstance(message, wire.Result):
@@ -254,17 +241,22 @@ class WorkerConnection:
     async def _hello_loop(self) -> None:
         """Introduce ourselves until the worker answers, and again whenever its reports stop."""
         while True:
-            silent_s = time.monotonic() - self.state_at
-            has_unread = bool(self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)  # we are slow, not it
-            if self.state is not None and silent_s > STALE_AFTER_S and self._in_flight and not has_unread:
-                log.warning("worker %s silent for %.1f s; treating it as lost", self.worker_id, silent_s)
-                self.mark_lost(is_dead=False)
-            if silent_s > HELLO_EVERY_S:
-                self._send_now(wire.Hello(self._gateway_id))
-                if self._weights is not None:
-                    self._send_now(wire.TenantWeights(self._weights))
+            if self.state is not None and self._in_flight and time.monotonic() - self.state_at > STALE_AFTER_S:
+                await asyncio.sleep(0)  # read what is already waiting first: it may be us that were slow
+                silent_s = time.monotonic() - self.state_at
+                if self.state is not None and self._in_flight and silent_s > STALE_AFTER_S:
+                    log.warning("worker %s silent for %.1f s; treating it as lost", self.worker_id, silent_s)
+                    self.mark_lost(is_dead=False)
+            if time.monotonic() - self.state_at > HELLO_EVERY_S:
+                self._introduce()
             self._update_readiness()
             await asyncio.sleep(HELLO_EVERY_S)
+
+    def _introduce(self) -> None:
+        """Ask for the worker's state, and give it the tenants' weights (it may have restarted)."""
+        self._send_now(wire.Hello(self._gateway_id))
+        if self._weights is not None:
+            self._send_now(wire.TenantWeights(self._weights))
 
 
 def _num_items(payload: wire.Payload) -> int:

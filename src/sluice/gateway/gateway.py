@@ -16,8 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-import zmq.asyncio
-
 from sluice import wire
 from sluice.clock import Clock
 from sluice.errors import (
@@ -65,7 +63,6 @@ class Gateway:
         self._metrics = metrics
         self._config = config or GatewayConfig()
         self.tenancy = tenancy or Tenancy(clock, metrics)
-        self._context = zmq.asyncio.Context()
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._connections: dict[str, WorkerConnection] = {}
         self._next_id = 0
@@ -78,7 +75,7 @@ class Gateway:
     # -- workers -------------------------------------------------------------------------------
 
     async def add_worker(self, worker_id: str, address: str) -> None:
-        connection = WorkerConnection(worker_id, address, self.gateway_id, self._context)
+        connection = WorkerConnection(worker_id, address, self.gateway_id)
         connection.on_change = self._invalidate
         self._connections[worker_id] = connection
         await connection.start()
@@ -100,7 +97,6 @@ class Gateway:
     async def aclose(self) -> None:
         for connection in self._connections.values():
             await connection.aclose()
-        self._context.term()
 
     def ready_workers(self) -> list[WorkerConnection]:
         return [c for c in self._connections.values() if c.is_ready]

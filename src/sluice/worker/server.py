@@ -1,7 +1,7 @@
 """The worker's RPC server: receives requests from gateways, queues them in the scheduler and
 runs batches on a dedicated device thread, so the event loop never blocks.
 
-    ROUTER socket ──Submit──▶ runner.prepare ──▶ scheduler.admit ──▶ queue
+    Listener ─────Submit──▶ runner.prepare ──▶ scheduler.admit ──▶ queue
                                                                       │ device free
     ◀──Started── ◀── scheduler.next_batch ◀───────────────────────────┘
     ◀──Result──── gather per request ◀── device thread: runner.run_batch
@@ -19,10 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import zmq
-import zmq.asyncio
 
-from sluice import wire
+from sluice import transport, wire
 from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, PreparedItem, Runner
 from sluice.engines.generative.engine import EngineStats, RequestOutput
@@ -109,18 +107,13 @@ class WorkerServer:
         self._is_draining = False
         self._drained = asyncio.Event()
         self._busy_s = 0.0
-        self._socket: zmq.asyncio.Socket | None = None
+        self._listener: transport.Listener | None = None
         self._outbox: dict[bytes, list[wire.Message]] = {}
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def serve(self, address: str) -> None:
-        context = zmq.asyncio.Context.instance()
-        self._socket = context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._socket.bind(address)
         self._device = DeviceThread(self._scheduler, self._lock, self._runners, self._prepared_items,
                                     self._on_batch_done, asyncio.get_running_loop())
         self._generation_loops = {key: GenerationLoop(runner, self._on_generated, asyncio.get_running_loop())
@@ -129,19 +122,17 @@ class WorkerServer:
                                 for key, runner in self._upstreams.items()}
         for upstream in self._upstream_loops.values():
             await upstream.start()
+        self._listener = await transport.Listener.start(address, self._on_frame)
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
-        receiver = asyncio.create_task(self._receive_loop())
         ticker = asyncio.create_task(self._state_loop())
         try:
             await self._drained.wait()
             self._broadcast_state()
             self._flush()
         finally:
-            for task in (receiver, ticker):
-                task.cancel()
-            for task in (receiver, ticker):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
             self._device.stop()
             for upstream in self._upstream_loops.values():
                 await upstream.aclose()
@@ -149,7 +140,8 @@ class WorkerServer:
                 generation_loop.stop()
             for runner in [*self._runners.values(), *self._generators.values()]:
                 runner.close()
-            self._socket.close(linger=100)
+            await asyncio.sleep(0)  # let the last frames reach the sockets before they close
+            await self._listener.aclose()
 
     def drain(self) -> None:
         """Stop admitting; exit once every admitted request has been answered."""
@@ -158,17 +150,14 @@ class WorkerServer:
 
     # -- messages in ---------------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        assert self._socket is not None
-        while True:
-            identity, data = await self._socket.recv_multipart()
-            try:
-                messages = wire.decode(data)
-            except Exception:  # a malformed frame from a peer; never crash the worker for it
-                log.warning("dropping an undecodable message from a gateway")
-                continue
-            for message in messages:
-                self._on_message(identity, message)
+    def _on_frame(self, identity: bytes, data: bytes) -> None:
+        try:
+            messages = wire.decode(data)
+        except Exception:  # a malformed frame from a peer; never crash the worker for it
+            log.warning("dropping an undecodable message from a gateway")
+            return
+        for message in messages:
+            self._on_message(identity, message)
 
     def _on_message(self, identity: bytes, message: wire.Message) -> None:
         if isinstance(message, wire.Submit):
@@ -369,12 +358,10 @@ class WorkerServer:
         self._outbox.setdefault(identity, []).append(message)
 
     def _flush(self) -> None:
-        assert self._socket is not None
+        assert self._listener is not None
         outbox, self._outbox = self._outbox, {}
         for identity, messages in outbox.items():
-            sent = self._socket.send_multipart([identity, wire.encode_many(messages)], flags=zmq.NOBLOCK)
-            if sent.done() and sent.exception() is not None:
-                log.warning("could not send to gateway %r: %s", identity, sent.exception())
+            self._listener.send(identity, wire.encode_many(messages))  # dropped if that gateway is gone
 
     def _state(self) -> wire.WorkerState:
         queues = []
