@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sluice.bench.loadgen import LoadConfig, LoadGenerator, new_session, poisson_schedule
+from sluice.bench.loadgen import LoadConfig, LoadGenerator, poisson_schedule
 from sluice.bench.selftest import null_server
 from sluice.bench.stats import summarize
 from sluice.bench.workloads import Endpoint, InputSpec, build_workload
@@ -46,8 +46,7 @@ def test_poisson_schedule_rejects_non_positive_rate_or_duration(rate: float, dur
 async def test_generator_sends_every_scheduled_request_and_records_each_answer() -> None:
     async with null_server() as url:
         workload = build_workload(Endpoint.KSERVE, url, "null", 4, None, InputSpec("INPUT0", "FP32"))
-        async with new_session(request_timeout_s=10) as session:
-            samples = await LoadGenerator(session, workload).run(LoadConfig(200.0, 1.0, warmup_s=0.3, seed=3))
+        samples = await LoadGenerator(workload, request_timeout_s=10).run(LoadConfig(200.0, 1.0, warmup_s=0.3, seed=3))
     expected = poisson_schedule(200.0, 1.0, _rng_after_warmup(200.0, 0.3, seed=3))
     assert np.allclose(samples.scheduled_s, expected)
     assert samples.status.tolist() == [200] * expected.size
@@ -61,8 +60,7 @@ async def test_generator_sends_every_scheduled_request_and_records_each_answer()
 
 async def test_generator_counts_refused_connections_as_errors() -> None:
     workload = build_workload(Endpoint.EMBEDDINGS, "http://127.0.0.1:9", "m", 4, None)  # port 9: nothing there
-    async with new_session(request_timeout_s=5) as session:
-        samples = await LoadGenerator(session, workload).run(LoadConfig(100.0, 0.3))
+    samples = await LoadGenerator(workload, request_timeout_s=5).run(LoadConfig(100.0, 0.3))
     result = summarize(samples)
     assert result.status_counts["error"] == result.num_scheduled > 0
     assert result.success_rate == 0.0 and result.latency is None
