@@ -275,6 +275,10 @@ class HttpPool:
             connection = None
         finally:
             self._num_connecting -= 1
+        if self._is_closed:
+            if connection is not None:
+                connection.close(is_abort=True)
+            return
         if connection is None or connection.is_closed:
             # The oldest queued request is the one this connection would have carried.
             if self._waiting:
