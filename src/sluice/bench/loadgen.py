@@ -3,9 +3,11 @@
 Open loop means a request's send time comes from the arrival process alone, never from the
 completion of an earlier request, so a slow server cannot slow the offered load down
 ("coordinated omission"). The whole schedule is drawn before the run; a dispatcher sleeps until
-the next arrival and starts every request that is due as its own task. If the dispatcher cannot
-keep up (CPU starved), requests go out late: each request's lag (actual - scheduled send time) is
-recorded so the report can say so.
+the next arrival and hands every request that is due to the lean keep-alive client in
+`http_client.py` (callbacks, no task per request). If the dispatcher cannot keep up (CPU
+starved), requests go out late: each request's lag (actual - scheduled send time) is recorded so
+the report can say so. Everything else a run does over HTTP (the /metrics snapshots, model
+metadata, the streaming generative bench) uses an aiohttp session from `new_session`.
 
     time ─────────────────────────────────────────────────────────────────────>
          |<──── warm-up (not recorded) ────>|<──────── measured ────────>| drain
@@ -13,7 +15,7 @@ recorded so the report can say so.
                                                                                         scrape again
 
 Per-request results go into preallocated typed arrays indexed by arrival number; nothing else is
-allocated per request beyond the task and the body bytes.
+allocated per request beyond the request bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
+from sluice.bench.http_client import HttpPool, post_head, post_request, split_url
 from sluice.bench.promstats import ServerSnapshot, server_delta
 from sluice.bench.stats import TRANSPORT_ERROR, RunSamples
 from sluice.bench.workloads import Workload
@@ -72,17 +75,29 @@ class LoadConfig:
 
 
 class LoadGenerator:
-    """Sends one or more workloads over one shared aiohttp session. One run at a time.
+    """Sends one or more workloads to one server over its own keep-alive connections. One run at a time.
 
     With several workloads (streams), each has its own Poisson arrivals at its own rate; the
-    schedules are merged into one, so a single dispatcher sends them all on time.
+    schedules are merged into one, so a single dispatcher sends them all on time. Each run opens
+    its connections (at most `max_connections`, 0: no cap) and closes them when it ends; a
+    request unanswered `request_timeout_s` after its send counts as a transport error.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, workload: Workload | Sequence[Workload]) -> None:
-        self._session = session
+    def __init__(self, workload: Workload | Sequence[Workload], request_timeout_s: float,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self._workloads = (workload,) if isinstance(workload, Workload) else tuple(workload)
         if not self._workloads:
             raise ValueError("a load generator needs at least one workload")
+        origins = {split_url(w.url)[0] for w in self._workloads}
+        if len(origins) != 1:
+            raise ValueError(f"all workloads of one generator must go to one server, got {sorted(map(str, origins))}")
+        if max_connections < 0 or not request_timeout_s > 0:
+            raise ValueError(f"need max_connections >= 0 and a positive request timeout, got {max_connections}, "
+                             f"{request_timeout_s} s")
+        (self._origin,) = origins
+        self._heads = tuple(post_head(w.url, w.headers) for w in self._workloads)
+        self._request_timeout_s = request_timeout_s
+        self._max_connections = max_connections
         self._stream = array("B")
         self._sent = array("d")
         self._done = array("d")
@@ -112,24 +127,25 @@ class LoadGenerator:
         offsets, streams, num_warmup, measured = _merged_schedule(rates_per_s, config)
         self._reset(len(offsets), streams)
 
-        tasks: set[asyncio.Task[Any]] = set()
+        tasks: set[asyncio.Task[Any]] = set()  # the snapshots
+        pool = HttpPool(self._origin, self._record, self._max_connections, self._request_timeout_s)
         with _frozen_heap():
-            cpu_start_s, wall_start_s = time.process_time(), time.perf_counter()
-            start_s = wall_start_s + _START_DELAY_S
-            send_at = array("d", (offsets + start_s).tolist())
-            try:
-                before_task = await self._dispatch(send_at, num_warmup, tasks, snapshot, progress)
-                await self._drain(tasks, progress)
-            finally:  # only matters when the run itself is cancelled: leave nothing running
-                for task in tasks:
-                    task.cancel()
+            async with pool:
+                cpu_start_s, wall_start_s = time.process_time(), time.perf_counter()
+                start_s = wall_start_s + _START_DELAY_S
+                send_at = array("d", (offsets + start_s).tolist())
+                try:
+                    before_task = await self._dispatch(pool, send_at, num_warmup, tasks, snapshot, progress)
+                    await self._drain(progress)
+                finally:  # only matters when the run itself is cancelled: leave nothing running
+                    for task in tasks:
+                        task.cancel()
         before = await before_task if before_task is not None else None
         after = await snapshot() if snapshot is not None else None
         server = server_delta(before, after) if before is not None and after is not None else None
         cpu_cores = (time.process_time() - cpu_start_s) / (time.perf_counter() - wall_start_s)
 
         measure_start_s = start_s + config.warmup_s
-        connector = self._session.connector
         in_stream = np.frombuffer(self._stream, dtype=np.uint8)[num_warmup:]
         sent = np.frombuffer(self._sent, dtype=np.float64)[num_warmup:]
         done = np.frombuffer(self._done, dtype=np.float64)[num_warmup:]
@@ -143,7 +159,7 @@ class LoadGenerator:
                 sent_s=sent[mine] - measure_start_s, latency_s=done[mine] - sent[mine],
                 status=status[mine].copy(), has_retry_after=retry_after[mine].astype(bool),
                 server=server,
-                peak_in_flight=self._peak_in_flight, max_connections=0 if connector is None else connector.limit,
+                peak_in_flight=self._peak_in_flight, max_connections=self._max_connections,
                 generator_cpu_cores=cpu_cores,
             ))
         return results
@@ -159,12 +175,12 @@ class LoadGenerator:
         self._num_done = 0
         self._peak_in_flight = 0
 
-    async def _dispatch(self, send_at: array[float], num_warmup: int, tasks: set[asyncio.Task[Any]],
-                        snapshot: Snapshotter | None, progress: ProgressCallback | None,
-                        ) -> asyncio.Task[ServerSnapshot | None] | None:
-        """Start every request at its scheduled time, adding it to `tasks` until it finishes.
+    async def _dispatch(self, pool: HttpPool, send_at: array[float], num_warmup: int,
+                        tasks: set[asyncio.Task[Any]], snapshot: Snapshotter | None,
+                        progress: ProgressCallback | None) -> asyncio.Task[ServerSnapshot | None] | None:
+        """Send every request at its scheduled time.
 
-        Returns the task taking the first snapshot, started when measurement starts.
+        Returns the task taking the first snapshot, started (and held in `tasks`) when measurement starts.
         """
         loop = asyncio.get_running_loop()
         before_task: asyncio.Task[ServerSnapshot | None] | None = None
@@ -176,7 +192,7 @@ class LoadGenerator:
         while index < num_requests:
             now = time.perf_counter()
             while index < num_requests and send_at[index] <= now:
-                _spawn(loop, self._send(index), tasks)
+                self._send(pool, index)
                 index += 1
                 if index == num_warmup and snapshot is not None:
                     before_task = _spawn(loop, snapshot(), tasks)
@@ -184,19 +200,18 @@ class LoadGenerator:
                 progress(self._num_sent, self._num_done)
                 next_progress_s = now + _PROGRESS_EVERY_S
             if index < num_requests:
-                # Sleeping 0 still yields, so started requests make progress while we are behind.
+                # Sleeping 0 still yields, so answers are read while we are behind.
                 # Shorter sleeps would spin: uvloop rounds timers to whole milliseconds.
                 delay_s = send_at[index] - time.perf_counter()
                 await asyncio.sleep(max(delay_s, _MIN_SLEEP_S) if delay_s > 0 else 0)
         return before_task
 
-    async def _drain(self, tasks: set[asyncio.Task[Any]], progress: ProgressCallback | None) -> None:
-        # Wait on one event rather than asyncio.wait(tasks): that hooks a callback onto every
-        # pending task on each call, which costs real CPU when thousands are outstanding.
+    async def _drain(self, progress: ProgressCallback | None) -> None:
+        """Wait until every request is answered or failed; the pool's timeout sweep bounds the wait."""
         self._drained = asyncio.Event()
         if self._num_done == len(self._done):
             self._drained.set()
-        while tasks:
+        while not self._drained.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), _PROGRESS_EVERY_S)
             if progress is not None:
@@ -205,23 +220,22 @@ class LoadGenerator:
             progress(self._num_sent, self._num_done)
         self._drained = None
 
-    async def _send(self, index: int) -> None:
-        workload = self._workloads[self._stream[index]]
-        body = workload.body(index)
+    def _send(self, pool: HttpPool, index: int) -> None:
+        stream = self._stream[index]
+        body = self._workloads[stream].body(index)
         self._num_sent += 1
         in_flight = self._num_sent - self._num_done
         if in_flight > self._peak_in_flight:
             self._peak_in_flight = in_flight
         sent_s = time.perf_counter()
         self._sent[index] = sent_s
-        try:
-            async with self._session.post(workload.url, data=body, headers=workload.headers) as response:
-                await response.read()
-                self._status[index] = response.status
-                self._retry_after[index] = "Retry-After" in response.headers
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            self._status[index] = TRANSPORT_ERROR
+        pool.send(index, post_request(self._heads[stream], body), sent_s)
+
+    def _record(self, index: int, status: int, has_retry_after: bool) -> None:
+        """The pool's callback: request `index` finished now (an answer or TRANSPORT_ERROR)."""
         self._done[index] = time.perf_counter()
+        self._status[index] = status
+        self._retry_after[index] = has_retry_after
         self._num_done += 1
         if self._drained is not None and self._num_done == len(self._done):
             self._drained.set()
@@ -281,7 +295,11 @@ def _frozen_heap() -> Iterator[None]:
 
 def new_session(request_timeout_s: float,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> aiohttp.ClientSession:
-    """The one session a run uses: keep-alive connections, at most `max_connections` (0: no limit)."""
+    """The aiohttp session for a run's other requests (/metrics snapshots, metadata, streaming).
+
+    Keep-alive connections, at most `max_connections` (0: no limit). The load itself goes out
+    through `LoadGenerator`'s own connections, not this session.
+    """
     connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=60, force_close=False,
                                      enable_cleanup_closed=False)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout_s),

@@ -1,9 +1,11 @@
-"""Orchestration behind `sluice bench`: one session, one workload, one run per offered rate.
+"""Orchestration behind `sluice bench`: one workload, one run per offered rate.
 
     metadata ─> workload ─> for each rate: warm-up + measure (progress bar) ─> summarize
                                    └─> table, JSON, PNG, goodput
 
-Everything here runs inside one uvloop event loop so the generator spends its CPU on sending.
+Everything here runs inside one uvloop event loop so the generator spends its CPU on sending. The
+load goes out on the generator's own connections; metadata and /metrics go through one aiohttp
+session.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
         workload = build_workload(config.endpoint, config.url, config.model, config.input_len,
                                   config.timeout_ms, spec, seed=config.seed)
         console.print(f"{workload.description} -> {workload.url}")
-        generator = LoadGenerator(session, workload)
+        generator = LoadGenerator(workload, config.request_timeout_s, config.max_connections)
         snapshot = functools.partial(scrape, session, config.url, config.model)
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[sent]} sent"),
                    TextColumn("{task.completed:.0f}/{task.total:.0f} done"), TimeElapsedColumn())

@@ -133,7 +133,7 @@ async def _run(config: ScenarioConfig, console: Console,
                     f"{s.tenant} at {rate:.0f} req/s ({s.load:g}x capacity)" for s, rate in zip(streams, rates,
                                                                                               strict=True)))
                 load = LoadConfig(0.0, config.duration_s, config.warmup_s, config.seed)
-                runs = await LoadGenerator(session, workloads).run_streams(
+                runs = await LoadGenerator(workloads, 30.0, config.max_connections).run_streams(
                     rates, load, lambda: scrape(session, url, MODEL))
                 samples[phase.name] = {s.tenant: r for s, r in zip(streams, runs, strict=True)}
                 by_tenant = {s.tenant: summarize(r) for s, r in zip(streams, runs, strict=True)}

@@ -3,7 +3,8 @@
 Two measurements, on the same machine the real benchmark runs on:
 
 1. closed loop: `concurrency` connections each send the next request as soon as the previous
-   one is answered; requests per second is the generator's ceiling on this machine.
+   one is answered, over the generator's own client; requests per second is the generator's
+   ceiling on this machine.
 2. open loop (optional): the real generator at target rates; its achieved send rate and lag
    say whether it can offer that rate without falling behind.
 
@@ -22,9 +23,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
-from sluice.bench.loadgen import LoadConfig, LoadGenerator, new_session
+from sluice.bench.http_client import HttpPool, post_head, post_request, split_url
+from sluice.bench.loadgen import LoadConfig, LoadGenerator
 from sluice.bench.stats import MAX_LAG_P99_MS, RateResult, summarize
 from sluice.bench.workloads import Endpoint, InputSpec, Workload, build_workload
 
@@ -81,38 +81,65 @@ async def null_server() -> AsyncIterator[str]:
 
 async def closed_loop(workload: Workload, concurrency: int, duration_s: float, warmup_s: float = 1.0,
                       request_timeout_s: float = 10.0) -> ClosedLoopResult:
-    """Keep `concurrency` requests in flight for `warmup_s + duration_s`; count the measured part."""
+    """Keep `concurrency` requests in flight for `warmup_s + duration_s`; count the answers in the measured part.
+
+    Uses the generator's own client (`HttpPool`, one connection per request in flight): each answer
+    sends the next request from the pool's callback, so this measures what the open-loop
+    generator pays per request, minus its scheduling.
+    """
     if concurrency < 1 or duration_s <= 0:
         raise ValueError(f"need concurrency ≥ 1 and a positive duration, got {concurrency}, {duration_s} s")
-    counts = [0, 0]  # ok, errors: during measurement only
-    cpu_at_s = [0.0, 0.0]  # process time at the start and at the end of measurement
-    async with new_session(request_timeout_s) as session:
-        start_s = time.perf_counter()
-        measure_from_s = start_s + warmup_s
-        stop_s = measure_from_s + duration_s
+    origin, _ = split_url(workload.url)
+    head = post_head(workload.url, workload.headers)
+    measure_from_s = time.perf_counter() + warmup_s
+    stop_s = measure_from_s + duration_s
+    clients = _ClosedLoop(head, workload, measure_from_s, stop_s)
+    async with HttpPool(origin, clients.on_done, concurrency, request_timeout_s) as pool:
+        clients.pool = pool
+        for _ in range(concurrency):
+            clients.send_next()
+        await asyncio.sleep(max(0.0, measure_from_s - time.perf_counter()))
+        cpu_start_s = time.process_time()
+        await asyncio.sleep(max(0.0, stop_s - time.perf_counter()))
+        cpu_s = time.process_time() - cpu_start_s
+        # Every request gets its callback within the timeout (plus one sweep), so this ends.
+        await asyncio.wait_for(clients.finished.wait(), request_timeout_s + 1.0)
+    return ClosedLoopResult(concurrency, duration_s, clients.num_ok, clients.num_errors, cpu_s)
 
-        async def client(client_index: int) -> None:
-            index = client_index
-            url, headers = workload.url, workload.headers
-            while (now := time.perf_counter()) < stop_s:
-                try:
-                    async with session.post(url, data=workload.body(index), headers=headers) as response:
-                        await response.read()
-                        is_ok = response.status == 200
-                except (aiohttp.ClientError, TimeoutError, OSError):
-                    is_ok = False
-                if now >= measure_from_s:
-                    counts[0 if is_ok else 1] += 1
-                index += concurrency
 
-        async def clock() -> None:
-            await asyncio.sleep(warmup_s)
-            cpu_at_s[0] = time.process_time()
-            await asyncio.sleep(duration_s)
-            cpu_at_s[1] = time.process_time()
+class _ClosedLoop:
+    """The closed loop's state: every answer before `stop_s` sends the next request."""
 
-        await asyncio.gather(clock(), *(client(i) for i in range(concurrency)))
-    return ClosedLoopResult(concurrency, duration_s, counts[0], counts[1], cpu_at_s[1] - cpu_at_s[0])
+    def __init__(self, head: bytes, workload: Workload, measure_from_s: float, stop_s: float) -> None:
+        self.pool: HttpPool | None = None
+        self._head = head
+        self._workload = workload
+        self._measure_from_s = measure_from_s
+        self._stop_s = stop_s
+        self._next_index = 0
+        self._num_in_flight = 0
+        self.num_ok = 0
+        self.num_errors = 0
+        self.finished = asyncio.Event()
+
+    def send_next(self) -> None:
+        assert self.pool is not None
+        index, self._next_index = self._next_index, self._next_index + 1
+        self._num_in_flight += 1
+        self.pool.send(index, post_request(self._head, self._workload.body(index)), time.perf_counter())
+
+    def on_done(self, index: int, status: int, has_retry_after: bool) -> None:
+        self._num_in_flight -= 1
+        now = time.perf_counter()
+        if self._measure_from_s <= now < self._stop_s:
+            if status == 200:
+                self.num_ok += 1
+            else:
+                self.num_errors += 1
+        if now < self._stop_s:
+            self.send_next()
+        elif self._num_in_flight == 0:
+            self.finished.set()
 
 
 async def run_self_test(concurrency: int, duration_s: float, open_loop_rates_per_s: Sequence[float] = (),
@@ -121,9 +148,8 @@ async def run_self_test(concurrency: int, duration_s: float, open_loop_rates_per
         workload = build_workload(Endpoint.KSERVE, url, "null", 16, None, InputSpec("INPUT0", "FP32"))
         closed = await closed_loop(workload, concurrency, duration_s)
         open_results = []
-        async with new_session(request_timeout_s=10.0) as session:
-            generator = LoadGenerator(session, workload)
-            for rate_per_s in open_loop_rates_per_s:
-                samples = await generator.run(LoadConfig(rate_per_s, duration_s, warmup_s=1.0))
-                open_results.append(summarize(samples, max_lag_p99_ms))
+        generator = LoadGenerator(workload, request_timeout_s=10.0)
+        for rate_per_s in open_loop_rates_per_s:
+            samples = await generator.run(LoadConfig(rate_per_s, duration_s, warmup_s=1.0))
+            open_results.append(summarize(samples, max_lag_p99_ms))
     return SelfTestResult(closed, tuple(open_results))
