@@ -9,7 +9,7 @@ In the embedded server, gateway and workers are separate processes that share on
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess as _multiprocess
@@ -183,10 +183,23 @@ class EngineCounts(Protocol):
     prefix_cache_hit_tokens: int
 
 
+_CHILDREN: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+
+def _child(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)`, remembered: the lookup costs more than the update it precedes, on
+    every request. Bounded like the labels themselves (models, outcomes, tenants in the file)."""
+    key = (metric, labels)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*labels)
+    return child
+
+
 class GatewayMetrics:
     def request_done(self, model: str, version: str, outcome: str, seconds: float) -> None:
-        REQUESTS.labels(model, version, outcome).inc()
-        REQUEST_DURATION.labels(model, version, outcome).observe(seconds)
+        _child(REQUESTS, model, version, outcome).inc()
+        _child(REQUEST_DURATION, model, version, outcome).observe(seconds)
 
     def workers_ready(self, count: int) -> None:
         WORKERS_READY.set(count)
@@ -212,16 +225,16 @@ class GatewayMetrics:
             TIME_PER_OUTPUT_TOKEN.labels(model).observe(max(e2e_s - ttft_s, 0.0) / (result.num_output_tokens - 1))
 
     def tenant_admitted(self, tenant: str, klass: str) -> None:
-        TENANT_ADMITTED.labels(tenant_label(tenant), klass).inc()
+        _child(TENANT_ADMITTED, tenant_label(tenant), klass).inc()
 
     def tenant_rejected(self, tenant: str, klass: str, reason: str) -> None:
-        TENANT_REJECTED.labels(tenant_label(tenant), klass, reason).inc()
+        _child(TENANT_REJECTED, tenant_label(tenant), klass, reason).inc()
 
     def tenant_completed(self, tenant: str, klass: str, queue_s: float, device_s: float) -> None:
         label = tenant_label(tenant)
-        TENANT_GOODPUT.labels(label, klass).inc()
-        TENANT_QUEUE_WAIT.labels(label, klass).observe(queue_s)
-        TENANT_DEVICE_SECONDS.labels(label, klass).inc(device_s)
+        _child(TENANT_GOODPUT, label, klass).inc()
+        _child(TENANT_QUEUE_WAIT, label, klass).observe(queue_s)
+        _child(TENANT_DEVICE_SECONDS, label, klass).inc(device_s)
 
     def shared_limits_error(self) -> None:
         SHARED_LIMITS_ERRORS.inc()
@@ -239,9 +252,9 @@ class WorkerMetrics:
         self._busy_ratio = DEVICE_BUSY_RATIO.labels(worker_id)
 
     def batch_done(self, model: str, version: str, size: int, exec_s: float, waits_s: list[float]) -> None:
-        BATCH_SIZE.labels(model, version).observe(size)
-        EXECUTION.labels(model, version).observe(exec_s)
-        wait = QUEUE_WAIT.labels(model, version)
+        _child(BATCH_SIZE, model, version).observe(size)
+        _child(EXECUTION, model, version).observe(exec_s)
+        wait = _child(QUEUE_WAIT, model, version)
         for w in waits_s:
             wait.observe(w)
         self._busy.inc(exec_s)
