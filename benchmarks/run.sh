@@ -9,16 +9,7 @@ mkdir -p "$out"
 sluice=.venv/bin/sluice
 port=8765
 
-serve() {  # serve MODELS_DIR: start a server and wait until it is ready
-  "$sluice" serve --port "$port" --models "$1" > "$out/server.log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$port/v2/health/ready" > /dev/null && return 0
-    sleep 0.2
-  done
-  echo "server did not start" >&2; cat "$out/server.log" >&2; exit 1
-}
-stop() { kill -TERM "$server_pid"; wait "$server_pid" || true; }
+source benchmarks/serve.sh  # serve MODELS_DIR / stop
 bench() { "$sluice" bench --url "http://127.0.0.1:$port" "$@"; }
 
 emulated_repo=$(mktemp -d)

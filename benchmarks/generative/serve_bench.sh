@@ -15,19 +15,10 @@ port=${PORT:-8766}
 rate=${RATE:-16}
 duration=${DURATION:-15}
 
-serve() {  # serve MODELS_DIR: start a server and wait until it is ready
-  $sluice serve --port "$port" --models "$1" > "$out/server-generative.log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$port/v2/health/ready" > /dev/null && return 0
-    sleep 0.2
-  done
-  echo "server did not start" >&2; cat "$out/server-generative.log" >&2; exit 1
-}
-stop() { kill -TERM "$server_pid"; wait "$server_pid" || true; }
+source benchmarks/serve.sh  # serve MODELS_DIR [LOG_NAME] / stop
 
 run_mode() {
-  serve "benchmarks/models/$1"
+  serve "benchmarks/models/$1" server-generative
   echo "== $1: load average $(cut -d' ' -f1-3 /proc/loadavg)"
   $sluice bench --url "http://127.0.0.1:$port" --endpoint completions --model tiny-lm \
       --rate "$rate" --duration "$duration" --prompt-len 32:256 --output-len 16:128 --seed 0 \
