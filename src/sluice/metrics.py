@@ -155,34 +155,6 @@ BATCH_JOB_DURATION = Histogram(
 )
 
 
-class JobMetrics:
-    """The batch-job executor's recorder."""
-
-    def item_done(self, outcome: str, count: int = 1) -> None:
-        if count:
-            BATCH_ITEMS.labels(outcome).inc(count)
-
-    def item_retried(self) -> None:
-        BATCH_ITEM_RETRIES.inc()
-
-    def pending(self, num_queued: int, num_running: int) -> None:
-        BATCH_ITEMS_PENDING.labels("queued").set(num_queued)
-        BATCH_ITEMS_PENDING.labels("running").set(num_running)
-
-    def job_done(self, status: str, seconds: float) -> None:
-        BATCH_JOBS.labels(status).inc()
-        BATCH_JOB_DURATION.labels(status).observe(max(seconds, 0.0))
-
-
-class EngineCounts(Protocol):
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-
-
 _CHILDREN: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
 
@@ -194,6 +166,34 @@ def _child(metric: Any, *labels: str) -> Any:
     if child is None:
         child = _CHILDREN[key] = metric.labels(*labels)
     return child
+
+
+class JobMetrics:
+    """The batch-job executor's recorder."""
+
+    def item_done(self, outcome: str, count: int = 1) -> None:
+        if count:
+            _child(BATCH_ITEMS, outcome).inc(count)
+
+    def item_retried(self) -> None:
+        BATCH_ITEM_RETRIES.inc()
+
+    def pending(self, num_queued: int, num_running: int) -> None:
+        _child(BATCH_ITEMS_PENDING, "queued").set(num_queued)
+        _child(BATCH_ITEMS_PENDING, "running").set(num_running)
+
+    def job_done(self, status: str, seconds: float) -> None:
+        _child(BATCH_JOBS, status).inc()
+        _child(BATCH_JOB_DURATION, status).observe(max(seconds, 0.0))
+
+
+class EngineCounts(Protocol):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
 
 
 class GatewayMetrics:
@@ -211,18 +211,18 @@ class GatewayMetrics:
         REDISPATCHED.inc(count)
 
     def first_token(self, model: str, seconds: float) -> None:
-        TIME_TO_FIRST_TOKEN.labels(model).observe(seconds)
+        _child(TIME_TO_FIRST_TOKEN, model).observe(seconds)
 
     def inter_token(self, model: str, seconds: float) -> None:
-        INTER_TOKEN_LATENCY.labels(model).observe(seconds)
+        _child(INTER_TOKEN_LATENCY, model).observe(seconds)
 
     def generation_done(self, model: str, result: GenerationCounts, e2e_s: float, ttft_s: float | None) -> None:
-        GENERATION_DURATION.labels(model).observe(e2e_s)
-        PROMPT_TOKENS.labels(model).inc(result.num_prompt_tokens)
-        CACHED_PROMPT_TOKENS.labels(model).inc(result.num_cached_tokens)
-        GENERATION_TOKENS.labels(model).inc(result.num_output_tokens)
+        _child(GENERATION_DURATION, model).observe(e2e_s)
+        _child(PROMPT_TOKENS, model).inc(result.num_prompt_tokens)
+        _child(CACHED_PROMPT_TOKENS, model).inc(result.num_cached_tokens)
+        _child(GENERATION_TOKENS, model).inc(result.num_output_tokens)
         if ttft_s is not None and result.num_output_tokens > 1:
-            TIME_PER_OUTPUT_TOKEN.labels(model).observe(max(e2e_s - ttft_s, 0.0) / (result.num_output_tokens - 1))
+            _child(TIME_PER_OUTPUT_TOKEN, model).observe(max(e2e_s - ttft_s, 0.0) / (result.num_output_tokens - 1))
 
     def tenant_admitted(self, tenant: str, klass: str) -> None:
         _child(TENANT_ADMITTED, tenant_label(tenant), klass).inc()
@@ -242,14 +242,14 @@ class GatewayMetrics:
     def tenant_used(self, tenant: str, klass: str, device_s: float) -> None:
         """Device time of a request that ran but did not succeed (still paid for)."""
         if device_s > 0:
-            TENANT_DEVICE_SECONDS.labels(tenant_label(tenant), klass).inc(device_s)
+            _child(TENANT_DEVICE_SECONDS, tenant_label(tenant), klass).inc(device_s)
 
 
 class WorkerMetrics:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        self._busy = DEVICE_BUSY.labels(worker_id)
-        self._busy_ratio = DEVICE_BUSY_RATIO.labels(worker_id)
+        self._busy = _child(DEVICE_BUSY, worker_id)
+        self._busy_ratio = _child(DEVICE_BUSY_RATIO, worker_id)
 
     def batch_done(self, model: str, version: str, size: int, exec_s: float, waits_s: list[float]) -> None:
         _child(BATCH_SIZE, model, version).observe(size)
@@ -260,35 +260,35 @@ class WorkerMetrics:
         self._busy.inc(exec_s)
 
     def item_failed(self, model: str, version: str) -> None:
-        ITEM_FAILURES.labels(model, version).inc()
+        _child(ITEM_FAILURES, model, version).inc()
 
     def queue(self, model: str, version: str, depth: int, work_s: float) -> None:
-        QUEUE_DEPTH.labels(model, version).set(depth)
-        QUEUED_WORK.labels(model, version).set(work_s)
+        _child(QUEUE_DEPTH, model, version).set(depth)
+        _child(QUEUED_WORK, model, version).set(work_s)
 
     def profile(self, model: str, version: str, alpha_s: float, beta_s: float) -> None:
-        PROFILE_ALPHA.labels(model, version, self.worker_id).set(alpha_s)
-        PROFILE_BETA.labels(model, version, self.worker_id).set(beta_s)
+        _child(PROFILE_ALPHA, model, version, self.worker_id).set(alpha_s)
+        _child(PROFILE_BETA, model, version, self.worker_id).set(beta_s)
 
     def busy_ratio(self, ratio: float) -> None:
         self._busy_ratio.set(ratio)
 
     def upstream(self, model: str, num_running: int, num_waiting: int) -> None:
         """An `openai-upstream` model's load: calls in flight to its server, calls waiting here."""
-        SEQUENCES_RUNNING.labels(model).set(num_running)
-        SEQUENCES_WAITING.labels(model).set(num_waiting)
+        _child(SEQUENCES_RUNNING, model).set(num_running)
+        _child(SEQUENCES_WAITING, model).set(num_waiting)
 
     def engine(self, model: str, stats: EngineCounts, previous: EngineCounts | None) -> None:
         """A generative engine's state; counters advance by the change since `previous`."""
-        SEQUENCES_RUNNING.labels(model).set(stats.num_running)
-        SEQUENCES_WAITING.labels(model).set(stats.num_waiting)
-        KV_CACHE_USAGE.labels(model).set(stats.kv_cache_usage)
+        _child(SEQUENCES_RUNNING, model).set(stats.num_running)
+        _child(SEQUENCES_WAITING, model).set(stats.num_waiting)
+        _child(KV_CACHE_USAGE, model).set(stats.kv_cache_usage)
         for counter, field in ((PREEMPTIONS, "num_preemptions_total"),
                                (PREFIX_CACHE_QUERIES, "prefix_cache_query_tokens"),
                                (PREFIX_CACHE_HITS, "prefix_cache_hit_tokens")):
             now, before = getattr(stats, field), getattr(previous, field) if previous else 0
             if now > before:
-                counter.labels(model).inc(now - before)
+                _child(counter, model).inc(now - before)
 
 
 def exposition() -> tuple[bytes, str]:
