@@ -94,7 +94,8 @@ class _FramedProtocol(asyncio.Protocol):
                 return
             if end - start - _HEADER < length:
                 break
-            frame = bytes(buffer[start + _HEADER:start + _HEADER + length])
+            with memoryview(buffer) as view:  # one copy of the frame, not two
+                frame = bytes(view[start + _HEADER:start + _HEADER + length])
             start += _HEADER + length
             try:
                 self.on_frame(frame)

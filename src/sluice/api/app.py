@@ -100,7 +100,7 @@ class HotRoutes:
         try:
             response = await route.endpoint(request)
         except SluiceError as exc:
-            response = error_response(exc, _protocol(request))
+            response = await _on_sluice_error(request, exc)
         except Exception as exc:
             response = await _on_bug(request, exc)
         await response(scope, receive, send)

@@ -241,16 +241,19 @@ class WorkerConnection:
     async def _hello_loop(self) -> None:
         """Introduce ourselves until the worker answers, and again whenever its reports stop."""
         while True:
-            if self.state is not None and self._in_flight and time.monotonic() - self.state_at > STALE_AFTER_S:
+            if self._is_silent():
                 await asyncio.sleep(0)  # read what is already waiting first: it may be us that were slow
-                silent_s = time.monotonic() - self.state_at
-                if self.state is not None and self._in_flight and silent_s > STALE_AFTER_S:
-                    log.warning("worker %s silent for %.1f s; treating it as lost", self.worker_id, silent_s)
+                if self._is_silent():
+                    log.warning("worker %s silent for %.1f s with requests in flight; treating it as lost",
+                                self.worker_id, time.monotonic() - self.state_at)
                     self.mark_lost(is_dead=False)
             if time.monotonic() - self.state_at > HELLO_EVERY_S:
                 self._introduce()
             self._update_readiness()
             await asyncio.sleep(HELLO_EVERY_S)
+
+    def _is_silent(self) -> bool:
+        return self.state is not None and bool(self._in_flight) and time.monotonic() - self.state_at > STALE_AFTER_S
 
     def _introduce(self) -> None:
         """Ask for the worker's state, and give it the tenants' weights (it may have restarted)."""

@@ -140,8 +140,7 @@ class WorkerServer:
                 generation_loop.stop()
             for runner in [*self._runners.values(), *self._generators.values()]:
                 runner.close()
-            await asyncio.sleep(0)  # let the last frames reach the sockets before they close
-            await self._listener.aclose()
+            await self._listener.aclose()  # closing flushes what is still buffered
 
     def drain(self) -> None:
         """Stop admitting; exit once every admitted request has been answered."""
