@@ -20,6 +20,7 @@ Deadlines travel as the remaining budget (`timeout_s`) so hosts need not share a
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import msgspec
 
@@ -229,6 +230,9 @@ class WorkerState(msgspec.Struct, tag="state"):
 
 
 Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState
+
+Reply = Callable[[bytes, Message], None]
+"""How worker code answers a gateway: (the gateway's identity, a message); queued, sent per loop turn."""
 
 
 class Bundle(msgspec.Struct, tag="bundle"):

@@ -31,7 +31,6 @@ from sluice.priority import Priority
 log = logging.getLogger("sluice.worker")
 
 OnOutputs = Callable[[list[RequestOutput], float], None]
-Reply = Callable[[bytes, wire.Message], None]
 
 
 class GenerationLoop:
@@ -97,7 +96,7 @@ class Generations:
     back as `TokenChunk`s (or collected, unstreamed), answered with one `Result` when they end.
     `forget(identity, gateway_request_id)` is called when one has been answered."""
 
-    def __init__(self, clock: Clock, reply: Reply, forget: Callable[[bytes, int], None]) -> None:
+    def __init__(self, clock: Clock, reply: wire.Reply, forget: Callable[[bytes, int], None]) -> None:
         self._clock = clock
         self._reply = reply
         self._forget = forget

@@ -29,8 +29,6 @@ from sluice.scheduler.slots import SlotQueue
 
 log = logging.getLogger("sluice.worker")
 
-Reply = Callable[[bytes, wire.Message], None]
-
 
 @dataclass(slots=True)
 class _Call:
@@ -46,7 +44,7 @@ class _Call:
 
 
 class UpstreamLoop:
-    def __init__(self, runner: OpenAIUpstreamRunner, reply: Reply, clock: Clock,
+    def __init__(self, runner: OpenAIUpstreamRunner, reply: wire.Reply, clock: Clock,
                  on_idle: Callable[[], None] = lambda: None) -> None:
         self.runner = runner
         self._reply = reply
