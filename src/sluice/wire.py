@@ -190,6 +190,10 @@ class QueueState(msgspec.Struct, frozen=True):
     num_queued: int
     work_ahead_s: float
     item_s: float  # predicted device time one more typical item adds, for the gateway's estimates
+    newcomer_s: float = 0.0
+    """What a newcomer's own batch adds to `WaitState.wait_s` before the newcomer is done (its
+    own work, with room for its batch to fill up): the worker's admission counts it, so the
+    gateway's must too, or it forwards requests that the worker then refuses."""
 
 
 class WaitState(msgspec.Struct, frozen=True):
@@ -227,6 +231,9 @@ class WorkerState(msgspec.Struct, tag="state"):
     drain_rate: float  # estimated work retired per second while work waits (0..1)
     waits: list[WaitState] = []  # per class and per (tenant, class) with work queued
     upstreams: list[UpstreamLoad] = []  # models served by an upstream server (not this device)
+    seen_request_id: int = 0
+    """The highest `Submit.request_id` the worker had received from the gateway this copy is sent
+    to when it built the report: what that gateway sent later is not counted in it (0: unknown)."""
 
 
 Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState

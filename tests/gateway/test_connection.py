@@ -13,11 +13,13 @@ from sluice.gateway.gateway import Gateway
 from sluice.priority import Priority
 
 
-def _state(tenant_wait_s: float) -> wire.WorkerState:
+def _state(tenant_wait_s: float, seen_request_id: int = 0, newcomer_s: float = 0.0) -> wire.WorkerState:
     info = wire.ModelInfo("m", "1", "emulated", "p", (), (), 32, 0.27, False, False)
-    return wire.WorkerState("w", "i", True, False, [info], [], [wire.QueueState("m", "1", 10, 0.5, 0.01)],
+    return wire.WorkerState("w", "i", True, False, [info], [],
+                            [wire.QueueState("m", "1", 10, 0.5, 0.01, newcomer_s)],
                             work_ahead_s=0.5, drain_rate=0.5,
-                            waits=[wire.WaitState(1, tenant_wait_s, "a"), wire.WaitState(1, 0.1)])
+                            waits=[wire.WaitState(1, tenant_wait_s, "a"), wire.WaitState(1, 0.1)],
+                            seen_request_id=seen_request_id)
 
 
 def _submit(request_id: int, tenant: str) -> wire.Submit:
@@ -46,5 +48,43 @@ def test_sent_work_counts_per_flow_until_the_next_report() -> None:
         connection._on_message(_state(0.25))  # the next report includes them
         assert connection.sent_flow_work_s("a", 1) == 0.0
         assert connection.predicted_wait_s == pytest.approx(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_a_report_drops_only_the_work_the_worker_had_received_when_it_built_it() -> None:
+    """A report that arrives late must not forget requests sent after the worker built it."""
+    async def scenario() -> None:
+        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+        connection._on_message(_state(0.2, seen_request_id=0))
+        for request_id in range(1, 6):
+            assert connection.submit(_submit(request_id, "a")) is not None
+        assert connection.sent_flow_work_s("a", 1) == pytest.approx(0.05)
+        connection._on_message(_state(0.25, seen_request_id=3))  # built when 1-3 had arrived
+        assert connection.sent_flow_work_s("a", 1) == pytest.approx(0.02)
+        # request 5 is answered (refused at once, say) before any report counts it
+        connection._on_message(wire.Result(5, wire.Outcome.REJECTED, retry_after_s=0.1))
+        assert connection.sent_flow_work_s("a", 1) == pytest.approx(0.01)
+        connection._on_message(_state(0.25, seen_request_id=5))
+        assert connection.sent_flow_work_s("a", 1) == 0.0
+        assert connection.sent_work_since_state_s == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_early_admission_counts_the_newcomers_own_batch() -> None:
+    """The gateway refuses at once a request whose wait plus its own batch would end past its
+    deadline (the worker would refuse it after a round trip), but leaves to the worker one whose
+    own batch alone would miss it (a deadline too short: the worker answers 504, not 503)."""
+    async def scenario() -> None:
+        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+        state = _state(0.2, newcomer_s=0.03)
+        connection._on_message(state)
+        info = state.models[0]
+        gateway = Gateway.__new__(Gateway)
+        excess = gateway._excess_s(connection, state, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.22)
+        assert excess == pytest.approx(0.01, abs=0.002)  # 0.2 wait + 0.03 own, 0.22 allowed
+        assert gateway._excess_s(connection, state, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.24) == 0.0
+        assert gateway._excess_s(connection, state, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
 
     asyncio.run(scenario())

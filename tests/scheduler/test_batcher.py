@@ -11,6 +11,7 @@ import math
 import pytest
 
 from sluice.clock import VirtualClock
+from sluice.priority import Priority
 from sluice.repository import BatchingConfig
 from sluice.scheduler import Admitted, Batch, LatencyProfile, Rejected, RejectReason, Scheduler
 from tests.scheduler.support import run, run_late
@@ -477,3 +478,32 @@ def test_admission_and_retry_after_allow_for_a_slow_drain():
     assert outcome.retry_after_s == pytest.approx(work_s / scheduler.drain_rate + own_s - 1.0, rel=0.01)
     assert isinstance(scheduler.admit(M1, 3, [10], clock.now() + 2.2 * work_s), Admitted)
 
+
+
+@pytest.mark.parametrize("num_queued", [0, 1, 5, 31, 32, 33, 100])
+@pytest.mark.parametrize("is_running", [False, True])
+def test_the_reported_wait_plus_a_newcomers_own_batch_is_the_admission_bound(num_queued: int, is_running: bool):
+    """The gateway refuses early what the worker would refuse: `wait_report()` plus `newcomer_s`
+    is exactly where the worker's admission draws the line, in every queue state."""
+    cost = 16
+
+    def state() -> tuple[Scheduler, VirtualClock]:
+        scheduler, clock = make_scheduler(alpha_s=0.008, beta_s=0.0005 / 16)
+        if is_running:
+            admit(scheduler, clock, 1, [cost] * 32, 10.0)
+            assert scheduler.next_batch().batch is not None
+            clock.advance(0.005)  # part-way through the running batch
+        for request_id in range(num_queued):
+            admit(scheduler, clock, 100 + request_id, [cost], 10.0)
+        return scheduler, clock
+
+    scheduler, clock = state()
+    (standard,) = [c for c in scheduler.wait_report().classes if c.priority == Priority.STANDARD]
+    tenants = [t for t in scheduler.wait_report().tenants if t.priority == Priority.STANDARD]
+    wait_s = tenants[0].wait_s if tenants else standard.newcomer_wait_s
+    bound_s = wait_s + scheduler.newcomer_s(M1, cost)
+    assert isinstance(scheduler.admit(M1, 999, [cost], clock.now() + bound_s + 1e-6), Admitted)
+    scheduler, clock = state()
+    refused = scheduler.admit(M1, 999, [cost], clock.now() + bound_s - 1e-4)
+    assert isinstance(refused, Rejected) and refused.reason in (RejectReason.OVERLOADED,
+                                                                RejectReason.DEADLINE_UNREACHABLE)

@@ -8,6 +8,7 @@ worker dies the gateway can re-dispatch the ones that had not.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -31,7 +32,6 @@ class InFlight:
     is_started: bool = False
     is_timed_out: bool = False
     work_s: float = 0.0
-    state_generation: int = 0
     chunks: asyncio.Queue[wire.TokenChunk | None] | None = None
     """For a streamed generation: its output as it arrives; None when `future` is resolved."""
 
@@ -52,10 +52,9 @@ class WorkerConnection:
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.state_at = 0.0
-        self._sent_by_flow: dict[tuple[str, int], float] = {}
-        """Device work sent per (tenant, class) since the worker's last report."""
-        self._state_generation = 0
+        self._unreported = _Unreported()
         self._item_s: dict[tuple[str, str], float] = {}
+        self._newcomer_s: dict[tuple[str, str], float] = {}
         self._upstreams: dict[tuple[str, str], wire.UpstreamLoad] = {}
         self._sent_to_upstream: dict[tuple[str, str], int] = {}  # calls sent since the last report
         self._in_flight: dict[int, InFlight] = {}
@@ -99,17 +98,21 @@ class WorkerConnection:
         key = (message.model, message.version)
         if key in self._upstreams:
             self._sent_to_upstream[key] = self._sent_to_upstream.get(key, 0) + 1
-        in_flight = InFlight(message, work_s=work_s, state_generation=self._state_generation)
+        in_flight = InFlight(message, work_s=work_s)
         if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
             in_flight.chunks = asyncio.Queue()
         self._in_flight[message.request_id] = in_flight
-        flow = (message.tenant, message.priority)
-        self._sent_by_flow[flow] = self._sent_by_flow.get(flow, 0.0) + work_s
+        self._unreported.add(message.request_id, (message.tenant, message.priority), work_s)
         return in_flight
 
     def sent_flow_work_s(self, tenant: str, priority: int) -> float:
-        """Device work this gateway sent for (tenant, class) since the worker's last report."""
-        return self._sent_by_flow.get((tenant, priority), 0.0)
+        """Device work this gateway sent for (tenant, class) that the worker's last report does
+        not count yet."""
+        return self._unreported.flow_work_s((tenant, priority))
+
+    def newcomer_s(self, model: str, version: str) -> float:
+        """From the last report: what a newcomer's own batch adds to its wait (`QueueState.newcomer_s`)."""
+        return self._newcomer_s.get((model, version), 0.0)
 
     @property
     def predicted_wait_s(self) -> float:
@@ -119,8 +122,8 @@ class WorkerConnection:
 
     @property
     def sent_work_since_state_s(self) -> float:
-        """Device work sent since the worker's last report, all tenants and classes."""
-        return sum(self._sent_by_flow.values())
+        """Device work sent that the worker's last report does not count yet, all tenants and classes."""
+        return self._unreported.total_s()
 
     def predicted_wait_for(self, model: str, version: str) -> float:
         """Predicted wait for this model: the worker's device, or, for a model served by an
@@ -203,11 +206,7 @@ class WorkerConnection:
             in_flight = self._in_flight.pop(message.request_id, None)
             if in_flight is None:
                 return
-            if in_flight.state_generation == self._state_generation:
-                # answered before the worker's next report could count it: stop counting it here
-                flow = (in_flight.submit.tenant, in_flight.submit.priority)
-                if flow in self._sent_by_flow:
-                    self._sent_by_flow[flow] = max(self._sent_by_flow[flow] - in_flight.work_s, 0.0)
+            self._unreported.discard(message.request_id)  # answered: no longer queued anywhere
             in_flight.resolve(message)
         elif isinstance(message, wire.TokenChunk):
             in_flight = self._in_flight.get(message.request_id)
@@ -231,10 +230,10 @@ class WorkerConnection:
             self._update_readiness()
             if models_changed:
                 self.on_change()
-            # the report counts everything it received before it: count only what follows it
-            self._sent_by_flow.clear()
-            self._state_generation += 1
+            # the report counts what the worker had received when it built it: count only the rest
+            self._unreported.reported_up_to(message.seen_request_id)
             self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
+            self._newcomer_s = {(q.model, q.version): q.newcomer_s for q in message.queues}
             self._upstreams = {(u.model, u.version): u for u in message.upstreams}
             self._sent_to_upstream.clear()
 
@@ -260,6 +259,53 @@ class WorkerConnection:
         self._send_now(wire.Hello(self._gateway_id))
         if self._weights is not None:
             self._send_now(wire.TenantWeights(self._weights))
+
+
+class _Unreported:
+    """Work sent to the worker that its last report does not count, per (tenant, class) flow.
+
+    A report names the highest request id the worker had received when it built it; requests
+    sent after that (still in the socket, or sent while the report was on its way back) stay
+    counted here until a report covers them or they are answered. Without the id, a report
+    that arrives late (either loop busy) would wipe out work the worker has not seen yet, and
+    the gateway would forward requests the worker then has to refuse.
+    """
+
+    def __init__(self) -> None:
+        self._order: collections.deque[int] = collections.deque()
+        self._sent: dict[int, tuple[tuple[str, int], float]] = {}
+        self._flows: dict[tuple[str, int], list[float]] = {}  # flow -> [number of requests, work]
+
+    def add(self, request_id: int, flow: tuple[str, int], work_s: float) -> None:
+        self._order.append(request_id)
+        self._sent[request_id] = (flow, work_s)
+        totals = self._flows.get(flow)
+        if totals is None:
+            self._flows[flow] = [1, work_s]
+        else:
+            totals[0] += 1
+            totals[1] += work_s
+
+    def discard(self, request_id: int) -> None:
+        entry = self._sent.pop(request_id, None)
+        if entry is None:
+            return
+        flow, work_s = entry
+        totals = self._flows[flow]
+        totals[0] -= 1
+        totals[1] = totals[1] - work_s if totals[0] else 0.0  # exact zero, not float residue
+
+    def reported_up_to(self, request_id: int) -> None:
+        """A report counts every request up to `request_id` (0: it does not say; count it all)."""
+        while self._order and (request_id == 0 or self._order[0] <= request_id):
+            self.discard(self._order.popleft())
+
+    def flow_work_s(self, flow: tuple[str, int]) -> float:
+        totals = self._flows.get(flow)
+        return totals[1] if totals is not None else 0.0
+
+    def total_s(self) -> float:
+        return sum(work_s for _, work_s in self._flows.values())
 
 
 def _num_items(payload: wire.Payload) -> int:

@@ -159,23 +159,38 @@ class Gateway:
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         tenant, priority = self._class_of(caller or _LOCAL_CALLER)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        waits = [(self._tenant_wait_s(c, tenant, priority, info), c.state) for c in replicas
-                 if c.is_ready and c.state is not None]
-        if not waits:
+        excesses = [(self._excess_s(c, c.state, tenant, priority, info, now, deadline), c.state) for c in replicas
+                    if c.is_ready and c.state is not None]
+        if not excesses:
             return
-        wait_s, state = min(waits, key=lambda pair: pair[0])
-        if wait_s <= 0 or now + wait_s <= deadline:
+        excess_s, state = min(excesses, key=lambda pair: pair[0])
+        if excess_s <= 0 or state is None:
             return
         self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
         raise Overloaded("the work queued ahead would make this request miss its deadline",
-                         retry_after_s=max((now + wait_s - deadline) / max(state.drain_rate, 0.05), 0.001))
+                         retry_after_s=max(excess_s / max(state.drain_rate, 0.05), 0.001))
+
+    def _excess_s(self, connection: WorkerConnection, state: wire.WorkerState | None, tenant: str,
+                  priority: Priority, info: wire.ModelInfo, now: float, deadline: float) -> float:
+        """How far past `deadline` a request sent to `connection` now is predicted to finish: its
+        wait (`_tenant_wait_s`) and its own batch, as the worker's admission counts them. 0 when
+        it fits, when nothing is queued ahead of it, or when its own batch alone would miss the
+        deadline (the worker answers that one: it is a deadline too short, not an overload)."""
+        if state is None:
+            return 0.0
+        wait_s = self._tenant_wait_s(connection, tenant, priority, info)
+        own_s = connection.newcomer_s(info.name, info.version)
+        if wait_s <= 0 or now + own_s > deadline:
+            return 0.0
+        return max(now + wait_s + own_s - deadline, 0.0)
 
     @staticmethod
     def _tenant_wait_s(connection: WorkerConnection, tenant: str, priority: Priority, info: wire.ModelInfo) -> float:
-        """The worker's last report for this tenant's class, less the time since (the device has
-        been working), plus what this gateway has sent for the same tenant and class since (it
-        queues behind), at the reported drain rate."""
+        """Until a new request's batch could start: the worker's last report for this tenant's
+        class, less the time since (the device has been working), plus what this gateway has sent
+        for the same tenant and class that the report does not count (it queues behind), at the
+        reported drain rate."""
         state = connection.state
         if state is None:
             return 0.0
@@ -328,11 +343,11 @@ class Gateway:
         state = connection.state
         # The worker's admission stays the authority; refusing here what it would refuse spares
         # the round trip (most of a rejection's latency under overload).
-        wait_s = self._tenant_wait_s(connection, ticket.tenant, ticket.priority, info) if state is not None else 0.0
-        if state is not None and wait_s > 0 and self._clock.now() + wait_s > ticket.deadline:
-            excess = self._clock.now() + wait_s - ticket.deadline
+        excess_s = self._excess_s(connection, state, ticket.tenant, ticket.priority, info, self._clock.now(),
+                                  ticket.deadline)
+        if state is not None and excess_s > 0:
             raise Overloaded("the work queued ahead would make this request miss its deadline",
-                             retry_after_s=max(excess / max(state.drain_rate, 0.05), 0.001))
+                             retry_after_s=max(excess_s / max(state.drain_rate, 0.05), 0.001))
         return connection
 
     async def _await_answer(

@@ -223,6 +223,13 @@ class Scheduler:
         the running batch's predicted remainder and every queue's estimate (see `model_queue`)."""
         return self._running_left_s(self._clock.now()) + sum(q.work_s() for q in self._queues.values())
 
+    def newcomer_s(self, key: ModelKey, cost: int) -> float:
+        """What one item of `cost` arriving now would add to `wait_report()`'s wait of its class
+        before it is done: its own work, with room for its batch to fill, less the fill room
+        already counted for the bucket it joins (what `admit` adds on top of the report)."""
+        estimate = self._queues[key].estimate([max(int(cost), 0)])
+        return max(estimate.own_s - estimate.replaced_room_s / max(self._drain_rate, 0.05), 0.0)
+
     def queue_state(self, key: ModelKey) -> tuple[int, float]:
         queue = self._queues[key]
         return queue.num_items, queue.work_s()

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from sluice import transport, wire
@@ -101,7 +102,8 @@ class WorkerServer:
         self._pending: dict[int, _Pending] = {}
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
-        self._gateways: set[bytes] = set()
+        self._gateways: dict[bytes, int] = {}
+        """Each gateway heard from, with the highest request id it has sent (`WorkerState.seen_request_id`)."""
         self._lock = threading.Lock()  # guards the scheduler, shared with the device thread
         self._device: DeviceThread | None = None
         self._is_draining = False
@@ -164,8 +166,8 @@ class WorkerServer:
         elif isinstance(message, wire.Cancel):
             self._on_cancel(identity, message)
         elif isinstance(message, wire.Hello):
-            self._gateways.add(identity)
-            self._reply(identity, self._state())
+            self._gateways.setdefault(identity, 0)
+            self._reply(identity, self._state_for(identity, self._state()))
         elif isinstance(message, wire.Drain):
             self.drain()
         elif isinstance(message, wire.TenantWeights):
@@ -176,7 +178,8 @@ class WorkerServer:
                 log.warning("ignoring tenant weights from a gateway: %s", exc)
 
     def _on_submit(self, identity: bytes, message: wire.Submit) -> None:
-        self._gateways.add(identity)
+        if message.request_id > self._gateways.get(identity, 0):
+            self._gateways[identity] = message.request_id
         key = (message.model, message.version)
         runner = self._runners.get(key)
         generation_loop = self._generation_loops.get(key)
@@ -370,7 +373,8 @@ class WorkerServer:
                 profile = self._scheduler.profile(key)
                 max_batch = self._runners[key].info.max_batch_size
                 item_s = profile.alpha_s / max_batch + profile.beta_s * self._typical_cost[key]
-                queues.append(wire.QueueState(key[0], key[1], depth, work, item_s))
+                newcomer_s = self._scheduler.newcomer_s(key, round(self._typical_cost[key]))
+                queues.append(wire.QueueState(key[0], key[1], depth, work, item_s, newcomer_s))
             work_ahead_s, drain_rate = self._scheduler.work_ahead_s(), self._scheduler.drain_rate
             report = self._scheduler.wait_report()
         waits = [wire.WaitState(int(c.priority), c.newcomer_wait_s) for c in report.classes]
@@ -389,10 +393,13 @@ class WorkerServer:
             upstreams=[upstream.load() for upstream in self._upstream_loops.values()],
         )
 
+    def _state_for(self, identity: bytes, state: wire.WorkerState) -> wire.WorkerState:
+        return msgspec.structs.replace(state, seen_request_id=self._gateways.get(identity, 0))
+
     def _broadcast_state(self) -> None:
         state = self._state()
         for identity in self._gateways:
-            self._reply(identity, state)
+            self._reply(identity, self._state_for(identity, state))
 
     async def _state_loop(self) -> None:
         last_busy, last_at, ratio = 0.0, time.monotonic(), 0.0
