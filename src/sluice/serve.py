@@ -38,6 +38,8 @@ from sluice.jobs.store import JobStore
 from sluice.metrics import GatewayMetrics
 from sluice.repository import scan_repository
 from sluice.runtime import settle_garbage_collector
+from sluice.tracing import Tracing
+from sluice.tracing import from_environment as tracing_from_environment
 
 log = logging.getLogger("sluice.serve")
 
@@ -105,7 +107,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     gateway_metrics = GatewayMetrics()
     clock = MonotonicClock()
     tenancy = Tenancy(clock, gateway_metrics, config.tenants_file, await _shared_limits(config))
-    gateway = Gateway(clock, gateway_metrics, tenancy=tenancy)
+    tracing = tracing_from_environment(clock)
+    gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing)
     if config.remote_workers:
         devices = [f"remote {address}" for address in config.remote_workers]
         addresses = list(config.remote_workers)
@@ -139,6 +142,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             await supervisor.aclose()
             await gateway.aclose()
             await tenancy.aclose()
+            await _flush_traces(tracing)
             shutil.rmtree(run_dir, ignore_errors=True)
 
     asgi_app = build_app(gateway, config.api, lifespan,
@@ -152,6 +156,14 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         loop.add_signal_handler(sig, server.handle_exit, sig, None)
     loop.add_signal_handler(signal.SIGHUP, _reload_tenants, tenancy)
     await server.serve()
+
+
+async def _flush_traces(tracing: Tracing) -> None:
+    """Send the spans still buffered; an unreachable collector must not hold up the exit."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(tracing.shutdown), 5.0)
+    except Exception as exc:  # telemetry never fails a shutdown (timeouts included)
+        log.warning("tracing: spans not flushed at exit: %s", exc)
 
 
 def _reload_tenants(tenancy: Tenancy) -> None:

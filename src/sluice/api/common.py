@@ -86,7 +86,7 @@ def requested_priority(request: Request, *body_values: tuple[str, Any]) -> Prior
 
 
 def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0) -> Caller:
-    return Caller(request_tenant(request), priority, estimated_tokens)
+    return Caller(request_tenant(request), priority, estimated_tokens, request.headers.get("traceparent"))
 
 
 def estimate_text_tokens(texts: list[str]) -> float:

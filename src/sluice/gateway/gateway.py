@@ -33,6 +33,7 @@ from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.ticket import InferResult, Ticket, interpret
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority, effective_priority
+from sluice.tracing import Tracing
 
 log = logging.getLogger("sluice.gateway")
 
@@ -54,13 +55,16 @@ class Caller:
     """The class the request asked for; it can only lower the tenant's default."""
     estimated_tokens: float = 0.0
     """Reserved against the tenant's tokens-per-minute limit until the real count is known."""
+    traceparent: str | None = None
+    """The caller's W3C trace context, if it sent one: the request's span joins that trace."""
 
 
 class Gateway:
     def __init__(self, clock: Clock, metrics: GatewayMetrics, config: GatewayConfig | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+                 tenancy: Tenancy | None = None, tracing: Tracing | None = None) -> None:
         self._clock = clock
         self._metrics = metrics
+        self._tracing = tracing or Tracing()
         self._config = config or GatewayConfig()
         self.tenancy = tenancy or Tenancy(clock, metrics)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
@@ -168,6 +172,10 @@ class Gateway:
             return
         self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
+        if self._tracing.is_enabled:
+            self._tracing.request(model=info.name, version=info.version, started=arrived_at, outcome="rejected",
+                                  traceparent=(caller or _LOCAL_CALLER).traceparent,
+                                  attributes={"sluice.tenant": tenant, "sluice.priority": priority.label})
         raise Overloaded("the work queued ahead would make this request miss its deadline",
                          retry_after_s=max(excess_s / max(state.drain_rate, 0.05), 0.001))
 
@@ -255,7 +263,7 @@ class Gateway:
         reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
-                       deadline)
+                      deadline, self._tracing, caller.traceparent)
 
     async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False

@@ -26,6 +26,7 @@ from sluice.gateway.limits import Reservation
 from sluice.gateway.tenancy import Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
+from sluice.tracing import Tracing
 
 __all__ = ["InferResult", "Ticket", "interpret"]
 
@@ -47,7 +48,8 @@ class Ticket:
     settlement of its reservation, whatever way it ends (`async with`)."""
 
     def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
-                 priority: Priority, reservation: Reservation, started: float, deadline: float) -> None:
+                 priority: Priority, reservation: Reservation, started: float, deadline: float,
+                 tracing: Tracing | None = None, traceparent: str | None = None) -> None:
         self._metrics = metrics
         self._tenancy = tenancy
         self._clock = clock
@@ -57,6 +59,8 @@ class Ticket:
         self.reservation = reservation
         self.started = started
         self.deadline = deadline
+        self._tracing = tracing
+        self._traceparent = traceparent
         self._result: InferResult | None = None
         self._first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
@@ -94,9 +98,23 @@ class Ticket:
         elif outcome in ("rejected", "expired"):
             self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
         self._metrics.request_done(self.info.name, self.info.version, outcome, self._clock.now() - self.started)
+        if self._tracing is not None and self._tracing.is_enabled:
+            self._trace(outcome, result)
         await self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
                                    result.device_s if result else 0.0,
                                    refund_request=outcome in ("rejected", "unavailable"))
+
+
+    def _trace(self, outcome: str, result: InferResult | None) -> None:
+        assert self._tracing is not None
+        attributes: dict[str, str | int | float] = {"sluice.tenant": self.tenant,
+                                                    "sluice.priority": self.priority.label}
+        if result is not None:
+            attributes.update({"sluice.batch_size": result.batch_size, "sluice.device_seconds": result.device_s,
+                               "sluice.tokens": result.num_tokens})
+        self._tracing.request(model=self.info.name, version=self.info.version, traceparent=self._traceparent,
+                              started=self.started, outcome=outcome, attributes=attributes,
+                              queue_s=result.queue_s if result else None, exec_s=result.exec_s if result else None)
 
 
 _OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (

@@ -1,0 +1,106 @@
+"""OpenTelemetry traces: one span per inference request at the gateway, its queue wait and its
+device execution as child spans.
+
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT set
+        ─▶ OTLP/HTTP exporter, spans batched and sent from a background thread
+    neither set (or OTEL_SDK_DISABLED=true, or OTEL_TRACES_EXPORTER=none)
+        ─▶ tracing off: `Tracing.is_enabled` is False and nothing is done per request
+
+A request's spans are written when it ends, with their real start and end times: the gateway
+knows when it admitted the request, and the worker's answer says how long it queued and how long
+its batch ran (`wire.Result.queue_s`, `exec_s`), so worker processes need no tracing SDK and the
+device path pays nothing for it. An incoming W3C `traceparent` header makes the request's span a
+child of the caller's trace. Span attributes name the model, tenant, class, outcome and batch;
+never the input or prompt text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sluice.clock import Clock
+
+log = logging.getLogger("sluice.tracing")
+
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+class Tracing:
+    """Writes finished requests as spans; a no-op without a tracer provider."""
+
+    def __init__(self, provider: Any | None = None, clock: Clock | None = None) -> None:
+        self._provider = provider
+        self._clock = clock
+        self._tracer: Any = None
+        if provider is not None:
+            from opentelemetry.propagate import get_global_textmap
+
+            self._tracer = provider.get_tracer("sluice")
+            self._propagator = get_global_textmap()
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._tracer is not None
+
+    def request(
+        self, *, model: str, version: str, traceparent: str | None, started: float, outcome: str,
+        attributes: Mapping[str, str | int | float], queue_s: float | None = None, exec_s: float | None = None,
+    ) -> None:
+        """A request that reached the gateway at `started` (the gateway's clock) and ended now.
+
+        With the worker's `queue_s` and `exec_s`, its last `exec_s` seconds are an execution
+        span and the `queue_s` before them a queue span."""
+        if self._tracer is None:
+            return
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        now_ns = time.time_ns()
+        clock_now = self._clock.now() if self._clock is not None else time.monotonic()
+        start_ns = now_ns - int(max(clock_now - started, 0.0) * 1e9)
+        parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
+        span = self._tracer.start_span(
+            "sluice.request", context=parent, kind=SpanKind.SERVER, start_time=start_ns,
+            attributes={"sluice.model": model, "sluice.model_version": version, "sluice.outcome": outcome,
+                        **attributes},
+        )
+        if outcome != "ok":
+            span.set_status(Status(StatusCode.ERROR, outcome))
+        if exec_s is not None and queue_s is not None:
+            inside = trace.set_span_in_context(span)
+            exec_start_ns = max(now_ns - int(exec_s * 1e9), start_ns)
+            queue_start_ns = max(exec_start_ns - int(queue_s * 1e9), start_ns)
+            self._tracer.start_span("sluice.queue", context=inside, start_time=queue_start_ns).end(exec_start_ns)
+            self._tracer.start_span("sluice.execute", context=inside, start_time=exec_start_ns).end(now_ns)
+        span.end(now_ns)
+
+    def shutdown(self) -> None:
+        """Send what is still buffered (at most a few seconds' wait) and stop the exporter."""
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+def from_environment(clock: Clock, service_name: str = "sluice") -> Tracing:
+    """Tracing as the standard `OTEL_*` variables ask: on with an OTLP/HTTP exporter when an
+    endpoint is set (`OTEL_SERVICE_NAME`, headers and timeouts are read by the SDK too)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return Tracing()
+    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
+        return Tracing()
+    if not any(os.environ.get(name) for name in _ENDPOINT_VARIABLES):
+        return Tracing()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service_name)})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    log.info("tracing: OpenTelemetry spans go to %s",
+             next(os.environ[name] for name in _ENDPOINT_VARIABLES if os.environ.get(name)))
+    return Tracing(provider, clock)

@@ -1,0 +1,126 @@
+"""OpenTelemetry traces from a real `sluice serve`, received by a small OTLP/HTTP collector that
+the test runs: the request's span joins the caller's trace, its queue wait and execution are
+child spans, failures are marked as errors, and no input text is ever exported."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from sluice.clock import MonotonicClock
+from sluice.tracing import from_environment
+from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+SECRET = "do-not-export-this-text"
+
+
+class _Collector(http.server.ThreadingHTTPServer):
+    def __init__(self, port: int) -> None:
+        super().__init__(("127.0.0.1", port), _Handler)
+        self.bodies: list[bytes] = []
+        self.spans: list[Span] = []
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Collector
+
+    def do_POST(self) -> None:  # the http.server API's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        export = ExportTraceServiceRequest.FromString(body)
+        self.server.bodies.append(body)
+        for resource_spans in export.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.server.spans.extend(scope_spans.spans)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def collector() -> Iterator[_Collector]:
+    server = _Collector(free_port())
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def traced_server(tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export every 0.1 s
+    server = start_server(write_emulated_model(tmp_path / "models"), tmp_path)
+    yield server
+    server.stop()
+
+
+def _wait_for(collector: _Collector, count: int) -> list[Span]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        requests = [s for s in collector.spans if s.name == "sluice.request"]
+        if len(requests) >= count:
+            return list(collector.spans)
+        time.sleep(0.05)
+    raise AssertionError(f"expected {count} request spans, got {[s.name for s in collector.spans]}")
+
+
+def _attributes(span: Span) -> dict[str, object]:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+
+
+def test_a_request_span_joins_the_callers_trace_with_queue_and_execution_inside(
+        traced_server: ServerProcess, collector: _Collector) -> None:
+    inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    answer = httpx.post(f"{traced_server.url}/v2/models/emulated/infer", json=inputs,
+                        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert answer.status_code == 200
+    embedded = httpx.post(f"{traced_server.url}/v1/embeddings", json={"model": "emulated", "input": SECRET})
+    assert embedded.status_code == 200
+    late = httpx.post(f"{traced_server.url}/v2/models/emulated/infer", json=inputs,
+                      headers={"x-request-timeout-ms": "1"})
+    assert late.status_code == 504
+
+    spans = _wait_for(collector, 3)
+    (traced,) = [s for s in spans if s.name == "sluice.request" and s.trace_id.hex() == TRACE_ID]
+    assert traced.parent_span_id.hex() == PARENT_ID
+    assert traced.kind == Span.SPAN_KIND_SERVER
+    attributes = _attributes(traced)
+    assert attributes["sluice.model"] == "emulated" and attributes["sluice.outcome"] == "ok"
+    assert attributes["sluice.batch_size"] == 1
+    children = {s.name: s for s in spans if s.parent_span_id == traced.span_id}
+    assert set(children) == {"sluice.queue", "sluice.execute"}
+    queue, execute = children["sluice.queue"], children["sluice.execute"]
+    assert traced.start_time_unix_nano <= queue.start_time_unix_nano <= queue.end_time_unix_nano
+    assert queue.end_time_unix_nano == execute.start_time_unix_nano
+    assert execute.end_time_unix_nano <= traced.end_time_unix_nano
+    execute_ms = (execute.end_time_unix_nano - execute.start_time_unix_nano) / 1e6
+    assert 5 < execute_ms < 100  # the emulator's one-row batch: 8 ms + 0.5 ms
+
+    (expired,) = [s for s in spans if s.name == "sluice.request" and _attributes(s)["sluice.outcome"] == "expired"]
+    assert expired.status.code == Status.STATUS_CODE_ERROR
+    assert expired.trace_id.hex() != TRACE_ID  # no traceparent: a trace of its own
+    assert not any(SECRET.encode() in body for body in collector.bodies)
+
+
+def test_tracing_is_off_without_an_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not from_environment(MonotonicClock()).is_enabled
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not from_environment(MonotonicClock()).is_enabled
