@@ -138,3 +138,25 @@ def test_pool_arguments_are_validated() -> None:
         HttpPool(origin, lambda *_: None, -1, 1.0)
     with pytest.raises(ValueError, match="timeout"):
         HttpPool(origin, lambda *_: None, 1, 0.0)
+
+
+async def test_an_idle_connection_is_closed_before_the_servers_keep_alive_runs_out(
+        scripted_server: ScriptedServer) -> None:
+    """A connection idle past `idle_timeout_s` is closed by the pool, so a later request opens a
+    fresh one instead of racing the server's own close of the old one."""
+    outcomes = Outcomes()
+    url = scripted_server.url("/ok")
+    origin, _ = split_url(url)
+    head = post_head(url, {})
+    async with HttpPool(origin, outcomes.on_done, 0, 5.0, idle_timeout_s=0.2) as pool:
+        pool.send(0, post_request(head, b"{}"), time.perf_counter())
+        await outcomes.wait_for(1)
+        pool.send(1, post_request(head, b"{}"), time.perf_counter())  # within the idle timeout: reused
+        await outcomes.wait_for(2)
+        assert scripted_server.num_accepted == 1
+        await asyncio.sleep(0.5)
+        assert pool.num_connections == 0 and scripted_server.num_open == 0
+        pool.send(2, post_request(head, b"{}"), time.perf_counter())
+        await outcomes.wait_for(3)
+    assert scripted_server.num_accepted == 2
+    assert [outcomes.by_index[i] for i in range(3)] == [(200, False)] * 3

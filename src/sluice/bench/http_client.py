@@ -20,7 +20,9 @@ Invariants:
   pool closes get none;
 - at most `max_connections` connections are open or being opened (0: no cap); opening one is
   the only thing that runs as a task;
-- a connection is reused only if the server keeps it alive (no `Connection: close`).
+- a connection is reused only if the server keeps it alive (no `Connection: close`), and is
+  closed after `idle_timeout_s` unused, before the server's own keep-alive timeout can close it
+  just as a new request is written to it (that race showed as a few transport errors in a run).
 
 Answers must be delimited by `Content-Length` or chunked encoding; one whose body ends only at
 EOF counts as a transport error.
@@ -43,6 +45,9 @@ import httptools
 
 from sluice.bench.stats import TRANSPORT_ERROR
 
+IDLE_TIMEOUT_S = 2.0
+"""Idle connections are closed after this long, well inside common servers' keep-alive timeouts
+(uvicorn's default is 5 s)."""
 SWEEP_EVERY_S = 0.05
 """How often request timeouts are checked: a timed-out request is noticed up to this late."""
 
@@ -106,6 +111,7 @@ class _Connection(asyncio.Protocol):
         self.index = -1
         """The request in flight, -1 when idle."""
         self.started_s = 0.0
+        self.idle_since_s = 0.0
         self.is_closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -150,10 +156,11 @@ class HttpPool:
     """Keep-alive connections to one origin, used as `async with HttpPool(...) as pool: pool.send(...)`."""
 
     def __init__(self, origin: Origin, on_done: OnDone, max_connections: int, request_timeout_s: float,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        if max_connections < 0 or not request_timeout_s > 0:
-            raise ValueError(f"need max_connections >= 0 and a positive timeout, got {max_connections}, "
-                             f"{request_timeout_s} s")
+                 clock: Callable[[], float] = time.perf_counter, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        if max_connections < 0 or not request_timeout_s > 0 or not idle_timeout_s > 0:
+            raise ValueError(f"need max_connections >= 0 and positive timeouts, got {max_connections}, "
+                             f"{request_timeout_s} s, {idle_timeout_s} s")
+        self._idle_timeout_s = idle_timeout_s
         self._origin = origin
         self._on_done = on_done
         self._max_connections = max_connections
@@ -240,6 +247,7 @@ class HttpPool:
         if self._waiting:
             connection.send(*self._waiting.popleft())
         else:
+            connection.idle_since_s = self._clock()
             self._idle.append(connection)
 
     def _drop(self, connection: _Connection) -> None:
@@ -291,7 +299,18 @@ class HttpPool:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_EVERY_S)
-            self._expire(self._clock() - self._timeout_s)
+            now_s = self._clock()
+            self._expire(now_s - self._timeout_s)
+            self._close_idle(now_s - self._idle_timeout_s)
+
+    def _close_idle(self, cutoff_s: float) -> None:
+        """Close connections idle since `cutoff_s`: before the server's keep-alive timeout closes
+        them, when a request sent at that moment would meet the closing connection and fail."""
+        idle = self._idle  # the least recently used at the bottom of the stack
+        while idle and idle[0].idle_since_s <= cutoff_s:
+            connection = idle.pop(0)
+            connection.close()
+            self._forget(connection)
 
     def _expire(self, cutoff_s: float) -> None:
         """Fail every request handed over at or before `cutoff_s`, closing the connections they were on."""
