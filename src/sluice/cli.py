@@ -101,7 +101,11 @@ def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path |
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--metrics-port", type=int, default=None, help="Serve this worker's /metrics on this port.")
-def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None) -> None:
+@click.option("--share", default="0/1", show_default=True, callback=lambda ctx, param, value: _share(value),
+              help="I/N: this is worker I of N sharing each external upstream's concurrency limit "
+                   "(openai-upstream, http-single); it takes its part. `sluice serve` sets it.")
+def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None,
+           share: tuple[int, int]) -> None:
     """Run one worker process (started for you by `sluice serve`)."""
     from sluice import logs
 
@@ -114,7 +118,7 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
     from sluice.worker.main import main as worker_main
 
     try:
-        worker_main(WorkerConfig(worker_id, address, models_dir, device))
+        worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share))
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc
 
@@ -157,6 +161,13 @@ def create_key(tenant: str | None, tenants_file: Path, is_admin: bool) -> None:
     click.echo(key)
     who = "an admin key" if is_admin else f"a key for tenant {tenant!r}"
     click.echo(f"Stored the hash of {who} in {tenants_file}. This is the only time the key is shown.", err=True)
+
+
+def _share(value: str) -> tuple[int, int]:
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise click.BadParameter(f"must be I/N with 0 <= I < N, got {value!r}", param_hint="--share")
+    return int(index), int(count)
 
 
 def _metrics_dir() -> None:

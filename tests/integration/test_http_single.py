@@ -134,3 +134,28 @@ def test_latency_profile_learns_the_upstream_latency(server):
     alpha, beta = profile
     assert UPSTREAM_DELAY_S * 0.8 < alpha < 0.1, profile
     assert UPSTREAM_DELAY_S * 0.8 < alpha + 4 * beta < 0.1, profile
+
+
+def test_two_workers_together_keep_the_upstreams_concurrency_limit(upstream: UpstreamServer, make_server,
+                                                                   tmp_path: Path) -> None:
+    """`concurrency = 4` is the upstream's limit, not each worker's: with `--workers 2` each
+    worker takes 2 calls at most, so the upstream never sees more than 4 at once."""
+    upstream.delay_s = 0.2
+    model = tmp_path / "models" / "up"
+    (model / "1").mkdir(parents=True)
+    settings = {"concurrency": 4, "timeout_ms": 5000, "max_attempts": 1, "expected_latency_ms": 200}
+    lines = ['kind = "http-single"', "[slo]", "default_ms = 30000", "[params]", f'url = "{upstream.url}"']
+    (model / "model.toml").write_text("\n".join(lines + [f"{k} = {v}" for k, v in settings.items()]) + "\n")
+    server = make_server(tmp_path / "models", "--workers", "2")
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            answers = await asyncio.gather(*(
+                client.post(f"{server.url}/v1/embeddings", json={"model": "up", "input": f"text {i}"})
+                for i in range(32)))
+        return [answer.status_code for answer in answers]
+
+    upstream.reset_counts()
+    assert asyncio.run(flood()) == [200] * 32
+    assert upstream.num_requests == 32
+    assert 2 <= upstream.max_in_flight <= 4

@@ -162,6 +162,14 @@ def _upstream_cancellations(upstream: ServerProcess) -> float:
     return 0.0
 
 
+def _wait_until_idle(server: ServerProcess, model: str) -> None:
+    deadline = time.monotonic() + 15
+    while not re.search(rf'vllm:num_requests_running\{{model_name="{model}"\}} 0\.0',
+                        httpx.get(f"{server.url}/metrics").text):
+        assert time.monotonic() < deadline, f"{model} on {server.url} still has calls running"
+        time.sleep(0.05)
+
+
 def _wait_for_upstream_cancellation(upstream: ServerProcess, before: float, what: str) -> None:
     """The upstream counts one more cancelled request (a generation that ran to its end would count
     as ok instead), and its engine has nothing left running."""
@@ -200,9 +208,13 @@ def test_tenancy_applies_in_front_of_an_upstream_that_needs_no_key(front):
 
 
 def test_a_deadline_that_passes_mid_generation_is_504_and_stops_the_upstream(front, upstream):
+    # the proxy has one slot: a call an earlier test left winding down would hold it past this
+    # request's deadline, which then never reaches the upstream at all
+    _wait_until_idle(front, "proxy")
+    _wait_until_idle(upstream, UPSTREAM_MODEL)
     before = _upstream_cancellations(upstream)
     response = httpx.post(f"{front.url}/v1/completions",
-                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Timeout-Ms": "400"},
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Timeout-Ms": "1000"},
                           json={"model": "proxy", "prompt": "Go on", "max_tokens": 900, "ignore_eos": True},
                           timeout=30)
     assert response.status_code == 504, response.text

@@ -63,7 +63,20 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def load_runner(version: ModelVersion, device: str) -> Runner:
+Share = tuple[int, int]
+"""(index, count): this worker is worker `index` of `count` serving the same repository, and
+takes that part of each external upstream's concurrency (`share_of`)."""
+
+
+def share_of(total: int, share: Share) -> int:
+    """Worker `index` of `count`'s part of a concurrency limit of `total` calls: the parts add
+    up to `total` (never below 1 each, so more workers than calls slightly exceed it)."""
+    index, count = share
+    return max(total // count + (1 if index < total % count else 0), 1)
+
+
+def load_runner(version: ModelVersion, device: str, share: Share = (0, 1)) -> Runner:
+    """`share`: for runners whose device is an external server, this worker's part of its limits."""
     if version.kind == "emulated":
         from sluice.engines.emulated import EmulatedRunner
 
@@ -79,11 +92,11 @@ def load_runner(version: ModelVersion, device: str) -> Runner:
     if version.kind == "openai-upstream":
         from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 
-        return OpenAIUpstreamRunner(version, device)  # type: ignore[return-value]  # not a one-shot Runner
+        return OpenAIUpstreamRunner(version, device, share)  # type: ignore[return-value]  # not a one-shot Runner
     if version.kind == "http-single":
         from sluice.engines.http_single import HttpSingleRunner
 
-        return HttpSingleRunner(version, device)
+        return HttpSingleRunner(version, device, share)
     raise ConfigError(f"unknown runner kind {version.kind!r}")
 
 

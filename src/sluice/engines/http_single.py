@@ -31,7 +31,7 @@ import random
 import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -40,7 +40,7 @@ import numpy as np
 from sluice import wire
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import MonotonicClock
-from sluice.engines.base import ItemFailure, PreparedItem, rows_model_info, stack_rows
+from sluice.engines.base import ItemFailure, PreparedItem, Share, rows_model_info, share_of, stack_rows
 from sluice.engines.retry import RETRYABLE_4XX, backoff_delay_s
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
@@ -51,7 +51,8 @@ __all__ = ["HttpSingleRunner", "UpstreamConfig", "backoff_delay_s", "parse_confi
 class UpstreamConfig:
     url: str
     concurrency: int = 8
-    """Most calls in flight to this upstream at once (also its connection pool size)."""
+    """Most calls in flight to this upstream at once (also its connection pool size), from all the
+    workers of one `sluice serve` together: each takes its part (`engines.base.share_of`)."""
     timeout_s: float = 5.0
     """Per call, counted from when the call gets a concurrency slot."""
     max_attempts: int = 3
@@ -154,8 +155,9 @@ class HttpSingleRunner:
     """The runner. `run_batch` blocks the device thread while the call loop fans the batch out;
     the breaker, semaphore, session and jitter source belong to the call loop's thread."""
 
-    def __init__(self, version: ModelVersion, device: str) -> None:
-        self.config = parse_config(version)
+    def __init__(self, version: ModelVersion, device: str, share: Share = (0, 1)) -> None:
+        config = parse_config(version)
+        self.config = replace(config, concurrency=share_of(config.concurrency, share))
         self.device = device
         self.max_batch_size = version.batching.max_batch_size
         self.info = rows_model_info(version)

@@ -21,7 +21,8 @@ calls fail at once.
     url = "http://10.0.0.7:8000/v1"   # the server's OpenAI base URL
     model = "Qwen/Qwen2.5-7B-Instruct" # its name there (default: this model's name)
     api_key_env = "UPSTREAM_KEY"       # optional: the key is read from this environment variable
-    max_concurrency = 16               # calls in flight to it, per worker; the rest wait in the worker
+    max_concurrency = 16               # calls in flight to it in all (`sluice serve --workers N` splits it
+                                       # among the workers); the rest wait in the workers
     max_waiting = 1024                 # calls waiting for a slot, beyond which requests are refused
     timeout_s = 600                    # per call; the request's deadline bounds it as well
     max_attempts = 3, backoff_ms = 50, max_backoff_ms = 2000, failure_threshold = 5, open_s = 5.0
@@ -36,7 +37,7 @@ import os
 import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -44,6 +45,7 @@ import aiohttp
 from sluice import wire
 from sluice.circuit import CircuitBreaker
 from sluice.clock import MonotonicClock
+from sluice.engines.base import Share, share_of
 from sluice.engines.retry import RETRYABLE_4XX, RetryConfig, parse_retry
 from sluice.errors import ConfigError
 from sluice.repository import ModelVersion
@@ -149,8 +151,9 @@ class OpenAIUpstreamRunner:
     """Constructed in the worker before its event loop runs; `start()` opens the connection pool
     on the loop. The breaker and the jitter source are used from that loop only."""
 
-    def __init__(self, version: ModelVersion, device: str) -> None:
-        self.config = parse_config(version)
+    def __init__(self, version: ModelVersion, device: str, share: Share = (0, 1)) -> None:
+        config = parse_config(version)
+        self.config = replace(config, max_concurrency=share_of(config.max_concurrency, share))
         self.device = device
         self.breaker = CircuitBreaker(self.config.retry.circuit, MonotonicClock())
         self.info = wire.ModelInfo(

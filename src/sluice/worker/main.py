@@ -18,6 +18,7 @@ from pathlib import Path
 from sluice import wire
 from sluice.clock import MonotonicClock
 from sluice.engines import load_runner
+from sluice.engines.base import Share
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
 from sluice.repository import scan_repository, verify
@@ -35,6 +36,8 @@ class WorkerConfig:
     models_dir: Path
     device: str = "cpu"
     model_names: tuple[str, ...] = ()  # empty: every model in the repository
+    share: Share = (0, 1)
+    """Worker `index` of `count`: its part of each external upstream's concurrency."""
 
 
 def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel]]:
@@ -50,7 +53,7 @@ def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel
 
                 ensure_tiny_lm(version.weights_dir)
             verify(version)
-            runner = load_runner(version, config.device)
+            runner = load_runner(version, config.device, config.share)
         except ConfigError as exc:
             log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
             refused.append(wire.RefusedModel(version.name, version.version, exc.message))
