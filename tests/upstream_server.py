@@ -140,6 +140,8 @@ class UpstreamServer:
         self.last_body = await request.json()
         self.last_headers = dict(request.headers)
         plan = self.sse_plans.pop(0) if self.sse_plans else SsePlan()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if plan.status != 200:
             error = {"message": f"injected {plan.status}", "type": "invalid_request_error",
                      "param": plan.error_param, "code": None}

@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 
 from sluice import __version__
 from sluice.api import ApiConfig, batches, build_app
+from sluice.api.http_protocol import stamping_protocol
 from sluice.clock import MonotonicClock
 from sluice.errors import ConfigError
 from sluice.gateway import Gateway
@@ -149,7 +150,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     asgi_app = build_app(gateway, config.api, lifespan,
                           extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes))
     server = _Server(uvicorn.Config(
-        asgi_app, host=config.host, port=config.port, loop="uvloop", http="httptools", access_log=False,
+        asgi_app, host=config.host, port=config.port, loop="uvloop", http=stamping_protocol(clock), access_log=False,
         log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
     ))
     loop = asyncio.get_running_loop()

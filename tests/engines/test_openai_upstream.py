@@ -141,3 +141,16 @@ async def test_repeated_failures_open_the_circuit(make_runner):
         assert "connection error" in failure.message
     (failure,) = await _events(runner)
     assert "circuit open" in failure.message and failure.retry_after_s is not None
+
+
+async def test_a_call_cut_short_by_the_requests_deadline_is_the_deadline_not_an_upstream_failure(
+        upstream, make_runner):
+    """The worker answers 504 for it, as for any missed deadline; a call that outlives the
+    upstream's own `timeout_s` within the deadline stays a (retryable) upstream failure: 503."""
+    upstream.delay_s = 1.0
+    runner = await make_runner(_base(upstream), max_attempts=1, timeout_s=10)
+    (failure,) = [event async for event in runner.generate(wire.GeneratePayload(prompt="hi"), 0.2)]
+    assert isinstance(failure, CallFailure) and failure.is_deadline
+    slow = await make_runner(_base(upstream), max_attempts=1, timeout_s=0.2)
+    (failure,) = [event async for event in slow.generate(wire.GeneratePayload(prompt="hi"), 10.0)]
+    assert isinstance(failure, CallFailure) and not failure.is_deadline and "no complete answer" in failure.message

@@ -54,6 +54,17 @@ def header_timeout_s(request: Request) -> float | None:
     return timeout_ms / 1000.0
 
 
+RECEIVED_AT_SCOPE_KEY = "sluice.received_at"
+"""ASGI scope key: when the HTTP protocol saw the request begin (`api.http_protocol`)."""
+
+
+def arrival(request: Request, now: float) -> float:
+    """When the request reached the server (the HTTP protocol's stamp, on the gateway's clock), or
+    `now` for a request that did not come through it (a batch job's item, a test's transport)."""
+    received_at = request.scope.get(RECEIVED_AT_SCOPE_KEY)
+    return received_at if isinstance(received_at, float) and received_at <= now else now
+
+
 def request_id(request: Request) -> str:
     return str(request.scope.get("sluice.request_id", ""))
 

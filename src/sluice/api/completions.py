@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import (
+    arrival,
     caller,
     decode_json,
     estimate_text_tokens,
@@ -108,7 +109,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
 async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                  kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
-    arrived_at = gateway.now()
+    arrived_at = arrival(request, gateway.now())
     timeout_s = header_timeout_s(request)
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from sluice import __version__, wire
 from sluice.api.common import (
+    arrival,
     caller,
     estimate_text_tokens,
     header_timeout_s,
@@ -73,7 +74,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         return _json({"name": info.name, "ready": True})
 
     async def infer(request: Request) -> Response:
-        arrived_at = gateway.now()
+        arrived_at = arrival(request, gateway.now())
         name, version = _path(request)
         info = gateway.resolve(name, version)
         header_timeout = header_timeout_s(request)

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import (
+    arrival,
     caller,
     decode_json,
     estimate_text_tokens,
@@ -59,7 +60,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         return _json(_model_card(name))
 
     async def embeddings(request: Request) -> Response:
-        arrived_at = gateway.now()
+        arrived_at = arrival(request, gateway.now())
         timeout_s = header_timeout_s(request)
         body = await read_body(request, body_limit_bytes)
         parsed = decode_json(body, EmbeddingsRequest)

@@ -123,6 +123,10 @@ class CallFailure:
     is_retryable: bool = False
     """Worth another attempt if nothing has been relayed yet (5xx, 408/429, connection, timeout)."""
     retry_after_s: float | None = None
+    is_timeout: bool = False
+    """The call got no complete answer within its time."""
+    is_deadline: bool = False
+    """The request's own deadline ended it (a 504 for the client, not the upstream's failure)."""
 
 
 CallEvent = TextDelta | CallEnd | CallFailure
@@ -188,15 +192,21 @@ class OpenAIUpstreamRunner:
         for attempt in range(1, retry.max_attempts + 1):
             remaining_s = timeout_s - loop_time.elapsed_s()
             if remaining_s <= 0:
-                break
+                yield CallFailure(f"the deadline passed before the upstream finished; last error: {failure.message}",
+                                  is_deadline=True)
+                return
             if not self.breaker.allow():
                 yield CallFailure(f"upstream unavailable: circuit open after repeated failures (next trial in "
                                   f"{self.breaker.retry_after_s():.1f} s); last error: {failure.message}",
                                   retry_after_s=max(self.breaker.retry_after_s(), 0.1))
                 return
             num_relayed = 0
+            is_deadline_bound = remaining_s <= self.config.timeout_s
             async with aclosing(self._attempt(url, data, min(remaining_s, self.config.timeout_s))) as events:
                 async for event in events:
+                    if isinstance(event, CallFailure) and event.is_timeout and is_deadline_bound:
+                        yield CallFailure("the deadline passed before the upstream finished", is_deadline=True)
+                        return
                     if isinstance(event, CallFailure) and event.is_retryable and num_relayed == 0:
                         failure = event
                         break
@@ -246,7 +256,7 @@ class OpenAIUpstreamRunner:
                     if not response.content.at_eof():
                         response.close()  # stopped early (cancelled, deadline): close the upstream stream
         except TimeoutError:
-            yield CallFailure(f"no complete answer within {timeout_s:.1f} s", is_retryable=True)
+            yield CallFailure(f"no complete answer within {timeout_s:.1f} s", is_retryable=True, is_timeout=True)
         except aiohttp.ClientError as exc:
             yield CallFailure(f"connection error: {type(exc).__name__}: {exc}", is_retryable=True)
 
