@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from sluice.clock import VirtualClock
 from sluice.errors import RateLimited
 from sluice.gateway.limits import Refusal, Reservation
-from sluice.gateway.shared_limits import SharedLimiter
+from sluice.gateway.shared_limits import REDIS_CIRCUIT, SharedLimiter
 from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.tenants import Tenant
 from sluice.metrics import GatewayMetrics
@@ -113,5 +113,35 @@ def test_after_a_failure_redis_is_left_alone_until_the_circuit_lets_a_trial_thro
         with pytest.raises(redis.ConnectionError):
             await limiter.admit(tenant, 0)  # the trial call goes to Redis again
         await limiter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_settlement_redis_missed_is_sent_again_and_frees_its_slot(redis_url: str) -> None:
+    """A request finishes while Redis does not answer: its settlement is kept, and the next
+    admission sends it first, so the tenant gets its concurrency slot back at once rather than
+    when the lease ends (and its device time is charged)."""
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        limiter, other = _pair(redis_url, clock, lease_s=600.0)
+        tenant = Tenant(name="t", max_concurrent=1)
+        held = await limiter.admit(tenant, 0)
+        assert isinstance(held, Reservation)
+        settle_script = limiter._settle
+
+        async def unreachable(**_: object) -> None:
+            raise RedisError("connection reset")
+
+        limiter._settle = unreachable  # Redis drops this one call; everything else is the real Redis
+        with pytest.raises(RedisError):
+            await limiter.settle(held, 0, 2.5)
+        limiter._settle = settle_script
+        assert limiter.num_unsettled == 1
+        clock.advance(REDIS_CIRCUIT.open_s + 1.0)  # the outage is over: the breaker lets a call through
+        assert isinstance(await limiter.admit(tenant, 0), Reservation)  # the slot came back
+        assert limiter.num_unsettled == 0
+        assert await other.used_device_s("t") == pytest.approx(2.5)
+        for each in (limiter, other):
+            await each.aclose()
 
     asyncio.run(scenario())

@@ -23,11 +23,13 @@ cases against both.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import os
 import socket
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as redis
@@ -130,6 +132,18 @@ return 1
 """
 
 
+MAX_UNSETTLED = 100_000
+"""Settlements kept while Redis is away; beyond it the oldest are dropped (their leases end anyway)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Settlement:
+    reservation: Reservation
+    tokens: float
+    device_s: float
+    refund_request: bool
+
+
 class SharedLimiter:
     """`TenantLimiter`'s rules over buckets in Redis, shared by every gateway that uses the same
     Redis and prefix. Limits travel with every call (a changed limit starts a fresh bucket in the
@@ -150,6 +164,8 @@ class SharedLimiter:
         self._ids = itertools.count()
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self._breaker = CircuitBreaker(circuit, self._clock)
+        self._unsettled: collections.deque[_Settlement] = collections.deque(maxlen=MAX_UNSETTLED)
+        self._is_flushing = False
 
     @classmethod
     def from_url(cls, url: str, *, lease_s: float) -> SharedLimiter:
@@ -162,6 +178,8 @@ class SharedLimiter:
         await self._client.aclose()
 
     async def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+        if self._unsettled:
+            await self._flush_unsettled()  # frees the slots they hold before this request counts them
         now = self._clock.now()
         lease_id = f"{self._owner}:{next(self._ids)}"
         reply = await self._guarded(self._admit(keys=self._keys(tenant.name), args=[
@@ -177,12 +195,41 @@ class SharedLimiter:
         if reservation.is_settled:
             return
         reservation.is_settled = True
-        tenant = reservation.limits
-        if tenant is None:
+        if reservation.limits is None:
             return
+        settlement = _Settlement(reservation, tokens, device_s, refund_request)
+        try:
+            await self._run(settlement)
+        except RedisError:
+            self._unsettled.append(settlement)  # settled later, when Redis answers again
+            raise
+
+    @property
+    def num_unsettled(self) -> int:
+        """Settlements Redis missed, kept to be sent again."""
+        return len(self._unsettled)
+
+    async def _flush_unsettled(self) -> None:
+        """Send the settlements Redis missed, oldest first. Each frees its request's concurrency
+        slot now rather than when its lease runs out, and charges its tokens and device time.
+        Raises `RedisError` (keeping the rest) if Redis still cannot be reached."""
+        if self._is_flushing:
+            return
+        self._is_flushing = True
+        try:
+            while self._unsettled:
+                await self._run(self._unsettled[0])
+                self._unsettled.popleft()
+        finally:
+            self._is_flushing = False
+
+    async def _run(self, settlement: _Settlement) -> None:
+        reservation = settlement.reservation
+        tenant = reservation.limits
+        assert tenant is not None
         await self._guarded(self._settle(keys=self._keys(tenant.name), args=[
-            *self._limit_args(tenant, self._clock.now()), reservation.lease_id, "1" if refund_request else "0",
-            reservation.tokens, tokens, device_s]))
+            *self._limit_args(tenant, self._clock.now()), reservation.lease_id,
+            "1" if settlement.refund_request else "0", reservation.tokens, settlement.tokens, settlement.device_s]))
 
     async def used_device_s(self, tenant: str) -> float:
         value = await self._guarded(self._client.hget(self._keys(tenant)[0], "tu"))

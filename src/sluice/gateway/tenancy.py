@@ -125,7 +125,8 @@ class Tenancy:
         try:
             await self._shared.settle(reservation, tokens, device_s, refund_request=refund_request)
         except RedisError as exc:
-            # Lost: its in-flight entry ends with its lease, and its tokens and device time go uncounted.
+            # kept by the limiter and sent again before its next admission; until then its
+            # concurrency slot stays taken (at the latest its lease frees it)
             self._shared_failed(exc)
 
     async def usage(self) -> list[TenantUsage]:
