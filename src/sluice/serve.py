@@ -118,7 +118,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         gateway.expected_models = {v.name for v in scan_repository(config.models_dir).versions}
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
-        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, f"{i}/{len(devices)}")
+        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)))
                  for i, d in enumerate(devices)]
     store = await _open_job_store(config, run_dir)
     executor = JobExecutor(store, config.jobs)

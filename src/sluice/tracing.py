@@ -22,7 +22,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sluice.clock import Clock
+from opentelemetry import trace
+from opentelemetry.propagate import get_global_textmap
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from sluice.clock import Clock, MonotonicClock
 
 log = logging.getLogger("sluice.tracing")
 
@@ -34,11 +38,9 @@ class Tracing:
 
     def __init__(self, provider: Any | None = None, clock: Clock | None = None) -> None:
         self._provider = provider
-        self._clock = clock
+        self._clock = clock or MonotonicClock()
         self._tracer: Any = None
         if provider is not None:
-            from opentelemetry.propagate import get_global_textmap
-
             self._tracer = provider.get_tracer("sluice")
             self._propagator = get_global_textmap()
 
@@ -47,8 +49,9 @@ class Tracing:
         return self._tracer is not None
 
     def request(
-        self, *, model: str, version: str, traceparent: str | None, started: float, outcome: str,
-        attributes: Mapping[str, str | int | float], queue_s: float | None = None, exec_s: float | None = None,
+        self, *, model: str, version: str, tenant: str, priority: str, traceparent: str | None, started: float,
+        outcome: str, attributes: Mapping[str, str | int | float] = {}, queue_s: float | None = None,
+        exec_s: float | None = None,
     ) -> None:
         """A request that reached the gateway at `started` (the gateway's clock) and ended now.
 
@@ -56,17 +59,13 @@ class Tracing:
         span and the `queue_s` before them a queue span."""
         if self._tracer is None:
             return
-        from opentelemetry import trace
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-
         now_ns = time.time_ns()
-        clock_now = self._clock.now() if self._clock is not None else time.monotonic()
-        start_ns = now_ns - int(max(clock_now - started, 0.0) * 1e9)
+        start_ns = now_ns - int(max(self._clock.now() - started, 0.0) * 1e9)
         parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
         span = self._tracer.start_span(
             "sluice.request", context=parent, kind=SpanKind.SERVER, start_time=start_ns,
-            attributes={"sluice.model": model, "sluice.model_version": version, "sluice.outcome": outcome,
-                        **attributes},
+            attributes={"sluice.model": model, "sluice.model_version": version, "sluice.tenant": tenant,
+                        "sluice.priority": priority, "sluice.outcome": outcome, **attributes},
         )
         if outcome != "ok":
             span.set_status(Status(StatusCode.ERROR, outcome))

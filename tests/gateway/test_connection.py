@@ -81,10 +81,9 @@ def test_early_admission_counts_the_newcomers_own_batch() -> None:
         state = _state(0.2, newcomer_s=0.03)
         connection._on_message(state)
         info = state.models[0]
-        gateway = Gateway.__new__(Gateway)
-        excess = gateway._excess_s(connection, state, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.22)
+        excess = Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.22)
         assert excess == pytest.approx(0.01, abs=0.002)  # 0.2 wait + 0.03 own, 0.22 allowed
-        assert gateway._excess_s(connection, state, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.24) == 0.0
-        assert gateway._excess_s(connection, state, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
+        assert Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.24) == 0.0
+        assert Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
 
     asyncio.run(scenario())

@@ -31,7 +31,6 @@ class InFlight:
     )
     is_started: bool = False
     is_timed_out: bool = False
-    work_s: float = 0.0
     chunks: asyncio.Queue[wire.TokenChunk | None] | None = None
     """For a streamed generation: its output as it arrives; None when `future` is resolved."""
 
@@ -98,7 +97,7 @@ class WorkerConnection:
         key = (message.model, message.version)
         if key in self._upstreams:
             self._sent_to_upstream[key] = self._sent_to_upstream.get(key, 0) + 1
-        in_flight = InFlight(message, work_s=work_s)
+        in_flight = InFlight(message)
         if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
             in_flight.chunks = asyncio.Queue()
         self._in_flight[message.request_id] = in_flight

@@ -163,31 +163,31 @@ class Gateway:
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         tenant, priority = self._class_of(caller or _LOCAL_CALLER)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        excesses = [(self._excess_s(c, c.state, tenant, priority, info, now, deadline), c.state) for c in replicas
-                    if c.is_ready and c.state is not None]
+        excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
         if not excesses:
             return
-        excess_s, state = min(excesses, key=lambda pair: pair[0])
-        if excess_s <= 0 or state is None:
+        excess_s, connection = min(excesses, key=lambda pair: pair[0])
+        if excess_s <= 0:
             return
         self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
         if self._tracing.is_enabled:
-            self._tracing.request(model=info.name, version=info.version, started=arrived_at, outcome="rejected",
-                                  traceparent=(caller or _LOCAL_CALLER).traceparent,
-                                  attributes={"sluice.tenant": tenant, "sluice.priority": priority.label})
-        raise Overloaded("the work queued ahead would make this request miss its deadline",
-                         retry_after_s=max(excess_s / max(state.drain_rate, 0.05), 0.001))
+            self._tracing.request(model=info.name, version=info.version, tenant=tenant, priority=priority.label,
+                                  traceparent=(caller or _LOCAL_CALLER).traceparent, started=arrived_at,
+                                  outcome="rejected")
+        raise _overloaded(connection, excess_s)
 
-    def _excess_s(self, connection: WorkerConnection, state: wire.WorkerState | None, tenant: str,
-                  priority: Priority, info: wire.ModelInfo, now: float, deadline: float) -> float:
+    @staticmethod
+    def _excess_s(connection: WorkerConnection, tenant: str, priority: Priority, info: wire.ModelInfo,
+                  now: float, deadline: float) -> float:
         """How far past `deadline` a request sent to `connection` now is predicted to finish: its
         wait (`_tenant_wait_s`) and its own batch, as the worker's admission counts them. 0 when
-        it fits, when nothing is queued ahead of it, or when its own batch alone would miss the
-        deadline (the worker answers that one: it is a deadline too short, not an overload)."""
-        if state is None:
+        it fits, when nothing is queued ahead of it, when the worker has not reported yet, or
+        when its own batch alone would miss the deadline (the worker answers that one: it is a
+        deadline too short, not an overload)."""
+        if connection.state is None:
             return 0.0
-        wait_s = self._tenant_wait_s(connection, tenant, priority, info)
+        wait_s = Gateway._tenant_wait_s(connection, tenant, priority, info)
         own_s = connection.newcomer_s(info.name, info.version)
         if wait_s <= 0 or now + own_s > deadline:
             return 0.0
@@ -348,14 +348,11 @@ class Gateway:
         if chosen is None:
             return None
         connection = by_id[chosen.worker_id]
-        state = connection.state
         # The worker's admission stays the authority; refusing here what it would refuse spares
         # the round trip (most of a rejection's latency under overload).
-        excess_s = self._excess_s(connection, state, ticket.tenant, ticket.priority, info, self._clock.now(),
-                                  ticket.deadline)
-        if state is not None and excess_s > 0:
-            raise Overloaded("the work queued ahead would make this request miss its deadline",
-                             retry_after_s=max(excess_s / max(state.drain_rate, 0.05), 0.001))
+        excess_s = self._excess_s(connection, ticket.tenant, ticket.priority, info, self._clock.now(), ticket.deadline)
+        if excess_s > 0:
+            raise _overloaded(connection, excess_s)
         return connection
 
     async def _await_answer(
@@ -376,6 +373,13 @@ class Gateway:
 
 
 _LOCAL_CALLER = Caller()
+
+
+def _overloaded(connection: WorkerConnection, excess_s: float) -> Overloaded:
+    """The early refusal: retry once the excess has drained at the worker's reported rate."""
+    drain_rate = connection.state.drain_rate if connection.state is not None else 1.0
+    return Overloaded("the work queued ahead would make this request miss its deadline",
+                      retry_after_s=max(excess_s / max(drain_rate, 0.05), 0.001))
 
 
 @dataclass(frozen=True, slots=True)

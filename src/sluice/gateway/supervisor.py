@@ -27,8 +27,9 @@ class WorkerSpec:
     address: str
     models_dir: Path
     device: str
-    share: str = "0/1"
-    """`sluice worker --share`: which of the workers this is, for external upstreams' limits."""
+    share: tuple[int, int] = (0, 1)
+    """(index, count), `sluice worker --share I/N`: which of the workers this is, for external
+    upstreams' limits."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ class Supervisor:
         command = [
             sys.executable, "-m", "sluice", "worker",
             "--id", spec.worker_id, "--bind", spec.address,
-            "--models", str(spec.models_dir), "--device", spec.device, "--share", spec.share,
+            "--models", str(spec.models_dir), "--device", spec.device, "--share", "{}/{}".format(*spec.share),
         ]
         env = {**os.environ, **self._config.env}
         return await asyncio.create_subprocess_exec(*command, env=env)

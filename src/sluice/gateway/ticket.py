@@ -107,13 +107,12 @@ class Ticket:
 
     def _trace(self, outcome: str, result: InferResult | None) -> None:
         assert self._tracing is not None
-        attributes: dict[str, str | int | float] = {"sluice.tenant": self.tenant,
-                                                    "sluice.priority": self.priority.label}
-        if result is not None:
-            attributes.update({"sluice.batch_size": result.batch_size, "sluice.device_seconds": result.device_s,
-                               "sluice.tokens": result.num_tokens})
-        self._tracing.request(model=self.info.name, version=self.info.version, traceparent=self._traceparent,
-                              started=self.started, outcome=outcome, attributes=attributes,
+        attributes = {} if result is None else {"sluice.batch_size": result.batch_size,
+                                                "sluice.device_seconds": result.device_s,
+                                                "sluice.tokens": result.num_tokens}
+        self._tracing.request(model=self.info.name, version=self.info.version, tenant=self.tenant,
+                              priority=self.priority.label, traceparent=self._traceparent, started=self.started,
+                              outcome=outcome, attributes=attributes,
                               queue_s=result.queue_s if result else None, exec_s=result.exec_s if result else None)
 
 
