@@ -161,6 +161,14 @@ def create_key(tenant: str | None, tenants_file: Path, is_admin: bool) -> None:
     click.echo(key)
     who = "an admin key" if is_admin else f"a key for tenant {tenant!r}"
     click.echo(f"Stored the hash of {who} in {tenants_file}. This is the only time the key is shown.", err=True)
+    if is_admin:
+        from sluice.gateway.tenants import load_tenants
+
+        try:
+            load_tenants(tenants_file)
+        except ConfigError as exc:
+            click.echo(f"Note: {exc.message}. `sluice serve --tenants` needs at least one tenant: "
+                       "add one with `sluice keys create NAME`.", err=True)
 
 
 def _share(value: str) -> tuple[int, int]:

@@ -230,9 +230,12 @@ class GatewayMetrics:
     def tenant_rejected(self, tenant: str, klass: str, reason: str) -> None:
         _child(TENANT_REJECTED, tenant_label(tenant), klass, reason).inc()
 
-    def tenant_completed(self, tenant: str, klass: str, queue_s: float, device_s: float) -> None:
+    def tenant_completed(self, tenant: str, klass: str, queue_s: float, device_s: float, *,
+                         on_time: bool = True) -> None:
+        """A successful request; goodput only if it was answered within its deadline."""
         label = tenant_label(tenant)
-        _child(TENANT_GOODPUT, label, klass).inc()
+        if on_time:
+            _child(TENANT_GOODPUT, label, klass).inc()
         _child(TENANT_QUEUE_WAIT, label, klass).observe(queue_s)
         _child(TENANT_DEVICE_SECONDS, label, klass).inc(device_s)
 

@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from sluice import __version__
 from sluice.api import ApiConfig, batches, build_app
 from sluice.api.http_protocol import stamping_protocol
-from sluice.clock import MonotonicClock
+from sluice.clock import MonotonicClock, WallClock
 from sluice.errors import ConfigError
 from sluice.gateway import Gateway
 from sluice.gateway.gateway import GatewayConfig
@@ -107,7 +107,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
     clock = MonotonicClock()
-    tenancy = Tenancy(clock, gateway_metrics, config.tenants_file, await _shared_limits(config))
+    tenancy = Tenancy(clock, gateway_metrics, config.tenants_file, await _shared_limits(config),
+                      limits_clock=WallClock())
     tracing = tracing_from_environment(clock)
     gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing)
     if config.remote_workers:

@@ -124,6 +124,8 @@ class TokenChunk(msgspec.Struct, tag="chunk"):
     token_ids: list[int]
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    device_s: float = 0.0
+    """The sequence's device time so far: what its tenant is charged if the stream is cut short."""
 
 
 class TenantWeights(msgspec.Struct, tag="weights"):

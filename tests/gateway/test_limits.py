@@ -113,13 +113,15 @@ def test_settling_twice_counts_once(limiter):
     assert isinstance(lim.admit(tenant, 0), Reservation)
 
 
-def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_then_leaves_debt(limiter):
+def test_a_request_larger_than_a_minutes_tokens_is_refused_for_good_and_takes_nothing(limiter):
     clock = VirtualClock()
-    lim, tenant = limiter(clock, tokens_per_min=60)
-    assert isinstance(lim.admit(tenant, 120), Reservation)  # full bucket: let through, in debt
-    refusal = lim.admit(tenant, 1)
+    lim, tenant = limiter(clock, tokens_per_min=60, requests_per_min=10)
+    refusal = lim.admit(tenant, 61)
     assert isinstance(refusal, Refusal)
-    assert refusal.retry_after_s == pytest.approx(61.0)  # 60 of debt + 1 token at 1 token/s
+    assert (refusal.limit, refusal.too_large, refusal.is_final) == ("tokens", True, True)
+    reservation = lim.admit(tenant, 60)  # a whole minute's worth still fits: nothing was taken
+    assert isinstance(reservation, Reservation)
+    assert {s.name: s.remaining for s in reservation.statuses} == {"requests": 9, "tokens": 0}
 
 
 def test_concurrency_cap_and_release(limiter):
@@ -148,7 +150,7 @@ def test_credit_budget_is_final_until_the_period_resets(limiter):
     assert isinstance(lim.admit(tenant, 0), Reservation)
 
 
-def test_reload_keeps_state_of_unchanged_limits_and_resets_changed_ones(limiter):
+def test_reload_keeps_what_was_used_whether_or_not_a_limit_changed(limiter):
     clock = VirtualClock()
     lim, tenant = limiter(clock, requests_per_min=2)
     lim.admit(tenant, 0)
@@ -157,7 +159,13 @@ def test_reload_keeps_state_of_unchanged_limits_and_resets_changed_ones(limiter)
     assert isinstance(lim.admit(tenant, 0), Refusal)  # same limits: same (empty) bucket
     changed = Tenant(name="t", requests_per_min=5)
     lim.configure([changed])
-    assert isinstance(lim.admit(changed, 0), Reservation)  # a changed limit: a fresh bucket
+    admitted = [lim.admit(changed, 0) for _ in range(4)]
+    # 2 of the 5 were used before the reload: 3 more now, not a fresh bucket of 5
+    assert [isinstance(a, Reservation) for a in admitted] == [True, True, True, False]
+    lowered = Tenant(name="t", requests_per_min=1)
+    lim.configure([lowered])
+    refusal = lim.admit(lowered, 0)  # 5 used against a limit of 1: 4 of debt + 1 at 1 per minute
+    assert isinstance(refusal, Refusal) and refusal.retry_after_s == pytest.approx(300.0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -51,3 +51,17 @@ def test_a_bad_tenants_file_is_refused_with_the_reason(tmp_path: Path, body: str
     path.write_text(body)
     with pytest.raises(ConfigError, match=message):
         load_tenants(path)
+
+
+def test_keys_create_admin_on_a_new_file_says_the_server_needs_a_tenant_too(tmp_path: Path):
+    from click.testing import CliRunner
+
+    from sluice.cli import main
+
+    path = tmp_path / "tenants.toml"
+    result = CliRunner().invoke(main, ["keys", "create", "--admin", "--tenants", str(path)])
+    assert result.exit_code == 0
+    assert "needs at least one tenant" in result.output
+    added = CliRunner().invoke(main, ["keys", "create", "acme", "--tenants", str(path)])
+    assert added.exit_code == 0 and "needs at least one tenant" not in added.output
+    assert load_tenants(path).tenants.keys() == {"acme"}

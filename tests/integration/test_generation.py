@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import start_server, write_tiny_lm_model
 
@@ -88,6 +89,42 @@ def test_a_client_that_disconnects_frees_its_sequence(server, client):
         pytest.fail("the disconnected client's sequence kept running")
     assert "sluice_time_to_first_token_seconds_count" in metrics
     assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in metrics
+
+
+def _total(server, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def test_finished_generations_count_as_ok_with_their_tokens(server, client):
+    ok = _total(server, "sluice_requests_total", model=MODEL, outcome="ok")
+    cancelled = _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+    generated = _total(server, "sluice_generation_tokens_total", model=MODEL)
+    goodput = _total(server, "sluice_tenant_goodput_total", tenant="local")
+    client.completions.create(model=MODEL, prompt="Count me", max_tokens=5, temperature=0)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "and me"}],
+                                        max_tokens=7, temperature=0, stream=True))
+    assert _total(server, "sluice_requests_total", model=MODEL, outcome="ok") == ok + 2
+    assert _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled
+    assert _total(server, "sluice_generation_tokens_total", model=MODEL) == generated + 12
+    assert _total(server, "sluice_tenant_goodput_total", tenant="local") == goodput + 2
+
+
+def test_a_stream_cut_short_is_charged_for_the_work_it_used(server, client):
+    device_s = _total(server, "sluice_tenant_device_seconds_total", tenant="local")
+    cancelled = _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+    stream = client.completions.create(model=MODEL, prompt="Charge me", max_tokens=800, temperature=0.8,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(5), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 15
+    while _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled:
+        assert time.monotonic() < deadline, "the cut stream was never accounted"
+        time.sleep(0.1)
+    assert _total(server, "sluice_tenant_device_seconds_total", tenant="local") > device_s
 
 
 @pytest.mark.parametrize("body, param", [

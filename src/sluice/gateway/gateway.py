@@ -156,12 +156,14 @@ class Gateway:
         """Refuse now, before the body is parsed, when every ready replica already reports more
         work ahead of this tenant's class than the request's deadline allows: under overload the
         excess costs the gateway as little as possible and gets its answer at once."""
+        caller = caller or _LOCAL_CALLER
+        self.tenancy.authorize(self.tenancy.tenant(caller.tenant), info.name)  # a 403 is the answer, not a 503
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         if now >= deadline:
             self._metrics.request_done(info.name, info.version, "expired", now - arrived_at)
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
-        tenant, priority = self._class_of(caller or _LOCAL_CALLER)
+        tenant, priority = self._class_of(caller)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
         if not excesses:
@@ -173,7 +175,7 @@ class Gateway:
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
         if self._tracing.is_enabled:
             self._tracing.request(model=info.name, version=info.version, tenant=tenant, priority=priority.label,
-                                  traceparent=(caller or _LOCAL_CALLER).traceparent, started=arrived_at,
+                                  traceparent=caller.traceparent, started=arrived_at,
                                   outcome="rejected")
         raise _overloaded(connection, excess_s)
 
@@ -271,6 +273,7 @@ class Gateway:
             connection, in_flight = await self._send(info, payload, ticket, tried_lost)
             result = await self._await_answer(connection, in_flight, ticket.deadline)
             if result is not None:
+                ticket.used(result)
                 return interpret(info, result)
             self._check_restartable(connection, in_flight)
             tried_lost = True
@@ -295,6 +298,7 @@ class Gateway:
             if in_flight.is_timed_out:
                 raise DeadlineExceeded("the worker did not answer before the deadline")
             if result is not None:
+                ticket.used(result)
                 yield interpret(info, result)
                 return
             self._check_restartable(connection, in_flight)

@@ -10,9 +10,10 @@ Pure policy over an injected clock. Rules:
 - tokens are reserved at admission from an estimate and settled with the real count when the
   request completes, so concurrent requests cannot overshoot a tokens-per-minute limit between
   admission and completion (they would, if counted only afterwards);
-- a bucket holds at most one minute's worth, refilled continuously; a request larger than the
-  bucket is let through when the bucket is full and leaves it in debt, rather than never;
-- credits are device-seconds per period (fixed windows on the gateway's clock), charged with the
+- a bucket holds at most one minute's worth, refilled continuously; a request larger than a whole
+  minute's tokens is refused outright (`too_large`: no wait would let it through), as OpenAI does;
+- credits are device-seconds per period (fixed windows on the limiter's clock: `sluice serve`
+  gives it the wall clock, so a daily budget resets at 00:00 UTC), charged with the
   device time the tenant's requests actually used; a request is admitted while the period's use is
   under the budget, so the overshoot is at most what the tenant's in-flight requests use.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from sluice.clock import Clock
 from sluice.gateway.tenants import Tenant
 
-__all__ = ["LimitStatus", "Refusal", "Reservation", "TenantLimiter", "TokenBucket", "format_duration"]
+__all__ = ["LimitStatus", "Refusal", "Reservation", "TenantLimiter", "TokenBucket", "format_duration", "too_large"]
 
 
 class TokenBucket:
@@ -72,6 +73,8 @@ class Refusal:
     is_final: bool
     """True when retrying within the current period cannot help (an exhausted budget)."""
     statuses: tuple[LimitStatus, ...]
+    too_large: bool = False
+    """The request alone needs more than the limit allows in a minute: retrying cannot help."""
 
 
 @dataclass(slots=True)
@@ -105,7 +108,7 @@ class TenantLimiter:
 
     def configure(self, tenants: Iterable[Tenant]) -> None:
         """Apply a (re)loaded tenants file. Tenants whose limits did not change keep their state;
-        a changed limit starts a fresh bucket; in-flight counts and credit use always carry over."""
+        a changed limit keeps what was used of the old one; in-flight counts and credit use carry over."""
         now = self._clock.now()
         states: dict[str, _TenantState] = {}
         for tenant in tenants:
@@ -157,6 +160,8 @@ class TenantLimiter:
 
     def _check(self, state: _TenantState, tokens: float, now: float) -> Refusal | None:
         tenant = state.tenant
+        if (refusal := too_large(tenant, tokens, _statuses(state))) is not None:
+            return refusal
         if tenant.max_concurrent and state.num_in_flight >= tenant.max_concurrent:
             return Refusal("concurrency", 1.0, False, _statuses(state))
         if tenant.credits_device_s and state.used_device_s >= tenant.credits_device_s:
@@ -176,6 +181,13 @@ class TenantLimiter:
             state.period_index, state.used_device_s = index, 0.0
 
 
+def too_large(tenant: Tenant, tokens: float, statuses: tuple[LimitStatus, ...] = ()) -> Refusal | None:
+    """A request that alone needs more tokens than its tenant may use in a minute: refused for good."""
+    if tenant.tokens_per_min > 0 and tokens > tenant.tokens_per_min:
+        return Refusal("tokens", 0.0, True, statuses, too_large=True)
+    return None
+
+
 def _new_state(tenant: Tenant, old: _TenantState | None, now: float) -> _TenantState:
     """A tenant's state under (possibly new) limits, carrying over what `old` had."""
     requests = _bucket(tenant.requests_per_min, old.requests if old else None, now)
@@ -189,11 +201,17 @@ def _new_state(tenant: Tenant, old: _TenantState | None, now: float) -> _TenantS
 
 
 def _bucket(per_min: float, old: TokenBucket | None, now: float) -> TokenBucket | None:
+    """The bucket under a (re)loaded limit. A changed limit keeps what the tenant has used of the
+    old one (a reload is not a way to refill a bucket); a new limit starts full."""
     if per_min <= 0:
         return None
     if old is not None and old.capacity == per_min:
         return old
-    return TokenBucket(per_min, now)
+    bucket = TokenBucket(per_min, now)
+    if old is not None:
+        old.refill(now)
+        bucket.level = min(per_min, per_min - (old.capacity - old.level))
+    return bucket
 
 
 def _statuses(state: _TenantState) -> tuple[LimitStatus, ...]:

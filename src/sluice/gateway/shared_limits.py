@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import Clock, WallClock
-from sluice.gateway.limits import LimitStatus, Refusal, Reservation
+from sluice.gateway.limits import LimitStatus, Refusal, Reservation, too_large
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["SharedLimiter"]
@@ -48,15 +48,16 @@ REDIS_CIRCUIT = CircuitConfig(failure_threshold=1, open_s=5.0)
 """One failure opens the circuit: Redis is local infrastructure, and a second caller should not wait
 for a timeout the first one just hit."""
 
-# Shared by both scripts: load a bucket from the hash (a fresh, full one if the limit changed)
-# and refill it to `now`.
+# Shared by both scripts: load a bucket from the hash, refilled to `now` (a new limit starts full;
+# a changed one keeps what was used of the old, as `limits._bucket` does).
 _LOAD = """
 local now = tonumber(ARGV[1])
 local function bucket(cap, c, l, a)
   if cap <= 0 then return nil end
   c = tonumber(c); l = tonumber(l); a = tonumber(a)
-  if c ~= cap or l == nil or a == nil then return {cap = cap, level = cap, at = now} end
-  if now > a then l = math.min(cap, l + (now - a) * cap / 60.0); a = now end
+  if c == nil or l == nil or a == nil then return {cap = cap, level = cap, at = now} end
+  if now > a then l = math.min(c, l + (now - a) * c / 60.0); a = now end
+  if c ~= cap then l = math.min(cap, cap - (c - l)) end
   return {cap = cap, level = l, at = a}
 end
 local rpm, tpm = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -178,6 +179,8 @@ class SharedLimiter:
         await self._client.aclose()
 
     async def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+        if (refusal := too_large(tenant, estimated_tokens)) is not None:
+            return refusal
         if self._unsettled:
             await self._flush_unsettled()  # frees the slots they hold before this request counts them
         now = self._clock.now()

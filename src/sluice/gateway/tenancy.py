@@ -44,13 +44,15 @@ class TenantUsage:
 
 class Tenancy:
     def __init__(self, clock: Clock, metrics: GatewayMetrics, path: Path | None = None,
-                 shared: SharedLimiter | None = None) -> None:
+                 shared: SharedLimiter | None = None, *, limits_clock: Clock | None = None) -> None:
+        """`limits_clock`: the clock of the rate buckets and budget periods (default `clock`); a
+        server gives it the wall clock, so that budget periods start on calendar boundaries."""
         self._metrics = metrics
         self._shared = shared
         """Limits kept in Redis for every gateway; None: this gateway's own (`limiter`)."""
         self._last_shared_warning_at = -math.inf
         self.directory = load_tenants(path) if path is not None else TenantDirectory.open()
-        self.limiter = TenantLimiter(clock)
+        self.limiter = TenantLimiter(limits_clock or clock)
         self.limiter.configure(self.directory.tenants.values())
         self._listeners: list[Callable[[dict[str, float]], None]] = []
 
@@ -113,7 +115,7 @@ class Tenancy:
         outcome = await self._admit_limits(tenant, estimated_tokens)
         if isinstance(outcome, Refusal):
             self._metrics.tenant_rejected(tenant.name, priority.label, outcome.limit)
-            raise _refusal_error(tenant, outcome)
+            raise _refusal_error(tenant, outcome, estimated_tokens)
         self._metrics.tenant_admitted(tenant.name, priority.label)
         return outcome
 
@@ -173,9 +175,15 @@ _MESSAGES = {
 }
 
 
-def _refusal_error(tenant: Tenant, refusal: Refusal) -> RateLimited:
+def _refusal_error(tenant: Tenant, refusal: Refusal, estimated_tokens: float) -> RateLimited:
     headers = rate_limit_headers(refusal.statuses)
     message = f"rate limit reached for {_MESSAGES[refusal.limit]}"
+    if refusal.too_large:
+        headers["x-should-retry"] = "false"
+        limit = next((s.limit for s in refusal.statuses if s.name == refusal.limit), 0.0)
+        return RateLimited(f"request too large: it needs about {estimated_tokens:.0f} tokens, more than the "
+                           f"{limit:.0f} {_MESSAGES[refusal.limit]} tenant {tenant.name!r} may use; "
+                           "send a smaller request (shorter input, lower max_tokens)", refusal.limit, None, headers)
     if refusal.is_final:
         headers["x-should-retry"] = "false"
         return BudgetExhausted(f"tenant {tenant.name!r} has used its {_MESSAGES[refusal.limit]}; "

@@ -64,9 +64,20 @@ class Ticket:
         self._result: InferResult | None = None
         self._first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
+        self._used: tuple[float, float] | None = None
+        self._streamed_tokens = 0
+        """(tokens, device seconds) the worker reported so far, whatever the outcome."""
 
     def done(self, result: InferResult) -> None:
         self._result = result
+        self._used = (result.num_tokens, result.device_s)  # the worker's final count
+
+    def used(self, result: wire.Result) -> None:
+        """What the worker reports the request used, also when it did not succeed (a missed
+        deadline, a failure): the tenant pays for the device's work. Never less than what its
+        streamed chunks already showed."""
+        tokens, device_s = self._used or (0.0, 0.0)
+        self._used = (max(tokens, result.num_tokens), max(device_s, result.device_s))
 
     def with_limits(self, result: InferResult) -> InferResult:
         """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
@@ -74,6 +85,8 @@ class Ticket:
         return replace(result, rate_limit_headers=rate_limit_headers(statuses)) if statuses else result
 
     def chunk(self, chunk: wire.TokenChunk) -> None:
+        self._streamed_tokens += len(chunk.token_ids)
+        self._used = (chunk.num_prompt_tokens + self._streamed_tokens, chunk.device_s)
         now = self._clock.now()
         if self._first_chunk_at is None:
             self._first_chunk_at = now
@@ -86,24 +99,40 @@ class Ticket:
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        outcome = "ok" if error is None else next(
-            (name for cls, name in _OUTCOME_CLASSES if isinstance(error, cls)), "error")
-        label = self.priority.label
         result = self._result
+        if error is None or (result is not None and isinstance(error, GeneratorExit | asyncio.CancelledError)):
+            outcome = "ok"  # (a stream's reader may stop once it has the final result)
+        else:
+            outcome = next((name for cls, name in _OUTCOME_CLASSES if isinstance(error, cls)), "error")
+        label = self.priority.label
+        now = self._clock.now()
+        tokens, device_s = self._usage(outcome)
         if outcome == "ok" and result is not None:
-            self._metrics.tenant_completed(self.tenant, label, result.queue_s, result.device_s)
+            self._metrics.tenant_completed(self.tenant, label, result.queue_s, device_s,
+                                           on_time=now <= self.deadline)
             if isinstance(result.payload, wire.GenerationResult):
                 ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
-                self._metrics.generation_done(self.info.name, result.payload, self._clock.now() - self.started, ttft_s)
-        elif outcome in ("rejected", "expired"):
-            self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
-        self._metrics.request_done(self.info.name, self.info.version, outcome, self._clock.now() - self.started)
+                self._metrics.generation_done(self.info.name, result.payload, now - self.started, ttft_s)
+        else:
+            if outcome in ("rejected", "expired"):
+                self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
+            self._metrics.tenant_used(self.tenant, label, device_s)
+        self._metrics.request_done(self.info.name, self.info.version, outcome, now - self.started)
         if self._tracing is not None and self._tracing.is_enabled:
             self._trace(outcome, result)
-        await self._tenancy.settle(self.reservation, result.num_tokens if result else 0,
-                                   result.device_s if result else 0.0,
+        await self._tenancy.settle(self.reservation, tokens, device_s,
                                    refund_request=outcome in ("rejected", "unavailable"))
 
+    def _usage(self, outcome: str) -> tuple[float, float]:
+        """(tokens, device seconds) to charge. A request withdrawn before the worker reported
+        anything (the client went away from an unstreamed generation) is charged its reserved
+        token estimate: the worker may have done all of that work, and charging nothing would
+        make hanging up a way around the tenant's limits."""
+        if self._used is not None:
+            return self._used
+        if outcome == "cancelled":
+            return self.reservation.tokens, 0.0
+        return 0.0, 0.0
 
     def _trace(self, outcome: str, result: InferResult | None) -> None:
         assert self._tracing is not None
@@ -143,8 +172,8 @@ def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
             if refused is not None:
                 raise UpstreamRefused(refused.message, refused.upstream_status, refused.param)
             errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
-            if any(e.index < 0 for e in result.errors):
-                raise InvalidInput(errors or result.message)
             if result.errors and all(e.is_transient for e in result.errors):
                 raise Unavailable(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
+            if any(e.index < 0 for e in result.errors):
+                raise InvalidInput(errors or result.message)
             raise ItemFailed(errors or result.message)

@@ -142,7 +142,7 @@ class Generations:
             if generation.is_streamed and output.new_token_ids:
                 self._reply(generation.identity, wire.TokenChunk(
                     generation.gateway_request_id, output.text_delta, list(output.new_token_ids),
-                    output.num_prompt_tokens, output.num_cached_tokens))
+                    output.num_prompt_tokens, output.num_cached_tokens, generation.device_s))
             else:
                 generation.parts.append(output.text_delta)
                 if not generation.is_started:
@@ -155,20 +155,20 @@ class Generations:
         del self._by_id[internal_id]
         self._forget(generation.identity, generation.gateway_request_id)
         request_id = generation.gateway_request_id
+        num_tokens = output.num_prompt_tokens + output.num_output_tokens  # charged whatever the outcome
         if output.finish_reason == "deadline":
-            result = wire.Result(request_id, wire.Outcome.EXPIRED, device_s=generation.device_s,
+            result = wire.Result(request_id, wire.Outcome.EXPIRED, num_tokens=num_tokens, device_s=generation.device_s,
                                  message="the deadline passed before the generation finished")
         elif output.finish_reason in ("stop", "length"):
             text = "" if generation.is_streamed else "".join(generation.parts)
             payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
                                             output.num_cached_tokens, output.num_output_tokens)
-            result = wire.Result(request_id, wire.Outcome.OK, payload=payload,
-                                 num_tokens=output.num_prompt_tokens + output.num_output_tokens,
+            result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                  device_s=generation.device_s)
         elif output.finish_reason == "error":
             message = "the model failed while generating; try again"
-            result = wire.Result(request_id, wire.Outcome.FAILED, device_s=generation.device_s, message=message,
-                                 errors=[wire.ItemError(-1, message, is_transient=True)])
+            result = wire.Result(request_id, wire.Outcome.FAILED, num_tokens=num_tokens, device_s=generation.device_s,
+                                 message=message, errors=[wire.ItemError(-1, message, is_transient=True)])
         else:
             return  # aborted: the gateway withdrew it and expects no answer
         self._reply(generation.identity, result)
