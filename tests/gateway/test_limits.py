@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.clock import VirtualClock
-from sluice.gateway.limits import Refusal, Reservation, TenantLimiter, format_duration
+from sluice.gateway.limits import Refusal, Reservation, TenantLimiter, Usage, format_duration
 from sluice.gateway.tenants import Tenant
 
 _PREFIXES = itertools.count()
@@ -41,6 +41,9 @@ class _Shared:
 
     def used_device_s(self, tenant: str) -> float:
         return self._runner.run(self._limiter.used_device_s(tenant))
+
+    def usage(self, tenant: Tenant) -> Usage:
+        return self._runner.run(self._limiter.usage(tenant))
 
     def close(self) -> None:
         self._runner.run(self._limiter.aclose())
@@ -122,6 +125,18 @@ def test_a_request_larger_than_a_minutes_tokens_is_refused_for_good_and_takes_no
     reservation = lim.admit(tenant, 60)  # a whole minute's worth still fits: nothing was taken
     assert isinstance(reservation, Reservation)
     assert {s.name: s.remaining for s in reservation.statuses} == {"requests": 9, "tokens": 0}
+
+
+def test_usage_reports_device_time_in_all_and_this_period_and_requests_in_flight(limiter):
+    clock = VirtualClock(600 + 10)
+    lim, tenant = limiter(clock, credits_device_s=10, credit_period_s=60)
+    first, second = lim.admit(tenant, 0), lim.admit(tenant, 0)
+    lim.settle(first, 0, 2.0)
+    assert lim.usage(tenant) == Usage(2.0, 2.0, 1)
+    clock.advance(60)  # a new period
+    assert lim.usage(tenant) == Usage(2.0, 0.0, 1)
+    lim.settle(second, 0, 1.0)
+    assert lim.usage(tenant) == Usage(3.0, 1.0, 0)
 
 
 def test_concurrency_cap_and_release(limiter):

@@ -198,6 +198,9 @@ def test_admin_scope_is_separate_from_tenant_keys(server):
     listing = httpx.get(f"{server.url}/admin/tenants", headers=admin)
     assert listing.status_code == 200
     assert {t["name"] for t in listing.json()["data"]} >= {"alpha", "beta", "budget"}
+    budget = next(t for t in listing.json()["data"] if t["name"] == "budget")
+    assert budget["limits"]["credits_device_s"] == 0.05 and budget["in_flight"] == 0
+    assert budget["period_device_s"] <= budget["device_s"]
     tenant_try = httpx.get(f"{server.url}/admin/tenants", headers={"Authorization": f"Bearer {KEYS['alpha']}"})
     assert tenant_try.status_code == 403
     with sdk(server, ADMIN_KEY) as client, pytest.raises(openai.PermissionDeniedError):

@@ -1,6 +1,7 @@
 """Admin routes (admin scope only; the auth middleware checks the key):
 
-    GET  /admin/tenants   each tenant's weight, class, models and device-seconds used
+    GET  /admin/tenants   each tenant's weight, class, models, limits, requests in flight, and
+                          device-seconds used (in all and in the current credit period)
     POST /admin/reload    read the tenants file again (as SIGHUP does)
 """
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from sluice.clock import Clock
 from sluice.gateway.tenants import Tenant
 
-__all__ = ["LimitStatus", "Refusal", "Reservation", "TenantLimiter", "TokenBucket", "format_duration", "too_large"]
+__all__ = ["LimitStatus", "Refusal", "Reservation", "TenantLimiter", "TokenBucket", "Usage", "format_duration",
+           "too_large"]
 
 
 class TokenBucket:
@@ -75,6 +76,16 @@ class Refusal:
     statuses: tuple[LimitStatus, ...]
     too_large: bool = False
     """The request alone needs more than the limit allows in a minute: retrying cannot help."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a tenant has used: device-seconds in all and in the current credit period, and
+    requests in flight."""
+
+    device_s: float
+    period_device_s: float
+    in_flight: int
 
 
 @dataclass(slots=True)
@@ -157,6 +168,13 @@ class TenantLimiter:
     def used_device_s(self, tenant: str) -> float:
         state = self._states.get(tenant)
         return state.used_total_device_s if state else 0.0
+
+    def usage(self, tenant: Tenant) -> Usage:
+        state = self._states.get(tenant.name)
+        if state is None:
+            return Usage(0.0, 0.0, 0)
+        self._roll_period(state, self._clock.now())
+        return Usage(state.used_total_device_s, state.used_device_s, state.num_in_flight)
 
     def _check(self, state: _TenantState, tokens: float, now: float) -> Refusal | None:
         tenant = state.tenant

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import inspect
 import itertools
+import math
 import os
 import socket
 from collections.abc import Awaitable
@@ -37,7 +38,7 @@ from redis.exceptions import RedisError
 
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import Clock, WallClock
-from sluice.gateway.limits import LimitStatus, Refusal, Reservation, too_large
+from sluice.gateway.limits import LimitStatus, Refusal, Reservation, Usage, too_large
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["SharedLimiter"]
@@ -237,6 +238,15 @@ class SharedLimiter:
     async def used_device_s(self, tenant: str) -> float:
         value = await self._guarded(self._client.hget(self._keys(tenant)[0], "tu"))
         return float(value) if value is not None else 0.0
+
+    async def usage(self, tenant: Tenant) -> Usage:
+        now = self._clock.now()
+        key, inflight = self._keys(tenant.name)
+        total, period_used, period_index = await self._guarded(self._client.hmget(key, ["tu", "pu", "pi"]))
+        in_flight = await self._guarded(self._client.zcount(inflight, f"({now}", "+inf"))  # leases not ended
+        is_current = (tenant.credits_device_s > 0 and period_index is not None
+                      and int(float(period_index)) == math.floor(now / tenant.credit_period_s))
+        return Usage(float(total or 0.0), float(period_used or 0.0) if is_current else 0.0, int(in_flight))
 
     async def _guarded(self, call: Awaitable[T]) -> T:
         """Await a Redis call through the circuit breaker."""

@@ -39,7 +39,13 @@ class TenantUsage:
     weight: float
     priority: str
     device_s: float
+    """Device-seconds used since this gateway (or, with shared limits, the Redis) started counting."""
     models: list[str] | None
+    limits: dict[str, float]
+    """The tenant's limits from the file (0: none)."""
+    period_device_s: float
+    """Device-seconds charged in the current credit period."""
+    in_flight: int
 
 
 class Tenancy:
@@ -134,14 +140,18 @@ class Tenancy:
     async def usage(self) -> list[TenantUsage]:
         usage = []
         for t in self.directory.tenants.values():
-            device_s = self.limiter.used_device_s(t.name)
+            used = self.limiter.usage(t)
             if self._shared is not None and not self.is_open:
                 try:
-                    device_s = await self._shared.used_device_s(t.name)
+                    used = await self._shared.usage(t)
                 except RedisError as exc:
                     self._shared_failed(exc)
-            usage.append(TenantUsage(t.name, t.weight, t.priority.label, device_s,
-                                     None if t.models is None else sorted(t.models)))
+            limits = {"requests_per_min": t.requests_per_min, "tokens_per_min": t.tokens_per_min,
+                      "max_concurrent": t.max_concurrent, "credits_device_s": t.credits_device_s,
+                      "credit_period_s": t.credit_period_s}
+            usage.append(TenantUsage(t.name, t.weight, t.priority.label, used.device_s,
+                                     None if t.models is None else sorted(t.models), limits,
+                                     used.period_device_s, used.in_flight))
         return usage
 
     async def aclose(self) -> None:
