@@ -9,6 +9,10 @@
               tenant "b"  tag 3.05  ─┼▶ its earliest-deadline item heads the batch, and each item
               tenant "c"  idle      ─┘  taken adds (its device-seconds / the tenant's weight) to the tag
 
+The bookkeeping does not care what a unit of work is: the batcher (`backlog.py`) charges
+device-seconds, the upstream slot queue (`slots.py`) seconds a call held its slot, and the
+generative engine's scheduler (`sluice.engines.generative.scheduler`) tokens computed.
+
 Tenant tags are in virtual seconds: device-seconds divided by weight. Each item is charged its
 predicted device time when it joins a batch, and that charge is replaced by the measured time (the
 batch's execution time split by cost) when the batch completes, so shares follow measured device
@@ -26,7 +30,8 @@ device time it gets (leading a batch or riding in one). Credit below `-(its last
 forgotten (no banking from idle periods either), and a backlogged class whose credit is positive
 heads the next batch. So a backlogged class never waits more than `B_c / min_share_c + B`
 device-seconds for service, B_c its last service and B the longest batch, and over a long
-backlog gets at least `min_share_c` of the device.
+backlog gets at least `min_share_c` of the device. (A caller that records service in pieces
+smaller than a unit of it keeps debt down to `max_debt_s` instead: B_c is then at most that.)
 
 Pure bookkeeping: no clock, no I/O.
 """
@@ -103,14 +108,19 @@ class FairShare:
     # -- queued work ---------------------------------------------------------------------------
 
     def enqueue(self, priority: Priority, tenant: str, work_s: float) -> None:
-        cls = self._classes[priority]
-        state = cls.tenants.get(tenant)
-        if state is None:
-            state = cls.tenants[tenant] = _Tenant(cls.vtime)
+        state = self._state(priority, tenant)
         if state.num_queued == 0:
-            state.tag = max(state.tag, cls.vtime)  # bounded banking
+            self.activate(priority, tenant)
         state.num_queued += 1
         state.queued_s += work_s
+
+    def activate(self, priority: Priority, tenant: str) -> None:
+        """`tenant` has work waiting in the class again after none: its tag starts no lower than
+        the class's virtual time (bounded banking). `enqueue` does it; a caller that keeps its own
+        queue (the generative engine's scheduler) calls it when a tenant's queue stops being empty."""
+        cls = self._classes[priority]
+        state = self._state(priority, tenant)
+        state.tag = max(state.tag, cls.vtime)
 
     def dequeue(self, priority: Priority, tenant: str, work_s: float) -> None:
         state = self._classes[priority].tenants[tenant]
@@ -169,16 +179,31 @@ class FairShare:
             for name, state in sorted(cls.tenants.items())
         )
 
+    def _state(self, priority: Priority, tenant: str) -> _Tenant:
+        cls = self._classes[priority]
+        state = cls.tenants.get(tenant)
+        if state is None:
+            state = cls.tenants[tenant] = _Tenant(cls.vtime)
+        return state
+
 
 class ClassShares:
     """Strict priority between classes, with a minimum share of device time for lower classes."""
 
-    def __init__(self, min_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES) -> None:
+    def __init__(self, min_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES, *,
+                 max_debt_s: float = 0.0) -> None:
+        """`max_debt_s`: credit down to `-max(max_debt_s, last service)` is kept. 0 (a batch is
+        one unit of service) suits the batcher; a caller whose service comes in small pieces (the
+        generative engine, one step's tokens at a time, for sequences that run many steps) gives
+        a bound of about one unit, or a class's debt would be forgiven piece by piece."""
         for priority, share in min_shares.items():
             if not (0.0 <= share < 1.0):
                 raise ValueError(f"the minimum share of class {Priority(priority).label} must be in [0, 1)")
+        if not max_debt_s >= 0.0:
+            raise ValueError("max_debt_s must not be negative")
         self._min_shares = {Priority(p): float(s) for p, s in min_shares.items() if s > 0}
         self._credit_s = dict.fromkeys(self._min_shares, 0.0)
+        self._max_debt_s = max_debt_s
 
     def order(self, backlogged: Iterable[Priority]) -> list[Priority]:
         """Classes to try, in order: an owed lower class first, then by priority."""
@@ -195,7 +220,7 @@ class ClassShares:
                 self._credit_s[priority] = 0.0  # idle: no credit either way
                 continue
             credit = self._credit_s[priority] + share * exec_s - served
-            self._credit_s[priority] = max(credit, -served) if served else credit
+            self._credit_s[priority] = max(credit, -max(served, self._max_debt_s)) if served else credit
 
     def credit_s(self, priority: Priority) -> float:
         return self._credit_s.get(priority, 0.0)

@@ -58,6 +58,10 @@ class GenerationLoop:
         self._engine.abort(request_ids)
         self._wake.set()
 
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """The tenants' fair-share weights for the engine's scheduler; ValueError for a bad one."""
+        self._engine.set_tenant_weights(weights)
+
     def stop(self) -> None:
         self._is_stopping = True
         self._wake.set()
@@ -165,6 +169,9 @@ class Generations:
                                             output.num_cached_tokens, output.num_output_tokens)
             result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                  device_s=generation.device_s)
+        elif output.finish_reason == "refused":  # the engine's early refusal: the queue ahead is too long
+            result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
+                                 message="worker overloaded: queued generations would miss the deadline")
         elif output.finish_reason == "error":
             message = "the model failed while generating; try again"
             result = wire.Result(request_id, wire.Outcome.FAILED, num_tokens=num_tokens, device_s=generation.device_s,

@@ -174,6 +174,10 @@ class WorkerServer:
             try:
                 with self._lock:
                     self._scheduler.set_tenant_weights(message.weights)
+                for generation_loop in self._generation_loops.values():
+                    generation_loop.set_tenant_weights(message.weights)
+                for upstream in self._upstream_loops.values():
+                    upstream.set_tenant_weights(message.weights)
             except ValueError as exc:
                 log.warning("ignoring tenant weights from a gateway: %s", exc)
 

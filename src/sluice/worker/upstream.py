@@ -1,7 +1,7 @@
 """An `openai-upstream` model inside the worker: bounded calls to the upstream, on the worker's
 own event loop (one task per call in flight, no thread).
 
-    Submit ─▶ SlotQueue.offer ─▶ waiting (by class, FIFO) ─▶ a slot frees ─▶ task: runner.generate
+    Submit ─▶ SlotQueue.offer ─▶ waiting (class, tenant: fair) ─▶ a slot frees ─▶ task: runner.generate
                                                                                │
     ◀── TokenChunk per text delta (streamed) or Started (unary) ◀──────────────┤
     ◀── Result: OK with usage | FAILED (upstream's 4xx, or transient: 503) | EXPIRED
@@ -89,7 +89,7 @@ class UpstreamLoop:
             return
         now = self._clock.now()
         call_id = next(self._ids)
-        if not self._slots.offer(call_id, _priority(message.priority), now + message.timeout_s):
+        if not self._slots.offer(call_id, _priority(message.priority), now + message.timeout_s, message.tenant):
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED,
                                               retry_after_s=self._call_s,
                                               message="upstream queue full: too many calls waiting for a slot"))
@@ -97,6 +97,10 @@ class UpstreamLoop:
         self._calls[call_id] = _Call(identity, message.request_id, payload, now + message.timeout_s, now)
         self._by_gateway_id[(identity, message.request_id)] = call_id
         self._pump()
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """The tenants' fair-share weights for the slot queue; ValueError for a bad one."""
+        self._slots.set_tenant_weights(weights)
 
     def cancel(self, identity: bytes, request_id: int) -> bool:
         """Withdraw a call (the client went away); True if it was this loop's."""
@@ -126,7 +130,7 @@ class UpstreamLoop:
     def _pump(self) -> None:
         if self._is_closing:
             return
-        decision = self._slots.start_next(self._clock.now())
+        decision = self._slots.start_next(self._clock.now(), self._call_s)
         for call_id in decision.expired:
             self._answer_expired(call_id)
         for call_id in decision.started:
@@ -147,7 +151,7 @@ class UpstreamLoop:
             log.exception("upstream call failed unexpectedly")
             self._finish(call_id, call, CallFailure("internal error while calling the upstream"))
         finally:
-            self._slots.release(call_id)
+            self._slots.release(call_id, self._clock.now())
             if self._calls.pop(call_id, None) is not None:
                 self._by_gateway_id.pop((call.identity, call.request_id), None)
             self._pump()

@@ -121,3 +121,19 @@ def test_a_failed_step_ends_every_sequence_with_an_error_and_the_engine_goes_on(
     monkeypatch.undo()
     prompt = prompts(17, 1, 9, 9)[0]
     assert len(_one(engine, prompt, greedy(5), rid="running")) == 5  # ids are free again
+
+
+def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once(llama_dir):
+    clock = VirtualClock(100.0)
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=64, max_num_seqs=1), clock=clock)
+    engine.add_request("running", prompts(17, 1, 10, 10)[0], greedy(100))
+    engine.step()
+    engine.add_request("ahead", prompts(18, 1, 10, 10)[0], greedy(4), deadline=clock.now() + 100)
+    for _ in range(12):  # 1.2 s in which the one sequence slot stays taken: nothing is admitted
+        engine.step()
+        clock.advance(0.1)
+    engine.add_request("behind", prompts(19, 1, 10, 10)[0], greedy(4), deadline=clock.now() + 200)
+    engine.add_request("urgent", prompts(20, 1, 10, 10)[0], greedy(4), deadline=clock.now() + 10)
+    finished = [(o.request_id, o.finish_reason) for o in engine.step() if o.is_finished]
+    assert finished == [("behind", "refused")]  # "urgent" goes first: nothing holds it back
+    assert engine.stats().num_waiting == 2

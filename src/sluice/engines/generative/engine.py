@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +136,11 @@ class LLMEngine:
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:
             self._inbox.extend(request_ids)
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenants' fair-share weights for the scheduler (see `scheduler.py`); ValueError if one is
+        not a positive number."""
+        self._scheduler.set_tenant_weights(weights)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> int:
         if not prompt:

@@ -3,12 +3,38 @@
 One step:
 
     1. expire   drop waiting and running sequences whose deadline passed (blocks freed now)
-    2. running  decodes first (1 token each), then partial prefills (a chunk each), within the
-                token budget; when blocks run out, preempt the lowest-class, latest-arrived running
-                sequence (free its blocks; it recomputes later) until the allocation fits
-    3. waiting  in (class, deadline, arrival) order, while the budget, the sequence cap and the
-                free blocks allow; prefix-cache hits skip their tokens; stops at the first that
-                does not fit so that order is kept
+    2. running  decodes first (1 token each), then partial prefills (a chunk each, the tenant with
+                the smallest tag first), within the token budget; when blocks run out, preempt the
+                lowest-class, latest-arrived running sequence (free its blocks; it recomputes
+                later) until the allocation fits
+    3. waiting  admit in fair order (below) while the budget, the sequence cap and the free blocks
+                allow; prefix-cache hits skip their tokens; stops at the first that does not fit,
+                so that a sequence whose turn it is is not overtaken
+    4. charge   every token computed to its sequence's tenant and class
+
+The fair order is the one-shot batcher's (`sluice.scheduler.fair`), with tokens computed for
+device-seconds. Class: strict priority (interactive, standard, batch), except that a waiting lower
+class owed its minimum share of the tokens computed (`ClassShares`: standard 10%, batch 5%) goes
+first, one sequence per step, so no class starves under a flood of a higher one. Tenant: within the
+class, start-time fair queueing: each token a step computes for a sequence (prompt tokens at
+prefill, recomputation after a preemption, each decoded token) advances its tenant's tag by 1 /
+its weight, and the tenant with the smallest tag goes next; a tenant with nothing waiting in the
+class comes back no lower than the class's virtual time (`FairShare.activate`), so idling banks
+no credit. Sequence: that tenant's earliest deadline, then earliest arrival. The tenant is
+`Sequence.tenant`; weights come from `set_tenant_weights`.
+
+Early refusal (`add`): a new sequence is refused (finished at once with `FinishReason.REFUSED`,
+which the worker answers 503 with Retry-After) when it would wait behind its tenant's sequences
+and then not finish by its deadline. Its wait: its tenant's sequences that go before it (same
+class, deadline no later), less the free sequence slots, admitted one by one at the measured
+admission rate (those whose deadline passes first expire instead, taking no time). Then it needs
+its prefill chunks and `max_tokens - 1` more steps at the measured step time. Only sequences
+certain to go first count, and one tenant is given the whole engine's admission rate, so the wait
+is never overestimated; `max_tokens` is an upper bound on the decode (a sequence may stop sooner),
+which is why nothing is refused that is not held back by a queue: a lone sequence that may be too
+long still runs. Nothing is refused until 1 s of backlog has been measured (`EngineRates`). A
+tenant that floods the engine is so refused on its own backlog while other tenants' requests are
+still taken, and what is taken is admitted in time to finish.
 
 The result is a `SchedulerOutput`; after the model ran, `update` records what was computed.
 """
@@ -16,12 +42,18 @@ The result is a `SchedulerOutput`; after the model ran, `update` records what wa
 from __future__ import annotations
 
 import bisect
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sluice.engines.generative.block_manager import BlockManager
 from sluice.engines.generative.sequence import FinishReason, Sequence, SequenceStatus
+from sluice.priority import Priority
+from sluice.scheduler.fair import DEFAULT_MIN_CLASS_SHARES, ClassShares, FairShare
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["EngineRates", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
+Flow = tuple[Priority, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +78,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     finished: tuple[Sequence, ...]
-    """Sequences that ended inside the scheduler this step (deadline, abort)."""
+    """Sequences that ended inside the scheduler this step (deadline, abort, refusal)."""
     num_preempted: int
 
     @property
@@ -54,21 +86,79 @@ class SchedulerOutput:
         return sum(len(c.token_ids) for c in self.chunks)
 
 
+class EngineRates:
+    """How fast the engine goes, measured from the steps' times: sequences admitted per second
+    while sequences were left waiting (how fast the waiting queue drains), and seconds per step
+    while sequences ran (one decoded token each). Both decay over ~`tau_s`; the admission rate is
+    None until `min_observed_s` of backlog has been seen, the step time until a step has."""
+
+    def __init__(self, tau_s: float = 10.0, min_observed_s: float = 1.0) -> None:
+        self._tau_s = tau_s
+        self._min_observed_s = min_observed_s
+        self._num_admitted = 0.0
+        self._backlog_s = 0.0
+        self._step_s: float | None = None
+        self._last_s: float | None = None
+        self._was_backlogged = False
+
+    def observe(self, now_s: float, was_running: bool, num_admitted: int, is_backlogged: bool) -> None:
+        """A step at `now_s`, after one that left sequences running (`was_running`: the engine
+        stepped on at once, so the time between is a step's), admitted `num_admitted` sequences and
+        left some waiting (`is_backlogged`) or not. The time since the last step counts towards the
+        admission rate if that one left sequences waiting (the engine stepped on then too)."""
+        if self._last_s is not None:
+            interval_s = max(now_s - self._last_s, 0.0)
+            if self._was_backlogged:
+                decay = math.exp(-interval_s / self._tau_s)
+                self._num_admitted = self._num_admitted * decay + num_admitted
+                self._backlog_s = self._backlog_s * decay + interval_s
+            if was_running:
+                step_s = self._step_s
+                self._step_s = interval_s if step_s is None else step_s + 0.1 * (interval_s - step_s)
+        self._last_s = now_s
+        self._was_backlogged = is_backlogged
+
+    @property
+    def admitted_per_s(self) -> float | None:
+        if self._backlog_s < self._min_observed_s:
+            return None
+        return self._num_admitted / self._backlog_s
+
+    @property
+    def step_s(self) -> float | None:
+        return self._step_s
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
+                 min_class_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES) -> None:
         self.config = config
         self.blocks = block_manager
-        self.waiting: list[Sequence] = []   # kept sorted by queue_key
+        self.waiting: list[Sequence] = []   # kept sorted by queue_key: class, deadline, arrival
         self.running: list[Sequence] = []
-        self._finished: list[Sequence] = []  # finished between steps (abort), reported next step
+        self._finished: list[Sequence] = []  # finished between steps (abort, refusal), reported next step
         self.num_preemptions_total = 0
+        self._fair = FairShare()
+        # debt kept up to a step's worth of tokens: about one sequence's prefill, whose service
+        # is recorded step by step (see ClassShares)
+        self._class_shares = ClassShares(min_class_shares, max_debt_s=config.max_num_batched_tokens)
+        self.rates = EngineRates()
+
+    def set_tenant_weights(self, weights: Mapping[str, float], *, default_weight: float = 1.0) -> None:
+        """Tenants' fair-share weights; tenants not named get `default_weight`. May be called from
+        another thread: the weights are replaced in one assignment, read at the next choice."""
+        self._fair.set_weights(weights, default_weight=default_weight)
 
     # ---- queue changes -----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        keys = [s.queue_key() for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.queue_key()), seq)
+        """Queue a new sequence, or refuse it at once (see the module's docstring)."""
+        if self._is_hopeless(seq):
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.REFUSED
+            self._finished.append(seq)
+            return
+        self._enqueue(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):
@@ -98,15 +188,65 @@ class Scheduler:
         """Forget sequences finished between steps (their owner has been told otherwise)."""
         self._finished.clear()
 
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        if not any(s.priority == seq.priority and s.tenant == seq.tenant for s in self.waiting):
+            self._fair.activate(seq.priority, seq.tenant)
+        keys = [s.queue_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.queue_key()), seq)
+
+    def _is_hopeless(self, seq: Sequence) -> bool:
+        """It would wait behind its tenant's sequences and then not finish by its deadline."""
+        rate, step_s = self.rates.admitted_per_s, self.rates.step_s
+        if seq.deadline_s is None or rate is None or step_s is None:
+            return False
+        admitted_at = self._admitted_at(seq, rate)
+        if admitted_at is None:
+            return False
+        num_prefill_steps = -(-seq.num_prompt_tokens // self.config.long_prefill_token_threshold)
+        return admitted_at + (num_prefill_steps + seq.params.max_tokens - 1) * step_s > seq.deadline_s
+
+    def _admitted_at(self, seq: Sequence, rate: float) -> float | None:
+        """When a new sequence would be admitted behind its tenant's sequences that go first
+        (same class, deadline no later): the free slots take the first of them at once, the rest
+        go one by one at `rate`, except those whose deadline passes first (they expire, taking no
+        time). None if nothing holds it back."""
+        key = seq.queue_key()
+        ahead = [s for s in self.waiting
+                 if s.priority == seq.priority and s.tenant == seq.tenant and s.queue_key() <= key]
+        at_s = seq.arrival_s
+        is_held_back = False
+        for other in ahead[max(self.config.max_num_seqs - len(self.running), 0):]:
+            if other.deadline_s is not None and other.deadline_s <= at_s:
+                continue
+            if rate <= 0:
+                return math.inf
+            at_s += 1.0 / rate
+            is_held_back = True
+        return at_s if is_held_back else None
+
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> SchedulerOutput:
+        was_running = bool(self.running)
         finished, self._finished = self._finished, []
         finished += self._expire(now_s)
-        budget = self.config.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
+        budget, num_preempted = self._schedule_running(chunks)
+        self._charge(chunks.values())
+        num_running, num_chunks = len(self.running), len(chunks)
+        if num_preempted == 0:
+            budget = self._admit_waiting(budget, chunks)
+        self._charge(list(chunks.values())[num_chunks:])
+        self.rates.observe(now_s, was_running, len(self.running) - num_running, bool(self.waiting))
+        self._record_classes(chunks.values())
+        return SchedulerOutput(tuple(chunks.values()), tuple(finished), num_preempted)
+
+    def _schedule_running(self, chunks: dict[str, ScheduledChunk]) -> tuple[int, int]:
+        """Chunks for running sequences (phase 2); returns the budget left and the preemptions."""
+        budget = self.config.max_num_batched_tokens
         num_preempted = 0
-        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.victim_key())):
+        for seq in sorted(self.running, key=self._running_key):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             num_new = self._chunk_size(seq, budget)
@@ -121,13 +261,19 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks[seq.request_id] = self._chunk(seq, num_new)
                 budget -= num_new
-        if num_preempted == 0:
-            budget = self._admit_waiting(budget, chunks)
-        return SchedulerOutput(tuple(chunks.values()), tuple(finished), num_preempted)
+        return budget, num_preempted
+
+    def _running_key(self, seq: Sequence) -> tuple[bool, int, float, float]:
+        """Decodes first, by class and arrival; then prefills by class, tenant tag and arrival."""
+        tag = self._fair.tag(seq.priority, seq.tenant) if seq.is_prefilling else 0.0
+        return seq.is_prefilling, int(seq.priority), tag, seq.arrival_s
 
     def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+        pending: dict[Flow, int] = {}  # tokens admitted this step, not yet charged
+        may_jump = True
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq, jumped = self._next_waiting(pending, may_jump)
+            may_jump = may_jump and not jumped
             cached = self.blocks.cached_prefix(seq.all_token_ids, seq.salt)
             num_cached = len(cached) * self.blocks.block_size
             seq.num_computed_tokens = num_cached
@@ -138,12 +284,49 @@ class Scheduler:
             self.blocks.record_query(seq.num_tokens, num_cached)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
+            self._fair.start(seq.priority, seq.tenant)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks[seq.request_id] = self._chunk(seq, num_new)
             budget -= num_new
+            flow = (seq.priority, seq.tenant)
+            pending[flow] = pending.get(flow, 0) + num_new
         return budget
+
+    def _next_waiting(self, pending: Mapping[Flow, int], may_jump: bool) -> tuple[Sequence, bool]:
+        """The waiting sequence whose turn it is, and whether its class jumped ahead of a higher
+        one on its owed share: the class (`ClassShares.order`, or strict priority once a step has
+        let a class jump), its tenant with the smallest tag counting `pending`, that tenant's
+        earliest deadline."""
+        heads: dict[Flow, Sequence] = {}
+        for seq in self.waiting:  # in queue_key order: a flow's first is its earliest deadline
+            heads.setdefault((seq.priority, seq.tenant), seq)
+        classes = sorted({priority for priority, _ in heads})
+        priority = self._class_shares.order(classes)[0] if may_jump else classes[0]
+
+        def turn(flow: Flow) -> tuple[float, tuple[int, float, float]]:
+            tag = self._fair.tag(*flow) + pending.get(flow, 0) / self._fair.weight(flow[1])
+            return tag, heads[flow].queue_key()
+
+        flow = min((f for f in heads if f[0] == priority), key=turn)
+        return heads[flow], priority != classes[0]
+
+    def _charge(self, chunks: Iterable[ScheduledChunk]) -> None:
+        """Advance each chunk's tenant's tag by its tokens (what fair queueing shares)."""
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in chunks:
+            seq = by_id[chunk.request_id]
+            self._fair.charge(seq.priority, seq.tenant, len(chunk.token_ids))
+
+    def _record_classes(self, chunks: Iterable[ScheduledChunk]) -> None:
+        """Tell `ClassShares` how the step's tokens went to classes (their minimum shares)."""
+        by_id = {s.request_id: s for s in self.running}
+        served: dict[Priority, float] = {}
+        for chunk in chunks:
+            priority = by_id[chunk.request_id].priority
+            served[priority] = served.get(priority, 0.0) + len(chunk.token_ids)
+        self._class_shares.record(sum(served.values()), served, {s.priority for s in self.waiting})
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -165,7 +348,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.add(seq)
+        self._enqueue(seq)
         seq.status = SequenceStatus.PREEMPTED
 
     def _expire(self, now_s: float) -> list[Sequence]:

@@ -40,6 +40,9 @@ class FinishReason(enum.StrEnum):
     """Cancelled by the client (`LLMEngine.abort`)."""
     DEADLINE = "deadline"
     """The request's deadline passed before it finished (the integrator answers 504)."""
+    REFUSED = "refused"
+    """Not queued: the sequences ahead of it would keep it waiting past its deadline (see the
+    scheduler's early refusal; the integrator answers 503 with Retry-After)."""
     ERROR = "error"
     """A step failed inside the engine (`LLMEngine.fail_all`): the device, not the request (503)."""
 
@@ -122,6 +125,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def tenant(self) -> str:
+        """Whose sequence it is: the salt is the tenant's name (the worker passes it), which keeps
+        tenants' prefix caches apart and is the flow the scheduler shares the device between."""
+        return self.salt
 
     @property
     def is_prefilling(self) -> bool:
