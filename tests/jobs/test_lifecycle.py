@@ -158,9 +158,9 @@ async def test_expiry_keeps_finished_items_and_writes_off_the_rest(tmp_path: Pat
     assert (done.num_total, done.num_completed, done.num_failed) == (6, 1, 1)
     assert [r["custom_id"] for r in await _lines(store, done.output_file_id)] == ["c0"]
     errors = await _lines(store, done.error_file_id)
-    assert [(r["custom_id"], (r["error"] or {}).get("code")) for r in errors] == [
-        ("c1", "x"), ("c2", "batch_expired"), ("c3", "batch_expired"), ("c4", "batch_expired"),
-        ("c5", "batch_expired")]
+    assert [(r["custom_id"], r["response"] and r["response"]["status_code"], (r["error"] or {}).get("code"))
+            for r in errors] == [("c1", 400, None), ("c2", None, "batch_expired"), ("c3", None, "batch_expired"),
+                                 ("c4", None, "batch_expired"), ("c5", None, "batch_expired")]
     assert app.calls["ok"] == 1  # the queued items never ran
     assert _items_total("expired") - expired_before == 4 and _jobs_total("expired") - jobs_before == 1
     await store.aclose()

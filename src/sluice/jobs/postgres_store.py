@@ -8,7 +8,7 @@ item claimable again. `release_leases` is a no-op here: other hosts may hold liv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -176,18 +176,22 @@ class PostgresJobStore:
 
     # -- items -----------------------------------------------------------------------------------
 
-    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+    async def claim(self, limit: int, lease_s: float, now: float,
+                    room: Mapping[str, int] | None = None) -> Claim | None:
         token, until = rows.new_token(), now + lease_s
         claimed: list[Item] = []
+        left = dict(room or {})
         async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute("SELECT id FROM batches WHERE status = %s AND expires_at > %s ORDER BY seq",
+            cur = await conn.execute("SELECT id, owner FROM batches WHERE status = %s AND expires_at > %s ORDER BY seq",
                                      (BatchStatus.IN_PROGRESS.value, now))
-            for (batch_id,) in await cur.fetchall():
+            for batch_id, owner in await cur.fetchall():
                 for cond in _CLAIM_CONDITIONS:
-                    if len(claimed) < limit:
-                        found = await (await conn.execute(_CLAIM.format(cond=cond),
-                                                          (batch_id, now, limit - len(claimed)))).fetchall()
+                    want = min(limit - len(claimed), left.get(owner, limit))
+                    if want > 0:
+                        found = await (await conn.execute(_CLAIM.format(cond=cond), (batch_id, now, want))).fetchall()
                         claimed += [Item(batch_id, r[0], r[1], r[2], bytes(r[3]), r[4]) for r in found]
+                        if owner in left:
+                            left[owner] -= len(found)
             if not claimed:
                 return None
             await conn.cursor().executemany(

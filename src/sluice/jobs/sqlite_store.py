@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -219,18 +219,22 @@ class SqliteJobStore:
 
     # -- items -----------------------------------------------------------------------------------
 
-    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+    async def claim(self, limit: int, lease_s: float, now: float,
+                    room: Mapping[str, int] | None = None) -> Claim | None:
         def claim(db: sqlite3.Connection) -> Claim | None:
             token, until = rows.new_token(), now + lease_s
             claimed: list[Item] = []
-            batch_ids = [r[0] for r in db.execute(
-                "SELECT id FROM batches WHERE status = ? AND expires_at > ? ORDER BY seq",
-                (BatchStatus.IN_PROGRESS.value, now))]
-            for batch_id in batch_ids:
+            batches = db.execute("SELECT id, owner FROM batches WHERE status = ? AND expires_at > ? ORDER BY seq",
+                                 (BatchStatus.IN_PROGRESS.value, now)).fetchall()
+            left = dict(room or {})
+            for batch_id, owner in batches:
                 for query in (_CLAIMABLE_EXPIRED, _CLAIMABLE_QUEUED):
-                    if len(claimed) < limit:
-                        found = db.execute(query, (batch_id, now, limit - len(claimed))).fetchall()
+                    want = min(limit - len(claimed), left.get(owner, limit))
+                    if want > 0:
+                        found = db.execute(query, (batch_id, now, want)).fetchall()
                         claimed += [Item(batch_id, r[0], r[1], r[2], bytes(r[3]), r[4]) for r in found]
+                        if owner in left:
+                            left[owner] -= len(found)
             if not claimed:
                 return None
             db.executemany("UPDATE items SET state = 'leased', lease_token = ?, lease_until = ? "

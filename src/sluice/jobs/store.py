@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -234,8 +234,10 @@ class JobStore(Protocol):
 
     async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None: ...
 
-    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
-        """Lease up to `limit` claimable items of in-progress, unexpired batches, oldest batch first."""
+    async def claim(self, limit: int, lease_s: float, now: float,
+                    room: Mapping[str, int] | None = None) -> Claim | None:
+        """Lease up to `limit` claimable items of in-progress, unexpired batches, oldest batch first;
+        at most `room[owner]` of the batches of an owner in `room` (the executor paces that tenant)."""
         ...
 
     async def extend_lease(self, token: str, until: float) -> None: ...
