@@ -238,3 +238,71 @@ async def test_cancel_stops_running_items_and_keeps_finished_ones(tmp_path: Path
         ("c1", "batch_cancelled"), ("c2", "batch_cancelled"), ("c3", "batch_cancelled"), ("c4", "batch_cancelled")]
     assert _items_total("cancelled") - cancelled_before == 4 and app.calls["ok"] == 1
     await store.aclose()
+
+
+class CountingStore(SqliteJobStore):
+    """Counts `result_lines` calls, so a test can tell a results stream is waiting."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.num_result_reads = 0
+
+    async def result_lines(self, batch_id: str, after_idx: int, limit: int):  # type: ignore[override]
+        self.num_result_reads += 1
+        return await super().result_lines(batch_id, after_idx, limit)
+
+
+async def _stream_results(store: CountingStore, texts: list[str], finish) -> tuple[list[str], list[dict]]:
+    """Start a batch whose "hang" items never end on their own, read its results in input order while
+    they hang, then `finish(app, executor, batch_id)` it; the custom_ids streamed and the lines."""
+    batch_id = await _create(store, texts)
+    app = HangingApp()
+    executor = JobExecutor(store, FAST)
+    api = Starlette(routes=batches.routes(store, executor.notify, 1 << 20))
+    await executor.start(app)
+
+    async def others_done() -> bool:
+        batch = await store.get_batch(None, batch_id)
+        return batch is not None and batch.num_completed == texts.count("ok")
+
+    await _until(others_done)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(api), base_url="http://t") as client:
+        reading = asyncio.create_task(client.get(f"/v1/batches/{batch_id}/results?order=input"))
+        reads_before = store.num_result_reads
+
+        async def polled_again() -> bool:
+            return store.num_result_reads >= reads_before + 3
+
+        await _until(polled_again)
+        assert not reading.done()  # it waits for the item that runs, rather than skip it
+        await finish(app, executor, batch_id)
+        answer = await asyncio.wait_for(reading, 10)
+    await executor.aclose()
+    assert answer.status_code == 200
+    rows = [json.loads(x) for x in answer.text.splitlines()]
+    return [r["custom_id"] for r in rows], rows
+
+
+async def test_results_in_input_order_wait_for_running_items(tmp_path: Path):
+    store = CountingStore(tmp_path / "data")
+
+    async def release(app: HangingApp, executor: JobExecutor, batch_id: str) -> None:
+        app.release.set()
+
+    ids, rows = await _stream_results(store, ["ok", "hang", "ok", "ok"], release)
+    assert ids == ["c0", "c1", "c2", "c3"]  # not c0, c2, c3: a reader counting lines gets each in its place
+    assert all(r["response"]["status_code"] == 200 for r in rows)
+    await store.aclose()
+
+
+async def test_results_in_input_order_include_items_cancelled_while_reading(tmp_path: Path):
+    store = CountingStore(tmp_path / "data")
+
+    async def cancel(app: HangingApp, executor: JobExecutor, batch_id: str) -> None:
+        assert await store.cancel_batch("", batch_id, 5) is not None
+        executor.notify()
+
+    ids, rows = await _stream_results(store, ["ok", "hang", "ok"], cancel)
+    assert ids == ["c0", "c1", "c2"]
+    assert rows[1]["response"] is None and rows[1]["error"]["code"] == "batch_cancelled"
+    await store.aclose()

@@ -191,3 +191,15 @@ async def test_items_stored_in_chunks_after_the_start_run_while_the_rest_arrive(
     assert await store.num_items(batch.id) == 10
     later = await store.claim(20, lease_s=30, now=NOW)
     assert later is not None and [i.idx for i in later.items] == list(range(3, 10))
+
+
+async def test_result_lines_stop_at_the_first_item_without_a_line(store: JobStore):
+    batch_id = await _started(store, 5)
+    claim = await store.claim(10, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, 0), _done(batch_id, 1, is_error=True), _done(batch_id, 3)])
+    assert [r.idx for r in await store.result_lines(batch_id, -1, 100)] == [0, 1]  # 2 still runs: no hole
+    assert await store.result_lines(batch_id, 1, 100) == []
+    await store.record(claim.token, [_done(batch_id, 2)])
+    assert [r.idx for r in await store.result_lines(batch_id, 1, 100)] == [2, 3]
+    assert [r.idx for r in await store.result_lines(batch_id, -1, 2)] == [0, 1]  # pages of `limit`

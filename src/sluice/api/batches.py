@@ -3,7 +3,8 @@
     POST /v1/files (multipart: file, purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content
     DELETE /v1/files/{id}
     POST /v1/batches   GET /v1/batches?after=&limit=   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
-    GET /v1/batches/{id}/results?order=input   (sluice: every recorded line, in input order, streamed)
+    GET /v1/batches/{id}/results?order=input   (sluice: every item's line in input order, streamed; on a
+                                               running batch it waits for each next line until the end)
 
 Every object belongs to the tenant that created it (`request_tenant`); other tenants get 404.
 `Idempotency-Key` on file upload and batch creation returns the original object on a repeat.
@@ -12,6 +13,7 @@ Everything is committed to the store before the answer goes out.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +36,8 @@ _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
 _IDEMPOTENCY_HEADER = "idempotency-key"
 _RESULT_PAGE = 1000
+_RESULT_POLL_MIN_S = 0.05
+_RESULT_POLL_MAX_S = 1.0
 
 
 class CreateBatch(msgspec.Struct):
@@ -141,13 +145,28 @@ async def _batch(store: JobStore, request: Request) -> BatchJob:
 
 
 async def _result_stream(store: JobStore, batch_id: str) -> AsyncIterator[bytes]:
+    """Every item's line in input order, with no hole: the lines already recorded up to the first
+    item still running, then each next one as it is recorded, until the batch is final (items
+    cancelled or expired come with their error line). While it waits, the store is asked with a
+    few indexed lookups, at first every `_RESULT_POLL_MIN_S`, slowing to `_RESULT_POLL_MAX_S`."""
     after = -1
+    poll_s = _RESULT_POLL_MIN_S
+    is_final = False
     while True:
         page = await store.result_lines(batch_id, after, _RESULT_PAGE)
-        if not page:
+        if page:
+            yield b"".join(r.line for r in page)
+            after = page[-1].idx
+            poll_s = _RESULT_POLL_MIN_S
+            if len(page) == _RESULT_PAGE:
+                continue
+        if is_final:  # read once more after seeing it final: every stored item has its line now
             return
-        yield b"".join(r.line for r in page)
-        after = page[-1].idx
+        batch = await store.get_batch(None, batch_id)
+        is_final = batch is None or not batch.is_active
+        if not is_final:
+            await asyncio.sleep(poll_s)
+            poll_s = min(poll_s * 2, _RESULT_POLL_MAX_S)
 
 
 def _check_batch(parsed: CreateBatch) -> int:

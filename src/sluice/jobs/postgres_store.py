@@ -32,6 +32,7 @@ from sluice.jobs.store import (
 _BATCH_BY_ID = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = %s"
 _CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = %s AND {cond} "
           "ORDER BY idx LIMIT %s FOR UPDATE SKIP LOCKED")
+_FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = %s AND state = %s AND idx > %s ORDER BY idx LIMIT 1"
 _CLAIM_CONDITIONS = ("state = 'leased' AND lease_until < %s", "state = 'queued' AND not_before <= %s")
 
 
@@ -293,9 +294,14 @@ class PostgresJobStore:
             return rows.batch_of(final)  # type: ignore[arg-type]
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
+        before = after_idx + limit + 1
         async with self._pool.connection() as conn:
+            for state in ("queued", "leased"):  # the first item without a line ends the page
+                row = await (await conn.execute(_FIRST_IN_STATE, (batch_id, state, after_idx))).fetchone()
+                if row is not None:
+                    before = min(before, row[0])
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
-                                     "AND state = 'done' ORDER BY idx LIMIT %s", (batch_id, after_idx, limit))
+                                     "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
 
 

@@ -41,6 +41,7 @@ _CLAIMABLE_QUEUED = ("SELECT idx, custom_id, url, body, attempts FROM items WHER
                      "AND not_before <= ? ORDER BY idx LIMIT ?")
 _BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id = ? AND status = ? "
                      "AND num_completed + num_failed >= num_total")
+_FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = ? AND state = ? AND idx > ? ORDER BY idx LIMIT 1"
 _CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
                       "AND lease_until < ? ORDER BY idx LIMIT ?")
 
@@ -280,8 +281,13 @@ class SqliteJobStore:
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
         def page(db: sqlite3.Connection) -> list[ResultLine]:
-            found = db.execute("SELECT idx, line, is_error FROM items WHERE batch_id = ? AND idx > ? "
-                               "AND state = 'done' ORDER BY idx LIMIT ?", (batch_id, after_idx, limit))
+            before = after_idx + limit + 1
+            for state in ("queued", "leased"):  # the first item without a line ends the page
+                row = db.execute(_FIRST_IN_STATE, (batch_id, state, after_idx)).fetchone()
+                if row is not None:
+                    before = min(before, row[0])
+            found = db.execute("SELECT idx, line, is_error FROM items WHERE batch_id = ? AND idx > ? AND idx < ? "
+                               "ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in found]
 
         return await self._call(page, self._db)

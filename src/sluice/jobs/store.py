@@ -267,7 +267,8 @@ class JobStore(Protocol):
         ...
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
-        """Recorded lines (output and error) of items after `after_idx`, in input order."""
+        """Recorded lines (output and error) of the items after `after_idx`, in input order, up to
+        the first item that has none yet: never a hole, so a reader may count lines as positions."""
         ...
 
     async def aclose(self) -> None: ...
