@@ -203,3 +203,48 @@ async def test_result_lines_stop_at_the_first_item_without_a_line(store: JobStor
     await store.record(claim.token, [_done(batch_id, 2)])
     assert [r.idx for r in await store.result_lines(batch_id, 1, 100)] == [2, 3]
     assert [r.idx for r in await store.result_lines(batch_id, -1, 2)] == [0, 1]  # pages of `limit`
+
+
+async def test_batches_created_at_once_are_each_listed_once(store: JobStore):
+    """Concurrent creations (PostgreSQL: on several pooled connections at once) each get their own
+    place in the list, so paging with `after` reaches every one of them exactly once."""
+    created = await asyncio.gather(*(store.create_batch(_new_batch()) for _ in range(40)))
+    listed: list[str] = []
+    after = None
+    while True:
+        page = await store.list_batches("acme", after, 3)
+        if not page:
+            break
+        listed += [b.id for b in page]
+        after = page[-1].id
+    assert sorted(listed) == sorted(b.id for b in created)
+
+
+async def test_a_postgres_table_from_before_the_identity_column_is_renumbered_in_order(postgres_dsn: str):
+    """Batches stored by an older sluice (`seq = MAX(seq) + 1`, two of them sharing a seq) keep their
+    order, and each gets its own place, when a new one connects; new batches come after them."""
+    import psycopg
+
+    from sluice.jobs import rows
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        for statement in rows.SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION", int="BIGINT").split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        for batch_id, seq in (("batch_a", 1), ("batch_b", 2), ("batch_c", 2), ("batch_d", 3)):
+            conn.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, "
+                         "created_at, expires_at, seq) VALUES (%s, 'acme', '/v1/embeddings', 'file-x', '24h', "
+                         "'completed', %s, %s, %s)", (batch_id, NOW, NOW + 1, seq))
+    store = await PostgresJobStore.connect(postgres_dsn)
+    try:
+        newest = await store.create_batch(_new_batch())
+        first = await store.list_batches("acme", None, 2)
+        rest = await store.list_batches("acme", first[-1].id, 10)
+        assert [b.id for b in first + rest] == [newest.id, "batch_d", "batch_c", "batch_b", "batch_a"]
+    finally:
+        await store.aclose()
+    again = await PostgresJobStore.connect(postgres_dsn)  # connecting again changes nothing
+    try:
+        assert [b.id for b in await again.list_batches("acme", None, 10)][:2] == [newest.id, "batch_d"]
+    finally:
+        await again.aclose()

@@ -63,6 +63,7 @@ CREATE TABLE IF NOT EXISTS batches (
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq);
+CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at);
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
 CREATE TABLE IF NOT EXISTS items (
     batch_id TEXT NOT NULL,
@@ -81,6 +82,11 @@ CREATE TABLE IF NOT EXISTS items (
 );
 CREATE INDEX IF NOT EXISTS items_by_state ON items (batch_id, state, idx);
 """
+
+UNIQUE_SEQ = "CREATE UNIQUE INDEX IF NOT EXISTS batches_by_seq ON batches (seq)"
+"""Each batch has its own `seq` (the list order). Created by each backend once its `seq` values are
+unique: SQLite takes `MAX(seq) + 1` inside its one writer's transaction; PostgreSQL numbers them with
+an identity column, after renumbering the rows of a table made before it had one."""
 
 FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at"
 BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status, metadata, created_at, "

@@ -66,6 +66,7 @@ class SqliteJobStore:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA busy_timeout=5000")
         db.executescript(rows.SCHEMA.format(blob="BLOB", real="REAL", int="INTEGER"))
+        db.execute(rows.UNIQUE_SEQ)  # one writer (BEGIN IMMEDIATE, one server): MAX(seq) + 1 never repeats
         self._db = db
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
