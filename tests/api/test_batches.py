@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -88,3 +89,41 @@ def test_invalid_completion_windows_are_400(client: TestClient, window: str):
     rejected = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
                                                 "completion_window": window})
     assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "completion_window"
+
+
+def _multipart(content: bytes, boundary: str = "sluice-test-boundary") -> tuple[bytes, bytes, dict[str, str]]:
+    """A multipart upload of `content` as (head, tail, headers): the file's bytes go between them."""
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    return head, tail, {"content-type": f"multipart/form-data; boundary={boundary}"}
+
+
+async def test_a_chunked_upload_over_the_cap_is_refused_before_it_is_all_read(tmp_path: Path):
+    """No Content-Length to check: the streamed bytes are counted, and the upload is refused with a
+    413 in OpenAI's shape once they pass the cap, not after reading (and holding) the whole file."""
+    store = SqliteJobStore(tmp_path / "data")
+    app = Starlette(routes=batches.routes(store, lambda: None, 1 << 20, max_file_bytes=1000),
+                    exception_handlers={SluiceError: _on_sluice_error})
+    head, tail, headers = _multipart(b"")
+    num_sent = 0
+
+    async def body():  # 1 MiB in 1 KiB chunks, sent chunked
+        nonlocal num_sent
+        yield head
+        for _ in range(1024):
+            num_sent += 1
+            yield LINE * 10
+        yield tail
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+        refused = await client.post("/v1/files", content=body(), headers=headers)
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"]["code"] == "payload_too_large"
+        assert num_sent < 200  # stopped near the cap (and the form's allowance), not at the end
+        small = await client.post("/v1/files", content=head + LINE + tail, headers=headers)
+        assert small.status_code == 200 and small.json()["bytes"] == len(LINE)
+        just_over = await client.post("/v1/files", content=head + LINE * 20 + tail, headers=headers)
+        assert just_over.status_code == 413  # a file over the cap within the form's allowance
+    await store.aclose()

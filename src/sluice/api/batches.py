@@ -24,6 +24,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Receive
 
 from sluice.api.common import parse_count, read_body, request_tenant
 from sluice.errors import InvalidInput, NotFound, PayloadTooLarge
@@ -35,6 +36,8 @@ MAX_WINDOW_S = 14 * 24 * 3600
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
 _IDEMPOTENCY_HEADER = "idempotency-key"
+_FORM_OVERHEAD_BYTES = 64 * 1024
+"""What a multipart upload may hold besides the file: boundaries, part headers, `purpose`."""
 _RESULT_PAGE = 1000
 _RESULT_POLL_MIN_S = 0.05
 _RESULT_POLL_MAX_S = 1.0
@@ -47,19 +50,28 @@ class CreateBatch(msgspec.Struct):
     metadata: dict[str, str] | None = None
 
 
-def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -> list[Route]:
+def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
+           max_file_bytes: int = MAX_FILE_BYTES) -> list[Route]:
     async def upload(request: Request) -> Response:
+        """The body is counted as it arrives (a chunked upload declares no length): past the cap
+        it is refused at once rather than read to its end."""
+        too_large = f"files are limited to {max_file_bytes} bytes"
         declared = parse_count(request.headers.get("content-length", ""))
-        if declared is not None and declared > MAX_FILE_BYTES:
-            raise PayloadTooLarge(f"files are limited to {MAX_FILE_BYTES} bytes")
-        form = await request.form(max_files=1, max_fields=8)
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise InvalidInput("'file' must be an uploaded file", param="file")
-        if purpose != "batch":
-            raise InvalidInput("'purpose' must be 'batch'", param="purpose")
-        content = await upload.read()
-        await form.close()
+        if declared is not None and declared > max_file_bytes + _FORM_OVERHEAD_BYTES:
+            raise PayloadTooLarge(too_large)
+        capped = Request(request.scope, _capped(request.receive, max_file_bytes + _FORM_OVERHEAD_BYTES, too_large))
+        form = await capped.form(max_files=1, max_fields=8)
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise InvalidInput("'file' must be an uploaded file", param="file")
+            if purpose != "batch":
+                raise InvalidInput("'purpose' must be 'batch'", param="purpose")
+            if upload.size is not None and upload.size > max_file_bytes:
+                raise PayloadTooLarge(too_large)
+            content = await upload.read()
+        finally:
+            await form.close()
         created = await store.create_file(request_tenant(request), upload.filename or "upload.jsonl", "batch",
                                           content, int(time.time()), _idempotency_key(request))
         return _json(_file_json(created))
@@ -128,6 +140,22 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -
         Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
         Route("/v1/batches/{batch_id}/results", results, methods=["GET"]),
     ]
+
+
+def _capped(receive: Receive, limit_bytes: int, message: str) -> Receive:
+    """`receive`, refusing the request once its body passes `limit_bytes`."""
+    num_bytes = 0
+
+    async def capped() -> Message:
+        nonlocal num_bytes
+        received = await receive()
+        if received["type"] == "http.request":
+            num_bytes += len(received.get("body", b""))
+            if num_bytes > limit_bytes:
+                raise PayloadTooLarge(message)
+        return received
+
+    return capped
 
 
 async def _file(store: JobStore, request: Request) -> FileObject:
