@@ -1,5 +1,6 @@
 """A tenant's batch job under its own limits, on a real server with a tenants file: the job is paced
-to the limits (a refusal waits for its Retry-After), not dead-lettered."""
+to the limits (a refusal waits for its Retry-After), not dead-lettered; a model the tenant may not
+use fails the file at validation."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.integration.test_batch_api import embedding_lines, jsonl, output_rows
 
 pytestmark = pytest.mark.slow
 
-KEYS = {name: new_key() for name in ("paced", "narrow")}
+KEYS = {name: new_key() for name in ("paced", "narrow", "fenced")}
 
 TENANTS = f"""
 [tenants.paced]
@@ -22,6 +23,10 @@ requests_per_min = 120
 [tenants.narrow]
 api_keys = ["{hash_key(KEYS['narrow'])}"]
 max_concurrent = 2
+
+[tenants.fenced]
+api_keys = ["{hash_key(KEYS['fenced'])}"]
+models = ["emulated"]
 """
 
 
@@ -63,3 +68,11 @@ def test_a_concurrency_limit_paces_the_job(server):
     assert done.status == "completed" and errors == []
     assert (done.request_counts.completed, done.request_counts.failed) == (100, 0) and len(ok) == 100
 
+
+
+def test_a_model_the_tenant_may_not_use_fails_the_file_at_validation(server):
+    done, ok, errors = _run(server, "fenced", 3, model="slowish")
+    assert done.status == "failed" and done.request_counts.total == 0 and ok == errors == []
+    assert [(e.line, e.code) for e in done.errors.data] == [(1, "model_not_found"), (2, "model_not_found"),
+                                                            (3, "model_not_found")]
+    assert "does not exist or you do not have access to it" in done.errors.data[0].message

@@ -16,6 +16,22 @@ FAST = ExecutorConfig(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02, p
                       flush_interval_s=0.005)
 
 
+MODELS = ["m"]
+"""What the stand-in apps serve (the executor asks, to check a new batch's models)."""
+
+
+async def answered_model_query(scope, send) -> bool:
+    """Answer the executor's GET /v1/models and /v2/health/ready as the serving app does."""
+    if scope["method"] != "GET":
+        return False
+    body = {"object": "list", "data": [{"id": name, "object": "model"} for name in MODELS]}
+    if scope["path"] == "/v2/health/ready":
+        body = {"ready": True}
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+    return True
+
+
 class ScriptedApp:
     """Answers by the item's `input`: "flaky" fails with 503 twice, "down" always 503, "bad" is 400."""
 
@@ -25,6 +41,8 @@ class ScriptedApp:
         self.tenants: set[str] = set()
 
     async def __call__(self, scope, receive, send) -> None:
+        if await answered_model_query(scope, send):
+            return
         text = json.loads((await receive())["body"])["input"]
         self.calls[text] += 1
         self.seen_headers.append(dict(scope["headers"]))
@@ -91,6 +109,8 @@ def test_backoff_grows_exponentially_within_its_cap():
 async def test_500_and_502_are_retried_as_transient(tmp_path: Path):
     class Flaky(ScriptedApp):
         async def __call__(self, scope, receive, send) -> None:
+            if await answered_model_query(scope, send):
+                return
             text = json.loads((await receive())["body"])["input"]
             self.calls[text] += 1
             status = {"e500": 500, "e502": 502}.get(text, 200) if self.calls[text] == 1 else 200
@@ -132,6 +152,8 @@ class LimitedApp:
         return None
 
     async def __call__(self, scope, receive, send) -> None:
+        if await answered_model_query(scope, send):
+            return
         await receive()
         refusal = self._refusal()
         if refusal is not None:

@@ -16,7 +16,7 @@ from sluice.api import batches
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
 from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import BatchJob, BatchStatus, ItemOutcome, NewBatch, NewItem
-from tests.jobs.test_executor import FAST, ScriptedApp, _line
+from tests.jobs.test_executor import FAST, ScriptedApp, _line, answered_model_query
 
 
 class HangingApp(ScriptedApp):
@@ -27,6 +27,8 @@ class HangingApp(ScriptedApp):
         self.release = asyncio.Event()
 
     async def __call__(self, scope, receive, send) -> None:
+        if await answered_model_query(scope, send):
+            return
         message = await receive()
         if json.loads(message["body"])["input"] == "hang":
             self.calls["hang"] += 1
@@ -305,4 +307,64 @@ async def test_results_in_input_order_include_items_cancelled_while_reading(tmp_
     ids, rows = await _stream_results(store, ["ok", "hang", "ok"], cancel)
     assert ids == ["c0", "c1", "c2"]
     assert rows[1]["response"] is None and rows[1]["error"]["code"] == "batch_cancelled"
+    await store.aclose()
+
+
+class LoadingApp(ScriptedApp):
+    """A server whose model "late" is still loading: not listed, and not ready, until `loaded`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded = False
+        self.num_model_queries = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["method"] == "GET":
+            self.num_model_queries += 1
+            names = ["m", "late"] if self.loaded else ["m"]
+            body = {"ready": self.loaded} if scope["path"] == "/v2/health/ready" else {
+                "object": "list", "data": [{"id": name} for name in names]}
+            status = 503 if scope["path"] == "/v2/health/ready" and not self.loaded else 200
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _late_lines(num: int) -> bytes:
+    return "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings",
+                                 "body": {"model": "late", "input": "ok"}}) for i in range(num)).encode()
+
+
+async def test_validation_waits_for_models_still_loading(tmp_path: Path):
+    store = SqliteJobStore(tmp_path / "data")
+    file = await store.create_file("", "in.jsonl", "batch", _late_lines(3), 0)
+    now = [1000.0]
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
+    app = LoadingApp()
+    executor = JobExecutor(store, FAST, clock=lambda: now[0])
+    await executor.start(app)
+
+    async def asked_again() -> bool:
+        return app.num_model_queries >= 6
+
+    await _until(asked_again)  # validated three times, each deferred
+    waiting = await store.get_batch(None, batch.id)
+    assert waiting is not None and waiting.status is BatchStatus.VALIDATING
+    app.loaded = True
+    done = await _final(store, batch.id)
+    await executor.aclose()
+    assert done.status is BatchStatus.COMPLETED and done.num_completed == 3
+    await store.aclose()
+
+
+async def test_validation_waits_for_loading_models_only_so_long(tmp_path: Path):
+    store = SqliteJobStore(tmp_path / "data")
+    file = await store.create_file("", "in.jsonl", "batch", _late_lines(2), 0)
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
+    executor = JobExecutor(store, FAST, clock=lambda: 1000.0 + FAST.model_wait_s)
+    await executor.start(LoadingApp())
+    done = await _final(store, batch.id)
+    await executor.aclose()
+    assert done.status is BatchStatus.FAILED and [e["code"] for e in done.errors or []] == ["model_not_found"] * 2
     await store.aclose()

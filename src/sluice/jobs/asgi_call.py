@@ -43,10 +43,15 @@ def retry_after_s(headers: dict[bytes, bytes]) -> float | None:
 
 async def post(app: AsgiApp, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
                scope_extras: dict[str, Any]) -> AppResponse:
+    return await call(app, "POST", url, body, headers, scope_extras)
+
+
+async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
+               scope_extras: dict[str, Any]) -> AppResponse:
     path, _, query = url.partition("?")
     scope: dict[str, Any] = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
         "query_string": query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
         "headers": [(b"content-length", str(len(body)).encode()), *headers], **scope_extras,
     }

@@ -33,12 +33,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.jobs import lines
-from sluice.jobs.asgi_call import AppResponse, AsgiApp, post
+from sluice.jobs.asgi_call import AppResponse, AsgiApp, call, post
 from sluice.jobs.lifecycle import BatchLifecycle
 from sluice.jobs.pacing import CONCURRENCY_CODE, Refusal, TenantPacer
 from sluice.jobs.store import BatchStatus, Claim, Item, ItemOutcome, JobStore
+from sluice.jobs.validate import ServedModels
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
@@ -66,12 +69,26 @@ class ExecutorConfig:
     """Items stored with the batch's start; they run while the rest are stored..."""
     load_chunk_size: int = 5000
     """...in transactions of this many items."""
+    model_wait_s: float = 300.0
+    """A new batch's models are checked at validation; while the server's models are not all up
+    (starting, a worker restarting), validation waits up to this long from the batch's creation."""
     pacing_forget_s: float = 60.0
     """A tenant whose items were refused by its limits is paced until none has been for this long."""
 
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.claim_size, self.max_attempts, self.launch_slice) < 1 or self.lease_s <= 0:
             raise ValueError("max_in_flight, claim_size, max_attempts and launch_slice must be >= 1, lease_s > 0")
+
+
+class _Model(msgspec.Struct):
+    id: str
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_Model]
+
+
+_decode_models = msgspec.json.Decoder(_ModelList).decode
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:
@@ -98,7 +115,8 @@ class JobExecutor:
         self._wake = asyncio.Event()
         self._is_housekeeping_due = False
         self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, self.abandon, clock,
-                                         self._config.first_load_size, self._config.load_chunk_size)
+                                         self._config.first_load_size, self._config.load_chunk_size,
+                                         self._served_models, self._config.model_wait_s)
         self._flush_now = asyncio.Event()
         self._leases: dict[str, _Lease] = {}
         self._owners: dict[str, str] = {}
@@ -240,6 +258,19 @@ class JobExecutor:
         self._metrics.item_done("dead_letter" if is_error and is_transient else "error" if is_error else "ok")
         line = lines.response_line(item.custom_id, status, answer.request_id, answer.body)
         return ItemOutcome(item.batch_id, item.idx, line, is_error, input_tokens, output_tokens, attempts=attempts)
+
+    async def _served_models(self, owner: str) -> ServedModels:
+        """What `owner` may use, asked of the app as that tenant (`GET /v1/models`), and whether every
+        model is up (`GET /v2/health/ready`)."""
+        assert self._app is not None
+        scope = {TENANT_SCOPE_KEY: owner}
+        listed = await call(self._app, "GET", "/v1/models", b"", [], scope)
+        ready = await call(self._app, "GET", "/v2/health/ready", b"", [], scope)
+        try:
+            names = frozenset(m.id for m in _decode_models(listed.body).data) if listed.status_code == 200 else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            names = None
+        return ServedModels(names or frozenset(), names is not None and ready.status_code == 200)
 
     def _finish(self, token: str, outcome: ItemOutcome) -> None:
         self._outcomes.setdefault(token, []).append(outcome)
