@@ -65,6 +65,12 @@ def test_sdk_files_and_batches_end_to_end(served):
         first["response"]["body"]["object"] == "list"
     ordered = httpx.get(f"{server.url}/v1/batches/{batch.id}/results?order=input", timeout=30)
     assert [json.loads(x)["custom_id"] for x in ordered.text.splitlines()] == [f"req-{i}" for i in range(300)]
+    with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):  # an output file is no input file
+        client.batches.create(input_file_id=done.output_file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert [f.id for f in client.files.list(purpose="batch_output")] == [done.output_file_id]
+    listed = [f.id for f in client.files.list(limit=1)]  # the SDK follows the pages
+    assert sorted(listed) == sorted([done.output_file_id, uploaded.id])
+    assert [f.id for f in client.files.list(order="asc", purpose="batch")] == [uploaded.id]
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)

@@ -248,3 +248,19 @@ async def test_a_postgres_table_from_before_the_identity_column_is_renumbered_in
         assert [b.id for b in await again.list_batches("acme", None, 10)][:2] == [newest.id, "batch_d"]
     finally:
         await again.aclose()
+
+
+async def test_files_list_by_owner_purpose_and_cursor(store: JobStore):
+    ids = [(await store.create_file("acme", f"f{i}", "batch", b"x", NOW + i)).id for i in range(4)]
+    output = await store.create_file("acme", "out", "batch_output", b"y", NOW + 9)
+    await store.create_file("zeta", "z", "batch", b"z", NOW)
+    assert [f.id for f in await store.list_files("acme", None, None, 10)] == [output.id, *ids[::-1]]
+    assert [f.id for f in await store.list_files("acme", "batch", ids[2], 10)] == [ids[1], ids[0]]
+    assert [f.id for f in await store.list_files("acme", "batch", ids[1], 10, ascending=True)] == ids[2:]
+    assert [f.id for f in await store.list_files("acme", "batch_output", None, 10)] == [output.id]
+
+
+async def test_find_batch_by_its_idempotency_key(store: JobStore):
+    batch = await store.create_batch(_new_batch(), idempotency_key="k")
+    assert await store.find_batch("acme", "k") == batch
+    assert await store.find_batch("zeta", "k") is None and await store.find_batch("acme", "other") is None

@@ -94,6 +94,13 @@ class PostgresJobStore:
             cur = await conn.execute("DELETE FROM files WHERE id = %s AND owner = %s", (file_id, owner))
             return cur.rowcount > 0
 
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool = False) -> list[FileObject]:
+        query, params = rows.files_page(owner, purpose, after, limit, ascending)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(query.replace("?", "%s"), params)
+            return [rows.file_of(r) for r in await cur.fetchall()]
+
     # -- batches ---------------------------------------------------------------------------------
 
     async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob:
@@ -118,6 +125,11 @@ class PostgresJobStore:
             row = await self._one(_BATCH_BY_ID, (batch_id,))
         else:
             row = await self._one(_BATCH_BY_ID + " AND owner = %s", (batch_id, owner))
+        return rows.batch_of(row) if row else None
+
+    async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
+        row = await self._one(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s AND idempotency_key = %s",
+                              (owner, idempotency_key))
         return rows.batch_of(row) if row else None
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:

@@ -96,6 +96,23 @@ BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status,
 ITEM_COLUMNS = "idx, custom_id, url, body, attempts"
 
 
+def files_page(owner: str, purpose: str | None, after: str | None, limit: int,
+               ascending: bool) -> tuple[str, list[Any]]:
+    """The query (with `?` placeholders) and its parameters for a page of an owner's files, ordered
+    by (created_at, id): ids break the ties of files created in the same second."""
+    query = f"SELECT {FILE_COLUMNS} FROM files WHERE owner = ?"
+    params: list[Any] = [owner]
+    if purpose is not None:
+        query += " AND purpose = ?"
+        params.append(purpose)
+    if after is not None:
+        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
+                  "(SELECT created_at, id FROM files WHERE id = ? AND owner = ?)")
+        params += [after, owner]
+    direction = "ASC" if ascending else "DESC"
+    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT ?", [*params, limit]
+
+
 def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 

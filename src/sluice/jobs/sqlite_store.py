@@ -136,6 +136,14 @@ class SqliteJobStore:
 
         return await self._txn(delete)
 
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool = False) -> list[FileObject]:
+        def page(db: sqlite3.Connection) -> list[FileObject]:
+            query, params = rows.files_page(owner, purpose, after, limit, ascending)
+            return [rows.file_of(r) for r in db.execute(query, params)]
+
+        return await self._call(page, self._db)
+
     # -- batches ---------------------------------------------------------------------------------
 
     async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob:
@@ -159,6 +167,14 @@ class SqliteJobStore:
 
     async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
         return await self._call(_get_batch, self._db, owner, batch_id)
+
+    async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
+        def find(db: sqlite3.Connection) -> BatchJob | None:
+            row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ? AND idempotency_key = ?",
+                             (owner, idempotency_key)).fetchone()
+            return rows.batch_of(row) if row else None
+
+        return await self._call(find, self._db)
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
         def page(db: sqlite3.Connection) -> list[BatchJob]:

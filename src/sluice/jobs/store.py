@@ -204,10 +204,20 @@ class JobStore(Protocol):
 
     async def delete_file(self, owner: str, file_id: str) -> bool: ...
 
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool = False) -> list[FileObject]:
+        """The owner's files (of `purpose`, if given), newest first (`ascending`: oldest first),
+        those after the file `after` in that order."""
+        ...
+
     async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob: ...
 
     async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
         """`owner=None` is the executor's view, across owners."""
+        ...
+
+    async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
+        """The batch the owner created with this `Idempotency-Key`, if any."""
         ...
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
