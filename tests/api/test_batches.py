@@ -215,3 +215,27 @@ def test_files_list_pages_filters_and_orders_a_tenants_files(client: TestClient)
     assert not set(ids) & {f["id"] for f in client.get("/v1/files", headers=zeta).json()["data"]}
     for bad in ("limit=0", "limit=10001", "order=up"):
         assert client.get(f"/v1/files?{bad}", headers=acme).status_code == 400
+
+
+async def test_an_output_file_in_many_parts_downloads_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from sluice.jobs import rows
+    from sluice.jobs.store import BatchStatus, ItemOutcome, NewBatch, NewItem
+
+    monkeypatch.setattr(rows, "FILE_PART_BYTES", 64)
+    store = SqliteJobStore(tmp_path / "data")
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", "file-x", "24h", None, 0, 2**40))
+    assert await store.start_batch(batch.id, [NewItem(i, f"c{i}", "/v1/embeddings", b"{}") for i in range(50)], 0)
+    claim = await store.claim(100, 30, 0)
+    assert claim is not None
+    lines = [b'{"custom_id":"c%d","response":{"status_code":200}}\n' % i for i in range(50)]
+    await store.record(claim.token, [ItemOutcome(batch.id, i, lines[i]) for i in range(50)])
+    final = await store.finalize(batch.id, BatchStatus.COMPLETED, None, 0)
+    assert final is not None
+    app = Starlette(routes=batches.routes(store, lambda: None, 1 << 20),
+                    exception_handlers={SluiceError: _on_sluice_error})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+        downloaded = await client.get(f"/v1/files/{final.output_file_id}/content")
+        assert downloaded.status_code == 200 and downloaded.content == b"".join(lines)
+        assert downloaded.headers["content-length"] == str(len(b"".join(lines)))
+        assert (await client.get("/v1/files/file-nope/content")).status_code == 404
+    await store.aclose()

@@ -264,3 +264,29 @@ async def test_find_batch_by_its_idempotency_key(store: JobStore):
     batch = await store.create_batch(_new_batch(), idempotency_key="k")
     assert await store.find_batch("acme", "k") == batch
     assert await store.find_batch("zeta", "k") is None and await store.find_batch("acme", "other") is None
+
+
+async def test_output_files_are_written_and_read_in_parts(store: JobStore, monkeypatch: pytest.MonkeyPatch):
+    """An output file is stored in parts of about FILE_PART_BYTES (whole lines), never as one value
+    (SQLite and PostgreSQL cap a value near 1 GB), and read back a part at a time."""
+    from sluice.jobs import rows
+
+    monkeypatch.setattr(rows, "FILE_PART_BYTES", 100)
+    batch_id = await _started(store, 40)
+    claim = await store.claim(100, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, i, is_error=i % 10 == 0) for i in range(40)])
+    final = await store.finalize(batch_id, BatchStatus.COMPLETED, None, NOW)
+    assert final is not None and final.output_file_id and final.error_file_id
+    expected = b"".join(f'{{"custom_id": "req-{i}"}}\n'.encode() for i in range(40) if i % 10)
+    assert await store.file_content("acme", final.output_file_id) == expected
+    parts, index = [], 0
+    while (part := await store.file_part("acme", final.output_file_id, index)) is not None:
+        parts.append(part)
+        index += 1
+    assert b"".join(parts) == expected and len(parts) > 5 and max(len(p) for p in parts) < 100 + 30
+    assert all(p.endswith(b"\n") for p in parts if p)  # whole lines
+    assert (await store.get_file("acme", final.output_file_id)).bytes == len(expected)  # type: ignore[union-attr]
+    assert await store.file_part("other", final.output_file_id, 1) is None  # scoped to its owner
+    assert await store.delete_file("acme", final.output_file_id)
+    assert await store.file_part("acme", final.output_file_id, 1) is None

@@ -104,10 +104,13 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         return _json(_file_json(await _file(store, request)))
 
     async def file_content(request: Request) -> Response:
-        content = await store.file_content(request_tenant(request), request.path_params["file_id"])
-        if content is None:
-            raise NotFound(f"no file {request.path_params['file_id']!r}")
-        return Response(content, media_type="application/jsonl")
+        """Streamed a part (a few MiB) at a time: an output file may be larger than memory should hold."""
+        found = await _file(store, request)
+        first = await store.file_part(found.owner, found.id, 0)
+        if first is None:
+            raise NotFound(f"no file {found.id!r}")
+        return StreamingResponse(_file_parts(store, found, first), media_type="application/jsonl",
+                                 headers={"content-length": str(found.bytes)})
 
     async def delete_file(request: Request) -> Response:
         file_id = request.path_params["file_id"]
@@ -205,6 +208,15 @@ async def _batch(store: JobStore, request: Request) -> BatchJob:
     if found is None:
         raise NotFound(f"no batch {request.path_params['batch_id']!r}")
     return found
+
+
+async def _file_parts(store: JobStore, found: FileObject, first: bytes) -> AsyncIterator[bytes]:
+    part, index = first, 0
+    while part is not None:
+        if part:
+            yield part
+        index += 1
+        part = await store.file_part(found.owner, found.id, index)
 
 
 async def _result_stream(store: JobStore, batch_id: str) -> AsyncIterator[bytes]:

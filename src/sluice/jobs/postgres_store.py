@@ -86,13 +86,30 @@ class PostgresJobStore:
         return rows.file_of(row) if row else None
 
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
-        row = await self._one("SELECT content FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+        async with self._pool.connection() as conn:
+            row = await (await conn.execute("SELECT content FROM files WHERE id = %s AND owner = %s",
+                                            (file_id, owner))).fetchone()
+            if row is None:
+                return None
+            parts = await (await conn.execute("SELECT data FROM file_parts WHERE file_id = %s ORDER BY part",
+                                              (file_id,))).fetchall()
+            return b"".join([bytes(row[0]), *(bytes(p[0]) for p in parts)])
+
+    async def file_part(self, owner: str, file_id: str, part: int) -> bytes | None:
+        if part == 0:
+            row = await self._one("SELECT content FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+        else:
+            row = await self._one("SELECT p.data FROM file_parts p JOIN files f ON f.id = p.file_id "
+                                  "WHERE p.file_id = %s AND f.owner = %s AND p.part = %s", (file_id, owner, part))
         return bytes(row[0]) if row else None
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        async with self._pool.connection() as conn:
+        async with self._pool.connection() as conn, conn.transaction():
             cur = await conn.execute("DELETE FROM files WHERE id = %s AND owner = %s", (file_id, owner))
-            return cur.rowcount > 0
+            if cur.rowcount == 0:
+                return False
+            await conn.execute("DELETE FROM file_parts WHERE file_id = %s", (file_id,))
+            return True
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
@@ -287,18 +304,7 @@ class PostgresJobStore:
                 await conn.cursor().executemany(
                     "UPDATE items SET state = 'done', is_error = 1, line = %s, lease_token = NULL "
                     "WHERE batch_id = %s AND idx = %s", [(leftover(c), batch_id, i) for i, c in left])
-            lines = await (await conn.execute("SELECT line, is_error FROM items WHERE batch_id = %s ORDER BY idx",
-                                              (batch_id,))).fetchall()
-            output, errors = rows.assemble(lines)
-            file_ids: list[str | None] = []
-            for content, suffix in ((output, "output"), (errors, "errors")):
-                file_id = rows.new_file_id() if content else None
-                if file_id is not None:
-                    await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
-                                       "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                                       (file_id, batch.owner, f"{batch_id}_{suffix}.jsonl", "batch_output",
-                                        len(content), now, content))
-                file_ids.append(file_id)
+            file_ids = await _write_files(conn, batch_id, batch.owner, now)
             await conn.execute(f"UPDATE batches SET status = %s, finalizing_at = COALESCE(finalizing_at, %s), "
                                f"{rows.FINAL_STAMP[status]} = %s, output_file_id = %s, error_file_id = %s "
                                "WHERE id = %s",
@@ -316,6 +322,33 @@ class PostgresJobStore:
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
                                      "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
+
+
+async def _write_files(conn: AsyncConnection[Any], batch_id: str, owner: str, now: int) -> list[str | None]:
+    """The output and error files from the items' lines in input order, written in parts as a
+    server-side cursor reads the lines (never the whole file in memory); their ids, None for a
+    file with no line. Runs inside `finalize`'s transaction."""
+    writers = (rows.PartWriter("output"), rows.PartWriter("errors"))
+
+    async def write(writer: rows.PartWriter, part: bytes | None) -> None:
+        if part is not None:
+            await conn.execute("INSERT INTO file_parts (file_id, part, data) VALUES (%s, %s, %s)",
+                               (writer.file_id, writer.num_parts, part))
+
+    async with conn.cursor(name=f"lines_{batch_id}") as lines:
+        lines.itersize = 1000
+        await lines.execute("SELECT line, is_error FROM items WHERE batch_id = %s ORDER BY idx", (batch_id,))
+        async for line, is_error in lines:
+            writer = writers[1 if is_error else 0]
+            await write(writer, writer.add(bytes(line)))
+    for writer in writers:
+        await write(writer, writer.take())
+        if writer.num_bytes:
+            await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
+                               "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                               (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl", "batch_output",
+                                writer.num_bytes, now, b""))
+    return [writer.file_id if writer.num_bytes else None for writer in writers]
 
 
 async def _number_batches(conn: AsyncConnection[Any]) -> None:

@@ -5,6 +5,7 @@ default) and `PostgresJobStore` (several hosts share one database). Everything t
 acknowledges is committed first.
 
     files    (id, owner, filename, purpose, bytes, content, created_at, idempotency_key)
+    file_parts (file_id, part) PRIMARY KEY, data     the rest of a file's content, in parts
     batches  (id, owner, endpoint, input_file_id, status, counters, timestamps, ...)
     items    (batch_id, idx) PRIMARY KEY, custom_id, url, body,
              state: queued ─claim─▶ leased ─record─▶ done
@@ -19,7 +20,8 @@ acknowledges is committed first.
 Invariants:
 - an item's result is written once: `record` updates only rows still `leased` under the caller's
   lease token, in the same statement, so a replayed or expired lease cannot write twice;
-- output and error files are assembled at finalization from the item rows, in input order;
+- output and error files are assembled at finalization from the item rows, in input order, in
+  parts of a few MiB (one value could not hold a file past ~1 GB);
 - times are wall-clock seconds (`time.time()`), because leases and expiries outlive processes.
 """
 
@@ -200,7 +202,14 @@ class JobStore(Protocol):
 
     async def get_file(self, owner: str, file_id: str) -> FileObject | None: ...
 
-    async def file_content(self, owner: str, file_id: str) -> bytes | None: ...
+    async def file_content(self, owner: str, file_id: str) -> bytes | None:
+        """The whole content (an input file, to validate it)."""
+        ...
+
+    async def file_part(self, owner: str, file_id: str, part: int) -> bytes | None:
+        """Part `part` of the content (0, 1, ...), None past the last: a large output file is read
+        one part at a time. A part may be empty."""
+        ...
 
     async def delete_file(self, owner: str, file_id: str) -> bool: ...
 
