@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -88,3 +89,153 @@ def test_invalid_completion_windows_are_400(client: TestClient, window: str):
     rejected = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
                                                 "completion_window": window})
     assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "completion_window"
+
+
+def _multipart(content: bytes, boundary: str = "sluice-test-boundary") -> tuple[bytes, bytes, dict[str, str]]:
+    """A multipart upload of `content` as (head, tail, headers): the file's bytes go between them."""
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    return head, tail, {"content-type": f"multipart/form-data; boundary={boundary}"}
+
+
+async def test_a_chunked_upload_over_the_cap_is_refused_before_it_is_all_read(tmp_path: Path):
+    """No Content-Length to check: the streamed bytes are counted, and the upload is refused with a
+    413 in OpenAI's shape once they pass the cap, not after reading (and holding) the whole file."""
+    store = SqliteJobStore(tmp_path / "data")
+    app = Starlette(routes=batches.routes(store, lambda: None, 1 << 20, max_file_bytes=1000),
+                    exception_handlers={SluiceError: _on_sluice_error})
+    head, tail, headers = _multipart(b"")
+    num_sent = 0
+
+    async def body():  # 1 MiB in 1 KiB chunks, sent chunked
+        nonlocal num_sent
+        yield head
+        for _ in range(1024):
+            num_sent += 1
+            yield LINE * 10
+        yield tail
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+        refused = await client.post("/v1/files", content=body(), headers=headers)
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"]["code"] == "payload_too_large"
+        assert num_sent < 200  # stopped near the cap (and the form's allowance), not at the end
+        small = await client.post("/v1/files", content=head + LINE + tail, headers=headers)
+        assert small.status_code == 200 and small.json()["bytes"] == len(LINE)
+        just_over = await client.post("/v1/files", content=head + LINE * 20 + tail, headers=headers)
+        assert just_over.status_code == 413  # a file over the cap within the form's allowance
+    await store.aclose()
+
+
+def _upload(client: TestClient, headers: dict[str, str] | None = None, content: bytes = LINE,
+            name: str = "a.jsonl") -> str:
+    uploaded = client.post("/v1/files", files={"file": (name, content)}, data={"purpose": "batch"},
+                           headers=headers or {})
+    assert uploaded.status_code == 200, uploaded.text
+    return str(uploaded.json()["id"])
+
+
+def _create(client: TestClient, file_id: str, headers: dict[str, str] | None = None, **extra: object):
+    return client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
+                                            "completion_window": "24h", **extra}, headers=headers or {})
+
+
+def test_an_idempotency_key_reused_for_another_request_is_a_409(client: TestClient):
+    file_id, other_file_id = _upload(client), _upload(client)
+    key = {"Idempotency-Key": "job-1"}
+    first = _create(client, file_id, key, metadata={"run": "1"})
+    assert first.status_code == 200
+    assert _create(client, file_id, key, metadata={"run": "1"}).json()["id"] == first.json()["id"]
+    for changed in ({"metadata": {"run": "2"}}, {"input_file_id": other_file_id}, {"completion_window": "1h"}):
+        reused = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
+                                                  "completion_window": "24h", "metadata": {"run": "1"}, **changed},
+                             headers=key)
+        assert reused.status_code == 409, changed
+        assert reused.json()["error"]["code"] == "idempotency_key_reused"
+        assert "already used for a different batch request" in reused.json()["error"]["message"]
+    assert len(client.get("/v1/batches").json()["data"]) == 1
+    upload_key = {"Idempotency-Key": "upload-1"}
+    uploaded = _upload(client, upload_key)
+    assert _upload(client, upload_key) == uploaded
+    other = client.post("/v1/files", files={"file": ("a.jsonl", LINE * 2)}, data={"purpose": "batch"},
+                        headers=upload_key)
+    assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_an_idempotent_repeat_is_answered_even_after_its_input_file_is_deleted(client: TestClient):
+    file_id = _upload(client)
+    key = {"Idempotency-Key": "job-2"}
+    first = _create(client, file_id, key)
+    assert client.delete(f"/v1/files/{file_id}").status_code == 200
+    repeat = _create(client, file_id, key)
+    assert repeat.status_code == 200 and repeat.json()["id"] == first.json()["id"]
+    assert _create(client, file_id).status_code == 404  # without the key: a new batch, and no such file
+
+
+def test_metadata_within_openais_limits(client: TestClient):
+    file_id = _upload(client)
+    assert _create(client, file_id, metadata={f"k{i}": "v" * 512 for i in range(16)}).status_code == 200
+    assert _create(client, file_id, metadata={"k" * 64: "v"}).status_code == 200
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        refused = _create(client, file_id, metadata=metadata)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
+
+
+def test_list_after_an_unknown_id_is_a_400_not_an_empty_page(client: TestClient):
+    acme, zeta = {"x-test-tenant": "acme"}, {"x-test-tenant": "zeta"}
+    batch_id = _create(client, _upload(client, acme), acme).json()["id"]
+    assert client.get(f"/v1/batches?after={batch_id}", headers=acme).json()["data"] == []
+    for headers, after in ((acme, "batch_nope"), (zeta, batch_id)):
+        refused = client.get(f"/v1/batches?after={after}", headers=headers)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "after"
+    assert client.get("/v1/files?after=file-nope", headers=acme).status_code == 400
+
+
+def test_files_list_pages_filters_and_orders_a_tenants_files(client: TestClient):
+    acme, zeta = {"x-test-tenant": "acme"}, {"x-test-tenant": "zeta"}
+    ids = [_upload(client, acme, name=f"f{i}.jsonl") for i in range(5)]
+    _upload(client, zeta)
+    listed = client.get("/v1/files?limit=2", headers=acme).json()
+    assert listed["object"] == "list" and listed["has_more"] and len(listed["data"]) == 2
+    seen, after = [], None
+    while True:
+        page = client.get("/v1/files", params={"limit": 2, **({"after": after} if after else {})}, headers=acme).json()
+        seen += [f["id"] for f in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert sorted(seen) == sorted(ids) and len(seen) == 5
+    ascending = [f["id"] for f in client.get("/v1/files?order=asc", headers=acme).json()["data"]]
+    assert ascending == seen[::-1]
+    assert client.get("/v1/files?purpose=batch_output", headers=acme).json()["data"] == []
+    assert len(client.get("/v1/files?purpose=batch", headers=acme).json()["data"]) == 5
+    assert [f["id"] for f in client.get("/v1/files", headers=zeta).json()["data"]] != []
+    assert not set(ids) & {f["id"] for f in client.get("/v1/files", headers=zeta).json()["data"]}
+    for bad in ("limit=0", "limit=10001", "order=up"):
+        assert client.get(f"/v1/files?{bad}", headers=acme).status_code == 400
+
+
+async def test_an_output_file_in_many_parts_downloads_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from sluice.jobs import rows
+    from sluice.jobs.store import BatchStatus, ItemOutcome, NewBatch, NewItem
+
+    monkeypatch.setattr(rows, "FILE_PART_BYTES", 64)
+    store = SqliteJobStore(tmp_path / "data")
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", "file-x", "24h", None, 0, 2**40))
+    assert await store.start_batch(batch.id, [NewItem(i, f"c{i}", "/v1/embeddings", b"{}") for i in range(50)], 0)
+    claim = await store.claim(100, 30, 0)
+    assert claim is not None
+    lines = [b'{"custom_id":"c%d","response":{"status_code":200}}\n' % i for i in range(50)]
+    await store.record(claim.token, [ItemOutcome(batch.id, i, lines[i]) for i in range(50)])
+    final = await store.finalize(batch.id, BatchStatus.COMPLETED, None, 0)
+    assert final is not None
+    app = Starlette(routes=batches.routes(store, lambda: None, 1 << 20),
+                    exception_handlers={SluiceError: _on_sluice_error})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+        downloaded = await client.get(f"/v1/files/{final.output_file_id}/content")
+        assert downloaded.status_code == 200 and downloaded.content == b"".join(lines)
+        assert downloaded.headers["content-length"] == str(len(b"".join(lines)))
+        assert (await client.get("/v1/files/file-nope/content")).status_code == 404
+    await store.aclose()

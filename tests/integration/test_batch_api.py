@@ -65,6 +65,12 @@ def test_sdk_files_and_batches_end_to_end(served):
         first["response"]["body"]["object"] == "list"
     ordered = httpx.get(f"{server.url}/v1/batches/{batch.id}/results?order=input", timeout=30)
     assert [json.loads(x)["custom_id"] for x in ordered.text.splitlines()] == [f"req-{i}" for i in range(300)]
+    with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):  # an output file is no input file
+        client.batches.create(input_file_id=done.output_file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert [f.id for f in client.files.list(purpose="batch_output")] == [done.output_file_id]
+    listed = [f.id for f in client.files.list(limit=1)]  # the SDK follows the pages
+    assert sorted(listed) == sorted([done.output_file_id, uploaded.id])
+    assert [f.id for f in client.files.list(order="asc", purpose="batch")] == [uploaded.id]
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
@@ -99,12 +105,33 @@ def test_bad_input_file_fails_validation_with_line_numbers(served):
         (4, "invalid_json"), (5, "duplicate_custom_id"), (6, "invalid_url")]
 
 
+def test_bodies_that_cannot_run_fail_the_file_before_any_item_runs(served):
+    """An empty body, a body without a model, a model the server does not serve, an empty custom_id:
+    the whole file is rejected at validation with each line's problem; no line runs."""
+    _, client = served
+    lines = jsonl([
+        *embedding_lines(2),
+        {"custom_id": "empty", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "no-model", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "unknown", "method": "POST", "url": "/v1/embeddings", "body": {"model": "nope", "input": "x"}},
+        {"custom_id": "", "method": "POST", "url": "/v1/embeddings", "body": {"model": "emulated", "input": "x"}},
+    ])
+    uploaded = client.files.create(file=("bad.jsonl", lines), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    failed = wait_until_final(client, batch.id)
+    assert failed.status == "failed" and failed.request_counts.total == 0 and failed.output_file_id is None
+    assert [(e.line, e.code, e.param) for e in failed.errors.data] == [
+        (3, "missing_model", "body.model"), (4, "missing_model", "body.model"),
+        (5, "model_not_found", "body.model"), (6, "invalid_custom_id", "custom_id")]
+
+
 def test_item_errors_go_to_the_error_file_and_kserve_items_run(served):
     _, client = served
     rows = [
         {"custom_id": "good", "method": "POST", "url": "/v2/models/emulated/infer",
          "body": {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}},
-        {"custom_id": "bad", "method": "POST", "url": "/v2/models/missing/infer", "body": {"inputs": []}},
+        {"custom_id": "bad", "method": "POST", "url": "/v2/models/emulated/infer",
+         "body": {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2]}]}},
     ]
     uploaded = client.files.create(file=("t.jsonl", jsonl(rows)), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v2/infer", completion_window="24h")
@@ -113,7 +140,8 @@ def test_item_errors_go_to_the_error_file_and_kserve_items_run(served):
     (good,) = output_rows(client, done.output_file_id)
     assert good["custom_id"] == "good" and good["response"]["body"]["outputs"][0]["data"] == [6.0]
     (bad,) = output_rows(client, done.error_file_id)
-    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 404 and bad["error"]["code"]
+    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400 and bad["error"] is None
+    assert "INPUT0" in bad["response"]["body"]["error"]  # KServe's reason (`{"error": "..."}`), kept
 
 
 def test_idempotency_key_returns_the_original_objects(served):

@@ -16,7 +16,7 @@ from sluice.api import batches
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
 from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import BatchJob, BatchStatus, ItemOutcome, NewBatch, NewItem
-from tests.jobs.test_executor import FAST, ScriptedApp, _line
+from tests.jobs.test_executor import FAST, ScriptedApp, _line, answered_model_query
 
 
 class HangingApp(ScriptedApp):
@@ -27,6 +27,8 @@ class HangingApp(ScriptedApp):
         self.release = asyncio.Event()
 
     async def __call__(self, scope, receive, send) -> None:
+        if await answered_model_query(scope, send):
+            return
         message = await receive()
         if json.loads(message["body"])["input"] == "hang":
             self.calls["hang"] += 1
@@ -158,9 +160,9 @@ async def test_expiry_keeps_finished_items_and_writes_off_the_rest(tmp_path: Pat
     assert (done.num_total, done.num_completed, done.num_failed) == (6, 1, 1)
     assert [r["custom_id"] for r in await _lines(store, done.output_file_id)] == ["c0"]
     errors = await _lines(store, done.error_file_id)
-    assert [(r["custom_id"], (r["error"] or {}).get("code")) for r in errors] == [
-        ("c1", "x"), ("c2", "batch_expired"), ("c3", "batch_expired"), ("c4", "batch_expired"),
-        ("c5", "batch_expired")]
+    assert [(r["custom_id"], r["response"] and r["response"]["status_code"], (r["error"] or {}).get("code"))
+            for r in errors] == [("c1", 400, None), ("c2", None, "batch_expired"), ("c3", None, "batch_expired"),
+                                 ("c4", None, "batch_expired"), ("c5", None, "batch_expired")]
     assert app.calls["ok"] == 1  # the queued items never ran
     assert _items_total("expired") - expired_before == 4 and _jobs_total("expired") - jobs_before == 1
     await store.aclose()
@@ -237,4 +239,132 @@ async def test_cancel_stops_running_items_and_keeps_finished_ones(tmp_path: Path
     assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
         ("c1", "batch_cancelled"), ("c2", "batch_cancelled"), ("c3", "batch_cancelled"), ("c4", "batch_cancelled")]
     assert _items_total("cancelled") - cancelled_before == 4 and app.calls["ok"] == 1
+    await store.aclose()
+
+
+class CountingStore(SqliteJobStore):
+    """Counts `result_lines` calls, so a test can tell a results stream is waiting."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.num_result_reads = 0
+
+    async def result_lines(self, batch_id: str, after_idx: int, limit: int):  # type: ignore[override]
+        self.num_result_reads += 1
+        return await super().result_lines(batch_id, after_idx, limit)
+
+
+async def _stream_results(store: CountingStore, texts: list[str], finish) -> tuple[list[str], list[dict]]:
+    """Start a batch whose "hang" items never end on their own, read its results in input order while
+    they hang, then `finish(app, executor, batch_id)` it; the custom_ids streamed and the lines."""
+    batch_id = await _create(store, texts)
+    app = HangingApp()
+    executor = JobExecutor(store, FAST)
+    api = Starlette(routes=batches.routes(store, executor.notify, 1 << 20))
+    await executor.start(app)
+
+    async def others_done() -> bool:
+        batch = await store.get_batch(None, batch_id)
+        return batch is not None and batch.num_completed == texts.count("ok")
+
+    await _until(others_done)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(api), base_url="http://t") as client:
+        reading = asyncio.create_task(client.get(f"/v1/batches/{batch_id}/results?order=input"))
+        reads_before = store.num_result_reads
+
+        async def polled_again() -> bool:
+            return store.num_result_reads >= reads_before + 3
+
+        await _until(polled_again)
+        assert not reading.done()  # it waits for the item that runs, rather than skip it
+        await finish(app, executor, batch_id)
+        answer = await asyncio.wait_for(reading, 10)
+    await executor.aclose()
+    assert answer.status_code == 200
+    rows = [json.loads(x) for x in answer.text.splitlines()]
+    return [r["custom_id"] for r in rows], rows
+
+
+async def test_results_in_input_order_wait_for_running_items(tmp_path: Path):
+    store = CountingStore(tmp_path / "data")
+
+    async def release(app: HangingApp, executor: JobExecutor, batch_id: str) -> None:
+        app.release.set()
+
+    ids, rows = await _stream_results(store, ["ok", "hang", "ok", "ok"], release)
+    assert ids == ["c0", "c1", "c2", "c3"]  # not c0, c2, c3: a reader counting lines gets each in its place
+    assert all(r["response"]["status_code"] == 200 for r in rows)
+    await store.aclose()
+
+
+async def test_results_in_input_order_include_items_cancelled_while_reading(tmp_path: Path):
+    store = CountingStore(tmp_path / "data")
+
+    async def cancel(app: HangingApp, executor: JobExecutor, batch_id: str) -> None:
+        assert await store.cancel_batch("", batch_id, 5) is not None
+        executor.notify()
+
+    ids, rows = await _stream_results(store, ["ok", "hang", "ok"], cancel)
+    assert ids == ["c0", "c1", "c2"]
+    assert rows[1]["response"] is None and rows[1]["error"]["code"] == "batch_cancelled"
+    await store.aclose()
+
+
+class LoadingApp(ScriptedApp):
+    """A server whose model "late" is still loading: not listed, and not ready, until `loaded`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded = False
+        self.num_model_queries = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["method"] == "GET":
+            self.num_model_queries += 1
+            names = ["m", "late"] if self.loaded else ["m"]
+            body = {"ready": self.loaded} if scope["path"] == "/v2/health/ready" else {
+                "object": "list", "data": [{"id": name} for name in names]}
+            status = 503 if scope["path"] == "/v2/health/ready" and not self.loaded else 200
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _late_lines(num: int) -> bytes:
+    return "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings",
+                                 "body": {"model": "late", "input": "ok"}}) for i in range(num)).encode()
+
+
+async def test_validation_waits_for_models_still_loading(tmp_path: Path):
+    store = SqliteJobStore(tmp_path / "data")
+    file = await store.create_file("", "in.jsonl", "batch", _late_lines(3), 0)
+    now = [1000.0]
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
+    app = LoadingApp()
+    executor = JobExecutor(store, FAST, clock=lambda: now[0])
+    await executor.start(app)
+
+    async def asked_again() -> bool:
+        return app.num_model_queries >= 6
+
+    await _until(asked_again)  # validated three times, each deferred
+    waiting = await store.get_batch(None, batch.id)
+    assert waiting is not None and waiting.status is BatchStatus.VALIDATING
+    app.loaded = True
+    done = await _final(store, batch.id)
+    await executor.aclose()
+    assert done.status is BatchStatus.COMPLETED and done.num_completed == 3
+    await store.aclose()
+
+
+async def test_validation_waits_for_loading_models_only_so_long(tmp_path: Path):
+    store = SqliteJobStore(tmp_path / "data")
+    file = await store.create_file("", "in.jsonl", "batch", _late_lines(2), 0)
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
+    executor = JobExecutor(store, FAST, clock=lambda: 1000.0 + FAST.model_wait_s)
+    await executor.start(LoadingApp())
+    done = await _final(store, batch.id)
+    await executor.aclose()
+    assert done.status is BatchStatus.FAILED and [e["code"] for e in done.errors or []] == ["model_not_found"] * 2
     await store.aclose()

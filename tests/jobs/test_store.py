@@ -191,3 +191,102 @@ async def test_items_stored_in_chunks_after_the_start_run_while_the_rest_arrive(
     assert await store.num_items(batch.id) == 10
     later = await store.claim(20, lease_s=30, now=NOW)
     assert later is not None and [i.idx for i in later.items] == list(range(3, 10))
+
+
+async def test_result_lines_stop_at_the_first_item_without_a_line(store: JobStore):
+    batch_id = await _started(store, 5)
+    claim = await store.claim(10, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, 0), _done(batch_id, 1, is_error=True), _done(batch_id, 3)])
+    assert [r.idx for r in await store.result_lines(batch_id, -1, 100)] == [0, 1]  # 2 still runs: no hole
+    assert await store.result_lines(batch_id, 1, 100) == []
+    await store.record(claim.token, [_done(batch_id, 2)])
+    assert [r.idx for r in await store.result_lines(batch_id, 1, 100)] == [2, 3]
+    assert [r.idx for r in await store.result_lines(batch_id, -1, 2)] == [0, 1]  # pages of `limit`
+
+
+async def test_batches_created_at_once_are_each_listed_once(store: JobStore):
+    """Concurrent creations (PostgreSQL: on several pooled connections at once) each get their own
+    place in the list, so paging with `after` reaches every one of them exactly once."""
+    created = await asyncio.gather(*(store.create_batch(_new_batch()) for _ in range(40)))
+    listed: list[str] = []
+    after = None
+    while True:
+        page = await store.list_batches("acme", after, 3)
+        if not page:
+            break
+        listed += [b.id for b in page]
+        after = page[-1].id
+    assert sorted(listed) == sorted(b.id for b in created)
+
+
+async def test_a_postgres_table_from_before_the_identity_column_is_renumbered_in_order(postgres_dsn: str):
+    """Batches stored by an older sluice (`seq = MAX(seq) + 1`, two of them sharing a seq) keep their
+    order, and each gets its own place, when a new one connects; new batches come after them."""
+    import psycopg
+
+    from sluice.jobs import rows
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        for statement in rows.SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION", int="BIGINT").split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        for batch_id, seq in (("batch_a", 1), ("batch_b", 2), ("batch_c", 2), ("batch_d", 3)):
+            conn.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, "
+                         "created_at, expires_at, seq) VALUES (%s, 'acme', '/v1/embeddings', 'file-x', '24h', "
+                         "'completed', %s, %s, %s)", (batch_id, NOW, NOW + 1, seq))
+    store = await PostgresJobStore.connect(postgres_dsn)
+    try:
+        newest = await store.create_batch(_new_batch())
+        first = await store.list_batches("acme", None, 2)
+        rest = await store.list_batches("acme", first[-1].id, 10)
+        assert [b.id for b in first + rest] == [newest.id, "batch_d", "batch_c", "batch_b", "batch_a"]
+    finally:
+        await store.aclose()
+    again = await PostgresJobStore.connect(postgres_dsn)  # connecting again changes nothing
+    try:
+        assert [b.id for b in await again.list_batches("acme", None, 10)][:2] == [newest.id, "batch_d"]
+    finally:
+        await again.aclose()
+
+
+async def test_files_list_by_owner_purpose_and_cursor(store: JobStore):
+    ids = [(await store.create_file("acme", f"f{i}", "batch", b"x", NOW + i)).id for i in range(4)]
+    output = await store.create_file("acme", "out", "batch_output", b"y", NOW + 9)
+    await store.create_file("zeta", "z", "batch", b"z", NOW)
+    assert [f.id for f in await store.list_files("acme", None, None, 10)] == [output.id, *ids[::-1]]
+    assert [f.id for f in await store.list_files("acme", "batch", ids[2], 10)] == [ids[1], ids[0]]
+    assert [f.id for f in await store.list_files("acme", "batch", ids[1], 10, ascending=True)] == ids[2:]
+    assert [f.id for f in await store.list_files("acme", "batch_output", None, 10)] == [output.id]
+
+
+async def test_find_batch_by_its_idempotency_key(store: JobStore):
+    batch = await store.create_batch(_new_batch(), idempotency_key="k")
+    assert await store.find_batch("acme", "k") == batch
+    assert await store.find_batch("zeta", "k") is None and await store.find_batch("acme", "other") is None
+
+
+async def test_output_files_are_written_and_read_in_parts(store: JobStore, monkeypatch: pytest.MonkeyPatch):
+    """An output file is stored in parts of about FILE_PART_BYTES (whole lines), never as one value
+    (SQLite and PostgreSQL cap a value near 1 GB), and read back a part at a time."""
+    from sluice.jobs import rows
+
+    monkeypatch.setattr(rows, "FILE_PART_BYTES", 100)
+    batch_id = await _started(store, 40)
+    claim = await store.claim(100, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch_id, i, is_error=i % 10 == 0) for i in range(40)])
+    final = await store.finalize(batch_id, BatchStatus.COMPLETED, None, NOW)
+    assert final is not None and final.output_file_id and final.error_file_id
+    expected = b"".join(f'{{"custom_id": "req-{i}"}}\n'.encode() for i in range(40) if i % 10)
+    assert await store.file_content("acme", final.output_file_id) == expected
+    parts, index = [], 0
+    while (part := await store.file_part("acme", final.output_file_id, index)) is not None:
+        parts.append(part)
+        index += 1
+    assert b"".join(parts) == expected and len(parts) > 5 and max(len(p) for p in parts) < 100 + 30
+    assert all(p.endswith(b"\n") for p in parts if p)  # whole lines
+    assert (await store.get_file("acme", final.output_file_id)).bytes == len(expected)  # type: ignore[union-attr]
+    assert await store.file_part("other", final.output_file_id, 1) is None  # scoped to its owner
+    assert await store.delete_file("acme", final.output_file_id)
+    assert await store.file_part("acme", final.output_file_id, 1) is None

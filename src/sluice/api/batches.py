@@ -1,17 +1,21 @@
 """OpenAI Files and Batch APIs, over the durable job store.
 
-    POST /v1/files (multipart: file, purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content
-    DELETE /v1/files/{id}
+    POST /v1/files (multipart: file, purpose=batch)   GET /v1/files?purpose=&limit=&after=&order=
+    GET /v1/files/{id}   GET /v1/files/{id}/content   DELETE /v1/files/{id}
     POST /v1/batches   GET /v1/batches?after=&limit=   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
-    GET /v1/batches/{id}/results?order=input   (sluice: every recorded line, in input order, streamed)
+    GET /v1/batches/{id}/results?order=input   (sluice: every item's line in input order, streamed; on a
+                                               running batch it waits for each next line until the end)
 
 Every object belongs to the tenant that created it (`request_tenant`); other tenants get 404.
-`Idempotency-Key` on file upload and batch creation returns the original object on a repeat.
-Everything is committed to the store before the answer goes out.
+`Idempotency-Key` on file upload and batch creation returns the original object on a repeat, and a
+409 when the key's first request was a different one. A list's `after` that names no object of the
+tenant is a 400 (rather than an empty page that looks like the end). Everything is committed to
+the store before the answer goes out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +26,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Receive
 
 from sluice.api.common import parse_count, read_body, request_tenant
 from sluice.errors import InvalidInput, NotFound, PayloadTooLarge
@@ -30,10 +35,17 @@ from sluice.jobs.validate import ENDPOINTS
 
 MAX_FILE_BYTES = 512 * 1024 * 1024
 MAX_WINDOW_S = 14 * 24 * 3600
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
 _IDEMPOTENCY_HEADER = "idempotency-key"
+_FORM_OVERHEAD_BYTES = 64 * 1024
+"""What a multipart upload may hold besides the file: boundaries, part headers, `purpose`."""
 _RESULT_PAGE = 1000
+_RESULT_POLL_MIN_S = 0.05
+_RESULT_POLL_MAX_S = 1.0
 
 
 class CreateBatch(msgspec.Struct):
@@ -43,31 +55,62 @@ class CreateBatch(msgspec.Struct):
     metadata: dict[str, str] | None = None
 
 
-def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -> list[Route]:
+def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
+           max_file_bytes: int = MAX_FILE_BYTES) -> list[Route]:
     async def upload(request: Request) -> Response:
+        """The body is counted as it arrives (a chunked upload declares no length): past the cap
+        it is refused at once rather than read to its end."""
+        too_large = f"files are limited to {max_file_bytes} bytes"
         declared = parse_count(request.headers.get("content-length", ""))
-        if declared is not None and declared > MAX_FILE_BYTES:
-            raise PayloadTooLarge(f"files are limited to {MAX_FILE_BYTES} bytes")
-        form = await request.form(max_files=1, max_fields=8)
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise InvalidInput("'file' must be an uploaded file", param="file")
-        if purpose != "batch":
-            raise InvalidInput("'purpose' must be 'batch'", param="purpose")
-        content = await upload.read()
-        await form.close()
-        created = await store.create_file(request_tenant(request), upload.filename or "upload.jsonl", "batch",
-                                          content, int(time.time()), _idempotency_key(request))
+        if declared is not None and declared > max_file_bytes + _FORM_OVERHEAD_BYTES:
+            raise PayloadTooLarge(too_large)
+        capped = Request(request.scope, _capped(request.receive, max_file_bytes + _FORM_OVERHEAD_BYTES, too_large))
+        form = await capped.form(max_files=1, max_fields=8)
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise InvalidInput("'file' must be an uploaded file", param="file")
+            if purpose != "batch":
+                raise InvalidInput("'purpose' must be 'batch'", param="purpose")
+            if upload.size is not None and upload.size > max_file_bytes:
+                raise PayloadTooLarge(too_large)
+            content = await upload.read()
+        finally:
+            await form.close()
+        owner, key, filename = request_tenant(request), _idempotency_key(request), upload.filename or "upload.jsonl"
+        created = await store.create_file(owner, filename, "batch", content, int(time.time()), key)
+        if key is not None and (created.filename != filename or created.bytes != len(content)
+                                or await store.file_content(owner, created.id) != content):
+            return _key_reused(key, "file")
         return _json(_file_json(created))
+
+    async def list_files(request: Request) -> Response:
+        """OpenAI's `GET /v1/files`: `purpose`, `limit` (1 to 10,000, default 10,000), `order`
+        (`desc`, the default, or `asc` by creation), `after` (a file id of this tenant)."""
+        owner, query = request_tenant(request), request.query_params
+        limit = parse_count(query.get("limit", "10000"))
+        if limit is None or not 1 <= limit <= 10_000:
+            raise InvalidInput("'limit' must be an integer in [1, 10000]", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidInput("'order' must be 'asc' or 'desc'", param="order")
+        after = query.get("after")
+        if after is not None and await store.get_file(owner, after) is None:
+            raise InvalidInput(f"'after' names no file of yours: {after[:100]!r}", param="after")
+        page = await store.list_files(owner, query.get("purpose"), after, limit + 1, ascending=order == "asc")
+        return _list([_file_json(f) for f in page[:limit]], len(page) > limit)
 
     async def get_file(request: Request) -> Response:
         return _json(_file_json(await _file(store, request)))
 
     async def file_content(request: Request) -> Response:
-        content = await store.file_content(request_tenant(request), request.path_params["file_id"])
-        if content is None:
-            raise NotFound(f"no file {request.path_params['file_id']!r}")
-        return Response(content, media_type="application/jsonl")
+        """Streamed a part (a few MiB) at a time: an output file may be larger than memory should hold."""
+        found = await _file(store, request)
+        first = await store.file_part(found.owner, found.id, 0)
+        if first is None:
+            raise NotFound(f"no file {found.id!r}")
+        return StreamingResponse(_file_parts(store, found, first), media_type="application/jsonl",
+                                 headers={"content-length": str(found.bytes)})
 
     async def delete_file(request: Request) -> Response:
         file_id = request.path_params["file_id"]
@@ -76,15 +119,24 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -
         return _json({"id": file_id, "object": "file", "deleted": True})
 
     async def create_batch(request: Request) -> Response:
+        """A repeat with the same `Idempotency-Key` is answered from the key (the original batch, even
+        if its input file is deleted since); the same key with another request is a 409."""
         parsed = _decode(await read_body(request, body_limit_bytes))
-        owner = request_tenant(request)
+        owner, key = request_tenant(request), _idempotency_key(request)
         window_s = _check_batch(parsed)
-        if await store.get_file(owner, parsed.input_file_id) is None:
+        if key is not None and (original := await store.find_batch(owner, key)) is not None:
+            return _json(batch_json(original)) if _is_same_batch(original, parsed) else _key_reused(key, "batch")
+        input_file = await store.get_file(owner, parsed.input_file_id)
+        if input_file is None:
             raise NotFound(f"no file {parsed.input_file_id!r}")
+        if input_file.purpose != "batch":
+            raise InvalidInput(f"file {input_file.id!r} has purpose {input_file.purpose!r}; a batch's input file "
+                               "must be uploaded with purpose 'batch'", param="input_file_id")
         now = int(time.time())
         batch = await store.create_batch(NewBatch(owner, parsed.endpoint, parsed.input_file_id,
-                                                  parsed.completion_window, parsed.metadata, now, now + window_s),
-                                         _idempotency_key(request))
+                                                  parsed.completion_window, parsed.metadata, now, now + window_s), key)
+        if key is not None and not _is_same_batch(batch, parsed):  # a concurrent request took the key first
+            return _key_reused(key, "batch")
         notify()
         return _json(batch_json(batch))
 
@@ -95,10 +147,11 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -
         limit = parse_count(request.query_params.get("limit", "20"))
         if limit is None or not 1 <= limit <= 100:
             raise InvalidInput("'limit' must be an integer in [1, 100]", param="limit")
-        page = await store.list_batches(request_tenant(request), request.query_params.get("after"), limit + 1)
-        data = [batch_json(b) for b in page[:limit]]
-        return _json({"object": "list", "data": data, "has_more": len(page) > limit,
-                      "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+        owner, after = request_tenant(request), request.query_params.get("after")
+        if after is not None and await store.get_batch(owner, after) is None:
+            raise InvalidInput(f"'after' names no batch of yours: {after[:100]!r}", param="after")
+        page = await store.list_batches(owner, after, limit + 1)
+        return _list([batch_json(b) for b in page[:limit]], len(page) > limit)
 
     async def cancel_batch(request: Request) -> Response:
         batch = await store.cancel_batch(request_tenant(request), request.path_params["batch_id"], int(time.time()))
@@ -115,6 +168,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -
 
     return [
         Route("/v1/files", upload, methods=["POST"]),
+        Route("/v1/files", list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", get_file, methods=["GET"]),
         Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
@@ -124,6 +178,22 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int) -
         Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
         Route("/v1/batches/{batch_id}/results", results, methods=["GET"]),
     ]
+
+
+def _capped(receive: Receive, limit_bytes: int, message: str) -> Receive:
+    """`receive`, refusing the request once its body passes `limit_bytes`."""
+    num_bytes = 0
+
+    async def capped() -> Message:
+        nonlocal num_bytes
+        received = await receive()
+        if received["type"] == "http.request":
+            num_bytes += len(received.get("body", b""))
+            if num_bytes > limit_bytes:
+                raise PayloadTooLarge(message)
+        return received
+
+    return capped
 
 
 async def _file(store: JobStore, request: Request) -> FileObject:
@@ -140,21 +210,52 @@ async def _batch(store: JobStore, request: Request) -> BatchJob:
     return found
 
 
+async def _file_parts(store: JobStore, found: FileObject, first: bytes) -> AsyncIterator[bytes]:
+    part, index = first, 0
+    while part is not None:
+        if part:
+            yield part
+        index += 1
+        part = await store.file_part(found.owner, found.id, index)
+
+
 async def _result_stream(store: JobStore, batch_id: str) -> AsyncIterator[bytes]:
+    """Every item's line in input order, with no hole: the lines already recorded up to the first
+    item still running, then each next one as it is recorded, until the batch is final (items
+    cancelled or expired come with their error line). While it waits, the store is asked with a
+    few indexed lookups, at first every `_RESULT_POLL_MIN_S`, slowing to `_RESULT_POLL_MAX_S`."""
     after = -1
+    poll_s = _RESULT_POLL_MIN_S
+    is_final = False
     while True:
         page = await store.result_lines(batch_id, after, _RESULT_PAGE)
-        if not page:
+        if page:
+            yield b"".join(r.line for r in page)
+            after = page[-1].idx
+            poll_s = _RESULT_POLL_MIN_S
+            if len(page) == _RESULT_PAGE:
+                continue
+        if is_final:  # read once more after seeing it final: every stored item has its line now
             return
-        yield b"".join(r.line for r in page)
-        after = page[-1].idx
+        batch = await store.get_batch(None, batch_id)
+        is_final = batch is None or not batch.is_active
+        if not is_final:
+            await asyncio.sleep(poll_s)
+            poll_s = min(poll_s * 2, _RESULT_POLL_MAX_S)
 
 
 def _check_batch(parsed: CreateBatch) -> int:
     """The completion window in seconds. OpenAI accepts "24h"; sluice also takes any whole number of
-    hours, minutes or seconds ("1h", "30m", "90s") up to 14 days."""
+    hours, minutes or seconds ("1h", "30m", "90s") up to 14 days. Metadata within OpenAI's limits."""
     if parsed.endpoint not in ENDPOINTS:
         raise InvalidInput(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    metadata = parsed.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidInput(f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+    for name, value in metadata.items():
+        if len(name) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidInput(f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and values at "
+                               f"most {MAX_METADATA_VALUE_CHARS} (key {name[:64]!r})", param="metadata")
     match = _WINDOW.match(parsed.completion_window)
     window_s = int(match.group(1)) * _UNIT_S[match.group(2)] if match else 0
     if not 1 <= window_s <= MAX_WINDOW_S:
@@ -168,6 +269,25 @@ def _idempotency_key(request: Request) -> str | None:
     if key is not None and not 1 <= len(key) <= 255:
         raise InvalidInput("Idempotency-Key must be 1 to 255 characters", param=_IDEMPOTENCY_HEADER)
     return key
+
+
+def _is_same_batch(batch: BatchJob, parsed: CreateBatch) -> bool:
+    return (batch.endpoint, batch.input_file_id, batch.completion_window, batch.metadata or None) == (
+        parsed.endpoint, parsed.input_file_id, parsed.completion_window, parsed.metadata or None)
+
+
+def _key_reused(key: str, kind: str) -> Response:
+    """409, in OpenAI's error shape: the key's first request was another one (the `errors` table
+    has no conflict; this is the only one)."""
+    return _json({"error": {"message": f"Idempotency-Key {key[:100]!r} was already used for a different {kind} "
+                                       "request; use a new key for a new request",
+                            "type": "invalid_request_error", "param": _IDEMPOTENCY_HEADER,
+                            "code": "idempotency_key_reused"}}, status=409)
+
+
+def _list(data: list[dict[str, Any]], has_more: bool) -> Response:
+    return _json({"object": "list", "data": data, "has_more": has_more,
+                  "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
 def _decode(body: bytes) -> CreateBatch:

@@ -7,6 +7,7 @@ No socket and no HTTP client: an ASGI scope is built for the item's POST and the
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,14 +22,36 @@ class AppResponse:
     status_code: int
     request_id: str
     body: bytes
+    retry_after_s: float | None = None
+    """When the answer says to come back (`retry-after-ms`, else `Retry-After` in seconds)."""
+
+
+def retry_after_s(headers: dict[bytes, bytes]) -> float | None:
+    """The delay a refusal asks for; an HTTP-date `Retry-After` (which sluice never sends) is ignored."""
+    for name, scale in ((b"retry-after-ms", 0.001), (b"retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value) and value >= 0:
+            return value * scale
+    return None
 
 
 async def post(app: AsgiApp, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
                scope_extras: dict[str, Any]) -> AppResponse:
+    return await call(app, "POST", url, body, headers, scope_extras)
+
+
+async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
+               scope_extras: dict[str, Any]) -> AppResponse:
     path, _, query = url.partition("?")
     scope: dict[str, Any] = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
         "query_string": query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
         "headers": [(b"content-length", str(len(body)).encode()), *headers], **scope_extras,
     }
@@ -42,18 +65,17 @@ async def post(app: AsgiApp, url: str, body: bytes, headers: list[tuple[bytes, b
         return {"type": "http.request", "body": body, "more_body": False}
 
     status_code = 500
-    request_id = ""
+    headers: dict[bytes, bytes] = {}
     chunks: list[bytes] = []
 
     async def send(message: Message) -> None:
-        nonlocal status_code, request_id
+        nonlocal status_code
         if message["type"] == "http.response.start":
             status_code = int(message["status"])
-            for key, value in message.get("headers", []):
-                if key == b"x-request-id":
-                    request_id = value.decode("latin-1")
+            headers.update((bytes(k).lower(), bytes(v)) for k, v in message.get("headers", []))
         elif message["type"] == "http.response.body":
             chunks.append(bytes(message.get("body", b"")))
 
     await app(scope, receive, send)
-    return AppResponse(status_code, request_id, b"".join(chunks))
+    return AppResponse(status_code, headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks),
+                       retry_after_s(headers) if status_code >= 400 else None)

@@ -6,9 +6,15 @@
 
 - Items go through the app in-process (`asgi_call.post`), so they get the online path's
   validation, batching, deadlines and metrics, at the `batch` priority class.
-- 429/503/504 are transient: the item returns to the queue after an exponential backoff with
-  full jitter, until `max_attempts`; then its last answer goes to the error file (dead letter).
-  Other non-2xx answers are final at once.
+- A tenant limit's 429 (one with `retry-after-ms` / `Retry-After`) is a wait, not a failure: the
+  item returns to the queue for that long with its attempts untouched, and `TenantPacer` slows the
+  tenant's launches down (see `pacing.py`). An exhausted credit budget (`x-should-retry: false`)
+  is the same wait, until the budget's period resets; if the batch's window ends first, its
+  waiting items are written off as `batch_expired`.
+- 500/502/503/504 (and a 429 without a Retry-After) are transient: the item returns to the queue
+  after an exponential backoff with full jitter (at least the answer's Retry-After), until
+  `max_attempts`; then its last answer goes to the error file (dead letter). Other non-2xx
+  answers are final at once.
 - Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
   enough that the worker's queue never runs dry (the device is what the job waits for), started
   `launch_slice` at a time so online requests interleave with a claim's burst.
@@ -27,16 +33,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.jobs import lines
-from sluice.jobs.asgi_call import AsgiApp, post
+from sluice.jobs.asgi_call import AppResponse, AsgiApp, call, post
 from sluice.jobs.lifecycle import BatchLifecycle
+from sluice.jobs.pacing import CONCURRENCY_CODE, Refusal, TenantPacer
 from sluice.jobs.store import BatchStatus, Claim, Item, ItemOutcome, JobStore
+from sluice.jobs.validate import ServedModels
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
 
-TRANSIENT_STATUSES = frozenset({429, 503, 504})
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+MIN_REFUSAL_WAIT_S = 0.05
+"""A limit's refusal waits at least this long, whatever its Retry-After says (no hot loop)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +69,26 @@ class ExecutorConfig:
     """Items stored with the batch's start; they run while the rest are stored..."""
     load_chunk_size: int = 5000
     """...in transactions of this many items."""
+    model_wait_s: float = 300.0
+    """A new batch's models are checked at validation; while the server's models are not all up
+    (starting, a worker restarting), validation waits up to this long from the batch's creation."""
+    pacing_forget_s: float = 60.0
+    """A tenant whose items were refused by its limits is paced until none has been for this long."""
 
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.claim_size, self.max_attempts, self.launch_slice) < 1 or self.lease_s <= 0:
             raise ValueError("max_in_flight, claim_size, max_attempts and launch_slice must be >= 1, lease_s > 0")
+
+
+class _Model(msgspec.Struct):
+    id: str
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_Model]
+
+
+_decode_models = msgspec.json.Decoder(_ModelList).decode
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:
@@ -87,14 +115,16 @@ class JobExecutor:
         self._wake = asyncio.Event()
         self._is_housekeeping_due = False
         self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, self.abandon, clock,
-                                         self._config.first_load_size, self._config.load_chunk_size)
+                                         self._config.first_load_size, self._config.load_chunk_size,
+                                         self._served_models, self._config.model_wait_s)
         self._flush_now = asyncio.Event()
         self._leases: dict[str, _Lease] = {}
         self._owners: dict[str, str] = {}
         self._outcomes: dict[str, list[ItemOutcome]] = {}
         self._num_in_flight = 0
-        self._tasks: dict[asyncio.Task[None], tuple[str, str]] = {}
-        """Each running item's task -> (lease token, batch id)."""
+        self._pacer = TenantPacer(self._config.pacing_forget_s)
+        self._tasks: dict[asyncio.Task[None], tuple[str, str, str]] = {}
+        """Each running item's task -> (lease token, batch id, owner)."""
         self._loops: list[asyncio.Task[None]] = []
         self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
                          (b"x-request-timeout-ms", str(self._config.item_timeout_ms).encode())]
@@ -151,27 +181,33 @@ class JobExecutor:
         if room < min(self._config.claim_size, self._config.max_in_flight) // 2 or room <= 0:
             return False
         want = min(room, self._config.claim_size)
-        claim = await self._store.claim(want, self._config.lease_s, self._clock())
+        now = self._clock()
+        claim = await self._store.claim(want, self._config.lease_s, now, self._pacer.room(now))
         if claim is None:
             return False
         self._leases[claim.token] = _Lease(claim)
         self._num_in_flight += len(claim.items)
+        owners = {batch_id: await self._owner(batch_id) for batch_id in {i.batch_id for i in claim.items}}
         for start in range(0, len(claim.items), self._config.launch_slice):
             if start:
                 await asyncio.sleep(0)  # online requests get the event loop between slices
             for item in claim.items[start:start + self._config.launch_slice]:
-                task = asyncio.create_task(self._execute(claim.token, item))
-                self._tasks[task] = (claim.token, item.batch_id)
+                owner = owners[item.batch_id]
+                self._pacer.started(owner)
+                task = asyncio.create_task(self._execute(claim.token, item, owner))
+                self._tasks[task] = (claim.token, item.batch_id, owner)
                 task.add_done_callback(self._forget)
         return len(claim.items) == want
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self._tasks.pop(task, None)
+        _, _, owner = self._tasks.pop(task, ("", "", ""))
+        if task.cancelled():
+            self._pacer.abandoned(owner)
 
     async def abandon(self, batch_id: str) -> None:
         """Stop the batch's running items (it is cancelled or expired) and record those that finished,
         so that finalizing writes off exactly the items that have no outcome."""
-        stopped = [(task, token) for task, (token, owner_batch) in self._tasks.items() if owner_batch == batch_id]
+        stopped = [(task, token) for task, (token, owner_batch, _) in self._tasks.items() if owner_batch == batch_id]
         for task, _ in stopped:
             task.cancel()
         for task, token in stopped:
@@ -188,8 +224,7 @@ class JobExecutor:
             owner = self._owners[batch_id] = batch.owner if batch else ""
         return owner
 
-    async def _execute(self, token: str, item: Item) -> None:
-        owner = await self._owner(item.batch_id)
+    async def _execute(self, token: str, item: Item, owner: str) -> None:
         assert self._app is not None
         try:
             answer = await post(self._app, item.url, item.body, self._headers, {TENANT_SCOPE_KEY: owner})
@@ -197,28 +232,45 @@ class JobExecutor:
             raise
         except Exception as exc:  # the app answers errors itself; this is a bug: record it, keep going
             log.exception("batch item %s/%d raised", item.batch_id, item.idx)
+            self._pacer.answered(owner)
             line = lines.error_only_line(item.custom_id, "internal_error", f"{type(exc).__name__}")
             self._finish(token, ItemOutcome(item.batch_id, item.idx, line, True, attempts=item.attempts + 1))
             return
-        self._finish(token, self._outcome(item, answer.status_code, answer.request_id, answer.body))
+        self._finish(token, self._outcome(item, owner, answer))
 
-    def _outcome(self, item: Item, status: int, request_id: str, body: bytes) -> ItemOutcome:
+    def _outcome(self, item: Item, owner: str, answer: AppResponse) -> ItemOutcome:
+        now = self._clock()
+        input_tokens, output_tokens, error_code = lines.read_answer(answer.body)
+        refusal = _limit_refusal(answer, error_code)
+        if refusal is not None:  # wait for the limit, attempts untouched
+            self._pacer.refused(owner, refusal, now)
+            return ItemOutcome(item.batch_id, item.idx, retry_at=now + refusal.retry_after_s, attempts=item.attempts)
+        self._pacer.answered(owner)
+        status = answer.status_code
         attempts = item.attempts + 1
-        if status in TRANSIENT_STATUSES and attempts < self._config.max_attempts:
+        is_transient = status in TRANSIENT_STATUSES
+        if is_transient and attempts < self._config.max_attempts:
             self._metrics.item_retried()
-            delay = backoff_s(attempts, self._config.backoff_base_s, self._config.backoff_max_s)
-            return ItemOutcome(item.batch_id, item.idx, retry_at=self._clock() + delay, attempts=attempts)
-        input_tokens, output_tokens, error = lines.read_answer(body)
+            delay = max(backoff_s(attempts, self._config.backoff_base_s, self._config.backoff_max_s),
+                        answer.retry_after_s or 0.0)
+            return ItemOutcome(item.batch_id, item.idx, retry_at=now + delay, attempts=attempts)
         is_error = not 200 <= status < 300
-        if is_error and error is None:
-            error = {"code": f"http_{status}", "message": f"the request failed with status {status}"}
-        if is_error and status in TRANSIENT_STATUSES:
-            assert error is not None
-            error = {"code": error["code"], "message": f"gave up after {attempts} attempts: {error['message']}"}
-        self._metrics.item_done("dead_letter" if is_error and status in TRANSIENT_STATUSES
-                                else "error" if is_error else "ok")
-        line = lines.response_line(item.custom_id, status, request_id, body, error if is_error else None)
+        self._metrics.item_done("dead_letter" if is_error and is_transient else "error" if is_error else "ok")
+        line = lines.response_line(item.custom_id, status, answer.request_id, answer.body)
         return ItemOutcome(item.batch_id, item.idx, line, is_error, input_tokens, output_tokens, attempts=attempts)
+
+    async def _served_models(self, owner: str) -> ServedModels:
+        """What `owner` may use, asked of the app as that tenant (`GET /v1/models`), and whether every
+        model is up (`GET /v2/health/ready`)."""
+        assert self._app is not None
+        scope = {TENANT_SCOPE_KEY: owner}
+        listed = await call(self._app, "GET", "/v1/models", b"", [], scope)
+        ready = await call(self._app, "GET", "/v2/health/ready", b"", [], scope)
+        try:
+            names = frozenset(m.id for m in _decode_models(listed.body).data) if listed.status_code == 200 else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            names = None
+        return ServedModels(names or frozenset(), names is not None and ready.status_code == 200)
 
     def _finish(self, token: str, outcome: ItemOutcome) -> None:
         self._outcomes.setdefault(token, []).append(outcome)
@@ -282,3 +334,10 @@ class JobExecutor:
             if lease.until - now < self._config.lease_s / 2:
                 lease.until = now + self._config.lease_s
                 await self._store.extend_lease(token, lease.until)
+
+
+def _limit_refusal(answer: AppResponse, error_code: str | None) -> Refusal | None:
+    """A tenant limit's 429 says when to come back; one without a Retry-After is an ordinary transient failure."""
+    if answer.status_code != 429 or answer.retry_after_s is None:
+        return None
+    return Refusal(max(answer.retry_after_s, MIN_REFUSAL_WAIT_S), error_code == CONCURRENCY_CODE)

@@ -26,7 +26,7 @@ from typing import Any
 
 from sluice.jobs import lines
 from sluice.jobs.store import BatchJob, BatchStatus, JobStore, NewItem
-from sluice.jobs.validate import Valid, parse_input
+from sluice.jobs.validate import ModelLookup, Valid, parse_input
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
@@ -37,11 +37,16 @@ _STORE_RETRY_S = 1.0
 class BatchLifecycle:
     def __init__(self, store: JobStore, metrics: JobMetrics, wake: Callable[[], None],
                  abandon: Callable[[str], Awaitable[None]], clock: Callable[[], float] = time.time,
-                 first_load_size: int = 1000, load_chunk_size: int = 5000) -> None:
+                 first_load_size: int = 1000, load_chunk_size: int = 5000, models: ModelLookup | None = None,
+                 model_wait_s: float = 300.0) -> None:
         """`wake` asks the executor to claim now; `abandon(batch_id)` stops the batch's running items
-        and records those that finished."""
+        and records those that finished. `models(owner)`: what the batch's tenant may use, checked
+        at validation (None: not checked); while the server's models are not all up, a new batch
+        waits up to `model_wait_s` from its creation for them before it is validated."""
         if first_load_size < 1 or load_chunk_size < 1:
             raise ValueError("first_load_size and load_chunk_size must be >= 1")
+        self._models = models
+        self._model_wait_s = model_wait_s
         self._store = store
         self._metrics = metrics
         self._wake = wake
@@ -92,7 +97,14 @@ class BatchLifecycle:
                 await self._fail(batch, [{"code": "input_file_missing", "param": "input_file_id", "line": None,
                                           "message": "the input file was deleted"}], now)
                 return
-            parsed = await asyncio.to_thread(parse_input, content, batch.endpoint)
+            models = None
+            if self._models is not None:
+                served = await self._models(batch.owner)
+                if not served.is_complete and now - batch.created_at < self._model_wait_s:
+                    log.debug("batch %s: validation waits for the server's models to be up", batch.id)
+                    return  # the next housekeeping round tries again
+                models = served.names
+            parsed = await asyncio.to_thread(parse_input, content, batch.endpoint, models)
             if not isinstance(parsed, Valid):
                 await self._fail(batch, parsed.errors, now)
                 return

@@ -1,12 +1,18 @@
 """Output- and error-file lines, built from a response without re-encoding its body.
 
+OpenAI's shapes: a request that got an answer, a success or a failure, carries it in `response`
+(the failure's reason is in its body: OpenAI's `{"error": {...}}`, KServe's `{"error": "..."}`)
+and `error: null`; a request that never got an answer (its batch was cancelled or expired, or
+calling it broke) has `response: null` and the reason in `error`.
+
     {"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"}, "error": null}
-    {"id": ..., "custom_id": ..., "response": {...} | null, "error": {"code", "message"}}
+    {"id": ..., "custom_id": ..., "response": null, "error": {"code", "message"}}
 """
 
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import msgspec
 
@@ -18,14 +24,10 @@ class _Usage(msgspec.Struct):
     completion_tokens: int = 0
 
 
-class _ErrorBody(msgspec.Struct):
-    code: str | None = None
-    message: str | None = None
-
-
 class _Answer(msgspec.Struct):
     usage: _Usage | None = None
-    error: _ErrorBody | None = None
+    error: Any = None
+    """OpenAI: `{"code", "message", ...}`; KServe: a string."""
 
 
 _decode_answer = msgspec.json.Decoder(_Answer).decode
@@ -40,12 +42,11 @@ def _json_body(body: bytes) -> bytes:
     return body
 
 
-def response_line(custom_id: str, status_code: int, request_id: str, body: bytes,
-                  error: dict[str, str] | None) -> bytes:
+def response_line(custom_id: str, status_code: int, request_id: str, body: bytes) -> bytes:
     return b"".join((
         b'{"id":', _encode(f"batch_req_{secrets.token_hex(12)}"), b',"custom_id":', _encode(custom_id),
         b',"response":{"status_code":', str(status_code).encode(), b',"request_id":', _encode(request_id),
-        b',"body":', _json_body(body) if body else b"null", b'},"error":', _encode(error), b"}\n",
+        b',"body":', _json_body(body) if body else b"null", b'},"error":null}\n',
     ))
 
 
@@ -55,14 +56,12 @@ def error_only_line(custom_id: str, code: str, message: str) -> bytes:
                      b"}\n"))
 
 
-def read_answer(body: bytes) -> tuple[int, int, dict[str, str] | None]:
-    """(input tokens, output tokens, the error's code and message) from a response body."""
+def read_answer(body: bytes) -> tuple[int, int, str | None]:
+    """(input tokens, output tokens, the OpenAI error's code) from a response body."""
     try:
         answer = _decode_answer(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0, 0, None
     usage = answer.usage or _Usage()
-    error = None
-    if answer.error is not None:
-        error = {"code": answer.error.code or "error", "message": answer.error.message or ""}
-    return usage.prompt_tokens, usage.completion_tokens, error
+    code = answer.error.get("code") if isinstance(answer.error, dict) else None
+    return usage.prompt_tokens, usage.completion_tokens, code if isinstance(code, str) else None

@@ -8,7 +8,7 @@ item claimable again. `release_leases` is a no-op here: other hosts may hold liv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -32,6 +32,7 @@ from sluice.jobs.store import (
 _BATCH_BY_ID = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = %s"
 _CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = %s AND {cond} "
           "ORDER BY idx LIMIT %s FOR UPDATE SKIP LOCKED")
+_FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = %s AND state = %s AND idx > %s ORDER BY idx LIMIT 1"
 _CLAIM_CONDITIONS = ("state = 'leased' AND lease_until < %s", "state = 'queued' AND not_before <= %s")
 
 
@@ -45,11 +46,12 @@ class PostgresJobStore:
                                                                               open=False)
         try:
             await pool.open(wait=True, timeout=30)
-            async with pool.connection() as conn:
+            async with pool.connection() as conn:  # one transaction: a failed migration changes nothing
                 await conn.execute("SELECT pg_advisory_xact_lock(7312001)")  # one schema migration at a time
                 for statement in rows.SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION", int="BIGINT").split(";"):
                     if statement.strip():
                         await conn.execute(statement)
+                await _number_batches(conn)
         except Exception as exc:
             await pool.close()
             raise ConfigError(f"cannot use the PostgreSQL job store: {exc}") from exc
@@ -84,23 +86,47 @@ class PostgresJobStore:
         return rows.file_of(row) if row else None
 
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
-        row = await self._one("SELECT content FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+        async with self._pool.connection() as conn:
+            row = await (await conn.execute("SELECT content FROM files WHERE id = %s AND owner = %s",
+                                            (file_id, owner))).fetchone()
+            if row is None:
+                return None
+            parts = await (await conn.execute("SELECT data FROM file_parts WHERE file_id = %s ORDER BY part",
+                                              (file_id,))).fetchall()
+            return b"".join([bytes(row[0]), *(bytes(p[0]) for p in parts)])
+
+    async def file_part(self, owner: str, file_id: str, part: int) -> bytes | None:
+        if part == 0:
+            row = await self._one("SELECT content FROM files WHERE id = %s AND owner = %s", (file_id, owner))
+        else:
+            row = await self._one("SELECT p.data FROM file_parts p JOIN files f ON f.id = p.file_id "
+                                  "WHERE p.file_id = %s AND f.owner = %s AND p.part = %s", (file_id, owner, part))
         return bytes(row[0]) if row else None
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        async with self._pool.connection() as conn:
+        async with self._pool.connection() as conn, conn.transaction():
             cur = await conn.execute("DELETE FROM files WHERE id = %s AND owner = %s", (file_id, owner))
-            return cur.rowcount > 0
+            if cur.rowcount == 0:
+                return False
+            await conn.execute("DELETE FROM file_parts WHERE file_id = %s", (file_id,))
+            return True
+
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool = False) -> list[FileObject]:
+        query, params = rows.files_page(owner, purpose, after, limit, ascending)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(query.replace("?", "%s"), params)
+            return [rows.file_of(r) for r in await cur.fetchall()]
 
     # -- batches ---------------------------------------------------------------------------------
 
     async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob:
         batch_id = rows.new_batch_id()
         async with self._pool.connection() as conn:
-            await conn.execute(
+            await conn.execute(  # seq: the identity column's next value
                 "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
-                "created_at, expires_at, idempotency_key, seq) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM batches)) ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                "created_at, expires_at, idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (owner, idempotency_key) DO NOTHING",
                 (batch_id, batch.owner, batch.endpoint, batch.input_file_id, batch.completion_window,
                  BatchStatus.VALIDATING.value, rows.dump_json(batch.metadata), batch.created_at, batch.expires_at,
                  idempotency_key))
@@ -116,6 +142,11 @@ class PostgresJobStore:
             row = await self._one(_BATCH_BY_ID, (batch_id,))
         else:
             row = await self._one(_BATCH_BY_ID + " AND owner = %s", (batch_id, owner))
+        return rows.batch_of(row) if row else None
+
+    async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
+        row = await self._one(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s AND idempotency_key = %s",
+                              (owner, idempotency_key))
         return rows.batch_of(row) if row else None
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
@@ -176,18 +207,22 @@ class PostgresJobStore:
 
     # -- items -----------------------------------------------------------------------------------
 
-    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+    async def claim(self, limit: int, lease_s: float, now: float,
+                    room: Mapping[str, int] | None = None) -> Claim | None:
         token, until = rows.new_token(), now + lease_s
         claimed: list[Item] = []
+        left = dict(room or {})
         async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute("SELECT id FROM batches WHERE status = %s AND expires_at > %s ORDER BY seq",
+            cur = await conn.execute("SELECT id, owner FROM batches WHERE status = %s AND expires_at > %s ORDER BY seq",
                                      (BatchStatus.IN_PROGRESS.value, now))
-            for (batch_id,) in await cur.fetchall():
+            for batch_id, owner in await cur.fetchall():
                 for cond in _CLAIM_CONDITIONS:
-                    if len(claimed) < limit:
-                        found = await (await conn.execute(_CLAIM.format(cond=cond),
-                                                          (batch_id, now, limit - len(claimed)))).fetchall()
+                    want = min(limit - len(claimed), left.get(owner, limit))
+                    if want > 0:
+                        found = await (await conn.execute(_CLAIM.format(cond=cond), (batch_id, now, want))).fetchall()
                         claimed += [Item(batch_id, r[0], r[1], r[2], bytes(r[3]), r[4]) for r in found]
+                        if owner in left:
+                            left[owner] -= len(found)
             if not claimed:
                 return None
             await conn.cursor().executemany(
@@ -269,18 +304,7 @@ class PostgresJobStore:
                 await conn.cursor().executemany(
                     "UPDATE items SET state = 'done', is_error = 1, line = %s, lease_token = NULL "
                     "WHERE batch_id = %s AND idx = %s", [(leftover(c), batch_id, i) for i, c in left])
-            lines = await (await conn.execute("SELECT line, is_error FROM items WHERE batch_id = %s ORDER BY idx",
-                                              (batch_id,))).fetchall()
-            output, errors = rows.assemble(lines)
-            file_ids: list[str | None] = []
-            for content, suffix in ((output, "output"), (errors, "errors")):
-                file_id = rows.new_file_id() if content else None
-                if file_id is not None:
-                    await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
-                                       "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                                       (file_id, batch.owner, f"{batch_id}_{suffix}.jsonl", "batch_output",
-                                        len(content), now, content))
-                file_ids.append(file_id)
+            file_ids = await _write_files(conn, batch_id, batch.owner, now)
             await conn.execute(f"UPDATE batches SET status = %s, finalizing_at = COALESCE(finalizing_at, %s), "
                                f"{rows.FINAL_STAMP[status]} = %s, output_file_id = %s, error_file_id = %s "
                                "WHERE id = %s",
@@ -289,10 +313,61 @@ class PostgresJobStore:
             return rows.batch_of(final)  # type: ignore[arg-type]
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
+        before = after_idx + limit + 1
         async with self._pool.connection() as conn:
+            for state in ("queued", "leased"):  # the first item without a line ends the page
+                row = await (await conn.execute(_FIRST_IN_STATE, (batch_id, state, after_idx))).fetchone()
+                if row is not None:
+                    before = min(before, row[0])
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
-                                     "AND state = 'done' ORDER BY idx LIMIT %s", (batch_id, after_idx, limit))
+                                     "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
+
+
+async def _write_files(conn: AsyncConnection[Any], batch_id: str, owner: str, now: int) -> list[str | None]:
+    """The output and error files from the items' lines in input order, written in parts as a
+    server-side cursor reads the lines (never the whole file in memory); their ids, None for a
+    file with no line. Runs inside `finalize`'s transaction."""
+    writers = (rows.PartWriter("output"), rows.PartWriter("errors"))
+
+    async def write(writer: rows.PartWriter, part: bytes | None) -> None:
+        if part is not None:
+            await conn.execute("INSERT INTO file_parts (file_id, part, data) VALUES (%s, %s, %s)",
+                               (writer.file_id, writer.num_parts, part))
+
+    async with conn.cursor(name=f"lines_{batch_id}") as lines:
+        lines.itersize = 1000
+        await lines.execute("SELECT line, is_error FROM items WHERE batch_id = %s ORDER BY idx", (batch_id,))
+        async for line, is_error in lines:
+            writer = writers[1 if is_error else 0]
+            await write(writer, writer.add(bytes(line)))
+    for writer in writers:
+        await write(writer, writer.take())
+        if writer.num_bytes:
+            await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
+                               "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                               (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl", "batch_output",
+                                writer.num_bytes, now, b""))
+    return [writer.file_id if writer.num_bytes else None for writer in writers]
+
+
+async def _number_batches(conn: AsyncConnection[Any]) -> None:
+    """Make `batches.seq` an identity column, so that batches created at once on several connections
+    never share a place in the list. A table from before it was one (where `MAX(seq) + 1` could repeat
+    under concurrent inserts) is renumbered first, keeping its order, then indexed as unique."""
+    row = await (await conn.execute(
+        "SELECT is_identity FROM information_schema.columns WHERE table_schema = current_schema() "
+        "AND table_name = 'batches' AND column_name = 'seq'")).fetchone()
+    if row is not None and row[0] == "YES":
+        return
+    await conn.execute("UPDATE batches SET seq = numbered.n FROM (SELECT id, row_number() OVER "
+                       "(ORDER BY seq, created_at, id) AS n FROM batches) AS numbered "
+                       "WHERE batches.id = numbered.id AND batches.seq <> numbered.n")
+    await conn.execute(rows.UNIQUE_SEQ)
+    count = await (await conn.execute("SELECT COUNT(*) FROM batches")).fetchone()
+    start = int(count[0]) + 1 if count else 1
+    await conn.execute(f"ALTER TABLE batches ALTER COLUMN seq ADD GENERATED BY DEFAULT AS IDENTITY "
+                       f"(START WITH {start})")
 
 
 def _num_returned(cur: Any) -> int:

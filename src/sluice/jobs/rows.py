@@ -63,6 +63,7 @@ CREATE TABLE IF NOT EXISTS batches (
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq);
+CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at);
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
 CREATE TABLE IF NOT EXISTS items (
     batch_id TEXT NOT NULL,
@@ -80,7 +81,24 @@ CREATE TABLE IF NOT EXISTS items (
     PRIMARY KEY (batch_id, idx)
 );
 CREATE INDEX IF NOT EXISTS items_by_state ON items (batch_id, state, idx);
+CREATE TABLE IF NOT EXISTS file_parts (
+    file_id TEXT NOT NULL,
+    part {int} NOT NULL,
+    data {blob} NOT NULL,
+    PRIMARY KEY (file_id, part)
+);
 """
+
+UNIQUE_SEQ = "CREATE UNIQUE INDEX IF NOT EXISTS batches_by_seq ON batches (seq)"
+"""Each batch has its own `seq` (the list order). Created by each backend once its `seq` values are
+unique: SQLite takes `MAX(seq) + 1` inside its one writer's transaction; PostgreSQL numbers them with
+an identity column, after renumbering the rows of a table made before it had one."""
+
+FILE_PART_BYTES = 4 << 20
+"""A file's content is its `files.content` (part 0) followed by its `file_parts` rows (parts 1, 2, ...)
+in order. Uploads (at most 512 MiB) are one value; output and error files, which may pass the
+~1 GB that SQLite and PostgreSQL allow in one value, are written in parts of about this size
+(whole lines), and read back one part at a time."""
 
 FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at"
 BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status, metadata, created_at, "
@@ -88,6 +106,23 @@ BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status,
                  "in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
                  "cancelled_at, output_file_id, error_file_id, errors")
 ITEM_COLUMNS = "idx, custom_id, url, body, attempts"
+
+
+def files_page(owner: str, purpose: str | None, after: str | None, limit: int,
+               ascending: bool) -> tuple[str, list[Any]]:
+    """The query (with `?` placeholders) and its parameters for a page of an owner's files, ordered
+    by (created_at, id): ids break the ties of files created in the same second."""
+    query = f"SELECT {FILE_COLUMNS} FROM files WHERE owner = ?"
+    params: list[Any] = [owner]
+    if purpose is not None:
+        query += " AND purpose = ?"
+        params.append(purpose)
+    if after is not None:
+        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
+                  "(SELECT created_at, id FROM files WHERE id = ? AND owner = ?)")
+        params += [after, owner]
+    direction = "ASC" if ascending else "DESC"
+    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT ?", [*params, limit]
 
 
 def new_file_id() -> str:
@@ -118,8 +153,29 @@ def dump_json(value: object) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"))
 
 
-def assemble(lines: Sequence[tuple[bytes, int]]) -> tuple[bytes, bytes]:
-    """The output file and the error file from (line, is_error) rows in input order."""
-    output = [bytes(line) for line, is_error in lines if not is_error]
-    errors = [bytes(line) for line, is_error in lines if is_error]
-    return b"".join(output), b"".join(errors)
+class PartWriter:
+    """Gathers one output or error file's lines into parts of about `FILE_PART_BYTES`."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.file_id = new_file_id()
+        self.num_bytes = 0
+        self.num_parts = 0
+        self._lines: list[bytes] = []
+        self._num_pending = 0
+
+    def add(self, line: bytes) -> bytes | None:
+        """The next part, when `line` completes one."""
+        self._lines.append(line)
+        self._num_pending += len(line)
+        self.num_bytes += len(line)
+        return self.take() if self._num_pending >= FILE_PART_BYTES else None
+
+    def take(self) -> bytes | None:
+        """What is gathered, as the next part (numbered `num_parts` after the call); None if nothing is."""
+        if not self._lines:
+            return None
+        part = b"".join(self._lines)
+        self._lines, self._num_pending = [], 0
+        self.num_parts += 1
+        return part

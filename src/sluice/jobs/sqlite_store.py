@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,6 +41,9 @@ _CLAIMABLE_QUEUED = ("SELECT idx, custom_id, url, body, attempts FROM items WHER
                      "AND not_before <= ? ORDER BY idx LIMIT ?")
 _BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id = ? AND status = ? "
                      "AND num_completed + num_failed >= num_total")
+_FILE_PART = ("SELECT p.data FROM file_parts p JOIN files f ON f.id = p.file_id WHERE p.file_id = ? AND f.owner = ? "
+              "AND p.part = ?")
+_FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = ? AND state = ? AND idx > ? ORDER BY idx LIMIT 1"
 _CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
                       "AND lease_until < ? ORDER BY idx LIMIT ?")
 
@@ -65,6 +68,7 @@ class SqliteJobStore:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA busy_timeout=5000")
         db.executescript(rows.SCHEMA.format(blob="BLOB", real="REAL", int="INTEGER"))
+        db.execute(rows.UNIQUE_SEQ)  # one writer (BEGIN IMMEDIATE, one server): MAX(seq) + 1 never repeats
         self._db = db
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -124,15 +128,39 @@ class SqliteJobStore:
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
         def read(db: sqlite3.Connection) -> bytes | None:
             row = db.execute("SELECT content FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+            if row is None:
+                return None
+            parts = db.execute("SELECT data FROM file_parts WHERE file_id = ? ORDER BY part", (file_id,))
+            return b"".join([bytes(row[0]), *(bytes(p[0]) for p in parts)])
+
+        return await self._call(read, self._db)
+
+    async def file_part(self, owner: str, file_id: str, part: int) -> bytes | None:
+        def read(db: sqlite3.Connection) -> bytes | None:
+            if part == 0:
+                row = db.execute("SELECT content FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+            else:
+                row = db.execute(_FILE_PART, (file_id, owner, part)).fetchone()
             return bytes(row[0]) if row else None
 
         return await self._call(read, self._db)
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         def delete(db: sqlite3.Connection) -> bool:
-            return db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
+            if db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount == 0:
+                return False
+            db.execute("DELETE FROM file_parts WHERE file_id = ?", (file_id,))
+            return True
 
         return await self._txn(delete)
+
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool = False) -> list[FileObject]:
+        def page(db: sqlite3.Connection) -> list[FileObject]:
+            query, params = rows.files_page(owner, purpose, after, limit, ascending)
+            return [rows.file_of(r) for r in db.execute(query, params)]
+
+        return await self._call(page, self._db)
 
     # -- batches ---------------------------------------------------------------------------------
 
@@ -157,6 +185,14 @@ class SqliteJobStore:
 
     async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
         return await self._call(_get_batch, self._db, owner, batch_id)
+
+    async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
+        def find(db: sqlite3.Connection) -> BatchJob | None:
+            row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ? AND idempotency_key = ?",
+                             (owner, idempotency_key)).fetchone()
+            return rows.batch_of(row) if row else None
+
+        return await self._call(find, self._db)
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
         def page(db: sqlite3.Connection) -> list[BatchJob]:
@@ -219,18 +255,22 @@ class SqliteJobStore:
 
     # -- items -----------------------------------------------------------------------------------
 
-    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
+    async def claim(self, limit: int, lease_s: float, now: float,
+                    room: Mapping[str, int] | None = None) -> Claim | None:
         def claim(db: sqlite3.Connection) -> Claim | None:
             token, until = rows.new_token(), now + lease_s
             claimed: list[Item] = []
-            batch_ids = [r[0] for r in db.execute(
-                "SELECT id FROM batches WHERE status = ? AND expires_at > ? ORDER BY seq",
-                (BatchStatus.IN_PROGRESS.value, now))]
-            for batch_id in batch_ids:
+            batches = db.execute("SELECT id, owner FROM batches WHERE status = ? AND expires_at > ? ORDER BY seq",
+                                 (BatchStatus.IN_PROGRESS.value, now)).fetchall()
+            left = dict(room or {})
+            for batch_id, owner in batches:
                 for query in (_CLAIMABLE_EXPIRED, _CLAIMABLE_QUEUED):
-                    if len(claimed) < limit:
-                        found = db.execute(query, (batch_id, now, limit - len(claimed))).fetchall()
+                    want = min(limit - len(claimed), left.get(owner, limit))
+                    if want > 0:
+                        found = db.execute(query, (batch_id, now, want)).fetchall()
                         claimed += [Item(batch_id, r[0], r[1], r[2], bytes(r[3]), r[4]) for r in found]
+                        if owner in left:
+                            left[owner] -= len(found)
             if not claimed:
                 return None
             db.executemany("UPDATE items SET state = 'leased', lease_token = ?, lease_until = ? "
@@ -276,8 +316,13 @@ class SqliteJobStore:
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
         def page(db: sqlite3.Connection) -> list[ResultLine]:
-            found = db.execute("SELECT idx, line, is_error FROM items WHERE batch_id = ? AND idx > ? "
-                               "AND state = 'done' ORDER BY idx LIMIT ?", (batch_id, after_idx, limit))
+            before = after_idx + limit + 1
+            for state in ("queued", "leased"):  # the first item without a line ends the page
+                row = db.execute(_FIRST_IN_STATE, (batch_id, state, after_idx)).fetchone()
+                if row is not None:
+                    before = min(before, row[0])
+            found = db.execute("SELECT idx, line, is_error FROM items WHERE batch_id = ? AND idx > ? AND idx < ? "
+                               "ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in found]
 
         return await self._call(page, self._db)
@@ -334,19 +379,31 @@ def _finalize(db: sqlite3.Connection, batch_id: str, status: BatchStatus, leftov
         return None
     db.executemany("UPDATE items SET state = 'done', is_error = 1, line = ?, lease_token = NULL "
                    "WHERE batch_id = ? AND idx = ?", ((leftover(c), batch_id, i) for i, c in left) if leftover else ())
-    lines = db.execute("SELECT line, is_error FROM items WHERE batch_id = ? ORDER BY idx", (batch_id,)).fetchall()
-    output, errors = rows.assemble(lines)
-    file_ids: list[str | None] = []
-    for content, suffix in ((output, "output"), (errors, "errors")):
-        if not content:
-            file_ids.append(None)
-            continue
-        file_id = rows.new_file_id()
-        db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?)", (file_id, batch.owner, f"{batch_id}_{suffix}.jsonl",
-                                                    "batch_output", len(content), now, content))
-        file_ids.append(file_id)
+    file_ids = _write_files(db, batch_id, batch.owner, now)
     stamp = rows.FINAL_STAMP[status]
     db.execute(f"UPDATE batches SET status = ?, finalizing_at = COALESCE(finalizing_at, ?), {stamp} = ?, "
                "output_file_id = ?, error_file_id = ? WHERE id = ?", (status.value, now, now, *file_ids, batch_id))
     return _get_batch(db, None, batch_id)
+
+
+def _write_files(db: sqlite3.Connection, batch_id: str, owner: str, now: int) -> list[str | None]:
+    """The output and error files from the items' lines in input order, written in parts as the
+    lines are read (never the whole file in memory); their ids, None for a file with no line."""
+    writers = (rows.PartWriter("output"), rows.PartWriter("errors"))
+
+    def write(writer: rows.PartWriter, part: bytes | None) -> None:
+        if part is not None:
+            db.execute("INSERT INTO file_parts (file_id, part, data) VALUES (?, ?, ?)",
+                       (writer.file_id, writer.num_parts, part))
+
+    for line, is_error in db.execute("SELECT line, is_error FROM items WHERE batch_id = ? ORDER BY idx",
+                                     (batch_id,)):
+        writer = writers[1 if is_error else 0]
+        write(writer, writer.add(bytes(line)))
+    for writer in writers:
+        write(writer, writer.take())
+        if writer.num_bytes:
+            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?)", (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl",
+                                                        "batch_output", writer.num_bytes, now, b""))
+    return [writer.file_id if writer.num_bytes else None for writer in writers]

@@ -5,6 +5,7 @@ default) and `PostgresJobStore` (several hosts share one database). Everything t
 acknowledges is committed first.
 
     files    (id, owner, filename, purpose, bytes, content, created_at, idempotency_key)
+    file_parts (file_id, part) PRIMARY KEY, data     the rest of a file's content, in parts
     batches  (id, owner, endpoint, input_file_id, status, counters, timestamps, ...)
     items    (batch_id, idx) PRIMARY KEY, custom_id, url, body,
              state: queued ─claim─▶ leased ─record─▶ done
@@ -19,14 +20,15 @@ acknowledges is committed first.
 Invariants:
 - an item's result is written once: `record` updates only rows still `leased` under the caller's
   lease token, in the same statement, so a replayed or expired lease cannot write twice;
-- output and error files are assembled at finalization from the item rows, in input order;
+- output and error files are assembled at finalization from the item rows, in input order, in
+  parts of a few MiB (one value could not hold a file past ~1 GB);
 - times are wall-clock seconds (`time.time()`), because leases and expiries outlive processes.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -200,14 +202,31 @@ class JobStore(Protocol):
 
     async def get_file(self, owner: str, file_id: str) -> FileObject | None: ...
 
-    async def file_content(self, owner: str, file_id: str) -> bytes | None: ...
+    async def file_content(self, owner: str, file_id: str) -> bytes | None:
+        """The whole content (an input file, to validate it)."""
+        ...
+
+    async def file_part(self, owner: str, file_id: str, part: int) -> bytes | None:
+        """Part `part` of the content (0, 1, ...), None past the last: a large output file is read
+        one part at a time. A part may be empty."""
+        ...
 
     async def delete_file(self, owner: str, file_id: str) -> bool: ...
+
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool = False) -> list[FileObject]:
+        """The owner's files (of `purpose`, if given), newest first (`ascending`: oldest first),
+        those after the file `after` in that order."""
+        ...
 
     async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob: ...
 
     async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
         """`owner=None` is the executor's view, across owners."""
+        ...
+
+    async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
+        """The batch the owner created with this `Idempotency-Key`, if any."""
         ...
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
@@ -234,8 +253,10 @@ class JobStore(Protocol):
 
     async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None: ...
 
-    async def claim(self, limit: int, lease_s: float, now: float) -> Claim | None:
-        """Lease up to `limit` claimable items of in-progress, unexpired batches, oldest batch first."""
+    async def claim(self, limit: int, lease_s: float, now: float,
+                    room: Mapping[str, int] | None = None) -> Claim | None:
+        """Lease up to `limit` claimable items of in-progress, unexpired batches, oldest batch first;
+        at most `room[owner]` of the batches of an owner in `room` (the executor paces that tenant)."""
         ...
 
     async def extend_lease(self, token: str, until: float) -> None: ...
@@ -265,7 +286,8 @@ class JobStore(Protocol):
         ...
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
-        """Recorded lines (output and error) of items after `after_idx`, in input order."""
+        """Recorded lines (output and error) of the items after `after_idx`, in input order, up to
+        the first item that has none yet: never a hole, so a reader may count lines as positions."""
         ...
 
     async def aclose(self) -> None: ...

@@ -2,25 +2,31 @@
 
 Each line is `{"custom_id": str, "method": "POST", "url": str, "body": {...}}`. The url must be
 the batch's endpoint; for the KServe endpoint `/v2/infer`, any `/v2/models/<model>/infer` (or
-`.../versions/<v>/infer`) url. `custom_id`s must be unique in the file. A body is kept as the
-raw bytes it was sent with (never re-encoded), and the file is parsed once, here.
+`.../versions/<v>/infer`) url. `custom_id`s must be non-empty and unique in the file. The body
+must be an object naming its model (`"model"`, a string; KServe: the url's model, and an
+`"inputs"` list), and with `models` given, a model the tenant may use on this server: a file that
+would fail item by item fails here, whole, before any item runs. The body's other fields are left
+to the endpoint. A body is kept as the raw bytes it was sent with (never re-encoded), and the
+file is parsed once, here.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from sluice.jobs.store import NewItem
 
-__all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "Valid", "parse_input"]
+__all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelLookup", "ServedModels", "Valid", "parse_input"]
 
 ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v2/infer")
 MAX_ITEMS = 200_000
 MAX_ERRORS = 100
-_KSERVE_URL = re.compile(r"^/v2/models/[^/?#]+(/versions/[^/?#]+)?/infer$")
+_KSERVE_URL = re.compile(r"^/v2/models/([^/?#]+)(/versions/[^/?#]+)?/infer$")
 
 
 class _Line(msgspec.Struct, forbid_unknown_fields=False):
@@ -28,6 +34,28 @@ class _Line(msgspec.Struct, forbid_unknown_fields=False):
     method: str
     url: str
     body: msgspec.Raw
+
+
+class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=False):
+    model: Any = None
+
+
+class _KServeBody(msgspec.Struct, forbid_unknown_fields=False):
+    inputs: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """What a tenant may use on this server now."""
+
+    names: frozenset[str]
+    is_complete: bool
+    """Every model the server serves is up: none is still loading or being restarted (a name
+    missing then may only be late, so the check waits a while)."""
+
+
+ModelLookup = Callable[[str], Awaitable[ServedModels]]
+"""The models the tenant (the batch's owner) may use."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +75,17 @@ def url_matches(endpoint: str, url: str) -> bool:
     return url == endpoint
 
 
-def parse_input(content: bytes, endpoint: str) -> Valid | Invalid:
+def parse_input(content: bytes, endpoint: str, models: Collection[str] | None = None) -> Valid | Invalid:
+    """The file's items, or its problems. `models`: the model names the batch's tenant may use (None:
+    names are not checked, as when a validated file is read again)."""
     items: list[NewItem] = []
     errors: list[dict[str, object]] = []
-    seen: set[str] = set()
-    decoder = msgspec.json.Decoder(_Line)
+    checker = _Checker(endpoint, models)
     line_no = 0
     for line_no, raw in enumerate(content.splitlines(), start=1):
         if not raw.strip():
             continue
-        problem = _check(decoder, raw, endpoint, seen, items)
+        problem = checker.check(raw, items)
         if problem is not None:
             code, message, param = problem
             errors.append({"code": code, "message": message, "param": param, "line": line_no})
@@ -71,23 +100,60 @@ def parse_input(content: bytes, endpoint: str) -> Valid | Invalid:
     return Invalid(errors) if errors else Valid(items)
 
 
-def _check(decoder: msgspec.json.Decoder[_Line], raw: bytes, endpoint: str, seen: set[str],
-           items: list[NewItem]) -> tuple[str, str, str | None] | None:
-    try:
-        line = decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        return "invalid_request", f"invalid request line: {exc}", None
-    except msgspec.DecodeError as exc:
-        return "invalid_json", f"not a JSON object: {exc}", None
-    if line.method.upper() != "POST":
-        return "invalid_method", f"method must be POST, got {line.method[:16]!r}", "method"
-    if not url_matches(endpoint, line.url):
-        return "invalid_url", f"url {line.url[:100]!r} does not match the batch's endpoint {endpoint}", "url"
-    body = bytes(line.body)
-    if not body.startswith(b"{"):
-        return "invalid_body", "body must be a JSON object", "body"
-    if line.custom_id in seen:
-        return "duplicate_custom_id", f"custom_id {line.custom_id[:100]!r} appears more than once", "custom_id"
-    seen.add(line.custom_id)
-    items.append(NewItem(len(items), line.custom_id, line.url, body))
-    return None
+Problem = tuple[str, str, str | None]
+"""(code, message, param) of one line's problem."""
+
+
+class _Checker:
+    def __init__(self, endpoint: str, models: Collection[str] | None) -> None:
+        self._endpoint = endpoint
+        self._models = models
+        self._is_kserve = endpoint == "/v2/infer"
+        self._decode_line = msgspec.json.Decoder(_Line).decode
+        self._decode_body = msgspec.json.Decoder(_KServeBody if self._is_kserve else _OpenAIBody).decode
+        self._seen: set[str] = set()
+
+    def check(self, raw: bytes, items: list[NewItem]) -> Problem | None:
+        """None and the line appended to `items` when it is good; else its problem."""
+        try:
+            line = self._decode_line(raw)
+        except msgspec.ValidationError as exc:
+            return "invalid_request", f"invalid request line: {exc}", None
+        except msgspec.DecodeError as exc:
+            return "invalid_json", f"not a JSON object: {exc}", None
+        if not line.custom_id:
+            return "invalid_custom_id", "custom_id must be a non-empty string", "custom_id"
+        if line.method.upper() != "POST":
+            return "invalid_method", f"method must be POST, got {line.method[:16]!r}", "method"
+        url_match = _KSERVE_URL.match(line.url) if self._is_kserve else None
+        if not (url_match if self._is_kserve else line.url == self._endpoint):
+            return "invalid_url", f"url {line.url[:100]!r} does not match the batch's endpoint {self._endpoint}", "url"
+        if line.custom_id in self._seen:
+            return "duplicate_custom_id", f"custom_id {line.custom_id[:100]!r} appears more than once", "custom_id"
+        self._seen.add(line.custom_id)
+        body = bytes(line.body)
+        problem = self._check_body(body, url_match.group(1) if url_match else None)
+        if problem is not None:
+            return problem
+        items.append(NewItem(len(items), line.custom_id, line.url, body))
+        return None
+
+    def _check_body(self, body: bytes, url_model: str | None) -> Problem | None:
+        try:
+            decoded = self._decode_body(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return "invalid_body", "body must be a JSON object", "body"
+        if isinstance(decoded, _KServeBody):
+            if not isinstance(decoded.inputs, list):
+                return "invalid_body", "body must have an 'inputs' list", "body.inputs"
+            model = url_model or ""
+        else:
+            if decoded.model is None:
+                return "missing_model", "body must name its 'model'", "body.model"
+            if not isinstance(decoded.model, str) or not decoded.model:
+                return "invalid_model", "body's 'model' must be a non-empty string", "body.model"
+            model = decoded.model
+        if self._models is not None and model not in self._models:
+            return ("model_not_found", f"the model {model[:100]!r} does not exist or you do not have access to it",
+                    "url" if url_model is not None else "body.model")
+        return None
