@@ -25,8 +25,8 @@ DEEP = {"<deep-64>": 64, "<deep-5000>": 5000}
 """Placeholders `_encode` replaces with a value nested this many levels deep."""
 BAD_UTF8 = "<bad-utf8>"
 """A placeholder `_encode` replaces with bytes that are not UTF-8, wherever it is in a string."""
-ODD_VALUES = [-1, 0, 2**31, 2**63, 2**64 + 1, -(2**63), "", "1", [], {}, None, True, 1e308, [-1], [[1]],
-              *DEEP, BAD_UTF8, f"ab{BAD_UTF8}", [BAD_UTF8]]
+ODD_VALUES = [-1, 0, 2**31, 2**63, 2**64 + 1, -(2**63), "", "1", [], {}, None, True, 1e308, [-1], [[1]]]
+UNWRITABLE = [*DEEP, BAD_UTF8, f"ab{BAD_UTF8}"]
 
 scalars = (
     st.none()
@@ -35,8 +35,8 @@ scalars = (
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8)
 )
-junk = st.sampled_from(ODD_VALUES) | st.recursive(
-    scalars,
+junk = st.sampled_from(ODD_VALUES) | st.sampled_from(UNWRITABLE) | st.recursive(
+    scalars | st.sampled_from(UNWRITABLE),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8,
 )
