@@ -40,6 +40,7 @@ def _broken_repository(repo: Path) -> Path:
     write_emulated_model(repo, "badtype", alpha_ms=1)
     config = repo / "badtype" / "model.toml"
     config.write_text(config.read_text().replace("max_batch_size = 32", 'max_batch_size = "32"'))
+    write_emulated_model(repo, "badseed", alpha_ms=1, seed='"x"')  # the runner raises ValueError while loading
     write_emulated_model(repo, "badtoml", alpha_ms=1)
     (repo / "badtoml" / "model.toml").write_text("kind = [\n")
     return repo
@@ -81,6 +82,7 @@ def test_models_that_fail_to_load_are_refused_with_why_and_the_others_serve(make
     _kserve_error(httpx.get(f"{url}/v2/models/badsum/versions/1/ready"), 404, "checksum mismatch")
     _kserve_error(httpx.get(f"{url}/v2/models/badtype/ready"), 404, "model.toml", "max_batch_size", "'32'")
     _kserve_error(httpx.get(f"{url}/v2/models/badtoml"), 404, "model.toml", "not valid TOML")
+    _kserve_error(httpx.post(f"{url}/v2/models/badseed/infer", json=BODY), 404, "loading failed: ValueError")
     error = httpx.get(f"{url}/v1/models/badparam").json()["error"]
     assert error["code"] == "model_load_failed" and "abc" in error["message"]
 
@@ -96,7 +98,8 @@ def test_models_that_fail_to_load_are_refused_with_why_and_the_others_serve(make
     assert any(f"listening on {url}" in line for line in lines)
     assert any("ready: good v1" in line for line in lines)
     for name, reason in [("badparam v1", "bad emulator parameter"), ("badsum v1", "checksum mismatch"),
-                         ("badtype v1", "max_batch_size"), ("badtoml v1", "not valid TOML")]:
+                         ("badtype v1", "max_batch_size"), ("badtoml v1", "not valid TOML"),
+                         ("badseed v1", "ValueError")]:
         assert any(line.startswith(f"  refused: {name}: ") and reason in line for line in lines), name
     # the examples are whole commands, each on one line, even though the log is not a terminal
     [infer] = [line for line in lines if "/infer" in line and line.startswith("  curl ")]
