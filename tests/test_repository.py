@@ -95,3 +95,30 @@ def test_server_serves_the_good_version_and_reports_the_refused_one(make_server,
     body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
     assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=body).json()["model_version"] == "1"
     assert "checksum mismatch for notes.txt" in server.log()
+
+
+@pytest.mark.parametrize(
+    "config, fragments",
+    [
+        ('kind = [\n', ["model.toml", "not valid TOML"]),
+        ('kind = "emulated"\n[batching]\nmax_batch_size = "32"\n', ["model.toml", "max_batch_size", "'32'"]),
+        ('kind = "emulated"\n[batching]\nmax_batch_cost = true\n', ["model.toml", "max_batch_cost"]),
+        ('kind = "emulated"\n[batching]\nmax_batch = 8\n', ["model.toml", "'max_batch'"]),
+        ('kind = "emulated"\nslo = 5\n', ["model.toml", "[slo]"]),
+        ('kind = "emulated"\n[slo]\ndefault_ms = "fast"\n', ["model.toml", "default_ms"]),
+        ('kind = "emulated"\nparams = [1]\n', ["model.toml", "[params]"]),
+        ('kind = "emulated"\nplatform = 3\n', ["model.toml", "platform"]),
+        ('kind = "embedding"\n[weights]\npackage = "no_such.pkg"\n', ["model.toml", "no_such.pkg"]),
+    ],
+)
+def test_a_broken_model_toml_refuses_that_model_naming_file_and_field(tmp_path, config, fragments):
+    broken = tmp_path / "broken"
+    (broken / "1").mkdir(parents=True)
+    (broken / "2").mkdir()
+    (broken / "model.toml").write_text(config)
+    _version(_model(tmp_path, "good"), "1", {})
+    repo = scan_repository(tmp_path)
+    assert [v.name for v in repo.versions] == ["good"]
+    assert [(r.name, r.version) for r in repo.refused] == [("broken", "1"), ("broken", "2")]
+    for fragment in fragments:
+        assert fragment in repo.refused[0].reason

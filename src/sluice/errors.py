@@ -10,6 +10,7 @@
      ├── PermissionDenied        the tenant may not use this model or route      -> 403
      ├── NotFound                no such route or resource                       -> 404
      │    └── ModelNotFound      no such model or version
+     │         └── ModelRefused  it is in the repository but failed to load (final)
      ├── RateLimited             a tenant's limit is reached                     -> 429
      │    └── BudgetExhausted    its device-second budget is spent (do not retry)
      ├── Unavailable             the service cannot take this request now        -> 503
@@ -79,6 +80,12 @@ class NotFound(SluiceError):
 
 class ModelNotFound(NotFound):
     """The named model (or version) does not exist."""
+
+
+class ModelRefused(ModelNotFound):
+    """The model (or version) is in the repository but was refused at load (a checksum mismatch,
+    a bad `model.toml`, a runner that failed to load it); the message says why. Final: it will
+    not become ready until the repository is fixed and the server restarted."""
 
 
 class Unavailable(SluiceError):

@@ -20,7 +20,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from sluice.errors import ConfigError
 
@@ -89,11 +89,13 @@ def scan_repository(root: Path) -> Repository:
         config_path = model_dir / "model.toml"
         if not config_path.is_file():
             continue
-        try:
-            config = tomllib.loads(config_path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{config_path}: {exc}") from exc
         version_dirs = sorted((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=_num)
+        try:
+            config = _read_config(config_path)
+        except ConfigError as exc:  # this model's versions are refused; the other models still load
+            names = [v.name for v in version_dirs] or ["-"]
+            refused += [RefusedVersion(model_dir.name, version, exc.message) for version in names]
+            continue
         if not version_dirs:
             refused.append(RefusedVersion(model_dir.name, "-", "no version folders (1/, 2/, ...)"))
         for version_dir in version_dirs:
@@ -102,6 +104,17 @@ def scan_repository(root: Path) -> Repository:
             except ConfigError as exc:
                 refused.append(RefusedVersion(model_dir.name, version_dir.name, exc.message))
     return Repository(root=root, versions=tuple(versions), refused=tuple(refused))
+
+
+def _read_config(config_path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(config_path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{config_path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{config_path}: not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{config_path}: cannot be read: {exc.strerror}") from exc
 
 
 def verify(version: ModelVersion) -> None:
@@ -167,35 +180,60 @@ def _num(path: Path) -> int:
 
 
 def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_path: Path) -> ModelVersion:
+    """One version's settings from its model's `model.toml`; a ConfigError naming the file and
+    the field for anything of the wrong type or out of range."""
     kind = config.get("kind")
     if kind not in RUNNER_KINDS:
         raise ConfigError(f"{config_path}: kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
-    batching_raw = config.get("batching", {})
-    concurrency = config.get("params", {}).get("concurrency")
-    if kind == "http-single" and isinstance(concurrency, int) and concurrency >= 1:
-        batching_raw = {"max_batch_size": concurrency, **batching_raw}  # a batch is one round of calls
-    try:
-        batching = BatchingConfig(**batching_raw)
-    except TypeError as exc:
-        raise ConfigError(f"{config_path}: [batching]: {exc}") from exc
-    if batching.max_batch_size < 1 or batching.max_batch_cost < 1 or batching.max_queue_items < 1:
-        raise ConfigError(f"{config_path}: [batching] limits must be positive")
-    slo_ms = config.get("slo", {}).get("default_ms", 1000)
-    if not isinstance(slo_ms, int | float) or slo_ms <= 0:
-        raise ConfigError(f"{config_path}: [slo] default_ms must be a positive number")
+    params, weights = _table(config, "params", config_path), _table(config, "weights", config_path)
+    batching = _batching(_table(config, "batching", config_path), kind, params, config_path)
+    slo_ms = _table(config, "slo", config_path).get("default_ms", 1000)
+    if not _is_number(slo_ms) or slo_ms <= 0:
+        raise ConfigError(f"{config_path}: [slo] default_ms must be a positive number, got {slo_ms!r}")
+    platform = config.get("platform", f"sluice_{kind}")
+    if not isinstance(platform, str):
+        raise ConfigError(f"{config_path}: platform must be a string, got {platform!r}")
     return ModelVersion(
         name=name,
         version=version_dir.name,
         kind=kind,
-        platform=str(config.get("platform", f"sluice_{kind}")),
+        platform=platform,
         batching=batching,
         slo_s=float(slo_ms) / 1000.0,
-        weights_dir=_weights_dir(version_dir, config.get("weights", {}), config_path),
+        weights_dir=_weights_dir(version_dir, weights, config_path),
         manifest_path=version_dir / MANIFEST,
-        params=dict(config.get("params", {})),
-        generator=config.get("weights", {}).get("generate"),
-        upstream=dict(config.get("upstream", {})),
+        params=params,
+        generator=weights.get("generate"),
+        upstream=_table(config, "upstream", config_path),
     )
+
+
+def _table(config: dict[str, Any], name: str, config_path: Path) -> dict[str, Any]:
+    table = config.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{config_path}: [{name}] must be a table, got {table!r}")
+    return dict(table)
+
+
+def _batching(raw: dict[str, Any], kind: str, params: dict[str, Any], config_path: Path) -> BatchingConfig:
+    concurrency = params.get("concurrency")
+    if kind == "http-single" and _is_int(concurrency) and concurrency >= 1:
+        raw = {"max_batch_size": concurrency, **raw}  # a batch is one round of calls
+    known = BatchingConfig.__dataclass_fields__
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{config_path}: [batching] has no setting {key!r} (it has {', '.join(known)})")
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"{config_path}: [batching] {key} must be a positive integer, got {value!r}")
+    return BatchingConfig(**raw)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def generated_models_dir() -> Path:
@@ -213,7 +251,10 @@ def _weights_dir(version_dir: Path, weights: dict[str, Any], config_path: Path) 
     package = weights.get("package")
     if package is None:
         return version_dir
-    spec = importlib.util.find_spec(str(package))
+    try:
+        spec = importlib.util.find_spec(str(package))
+    except (ImportError, ValueError):  # e.g. a dotted name whose parent is not installed
+        spec = None
     if spec is None or spec.origin is None:
         raise ConfigError(f"{config_path}: weights package {package!r} is not installed")
     folder = Path(spec.origin).parent / str(weights.get("subdir", ""))

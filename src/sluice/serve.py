@@ -20,9 +20,10 @@ from pathlib import Path
 import uvicorn
 from redis.exceptions import RedisError
 from rich.console import Console
+from rich.markup import escape
 from starlette.applications import Starlette
 
-from sluice import __version__
+from sluice import __version__, wire
 from sluice.api import ApiConfig, batches, build_app
 from sluice.api.http_protocol import stamping_protocol
 from sluice.clock import MonotonicClock, WallClock
@@ -133,7 +134,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             await gateway.add_worker(str(i), address)
         await supervisor.start()
         settle_garbage_collector()
-        announcer = asyncio.create_task(_announce(config, gateway, devices, console))
+        announcer = asyncio.create_task(_announce(config, server, gateway, devices, console))
         await executor.start(asgi_app)  # the full app, middleware included
         try:
             yield
@@ -190,41 +191,65 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def _announce(config: ServeConfig, gateway: Gateway, devices: list[str], console: Console) -> None:
-    """Print where we listen and what is ready, once every model is up (or after a timeout)."""
+async def _announce(config: ServeConfig, server: uvicorn.Server, gateway: Gateway, devices: list[str],
+                    console: Console) -> None:
+    """Print where we listen and what is ready, once the socket is bound and every model is
+    either ready or refused (or after the ready timeout, naming those still loading)."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + config.ready_timeout_s
-    while not gateway.is_ready() and loop.time() < give_up:
+    while loop.time() < give_up and not (server.started and _is_loaded(gateway)):
         await asyncio.sleep(0.1)
-    url = f"http://{config.host}:{config.port}"
-    console.print(f"[bold]sluice {__version__}[/bold] listening on [cyan]{url}[/cyan] "
-                  f"with {len(devices)} worker(s) on {', '.join(sorted(set(devices)))}")
+    for line in _banner(_url(config, server), gateway, devices):
+        console.print(line, soft_wrap=True)  # never wrapped: a broken line breaks a copied command
+
+
+def _is_loaded(gateway: Gateway) -> bool:
+    """Every expected model is ready or refused, and some worker has reported."""
+    return not gateway.loading_models() and bool(gateway.models() or gateway.refused())
+
+
+def _url(config: ServeConfig, server: uvicorn.Server) -> str:
+    """The address clients use, with the port the socket really got (`--port 0` picks one)."""
+    port = config.port
+    sockets = [sock for listening in getattr(server, "servers", []) for sock in listening.sockets]
+    if sockets:
+        port = sockets[0].getsockname()[1]
+    return f"http://{config.host}:{port}"
+
+
+def _banner(url: str, gateway: Gateway, devices: list[str]) -> list[str]:
+    lines = [f"[bold]sluice {__version__}[/bold] listening on [cyan]{url}[/cyan] "
+             f"with {len(devices)} worker(s) on {', '.join(sorted(set(devices)))}"]
     models = gateway.models()
     for name, versions in sorted(models.items()):
         for version, info in sorted(versions.items()):
-            console.print(f"  ready: [green]{name}[/green] v{version} ({info.kind}, "
-                          f"max batch {info.max_batch_size}, SLO {info.slo_s * 1000:g} ms)")
+            lines.append(f"  ready: [green]{name}[/green] v{version} ({info.kind}, "
+                         f"max batch {info.max_batch_size}, SLO {info.slo_s * 1000:g} ms)")
+    for refused in gateway.refused():
+        lines.append(f"  [red]refused[/red]: {escape(refused.name)} v{refused.version}: {escape(refused.reason)}")
+    for name in sorted(gateway.loading_models()):
+        lines.append(f"  [yellow]not ready[/yellow]: {escape(name)} (still loading)")
     tenancy = gateway.tenancy
     if tenancy.is_open:
-        console.print("  tenants: [yellow]none[/yellow] (no --tenants file): one local tenant, no API keys asked for")
+        lines.append("  tenants: [yellow]none[/yellow] (no --tenants file): one local tenant, no API keys asked for")
     else:
-        console.print(f"  tenants: {len(tenancy.directory.tenants)} from {tenancy.directory.path} "
-                      "(send 'Authorization: Bearer <key>'; SIGHUP reloads the file)")
-    for refused in gateway.refused():
-        console.print(f"  [red]refused[/red]: {refused.name} v{refused.version}: {refused.reason}")
-    missing = gateway.expected_models - set(models)
-    for name in sorted(missing):
-        console.print(f"  [yellow]not ready[/yellow]: {name}")
+        lines.append(f"  tenants: {len(tenancy.directory.tenants)} from {escape(str(tenancy.directory.path))} "
+                     "(send 'Authorization: Bearer <key>'; SIGHUP reloads the file)")
+    return lines + _examples(url, models)
+
+
+def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[str]:
     text_model = next((n for n, v in models.items() if any(i.kind == "embedding" for i in v.values())),
                       next((n for n, v in models.items() if any(i.accepts_text for i in v.values())), None))
     tensor = next((i for v in models.values() for i in v.values()
                    if i.accepts_tensor and i.inputs[0].datatype == "FP32"), None)
-    console.print("Try:")
+    lines = ["Try:"]
     if text_model:
-        console.print(f"  curl {url}/v1/embeddings -H 'Content-Type: application/json' "
-                      f"-d '{{\"model\": \"{text_model}\", \"input\": \"hello world\"}}'")
+        lines.append(escape(f"  curl {url}/v1/embeddings -H 'Content-Type: application/json' "
+                            f"-d '{{\"model\": \"{text_model}\", \"input\": \"hello world\"}}'"))
     if tensor:
-        console.print(f"  curl {url}/v2/models/{tensor.name}/infer -d '{{\"inputs\": [{{\"name\": "
-                      f"\"{tensor.inputs[0].name}\", \"shape\": [1, 4], \"datatype\": \"FP32\", "
-                      f"\"data\": [1, 2, 3, 4]}}]}}'")
-    console.print(f"  curl {url}/metrics")
+        lines.append(escape(f"  curl {url}/v2/models/{tensor.name}/infer -d '{{\"inputs\": [{{\"name\": "
+                            f"\"{tensor.inputs[0].name}\", \"shape\": [1, 4], \"datatype\": \"FP32\", "
+                            f"\"data\": [1, 2, 3, 4]}}]}}'"))
+    lines.append(f"  curl {url}/metrics")
+    return lines

@@ -74,3 +74,30 @@ def test_cli_connection_cap_default_matches_the_generator() -> None:
 
     [option] = [p for p in bench.params if p.name == "max_connections"]
     assert option.default == DEFAULT_MAX_CONNECTIONS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["flag", "SLUICE_API_KEY", "OPENAI_API_KEY"])
+def test_bench_sends_the_api_key_to_a_server_with_tenants(make_server, emulated_repo, tmp_path: Path,
+                                                          how: str) -> None:
+    from sluice.gateway.tenants import hash_key, new_key
+
+    key = new_key()
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.bench]\napi_keys = ["{hash_key(key)}"]\n')
+    server = make_server(emulated_repo(alpha_ms=2, beta_ms=0.1), "--tenants", str(tenants))
+    out = tmp_path / "run.json"
+    args = ["bench", "--url", server.url, "--rate", "20", "--duration", "1", "--warmup", "0",
+            "--timeout-ms", "5000", "--slo-ms", "1000", "--out", str(out)]
+    env = {"SLUICE_API_KEY": None, "OPENAI_API_KEY": None}
+    if how == "flag":
+        args += ["--api-key", key]
+    else:
+        env[how] = key
+    result = CliRunner(env=env).invoke(main, args)
+    assert result.exit_code == 0, result.output
+    [run] = json.loads(out.read_text())["results"]
+    assert run["status_counts"]["200"] == run["num_ok"] == run["num_scheduled"] > 0
+    assert run["server"]["mean_batch_size"] >= 1  # /metrics was read too
+    assert key not in out.read_text()
+    assert json.loads(out.read_text())["config"]["api_key"] == "(set)"

@@ -169,6 +169,28 @@ def test_v2_unknown_model_or_version_is_404(http, path):
     v2_error(http.request(method, path, json={"inputs": [tensor()]}), 404, "nope" if "nope" in path else "'9'")
 
 
+DEEP = b"[" * 3000 + b"1" + b"]" * 3000  # a 6 KB body nested past the interpreter's stack
+ONE_ROW = b'{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": [1]}'
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b'{"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": ' + DEEP + b"}]}", "deeply"),
+        (b'{"inputs": [' + ONE_ROW + b'], "unknown": ' + DEEP + b"}", "deeply"),
+        (b'{"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": '
+         + b"[" * 100 + b"1" + b"]" * 100 + b"}]}", "nested"),
+        (b'{"inputs": [{"name": "\xff", "shape": [1, 1], "datatype": "FP32", "data": [1]}]}', "UTF-8"),
+        (b'{"inputs": [' + ONE_ROW + b'], "id": "\xc3("}', "UTF-8"),
+    ],
+)
+def test_v2_deep_nesting_and_invalid_utf8_are_400(http, body, fragment):
+    v2_error(http.post(INFER, content=body), 400, fragment)
+    # the same JSON as the header of a binary-extension request
+    headers = {"Inference-Header-Content-Length": str(len(body))}
+    v2_error(http.post(INFER, content=body + b"\0" * 4, headers=headers), 400, fragment)
+
+
 # -- KServe v2: the binary tensor extension ------------------------------------------------------
 
 ROWS = np.arange(8, dtype=np.float32).reshape(2, 4)
@@ -269,6 +291,35 @@ def test_v1_bad_input_values(http, texts):
     v1_error(http.post(EMBED, json={"model": "minilm", "input": texts}), 400, "invalid_request", "input")
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "minilm", "input": ' + DEEP + b"}",
+        b'{"model": "minilm", "input": "hi", "unknown": ' + DEEP + b"}",
+        b'{"model": "minilm", "input": "\xff"}',
+        b'{"model": "minilm", "input": ["ok", "\xe2\x82"]}',
+        b'{"model": "\xff", "input": "hi"}',
+    ],
+)
+def test_v1_deep_nesting_and_invalid_utf8_are_400(http, body):
+    v1_error(http.post(EMBED, content=body), 400, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    "texts, fragment",
+    [([], "must not be empty"), ([""], "empty strings"), (["ok", ""], "empty strings"),
+     (["x"] * 2049, "at most 2048"), (["x" * 100_001], "longer than 100000")],
+)
+def test_texts_are_checked_alike_on_both_protocols(http, texts, fragment):
+    """One check for the texts of `/v1/embeddings` and of a KServe BYTES input."""
+    assert fragment in v1_error(http.post(EMBED, json={"model": "minilm", "input": texts}), 400, "invalid_request",
+                                "input")
+    entry = tensor(shape=(len(texts),), data=texts, name="text", datatype="BYTES")
+    v2_error(http.post("/v2/models/minilm/infer", json={"inputs": [entry]}), 400, fragment)
+    raw = b"".join(struct.pack("<I", len(t)) + t.encode() for t in texts)
+    v2_error(binary(http, "/v2/models/minilm/infer", _bytes_header(raw, (len(texts),)), raw), 400, fragment)
+
+
 @pytest.mark.parametrize("dimensions", [2**63 - 1, 2**63, 2**64 + 7, -(2**63), 0, -1, 383])
 def test_v1_absurd_dimensions(http, dimensions):
     response = http.post(EMBED, json={"model": "minilm", "input": "hi", "dimensions": dimensions})
@@ -296,6 +347,18 @@ def test_timeout_header_garbage_is_400(http, value):
     v2_error(http.post(INFER, json={"inputs": [tensor()]}, headers=headers), 400, "timeout")
     response = http.post(EMBED, json={"model": "minilm", "input": "hi"}, headers=headers)
     assert "timeout" in v1_error(response, 400, "invalid_request", "x-request-timeout-ms")
+
+
+def test_timeout_header_over_the_servers_limit_is_400_naming_the_header(http):
+    headers = {"X-Request-Timeout-Ms": "700000"}  # the limit is 600 s
+    message = v2_error(http.post(INFER, json={"inputs": [tensor()]}, headers=headers), 400, "600000")
+    assert message.startswith("x-request-timeout-ms")
+    response = http.post(EMBED, json={"model": "minilm", "input": "hi"}, headers=headers)
+    assert "600000" in v1_error(response, 400, "invalid_request", "x-request-timeout-ms")
+    body = {"inputs": [tensor()], "parameters": {"timeout": 700_000_000}}  # microseconds
+    v2_error(http.post(INFER, json=body), 400, "'timeout'", "600000000")
+    at_limit = http.post(INFER, json={"inputs": [tensor()]}, headers={"X-Request-Timeout-Ms": "600000"})
+    assert at_limit.status_code == 200, at_limit.text
 
 
 def test_timeout_header_is_checked_even_with_a_timeout_parameter(http):

@@ -3,7 +3,9 @@
 Each example starts as a valid request (JSON or binary tensors, a few rows or texts) and then
 has zero to two of its fields replaced by junk, sizes nudged off by one, or the binary header
 length cut wrong, so that most examples get past the first checks and reach the deeper ones
-(and some reach the model).
+(and some reach the model). Junk includes what `json.dumps` cannot write: values nested far
+deeper than the interpreter's stack and strings holding bytes that are not UTF-8, spliced into
+the encoded body (`_encode`), in known fields and in unknown ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+DEEP = {"<deep-64>": 64, "<deep-5000>": 5000}
+"""Placeholders `_encode` replaces with a value nested this many levels deep."""
+BAD_UTF8 = "<bad-utf8>"
+"""A placeholder `_encode` replaces with bytes that are not UTF-8, wherever it is in a string."""
 ODD_VALUES = [-1, 0, 2**31, 2**63, 2**64 + 1, -(2**63), "", "1", [], {}, None, True, 1e308, [-1], [[1]]]
+UNWRITABLE = [*DEEP, BAD_UTF8, f"ab{BAD_UTF8}"]
 
 scalars = (
     st.none()
@@ -28,8 +35,8 @@ scalars = (
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8)
 )
-junk = st.sampled_from(ODD_VALUES) | st.recursive(
-    scalars,
+junk = st.sampled_from(ODD_VALUES) | st.sampled_from(UNWRITABLE) | st.recursive(
+    scalars | st.sampled_from(UNWRITABLE),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8,
 )
@@ -37,8 +44,16 @@ nudge = st.sampled_from([0, 0, 0, 0, 0, -1, 1])
 
 
 def _mutate(draw, body: dict, keys: list[str]) -> None:
-    for key in draw(st.lists(st.sampled_from(keys), max_size=2, unique=True)):
+    for key in draw(st.lists(st.sampled_from([*keys, "unknown"]), max_size=2, unique=True)):
         body[key] = draw(junk)
+
+
+def _encode(body: dict) -> bytes:
+    """`body` as JSON, with the placeholders of `DEEP` and `BAD_UTF8` made real."""
+    encoded = json.dumps(body).encode()
+    for placeholder, depth in DEEP.items():
+        encoded = encoded.replace(f'"{placeholder}"'.encode(), b"[" * depth + b"1" + b"]" * depth)
+    return encoded.replace(BAD_UTF8.encode(), b"\xff\xfe")
 
 
 @st.composite
@@ -121,7 +136,7 @@ def _assert_answered(response: httpx.Response, may_time_out: bool = False) -> No
 @given(request=v2_requests())
 def test_v2_near_misses_are_never_5xx(http, request):
     model, body, raw, cut = request
-    header = json.dumps(body).encode()
+    header = _encode(body)
     headers = {"Inference-Header-Content-Length": str(len(header) + cut)} if raw or cut else {}
     response = http.post(f"/v2/models/{model}/infer", content=header + raw, headers=headers)
     _assert_answered(response, _may_time_out(body))
@@ -132,7 +147,7 @@ def test_v2_near_misses_are_never_5xx(http, request):
 @SETTINGS
 @given(body=v1_requests())
 def test_v1_near_misses_are_never_5xx(http, body):
-    response = http.post("/v1/embeddings", content=json.dumps(body))
+    response = http.post("/v1/embeddings", content=_encode(body))
     _assert_answered(response)
     if response.status_code != 200:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}

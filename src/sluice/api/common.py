@@ -9,6 +9,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from sluice.errors import InvalidInput, PayloadTooLarge
 from sluice.gateway import Caller
+from sluice.gateway.gateway import MAX_TIMEOUT_S
 from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -39,8 +40,9 @@ def parse_count(raw: str) -> int | None:
     return int(raw)
 
 
-def header_timeout_s(request: Request) -> float | None:
-    """The client's deadline from `X-Request-Timeout-Ms`, if it sent one."""
+def header_timeout_s(request: Request, max_timeout_s: float = MAX_TIMEOUT_S) -> float | None:
+    """The client's deadline from `X-Request-Timeout-Ms`, if it sent one, within the gateway's
+    limit (`Gateway.max_timeout_s`): checked here so that the error names the header."""
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
         return None
@@ -49,8 +51,9 @@ def header_timeout_s(request: Request) -> float | None:
     except ValueError:
         raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds, got {raw[:32]!r}",
                            param=TIMEOUT_HEADER) from None
-    if not 0 < timeout_ms <= 3_600_000:
-        raise InvalidInput(f"{TIMEOUT_HEADER} must be in (0, 3600000]", param=TIMEOUT_HEADER)
+    if not 0 < timeout_ms <= max_timeout_s * 1000:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be in (0, {max_timeout_s * 1000:.0f}] milliseconds, "
+                           f"got {raw[:32]}", param=TIMEOUT_HEADER)
     return timeout_ms / 1000.0
 
 
@@ -100,6 +103,27 @@ def caller(request: Request, priority: Priority | None, estimated_tokens: float 
     return Caller(request_tenant(request), priority, estimated_tokens, request.headers.get("traceparent"))
 
 
+MAX_TEXT_ITEMS = 2048
+"""Texts in one request, on either protocol: OpenAI's own cap on an embeddings `input` list."""
+MAX_TEXT_CHARS = 100_000
+
+
+def check_texts(texts: list[str], what: str, param: str | None = None) -> list[str]:
+    """The one check of a request's texts, shared by `/v1/embeddings` and KServe BYTES inputs so
+    that both protocols refuse the same requests (400): none, more than `MAX_TEXT_ITEMS`, an
+    empty string, or one longer than `MAX_TEXT_CHARS`. `what` names the field in messages."""
+    if not texts:
+        raise InvalidInput(f"{what} must not be empty", param=param)
+    if len(texts) > MAX_TEXT_ITEMS:
+        raise InvalidInput(f"{what} may hold at most {MAX_TEXT_ITEMS} items, got {len(texts)}", param=param)
+    for text in texts:
+        if not text:
+            raise InvalidInput(f"{what} must not contain empty strings", param=param)
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidInput(f"{what} holds a text longer than {MAX_TEXT_CHARS} characters", param=param)
+    return texts
+
+
 def estimate_text_tokens(texts: list[str]) -> float:
     """A generous guess at a text's tokens before the model's tokenizer has seen it (a token per
     three characters, where English averages four, plus two special tokens), reserved against the
@@ -116,8 +140,19 @@ def decode_json(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise unreadable_json(exc) from exc
+
+
+def unreadable_json(exc: msgspec.DecodeError | RecursionError | UnicodeDecodeError) -> InvalidInput:
+    """The 400 for a body msgspec could not read. Besides malformed JSON, msgspec raises
+    `RecursionError` for nesting deeper than the interpreter's stack allows (~1,000 levels fit in
+    a 2 KB body) and `UnicodeDecodeError` for a string holding bytes that are not UTF-8."""
+    if isinstance(exc, RecursionError):
+        return InvalidInput("request body is not valid JSON: it is nested too deeply")
+    if isinstance(exc, UnicodeDecodeError):
+        return InvalidInput(f"request body is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})")
+    return InvalidInput(f"request body is not valid JSON: {exc}")
 
 
 def _param_of(message: str) -> str | None:

@@ -25,6 +25,7 @@ from sluice import __version__, wire
 from sluice.api.common import (
     arrival,
     caller,
+    check_texts,
     estimate_text_tokens,
     header_timeout_s,
     parse_count,
@@ -52,16 +53,16 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def model_metadata(request: Request) -> Response:
         name, version = _path(request)
-        versions = gateway.models().get(name)
         info = gateway.resolve(name, version)
         _authorize(gateway, request, info)
-        assert versions is not None
+        versions = gateway.models(include_recovering=True).get(name, {})
         return _json({
             "name": info.name,
             "versions": sorted(versions) if version is None else [info.version],
             "platform": info.platform,
             "inputs": [_spec(s) for s in info.inputs],
             "outputs": [_spec(s) for s in info.outputs],
+            **_refused(gateway, name, version),
         })
 
     async def model_ready(request: Request) -> Response:
@@ -71,13 +72,13 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         except ModelNotReady:
             return _json({"name": name, "ready": False}, status=503)
         _authorize(gateway, request, info)
-        return _json({"name": info.name, "ready": True})
+        return _json({"name": info.name, "ready": True, **_refused(gateway, name, version)})
 
     async def infer(request: Request) -> Response:
         arrived_at = arrival(request, gateway.now())
         name, version = _path(request)
         info = gateway.resolve(name, version)
-        header_timeout = header_timeout_s(request)
+        header_timeout = header_timeout_s(request, gateway.max_timeout_s)
         header_length = _header_length(request)
         body = await read_body(request, body_limit_bytes)
         if b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply if we must
@@ -85,7 +86,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         parsed, tensors = parse_request(body, header_length)
         payload = _to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)
-        timeout_s = _timeout(parsed.parameters)
+        timeout_s = _timeout(parsed.parameters, gateway.max_timeout_s)
         priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
         result = await gateway.infer(info, payload, header_timeout if timeout_s is None else timeout_s,
@@ -105,6 +106,15 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             Route(prefix + "/infer", infer, methods=["POST"]),
         ]
     return table
+
+
+def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]:
+    """For a model asked for as a whole: its versions refused at load and why (a sluice addition
+    to the v2 answers; a refused version asked for by number answers 404 with the reason)."""
+    if version is not None:
+        return {}
+    refused = [{"version": r.version, "reason": r.reason} for r in gateway.refused() if r.name == name]
+    return {"refused": refused} if refused else {}
 
 
 def _triton_priority(raw: Any) -> Any:
@@ -135,12 +145,13 @@ def _header_length(request: Request) -> int | None:
     return length
 
 
-def _timeout(parameters: dict[str, Any]) -> float | None:
+def _timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | None:
     raw = parameters.get("timeout")
     if raw is None:
         return None
-    if not isinstance(raw, int | float) or isinstance(raw, bool) or raw <= 0:
-        raise InvalidInput("parameter 'timeout' must be a positive number of microseconds", param="timeout")
+    if not isinstance(raw, int | float) or isinstance(raw, bool) or not 0 < raw <= max_timeout_s * 1e6:
+        raise InvalidInput(f"parameter 'timeout' must be a number of microseconds in (0, {max_timeout_s * 1e6:.0f}]",
+                           param="timeout")
     return float(raw) / 1e6
 
 
@@ -158,9 +169,10 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     if tensor.datatype == "BYTES":
         assert isinstance(tensor.values, list)
         try:
-            return wire.TextPayload([v.decode() for v in tensor.values])
+            texts = [v.decode() for v in tensor.values]
         except UnicodeDecodeError as exc:
             raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
+        return wire.TextPayload(check_texts(texts, f"input {tensor.name!r}", param=tensor.name))
     assert isinstance(tensor.values, np.ndarray)
     array = np.ascontiguousarray(tensor.values)
     return wire.TensorPayload(str(array.dtype), tuple(array.shape), array.tobytes())

@@ -18,8 +18,10 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import (
+    MAX_TEXT_ITEMS,
     arrival,
     caller,
+    check_texts,
     decode_json,
     estimate_text_tokens,
     header_timeout_s,
@@ -30,8 +32,6 @@ from sluice.api.common import (
 from sluice.errors import InvalidInput, ModelNotFound
 from sluice.gateway import Gateway
 
-MAX_INPUTS = 2048
-MAX_INPUT_CHARS = 100_000
 MAX_DIMENSIONS = 65_536
 _STARTED = int(time.time())
 
@@ -55,13 +55,13 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
         if name not in gateway.models():
-            raise ModelNotFound(f"the model {name!r} does not exist")
+            raise gateway.refusal(name, None) or ModelNotFound(f"the model {name!r} does not exist")
         gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         return _json(_model_card(name))
 
     async def embeddings(request: Request) -> Response:
         arrived_at = arrival(request, gateway.now())
-        timeout_s = header_timeout_s(request)
+        timeout_s = header_timeout_s(request, gateway.max_timeout_s)
         body = await read_body(request, body_limit_bytes)
         parsed = decode_json(body, EmbeddingsRequest)
         texts = _texts(parsed.input)
@@ -111,19 +111,10 @@ def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: in
 
 def _texts(raw: str | list[Any]) -> list[str]:
     texts = [raw] if isinstance(raw, str) else raw
-    if not texts:
-        raise InvalidInput("'input' must not be empty", param="input")
-    if len(texts) > MAX_INPUTS:
-        raise InvalidInput(f"'input' may hold at most {MAX_INPUTS} items", param="input")
-    for text in texts:
-        if not isinstance(text, str):
-            raise InvalidInput("'input' must be a string or a list of strings "
-                               "(token arrays are not supported)", param="input")
-        if not text:
-            raise InvalidInput("'input' must not contain empty strings", param="input")
-        if len(text) > MAX_INPUT_CHARS:
-            raise InvalidInput(f"an input is longer than {MAX_INPUT_CHARS} characters", param="input")
-    return texts
+    if not all(isinstance(text, str) for text in texts[:MAX_TEXT_ITEMS + 1]):
+        raise InvalidInput("'input' must be a string or a list of strings "
+                           "(token arrays are not supported)", param="input")
+    return check_texts(texts, "'input'", param="input")
 
 
 def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:

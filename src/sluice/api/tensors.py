@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sluice.api.common import unreadable_json
 from sluice.errors import InvalidInput
 
 DATATYPES: dict[str, np.dtype[Any]] = {
@@ -83,8 +84,8 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
         request = msgspec.json.decode(header, type=InferRequestBody)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid inference request: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise unreadable_json(exc) from exc
     if not request.inputs:
         raise InvalidInput("inference request has no inputs", param="inputs")
     tensors = []
@@ -151,7 +152,11 @@ def _numeric_array(tensor: InputTensor) -> np.ndarray:
     data = tensor.data if isinstance(tensor.data, list) else [tensor.data]
     kind: Any = _JSON_ELEMENT[tensor.datatype]
     probe = data
+    num_levels = 1
     while probe and isinstance(probe[0], list):  # nested: one list level per dimension seen
+        num_levels += 1
+        if num_levels > MAX_DIMS:  # refused before a type as deep as the data is built
+            raise InvalidInput(f"input {tensor.name!r}: data is nested more than {MAX_DIMS} levels deep")
         kind = list[kind]
         probe = probe[0]
     try:

@@ -24,6 +24,9 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
 
 @click.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
+@click.option("--api-key", envvar=["SLUICE_API_KEY", "OPENAI_API_KEY"], show_envvar=True, default=None,
+              help="Sent as 'Authorization: Bearer KEY' on every request (load, metadata, /metrics), for a "
+                   "server with a tenants file. Never written to the result files.")
 @click.option("--endpoint", type=click.Choice(_ENDPOINTS + _GENERATIVE_ENDPOINTS), default="kserve", show_default=True,
               help="completions/chat: streaming generation (SSE), reported with vLLM's TTFT/TPOT/ITL metrics.")
 @click.option("--model", default="emulated", show_default=True)
@@ -72,11 +75,11 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
               help="completions/chat: TTFT target for goodput.")
 @click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="completions/chat: TPOT target for goodput.")
-def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | None, rates: str | None,
-          duration_s: float, warmup_s: float, timeout_ms: float | None, slo_ms: float, out_path: Path | None,
-          plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int, max_lag_ms: float,
-          self_test: bool, concurrency: int, scenario: str | None, scale: float, prompt_len: str, output_len: str,
-          ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> None:
+def bench(url: str, api_key: str | None, endpoint: str, model: str, input_len: int, rate: float | None,
+          rates: str | None, duration_s: float, warmup_s: float, timeout_ms: float | None, slo_ms: float,
+          out_path: Path | None, plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int,
+          max_lag_ms: float, self_test: bool, concurrency: int, scenario: str | None, scale: float, prompt_len: str,
+          output_len: str, ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> None:
     """Open-loop load generator: offer Poisson load to a running server and report what it sustained.
 
     For completions/chat each rate sends round(rate * duration) streamed requests (no warm-up).
@@ -98,7 +101,8 @@ def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | Non
     rates_per_s = _parse_rates(rate, rates, required=not self_test)
     if endpoint in _GENERATIVE_ENDPOINTS:
         _bench_generative(url, endpoint, model, rates_per_s, duration_s, prompt_len, output_len, ttft_slo_ms,
-                          tpot_slo_ms, seed, request_timeout_s, max_connections, timeout_ms, out_path, plot_path)
+                          tpot_slo_ms, seed, request_timeout_s, max_connections, timeout_ms, out_path, plot_path,
+                          api_key)
         return
 
     from sluice.bench import runner
@@ -109,7 +113,7 @@ def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | Non
         return
     config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, input_len, rates_per_s,
                                 duration_s, warmup_s, timeout_ms, slo_ms, seed, request_timeout_s,
-                                max_connections, max_lag_ms)
+                                max_connections, max_lag_ms, api_key)
     try:
         runner.bench(config, console, out_path, plot_path)
     except runner.BenchError as exc:
@@ -119,7 +123,7 @@ def bench(url: str, endpoint: str, model: str, input_len: int, rate: float | Non
 def _bench_generative(url: str, endpoint: str, model: str, rates_per_s: tuple[float, ...], duration_s: float,
                       prompt_len: str, output_len: str, ttft_slo_ms: float | None, tpot_slo_ms: float | None,
                       seed: int, request_timeout_s: float, max_connections: int, timeout_ms: float | None,
-                      out_path: Path | None, plot_path: Path | None) -> None:
+                      out_path: Path | None, plot_path: Path | None, api_key: str | None) -> None:
     from rich.console import Console
 
     from sluice.bench import genreport
@@ -132,7 +136,7 @@ def _bench_generative(url: str, endpoint: str, model: str, rates_per_s: tuple[fl
         raise click.BadParameter(str(exc)) from None
     config = genreport.GenBenchConfig(url.rstrip("/"), endpoint, model, rates_per_s, duration_s, prompt, output,
                                       SloConfig(ttft_slo_ms, tpot_slo_ms), seed, request_timeout_s,
-                                      max_connections, timeout_ms)
+                                      max_connections, timeout_ms, api_key)
     try:
         genreport.bench_generative(config, Console(), out_path, plot_path)
     except genreport.GenBenchError as exc:

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from sluice.bench import generative, report
 from sluice.bench.genstats import GenRateResult, Percentiles, SloConfig, summarize_generation
-from sluice.bench.loadgen import new_session
+from sluice.bench.loadgen import auth_headers, new_session
 
 __all__ = ["GenBenchConfig", "bench_generative", "summary_tables"]
 
@@ -48,6 +48,8 @@ class GenBenchConfig:
     request_timeout_s: float
     max_connections: int
     timeout_ms: float | None = None
+    api_key: str | None = None
+    """Sent as a bearer token on every request; never written to the result file."""
 
 
 class GenBenchError(Exception):
@@ -70,8 +72,8 @@ def bench_generative(config: GenBenchConfig, console: Console, out_path: Path | 
     plot_path = plot_path or out_path.with_suffix(".png")
     document = {
         "format": FORMAT, "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "config": {**msgspec.to_builtins(config), "prompt_len": str(config.prompt_len),
-                   "output_len": str(config.output_len), "arrivals": "poisson"},
+        "config": {**msgspec.to_builtins(config), "api_key": "(set)" if config.api_key else None,
+                   "prompt_len": str(config.prompt_len), "output_len": str(config.output_len), "arrivals": "poisson"},
         "calibration": msgspec.to_builtins(calibration),
         "results": [msgspec.to_builtins(r) for r in results],
     }
@@ -84,7 +86,7 @@ def bench_generative(config: GenBenchConfig, console: Console, out_path: Path | 
 async def _run(config: GenBenchConfig, console: Console) -> tuple[generative.Calibration, list[GenRateResult]]:
     workload = generative.GenWorkload(config.url, config.model, config.endpoint == "chat", config.timeout_ms)
     results = []
-    async with new_session(config.request_timeout_s, config.max_connections) as session:
+    async with new_session(config.request_timeout_s, config.max_connections, auth_headers(config.api_key)) as session:
         try:
             calibration = await generative.calibrate(session, workload)
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -26,7 +26,7 @@ import gc
 import math
 import time
 from array import array
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -293,14 +293,20 @@ def _frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def new_session(request_timeout_s: float,
-                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> aiohttp.ClientSession:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that carries an API key to the server (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def new_session(request_timeout_s: float, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                headers: Mapping[str, str] | None = None) -> aiohttp.ClientSession:
     """The aiohttp session for a run's other requests (/metrics snapshots, metadata, streaming).
 
-    Keep-alive connections, at most `max_connections` (0: no limit). The load itself goes out
-    through `LoadGenerator`'s own connections, not this session.
+    Keep-alive connections, at most `max_connections` (0: no limit); `headers` go on every
+    request (an API key). The load itself goes out through `LoadGenerator`'s own connections,
+    not this session.
     """
     connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=60, force_close=False,
                                      enable_cleanup_closed=False)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout_s),
-                                 skip_auto_headers=("User-Agent",))
+                                 skip_auto_headers=("User-Agent",), headers=headers)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluice.bench import report
-from sluice.bench.loadgen import LoadConfig, LoadGenerator, new_session
+from sluice.bench.loadgen import LoadConfig, LoadGenerator, auth_headers, new_session
 from sluice.bench.promstats import scrape
 from sluice.bench.selftest import run_self_test
 from sluice.bench.stats import MAX_LAG_P99_MS, RateResult, select_goodput, summarize
@@ -48,6 +48,12 @@ class BenchConfig:
     request_timeout_s: float
     max_connections: int
     max_lag_ms: float = MAX_LAG_P99_MS
+    api_key: str | None = None
+    """Sent as a bearer token on every request; never written to the result file."""
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
 
 
 def bench(config: BenchConfig, console: Console, out_path: Path | None, plot_path: Path | None) -> Path:
@@ -98,6 +104,7 @@ def self_test(console: Console, concurrency: int, duration_s: float, rates_per_s
 
 def config_document(config: BenchConfig, model_platform: str | None) -> dict[str, Any]:
     document: dict[str, Any] = msgspec.to_builtins(config)
+    document["api_key"] = "(set)" if config.api_key else None
     document.update(model_platform=model_platform, is_emulated=model_platform == "sluice_emulated",
                     arrivals="poisson")
     return document
@@ -105,7 +112,7 @@ def config_document(config: BenchConfig, model_platform: str | None) -> dict[str
 
 async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateResult], str | None]:
     results: list[RateResult] = []
-    async with new_session(config.request_timeout_s, config.max_connections) as session:
+    async with new_session(config.request_timeout_s, config.max_connections, config.auth_headers) as session:
         metadata = await _model_metadata(session, config)
         model_platform = None if metadata is None else metadata.get("platform")
         spec = None
@@ -117,7 +124,7 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
             except ValueError as exc:
                 raise BenchError(str(exc)) from exc
         workload = build_workload(config.endpoint, config.url, config.model, config.input_len,
-                                  config.timeout_ms, spec, seed=config.seed)
+                                  config.timeout_ms, spec, seed=config.seed, extra_headers=config.auth_headers)
         console.print(f"{workload.description} -> {workload.url}")
         generator = LoadGenerator(workload, config.request_timeout_s, config.max_connections)
         snapshot = functools.partial(scrape, session, config.url, config.model)

@@ -23,6 +23,7 @@ from sluice.errors import (
     InvalidInput,
     ModelNotFound,
     ModelNotReady,
+    ModelRefused,
     Overloaded,
     Unavailable,
     WorkerLost,
@@ -38,9 +39,14 @@ from sluice.tracing import Tracing
 log = logging.getLogger("sluice.gateway")
 
 
+MAX_TIMEOUT_S = 600.0
+"""The longest deadline a request may ask for; the API layer checks it against each source
+(`X-Request-Timeout-Ms`, the KServe `timeout` parameter) so that the error names that source."""
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    max_timeout_s: float = 600.0
+    max_timeout_s: float = MAX_TIMEOUT_S
     answer_grace_s: float = 5.0
     """How long past a deadline to wait for a silent worker before giving up on it."""
     redispatch_poll_s: float = 0.02
@@ -125,29 +131,53 @@ class Gateway:
         return index.with_recovering if include_recovering else index.ready
 
     def refused(self) -> list[wire.RefusedModel]:
+        """Model versions the workers refused to load, and why, that no worker serves instead."""
+        served = self.models(include_recovering=True)
         seen: dict[tuple[str, str], wire.RefusedModel] = {}
         for connection in self._connections.values():
             for refused in connection.state.refused if connection.state else ():
-                seen[(refused.name, refused.version)] = refused
-        return list(seen.values())
+                if refused.version not in served.get(refused.name, {}):
+                    seen[(refused.name, refused.version)] = refused
+        return [seen[key] for key in sorted(seen, key=lambda key: (key[0], _version_order(key[1])))]
+
+    def refusal(self, name: str, version: str | None) -> ModelRefused | None:
+        """The error for a request to a model version (None: any) that was refused at load and
+        is not served, saying why; None if it was not refused."""
+        reasons = {r.version: r.reason for r in self.refused() if r.name == name}
+        if version is not None:
+            reason = reasons.get(version, reasons.get("-"))
+            return None if reason is None else ModelRefused(
+                f"model {name!r} version {version!r} failed to load and is not served: {reason}")
+        if not reasons:
+            return None
+        why = "; ".join(reason if v == "-" else f"version {v}: {reason}" for v, reason in reasons.items())
+        return ModelRefused(f"model {name!r} failed to load and is not served: {why}")
 
     def resolve(self, name: str, version: str | None) -> wire.ModelInfo:
         versions = self.models(include_recovering=True).get(name)
+        if versions and (version is None or version in versions):
+            return versions[max(versions, key=_version_order) if version is None else version]
+        refusal = self.refusal(name, version)
+        if refusal is not None:
+            raise refusal
         if not versions:
             if name in self.expected_models:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
             raise ModelNotFound(f"model {name!r} does not exist")
-        if version is None:
-            return versions[max(versions, key=_version_order)]
-        if version not in versions:
-            raise ModelNotFound(f"model {name!r} has no version {version!r}")
-        return versions[version]
+        raise ModelNotFound(f"model {name!r} has no version {version!r}")
+
+    def loading_models(self) -> set[str]:
+        """Expected models that no ready worker serves yet and that were not refused at load."""
+        ready = self.models()
+        refused = {r.name for r in self.refused()}
+        return {name for name in self.expected_models if name not in ready and name not in refused}
 
     def is_ready(self) -> bool:
+        """Every model that could load is served by a ready worker. Models refused at load are not
+        waited for (unlike Triton's strict readiness): requests for them answer why (404)."""
         if self.is_draining:
             return False
-        ready = self.models()
-        return bool(ready) and all(name in ready for name in self.expected_models)
+        return bool(self.models()) and not self.loading_models()
 
     # -- inference -----------------------------------------------------------------------------
 
@@ -219,6 +249,10 @@ class Gateway:
     def now(self) -> float:
         """The gateway's clock, on which deadlines are set."""
         return self._clock.now()
+
+    @property
+    def max_timeout_s(self) -> float:
+        return self._config.max_timeout_s
 
     async def infer(
         self, info: wire.ModelInfo, payload: wire.Payload, timeout_s: float | None = None,

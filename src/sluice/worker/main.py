@@ -58,6 +58,11 @@ def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel
             log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
             refused.append(wire.RefusedModel(version.name, version.version, exc.message))
             continue
+        except Exception as exc:  # a runner that cannot load (bad weights, no memory): refuse it alone
+            log.exception("refusing %s v%s: loading failed", version.name, version.version)
+            reason = f"loading failed: {type(exc).__name__}: {exc}"
+            refused.append(wire.RefusedModel(version.name, version.version, reason))
+            continue
         models[version.key] = LoadedModel(version, runner)
         log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, config.device)
     return models, refused
