@@ -108,6 +108,10 @@ class WorkerLost(Unavailable):
     """The worker executing the request died; the request may be retried."""
 
 
+class DeviceFailed(Unavailable):
+    """The model's device (or upstream server) failed while running the request; not the input's fault."""
+
+
 class DeadlineExceeded(SluiceError):
     """The request's deadline passed before a result was ready."""
 

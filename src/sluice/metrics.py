@@ -19,7 +19,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
 REQUESTS = Counter(
-    "sluice_requests", "Requests answered, by outcome (ok, rejected, expired, failed, invalid).",
+    "sluice_requests",
+    "Requests answered, by outcome: ok, rejected (overload), expired (deadline), invalid (the client's input), "
+    "failed (device or worker failure), unavailable, cancelled (the client went away).",
     ["model", "version", "outcome"],
 )
 REQUEST_DURATION = Histogram(

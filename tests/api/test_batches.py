@@ -239,3 +239,11 @@ async def test_an_output_file_in_many_parts_downloads_whole(tmp_path: Path, monk
         assert downloaded.headers["content-length"] == str(len(b"".join(lines)))
         assert (await client.get("/v1/files/file-nope/content")).status_code == 404
     await store.aclose()
+
+
+@pytest.mark.parametrize("body", [b'{"input_file_id": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                                  b'{"input_file_id": "f\xff", "endpoint": "/v1/embeddings"}'])
+def test_an_unreadable_create_body_is_400_not_500(client: TestClient, body: bytes):
+    refused = client.post("/v1/batches", content=body, headers={"content-type": "application/json"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"

@@ -8,7 +8,7 @@ import pytest
 
 from sluice import wire
 from sluice.clock import VirtualClock
-from sluice.errors import InvalidInput, PermissionDenied, Unavailable
+from sluice.errors import DeviceFailed, InvalidInput, ItemFailed, PermissionDenied, WorkerLost
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.keyfile import add_key
 from sluice.gateway.tenancy import Tenancy
@@ -21,7 +21,7 @@ INFO = wire.ModelInfo("m", "1", "generative", "p", (), (), 32, 1.0, True, False)
 def test_a_device_failure_of_a_whole_request_is_503_not_the_clients_fault():
     failed = wire.Result(1, wire.Outcome.FAILED, message="x",
                          errors=[wire.ItemError(-1, "the model failed while generating", is_transient=True)])
-    with pytest.raises(Unavailable):
+    with pytest.raises(DeviceFailed):  # a 503, counted as outcome "failed"
         interpret(INFO, failed)
 
 
@@ -40,3 +40,26 @@ def test_the_early_overload_check_answers_a_forbidden_model_with_403(tmp_path: P
     gateway = Gateway(clock, metrics, tenancy=Tenancy(clock, metrics, path))
     with pytest.raises(PermissionDenied):
         gateway.shed_if_overloaded(INFO, None, 0.0, Caller("a"))
+
+
+@pytest.mark.parametrize("error, outcome", [(ItemFailed("item 0: NaN"), "invalid"),
+                                            (DeviceFailed("the device failed"), "failed"),
+                                            (WorkerLost("worker 0 died"), "failed")])
+async def test_a_clients_mistake_is_counted_apart_from_our_failures(error: Exception, outcome: str):
+    from prometheus_client import REGISTRY
+
+    from sluice.gateway.limits import Reservation
+    from sluice.gateway.ticket import Ticket
+    from sluice.priority import Priority
+
+    clock = VirtualClock()
+    metrics = GatewayMetrics()
+    labels = {"model": "outcomes", "version": "1", "outcome": outcome}
+    before = REGISTRY.get_sample_value("sluice_requests_total", labels) or 0.0
+    info = wire.ModelInfo("outcomes", "1", "emulated", "p", (), (), 32, 1.0, False, True)
+    ticket = Ticket(metrics, Tenancy(clock, metrics), clock, info, "", Priority.STANDARD,
+                    Reservation("", 0.0, ()), 0.0, 1.0)
+    with pytest.raises(type(error)):
+        async with ticket:
+            raise error
+    assert REGISTRY.get_sample_value("sluice_requests_total", labels) == before + 1

@@ -62,3 +62,14 @@ def test_kserve_lines_name_a_served_model_and_carry_inputs():
     assert isinstance(parsed, Invalid)
     assert [(e["line"], e["code"], e["param"]) for e in parsed.errors] == [
         (2, "invalid_body", "body.inputs"), (3, "model_not_found", "url")]
+
+
+def test_unreadable_lines_are_line_errors_not_crashes():
+    deep = b"[" * 5000 + b"]" * 5000
+    content = (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": ' + deep + b'}\n'
+               b'{"custom_id": "b\xff", "method": "POST", "url": "/v1/embeddings", "body": {}}\n'
+               b'{"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m\xfe"}}\n')
+    parsed = parse_input(content, "/v1/embeddings", {"m"})
+    assert isinstance(parsed, Invalid)
+    assert [(e["line"], e["code"]) for e in parsed.errors] == [(1, "invalid_json"), (2, "invalid_json"),
+                                                               (3, "invalid_body")]

@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive
 
-from sluice.api.common import parse_count, read_body, request_tenant
+from sluice.api.common import parse_count, read_body, request_tenant, unreadable_json
 from sluice.errors import InvalidInput, NotFound, PayloadTooLarge
 from sluice.jobs.store import BatchJob, FileObject, JobStore, NewBatch
 from sluice.jobs.validate import ENDPOINTS
@@ -295,8 +295,8 @@ def _decode(body: bytes) -> CreateBatch:
         return msgspec.json.decode(body, type=CreateBatch)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid request: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise unreadable_json(exc) from exc
 
 
 def _file_json(f: FileObject) -> dict[str, Any]:

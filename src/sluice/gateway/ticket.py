@@ -15,12 +15,14 @@ from sluice import wire
 from sluice.clock import Clock
 from sluice.errors import (
     DeadlineExceeded,
+    DeviceFailed,
     InvalidInput,
     ItemFailed,
     ModelNotReady,
     Overloaded,
     Unavailable,
     UpstreamRefused,
+    WorkerLost,
 )
 from sluice.gateway.limits import Reservation
 from sluice.gateway.tenancy import Tenancy, rate_limit_headers
@@ -148,7 +150,9 @@ class Ticket:
 _OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
     (Overloaded, "rejected"),
     (DeadlineExceeded, "expired"),
-    (InvalidInput, "failed"),
+    (InvalidInput, "invalid"),  # the client's input (a malformed item, an upstream's 4xx): not a failure of ours
+    (DeviceFailed, "failed"),
+    (WorkerLost, "failed"),
     (Unavailable, "unavailable"),
     (asyncio.CancelledError, "cancelled"),
     (GeneratorExit, "cancelled"),
@@ -173,7 +177,7 @@ def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
                 raise UpstreamRefused(refused.message, refused.upstream_status, refused.param)
             errors = "; ".join(f"item {e.index}: {e.message}" if e.index >= 0 else e.message for e in result.errors)
             if result.errors and all(e.is_transient for e in result.errors):
-                raise Unavailable(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
+                raise DeviceFailed(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
             if any(e.index < 0 for e in result.errors):
                 raise InvalidInput(errors or result.message)
             raise ItemFailed(errors or result.message)

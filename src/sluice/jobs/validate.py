@@ -121,6 +121,10 @@ class _Checker:
             return "invalid_request", f"invalid request line: {exc}", None
         except msgspec.DecodeError as exc:
             return "invalid_json", f"not a JSON object: {exc}", None
+        except RecursionError:
+            return "invalid_json", "not a JSON object: it is nested too deeply", None
+        except UnicodeDecodeError as exc:
+            return "invalid_json", f"not a JSON object: a string holds bytes that are not UTF-8 ({exc.reason})", None
         if not line.custom_id:
             return "invalid_custom_id", "custom_id must be a non-empty string", "custom_id"
         if line.method.upper() != "POST":
@@ -141,7 +145,7 @@ class _Checker:
     def _check_body(self, body: bytes, url_model: str | None) -> Problem | None:
         try:
             decoded = self._decode_body(body)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError):
             return "invalid_body", "body must be a JSON object", "body"
         if isinstance(decoded, _KServeBody):
             if not isinstance(decoded.inputs, list):

@@ -217,7 +217,7 @@ class WorkerServer:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
                                              tenant=message.tenant, priority=_priority(message.priority))
         if isinstance(decision, Rejected):
-            self._reply(identity, _rejection(message.request_id, decision))
+            self._reply(identity, _rejection(message.request_id, decision, message.timeout_s))
             return
         pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
         self._pending[internal_id] = pending
@@ -435,10 +435,12 @@ class WorkerServer:
                     self._metrics.upstream(load.model, load.num_running, load.num_waiting)
 
 
-def _rejection(request_id: int, rejected: Rejected) -> wire.Result:
+def _rejection(request_id: int, rejected: Rejected, timeout_s: float) -> wire.Result:
+    """`timeout_s`: what was left of the request's deadline when the gateway sent it."""
     if rejected.reason is RejectReason.DEADLINE_UNREACHABLE:
         return wire.Result(request_id, wire.Outcome.EXPIRED,
-                           message="the deadline is shorter than the model's execution time")
+                           message=f"{timeout_s * 1000:.0f} ms of the request's deadline were left when it reached "
+                                   "the worker: less than running it takes, even on an idle device")
     return wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=rejected.retry_after_s,
                        message=f"worker {rejected.reason.value}: queued work would miss the deadline")
 
