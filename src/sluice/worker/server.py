@@ -319,6 +319,10 @@ class WorkerServer:
             if pending.num_left == 0:
                 self._finish(item.request_id, pending)
         self._kick()  # the device thread found nothing: requests that arrived since can start
+        if self._scheduler.is_idle:
+            # nothing left to run: say so now rather than at the next report, so that no gateway
+            # keeps counting, for up to a report interval, a wait its last report predicted
+            self._broadcast_state()
         self._check_drained()
 
     def _finish(self, internal_id: int, pending: _Pending) -> None:
