@@ -250,16 +250,12 @@ def one_seq_server(tmp_path_factory: pytest.TempPathFactory):
     started.stop()
 
 
-def _gauge(server, name: str) -> float | None:
-    match = re.search(rf'^{re.escape(name)}\{{model_name="{MODEL}"\}} (\S+)$', httpx.get(f"{server.url}/metrics").text,
-                      re.MULTILINE)
-    return float(match.group(1)) if match else None
+def _gauge(server, name: str) -> float:
+    return _total(server, name, model_name=MODEL)
 
 
 def _num_cancelled(server) -> float:
-    match = re.search(rf'^sluice_requests_total\{{model="{MODEL}",outcome="cancelled",version="1"\}} (\S+)$',
-                      httpx.get(f"{server.url}/metrics").text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    return _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
 
 
 def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
