@@ -8,7 +8,7 @@ import pytest
 
 from sluice.clock import VirtualClock
 from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
-from tests.engines.generative.conftest import greedy, prompts, run_to_completion
+from tests.engines.generative.conftest import VOCAB, greedy, prompts, run_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +157,17 @@ def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once(llama_di
     assert engine.stats().num_waiting == 2
 
 
-def test_a_sequence_that_cannot_be_sampled_ends_alone(engine, monkeypatch):
-    """A bad token id that got past validation ends its own sequence, not the batch beside it."""
+@pytest.mark.parametrize("blocked, temperature", [
+    ((10**8,), 0.0),               # a token id outside the vocabulary
+    (tuple(range(VOCAB)), 1.0),    # no token left to draw: the probabilities are NaN
+])
+def test_a_sequence_that_cannot_be_sampled_ends_alone(engine, monkeypatch, blocked, temperature):
+    """Bad values that got past validation end their own sequence, not the batch beside it."""
     other, victim = prompts(18, 2, 12, 12)
     reference = _one(engine, other, greedy(8), rid="reference")
-    monkeypatch.setattr(engine, "eos_token_ids", (10**8,))  # blocked for min_tokens: out of the vocabulary
+    monkeypatch.setattr(engine, "eos_token_ids", blocked)  # blocked until min_tokens
     engine.add_request("other", other, greedy(8))
-    engine.add_request("bad", victim, SamplingParams(max_tokens=8, min_tokens=4, temperature=0))
+    engine.add_request("bad", victim, SamplingParams(max_tokens=8, min_tokens=4, temperature=temperature))
     finished: dict[str, str | None] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():

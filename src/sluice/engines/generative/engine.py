@@ -207,7 +207,9 @@ class LLMEngine:
                 log.exception("a model step of %d sequences failed; ending them", len(scheduled.chunks))
                 return outputs + self._fail([chunk.request_id for chunk in scheduled.chunks])
             sampled, unsampled = self._sample(scheduled, logits)
-            outputs += self._fail(unsampled)
+            if unsampled:
+                log.error("requests %s could not be sampled (see above); ending them", ", ".join(unsampled))
+                outputs += self._fail(unsampled)
         t4 = time.perf_counter()
         outputs += self._process(self._scheduler.update(scheduled, sampled))
         t5 = time.perf_counter()

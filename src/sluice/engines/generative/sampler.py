@@ -47,14 +47,18 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> list[int | None]:
-        """One token per row (`logits[i]` is row i's); None for a row that could not be sampled."""
+        """One token per row (`logits[i]` is row i's); None for a row that could not be sampled.
+        The device is synchronised once, when the tokens are read back."""
         is_usable = [self._process(logits, i, row) for i, row in enumerate(rows)]
-        chosen = logits.argmax(dim=-1).tolist()
+        chosen = logits.argmax(dim=-1)
         sampled = [i for i, row in enumerate(rows) if is_usable[i] and not row.params.is_greedy]
         if sampled:
-            for i, token in zip(sampled, self._draw(logits, [rows[i] for i in sampled], sampled), strict=True):
-                chosen[i] = token
-        return [token if is_usable[i] else None for i, token in enumerate(chosen)]
+            index = torch.tensor(sampled, device=logits.device)
+            drawn, is_valid = self._draw(logits, [rows[i] for i in sampled], sampled)
+            chosen[index] = drawn
+            for i, ok in zip(sampled, is_valid.tolist(), strict=True):
+                is_usable[i] = is_usable[i] and ok
+        return [token if is_usable[i] else None for i, token in enumerate(chosen.tolist())]
 
     def _process(self, logits: torch.Tensor, i: int, row: SampleRow) -> bool:
         """Apply row i's logit processors in place; False if they cannot (the row is not sampled).
@@ -79,26 +83,26 @@ class Sampler:
             return False
         return True
 
-    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], indices: list[int]) -> list[int | None]:
-        """Random draws for the non-greedy rows (`indices` into `logits`). A row whose probabilities
-        are not a distribution (NaN, inf, all zero) is never handed to `multinomial` (on CUDA that is
-        a device assert, fatal to every sequence): it gets None."""
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], indices: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random draws for the non-greedy rows (`indices` into `logits`), and whether each row's
+        probabilities were a distribution. A row that is not (NaN, inf, all zero) is never handed
+        to `multinomial` as it is (on CUDA that is a device assert, fatal to every sequence): it
+        draws from a placeholder and is reported invalid."""
         try:
             probs = self._probabilities(logits[torch.tensor(indices, device=logits.device)], [r.params for r in rows])
         except Exception:
             if len(rows) == 1:
                 log.exception("request %s: sampling failed; ending it", rows[0].request_id)
-                return [None]
+                return logits[indices[0]].argmax().view(1), torch.zeros(1, dtype=torch.bool, device=logits.device)
             log.exception("sampling failed for a batch of %d rows; retrying them one by one", len(rows))
-            return [token for i, row in zip(indices, rows, strict=True) for token in self._draw(logits, [row], [i])]
-        is_valid = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
-        draws = [torch.multinomial(probs[j], 1, generator=self._generator(row))
-                 for j, row in enumerate(rows) if is_valid[j]]
-        tokens = iter(torch.cat(draws).tolist() if draws else [])
-        for row, ok in zip(rows, is_valid, strict=True):
-            if not ok:
-                log.error("request %s: its sampling probabilities are not a distribution; ending it", row.request_id)
-        return [next(tokens) if ok else None for ok in is_valid]
+            parts = [self._draw(logits, [row], [i]) for i, row in zip(indices, rows, strict=True)]
+            return torch.cat([t for t, _ in parts]), torch.cat([v for _, v in parts])
+        is_valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        probs = torch.where(is_valid[:, None], probs, torch.ones_like(probs))
+        drawn = torch.cat([torch.multinomial(probs[j], 1, generator=self._generator(row))
+                           for j, row in enumerate(rows)])
+        return drawn, is_valid
 
     def _probabilities(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         vocab = logits.shape[-1]
