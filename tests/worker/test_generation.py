@@ -17,6 +17,7 @@ from sluice.errors import InvalidInput, Unavailable
 from sluice.gateway.ticket import interpret
 from sluice.priority import Priority
 from sluice.repository import scan_repository
+from sluice.worker import generation
 from sluice.worker.generation import GenerationLoop, Generations
 from tests.conftest import write_tiny_lm_model
 
@@ -86,7 +87,7 @@ def test_a_large_prompt_is_tokenized_without_blocking_the_event_loop(runner, mon
     async def scenario() -> None:
         worker = _Worker(runner)
         try:
-            monkeypatch.setattr(runner, "is_large", lambda _payload: True)
+            monkeypatch.setattr(generation, "OFF_LOOP_PROMPT_CHARS", 0)
             monkeypatch.setattr(runner.tokenizer, "encode", slow_encode)
             assert worker.submit(1)
             assert await asyncio.to_thread(entered.wait, 10)

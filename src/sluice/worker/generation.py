@@ -10,8 +10,8 @@
 The engine does continuous batching itself: a request joins the running batch at the next step
 and leaves it the step it finishes, so this thread only has to keep stepping. `Generations` is the
 loop thread's side: where each request's output goes (chunks, `Started`, the final `Result`).
-A large prompt is tokenized on a worker thread (`GenerativeRunner.is_large`), so that no request
-stalls the event loop that serves every other one (and answers the gateway's liveness checks).
+A prompt over `OFF_LOOP_PROMPT_CHARS` is tokenized on a worker thread, so that no request stalls
+the event loop that serves every other one (and answers the gateway's liveness checks).
 """
 
 from __future__ import annotations
@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.generative.engine import RequestOutput
-from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration
+from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration, prompt_chars
 from sluice.errors import InvalidInput
 from sluice.priority import Priority
 
 log = logging.getLogger("sluice.worker")
 
 OnOutputs = Callable[[list[RequestOutput], float], None]
+
+OFF_LOOP_PROMPT_CHARS = 16_384
+"""Longer prompts (more than a few ms to tokenize) are prepared on a thread, off the event loop."""
 
 
 class GenerationLoop:
@@ -134,7 +137,7 @@ class Generations:
             return False
         generation = _Generation(identity, message.request_id, loop, payload.stream)
         self._by_id[internal_id] = generation
-        if loop.runner.is_large(payload):
+        if prompt_chars(payload) > OFF_LOOP_PROMPT_CHARS:
             task = asyncio.create_task(self._prepare_off_loop(internal_id, generation, message, deadline))
             self._preparing.add(task)
             task.add_done_callback(self._preparing.discard)

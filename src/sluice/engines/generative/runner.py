@@ -18,8 +18,8 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
 prompt or stop token id outside the vocabulary, a prompt that leaves no room in the context, a
 `max_tokens` the context cannot hold (a default max_tokens is capped instead). A prompt longer than
 `MAX_CHARS_PER_TOKEN` characters per token of context is refused before it is tokenized (no
-tokenizer averages more), so a huge prompt costs no tokenization; `is_large` tells the worker which
-inputs to prepare off its event loop.
+tokenizer averages more), so a huge prompt costs no tokenization. `prepare` is thread-safe: the
+worker prepares long prompts off its event loop.
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "pro
 
 MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
-LARGE_PROMPT_CHARS = 16_384
-"""Prompts longer than this (a few ms of tokenization) are prepared off the worker's event loop."""
 
 _ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
                   "max_model_len", "scheduling", "static_reserve")
@@ -80,13 +78,9 @@ class GenerativeRunner:
             max_prompt_chars=MAX_CHARS_PER_TOKEN * self.engine.max_model_len,
         )
 
-    def is_large(self, payload: wire.GeneratePayload) -> bool:
-        """Whether preparing it takes long enough to keep it off an event loop."""
-        return prompt_chars(payload) > LARGE_PROMPT_CHARS
-
     def prepare(self, payload: wire.GeneratePayload) -> PreparedGeneration:
         """Prompt token ids and sampling parameters; `InvalidInput` (400) for what cannot be served.
-        Thread-safe: the worker calls it off its event loop for large prompts."""
+        Thread-safe."""
         param = "messages" if payload.messages is not None else "prompt"
         max_model_len = self.engine.max_model_len
         if prompt_chars(payload) > MAX_CHARS_PER_TOKEN * max_model_len:
