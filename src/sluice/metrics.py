@@ -292,8 +292,9 @@ class WorkerMetrics:
                                (PREFIX_CACHE_QUERIES, "prefix_cache_query_tokens"),
                                (PREFIX_CACHE_HITS, "prefix_cache_hit_tokens")):
             now, before = getattr(stats, field), getattr(previous, field) if previous else 0
+            child = _child(counter, model)  # exported from the first report, at 0 until it happens
             if now > before:
-                _child(counter, model).inc(now - before)
+                child.inc(now - before)
 
 
 def exposition() -> tuple[bytes, str]:

@@ -63,6 +63,8 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     stream: bool = False
+    is_max_tokens_default: bool = False
+    """The client sent no max_tokens: cap it at what the context leaves rather than refusing."""
 
 
 class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
@@ -176,6 +178,12 @@ class ModelInfo(msgspec.Struct, frozen=True):
     slo_s: float
     accepts_text: bool
     accepts_tensor: bool
+    max_model_len: int = 0
+    """Generative models: prompt + output tokens it can hold (0: not known), for checks at the API."""
+    vocab_size: int = 0
+    """Generative models: token ids must be below this (0: not known)."""
+    max_prompt_chars: int = 0
+    """Generative models: a longer prompt cannot fit the context; refused before it is sent (0: no bound)."""
 
 
 class RefusedModel(msgspec.Struct, frozen=True):

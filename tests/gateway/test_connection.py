@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from sluice import wire
+from sluice.errors import InvalidInput
 from sluice.gateway.connection import WorkerConnection
 from sluice.gateway.gateway import Gateway
+from sluice.gateway.ticket import interpret
 from sluice.priority import Priority
 
 
@@ -87,3 +89,43 @@ def test_early_admission_counts_the_newcomers_own_batch() -> None:
         assert Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
 
     asyncio.run(scenario())
+
+
+class _RecordingChannel:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send(self, data: bytes) -> bool:
+        self.frames.append(data)
+        return True
+
+
+def test_an_unencodable_request_fails_alone_and_the_rest_of_its_frame_is_sent() -> None:
+    """A seed beyond 64 bits cannot be encoded: that request gets a 400, while the requests and
+    cancels queued in the same loop turn still reach the worker."""
+    async def scenario() -> None:
+        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+        channel = _RecordingChannel()
+        connection._channel = channel  # type: ignore[assignment]
+        connection._on_message(_state(0.0))
+        good = [connection.submit(_generate(request_id)) for request_id in (1, 3)]
+        bad = connection.submit(_generate(2, seed=2**64))
+        connection.cancel(1)
+        assert bad is not None and all(good)
+        await asyncio.sleep(0)  # the loop turn's flush
+        (frame,) = channel.frames
+        sent = wire.decode(frame)
+        assert [(type(m).__name__, getattr(m, "request_id", None)) for m in sent] == [
+            ("Submit", 1), ("Submit", 3), ("Cancel", None)]
+        result = await bad.future
+        assert result is not None
+        with pytest.raises(InvalidInput, match="could not be sent"):
+            interpret(_state(0.0).models[0], result)
+        assert not good[1].future.done()
+
+    asyncio.run(scenario())
+
+
+def _generate(request_id: int, seed: int | None = None) -> wire.Submit:
+    payload = wire.GeneratePayload(prompt="hi", seed=seed)
+    return wire.Submit(request_id, "m", "1", payload, 1.0, "a", int(Priority.STANDARD))

@@ -3,8 +3,10 @@ streamed, stop strings, prefix-cache hits in usage, cancellation on disconnect, 
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -157,3 +159,145 @@ def test_the_model_is_listed_and_refused_by_embeddings(client, server):
     assert MODEL in {m.id for m in client.models.list().data}
     response = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert response.status_code == 400
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "stop_token_ids": [99_999_999], "min_tokens": 2}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": [5, 99_999_999]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 100_000}, "max_tokens"),
+    ({"prompt": [5] * 1000, "max_tokens": 100}, "max_tokens"),
+    ({"prompt": "word " * 3_000_000, "max_tokens": 2}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+])
+def test_values_the_model_cannot_take_are_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    if param == "max_tokens":
+        assert "maximum context length is 1024 tokens" in error["message"]
+
+
+def test_chat_messages_far_longer_than_the_context_are_400(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_a_tokenized_prompt_that_leaves_too_little_room_is_400_not_cut(client):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
+        client.completions.create(model=MODEL, prompt="The weather today is " * 120, max_tokens=600)
+
+
+def test_a_chat_without_max_tokens_gets_what_the_context_leaves(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me " * 180}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 1024
+
+
+def test_a_vanishing_temperature_is_greedy(client):
+    greedy = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=0)
+    tiny = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1e-45)
+    assert tiny.choices[0].text == greedy.choices[0].text
+
+
+def test_null_optional_fields_mean_not_given(server):
+    nulls = dict.fromkeys(("n", "stream", "stream_options", "min_tokens", "ignore_eos", "seed", "stop",
+                           "stop_token_ids", "top_k", "top_p", "temperature", "logprobs", "max_tokens"))
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": None, **nulls})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **nulls, "max_tokens": 3})
+    assert chat.status_code == 200, chat.text
+
+
+def test_with_include_usage_every_chunk_but_the_last_has_null_usage(server):
+    chunks = []
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):]))
+    assert len(chunks) >= 2
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_a_bad_request_does_not_end_the_sequences_running_beside_it(client, server):
+    stream = client.completions.create(model=MODEL, prompt="Keep going", max_tokens=40, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    bad = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "min_tokens": 2,
+                                                           "stop_token_ids": [99_999_999], "temperature": 1e-45})
+    assert bad.status_code == 400
+    rest = list(stream)
+    assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices[0].finish_reason] == ["length"]
+
+
+@pytest.fixture(scope="module")
+def one_seq_server(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-lm running one sequence at a time: a second request waits in the engine's queue."""
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), MODEL)
+    (repo / MODEL / "model.toml").write_text(
+        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 1\n')
+    started = start_server(repo, tmp_path_factory.mktemp("log"))
+    yield started
+    started.stop()
+
+
+def _gauge(server, name: str) -> float:
+    return _total(server, name, model_name=MODEL)
+
+
+def _num_cancelled(server) -> float:
+    return _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+
+
+def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    pytest.fail(what)
+
+
+LONG = {"model": MODEL, "prompt": "Keep going", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_sequence(one_seq_server):
+    server = one_seq_server
+    cancelled = _num_cancelled(server)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=1.0))
+    _wait_for(lambda: _num_cancelled(server) > cancelled, "the abandoned request was not cancelled")
+    _wait_for(lambda: _gauge(server, "vllm:num_requests_running") == 0, "its sequence kept running")
+    assert _gauge(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_stream_abandoned_before_its_first_token_leaves_the_queue(one_seq_server):
+    server = one_seq_server
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=60) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # it holds the engine's one slot
+        with ThreadPoolExecutor(1) as pool:  # queued behind it until its client gives up
+            queued = pool.submit(httpx.post, f"{server.url}/v1/completions", json={**LONG, "stream": True},
+                                 timeout=httpx.Timeout(60, read=3.0))
+            _wait_for(lambda: _gauge(server, "vllm:num_requests_waiting") == 1, "the second stream did not queue")
+            with pytest.raises(httpx.ReadTimeout):
+                queued.result()
+        _wait_for(lambda: _gauge(server, "vllm:num_requests_waiting") == 0, "the abandoned stream stayed queued")
+        assert _gauge(server, "vllm:num_requests_running") == 1  # the first one is still going
+    _wait_for(lambda: _gauge(server, "vllm:num_requests_running") == 0, "the closed stream kept running")
+
+
+def test_preemptions_are_exported_from_the_start(one_seq_server):
+    _wait_for(lambda: 'sluice_preemptions_total{model="tiny"} 0.0' in httpx.get(f"{one_seq_server.url}/metrics").text,
+              "sluice_preemptions is not exported before the first preemption")
+

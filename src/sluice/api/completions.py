@@ -5,17 +5,27 @@
 
 Errors found before the first byte are HTTP statuses in OpenAI's envelope; once the stream has
 started, an error is sent as an SSE event carrying the same envelope, then `[DONE]`. A client that
-disconnects cancels its sequence on the worker. Fields `vllm bench serve` sends (`ignore_eos`,
+disconnects cancels its sequence on the worker, whether it is waiting for a whole answer, for a
+stream's first token, or reading the stream. Fields `vllm bench serve` sends (`ignore_eos`,
 `top_k`, `min_tokens`, `repetition_penalty`) are honoured; `n > 1`, `echo`, `logprobs`, tools and
-penalties other than repetition are refused with a 400 rather than silently ignored.
+penalties other than repetition are refused with a 400 rather than silently ignored. `null` for an
+optional field means "not given", as in OpenAI's API.
+
+What the model reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked
+here, before anything is sent to a worker: token ids outside the vocabulary, a `max_tokens` the
+context cannot hold, a prompt far too long to be worth tokenizing. The worker checks the rest
+(the tokenized prompt's length) with the same messages.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -36,12 +46,22 @@ from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
 from sluice.gateway import Gateway, InferResult
 
+log = logging.getLogger("sluice.api")
+
+T = TypeVar("T")
+
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP = 4
+TOKEN_ID_LIMIT = 1 << 31
+"""Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""A seed is a signed 64-bit integer, as OpenAI and vLLM accept."""
+DEFAULT_CHAT_MAX_TOKENS = 1024
+"""max_tokens of a chat request that sends none: capped at what the context leaves."""
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -50,16 +70,16 @@ class _Sampling(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    min_tokens: int = 0
+    min_tokens: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     service_tier: str | None = None
@@ -70,7 +90,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -117,20 +137,46 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     if info.kind not in ("generative", "openai-upstream"):
         raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
                            f"/v2/models/{parsed.model}/infer", param="model")
-    payload = _to_payload(parsed)
+    payload = _to_payload(parsed, info)
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     estimate = _estimate_tokens(payload)
     events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                               caller=caller(request, priority, estimate))
-    shape = _Shape(isinstance(parsed, ChatRequest), info.name)
+    include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
+    shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage)
     if not payload.stream:
-        result = await _final(events)
+        result = await _unless_disconnected(request, events, _final(events))
         return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
                         headers=result.rate_limit_headers)
-    first = await anext(events)  # errors before the first byte become HTTP statuses
-    include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-    return StreamingResponse(_sse(shape, first, events, include_usage), media_type="text/event-stream",
+    # errors before the first byte become HTTP statuses
+    first = await _unless_disconnected(request, events, anext(events))
+    return StreamingResponse(_sse(shape, first, events), media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _unless_disconnected(request: Request, events: AsyncIterator[Any], waiting: Awaitable[T]) -> T:
+    """What `waiting` (on `events`) gives, unless the client disconnects first: then the generation
+    is withdrawn from its worker (its blocks freed within a step) and nobody is answered."""
+    work = asyncio.ensure_future(waiting)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            await events.aclose()  # withdraws the request (its cancellation may have done so already)
+    if not work.cancelled():
+        return work.result()
+    raise InvalidInput("the client disconnected before the answer was ready")
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone. The body has been read: the next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _final(events: AsyncIterator[wire.TokenChunk | InferResult]) -> InferResult:
@@ -141,7 +187,7 @@ async def _final(events: AsyncIterator[wire.TokenChunk | InferResult]) -> InferR
 
 
 async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
-               events: AsyncIterator[wire.TokenChunk | InferResult], include_usage: bool) -> AsyncIterator[bytes]:
+               events: AsyncIterator[wire.TokenChunk | InferResult]) -> AsyncIterator[bytes]:
     try:
         if shape.is_chat:
             yield _event(shape.role_chunk())
@@ -150,13 +196,16 @@ async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
             if isinstance(event, InferResult):
                 assert isinstance(event.payload, wire.GenerationResult)
                 yield _event(shape.delta(event.payload.text, event.payload.finish_reason))
-                if include_usage:
+                if shape.include_usage:
                     yield _event(shape.usage_chunk(event.payload))
                 break
             if event.text:
                 yield _event(shape.delta(event.text, None))
             event = await anext(events, None)
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
+        yield _event(error_body(exc))
+    except Exception as exc:  # a bug: the client still gets an error event and a clean end
+        log.exception("internal error while streaming %s", shape.id)
         yield _event(error_body(exc))
     finally:
         await events.aclose()  # withdraws the sequence if we stopped early (client gone)
@@ -170,9 +219,11 @@ def _event(content: Any) -> bytes:
 class _Shape:
     """OpenAI's response and chunk objects for one request."""
 
-    def __init__(self, is_chat: bool, model: str) -> None:
+    def __init__(self, is_chat: bool, model: str, include_usage: bool = False) -> None:
         self.is_chat = is_chat
         self.model = model
+        self.include_usage = include_usage
+        """Streamed chunks carry `"usage": null` until the last one carries the counts."""
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -191,17 +242,21 @@ class _Shape:
             body = self._head("text_completion")
         return {**body, "choices": [choice], "usage": _usage(payload)}
 
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._head("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
     def role_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
 
     def delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         if self.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice]}
+            return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
 
     def usage_chunk(self, payload: wire.GenerationResult) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
@@ -220,32 +275,40 @@ def _usage(payload: wire.GenerationResult) -> dict[str, Any]:
 # -- validation --------------------------------------------------------------------------------
 
 
-def _to_payload(request: CompletionRequest | ChatRequest) -> wire.GeneratePayload:
+def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> wire.GeneratePayload:
     _refuse_unsupported(request)
-    max_tokens = request.max_tokens
-    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
-        max_tokens = request.max_completion_tokens
-    max_tokens = 16 if max_tokens is None and isinstance(request, CompletionRequest) else max_tokens
+    max_tokens, max_tokens_param, is_max_tokens_default = _max_tokens(request)
+    min_tokens = _bounded_int(request.min_tokens or 0, "min_tokens", 0, MAX_TOKENS_LIMIT)
+    if min_tokens > max_tokens and not is_max_tokens_default:
+        raise InvalidInput(f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens})",
+                           param="min_tokens")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidInput("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    token_id_limit = info.vocab_size or TOKEN_ID_LIMIT
     sampling = dict(
-        max_tokens=_bounded_int(max_tokens if max_tokens is not None else 1024, "max_tokens", 1, MAX_TOKENS_LIMIT),
-        min_tokens=_bounded_int(request.min_tokens, "min_tokens", 0, MAX_TOKENS_LIMIT),
+        max_tokens=max_tokens,
+        min_tokens=min(min_tokens, max_tokens),
         temperature=_bounded(request.temperature, "temperature", 0.0, 2.0, 1.0),
         top_p=_bounded(request.top_p, "top_p", 1e-9, 1.0, 1.0),
         top_k=_bounded_int(0 if request.top_k in (None, -1) else request.top_k, "top_k", 0, 1 << 20),
         repetition_penalty=_bounded(request.repetition_penalty, "repetition_penalty", 1e-3, 10.0, 1.0),
-        seed=request.seed,
+        seed=None if request.seed is None else _bounded_int(request.seed, "seed", *SEED_RANGE),
         stop=_stops(request.stop),
-        stop_token_ids=list(request.stop_token_ids or []),
-        ignore_eos=request.ignore_eos,
-        stream=request.stream,
+        stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
+        ignore_eos=bool(request.ignore_eos),
+        stream=bool(request.stream),
+        is_max_tokens_default=is_max_tokens_default,
     )
     if isinstance(request, ChatRequest):
-        return wire.GeneratePayload(messages=_messages(request.messages), **sampling)  # type: ignore[arg-type]
+        messages = _messages(request.messages)
+        _check_prompt_chars(sum(len(m.content) for m in messages), "messages", info)
+        _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
+        return wire.GeneratePayload(messages=messages, **sampling)  # type: ignore[arg-type]
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(not 0 <= t < 1 << 31 for t in prompt):
-            raise InvalidInput("'prompt' token ids must be non-negative integers", param="prompt")
-        return wire.GeneratePayload(prompt_token_ids=list(prompt), **sampling)  # type: ignore[arg-type]
+        ids = _token_ids(prompt, "prompt", token_id_limit)
+        _check_context(len(ids), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
+        return wire.GeneratePayload(prompt_token_ids=ids, **sampling)  # type: ignore[arg-type]
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
             raise InvalidInput("'prompt' must be a string, a list holding one string, or a list of token ids "
@@ -253,11 +316,61 @@ def _to_payload(request: CompletionRequest | ChatRequest) -> wire.GeneratePayloa
         prompt = prompt[0]
     if not prompt:
         raise InvalidInput("'prompt' must not be empty", param="prompt")
+    _check_prompt_chars(len(prompt), "prompt", info)
+    _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
     return wire.GeneratePayload(prompt=prompt, **sampling)  # type: ignore[arg-type]
 
 
+def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:
+    """max_tokens, the field that gave it, and whether it is the default (the client sent none)."""
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        value, param = request.max_completion_tokens, "max_completion_tokens"
+    else:
+        value, param = request.max_tokens, "max_tokens"
+    if value is None:
+        return (16 if isinstance(request, CompletionRequest) else DEFAULT_CHAT_MAX_TOKENS), param, True
+    return _bounded_int(value, param, 1, MAX_TOKENS_LIMIT), param, False
+
+
+def _token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit for t in ids):
+        raise InvalidInput(f"'{param}' token ids must be integers in [0, {limit})", param=param)
+    return list(ids)
+
+
+def _check_prompt_chars(num_chars: int, param: str, info: wire.ModelInfo) -> None:
+    """Refuse a prompt far too long for the context before anyone tokenizes it."""
+    if info.max_prompt_chars and num_chars > info.max_prompt_chars:
+        raise InvalidInput(f"the prompt has {num_chars} characters, far more than this model's maximum context "
+                           f"length of {info.max_model_len} tokens can hold", param=param)
+
+
+def _check_context(num_prompt_tokens: int | None, max_tokens: int, max_tokens_param: str,
+                   is_max_tokens_default: bool, prompt_param: str, info: wire.ModelInfo) -> None:
+    """Refuse what cannot fit the model's context, as far as it is known here (a text prompt's
+    token count is only known on the worker, which checks it too)."""
+    max_model_len = info.max_model_len
+    if not max_model_len:
+        return
+    if num_prompt_tokens is not None and num_prompt_tokens >= max_model_len:
+        raise InvalidInput(f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length "
+                           f"is {max_model_len} tokens", param=prompt_param)
+    if is_max_tokens_default:
+        return  # capped at what the context leaves
+    if num_prompt_tokens is None:
+        if max_tokens >= max_model_len:
+            raise InvalidInput(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {max_tokens} tokens in the completion, which leaves no room for the "
+                               f"{prompt_param}. Please reduce {max_tokens_param}.", param=max_tokens_param)
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidInput(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, "
+                           f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} or "
+                           f"{max_tokens_param}.", param=max_tokens_param)
+
+
 def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
-    if request.n != 1:
+    if request.n not in (None, 1):
         raise InvalidInput("only n = 1 is supported", param="n")
     if request.logprobs not in (None, False, 0):
         raise InvalidInput("logprobs are not supported", param="logprobs")

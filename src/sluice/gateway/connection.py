@@ -166,13 +166,44 @@ class WorkerConnection:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        if not self._channel.send(wire.encode_many(outbox)):
+        try:
+            frame = wire.encode_many(outbox)
+        except Exception:  # one message that cannot be encoded must not take the frame down with it
+            outbox = self._encodable(outbox)
+            if not outbox:
+                return
+            frame = wire.encode_many(outbox)
+        if not self._channel.send(frame):
             # not connected: nothing was delivered; let these requests be re-dispatched
             for message in outbox:
                 if isinstance(message, wire.Submit):
                     in_flight = self._in_flight.pop(message.request_id, None)
                     if in_flight is not None:
                         in_flight.resolve(None)
+
+    def _encodable(self, outbox: list[wire.Message]) -> list[wire.Message]:
+        """The messages that encode; a request that does not is answered with the reason (400:
+        only a value the client sent, out of the wire's range, gets this far)."""
+        kept = []
+        for message in outbox:
+            try:
+                wire.encode_many([message])
+            except Exception as exc:
+                log.warning("cannot encode a %s for worker %s: %s", type(message).__name__, self.worker_id, exc)
+                if isinstance(message, wire.Submit):
+                    self._refuse_unsent(message, exc)
+            else:
+                kept.append(message)
+        return kept
+
+    def _refuse_unsent(self, message: wire.Submit, exc: Exception) -> None:
+        in_flight = self._in_flight.pop(message.request_id, None)
+        if in_flight is None:
+            return
+        self._unreported.discard(message.request_id)
+        error = f"the request could not be sent to a worker: {exc}"
+        in_flight.resolve(wire.Result(message.request_id, wire.Outcome.FAILED, message=error,
+                                      errors=[wire.ItemError(-1, error)]))
 
     def mark_lost(self, *, is_dead: bool = True) -> list[InFlight]:
         """Resolve every in-flight request with None and return them.

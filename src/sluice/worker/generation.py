@@ -5,11 +5,13 @@
     submit() ─▶ engine.add_request ──(inbox)──▶ step() ─▶ step() ─▶ ... (until nothing is left)
     abort()  ─▶ engine.abort ───────(inbox)──▶   freed within one step
     on_outputs(outputs, step_s) ◀── call_soon_threadsafe, once per step that produced output
-                                              (a step that raises ends every sequence with "error")
+                                              (a sequence that fails ends alone with "error")
 
 The engine does continuous batching itself: a request joins the running batch at the next step
 and leaves it the step it finishes, so this thread only has to keep stepping. `Generations` is the
 loop thread's side: where each request's output goes (chunks, `Started`, the final `Result`).
+A prompt over `OFF_LOOP_PROMPT_CHARS` is tokenized on a worker thread, so that no request stalls
+the event loop that serves every other one (and answers the gateway's liveness checks).
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from dataclasses import dataclass, field
 from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.generative.engine import RequestOutput
-from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration
+from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration, prompt_chars
 from sluice.errors import InvalidInput
 from sluice.priority import Priority
 
 log = logging.getLogger("sluice.worker")
 
 OnOutputs = Callable[[list[RequestOutput], float], None]
+
+OFF_LOOP_PROMPT_CHARS = 16_384
+"""Longer prompts (more than a few ms to tokenize) are prepared on a thread, off the event loop."""
 
 
 class GenerationLoop:
@@ -73,13 +78,24 @@ class GenerationLoop:
             self._wake.clear()
             while not self._is_stopping and self._engine.has_unfinished():
                 started = time.perf_counter()
-                try:
-                    outputs = self._engine.step()
-                except Exception:  # an engine bug or a device fault: keep the worker alive
-                    log.exception("generation step failed; ending this model's sequences with an error")
-                    outputs = self._engine.fail_all()
+                outputs = self._step()
+                if outputs is None:
+                    break  # the engine cannot even end its sequences: wait for the next request
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs, time.perf_counter() - started)
+
+    def _step(self) -> list[RequestOutput] | None:
+        """One engine step. The engine ends a failing sequence by itself; should the step still
+        raise (a scheduler bug), every sequence ends with an error and the loop goes on serving."""
+        try:
+            return self._engine.step()
+        except Exception:
+            log.exception("generation step failed; ending this model's sequences with an error")
+        try:
+            return self._engine.fail_all()
+        except Exception:
+            log.exception("ending this model's sequences after a failed step failed too")
+            return None
 
 
 @dataclass(slots=True)
@@ -105,25 +121,60 @@ class Generations:
         self._reply = reply
         self._forget = forget
         self._by_id: dict[int, _Generation] = {}
+        self._preparing: set[asyncio.Task[None]] = set()  # held so they are not collected mid-flight
 
     def __bool__(self) -> bool:
         return bool(self._by_id)
 
     def submit(self, internal_id: int, identity: bytes, message: wire.Submit, loop: GenerationLoop) -> bool:
-        """Queue it on `loop`; False (and the request answered with its error) if it cannot run."""
+        """Queue it on `loop`; False (and the request answered with its error) if it cannot run.
+        A large prompt is prepared on a thread: then True, and a failure is answered later."""
         payload = message.payload
-        try:
-            if not isinstance(payload, wire.GeneratePayload):
-                raise InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
-            prepared = loop.runner.prepare(payload)
-            loop.submit(str(internal_id), prepared, Priority(message.priority),
-                        self._clock.now() + message.timeout_s, salt=message.tenant)
-        except InvalidInput as exc:
-            self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
-                                              errors=[wire.ItemError(-1, exc.message)], message=exc.message))
+        deadline = self._clock.now() + message.timeout_s
+        if not isinstance(payload, wire.GeneratePayload):
+            error = InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
+            self._refuse(identity, message.request_id, error)
             return False
-        self._by_id[internal_id] = _Generation(identity, message.request_id, loop, payload.stream)
+        generation = _Generation(identity, message.request_id, loop, payload.stream)
+        self._by_id[internal_id] = generation
+        if prompt_chars(payload) > OFF_LOOP_PROMPT_CHARS:
+            task = asyncio.create_task(self._prepare_off_loop(internal_id, generation, message, deadline))
+            self._preparing.add(task)
+            task.add_done_callback(self._preparing.discard)
+            return True
+        try:
+            self._enqueue(internal_id, generation, message, loop.runner.prepare(payload), deadline)
+        except InvalidInput as exc:
+            del self._by_id[internal_id]
+            self._refuse(identity, message.request_id, exc)
+            return False
         return True
+
+    async def _prepare_off_loop(self, internal_id: int, generation: _Generation, message: wire.Submit,
+                                deadline: float) -> None:
+        assert isinstance(message.payload, wire.GeneratePayload)
+        try:
+            prepared = await asyncio.to_thread(generation.loop.runner.prepare, message.payload)
+            if self._by_id.get(internal_id) is generation:  # not withdrawn meanwhile
+                self._enqueue(internal_id, generation, message, prepared, deadline)
+        except InvalidInput as exc:
+            if self._by_id.pop(internal_id, None) is generation:
+                self._forget(generation.identity, generation.gateway_request_id)
+                self._refuse(generation.identity, generation.gateway_request_id, exc)
+        except Exception:  # a bug in preparing one request: answer it, keep serving the rest
+            log.exception("preparing generation request %d failed", message.request_id)
+            if self._by_id.pop(internal_id, None) is generation:
+                self._forget(generation.identity, generation.gateway_request_id)
+                self._reply(generation.identity, _failure(generation.gateway_request_id, 0, 0.0))
+
+    def _enqueue(self, internal_id: int, generation: _Generation, message: wire.Submit, prepared: PreparedGeneration,
+                 deadline: float) -> None:
+        generation.loop.submit(str(internal_id), prepared, Priority(message.priority), deadline, salt=message.tenant)
+
+    def _refuse(self, identity: bytes, request_id: int, error: InvalidInput) -> None:
+        """Answer a request the engine cannot serve (400, naming the field where known)."""
+        self._reply(identity, wire.Result(request_id, wire.Outcome.FAILED, message=error.message,
+                                          errors=[wire.ItemError(-1, error.message, param=error.param)]))
 
     def cancel(self, internal_id: int) -> bool:
         """Withdraw it (its blocks are freed within one step); False if it is not a generation."""
@@ -173,9 +224,15 @@ class Generations:
             result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
                                  message="worker overloaded: queued generations would miss the deadline")
         elif output.finish_reason == "error":
-            message = "the model failed while generating; try again"
-            result = wire.Result(request_id, wire.Outcome.FAILED, num_tokens=num_tokens, device_s=generation.device_s,
-                                 message=message, errors=[wire.ItemError(-1, message, is_transient=True)])
+            result = _failure(request_id, num_tokens, generation.device_s)
         else:
             return  # aborted: the gateway withdrew it and expects no answer
         self._reply(generation.identity, result)
+
+
+def _failure(request_id: int, num_tokens: int, device_s: float) -> wire.Result:
+    """The answer to a generation the model failed: a transient error, which the gateway answers
+    with 503 (retryable), not as the input's fault."""
+    message = "the model failed while generating; try again"
+    return wire.Result(request_id, wire.Outcome.FAILED, num_tokens=num_tokens, device_s=device_s, message=message,
+                       errors=[wire.ItemError(-1, message, is_transient=True)])

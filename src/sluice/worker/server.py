@@ -237,7 +237,9 @@ class WorkerServer:
         self._check_drained()
 
     def _forget(self, identity: bytes, gateway_request_id: int) -> None:
+        """A generation was answered (perhaps outside an engine step: a prompt prepared off the loop)."""
         self._by_gateway_id.pop((identity, gateway_request_id), None)
+        self._check_drained()
 
     def _on_cancel(self, identity: bytes, message: wire.Cancel) -> None:
         for request_id in message.request_ids:

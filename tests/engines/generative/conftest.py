@@ -31,6 +31,20 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 3.1-style RoPE scaling, with an original context short enough (64) that the frequencies
+    fall in all three bands (kept, divided by the factor, blended)."""
+    torch.manual_seed(2)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=500.0, rope_scaling=scaling, initializer_range=0.1, bos_token_id=1,
+                         eos_token_id=2)
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("llama3-rope"))
+
+
+@pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(1)
     config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.1,

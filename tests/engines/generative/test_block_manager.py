@@ -78,6 +78,18 @@ def test_salt_isolates_tenants():
     assert bm.cached_prefix([*tokens, 1], salt="tenant-b") == []
 
 
+def test_blocks_with_different_tokens_never_share_a_cache_entry():
+    """Python's hash() maps n and n + (2**61 - 1) to the same value: a chain of built-in hashes lets
+    a crafted prompt read (or poison) blocks cached for different tokens."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = [5, 6, 7, 8, 9]
+    bm.allocate("a", 5)
+    bm.commit("a", tokens, 5, salt="")
+    crafted = [t + (2**61 - 1) for t in tokens[:4]] + [9]
+    assert bm.cached_prefix(crafted, salt="") == []
+    assert len(bm.cached_prefix(tokens, salt="")) == 1
+
+
 def test_whole_prompt_hit_still_leaves_a_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(8))

@@ -71,3 +71,23 @@ def test_preemption_by_recompute_keeps_output_exact(model_dir, hf_greedy):
     stats = engine.stats()
     assert stats.num_preemptions_total > 0
     assert stats.kv_cache_usage == 0.0
+
+
+def test_llama3_rope_scaling_matches_transformers(llama3_rope_dir, hf_greedy):
+    engine = LLMEngine(llama3_rope_dir, EngineConfig(block_size=8, num_kv_blocks=256))
+    assert engine.spec.rope_scaling is not None
+    batch = prompts(6, 3, 20, 140)  # positions past the original 64-token context
+    _check_batch(engine, llama3_rope_dir, hf_greedy, batch, [24] * 3, join_every=2)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused_at_load(llama_dir, tmp_path):
+    import json
+    import shutil
+
+    mistral = shutil.copytree(llama_dir, tmp_path / "mistral")
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 128}))
+    with pytest.raises(ValueError, match="sliding window of 128 tokens"):
+        LLMEngine(mistral, EngineConfig(block_size=8, num_kv_blocks=64))
+    within = LLMEngine(mistral, EngineConfig(block_size=8, num_kv_blocks=64, max_model_len=128))
+    assert within.max_model_len == 128

@@ -8,7 +8,7 @@ import pytest
 
 from sluice.clock import VirtualClock
 from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
-from tests.engines.generative.conftest import greedy, prompts, run_to_completion
+from tests.engines.generative.conftest import VOCAB, greedy, prompts, run_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +103,33 @@ def test_overload_beyond_the_kv_cache_all_finish(llama_dir):
     assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0
 
 
-def test_a_failed_step_ends_every_sequence_with_an_error_and_the_engine_goes_on(engine, monkeypatch):
+def test_a_failed_forward_pass_ends_only_that_steps_sequences_and_the_engine_goes_on(llama_dir, monkeypatch):
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=64, max_num_seqs=1))
     engine.add_request("running", prompts(15, 1, 20, 20)[0], greedy(50))
     engine.step()
-    engine.add_request("queued", prompts(16, 1, 20, 20)[0], greedy(50))
+    queued = prompts(16, 1, 20, 20)[0]
+    engine.add_request("queued", queued, greedy(10))
 
     def broken(_inp):
         raise RuntimeError("device fault")
 
     monkeypatch.setattr(engine._runner, "execute", broken)
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.is_finished) for o in outputs] == [("running", "error", True)]
+    monkeypatch.undo()
+    assert run_to_completion(engine)["queued"] == _one(engine, queued, greedy(10), rid="again")
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_a_failed_schedule_ends_every_sequence_with_an_error_and_the_engine_goes_on(engine, monkeypatch):
+    engine.add_request("running", prompts(15, 1, 20, 20)[0], greedy(50))
+    engine.step()
+    engine.add_request("queued", prompts(16, 1, 20, 20)[0], greedy(50))
+
+    def broken(_now):
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(engine._scheduler, "schedule", broken)
     with pytest.raises(RuntimeError):
         engine.step()
     outputs = engine.fail_all()
@@ -137,3 +155,47 @@ def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once(llama_di
     finished = [(o.request_id, o.finish_reason) for o in engine.step() if o.is_finished]
     assert finished == [("behind", "refused")]  # "urgent" goes first: nothing holds it back
     assert engine.stats().num_waiting == 2
+
+
+@pytest.mark.parametrize("blocked, temperature", [
+    ((10**8,), 0.0),               # a token id outside the vocabulary
+    (tuple(range(VOCAB)), 1.0),    # no token left to draw: the probabilities are NaN
+])
+def test_a_sequence_that_cannot_be_sampled_ends_alone(engine, monkeypatch, blocked, temperature):
+    """Bad values that got past validation end their own sequence, not the batch beside it."""
+    other, victim = prompts(18, 2, 12, 12)
+    reference = _one(engine, other, greedy(8), rid="reference")
+    monkeypatch.setattr(engine, "eos_token_ids", blocked)  # blocked until min_tokens
+    engine.add_request("other", other, greedy(8))
+    engine.add_request("bad", victim, SamplingParams(max_tokens=8, min_tokens=4, temperature=temperature))
+    finished: dict[str, str | None] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.is_finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"bad": "error", "other": "length"}
+    assert tokens["other"] == reference
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-9, 9e-6])
+def test_a_vanishing_temperature_is_greedy(engine, temperature):
+    prompt = prompts(19, 1, 10, 10)[0]
+    params = SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)
+    assert _one(engine, prompt, params) == _one(engine, prompt, greedy(8))
+
+
+def test_stop_token_ids_outside_the_vocabulary_and_seeds_beyond_64_bits_are_refused(engine):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("v", [5, 6], greedy(3, stop_token_ids=(99_999_999,), min_tokens=1))
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    assert not engine.has_unfinished()
+
+
+def test_max_tokens_beyond_the_context_is_refused_not_cut(engine):
+    with pytest.raises(ValueError, match=r"maximum context length is 512 tokens.*510 in the prompt, 10 in"):
+        engine.add_request("c", [5] * 510, greedy(10))
+    assert not engine.has_unfinished()

@@ -50,6 +50,14 @@ def test_stop_string_is_held_back_then_stripped():
     assert no_stop.push("ab")[0] + no_stop.push("x")[0] + no_stop.flush() == "abx"
 
 
+def test_text_before_min_tokens_never_starts_a_stop_string():
+    checker = StopChecker(["ab"])
+    assert checker.push("xab", can_stop=False) == ("xab", False)
+    assert checker.push("a", can_stop=False) == ("a", False)
+    assert checker.push("b") == ("b", False)  # "ab" straddles the protected text: no stop
+    assert checker.push("zzab") == ("zz", True)
+
+
 def test_chat_template_from_tokenizer_config(tiny_dir):
     tok = Tokenizer(tiny_dir)
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -76,3 +84,16 @@ def test_engine_stops_on_a_stop_string_and_strips_it(tiny_dir):
     drain()
     assert texts["s"] == full[:full.index(stop)]
     assert run_to_completion(engine) == {}
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_dir):
+    engine = LLMEngine(tiny_dir, EngineConfig(block_size=8, num_kv_blocks=64))
+    prompt = engine.tokenizer.encode("the model serve the request")
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    reference = run_to_completion(engine)["ref"]
+    first_text = engine.tokenizer.decode(reference[:1]).strip()
+    assert first_text
+    params = SamplingParams(max_tokens=24, min_tokens=6, temperature=0, ignore_eos=True, stop=(first_text,))
+    engine.add_request("s", prompt, params)
+    out = run_to_completion(engine)["s"]
+    assert len(out) > 6 and out == reference[:len(out)]

@@ -7,10 +7,15 @@ Pure (no torch): it hands out block ids; the model runner owns the tensor they i
         blocks   [    17     ][     3     ][     42    ]   <- full blocks are hashed and shareable
     slot of token i = table[i // block_size] * block_size + i % block_size
 
-Prefix caching: a full block's key is (hash of the previous block's key, its tokens), the chain
-starting from the tenant's salt, so equal prefixes of one tenant map to the same blocks and another
-tenant's never do. A block whose reference count drops to 0 stays in the cache, evictable, in an
-LRU free list; allocation takes the least recently freed block and forgets its hash.
+Prefix caching: a full block's key is SHA-256(previous block's key || its token ids as 8-byte
+integers), the chain starting from SHA-256 of the tenant's salt, so equal prefixes of one tenant map
+to the same blocks and another tenant's never do. The hash is cryptographic so that nobody can craft
+a prompt whose blocks collide with another user's and poison what they read (Python's `hash()` of
+a tuple is not collision-resistant: vLLM's CVE-2025-25183). Each full block is hashed once per
+admission: lookups stop at the first miss, and a sequence's committed hashes are kept.
+
+A block whose reference count drops to 0 stays in the cache, evictable, in an LRU free list;
+allocation takes the least recently freed block and forgets its hash.
 
 Invariants: ref_count >= 0; a block is in the free list iff its ref_count is 0; every block id is
 in exactly one of {free list, some table}. Running out of blocks is a `None` return, never an
@@ -19,11 +24,14 @@ exception.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-__all__ = ["BlockManager", "PrefixCacheStats"]
+__all__ = ["BlockHash", "BlockManager", "PrefixCacheStats", "chain_hashes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,13 +40,30 @@ class PrefixCacheStats:
     num_hit_tokens: int
 
 
-def chain_hashes(token_ids: Seq[int], block_size: int, salt: str, start: list[int] | None = None) -> list[int]:
+BlockHash = bytes
+"""A full block's SHA-256 chain digest."""
+
+
+def salt_hash(salt: str) -> BlockHash:
+    """The chain's start for one tenant."""
+    return hashlib.sha256(b"sluice-prefix\0" + salt.encode()).digest()
+
+
+def iter_hashes(token_ids: Seq[int], block_size: int, parent: BlockHash, start: int = 0) -> Iterator[BlockHash]:
+    """Chain hashes of the full blocks of `token_ids` from block `start`, `parent` being block
+    `start - 1`'s hash (or the salt's). Lazy: a lookup that misses early hashes no further."""
+    for i in range(start, len(token_ids) // block_size):
+        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + block).digest()
+        yield parent
+
+
+def chain_hashes(token_ids: Seq[int], block_size: int, salt: str, start: list[BlockHash] | None = None
+                 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids`, extending `start` (the already hashed blocks)."""
     hashes = list(start or [])
-    parent = hashes[-1] if hashes else hash(("sluice-prefix", salt))
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
-        hashes.append(parent)
+    parent = hashes[-1] if hashes else salt_hash(salt)
+    hashes.extend(iter_hashes(token_ids, block_size, parent, len(hashes)))
     return hashes
 
 
@@ -50,10 +75,10 @@ class BlockManager:
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._block_hash: dict[int, int] = {}   # block id -> its chain hash, for cached blocks
-        self._cached: dict[int, int] = {}       # chain hash -> block id
+        self._block_hash: dict[int, BlockHash] = {}   # block id -> its chain hash, for cached blocks
+        self._cached: dict[BlockHash, int] = {}       # chain hash -> block id
         self._tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}  # per sequence: chain hashes of its committed blocks
+        self._hashes: dict[str, list[BlockHash]] = {}  # per sequence: chain hashes of its committed blocks
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
 
@@ -87,7 +112,7 @@ class BlockManager:
 
         At least the last token is left out, so the model always computes one token (its logits)."""
         hits: list[int] = []
-        for block_hash in chain_hashes(token_ids[:len(token_ids) - 1], self.block_size, salt):
+        for block_hash in iter_hashes(token_ids[:len(token_ids) - 1], self.block_size, salt_hash(salt)):
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break

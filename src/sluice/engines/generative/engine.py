@@ -6,10 +6,15 @@
 `step()` runs on one thread (the worker's device thread). `add_request` and `abort` may be called
 from any thread: they validate at once (raising `ValueError` for bad input) and leave a message in
 a locked inbox that the next `step()` drains, so an abort frees its blocks within one step.
+
+One request cannot end the others: a sequence whose sampling or output handling fails ends alone
+with finish_reason "error"; a failed forward pass ends the sequences of that step. Only a failure
+in the scheduler itself leaves `step()` raising, and then `fail_all` ends every sequence.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -30,6 +35,8 @@ from sluice.engines.generative.tokenizer import Detokenizer, StopChecker, Tokeni
 from sluice.priority import Priority
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTiming"]
+
+log = logging.getLogger("sluice.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +80,6 @@ class EngineStats:
 @dataclass(slots=True)
 class _Request:
     seq: Sequence
-    max_tokens: int  # params.max_tokens capped by the model's context length
     detokenizer: Detokenizer | None
     stops: StopChecker
 
@@ -89,6 +95,11 @@ class LLMEngine:
         bytes_per_block = KVCache.bytes_per_block(self.spec, config.block_size, DTYPES[config.dtype])
         self.num_blocks = config.num_blocks_for(bytes_per_block)
         self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
+        window = self.spec.sliding_window
+        if window is not None and self._max_model_len > window:
+            raise ValueError(f"this model attends over a sliding window of {window} tokens, which sluice does not "
+                             f"implement; set max_model_len to at most {window} (a context within the window is "
+                             f"exact) rather than serve wrong output beyond it")
         self._blocks = BlockManager(self.num_blocks, config.block_size)
         self._scheduler = self._make_scheduler(config)
         self._runner = ModelRunner(model_dir, self.spec, num_blocks=self.num_blocks, block_size=config.block_size,
@@ -116,13 +127,18 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows are [0, vocab_size) (its logits' width)."""
+        return self.spec.vocab_size
+
     # ---- any thread ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     priority: Priority = Priority.STANDARD, deadline: float | None = None, salt: str = "") -> None:
         """Queue a request. Raises ValueError for input the engine cannot serve (-> 400)."""
         prompt = list(prompt_token_ids)
-        max_tokens = self._validate(prompt, params)
+        self._validate(prompt, params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer.json in the model folder")
         seq = Sequence(request_id, prompt, params, self._clock.now(), priority, deadline, salt)
@@ -131,7 +147,7 @@ class LLMEngine:
             if request_id in self._known_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._known_ids.add(request_id)
-            self._inbox.append(_Request(seq, max_tokens, detok, StopChecker(params.stop)))
+            self._inbox.append(_Request(seq, detok, StopChecker(params.stop)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -142,19 +158,22 @@ class LLMEngine:
         not a positive number."""
         self._scheduler.set_tenant_weights(weights)
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> int:
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        vocab_size = self.vocab_size
         if not prompt:
             raise ValueError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}")
-        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(context_length_message(self.max_model_len, len(prompt), params.max_tokens))
         capacity = self.num_blocks * self.config.block_size
-        if len(prompt) + max_tokens > capacity:
-            raise ValueError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens exceeds the KV cache "
+        if len(prompt) + params.max_tokens > capacity:
+            raise ValueError(f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens exceeds the KV cache "
                              f"({capacity} tokens)")
-        return max_tokens
 
     # ---- the device thread -----------------------------------------------------------------------
 
@@ -175,16 +194,23 @@ class LLMEngine:
         self._drain_inbox()
         scheduled = self._scheduler.schedule(self._clock.now())
         t1 = time.perf_counter()
+        outputs = [self._finished_output(seq) for seq in scheduled.finished if seq.request_id in self._requests]
         sampled: dict[str, int] = {}
         t2 = t3 = t1
         if scheduled.chunks:
-            inp = self._runner.prepare(scheduled)
-            t2 = time.perf_counter()
-            logits = self._runner.execute(inp)
-            t3 = time.perf_counter()
-            sampled = self._sample(scheduled, logits)
+            try:
+                inp = self._runner.prepare(scheduled)
+                t2 = time.perf_counter()
+                logits = self._runner.execute(inp)
+                t3 = time.perf_counter()
+            except Exception:  # the device or the model: this step's sequences cannot go on
+                log.exception("a model step of %d sequences failed; ending them", len(scheduled.chunks))
+                return outputs + self._fail([chunk.request_id for chunk in scheduled.chunks])
+            sampled, unsampled = self._sample(scheduled, logits)
+            if unsampled:
+                log.error("requests %s could not be sampled (see above); ending them", ", ".join(unsampled))
+                outputs += self._fail(unsampled)
         t4 = time.perf_counter()
-        outputs = [self._finished_output(seq) for seq in scheduled.finished if seq.request_id in self._requests]
         outputs += self._process(self._scheduler.update(scheduled, sampled))
         t5 = time.perf_counter()
         self._last_step = StepTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(scheduled.chunks),
@@ -215,7 +241,9 @@ class LLMEngine:
             elif item in self._requests:
                 self._scheduler.abort(item)
 
-    def _sample(self, scheduled: SchedulerOutput, logits: object) -> dict[str, int]:
+    def _sample(self, scheduled: SchedulerOutput, logits: object) -> tuple[dict[str, int], list[str]]:
+        """The sampled token of each sequence that needs one, and the ids of those that could not
+        be sampled."""
         rows: list[SampleRow] = []
         for chunk in scheduled.chunks:
             if chunk.needs_sample:
@@ -225,30 +253,52 @@ class LLMEngine:
                 rows.append(SampleRow(chunk.request_id, req.seq.params, req.seq.all_token_ids,
                                       req.seq.num_output_tokens, blocked))
         tokens = self._sampler.sample(logits, rows)  # type: ignore[arg-type]
-        return {row.request_id: token for row, token in zip(rows, tokens, strict=True)}
+        sampled = {row.request_id: token for row, token in zip(rows, tokens, strict=True) if token is not None}
+        return sampled, [row.request_id for row, token in zip(rows, tokens, strict=True) if token is None]
+
+    def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End these sequences with finish_reason "error" (their blocks are freed now)."""
+        outputs = []
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
+            self._scheduler.finish(req.seq, FinishReason.ERROR)
+            self._forget(request_id)
+            outputs.append(self._output(req.seq, (), ""))
+        return outputs
 
     def _process(self, advanced: list[Sequence]) -> list[RequestOutput]:
         outputs = []
         for seq in advanced:
-            req = self._requests[seq.request_id]
-            token = seq.output_token_ids[-1]
-            params = seq.params
-            reason = None
-            text = ""
-            is_eos = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-            if is_eos and seq.num_output_tokens >= params.min_tokens:
-                reason = FinishReason.STOP
-            elif req.detokenizer is not None:
-                text, hit = req.stops.push(req.detokenizer.push([token]))
-                reason = FinishReason.STOP if hit else None
-            if reason is None and seq.num_output_tokens >= req.max_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                self._scheduler.finish(seq, reason)
-                text += req.stops.flush()
-                self._forget(seq.request_id)
-            outputs.append(self._output(seq, (token,), text))
+            try:
+                outputs.append(self._advance(seq))
+            except Exception:
+                log.exception("request %s: handling its new token failed; ending it", seq.request_id)
+                outputs += self._fail([seq.request_id])
         return outputs
+
+    def _advance(self, seq: Sequence) -> RequestOutput:
+        """Stop checks and detokenization for a sequence that got a token."""
+        req = self._requests[seq.request_id]
+        token = seq.output_token_ids[-1]
+        params = seq.params
+        reason = None
+        text = ""
+        can_stop = seq.num_output_tokens > params.min_tokens
+        is_eos = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if is_eos and seq.num_output_tokens >= params.min_tokens:
+            reason = FinishReason.STOP
+        elif req.detokenizer is not None:
+            text, hit = req.stops.push(req.detokenizer.push([token]), can_stop)
+            reason = FinishReason.STOP if hit else None
+        if reason is None and seq.num_output_tokens >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._scheduler.finish(seq, reason)
+            text += req.stops.flush()
+            self._forget(seq.request_id)
+        return self._output(seq, (token,), text)
 
     def _finished_output(self, seq: Sequence) -> RequestOutput:
         text = self._requests[seq.request_id].stops.flush()
@@ -266,3 +316,10 @@ class LLMEngine:
         reason = seq.finish_reason.value if seq.finish_reason else None
         return RequestOutput(seq.request_id, new_token_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, seq.num_output_tokens)
+
+
+def context_length_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:
+    """The refusal of a request whose prompt and output cannot fit the context (vLLM's wording)."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or max_tokens.")

@@ -1,7 +1,9 @@
 """Decoder-only transformers in plain PyTorch, reading and writing a paged KV cache.
 
 Two architectures: Llama (also Qwen2 / Mistral-style checkpoints: RMSNorm, RoPE, GQA, SwiGLU,
-optional q/k/v biases) and GPT-2 (learned positions, LayerNorm, Conv1D weights stored [in, out]).
+optional q/k/v biases; Llama 3.1's "llama3" RoPE frequency scaling) and GPT-2 (learned positions,
+LayerNorm, Conv1D weights stored [in, out]). Sliding-window attention is not implemented: the
+engine refuses a context longer than a model's window (`ModelSpec.sliding_window`).
 
 All tokens of a step are flattened into one [T, hidden] batch for every linear layer; only
 attention is grouped (see `attention`). The KV cache of layer l is a pair of tensors
@@ -25,7 +27,39 @@ from safetensors.torch import load_file
 
 from sluice.errors import ConfigError
 
-__all__ = ["AttentionGroup", "CausalLM", "ForwardInput", "KVCache", "ModelSpec", "load_model", "read_spec"]
+__all__ = ["AttentionGroup", "CausalLM", "ForwardInput", "KVCache", "Llama3RopeScaling", "ModelSpec", "load_model",
+           "read_spec"]
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling: frequencies whose wavelength is long compared with the
+    original context are divided by `factor`, short ones are kept, and those between are blended.
+
+        wavelength   < original / high_freq_factor   kept
+        wavelength   > original / low_freq_factor    divided by factor
+        in between                                   (1 - s) * f / factor + s * f,
+                                                     s = (original / wavelength - low) / (high - low)
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor
+                and self.original_max_position_embeddings > 0):
+            raise ConfigError("llama3 rope_scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                              "original_max_position_embeddings > 0")
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        original = self.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((original / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor))
+        blended = (1 - blend) * inv_freq / self.factor + blend * inv_freq
+        scaled = torch.where(wavelength > original / self.low_freq_factor, inv_freq / self.factor, blended)
+        return torch.where(wavelength < original / self.high_freq_factor, inv_freq, scaled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +76,9 @@ class ModelSpec:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     scale_by_layer: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
+    sliding_window: int | None = None
+    """Attention looks back at most this many tokens (Mistral); None: the whole context."""
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
@@ -58,8 +95,6 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          scale_by_layer=bool(config.get("scale_attn_by_inverse_layer_idx", False)))
     if model_type in ("llama", "qwen2", "mistral"):
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not supported")
         if config.get("hidden_act", "silu") != "silu":
             raise ConfigError("only the SiLU (SwiGLU) MLP is supported")
         heads = config["num_attention_heads"]
@@ -68,8 +103,34 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          config.get("head_dim") or config["hidden_size"] // heads, config["vocab_size"],
                          config.get("max_position_embeddings", 2048), config.get("rms_norm_eps", 1e-6),
                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+                         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                         rope_scaling=_rope_scaling(rope), sliding_window=_sliding_window(config))
     raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, mistral, gpt2)")
+
+
+def _rope_scaling(rope: dict[str, object]) -> Llama3RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"RoPE scaling {kind!r} is not supported (supported: default, llama3)")
+    try:
+        return Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),  # type: ignore[arg-type]
+                                 float(rope["high_freq_factor"]),  # type: ignore[arg-type]
+                                 int(rope["original_max_position_embeddings"]))  # type: ignore[call-overload]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"llama3 rope_scaling needs factor, low_freq_factor, high_freq_factor and "
+                          f"original_max_position_embeddings: {exc!r}") from exc
+
+
+def _sliding_window(config: dict[str, object]) -> int | None:
+    """The attention window, where the checkpoint uses one (Qwen2 only with use_sliding_window)."""
+    window = config.get("sliding_window")
+    if window is None or (config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False)):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
+    return window
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +230,8 @@ def load_model(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str
 def rope_tables(spec: ModelSpec, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for every position, [max_model_len, head_dim], float32 (as transformers computes them)."""
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+    if spec.rope_scaling is not None:
+        inv_freq = spec.rope_scaling.apply(inv_freq)
     positions = torch.arange(spec.max_model_len, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -13,6 +13,13 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
+
+`prepare` refuses what cannot be served with an `InvalidInput` naming the field, as vLLM does: a
+prompt or stop token id outside the vocabulary, a prompt that leaves no room in the context, a
+`max_tokens` the context cannot hold (a default max_tokens is capped instead). A prompt longer than
+`MAX_CHARS_PER_TOKEN` characters per token of context is refused before it is tokenized (no
+tokenizer averages more), so a huge prompt costs no tokenization. `prepare` is thread-safe: the
+worker prepares long prompts off its event loop.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import torch
 
 from sluice import wire
 from sluice.engines.generative.config import EngineConfig
-from sluice.engines.generative.engine import LLMEngine
+from sluice.engines.generative.engine import LLMEngine, context_length_message
 from sluice.engines.generative.sequence import SamplingParams
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
-__all__ = ["GenerativeRunner", "PreparedGeneration"]
+__all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
+
+MAX_CHARS_PER_TOKEN = 32
+"""A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
 
 _ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
                   "max_model_len", "scheduling", "static_reserve")
@@ -64,32 +74,56 @@ class GenerativeRunner:
             name=version.name, version=version.version, kind="generative", platform=version.platform,
             inputs=text, outputs=(wire.TensorSpec("text_output", "BYTES", (-1,)),),
             max_batch_size=config.max_num_seqs, slo_s=version.slo_s, accepts_text=False, accepts_tensor=False,
+            max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
+            max_prompt_chars=MAX_CHARS_PER_TOKEN * self.engine.max_model_len,
         )
 
     def prepare(self, payload: wire.GeneratePayload) -> PreparedGeneration:
-        """Prompt token ids and sampling parameters; `InvalidInput` (400) for what cannot be served."""
+        """Prompt token ids and sampling parameters; `InvalidInput` (400) for what cannot be served.
+        Thread-safe."""
+        param = "messages" if payload.messages is not None else "prompt"
+        max_model_len = self.engine.max_model_len
+        if prompt_chars(payload) > MAX_CHARS_PER_TOKEN * max_model_len:
+            raise InvalidInput(f"the prompt has {prompt_chars(payload)} characters, far more than this model's "
+                               f"context of {max_model_len} tokens can hold", param=param)
+        ids = self._prompt_ids(payload)
+        vocab_size = self.engine.vocab_size
+        if payload.prompt_token_ids is not None and any(not 0 <= t < vocab_size for t in ids):
+            raise InvalidInput(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        if any(not 0 <= t < vocab_size for t in payload.stop_token_ids):
+            raise InvalidInput(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+        max_tokens, min_tokens = payload.max_tokens, payload.min_tokens
+        if len(ids) >= max_model_len:
+            raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                               f"{max_model_len} tokens", param=param)
+        if len(ids) + max_tokens > max_model_len:
+            if not payload.is_max_tokens_default:
+                raise InvalidInput(context_length_message(max_model_len, len(ids), max_tokens), param="max_tokens")
+            max_tokens = max_model_len - len(ids)
+            min_tokens = min(min_tokens, max_tokens)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, min_tokens=min_tokens,
+                temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k, seed=payload.seed,
+                stop=tuple(payload.stop), stop_token_ids=tuple(payload.stop_token_ids), ignore_eos=payload.ignore_eos,
+                repetition_penalty=payload.repetition_penalty,
+            )
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        return PreparedGeneration(ids, params)
+
+    def _prompt_ids(self, payload: wire.GeneratePayload) -> list[int]:
         if payload.prompt_token_ids is not None:
-            ids = list(payload.prompt_token_ids)
-        elif payload.messages is not None:
+            return list(payload.prompt_token_ids)
+        if payload.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in payload.messages]
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except Exception as exc:  # a template error is the messages' shape, not ours
                 raise InvalidInput(f"the chat template could not render these messages: {exc}",
                                    param="messages") from exc
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(payload.prompt or "")
-        try:
-            params = SamplingParams(
-                max_tokens=payload.max_tokens, min_tokens=payload.min_tokens, temperature=payload.temperature,
-                top_p=payload.top_p, top_k=payload.top_k, seed=payload.seed, stop=tuple(payload.stop),
-                stop_token_ids=tuple(payload.stop_token_ids), ignore_eos=payload.ignore_eos,
-                repetition_penalty=payload.repetition_penalty,
-            )
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from exc
-        return PreparedGeneration(ids, params)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(payload.prompt or "")
 
     def warmup(self) -> None:
         """One short greedy generation, so the first request does not pay for lazy initialisation."""
@@ -109,3 +143,10 @@ def _apply_num_threads(version: ModelVersion, num_threads: object, device: str) 
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
     torch.set_num_threads(num_threads)
+
+
+def prompt_chars(payload: wire.GeneratePayload) -> int:
+    """The prompt's length in characters (messages: their contents), before any tokenization."""
+    if payload.messages is not None:
+        return sum(len(m.content) for m in payload.messages)
+    return len(payload.prompt or "")

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 
 from sluice.priority import Priority
 
-__all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
+__all__ = ["GREEDY_BELOW_TEMPERATURE", "SEED_RANGE", "FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this is greedy: dividing logits by it overflows to inf (vLLM does the same)."""
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""Seeds a client may send (a signed 64-bit integer, as OpenAI and vLLM accept)."""
 
 
 class SequenceStatus(enum.StrEnum):
@@ -52,7 +57,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below `GREEDY_BELOW_TEMPERATURE`) means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 (or -1) disables top-k."""
@@ -79,10 +84,12 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError("seed must be a signed 64-bit integer")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(slots=True, eq=False)

@@ -30,6 +30,10 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 """Used when the model folder has no `chat_template`: each message as `<|role|>\\ncontent\\n`."""
 
+_GIL_FREE_ENCODE_CHARS = 4096
+"""Longer texts are encoded with the GIL released, so tokenizing one on a worker thread does not
+stall the event loop's thread."""
+
 
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
@@ -45,6 +49,8 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_ENCODE_CHARS:  # `encode` holds the GIL throughout; `encode_batch` lets go
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Seq[int], skip_special_tokens: bool = True) -> str:
@@ -99,25 +105,30 @@ class Detokenizer:
 
 class StopChecker:
     """Stop strings over a growing text. Holds back a tail that could still become a stop string,
-    and strips the stop string itself from the output."""
+    and strips the stop string itself from the output. Text pushed with `can_stop=False` (the
+    output before `min_tokens`) is never part of a match: a stop string must start after it."""
 
     def __init__(self, stop: Seq[str]) -> None:
         self._stop = tuple(stop)
         self._longest = max((len(s) for s in self._stop), default=0)
         self._text = ""
         self._emitted = 0
+        self._floor = 0  # matches start at or after this offset
 
     @property
     def text(self) -> str:
         return self._text
 
-    def push(self, delta: str) -> tuple[str, bool]:
+    def push(self, delta: str, can_stop: bool = True) -> tuple[str, bool]:
         """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
-        if not self._stop:
+        if not self._stop or not can_stop:
             self._text += delta
+            if not can_stop:
+                self._floor = len(self._text)
+            out = self._text[self._emitted:]
             self._emitted = len(self._text)
-            return delta, False
-        search_from = max(0, len(self._text) - self._longest + 1)
+            return out, False
+        search_from = max(self._floor, len(self._text) - self._longest + 1)
         self._text += delta
         hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
         if hits:
@@ -134,7 +145,7 @@ class StopChecker:
         return out
 
     def _held_back(self) -> int:
-        for n in range(min(self._longest - 1, len(self._text)), 0, -1):
+        for n in range(min(self._longest - 1, len(self._text) - self._floor), 0, -1):
             tail = self._text[-n:]
             if any(s.startswith(tail) for s in self._stop):
                 return n

@@ -1,0 +1,130 @@
+"""The worker's generation side (`Generations` + `GenerationLoop`) with a real tiny-lm engine:
+what the gateway hears when the engine fails, and large prompts prepared off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice import wire
+from sluice.clock import MonotonicClock
+from sluice.engines.generative.runner import GenerativeRunner
+from sluice.errors import InvalidInput, Unavailable
+from sluice.gateway.ticket import interpret
+from sluice.priority import Priority
+from sluice.repository import scan_repository
+from sluice.worker import generation
+from sluice.worker.generation import GenerationLoop, Generations
+from tests.conftest import write_tiny_lm_model
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenerativeRunner]:
+    repo: Path = write_tiny_lm_model(tmp_path_factory.mktemp("repo"))
+    (version,) = scan_repository(repo).versions
+    runner = GenerativeRunner(version, "cpu")
+    yield runner
+    runner.close()
+
+
+class _Worker:
+    """Generations and a GenerationLoop on the running event loop; replies land in a queue."""
+
+    def __init__(self, runner: GenerativeRunner) -> None:
+        self.replies: asyncio.Queue[wire.Message] = asyncio.Queue()
+        self.generations = Generations(MonotonicClock(), lambda _identity, message: self.replies.put_nowait(message),
+                                       lambda _identity, _request_id: None)
+        self.loop = GenerationLoop(runner, self.generations.on_outputs, asyncio.get_running_loop())
+
+    def submit(self, request_id: int, **fields: object) -> bool:
+        payload = wire.GeneratePayload(**{"prompt": "hello there", "max_tokens": 4, "temperature": 0.0, **fields})
+        message = wire.Submit(request_id, "tiny", "1", payload, 30.0, "t", int(Priority.STANDARD))
+        return self.generations.submit(request_id, b"gateway", message, self.loop)
+
+    async def result(self) -> wire.Result:
+        while True:
+            message = await asyncio.wait_for(self.replies.get(), 30)
+            if isinstance(message, wire.Result):
+                return message
+
+
+def test_an_engine_failure_is_a_503_and_the_loop_serves_the_next_request(runner, monkeypatch):
+    async def scenario() -> None:
+        worker = _Worker(runner)
+        try:
+            def broken(_inp: object) -> None:
+                raise RuntimeError("device fault")
+
+            monkeypatch.setattr(runner.engine._runner, "execute", broken)
+            assert worker.submit(1)
+            failed = await worker.result()
+            with pytest.raises(Unavailable, match="try again"):
+                interpret(runner.info, failed)
+            monkeypatch.undo()
+            assert worker.submit(2)
+            answer = await worker.result()
+            assert answer.outcome is wire.Outcome.OK and interpret(runner.info, answer).payload.num_output_tokens == 4
+        finally:
+            worker.loop.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_large_prompt_is_tokenized_without_blocking_the_event_loop(runner, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    encode = runner.tokenizer.encode
+
+    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        entered.set()
+        if not release.wait(10):  # only the event loop's own thread could set it
+            raise AssertionError("tokenization blocked the event loop")
+        return encode(text, add_special_tokens)
+
+    async def scenario() -> None:
+        worker = _Worker(runner)
+        try:
+            monkeypatch.setattr(generation, "OFF_LOOP_PROMPT_CHARS", 0)
+            monkeypatch.setattr(runner.tokenizer, "encode", slow_encode)
+            assert worker.submit(1)
+            assert await asyncio.to_thread(entered.wait, 10)
+            release.set()  # the loop is free while the prompt is tokenized
+            answer = await worker.result()
+            assert answer.request_id == 1 and answer.outcome is wire.Outcome.OK
+            # withdrawn while it is tokenized: never run, never answered
+            entered.clear()
+            release.clear()
+            assert worker.submit(2)
+            assert await asyncio.to_thread(entered.wait, 10)
+            assert worker.generations.cancel(2)
+            release.set()
+            await asyncio.gather(*worker.generations._preparing)
+            assert worker.submit(3, prompt="x")
+            assert (await worker.result()).request_id == 3
+            assert not worker.generations and not runner.engine.has_unfinished()
+        finally:
+            worker.loop.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_untokenized(runner, monkeypatch):
+    def no_encode(*_args: object, **_kwargs: object) -> list[int]:
+        raise AssertionError("a prompt that cannot fit was tokenized")
+
+    async def scenario() -> None:
+        worker = _Worker(runner)
+        try:
+            monkeypatch.setattr(runner.tokenizer, "encode", no_encode)
+            assert worker.submit(1, prompt="word " * 3_000_000)
+            refused = await worker.result()
+            with pytest.raises(InvalidInput, match="characters"):
+                interpret(runner.info, refused)
+            assert refused.errors[0].param == "prompt"
+        finally:
+            worker.loop.stop()
+
+    asyncio.run(scenario())
