@@ -14,13 +14,13 @@ import pytest
 
 from sluice.gateway.keyfile import add_key
 from sluice.gateway.tenants import hash_key, new_key
-from tests.conftest import write_emulated_model
+from tests.conftest import write_emulated_model, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
 ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
-KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk")}
+KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream")}
 ADMIN_KEY = new_key()
 
 TENANTS = f"""
@@ -58,6 +58,11 @@ models = ["crawl"]
 [tenants.bulk]
 api_keys = ["{hash_key(KEYS['bulk'])}"]
 priority = "batch"
+
+[tenants.stream]
+api_keys = ["{hash_key(KEYS['stream'])}"]
+requests_per_min = 100
+tokens_per_min = 5000
 """
 
 
@@ -76,6 +81,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path):
     write_emulated_model(repo, "emulated")
     write_emulated_model(repo, "slow", alpha_ms=30, beta_ms=0.0)
     write_emulated_model(repo, "crawl", alpha_ms=1500, beta_ms=0.0, slo_ms=20000)
+    write_tiny_lm_model(repo, "tiny-lm")
     started = start_server(repo, tmp_path_factory.mktemp("log"), "--tenants", str(tenants_file))
     yield started
     started.stop()
@@ -226,3 +232,13 @@ def test_sighup_reloads_keys_without_dropping_requests_in_flight(server, tenants
             time.sleep(0.1)
     else:
         pytest.fail("the new key was not accepted after SIGHUP")
+
+
+def test_a_stream_carries_the_tenants_rate_limit_headers(server):
+    with sdk(server, KEYS["stream"]) as client, client.completions.with_streaming_response.create(
+            model="tiny-lm", prompt="hi", max_tokens=3, stream=True) as response:
+        headers = response.headers
+        assert [line for line in response.iter_lines() if line][-1] == "data: [DONE]"
+    assert headers["x-ratelimit-limit-requests"] == "100"
+    assert int(headers["x-ratelimit-remaining-requests"]) == 99
+    assert headers["x-ratelimit-limit-tokens"] == "5000"

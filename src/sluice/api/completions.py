@@ -140,8 +140,9 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     payload = _to_payload(parsed, info)
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     estimate = _estimate_tokens(payload)
+    limit_headers: dict[str, str] = {}
     events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                              caller=caller(request, priority, estimate))
+                              caller=caller(request, priority, estimate), limit_headers=limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage)
     if not payload.stream:
@@ -151,7 +152,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     # errors before the first byte become HTTP statuses
     first = await _unless_disconnected(request, events, anext(events))
     return StreamingResponse(_sse(shape, first, events), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **limit_headers})
 
 
 async def _unless_disconnected(request: Request, events: AsyncIterator[Any], waiting: Awaitable[T]) -> T:

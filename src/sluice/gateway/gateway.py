@@ -272,12 +272,17 @@ class Gateway:
     async def generate(
         self, info: wire.ModelInfo, payload: wire.GeneratePayload, timeout_s: float | None = None,
         *, arrived_at: float | None = None, caller: Caller | None = None,
+        limit_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[wire.TokenChunk | InferResult]:
         """Stream a generation: its `TokenChunk`s as they come (only if `payload.stream`), then
         the `InferResult` (payload `GenerationResult`). Errors before the first chunk are raised
         from the first `__anext__`, so the API can still answer them with an HTTP status.
-        Closing the iterator early (client gone) withdraws the request from its worker."""
+        Closing the iterator early (client gone) withdraws the request from its worker.
+        `limit_headers`, if given, receives the tenant's `x-ratelimit-*` headers once admitted
+        (a stream's HTTP headers are sent before its final result)."""
         ticket = await self._admit(info, timeout_s, arrived_at, caller)
+        if limit_headers is not None:
+            limit_headers.update(ticket.limit_headers())
         async with ticket:
             async for event in self._dispatch_stream(info, payload, ticket):
                 if isinstance(event, InferResult):

@@ -86,6 +86,10 @@ class Ticket:
         statuses = self.reservation.statuses
         return replace(result, rate_limit_headers=rate_limit_headers(statuses)) if statuses else result
 
+    def limit_headers(self) -> dict[str, str]:
+        """The tenant's `x-ratelimit-*` headers as of its admission (empty if it has no limits)."""
+        return rate_limit_headers(self.reservation.statuses)
+
     def chunk(self, chunk: wire.TokenChunk) -> None:
         self._streamed_tokens += len(chunk.token_ids)
         self._used = (chunk.num_prompt_tokens + self._streamed_tokens, chunk.device_s)
@@ -179,5 +183,6 @@ def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
             if result.errors and all(e.is_transient for e in result.errors):
                 raise DeviceFailed(f"the model's device failed: {errors}", retry_after_s=result.retry_after_s or 1.0)
             if any(e.index < 0 for e in result.errors):
-                raise InvalidInput(errors or result.message)
+                param = next((e.param for e in result.errors if e.param), None)
+                raise InvalidInput(errors or result.message, param=param)
             raise ItemFailed(errors or result.message)

@@ -4,7 +4,7 @@
     ───────────                               ─────────────────
     submit() ─▶ engine.add_request ──(inbox)──▶ step() ─▶ step() ─▶ ... (until nothing is left)
     abort()  ─▶ engine.abort ───────(inbox)──▶   freed within one step
-    on_outputs(outputs, step_s) ◀── call_soon_threadsafe, once per step that produced output
+    on_outputs(outputs, step_s, tokens) ◀── call_soon_threadsafe, once per step that computed something
                                               (a sequence that fails ends alone with "error")
 
 The engine does continuous batching itself: a request joins the running batch at the next step
@@ -32,7 +32,8 @@ from sluice.priority import Priority
 
 log = logging.getLogger("sluice.worker")
 
-OnOutputs = Callable[[list[RequestOutput], float], None]
+OnOutputs = Callable[[list[RequestOutput], float, dict[str, int]], None]
+"""(a step's outputs, its seconds, the tokens it computed for each sequence)"""
 
 OFF_LOOP_PROMPT_CHARS = 16_384
 """Longer prompts (more than a few ms to tokenize) are prepared on a thread, off the event loop."""
@@ -81,8 +82,9 @@ class GenerationLoop:
                 outputs = self._step()
                 if outputs is None:
                     break  # the engine cannot even end its sequences: wait for the next request
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs, time.perf_counter() - started)
+                tokens = self._engine.last_step_tokens
+                if outputs or tokens:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs, time.perf_counter() - started, tokens)
 
     def _step(self) -> list[RequestOutput] | None:
         """One engine step. The engine ends a failing sequence by itself; should the step still
@@ -184,16 +186,20 @@ class Generations:
         generation.loop.abort([str(internal_id)])
         return True
 
-    def on_outputs(self, outputs: list[RequestOutput], step_s: float) -> None:
-        """One engine step's output: stream chunks, answer finished sequences; the step's time is
-        split evenly among the sequences it advanced."""
-        share_s = step_s / len(outputs)
+    def on_outputs(self, outputs: list[RequestOutput], step_s: float, tokens: dict[str, int] | None = None) -> None:
+        """One engine step's output: stream chunks, answer finished sequences. The step's time is
+        split among the sequences it computed by their tokens (`tokens`: a 500-token prompt chunk
+        costs 500 decodes), also those still in prefill, which have no output yet."""
+        total = sum(tokens.values()) if tokens else 0
+        for request_id, num_tokens in (tokens or {}).items():
+            computed = self._by_id.get(int(request_id))
+            if computed is not None:
+                computed.device_s += step_s * num_tokens / total
         for output in outputs:
             internal_id = int(output.request_id)
             generation = self._by_id.get(internal_id)
             if generation is None:
                 continue  # withdrawn meanwhile
-            generation.device_s += share_s
             if generation.is_streamed and output.new_token_ids:
                 self._reply(generation.identity, wire.TokenChunk(
                     generation.gateway_request_id, output.text_delta, list(output.new_token_ids),

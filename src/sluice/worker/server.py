@@ -231,9 +231,9 @@ class WorkerServer:
         if self._generations.submit(internal_id, identity, message, generation_loop):
             self._by_gateway_id[(identity, message.request_id)] = internal_id
 
-    def _on_generated(self, outputs: list[RequestOutput], step_s: float) -> None:
+    def _on_generated(self, outputs: list[RequestOutput], step_s: float, tokens: dict[str, int]) -> None:
         """Loop thread: one engine step's output (see `Generations.on_outputs`)."""
-        self._generations.on_outputs(outputs, step_s)
+        self._generations.on_outputs(outputs, step_s, tokens)
         self._check_drained()
 
     def _forget(self, identity: bytes, gateway_request_id: int) -> None:

@@ -111,6 +111,8 @@ class LLMEngine:
         self._known_ids: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self._last_step: StepTiming | None = None
+        self.last_step_tokens: dict[str, int] = {}
+        """Tokens the last step computed for each sequence (prompt chunks and decodes), by request id."""
 
     def _make_scheduler(self, config: EngineConfig) -> Scheduler:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -193,6 +195,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._drain_inbox()
         scheduled = self._scheduler.schedule(self._clock.now())
+        self.last_step_tokens = {chunk.request_id: len(chunk.token_ids) for chunk in scheduled.chunks}
         t1 = time.perf_counter()
         outputs = [self._finished_output(seq) for seq in scheduled.finished if seq.request_id in self._requests]
         sampled: dict[str, int] = {}
