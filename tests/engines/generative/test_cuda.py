@@ -1,0 +1,43 @@
+"""The engine on a CUDA device keeps its main promise: greedy output equal to `transformers`'
+`generate()` (the reference runs on the CPU in float32), batched, with prefix-cache hits and with
+preemptions. Skipped without a GPU (CI has none); run on one with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engines.generative import EngineConfig, LLMEngine
+from tests.engines.generative.conftest import prompts
+from tests.engines.generative.test_correctness import _check_batch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def model_dir(request, llama_dir, gpt2_dir):
+    return llama_dir if request.param == "llama" else gpt2_dir
+
+
+def _engine(model_dir, **config: int) -> LLMEngine:
+    engine = LLMEngine(model_dir, EngineConfig(block_size=8, device="cuda", **config))  # type: ignore[arg-type]
+    assert engine._runner.cache.k.device.type == "cuda"  # the KV cache (and so the model) is on the GPU
+    return engine
+
+
+def test_batched_requests_on_cuda_match_transformers(model_dir, hf_greedy):
+    engine = _engine(model_dir, num_kv_blocks=256)
+    _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 60), [5 + 3 * i for i in range(8)], join_every=2)
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_prefix_hits_and_preemptions_on_cuda_keep_output_exact(model_dir, hf_greedy):
+    engine = _engine(model_dir, num_kv_blocks=256)
+    shared = prompts(3, 1, 40, 40)[0]
+    _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
+                 join_every=4)
+    assert engine.stats().prefix_cache_hit_tokens >= 4 * 40 - 8
+    tight = _engine(model_dir, num_kv_blocks=12)
+    _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
+    assert tight.stats().num_preemptions_total > 0
