@@ -39,9 +39,6 @@ class _Shared:
     def settle(self, reservation: Reservation, tokens: float, device_s: float, **kwargs: Any) -> None:
         self._runner.run(self._limiter.settle(reservation, tokens, device_s, **kwargs))
 
-    def used_device_s(self, tenant: str) -> float:
-        return self._runner.run(self._limiter.used_device_s(tenant))
-
     def usage(self, tenant: Tenant) -> Usage:
         return self._runner.run(self._limiter.usage(tenant))
 
@@ -112,7 +109,7 @@ def test_settling_twice_counts_once(limiter):
     assert isinstance(reservation, Reservation)
     lim.settle(reservation, 0, device_s=1.0)
     lim.settle(reservation, 0, device_s=1.0)
-    assert lim.used_device_s("t") == pytest.approx(1.0)
+    assert lim.usage(tenant).device_s == pytest.approx(1.0)
     assert isinstance(lim.admit(tenant, 0), Reservation)
 
 

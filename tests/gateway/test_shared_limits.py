@@ -74,7 +74,7 @@ def test_device_time_settled_by_one_gateway_counts_against_the_others_budget(red
         await first.settle(reservation, 0, device_s=1.5)
         refused = await second.admit(tenant, 0)
         assert isinstance(refused, Refusal) and refused.limit == "credits" and refused.is_final
-        assert await second.used_device_s("t") == pytest.approx(1.5)
+        assert (await second.usage(tenant)).device_s == pytest.approx(1.5)
         for limiter in (first, second):
             await limiter.aclose()
 
@@ -140,7 +140,7 @@ def test_a_settlement_redis_missed_is_sent_again_and_frees_its_slot(redis_url: s
         clock.advance(REDIS_CIRCUIT.open_s + 1.0)  # the outage is over: the breaker lets a call through
         assert isinstance(await limiter.admit(tenant, 0), Reservation)  # the slot came back
         assert limiter.num_unsettled == 0
-        assert await other.used_device_s("t") == pytest.approx(2.5)
+        assert (await other.usage(tenant)).device_s == pytest.approx(2.5)
         for each in (limiter, other):
             await each.aclose()
 

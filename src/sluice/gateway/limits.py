@@ -165,10 +165,6 @@ class TenantLimiter:
         state.used_device_s += device_s
         state.used_total_device_s += device_s
 
-    def used_device_s(self, tenant: str) -> float:
-        state = self._states.get(tenant)
-        return state.used_total_device_s if state else 0.0
-
     def usage(self, tenant: Tenant) -> Usage:
         state = self._states.get(tenant.name)
         if state is None:

@@ -235,10 +235,6 @@ class SharedLimiter:
             *self._limit_args(tenant, self._clock.now()), reservation.lease_id,
             "1" if settlement.refund_request else "0", reservation.tokens, settlement.tokens, settlement.device_s]))
 
-    async def used_device_s(self, tenant: str) -> float:
-        value = await self._guarded(self._client.hget(self._keys(tenant)[0], "tu"))
-        return float(value) if value is not None else 0.0
-
     async def usage(self, tenant: Tenant) -> Usage:
         now = self._clock.now()
         key, inflight = self._keys(tenant.name)

@@ -67,12 +67,11 @@ class Ticket:
         self._first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
         self._used: tuple[float, float] | None = None
-        self._streamed_tokens = 0
         """(tokens, device seconds) the worker reported so far, whatever the outcome."""
+        self._streamed_tokens = 0
 
     def done(self, result: InferResult) -> None:
         self._result = result
-        self._used = (result.num_tokens, result.device_s)  # the worker's final count
 
     def used(self, result: wire.Result) -> None:
         """What the worker reports the request used, also when it did not succeed (a missed
@@ -83,8 +82,8 @@ class Ticket:
 
     def with_limits(self, result: InferResult) -> InferResult:
         """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
-        statuses = self.reservation.statuses
-        return replace(result, rate_limit_headers=rate_limit_headers(statuses)) if statuses else result
+        headers = self.limit_headers()
+        return replace(result, rate_limit_headers=headers) if headers else result
 
     def limit_headers(self) -> dict[str, str]:
         """The tenant's `x-ratelimit-*` headers as of its admission (empty if it has no limits)."""
