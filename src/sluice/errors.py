@@ -49,6 +49,10 @@ class InvalidInput(SluiceError):
         self.param = param
 
 
+class IdempotencyKeyReused(InvalidInput):
+    """The `Idempotency-Key` was first used for a different request (409)."""
+
+
 class PayloadTooLarge(InvalidInput):
     """The request body is larger than the configured limit."""
 

@@ -341,6 +341,14 @@ async def test_validation_waits_for_models_still_loading(tmp_path: Path):
     file = await store.create_file("", "in.jsonl", "batch", _late_lines(3), 0)
     now = [1000.0]
     batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
+    reads: list[str] = []
+    read_content = store.file_content
+
+    async def counted(owner: str, file_id: str) -> bytes | None:
+        reads.append(file_id)
+        return await read_content(owner, file_id)
+
+    store.file_content = counted  # type: ignore[method-assign]
     app = LoadingApp()
     executor = JobExecutor(store, FAST, clock=lambda: now[0])
     await executor.start(app)
@@ -351,10 +359,12 @@ async def test_validation_waits_for_models_still_loading(tmp_path: Path):
     await _until(asked_again)  # validated three times, each deferred
     waiting = await store.get_batch(None, batch.id)
     assert waiting is not None and waiting.status is BatchStatus.VALIDATING
+    assert reads == []  # the file is not read (up to 512 MiB) each time validation is deferred
     app.loaded = True
     done = await _final(store, batch.id)
     await executor.aclose()
     assert done.status is BatchStatus.COMPLETED and done.num_completed == 3
+    assert reads == [file.id]
     await store.aclose()
 
 

@@ -28,8 +28,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive
 
-from sluice.api.common import parse_count, read_body, request_tenant, unreadable_json
-from sluice.errors import InvalidInput, NotFound, PayloadTooLarge
+from sluice.api.common import decode_json, parse_count, read_body, request_tenant
+from sluice.errors import IdempotencyKeyReused, InvalidInput, NotFound, PayloadTooLarge
+from sluice.jobs.rows import new_file_id
 from sluice.jobs.store import BatchJob, FileObject, JobStore, NewBatch
 from sluice.jobs.validate import ENDPOINTS
 
@@ -78,10 +79,11 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         finally:
             await form.close()
         owner, key, filename = request_tenant(request), _idempotency_key(request), upload.filename or "upload.jsonl"
-        created = await store.create_file(owner, filename, "batch", content, int(time.time()), key)
-        if key is not None and (created.filename != filename or created.bytes != len(content)
-                                or await store.file_content(owner, created.id) != content):
-            return _key_reused(key, "file")
+        file_id = new_file_id()
+        created = await store.create_file(owner, filename, "batch", content, int(time.time()), key, file_id)
+        if created.id != file_id and (created.filename != filename or created.bytes != len(content)
+                                      or await store.file_content(owner, created.id) != content):
+            raise _key_reused(key, "file")
         return _json(_file_json(created))
 
     async def list_files(request: Request) -> Response:
@@ -121,11 +123,13 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
     async def create_batch(request: Request) -> Response:
         """A repeat with the same `Idempotency-Key` is answered from the key (the original batch, even
         if its input file is deleted since); the same key with another request is a 409."""
-        parsed = _decode(await read_body(request, body_limit_bytes))
+        parsed = decode_json(await read_body(request, body_limit_bytes), CreateBatch)
         owner, key = request_tenant(request), _idempotency_key(request)
         window_s = _check_batch(parsed)
         if key is not None and (original := await store.find_batch(owner, key)) is not None:
-            return _json(batch_json(original)) if _is_same_batch(original, parsed) else _key_reused(key, "batch")
+            if not _is_same_batch(original, parsed):
+                raise _key_reused(key, "batch")
+            return _json(batch_json(original))
         input_file = await store.get_file(owner, parsed.input_file_id)
         if input_file is None:
             raise NotFound(f"no file {parsed.input_file_id!r}")
@@ -136,7 +140,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         batch = await store.create_batch(NewBatch(owner, parsed.endpoint, parsed.input_file_id,
                                                   parsed.completion_window, parsed.metadata, now, now + window_s), key)
         if key is not None and not _is_same_batch(batch, parsed):  # a concurrent request took the key first
-            return _key_reused(key, "batch")
+            raise _key_reused(key, "batch")
         notify()
         return _json(batch_json(batch))
 
@@ -276,13 +280,9 @@ def _is_same_batch(batch: BatchJob, parsed: CreateBatch) -> bool:
         parsed.endpoint, parsed.input_file_id, parsed.completion_window, parsed.metadata or None)
 
 
-def _key_reused(key: str, kind: str) -> Response:
-    """409, in OpenAI's error shape: the key's first request was another one (the `errors` table
-    has no conflict; this is the only one)."""
-    return _json({"error": {"message": f"Idempotency-Key {key[:100]!r} was already used for a different {kind} "
-                                       "request; use a new key for a new request",
-                            "type": "invalid_request_error", "param": _IDEMPOTENCY_HEADER,
-                            "code": "idempotency_key_reused"}}, status=409)
+def _key_reused(key: str, kind: str) -> IdempotencyKeyReused:
+    return IdempotencyKeyReused(f"Idempotency-Key {key[:100]!r} was already used for a different {kind} request; "
+                                "use a new key for a new request", param=_IDEMPOTENCY_HEADER)
 
 
 def _list(data: list[dict[str, Any]], has_more: bool) -> Response:
@@ -290,13 +290,6 @@ def _list(data: list[dict[str, Any]], has_more: bool) -> Response:
                   "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
-def _decode(body: bytes) -> CreateBatch:
-    try:
-        return msgspec.json.decode(body, type=CreateBatch)
-    except msgspec.ValidationError as exc:
-        raise InvalidInput(f"invalid request: {exc}") from exc
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise unreadable_json(exc) from exc
 
 
 def _file_json(f: FileObject) -> dict[str, Any]:

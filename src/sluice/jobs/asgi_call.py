@@ -41,11 +41,6 @@ def retry_after_s(headers: dict[bytes, bytes]) -> float | None:
     return None
 
 
-async def post(app: AsgiApp, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
-               scope_extras: dict[str, Any]) -> AppResponse:
-    return await call(app, "POST", url, body, headers, scope_extras)
-
-
 async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
                scope_extras: dict[str, Any]) -> AppResponse:
     path, _, query = url.partition("?")
@@ -65,17 +60,17 @@ async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[t
         return {"type": "http.request", "body": body, "more_body": False}
 
     status_code = 500
-    headers: dict[bytes, bytes] = {}
+    answer_headers: dict[bytes, bytes] = {}
     chunks: list[bytes] = []
 
     async def send(message: Message) -> None:
         nonlocal status_code
         if message["type"] == "http.response.start":
             status_code = int(message["status"])
-            headers.update((bytes(k).lower(), bytes(v)) for k, v in message.get("headers", []))
+            answer_headers.update((bytes(k).lower(), bytes(v)) for k, v in message.get("headers", []))
         elif message["type"] == "http.response.body":
             chunks.append(bytes(message.get("body", b"")))
 
     await app(scope, receive, send)
-    return AppResponse(status_code, headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks),
-                       retry_after_s(headers) if status_code >= 400 else None)
+    return AppResponse(status_code, answer_headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks),
+                       retry_after_s(answer_headers) if status_code >= 400 else None)

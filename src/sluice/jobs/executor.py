@@ -4,7 +4,7 @@
       ▲                                                                              │
       └──────────────── record(token, outcomes) every flush_interval_s ◀─────────────┘
 
-- Items go through the app in-process (`asgi_call.post`), so they get the online path's
+- Items go through the app in-process (`asgi_call.call`), so they get the online path's
   validation, batching, deadlines and metrics, at the `batch` priority class.
 - A tenant limit's 429 (one with `retry-after-ms` / `Retry-After`) is a wait, not a failure: the
   item returns to the queue for that long with its attempts untouched, and `TenantPacer` slows the
@@ -37,7 +37,7 @@ import msgspec
 
 from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.jobs import lines
-from sluice.jobs.asgi_call import AppResponse, AsgiApp, call, post
+from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
 from sluice.jobs.pacing import CONCURRENCY_CODE, Refusal, TenantPacer
 from sluice.jobs.store import BatchStatus, Claim, Item, ItemOutcome, JobStore
@@ -227,7 +227,7 @@ class JobExecutor:
     async def _execute(self, token: str, item: Item, owner: str) -> None:
         assert self._app is not None
         try:
-            answer = await post(self._app, item.url, item.body, self._headers, {TENANT_SCOPE_KEY: owner})
+            answer = await call(self._app, "POST", item.url, item.body, self._headers, {TENANT_SCOPE_KEY: owner})
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the app answers errors itself; this is a bug: record it, keep going

@@ -91,19 +91,19 @@ class BatchLifecycle:
 
     async def _validate(self, batch: BatchJob) -> None:
         try:
-            content = await self._store.file_content(batch.owner, batch.input_file_id)
             now = int(self._clock())
-            if content is None:
-                await self._fail(batch, [{"code": "input_file_missing", "param": "input_file_id", "line": None,
-                                          "message": "the input file was deleted"}], now)
-                return
             models = None
-            if self._models is not None:
+            if self._models is not None:  # asked first: the file is read only once it can be validated
                 served = await self._models(batch.owner)
                 if not served.is_complete and now - batch.created_at < self._model_wait_s:
                     log.debug("batch %s: validation waits for the server's models to be up", batch.id)
                     return  # the next housekeeping round tries again
                 models = served.names
+            content = await self._store.file_content(batch.owner, batch.input_file_id)
+            if content is None:
+                await self._fail(batch, [{"code": "input_file_missing", "param": "input_file_id", "line": None,
+                                          "message": "the input file was deleted"}], now)
+                return
             parsed = await asyncio.to_thread(parse_input, content, batch.endpoint, models)
             if not isinstance(parsed, Valid):
                 await self._fail(batch, parsed.errors, now)

@@ -63,10 +63,6 @@ class TenantPacer:
             room[owner] = 0 if now < pace.paused_until else max(0, math.floor(pace.window) - pace.num_in_flight)
         return room
 
-    def paused_until(self, owner: str) -> float:
-        pace = self._paces.get(owner)
-        return pace.paused_until if pace is not None else 0.0
-
     def started(self, owner: str) -> None:
         pace = self._paces.get(owner)
         if pace is None:

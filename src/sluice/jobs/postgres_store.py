@@ -30,6 +30,7 @@ from sluice.jobs.store import (
 )
 
 _BATCH_BY_ID = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = %s"
+_BATCH_BY_KEY = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s AND idempotency_key = %s"
 _CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = %s AND {cond} "
           "ORDER BY idx LIMIT %s FOR UPDATE SKIP LOCKED")
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = %s AND state = %s AND idx > %s ORDER BY idx LIMIT 1"
@@ -67,8 +68,8 @@ class PostgresJobStore:
     # -- files -----------------------------------------------------------------------------------
 
     async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
-                          idempotency_key: str | None = None) -> FileObject:
-        file_id = rows.new_file_id()
+                          idempotency_key: str | None = None, file_id: str | None = None) -> FileObject:
+        file_id = file_id or rows.new_file_id()
         async with self._pool.connection() as conn:
             await conn.execute(
                 "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key) "
@@ -133,8 +134,7 @@ class PostgresJobStore:
             if idempotency_key is None:
                 cur = await conn.execute(_BATCH_BY_ID, (batch_id,))
             else:
-                cur = await conn.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s "
-                                         "AND idempotency_key = %s", (batch.owner, idempotency_key))
+                cur = await conn.execute(_BATCH_BY_KEY, (batch.owner, idempotency_key))
             return rows.batch_of(await cur.fetchone())  # type: ignore[arg-type]
 
     async def get_batch(self, owner: str | None, batch_id: str) -> BatchJob | None:
@@ -145,8 +145,7 @@ class PostgresJobStore:
         return rows.batch_of(row) if row else None
 
     async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
-        row = await self._one(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = %s AND idempotency_key = %s",
-                              (owner, idempotency_key))
+        row = await self._one(_BATCH_BY_KEY, (owner, idempotency_key))
         return rows.batch_of(row) if row else None
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:

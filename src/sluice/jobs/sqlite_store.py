@@ -102,9 +102,10 @@ class SqliteJobStore:
     # -- files -----------------------------------------------------------------------------------
 
     async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
-                          idempotency_key: str | None = None) -> FileObject:
+                          idempotency_key: str | None = None, file_id: str | None = None) -> FileObject:
+        file_id = file_id or rows.new_file_id()
+
         def create(db: sqlite3.Connection) -> FileObject:
-            file_id = rows.new_file_id()
             db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner, idempotency_key) DO NOTHING",
                        (file_id, owner, filename, purpose, len(content), now, content, idempotency_key))
@@ -174,12 +175,10 @@ class SqliteJobStore:
                        (batch_id, batch.owner, batch.endpoint, batch.input_file_id, batch.completion_window,
                         BatchStatus.VALIDATING.value, rows.dump_json(batch.metadata), batch.created_at,
                         batch.expires_at, idempotency_key))
-            if idempotency_key is None:
-                row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,))
-            else:
-                row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ? AND idempotency_key = ?",
-                                 (batch.owner, idempotency_key))
-            return rows.batch_of(row.fetchone())
+            found = (_get_batch(db, None, batch_id) if idempotency_key is None
+                     else _find_batch(db, batch.owner, idempotency_key))
+            assert found is not None  # just inserted, or the key's earlier batch
+            return found
 
         return await self._txn(create)
 
@@ -187,12 +186,7 @@ class SqliteJobStore:
         return await self._call(_get_batch, self._db, owner, batch_id)
 
     async def find_batch(self, owner: str, idempotency_key: str) -> BatchJob | None:
-        def find(db: sqlite3.Connection) -> BatchJob | None:
-            row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ? AND idempotency_key = ?",
-                             (owner, idempotency_key)).fetchone()
-            return rows.batch_of(row) if row else None
-
-        return await self._call(find, self._db)
+        return await self._call(_find_batch, self._db, owner, idempotency_key)
 
     async def list_batches(self, owner: str, after: str | None, limit: int) -> list[BatchJob]:
         def page(db: sqlite3.Connection) -> list[BatchJob]:
@@ -334,6 +328,12 @@ def _get_batch(db: sqlite3.Connection, owner: str | None, batch_id: str) -> Batc
     else:
         row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ? AND owner = ?",
                          (batch_id, owner)).fetchone()
+    return rows.batch_of(row) if row else None
+
+
+def _find_batch(db: sqlite3.Connection, owner: str, idempotency_key: str) -> BatchJob | None:
+    row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE owner = ? AND idempotency_key = ?",
+                     (owner, idempotency_key)).fetchone()
     return rows.batch_of(row) if row else None
 
 

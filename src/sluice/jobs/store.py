@@ -198,7 +198,10 @@ class JobStore(Protocol):
     """Files, batches and their items, durably. `owner` scopes every client-facing lookup."""
 
     async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
-                          idempotency_key: str | None = None) -> FileObject: ...
+                          idempotency_key: str | None = None, file_id: str | None = None) -> FileObject:
+        """Store a file (id `file_id`, or a new one). With a key already used by `owner`, the
+        file stored then is returned instead (its id is not `file_id`)."""
+        ...
 
     async def get_file(self, owner: str, file_id: str) -> FileObject | None: ...
 

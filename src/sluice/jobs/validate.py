@@ -69,12 +69,6 @@ class Invalid:
     """`{"code", "message", "param", "line"}`, at most `MAX_ERRORS` of them, first lines first."""
 
 
-def url_matches(endpoint: str, url: str) -> bool:
-    if endpoint == "/v2/infer":
-        return bool(_KSERVE_URL.match(url))
-    return url == endpoint
-
-
 def parse_input(content: bytes, endpoint: str, models: Collection[str] | None = None) -> Valid | Invalid:
     """The file's items, or its problems. `models`: the model names the batch's tenant may use (None:
     names are not checked, as when a validated file is read again)."""
