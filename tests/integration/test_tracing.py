@@ -109,7 +109,7 @@ def test_a_request_span_joins_the_callers_trace_with_queue_and_execution_inside(
     assert queue.end_time_unix_nano == execute.start_time_unix_nano
     assert execute.end_time_unix_nano <= traced.end_time_unix_nano
     execute_ms = (execute.end_time_unix_nano - execute.start_time_unix_nano) / 1e6
-    assert 5 < execute_ms < 100  # the emulator's one-row batch: 8 ms + 0.5 ms
+    assert execute_ms > 5  # the emulator's one-row batch (8 ms + 0.5 ms), not an empty span
 
     (expired,) = [s for s in spans if s.name == "sluice.request" and _attributes(s)["sluice.outcome"] == "expired"]
     assert expired.status.code == Status.STATUS_CODE_ERROR

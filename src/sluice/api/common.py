@@ -99,8 +99,12 @@ def requested_priority(request: Request, *body_values: tuple[str, Any]) -> Prior
     return max(classes) if classes else None
 
 
-def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0) -> Caller:
-    return Caller(request_tenant(request), priority, estimated_tokens, request.headers.get("traceparent"))
+def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0, *,
+           is_traced: bool = False) -> Caller:
+    """`is_traced`: the server exports traces, so the client's `traceparent` is read (a header
+    lookup that misses costs more than the rest of this, on every request)."""
+    traceparent = request.headers.get("traceparent") if is_traced else None
+    return Caller(request_tenant(request), priority, estimated_tokens, traceparent)
 
 
 MAX_TEXT_ITEMS = 2048

@@ -141,8 +141,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     estimate = _estimate_tokens(payload)
     limit_headers: dict[str, str] = {}
-    events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                              caller=caller(request, priority, estimate), limit_headers=limit_headers)
+    who = caller(request, priority, estimate, is_traced=gateway.is_tracing)
+    events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at, caller=who, limit_headers=limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage)
     if not payload.stream:

@@ -82,15 +82,17 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         header_length = _header_length(request)
         body = await read_body(request, body_limit_bytes)
         if b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply if we must
-            gateway.shed_if_overloaded(info, header_timeout, arrived_at, caller(request, requested_priority(request)))
+            early = caller(request, requested_priority(request), is_traced=gateway.is_tracing)
+            gateway.shed_if_overloaded(info, header_timeout, arrived_at, early)
         parsed, tensors = parse_request(body, header_length)
         payload = _to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)
         timeout_s = _timeout(parsed.parameters, gateway.max_timeout_s)
         priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
+        who = caller(request, priority, tokens, is_traced=gateway.is_tracing)
         result = await gateway.infer(info, payload, header_timeout if timeout_s is None else timeout_s,
-                                     arrived_at=arrived_at, caller=caller(request, priority, tokens))
+                                     arrived_at=arrived_at, caller=who)
         return _render(info, parsed, result.payload, binary_outputs, result.rate_limit_headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]

@@ -71,7 +71,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                                f"use /v2/models/{parsed.model}/infer", param="model")
         _check_dimensions(info, parsed.dimensions, None)
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
-        who = caller(request, priority, estimate_text_tokens(texts))
+        who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who)
         result = await gateway.infer(info, wire.TextPayload(texts), timeout_s, arrived_at=arrived_at, caller=who)
         payload = result.payload

@@ -187,13 +187,14 @@ class Gateway:
         work ahead of this tenant's class than the request's deadline allows: under overload the
         excess costs the gateway as little as possible and gets its answer at once."""
         caller = caller or _LOCAL_CALLER
-        self.tenancy.authorize(self.tenancy.tenant(caller.tenant), info.name)  # a 403 is the answer, not a 503
+        allowed = self.tenancy.tenant(caller.tenant)
+        self.tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         if now >= deadline:
             self._metrics.request_done(info.name, info.version, "expired", now - arrived_at)
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
-        tenant, priority = self._class_of(caller)
+        tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
         if not excesses:
@@ -241,10 +242,10 @@ class Gateway:
         sent_s = connection.sent_flow_work_s(tenant, int(priority)) / max(state.drain_rate, 0.05)
         return max(wait_s - elapsed_s, 0.0) + sent_s
 
-    def _class_of(self, caller: Caller) -> tuple[str, Priority]:
-        tenant = self.tenancy.directory.tenants.get(caller.tenant)
-        default = tenant.priority if tenant is not None else Priority.STANDARD
-        return caller.tenant, effective_priority(default, caller.priority)
+    @property
+    def is_tracing(self) -> bool:
+        """Traces are exported: requests' span context is worth reading."""
+        return self._tracing.is_enabled
 
     def now(self) -> float:
         """The gateway's clock, on which deadlines are set."""

@@ -82,8 +82,9 @@ class Ticket:
 
     def with_limits(self, result: InferResult) -> InferResult:
         """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
-        headers = self.limit_headers()
-        return replace(result, rate_limit_headers=headers) if headers else result
+        if not self.reservation.statuses:
+            return result
+        return replace(result, rate_limit_headers=self.limit_headers())
 
     def limit_headers(self) -> dict[str, str]:
         """The tenant's `x-ratelimit-*` headers as of its admission (empty if it has no limits)."""
