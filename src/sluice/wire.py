@@ -44,6 +44,10 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str
 
 
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""The seeds a generation takes: a signed 64-bit integer, as OpenAI's API and vLLM accept."""
+
+
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """A generation request: a prompt (text or token ids) or chat messages the worker renders with
     the model's chat template, and how to sample. Streamed back as `TokenChunk`s, then a `Result`

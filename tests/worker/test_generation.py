@@ -1,5 +1,6 @@
-"""The worker's generation side (`Generations` + `GenerationLoop`) with a real tiny-lm engine:
-what the gateway hears when the engine fails, and large prompts prepared off the event loop."""
+"""The worker's generation side (`Generations` + `GenerationLoop`): what the gateway hears when
+the engine fails, refuses or is cut short, how a step's device time is split, and large prompts
+prepared off the event loop (with a real tiny-lm engine, or hand-built engine outputs)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from sluice import wire
-from sluice.clock import MonotonicClock
-from sluice.engines.generative.runner import GenerativeRunner
+from sluice.clock import MonotonicClock, VirtualClock
+from sluice.engines.generative.engine import RequestOutput
+from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration
+from sluice.engines.generative.sequence import SamplingParams
 from sluice.errors import InvalidInput, Unavailable
 from sluice.gateway.ticket import interpret
 from sluice.priority import Priority
@@ -128,3 +132,57 @@ def test_a_prompt_far_longer_than_the_context_is_refused_untokenized(runner, mon
             worker.loop.stop()
 
     asyncio.run(scenario())
+
+
+class _Loop:
+    """What `Generations` uses of a `GenerationLoop`: its runner's `prepare`, and `submit`."""
+
+    runner = SimpleNamespace(prepare=lambda payload: PreparedGeneration([1, 2, 3], SamplingParams()))
+
+    def submit(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def test_a_generation_the_engine_refused_is_answered_as_overload_with_retry_after():
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+    submit = wire.Submit(41, "tiny", "1", wire.GeneratePayload(prompt="hi", stream=True), 5.0, "a", 1)
+    assert generations.submit(7, b"gw", submit, _Loop())  # type: ignore[arg-type]
+    generations.on_outputs([RequestOutput("7", (), "", True, "refused", 3, 0, 0)], 0.01, {})
+    (result,) = [reply for reply in replies if isinstance(reply, wire.Result)]
+    assert result.request_id == 41 and result.outcome is wire.Outcome.REJECTED and result.retry_after_s > 0
+    assert not generations
+
+
+def test_a_steps_time_is_split_by_the_tokens_it_computed_for_each_sequence():
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+    for internal_id, gateway_id in ((1, 11), (2, 12)):
+        submit = wire.Submit(gateway_id, "tiny", "1", wire.GeneratePayload(prompt="hi", stream=True), 5.0, "a", 1)
+        assert generations.submit(internal_id, b"gw", submit, _Loop())  # type: ignore[arg-type]
+    # a step of 0.1 s: 99 prompt tokens of sequence 1 (still in prefill: no output) and one decode of 2
+    generations.on_outputs([RequestOutput("2", (5,), "x", False, None, 3, 0, 1)], 0.1, {"1": 99, "2": 1})
+    (chunk,) = [reply for reply in replies if isinstance(reply, wire.TokenChunk)]
+    assert chunk.request_id == 12 and chunk.device_s == pytest.approx(0.001)
+    generations.on_outputs([RequestOutput("1", (), "", True, "deadline", 120, 0, 0)], 0.0, {})
+    (expired,) = [reply for reply in replies if isinstance(reply, wire.Result)]
+    assert expired.request_id == 11 and expired.device_s == pytest.approx(0.099)  # charged though it expired
+    assert expired.num_tokens == 120
+
+
+def test_a_request_whose_preparation_fails_unexpectedly_is_answered_and_not_kept():
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+
+    class Broken(_Loop):
+        runner = SimpleNamespace(prepare=lambda payload: 1 / 0)
+
+    submit = wire.Submit(41, "tiny", "1", wire.GeneratePayload(prompt="hi"), 5.0, "a", 1)
+    assert not generations.submit(7, b"gw", submit, Broken())  # type: ignore[arg-type]
+    (result,) = replies
+    assert isinstance(result, wire.Result) and result.outcome is wire.Outcome.FAILED
+    assert result.errors[0].is_transient  # a 503: not the client's fault
+    assert not generations  # nothing left registered: a drain can finish

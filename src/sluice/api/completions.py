@@ -54,7 +54,6 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP = 4
 TOKEN_ID_LIMIT = 1 << 31
 """Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
-SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 """A seed is a signed 64-bit integer, as OpenAI and vLLM accept."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
 """max_tokens of a chat request that sends none: capped at what the context leaves."""
@@ -293,7 +292,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         top_p=_bounded(request.top_p, "top_p", 1e-9, 1.0, 1.0),
         top_k=_bounded_int(0 if request.top_k in (None, -1) else request.top_k, "top_k", 0, 1 << 20),
         repetition_penalty=_bounded(request.repetition_penalty, "repetition_penalty", 1e-3, 10.0, 1.0),
-        seed=None if request.seed is None else _bounded_int(request.seed, "seed", *SEED_RANGE),
+        seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
         stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
         ignore_eos=bool(request.ignore_eos),

@@ -150,6 +150,11 @@ class Generations:
             del self._by_id[internal_id]
             self._refuse(identity, message.request_id, exc)
             return False
+        except Exception:  # a bug in preparing one request: answer it, and never leave it registered
+            log.exception("preparing generation request %d failed", message.request_id)
+            del self._by_id[internal_id]
+            self._reply(identity, _failure(message.request_id, 0, 0.0))
+            return False
         return True
 
     async def _prepare_off_loop(self, internal_id: int, generation: _Generation, message: wire.Submit,
@@ -186,12 +191,12 @@ class Generations:
         generation.loop.abort([str(internal_id)])
         return True
 
-    def on_outputs(self, outputs: list[RequestOutput], step_s: float, tokens: dict[str, int] | None = None) -> None:
+    def on_outputs(self, outputs: list[RequestOutput], step_s: float, tokens: dict[str, int]) -> None:
         """One engine step's output: stream chunks, answer finished sequences. The step's time is
         split among the sequences it computed by their tokens (`tokens`: a 500-token prompt chunk
         costs 500 decodes), also those still in prefill, which have no output yet."""
-        total = sum(tokens.values()) if tokens else 0
-        for request_id, num_tokens in (tokens or {}).items():
+        total = sum(tokens.values())
+        for request_id, num_tokens in tokens.items():
             computed = self._by_id.get(int(request_id))
             if computed is not None:
                 computed.device_s += step_s * num_tokens / total

@@ -109,6 +109,8 @@ class WorkerServer:
         self._is_draining = False
         self._drained = asyncio.Event()
         self._busy_s = 0.0
+        self._reported_a_wait = False
+        """The last report predicted some wait: going idle is news worth a report of its own."""
         self._listener: transport.Listener | None = None
         self._outbox: dict[bytes, list[wire.Message]] = {}
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
@@ -321,9 +323,10 @@ class WorkerServer:
             if pending.num_left == 0:
                 self._finish(item.request_id, pending)
         self._kick()  # the device thread found nothing: requests that arrived since can start
-        if self._scheduler.is_idle:
+        if self._scheduler.is_idle and self._reported_a_wait:
             # nothing left to run: say so now rather than at the next report, so that no gateway
-            # keeps counting, for up to a report interval, a wait its last report predicted
+            # keeps counting, for up to a report interval, a wait its last report predicted (at
+            # most one such report per periodic one: the last one that predicted a wait)
             self._broadcast_state()
         self._check_drained()
 
@@ -408,6 +411,7 @@ class WorkerServer:
 
     def _broadcast_state(self) -> None:
         state = self._state()
+        self._reported_a_wait = state.work_ahead_s > 0 or any(wait.wait_s > 0 for wait in state.waits)
         for identity in self._gateways:
             self._reply(identity, self._state_for(identity, state))
 

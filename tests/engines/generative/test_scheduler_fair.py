@@ -166,7 +166,13 @@ def test_a_flood_is_refused_on_its_own_backlog_and_what_is_taken_finishes_in_tim
     assert 8 < run.s.rates.admitted_per_s < 13 and run.s.rates.step_s == pytest.approx(STEP_S)
 
 
-def test_nothing_is_refused_before_the_admission_rate_is_measured():
-    run = Run(_scheduler(max_num_seqs=1))
-    seqs = [run.add("a", deadline=0.001) for _ in range(20)]
-    assert all(seq.status is SequenceStatus.WAITING for seq in seqs)
+def test_nothing_is_refused_before_a_second_of_backlog_is_measured():
+    run = Run(_scheduler(max_num_seqs=1))  # ~8 steps a sequence: ~12 admissions a second
+    for _ in range(200):
+        run.add("a", deadline=5.0)
+    run.steps(50)  # half a second of backlog: the admission rate is not trusted yet
+    early = run.add("a", deadline=5.0)  # behind ~190 of its tenant's: hopeless, but not yet known
+    assert early.status is SequenceStatus.WAITING
+    run.steps(60)  # over a second of backlog now
+    late = run.add("a", deadline=5.0)
+    assert late.finish_reason is FinishReason.REFUSED

@@ -16,13 +16,12 @@ import math
 from dataclasses import dataclass, field
 
 from sluice.priority import Priority
+from sluice.wire import SEED_RANGE
 
 __all__ = ["GREEDY_BELOW_TEMPERATURE", "SEED_RANGE", "FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """A temperature below this is greedy: dividing logits by it overflows to inf (vLLM does the same)."""
-SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
-"""Seeds a client may send (a signed 64-bit integer, as OpenAI and vLLM accept)."""
 
 
 class SequenceStatus(enum.StrEnum):
