@@ -182,14 +182,15 @@ class WorkerConnection:
                         in_flight.resolve(None)
 
     def _encodable(self, outbox: list[wire.Message]) -> list[wire.Message]:
-        """The messages that encode; a request that does not is answered with the reason (400:
-        only a value the client sent, out of the wire's range, gets this far)."""
+        """The messages that encode; a request that does not is answered with the reason (400: a
+        value from the request out of the wire's range; the API bounds the ones it knows, so one
+        that gets this far is also a gap in its checks, logged as an error)."""
         kept = []
         for message in outbox:
             try:
                 wire.encode_many([message])
             except Exception as exc:
-                log.warning("cannot encode a %s for worker %s: %s", type(message).__name__, self.worker_id, exc)
+                log.error("cannot encode a %s for worker %s: %s", type(message).__name__, self.worker_id, exc)
                 if isinstance(message, wire.Submit):
                     self._refuse_unsent(message, exc)
             else:
