@@ -111,7 +111,8 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
                                        stream=True, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(5), stream, strict=False):
         pass
-    assert _total(server, "vllm:num_requests_running", model_name=MODEL) == 1  # the gauge is read
+    _wait_for(lambda: _total(server, "vllm:num_requests_running", model_name=MODEL) == 1,  # (refreshed every 0.5 s)
+              "the running sequence never showed in the gauge")
     stream.close()
     _wait_for(lambda: _total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
               "the disconnected client's sequence kept running")
