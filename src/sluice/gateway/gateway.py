@@ -191,10 +191,10 @@ class Gateway:
         self.tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
-        if now >= deadline:
-            self._metrics.request_done(info.name, info.version, "expired", now - arrived_at)
-            raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
+        if now >= deadline:
+            self._refused_early(info, tenant, priority, caller, arrived_at, now, "expired")
+            raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
         if not excesses:
@@ -202,13 +202,17 @@ class Gateway:
         excess_s, connection = min(excesses, key=lambda pair: pair[0])
         if excess_s <= 0:
             return
-        self._metrics.request_done(info.name, info.version, "rejected", now - arrived_at)
-        self._metrics.tenant_rejected(tenant, priority.label, "overloaded")
+        self._refused_early(info, tenant, priority, caller, arrived_at, now, "rejected")
+        raise _overloaded(connection, excess_s)
+
+    def _refused_early(self, info: wire.ModelInfo, tenant: str, priority: Priority, caller: Caller,
+                       arrived_at: float, now: float, outcome: str) -> None:
+        """The accounting of a request answered before admission, as a `Ticket` does it for the rest."""
+        self._metrics.request_done(info.name, info.version, outcome, now - arrived_at)
+        self._metrics.tenant_rejected(tenant, priority.label, "overloaded" if outcome == "rejected" else outcome)
         if self._tracing.is_enabled:
             self._tracing.request(model=info.name, version=info.version, tenant=tenant, priority=priority.label,
-                                  traceparent=caller.traceparent, started=arrived_at,
-                                  outcome="rejected")
-        raise _overloaded(connection, excess_s)
+                                  traceparent=caller.traceparent, started=arrived_at, outcome=outcome)
 
     @staticmethod
     def _excess_s(connection: WorkerConnection, tenant: str, priority: Priority, info: wire.ModelInfo,
