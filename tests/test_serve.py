@@ -117,7 +117,10 @@ def test_port_0_is_served_on_a_free_port_that_the_banner_names(tmp_path):
         lines = _banner(server)
         [url] = [m.group(1) for line in lines if (m := re.search(r"listening on (http://\S+)", line))]
         assert not url.endswith(":0")
-        assert httpx.get(f"{url}/v2/health/ready").json() == {"ready": True}
+        ready = httpx.get(f"{url}/v2/health/ready")
+        assert ready.json() == {"ready": True}
+        # idle connections are kept longer than load balancers keep theirs, and clients are told
+        assert ready.headers["keep-alive"] == "timeout=75"
         assert any(line.startswith(f"  curl {url}/v2/models/emulated/infer") for line in lines)
     finally:
         process.send_signal(signal.SIGTERM)

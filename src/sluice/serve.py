@@ -58,6 +58,11 @@ class ServeConfig:
     remote_workers: tuple[str, ...] = ()
     """Addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     graceful_timeout_s: float = 30.0
+    keep_alive_s: int = 75
+    """How long an idle client connection is kept, advertised in `Keep-Alive: timeout=N`: longer
+    than the idle timeouts of common load balancers (60 s), so that they, not sluice, close idle
+    connections (no request meets a connection closing under it), and clients that read the
+    header keep their connections instead of opening new ones for each burst."""
     ready_timeout_s: float = 120.0
     api: ApiConfig = field(default_factory=ApiConfig)
     data_dir: Path | None = None
@@ -152,8 +157,9 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     asgi_app = build_app(gateway, config.api, lifespan,
                           extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes))
     server = _Server(uvicorn.Config(
-        asgi_app, host=config.host, port=config.port, loop="uvloop", http=stamping_protocol(clock), access_log=False,
-        log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
+        asgi_app, host=config.host, port=config.port, loop="uvloop", http=stamping_protocol(clock),
+        access_log=False, log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
+        timeout_keep_alive=config.keep_alive_s, headers=[("keep-alive", f"timeout={config.keep_alive_s}")],
     ))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,6 +3,7 @@
     /ok       200 (keep-alive)             /close    200 with `Connection: close`, then closes
     /busy     503 with `Retry-After: 1`    /stall    never answers
     /reject   429 without `Retry-After`    /drop     closes without answering
+    /lasting  200 with `Keep-Alive: timeout=3`
     /slow     200 after SLOW_S             /garbage  answers with bytes that are not HTTP
 
 It runs on the test's own event loop and counts connections, so tests can check the client's cap.
@@ -33,6 +34,7 @@ _ANSWERS = {
     b"/busy": _answer("503 Service Unavailable", "Retry-After: 1"),
     b"/reject": _answer("429 Too Many Requests"),
     b"/close": _answer("200 OK", "Connection: close"),
+    b"/lasting": _answer("200 OK", "Keep-Alive: timeout=3"),
 }
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sluice.bench.http_client import HttpPool, post_head, post_request, split_url
+from sluice.bench.http_client import HttpPool, keep_alive_timeout_s, post_head, post_request, split_url
 from sluice.bench.stats import TRANSPORT_ERROR
 from tests.bench.conftest import SLOW_S, ScriptedServer
 from tests.conftest import free_port
@@ -130,6 +130,31 @@ def test_headers_with_line_breaks_are_rejected(headers: dict[str, str]) -> None:
 def test_only_http_urls_with_a_host_are_accepted(url: str) -> None:
     with pytest.raises(ValueError, match="http"):
         split_url(url)
+
+
+async def test_a_connection_is_kept_as_long_as_the_server_says_it_keeps_it(scripted_server: ScriptedServer) -> None:
+    """`Keep-Alive: timeout=3` on the answers: an idle connection stays open (until 1 s before
+    the server's limit) past the pool's own idle timeout, and the next request reuses it
+    instead of opening another."""
+    outcomes = Outcomes()
+    url = scripted_server.url("/lasting")
+    origin, _ = split_url(url)
+    head = post_head(url, {})
+    async with HttpPool(origin, outcomes.on_done, 0, 5.0, idle_timeout_s=0.2) as pool:
+        pool.send(0, post_request(head, b"{}"), time.perf_counter())
+        await outcomes.wait_for(1)
+        await asyncio.sleep(0.6)  # three times the pool's own idle timeout
+        assert pool.num_connections == 1
+        pool.send(1, post_request(head, b"{}"), time.perf_counter())
+        await outcomes.wait_for(2)
+    assert scripted_server.num_accepted == 1
+
+
+def test_the_keep_alive_timeout_is_read_from_the_header() -> None:
+    assert keep_alive_timeout_s(b"timeout=75") == 75.0
+    assert keep_alive_timeout_s(b"max=100, Timeout= 5") == 5.0
+    assert keep_alive_timeout_s(b"max=100") is None
+    assert keep_alive_timeout_s(b"timeout=soon") is None
 
 
 def test_pool_arguments_are_validated() -> None:

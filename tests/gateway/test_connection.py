@@ -24,6 +24,22 @@ def _state(tenant_wait_s: float, seen_request_id: int = 0, newcomer_s: float = 0
                             seen_request_id=seen_request_id)
 
 
+class _RecordingChannel:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send(self, data: bytes) -> bool:
+        self.frames.append(data)
+        return True
+
+
+def _connection(channel: _RecordingChannel | None = None) -> WorkerConnection:
+    """A connection whose frames are recorded instead of sent (it counts as connected)."""
+    connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+    connection._channel = channel or _RecordingChannel()  # type: ignore[assignment]
+    return connection
+
+
 def _submit(request_id: int, tenant: str) -> wire.Submit:
     payload = wire.TensorPayload("float32", (1, 16), bytes(64))
     return wire.Submit(request_id, "m", "1", payload, 1.0, tenant, int(Priority.STANDARD))
@@ -31,7 +47,7 @@ def _submit(request_id: int, tenant: str) -> wire.Submit:
 
 def test_sent_work_counts_per_flow_until_the_next_report() -> None:
     async def scenario() -> None:
-        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+        connection = _connection()
         state = _state(0.2)
         connection._on_message(state)
         for request_id, tenant in ((1, "a"), (2, "a"), (3, "b")):
@@ -57,7 +73,7 @@ def test_sent_work_counts_per_flow_until_the_next_report() -> None:
 def test_a_report_drops_only_the_work_the_worker_had_received_when_it_built_it() -> None:
     """A report that arrives late must not forget requests sent after the worker built it."""
     async def scenario() -> None:
-        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+        connection = _connection()
         connection._on_message(_state(0.2, seen_request_id=0))
         for request_id in range(1, 6):
             assert connection.submit(_submit(request_id, "a")) is not None
@@ -79,7 +95,7 @@ def test_early_admission_counts_the_newcomers_own_batch() -> None:
     deadline (the worker would refuse it after a round trip), but leaves to the worker one whose
     own batch alone would miss it (a deadline too short: the worker answers 504, not 503)."""
     async def scenario() -> None:
-        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
+        connection = _connection()
         state = _state(0.2, newcomer_s=0.03)
         connection._on_message(state)
         info = state.models[0]
@@ -91,37 +107,44 @@ def test_early_admission_counts_the_newcomers_own_batch() -> None:
     asyncio.run(scenario())
 
 
-class _RecordingChannel:
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-
-    def send(self, data: bytes) -> bool:
-        self.frames.append(data)
-        return True
-
-
-def test_an_unencodable_request_fails_alone_and_the_rest_of_its_frame_is_sent() -> None:
+def test_an_unencodable_request_fails_alone_and_the_others_are_sent_at_once() -> None:
     """A seed beyond 64 bits cannot be encoded: that request gets a 400, while the requests and
-    cancels queued in the same loop turn still reach the worker."""
+    cancels around it reach the worker, each as it is sent (not at the end of the loop turn)."""
     async def scenario() -> None:
-        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")
         channel = _RecordingChannel()
-        connection._channel = channel  # type: ignore[assignment]
+        connection = _connection(channel)
         connection._on_message(_state(0.0))
-        good = [connection.submit(_generate(request_id)) for request_id in (1, 3)]
+        first = connection.submit(_generate(1))
+        assert first is not None and len(channel.frames) == 1  # written before the loop turns
         bad = connection.submit(_generate(2, seed=2**64))
+        second = connection.submit(_generate(3))
         connection.cancel(1)
-        assert bad is not None and all(good)
-        await asyncio.sleep(0)  # the loop turn's flush
-        (frame,) = channel.frames
-        sent = wire.decode(frame)
+        assert bad is not None and second is not None
+        sent = [message for frame in channel.frames for message in wire.decode(frame)]
         assert [(type(m).__name__, getattr(m, "request_id", None)) for m in sent] == [
             ("Submit", 1), ("Submit", 3), ("Cancel", None)]
         result = await bad.future
         assert result is not None
         with pytest.raises(InvalidInput, match="could not be sent"):
             interpret(_state(0.0).models[0], result)
-        assert not good[1].future.done()
+        assert not second.future.done()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_the_worker_cannot_take_now_is_not_left_in_flight() -> None:
+    """Not connected at the moment of sending: `submit` says so (the gateway retries), and nothing
+    of the request stays counted as sent."""
+    class _Closed(_RecordingChannel):
+        def send(self, data: bytes) -> bool:
+            return False
+
+    async def scenario() -> None:
+        connection = _connection(_Closed())
+        connection._on_message(_state(0.0))
+        assert connection.submit(_generate(1)) is None
+        assert connection.sent_flow_work_s("a", int(Priority.STANDARD)) == 0.0
+        assert not connection._in_flight
 
     asyncio.run(scenario())
 

@@ -57,7 +57,6 @@ class WorkerConnection:
         self._upstreams: dict[tuple[str, str], wire.UpstreamLoad] = {}
         self._sent_to_upstream: dict[tuple[str, str], int] = {}  # calls sent since the last report
         self._in_flight: dict[int, InFlight] = {}
-        self._outbox: list[wire.Message] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.is_lost = False
         self.is_ready = False
@@ -91,17 +90,21 @@ class WorkerConnection:
 
     def submit(self, message: wire.Submit) -> InFlight | None:
         """Send a request; None if the worker cannot take it right now (not connected)."""
-        if not self._send_now(message):
+        if self.is_lost:
             return None
-        work_s = self._item_s.get((message.model, message.version), 0.001) * _num_items(message.payload)
-        key = (message.model, message.version)
-        if key in self._upstreams:
-            self._sent_to_upstream[key] = self._sent_to_upstream.get(key, 0) + 1
         in_flight = InFlight(message)
         if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
             in_flight.chunks = asyncio.Queue()
+        key = (message.model, message.version)
+        work_s = self._item_s.get(key, 0.001) * _num_items(message.payload)
         self._in_flight[message.request_id] = in_flight
         self._unreported.add(message.request_id, (message.tenant, message.priority), work_s)
+        if not self._send_now(message):
+            del self._in_flight[message.request_id]
+            self._unreported.discard(message.request_id)
+            return None
+        if key in self._upstreams:
+            self._sent_to_upstream[key] = self._sent_to_upstream.get(key, 0) + 1
         return in_flight
 
     def sent_flow_work_s(self, tenant: str, priority: int) -> float:
@@ -155,47 +158,25 @@ class WorkerConnection:
             self._send_now(wire.Cancel([request_id]))
 
     def _send_now(self, message: wire.Message) -> bool:
-        """Queue a message; what one loop turn queues leaves in one frame. False if the worker is
-        known not to be connected (a failure found at flush time resolves the requests instead)."""
+        """Write one message to the worker at once; False if it is not connected.
+
+        Messages are not held to share a frame with others from the same loop turn: a flush
+        scheduled with `call_soon` runs after everything else the loop has queued, and under
+        overload that queue held a request back from its worker for tens of milliseconds
+        (benchmarks/README.md, "Where a completed request's time goes"). A message that cannot be
+        encoded is dropped and, if it is a request, answered with the reason (400: a value out of
+        the wire's range; the API bounds the ones it knows, so one that gets here is also a gap in
+        its checks, logged as an error)."""
         if self.is_lost and not isinstance(message, wire.Hello):
             return False
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox.append(message)
-        return True
-
-    def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, []
         try:
-            frame = wire.encode_many(outbox)
-        except Exception:  # one message that cannot be encoded must not take the frame down with it
-            outbox = self._encodable(outbox)
-            if not outbox:
-                return
-            frame = wire.encode_many(outbox)
-        if not self._channel.send(frame):
-            # not connected: nothing was delivered; let these requests be re-dispatched
-            for message in outbox:
-                if isinstance(message, wire.Submit):
-                    in_flight = self._in_flight.pop(message.request_id, None)
-                    if in_flight is not None:
-                        in_flight.resolve(None)
-
-    def _encodable(self, outbox: list[wire.Message]) -> list[wire.Message]:
-        """The messages that encode; a request that does not is answered with the reason (400: a
-        value from the request out of the wire's range; the API bounds the ones it knows, so one
-        that gets this far is also a gap in its checks, logged as an error)."""
-        kept = []
-        for message in outbox:
-            try:
-                wire.encode_many([message])
-            except Exception as exc:
-                log.error("cannot encode a %s for worker %s: %s", type(message).__name__, self.worker_id, exc)
-                if isinstance(message, wire.Submit):
-                    self._refuse_unsent(message, exc)
-            else:
-                kept.append(message)
-        return kept
+            frame = wire.encode(message)
+        except Exception as exc:
+            log.error("cannot encode a %s for worker %s: %s", type(message).__name__, self.worker_id, exc)
+            if isinstance(message, wire.Submit):
+                self._refuse_unsent(message, exc)
+            return True
+        return self._channel.send(frame)
 
     def _refuse_unsent(self, message: wire.Submit, exc: Exception) -> None:
         in_flight = self._in_flight.pop(message.request_id, None)
