@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sluice.clock import VirtualClock
 from sluice.gateway.limits import Refusal, Reservation, TenantLimiter, Usage, format_duration
+from sluice.gateway.tenancy import _refusal_error
 from sluice.gateway.tenants import Tenant
 
 _PREFIXES = itertools.count()
@@ -119,6 +120,9 @@ def test_a_request_larger_than_a_minutes_tokens_is_refused_for_good_and_takes_no
     refusal = lim.admit(tenant, 61)
     assert isinstance(refusal, Refusal)
     assert (refusal.limit, refusal.too_large, refusal.is_final) == ("tokens", True, True)
+    error = _refusal_error(tenant, refusal, 61)  # both limiters: the message names the real limit
+    assert "about 61 tokens, more than the 60 tokens per minute" in error.message
+    assert error.headers["x-should-retry"] == "false"
     reservation = lim.admit(tenant, 60)  # a whole minute's worth still fits: nothing was taken
     assert isinstance(reservation, Reservation)
     assert {s.name: s.remaining for s in reservation.statuses} == {"requests": 9, "tokens": 0}

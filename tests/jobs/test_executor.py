@@ -8,6 +8,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
+from sluice.api.errors import error_response
+from sluice.errors import BudgetExhausted, RateLimited
 from sluice.jobs.executor import ExecutorConfig, JobExecutor, backoff_s
 from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import BatchStatus, NewBatch
@@ -126,28 +130,30 @@ async def test_500_and_502_are_retried_as_transient(tmp_path: Path):
 
 
 class LimitedApp:
-    """A tenant's limits in front of the app, answering as sluice's limiter does (429, `retry-after-ms`,
-    the limit's code): at most `max_concurrent` items at once (each takes `work_s`), and a bucket of
-    `burst` requests refilled at `per_s`. `budget_refusals` first calls are refused as a spent budget."""
+    """A tenant's limits in front of the app, refusing with sluice's own error answers (429,
+    `retry-after-ms`, `x-sluice-limit`, in `protocol`'s error shape): at most `max_concurrent`
+    items at once (each takes `work_s`), and a bucket of `burst` requests refilled at `per_s`.
+    `budget_refusals` first calls are refused as a spent budget."""
 
     def __init__(self, max_concurrent: int = 0, burst: float = 0, per_s: float = 0, budget_refusals: int = 0,
-                 work_s: float = 0.002) -> None:
-        self.max_concurrent, self.per_s, self.work_s = max_concurrent, per_s, work_s
+                 work_s: float = 0.002, protocol: str = "openai") -> None:
+        self.max_concurrent, self.per_s, self.work_s, self.protocol = max_concurrent, per_s, work_s, protocol
         self.level, self.at = burst, time.monotonic()
         self.budget_refusals = budget_refusals
         self.num_in_flight = self.num_refused = self.num_answered = 0
+        self.called_at: list[float] = []
 
-    def _refusal(self) -> tuple[str, float, bool] | None:
+    def _refusal(self) -> RateLimited | None:
         if self.budget_refusals:
             self.budget_refusals -= 1
-            return "insufficient_quota", 0.05, True
+            return BudgetExhausted("spent", "credits", 0.05, {"x-should-retry": "false"})
         if self.max_concurrent and self.num_in_flight >= self.max_concurrent:
-            return "concurrency_limit_exceeded", 0.05, False
+            return RateLimited("busy", "concurrency", 1.0)  # what the limiter says (a slot frees when one ends)
         if self.per_s:
             now = time.monotonic()
             self.level, self.at = min(self.level + (now - self.at) * self.per_s, self.per_s), now
             if self.level < 1:
-                return "requests_limit_exceeded", (1 - self.level) / self.per_s, False
+                return RateLimited("limited", "requests", (1 - self.level) / self.per_s)
             self.level -= 1
         return None
 
@@ -155,17 +161,11 @@ class LimitedApp:
         if await answered_model_query(scope, send):
             return
         await receive()
+        self.called_at.append(time.monotonic())
         refusal = self._refusal()
         if refusal is not None:
-            code, wait_s, is_final = refusal
             self.num_refused += 1
-            headers = [(b"retry-after", b"1"), (b"retry-after-ms", str(max(1, int(wait_s * 1000))).encode())]
-            if is_final:
-                headers.append((b"x-should-retry", b"false"))
-            body = json.dumps({"error": {"message": "limited", "type": "rate_limit_exceeded", "param": None,
-                                         "code": code}}).encode()
-            await send({"type": "http.response.start", "status": 429, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            await error_response(refusal, self.protocol)(scope, receive, send)
             return
         self.num_in_flight += 1
         try:
@@ -181,14 +181,20 @@ PACED = ExecutorConfig(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02, 
                        flush_interval_s=0.005)
 
 
-async def test_a_concurrency_limit_paces_the_job_instead_of_failing_it(tmp_path: Path):
-    app = LimitedApp(max_concurrent=2)
+@pytest.mark.parametrize("protocol", ["openai", "kserve"])
+async def test_a_concurrency_limit_paces_the_job_instead_of_failing_it(tmp_path: Path, protocol: str):
+    """A concurrency refusal does not pause the tenant for its Retry-After (1 s, which 60 items
+    could not wait out each time in the test's time), in either protocol's error shape."""
+    app = LimitedApp(max_concurrent=2, protocol=protocol)
     store, batch_id = await _run_job(tmp_path, [f"t{i}" for i in range(60)], app, PACED, timeout_s=30)
     batch = await store.get_batch(None, batch_id)
     assert batch is not None and batch.status is BatchStatus.COMPLETED
     assert (batch.num_completed, batch.num_failed) == (60, 0)  # every refusal waited, none used an attempt
     assert app.num_answered == 60
     assert app.num_refused < 2 * 60  # launches slowed to the limit, not every item sent again and again
+    gaps = [b - a for a, b in zip(app.called_at, app.called_at[1:], strict=False)]
+    # the tenant is not paused for a refusal's 1 s Retry-After (paused: ~15 such gaps in this job)
+    assert sum(gap > 0.9 for gap in gaps) <= 3
     await store.aclose()
 
 
@@ -199,6 +205,26 @@ async def test_a_requests_per_minute_limit_paces_the_job_instead_of_failing_it(t
     assert batch is not None and (batch.status, batch.num_completed, batch.num_failed) == (
         BatchStatus.COMPLETED, 80, 0)
     assert app.num_refused < 2 * 80
+    await store.aclose()
+
+
+async def test_a_request_too_large_for_its_limit_fails_at_once(tmp_path: Path):
+    """A 429 that says retrying cannot help (`x-should-retry: false`, no Retry-After: a request
+    over a whole minute's tokens) ends the item on its first try, as an error, not a dead letter."""
+    class TooLarge(ScriptedApp):
+        async def __call__(self, scope, receive, send) -> None:
+            if await answered_model_query(scope, send):
+                return
+            text = json.loads((await receive())["body"])["input"]
+            self.calls[text] += 1
+            error = RateLimited("request too large", "tokens", None, {"x-should-retry": "false"})
+            await error_response(error, "openai")(scope, receive, send)
+
+    app = TooLarge()
+    store, batch_id = await _run_job(tmp_path, ["huge"], app)
+    batch = await store.get_batch(None, batch_id)
+    assert batch is not None and (batch.num_completed, batch.num_failed) == (0, 1)
+    assert app.calls == {"huge": 1}
     await store.aclose()
 
 

@@ -9,7 +9,6 @@ from starlette.requests import ClientDisconnect, Request
 
 from sluice.errors import InvalidInput, PayloadTooLarge
 from sluice.gateway import Caller
-from sluice.gateway.gateway import MAX_TIMEOUT_S
 from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -40,7 +39,7 @@ def parse_count(raw: str) -> int | None:
     return int(raw)
 
 
-def header_timeout_s(request: Request, max_timeout_s: float = MAX_TIMEOUT_S) -> float | None:
+def header_timeout_s(request: Request, max_timeout_s: float) -> float | None:
     """The client's deadline from `X-Request-Timeout-Ms`, if it sent one, within the gateway's
     limit (`Gateway.max_timeout_s`): checked here so that the error names the header."""
     raw = request.headers.get(TIMEOUT_HEADER)

@@ -54,7 +54,6 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP = 4
 TOKEN_ID_LIMIT = 1 << 31
 """Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
-"""A seed is a signed 64-bit integer, as OpenAI and vLLM accept."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
 """max_tokens of a chat request that sends none: capped at what the context leaves."""
 
@@ -129,7 +128,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                  kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
     arrived_at = arrival(request, gateway.now())
-    timeout_s = header_timeout_s(request)
+    timeout_s = header_timeout_s(request, gateway.max_timeout_s)
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
     info = gateway.resolve(parsed.model, None)
@@ -139,7 +138,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     payload = _to_payload(parsed, info)
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     estimate = _estimate_tokens(payload)
-    limit_headers: dict[str, str] = {}
+    limit_headers: dict[str, str] | None = {} if payload.stream else None  # a whole answer has its own
     who = caller(request, priority, estimate, is_traced=gateway.is_tracing)
     events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at, caller=who, limit_headers=limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
@@ -151,7 +150,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     # errors before the first byte become HTTP statuses
     first = await _unless_disconnected(request, events, anext(events))
     return StreamingResponse(_sse(shape, first, events), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **limit_headers})
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(limit_headers or {})})
 
 
 async def _unless_disconnected(request: Request, events: AsyncIterator[Any], waiting: Awaitable[T]) -> T:

@@ -90,10 +90,15 @@ def error_body(error: Exception, protocol: str = "openai") -> dict[str, Any]:
     return {"error": {"message": message, "type": status.type, "param": param, "code": code}}
 
 
+LIMIT_HEADER = "x-sluice-limit"
+"""On a 429: which of the tenant's limits refused it (requests, tokens, concurrency, credits), in
+both protocols (a KServe error body has no code to say it)."""
+
+
 def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
     status = status_of(error)
     body = msgspec.json.encode(error_body(error, protocol))
-    headers = dict(error.headers) if isinstance(error, RateLimited) else {}
+    headers = {**error.headers, LIMIT_HEADER: error.limit} if isinstance(error, RateLimited) else {}
     retry_after_s = getattr(error, "retry_after_s", None)
     if retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))

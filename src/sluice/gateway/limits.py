@@ -224,7 +224,7 @@ def _bucket(per_min: float, old: TokenBucket | None, now: float) -> TokenBucket 
     bucket = TokenBucket(per_min, now)
     if old is not None:
         old.refill(now)
-        bucket.level = min(per_min, per_min - (old.capacity - old.level))
+        bucket.level = per_min - (old.capacity - old.level)
     return bucket
 
 

@@ -58,7 +58,7 @@ local function bucket(cap, c, l, a)
   c = tonumber(c); l = tonumber(l); a = tonumber(a)
   if c == nil or l == nil or a == nil then return {cap = cap, level = cap, at = now} end
   if now > a then l = math.min(c, l + (now - a) * c / 60.0); a = now end
-  if c ~= cap then l = math.min(cap, cap - (c - l)) end
+  if c ~= cap then l = cap - (c - l) end
   return {cap = cap, level = l, at = a}
 end
 local rpm, tpm = tonumber(ARGV[2]), tonumber(ARGV[3])

@@ -190,9 +190,8 @@ def _refusal_error(tenant: Tenant, refusal: Refusal, estimated_tokens: float) ->
     message = f"rate limit reached for {_MESSAGES[refusal.limit]}"
     if refusal.too_large:
         headers["x-should-retry"] = "false"
-        limit = next((s.limit for s in refusal.statuses if s.name == refusal.limit), 0.0)
         return RateLimited(f"request too large: it needs about {estimated_tokens:.0f} tokens, more than the "
-                           f"{limit:.0f} {_MESSAGES[refusal.limit]} tenant {tenant.name!r} may use; "
+                           f"{tenant.tokens_per_min:.0f} {_MESSAGES[refusal.limit]} tenant {tenant.name!r} may use; "
                            "send a smaller request (shorter input, lower max_tokens)", refusal.limit, None, headers)
     if refusal.is_final:
         headers["x-should-retry"] = "false"

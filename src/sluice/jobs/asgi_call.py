@@ -24,6 +24,10 @@ class AppResponse:
     body: bytes
     retry_after_s: float | None = None
     """When the answer says to come back (`retry-after-ms`, else `Retry-After` in seconds)."""
+    limit: str | None = None
+    """The tenant limit that refused it (`x-sluice-limit`), if one did."""
+    should_retry: bool = True
+    """False when the answer says retrying cannot help (`x-should-retry: false`)."""
 
 
 def retry_after_s(headers: dict[bytes, bytes]) -> float | None:
@@ -72,5 +76,9 @@ async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[t
             chunks.append(bytes(message.get("body", b"")))
 
     await app(scope, receive, send)
+    if status_code < 400:
+        return AppResponse(status_code, answer_headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks))
+    limit = answer_headers.get(b"x-sluice-limit")
     return AppResponse(status_code, answer_headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks),
-                       retry_after_s(answer_headers) if status_code >= 400 else None)
+                       retry_after_s(answer_headers), limit.decode("latin-1") if limit else None,
+                       answer_headers.get(b"x-should-retry", b"").lower() != b"false")

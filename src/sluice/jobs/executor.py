@@ -39,7 +39,7 @@ from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.jobs import lines
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
-from sluice.jobs.pacing import CONCURRENCY_CODE, Refusal, TenantPacer
+from sluice.jobs.pacing import Refusal, TenantPacer
 from sluice.jobs.store import BatchStatus, Claim, Item, ItemOutcome, JobStore
 from sluice.jobs.validate import ServedModels
 from sluice.metrics import JobMetrics
@@ -240,15 +240,15 @@ class JobExecutor:
 
     def _outcome(self, item: Item, owner: str, answer: AppResponse) -> ItemOutcome:
         now = self._clock()
-        input_tokens, output_tokens, error_code = lines.read_answer(answer.body)
-        refusal = _limit_refusal(answer, error_code)
+        input_tokens, output_tokens = lines.read_usage(answer.body)
+        refusal = _limit_refusal(answer)
         if refusal is not None:  # wait for the limit, attempts untouched
             self._pacer.refused(owner, refusal, now)
             return ItemOutcome(item.batch_id, item.idx, retry_at=now + refusal.retry_after_s, attempts=item.attempts)
         self._pacer.answered(owner)
         status = answer.status_code
         attempts = item.attempts + 1
-        is_transient = status in TRANSIENT_STATUSES
+        is_transient = status in TRANSIENT_STATUSES and answer.should_retry  # e.g. a request too large: final
         if is_transient and attempts < self._config.max_attempts:
             self._metrics.item_retried()
             delay = max(backoff_s(attempts, self._config.backoff_base_s, self._config.backoff_max_s),
@@ -336,8 +336,8 @@ class JobExecutor:
                 await self._store.extend_lease(token, lease.until)
 
 
-def _limit_refusal(answer: AppResponse, error_code: str | None) -> Refusal | None:
+def _limit_refusal(answer: AppResponse) -> Refusal | None:
     """A tenant limit's 429 says when to come back; one without a Retry-After is an ordinary transient failure."""
     if answer.status_code != 429 or answer.retry_after_s is None:
         return None
-    return Refusal(max(answer.retry_after_s, MIN_REFUSAL_WAIT_S), error_code == CONCURRENCY_CODE)
+    return Refusal(max(answer.retry_after_s, MIN_REFUSAL_WAIT_S), answer.limit == "concurrency")

@@ -12,7 +12,6 @@ calling it broke) has `response: null` and the reason in `error`.
 from __future__ import annotations
 
 import secrets
-from typing import Any
 
 import msgspec
 
@@ -26,8 +25,6 @@ class _Usage(msgspec.Struct):
 
 class _Answer(msgspec.Struct):
     usage: _Usage | None = None
-    error: Any = None
-    """OpenAI: `{"code", "message", ...}`; KServe: a string."""
 
 
 _decode_answer = msgspec.json.Decoder(_Answer).decode
@@ -56,12 +53,11 @@ def error_only_line(custom_id: str, code: str, message: str) -> bytes:
                      b"}\n"))
 
 
-def read_answer(body: bytes) -> tuple[int, int, str | None]:
-    """(input tokens, output tokens, the OpenAI error's code) from a response body."""
+def read_usage(body: bytes) -> tuple[int, int]:
+    """(input tokens, output tokens) from a response body."""
     try:
         answer = _decode_answer(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0, 0, None
+        return 0, 0
     usage = answer.usage or _Usage()
-    code = answer.error.get("code") if isinstance(answer.error, dict) else None
-    return usage.prompt_tokens, usage.completion_tokens, code if isinstance(code, str) else None
+    return usage.prompt_tokens, usage.completion_tokens

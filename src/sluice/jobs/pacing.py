@@ -21,9 +21,6 @@ from dataclasses import dataclass
 
 __all__ = ["Refusal", "TenantPacer"]
 
-CONCURRENCY_CODE = "concurrency_limit_exceeded"
-
-
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """A limit refused an item: it may be tried again `retry_after_s` from now."""
