@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.repository import demo_repository
 
@@ -92,7 +93,7 @@ def write_emulated_model(repo: Path, name: str = "emulated", slo_ms: float = 100
     return repo
 
 
-def write_tiny_lm_model(repo: Path, name: str = "tiny") -> Path:
+def write_tiny_lm_model(repo: Path, name: str = "tiny", max_num_seqs: int = 16) -> Path:
     """A repository entry `name`: a tiny random-weight Llama (generated, with its SHA256SUMS) served
     by the generative engine with a roomy deadline and a small KV cache."""
     from sluice.engines.generative.tiny import make_tiny_lm
@@ -101,7 +102,7 @@ def write_tiny_lm_model(repo: Path, name: str = "tiny") -> Path:
     version = make_tiny_lm(repo / name / "1")
     write_manifest(version, version / MANIFEST)
     (repo / name / "model.toml").write_text(
-        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 16\n')
+        f'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = {max_num_seqs}\n')
     return repo
 
 
@@ -161,3 +162,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def metric_total(server: ServerProcess, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on `server`'s /metrics whose labels include `labels`."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())

@@ -147,6 +147,11 @@ async def test_a_connection_is_kept_as_long_as_the_server_says_it_keeps_it(scrip
         assert pool.num_connections == 1
         pool.send(1, post_request(head, b"{}"), time.perf_counter())
         await outcomes.wait_for(2)
+        idle_since = time.monotonic()
+        while pool.num_connections:  # and closed 1 s before the server's 3 s
+            assert time.monotonic() - idle_since < 3.0, "kept past the server's keep-alive timeout"
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - idle_since >= 1.5
     assert scripted_server.num_accepted == 1
 
 

@@ -135,12 +135,8 @@ def test_an_unencodable_request_fails_alone_and_the_others_are_sent_at_once() ->
 def test_a_request_the_worker_cannot_take_now_is_not_left_in_flight() -> None:
     """Not connected at the moment of sending: `submit` says so (the gateway retries), and nothing
     of the request stays counted as sent."""
-    class _Closed(_RecordingChannel):
-        def send(self, data: bytes) -> bool:
-            return False
-
     async def scenario() -> None:
-        connection = _connection(_Closed())
+        connection = WorkerConnection("w", "ipc:///nonexistent/sluice-test.sock", "g")  # never connected
         connection._on_message(_state(0.0))
         assert connection.submit(_generate(1)) is None
         assert connection.sent_flow_work_s("a", int(Priority.STANDARD)) == 0.0

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from sluice.gateway.tenants import hash_key, new_key
-from tests.conftest import write_emulated_model
+from tests.conftest import metric_total, write_emulated_model
 from tests.integration.test_batch_api import embedding_lines, jsonl, output_rows, wait_until_final
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,8 @@ def test_a_requests_per_minute_limit_paces_the_job(server):
     """120 requests a minute: the first 120 lines go at once, the other 10 as the bucket refills."""
     done, ok, errors = _run(server, "paced", 130)
     assert done.status == "completed" and errors == []
+    # the limit did refuse items (which then waited), it was not bypassed
+    assert metric_total(server, "sluice_tenant_rejected_total", tenant="paced", reason="requests") >= 1
     assert (done.request_counts.completed, done.request_counts.failed) == (130, 0)
     assert [r["custom_id"] for r in ok] == [f"req-{i}" for i in range(130)]
 
@@ -66,6 +68,7 @@ def test_a_concurrency_limit_paces_the_job(server):
     """Two at a time on a 50 ms device: 100 lines take at least 2.5 s, longer than five quick retries."""
     done, ok, errors = _run(server, "narrow", 100, model="slowish")
     assert done.status == "completed" and errors == []
+    assert metric_total(server, "sluice_tenant_rejected_total", tenant="narrow", reason="concurrency") >= 1
     assert (done.request_counts.completed, done.request_counts.failed) == (100, 0) and len(ok) == 100
 
 

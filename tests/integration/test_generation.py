@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import start_server, write_tiny_lm_model
+from tests.conftest import metric_total, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -83,42 +82,35 @@ def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
     pytest.fail(what)
 
 
-def _total(server, name: str, **labels: str) -> float:
-    """The sum of a metric's samples whose labels include `labels`."""
-    text = httpx.get(f"{server.url}/metrics").text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
-
-
 def test_finished_generations_count_as_ok_with_their_tokens(server, client):
-    ok = _total(server, "sluice_requests_total", model=MODEL, outcome="ok")
-    cancelled = _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
-    generated = _total(server, "sluice_generation_tokens_total", model=MODEL)
-    goodput = _total(server, "sluice_tenant_goodput_total", tenant="local")
+    ok = metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok")
+    cancelled = metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+    generated = metric_total(server, "sluice_generation_tokens_total", model=MODEL)
+    goodput = metric_total(server, "sluice_tenant_goodput_total", tenant="local")
     client.completions.create(model=MODEL, prompt="Count me", max_tokens=5, temperature=0)
     list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "and me"}],
                                         max_tokens=7, temperature=0, stream=True))
-    assert _total(server, "sluice_requests_total", model=MODEL, outcome="ok") == ok + 2
-    assert _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled
-    assert _total(server, "sluice_generation_tokens_total", model=MODEL) == generated + 12
-    assert _total(server, "sluice_tenant_goodput_total", tenant="local") == goodput + 2
+    assert metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok") == ok + 2
+    assert metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled
+    assert metric_total(server, "sluice_generation_tokens_total", model=MODEL) == generated + 12
+    assert metric_total(server, "sluice_tenant_goodput_total", tenant="local") == goodput + 2
 
 
 def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it_used(server, client):
-    device_s = _total(server, "sluice_tenant_device_seconds_total", tenant="local")
-    cancelled = _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+    device_s = metric_total(server, "sluice_tenant_device_seconds_total", tenant="local")
+    cancelled = metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
     stream = client.completions.create(model=MODEL, prompt="Keep going", max_tokens=800, temperature=0.8,
                                        stream=True, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(5), stream, strict=False):
         pass
-    _wait_for(lambda: _total(server, "vllm:num_requests_running", model_name=MODEL) == 1,  # (refreshed every 0.5 s)
-              "the running sequence never showed in the gauge")
+    _wait_for(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 1,
+              "the running sequence never showed in the gauge")  # (refreshed every 0.5 s)
     stream.close()
-    _wait_for(lambda: _total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+    _wait_for(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
               "the disconnected client's sequence kept running")
-    _wait_for(lambda: _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled + 1,
+    _wait_for(lambda: metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled + 1,
               "the cut stream was never accounted")
-    assert _total(server, "sluice_tenant_device_seconds_total", tenant="local") > device_s
+    assert metric_total(server, "sluice_tenant_device_seconds_total", tenant="local") > device_s
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "sluice_time_to_first_token_seconds_count" in metrics
     assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in metrics
@@ -223,7 +215,10 @@ def test_with_include_usage_every_chunk_but_the_last_has_null_usage(server):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
-def test_a_bad_request_does_not_end_the_sequences_running_beside_it(client, server):
+def test_a_request_refused_at_the_api_leaves_a_running_stream_alone(client, server):
+    """The body is refused (400) before it reaches the worker; the stream beside it ends as it
+    would have. (A sequence failing inside the engine ending alone is tested in test_engine.py:
+    `test_a_sequence_that_cannot_be_sampled_ends_alone`.)"""
     stream = client.completions.create(model=MODEL, prompt="Keep going", max_tokens=40, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     first = next(iter(stream))
@@ -237,20 +232,18 @@ def test_a_bad_request_does_not_end_the_sequences_running_beside_it(client, serv
 @pytest.fixture(scope="module")
 def one_seq_server(tmp_path_factory: pytest.TempPathFactory):
     """tiny-lm running one sequence at a time: a second request waits in the engine's queue."""
-    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), MODEL)
-    (repo / MODEL / "model.toml").write_text(
-        'kind = "generative"\n[slo]\ndefault_ms = 60000\n[params]\nkv_cache_mb = 16\nmax_num_seqs = 1\n')
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), MODEL, max_num_seqs=1)
     started = start_server(repo, tmp_path_factory.mktemp("log"))
     yield started
     started.stop()
 
 
 def _gauge(server, name: str) -> float:
-    return _total(server, name, model_name=MODEL)
+    return metric_total(server, name, model_name=MODEL)
 
 
 def _num_cancelled(server) -> float:
-    return _total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+    return metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
 
 
 LONG = {"model": MODEL, "prompt": "Keep going", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
@@ -274,7 +267,7 @@ def test_a_stream_abandoned_before_its_first_token_leaves_the_queue(one_seq_serv
         next(line for line in lines if line.startswith("data:"))  # it holds the engine's one slot
         with ThreadPoolExecutor(1) as pool:  # queued behind it until its client gives up
             queued = pool.submit(httpx.post, f"{server.url}/v1/completions", json={**LONG, "stream": True},
-                                 timeout=httpx.Timeout(60, read=3.0))
+                                 timeout=httpx.Timeout(60, read=1.5))
             _wait_for(lambda: _gauge(server, "vllm:num_requests_waiting") == 1, "the second stream did not queue")
             with pytest.raises(httpx.ReadTimeout):
                 queued.result()

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from sluice.gateway.tenants import hash_key
-from tests.conftest import ServerProcess, free_port, start_server, write_tiny_lm_model
+from tests.conftest import ServerProcess, free_port, metric_total, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -154,18 +154,16 @@ def test_max_concurrency_one_runs_calls_one_at_a_time(front, upstream, via_front
 
 def _upstream_cancellations(upstream: ServerProcess) -> float:
     """Requests the upstream sluice saw withdrawn by its client (the front) before they finished."""
-    for line in httpx.get(f"{upstream.url}/metrics").text.splitlines():
-        labels, _, value = line.partition("} ")
-        if (labels.startswith("sluice_requests_total{") and f'model="{UPSTREAM_MODEL}"' in labels
-                and 'outcome="cancelled"' in labels):
-            return float(value)
-    return 0.0
+    return metric_total(upstream, "sluice_requests_total", model=UPSTREAM_MODEL, outcome="cancelled")
+
+
+def _running(server: ServerProcess, model: str) -> float:
+    return metric_total(server, "vllm:num_requests_running", model_name=model)
 
 
 def _wait_until_idle(server: ServerProcess, model: str) -> None:
     deadline = time.monotonic() + 15
-    while not re.search(rf'vllm:num_requests_running\{{model_name="{model}"\}} 0\.0',
-                        httpx.get(f"{server.url}/metrics").text):
+    while _running(server, model) != 0:
         assert time.monotonic() < deadline, f"{model} on {server.url} still has calls running"
         time.sleep(0.05)
 
@@ -175,9 +173,7 @@ def _wait_for_upstream_cancellation(upstream: ServerProcess, before: float, what
     as ok instead), and its engine has nothing left running."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if _upstream_cancellations(upstream) >= before + 1 and re.search(
-                rf'vllm:num_requests_running\{{model_name="{UPSTREAM_MODEL}"\}} 0\.0',
-                httpx.get(f"{upstream.url}/metrics").text):
+        if _upstream_cancellations(upstream) >= before + 1 and _running(upstream, UPSTREAM_MODEL) == 0:
             return
         time.sleep(0.25)
     pytest.fail(f"the upstream kept generating {what}")

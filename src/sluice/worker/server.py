@@ -358,10 +358,12 @@ class WorkerServer:
             message="deadline could not be met; dropped before execution"))
 
     def _check_drained(self) -> None:
+        if not self._is_draining:
+            return
         with self._lock:
             is_idle = self._scheduler.is_idle
         is_idle = is_idle and all(upstream.is_idle for upstream in self._upstream_loops.values())
-        if self._is_draining and not self._pending and not self._generations and is_idle:
+        if not self._pending and not self._generations and is_idle:
             self._drained.set()
 
     # -- messages out --------------------------------------------------------------------------

@@ -96,4 +96,6 @@ def test_stop_strings_wait_for_min_tokens(tiny_dir):
     params = SamplingParams(max_tokens=24, min_tokens=6, temperature=0, ignore_eos=True, stop=(first_text,))
     engine.add_request("s", prompt, params)
     out = run_to_completion(engine)["s"]
-    assert len(out) > 6 and out == reference[:len(out)]
+    # the reference repeats its first token's text every few tokens: the first repeat after the
+    # sixth token ends the output there, with the stop string in it
+    assert out == reference[:7]

@@ -193,6 +193,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.last_step_tokens = {}  # a step that fails before it is scheduled computed nothing
         self._drain_inbox()
         scheduled = self._scheduler.schedule(self._clock.now())
         self.last_step_tokens = {chunk.request_id: len(chunk.token_ids) for chunk in scheduled.chunks}
