@@ -177,6 +177,7 @@ class HttpPool:
             raise ValueError(f"need max_connections >= 0 and positive timeouts, got {max_connections}, "
                              f"{request_timeout_s} s, {idle_timeout_s} s")
         self._idle_timeout_s = self._default_idle_timeout_s = idle_timeout_s
+        self._keep_alive = b""  # the last `Keep-Alive` header read
         self._origin = origin
         self._on_done = on_done
         self._max_connections = max_connections
@@ -259,6 +260,9 @@ class HttpPool:
 
     def on_keep_alive(self, value: bytes) -> None:
         """The server said how long it keeps an idle connection: keep ours open until just before."""
+        if value == self._keep_alive:  # the same on every answer: parsed once
+            return
+        self._keep_alive = value
         timeout_s = keep_alive_timeout_s(value)
         if timeout_s is not None and timeout_s > KEEP_ALIVE_MARGIN_S + self._default_idle_timeout_s:
             self._idle_timeout_s = timeout_s - KEEP_ALIVE_MARGIN_S

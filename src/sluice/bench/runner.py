@@ -51,11 +51,6 @@ class BenchConfig:
     api_key: str | None = None
     """Sent as a bearer token on every request; never written to the result file."""
 
-    @property
-    def auth_headers(self) -> dict[str, str]:
-        return auth_headers(self.api_key)
-
-
 def bench(config: BenchConfig, console: Console, out_path: Path | None, plot_path: Path | None) -> Path:
     """Run every rate, print the summary, write the JSON and the plot; returns the JSON path."""
     if not config.rates_per_s:
@@ -112,7 +107,7 @@ def config_document(config: BenchConfig, model_platform: str | None) -> dict[str
 
 async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateResult], str | None]:
     results: list[RateResult] = []
-    async with new_session(config.request_timeout_s, config.max_connections, config.auth_headers) as session:
+    async with new_session(config.request_timeout_s, config.max_connections, auth_headers(config.api_key)) as session:
         metadata = await _model_metadata(session, config)
         model_platform = None if metadata is None else metadata.get("platform")
         spec = None
@@ -124,7 +119,7 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
             except ValueError as exc:
                 raise BenchError(str(exc)) from exc
         workload = build_workload(config.endpoint, config.url, config.model, config.input_len,
-                                  config.timeout_ms, spec, seed=config.seed, extra_headers=config.auth_headers)
+                                  config.timeout_ms, spec, seed=config.seed, extra_headers=auth_headers(config.api_key))
         console.print(f"{workload.description} -> {workload.url}")
         generator = LoadGenerator(workload, config.request_timeout_s, config.max_connections)
         snapshot = functools.partial(scrape, session, config.url, config.model)

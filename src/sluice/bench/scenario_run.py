@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.bench import report
-from sluice.bench.loadgen import LoadConfig, LoadGenerator, new_session
+from sluice.bench.loadgen import LoadConfig, LoadGenerator, auth_headers, new_session
 from sluice.bench.promstats import scrape
 from sluice.bench.scenarios import Check, Measured, PhaseResult, Scenario
 from sluice.bench.stats import RunSamples, summarize
@@ -204,7 +204,7 @@ def _workload(url: str, key: str, scenario: Scenario, device: Device, tenant: st
     spec = scenario.tenant(tenant)
     timeout_ms = None if spec.timeout_slos is None else spec.timeout_slos * device.deadline_ms
     return build_workload(Endpoint.KSERVE, url, MODEL, INPUT_LEN, timeout_ms, InputSpec("INPUT0", "FP32"),
-                          seed=seed, extra_headers={"Authorization": f"Bearer {key}"})
+                          seed=seed, extra_headers=auth_headers(key))
 
 
 def result_document(config: ScenarioConfig, measured: Measured, checks: Sequence[Check]) -> dict[str, Any]:
