@@ -122,3 +122,33 @@ def test_a_broken_model_toml_refuses_that_model_naming_file_and_field(tmp_path, 
     assert [(r.name, r.version) for r in repo.refused] == [("broken", "1"), ("broken", "2")]
     for fragment in fragments:
         assert fragment in repo.refused[0].reason
+
+
+def test_result_caching_is_on_for_local_runners_off_for_external_ones_and_settable(tmp_path):
+    for name, kind, extra in [("local", "emulated", ""), ("external", "http-single", ""),
+                              ("off", "emulated", "[cache]\nenabled = false\n"),
+                              ("on", "http-single", "[cache]\nenabled = true\n")]:
+        _version(_model(tmp_path, name, kind, extra), "1", {"w.bin": name})
+    versions = {v.name: v for v in scan_repository(tmp_path).versions}
+    assert {name: bool(v.cache_revision) for name, v in versions.items()} == {
+        "local": True, "external": False, "off": False, "on": True}
+
+
+def test_new_weights_under_the_same_version_number_get_a_new_cache_revision(tmp_path):
+    model = _model(tmp_path)
+    version = _version(model, "1", {"weights.bin": "a"})
+    before = scan_repository(tmp_path).versions[0].cache_revision
+    (version / "weights.bin").write_text("b")
+    write_manifest(version, version / "SHA256SUMS")
+    new_weights = scan_repository(tmp_path).versions[0].cache_revision
+    (model / "model.toml").write_text((model / "model.toml").read_text() + "[params]\nalpha_ms = 3.0\n")
+    new_params = scan_repository(tmp_path).versions[0].cache_revision
+    assert len({before, new_weights, new_params}) == 3
+
+
+@pytest.mark.parametrize(("cache", "fragment"), [
+    ("enabled = 1", "enabled must be true or false"), ("size_mb = 3", "[cache] has no setting 'size_mb'")])
+def test_a_bad_cache_table_refuses_the_version(tmp_path, cache, fragment):
+    _version(_model(tmp_path, extra=f"[cache]\n{cache}\n"), "1", {"w.bin": "x"})
+    repo = scan_repository(tmp_path)
+    assert not repo.versions and fragment in repo.refused[0].reason

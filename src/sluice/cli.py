@@ -5,12 +5,33 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from sluice import __version__
 from sluice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sluice.gateway.cache import CacheConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _cache_options(command: F) -> F:
+    """The result cache's options, shared by `serve` and `gateway`."""
+    for option in reversed([
+        click.option("--cache-mb", default=256, show_default=True, type=click.IntRange(0, 1 << 20),
+                     help="Memory for this gateway's cache of deterministic results (0: none)."),
+        click.option("--cache-ttl", "cache_ttl_s", default=3600.0, show_default=True,
+                     type=click.FloatRange(min=1.0), help="Seconds a cached result is kept."),
+        click.option("--cache-redis", default=None, metavar="redis://...",
+                     help="Also keep cached results in this Redis, shared by every gateway that uses it."),
+    ]):
+        command = option(command)
+    return command
 
 
 @click.group()
@@ -38,9 +59,10 @@ def main() -> None:
 @click.option("--limits-redis", default=None, metavar="redis://...",
               help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
                    "gateway that uses it (default: each gateway keeps its own).")
+@_cache_options
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
-          limits_redis: str | None) -> None:
+          limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     os.environ["SLUICE_LOG_LEVEL"] = log_level
@@ -55,7 +77,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          num_workers=num_workers, device=device,
                          tenants_file=tenants_file.resolve() if tenants_file else None,
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
-                         limits_redis=_redis_url(limits_redis))
+                         limits_redis=_redis_url(limits_redis),
+                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
     if jobs_db is not None and not jobs_db.startswith(("postgresql://", "postgres://")):
         raise click.BadParameter("must be a postgresql:// URL", param_hint="--jobs-db")
     try:
@@ -76,8 +99,9 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @click.option("--limits-redis", default=None, metavar="redis://...",
               help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
                    "gateway that uses it (default: each gateway keeps its own).")
+@_cache_options
 def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path | None, log_level: str,
-            limits_redis: str | None) -> None:
+            limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -88,7 +112,8 @@ def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path |
     logs.configure(log_level)
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
                          tenants_file=tenants_file.resolve() if tenants_file else None,
-                         limits_redis=_redis_url(limits_redis))
+                         limits_redis=_redis_url(limits_redis),
+                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -198,7 +223,14 @@ from sluice.jobs.cli import batch  # noqa: E402
 main.add_command(batch)
 
 
-def _redis_url(url: str | None) -> str | None:
+def _redis_url(url: str | None, option: str = "--limits-redis") -> str | None:
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise click.BadParameter("must be a redis://, rediss:// or unix:// URL", param_hint="--limits-redis")
+        raise click.BadParameter("must be a redis://, rediss:// or unix:// URL", param_hint=option)
     return url
+
+
+def _cache_config(cache_mb: int, ttl_s: float, redis_url: str | None) -> CacheConfig:
+    from sluice.gateway.cache import CacheConfig
+
+    return CacheConfig(capacity_bytes=cache_mb * 1024 * 1024, ttl_s=ttl_s,
+                       redis_url=_redis_url(redis_url, "--cache-redis"))

@@ -9,6 +9,7 @@ In the embedded server, gateway and workers are separate processes that share on
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -131,9 +132,38 @@ PREFIX_CACHE_QUERIES = Counter("sluice_prefix_cache_queries", "Prompt tokens loo
                                ["model"])
 PREFIX_CACHE_HITS = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model"])
 
+# The gateway's result cache (gateway/cache.py).
+CACHE_LOOKUPS = Counter(
+    "sluice_cache_lookups",
+    "Cacheable requests, by how they were answered: hit (stored answer), coalesced (an identical request's run), "
+    "miss (run on a device).",
+    ["model", "result"],
+)
+CACHE_ENTRIES = Gauge("sluice_cache_entries", "Answers held in the gateway's own result cache.",
+                      multiprocess_mode="livesum")
+CACHE_BYTES = Gauge("sluice_cache_bytes", "Approximate memory held by the gateway's own result cache.",
+                    multiprocess_mode="livesum")
+CACHE_EVICTIONS = Counter("sluice_cache_evictions", "Answers dropped from the gateway's own cache to make room.")
+CACHE_ERRORS = Counter("sluice_cache_errors", "Calls to the shared result cache in Redis that failed (a miss).")
+
 
 def tenant_label(tenant: str) -> str:
     return tenant or "local"
+
+
+class CacheStore(Protocol):
+    num_bytes: int
+    num_evicted: int
+
+    def __len__(self) -> int: ...
+
+
+class CacheCounts(Protocol):
+    @property
+    def lookups(self) -> Mapping[tuple[str, str], int]: ...
+
+    @property
+    def local(self) -> CacheStore | None: ...
 
 
 class GenerationCounts(Protocol):
@@ -199,6 +229,13 @@ class EngineCounts(Protocol):
 
 
 class GatewayMetrics:
+    def __init__(self) -> None:
+        self._counted: dict[Any, float] = {}
+        """Counters kept elsewhere and exported on scrape: how much of each this registry has."""
+
+    def cache_error(self) -> None:
+        CACHE_ERRORS.inc()
+
     def request_done(self, model: str, version: str, outcome: str, seconds: float) -> None:
         _child(REQUESTS, model, version, outcome).inc()
         _child(REQUEST_DURATION, model, version, outcome).observe(seconds)
@@ -211,6 +248,23 @@ class GatewayMetrics:
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)
+
+    def cache_state(self, cache: CacheCounts) -> None:
+        """The result cache's counts, brought up to date (on each scrape: cheaper than on each request)."""
+        for (model, result), count in cache.lookups.items():
+            child = _child(CACHE_LOOKUPS, model, result)
+            behind = count - self._counted.get(child, 0)
+            if behind > 0:
+                child.inc(behind)
+                self._counted[child] = count
+        local = cache.local
+        if local is not None:
+            CACHE_ENTRIES.set(len(local))
+            CACHE_BYTES.set(local.num_bytes)
+            behind = local.num_evicted - self._counted.get(CACHE_EVICTIONS, 0)
+            if behind > 0:
+                CACHE_EVICTIONS.inc(behind)
+                self._counted[CACHE_EVICTIONS] = local.num_evicted
 
     def first_token(self, model: str, seconds: float) -> None:
         _child(TIME_TO_FIRST_TOKEN, model).observe(seconds)

@@ -2,7 +2,7 @@
 
     models/
       minilm/
-        model.toml        runner kind, batching limits, SLO, where the weights are
+        model.toml        runner kind, batching limits, SLO, where the weights are, result caching
         1/
           SHA256SUMS      "<sha256>  <path>" per weight file, checked before load
 
@@ -13,8 +13,10 @@ manifest does not match its files is refused with the reason; the others still l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -28,6 +30,9 @@ MANIFEST = "SHA256SUMS"
 RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative", "openai-upstream")
 WEIGHTLESS_KINDS = ("http-single", "openai-upstream")
 """Runner kinds that load no files: a version folder without a SHA256SUMS manifest is fine."""
+UNCACHED_KINDS = ("http-single", "openai-upstream")
+"""Runner kinds whose results are not cached unless their `model.toml` says `[cache] enabled = true`:
+sluice cannot know that an external service answers the same input the same way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +59,20 @@ class ModelVersion:
     """Weights that sluice generates on first use (the demo `tiny-lm`), into `weights_dir`."""
     upstream: Mapping[str, Any] = field(default_factory=dict)
     """`[upstream]`: the server an `openai-upstream` model forwards to."""
+    is_cached: bool = False
+    """`[cache] enabled`: its deterministic results may be answered from the gateway's result cache."""
+    revision: str = ""
+    """A digest of the version's settings and weights manifest: results cached under one revision
+    are never served for another (new weights under the same version number, changed params)."""
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.name, self.version)
+
+    @property
+    def cache_revision(self) -> str:
+        """What `wire.ModelInfo.cache_revision` carries: the revision, or "" if never cached."""
+        return self.revision if self.is_cached else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +208,7 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
     platform = config.get("platform", f"sluice_{kind}")
     if not isinstance(platform, str):
         raise ConfigError(f"{config_path}: platform must be a string, got {platform!r}")
+    is_cached = _cache_enabled(_table(config, "cache", config_path), kind, config_path)
     return ModelVersion(
         name=name,
         version=version_dir.name,
@@ -205,7 +221,26 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
         params=params,
         generator=weights.get("generate"),
         upstream=_table(config, "upstream", config_path),
+        is_cached=is_cached,
+        revision=_revision(config, version_dir / MANIFEST),
     )
+
+
+def _cache_enabled(raw: dict[str, Any], kind: str, config_path: Path) -> bool:
+    for key, value in raw.items():
+        if key != "enabled":
+            raise ConfigError(f"{config_path}: [cache] has no setting {key!r} (it has enabled)")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{config_path}: [cache] enabled must be true or false, got {value!r}")
+    return bool(raw.get("enabled", kind not in UNCACHED_KINDS))
+
+
+def _revision(config: dict[str, Any], manifest_path: Path) -> str:
+    """The digest behind `ModelVersion.revision`: the parsed settings and the manifest's text."""
+    digest = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=12)
+    with contextlib.suppress(OSError):
+        digest.update(manifest_path.read_bytes())
+    return digest.hexdigest()
 
 
 def _table(config: dict[str, Any], name: str, config_path: Path) -> dict[str, Any]:

@@ -26,10 +26,12 @@ from starlette.applications import Starlette
 from sluice import __version__, wire
 from sluice.api import ApiConfig, batches, build_app
 from sluice.api.http_protocol import stamping_protocol
-from sluice.clock import MonotonicClock, WallClock
+from sluice.clock import Clock, MonotonicClock, WallClock
 from sluice.errors import ConfigError
 from sluice.gateway import Gateway
+from sluice.gateway.cache import CacheConfig, MemoryStore, ResultCache
 from sluice.gateway.gateway import GatewayConfig
+from sluice.gateway.shared_cache import RedisCacheStore
 from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.gateway.tenancy import Tenancy
@@ -73,6 +75,8 @@ class ServeConfig:
     limits_redis: str | None = None
     """A `redis://` URL: keep tenants' rate limits, concurrency and credits there, shared by every
     gateway using it. None: each gateway keeps its own."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """The result cache for deterministic requests (`gateway.cache`)."""
 
 
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
@@ -85,6 +89,21 @@ async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
         await limiter.aclose()
         raise ConfigError(f"cannot reach the Redis for shared limits at {config.limits_redis}: {exc}") from exc
     return limiter
+
+
+async def _result_cache(config: CacheConfig, clock: Clock, metrics: GatewayMetrics) -> ResultCache | None:
+    local = MemoryStore(config.capacity_bytes, config.ttl_s, clock) if config.capacity_bytes > 0 else None
+    shared = None
+    if config.redis_url is not None:
+        shared = RedisCacheStore.from_url(config.redis_url, config.ttl_s, on_error=metrics.cache_error)
+        try:
+            await shared.ping()
+        except RedisError as exc:
+            await shared.aclose()
+            raise ConfigError(f"cannot reach the Redis for the result cache at {config.redis_url}: {exc}") from exc
+    if local is None and shared is None:
+        return None
+    return ResultCache(local, shared)
 
 
 def detect_devices(device: str, num_workers: int | None) -> list[str]:
@@ -116,7 +135,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     tenancy = Tenancy(clock, gateway_metrics, config.tenants_file, await _shared_limits(config),
                       limits_clock=WallClock())
     tracing = tracing_from_environment(clock)
-    gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing)
+    cache = await _result_cache(config.cache, clock, gateway_metrics)
+    gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing, cache=cache)
     if config.remote_workers:
         devices = [f"remote {address}" for address in config.remote_workers]
         addresses = list(config.remote_workers)
@@ -151,6 +171,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             await supervisor.aclose()
             await gateway.aclose()
             await tenancy.aclose()
+            if cache is not None:
+                await cache.aclose()
             await _flush_traces(tracing)
             shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -241,7 +263,20 @@ def _banner(url: str, gateway: Gateway, devices: list[str]) -> list[str]:
     else:
         lines.append(f"  tenants: {len(tenancy.directory.tenants)} from {escape(str(tenancy.directory.path))} "
                      "(send 'Authorization: Bearer <key>'; SIGHUP reloads the file)")
+    lines.append(f"  result cache: {_describe_cache(gateway)}")
     return lines + _examples(url, models)
+
+
+def _describe_cache(gateway: Gateway) -> str:
+    cache = gateway.cache
+    if cache is None:
+        return "[yellow]off[/yellow] (--cache-mb 0)"
+    where = [f"{cache.local.capacity_bytes // (1024 * 1024)} MB in memory"] if cache.local is not None else []
+    where += ["shared in Redis"] if cache.shared is not None else []
+    cached = sorted({name for name, versions in gateway.models().items()
+                     if any(info.cache_revision for info in versions.values())})
+    return f"{' + '.join(where)}, for {', '.join(cached) or 'no model'} (deterministic answers; " \
+           "'Cache-Control: no-cache' skips it)"
 
 
 def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[str]:

@@ -188,6 +188,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     """Generative models: token ids must be below this (0: not known)."""
     max_prompt_chars: int = 0
     """Generative models: a longer prompt cannot fit the context; refused before it is sent (0: no bound)."""
+    cache_revision: str = ""
+    """Non-empty: the model's results are deterministic and the gateway may cache them, keyed with
+    this digest of its weights and settings (`ModelVersion.revision`); "": never cached."""
 
 
 class RefusedModel(msgspec.Struct, frozen=True):

@@ -28,7 +28,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
+    """Asks for fresh answers: these tests check the engine, so a greedy request repeated must run
+    again rather than come from the result cache (tests/integration/test_cache.py checks that)."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
+                       default_headers={"Cache-Control": "no-cache"}) as sdk:
         yield sdk
 
 

@@ -170,8 +170,8 @@ def test_concurrent_requests_cannot_overshoot_the_tokens_limit(server):
 
 
 def test_a_spent_budget_is_429_insufficient_quota_and_not_retried(server):
-    for _ in range(2):  # 30 ms each against a 50 ms budget: the second is admitted, then overdraws
-        embed(server, "budget", model="slow")
+    for i in range(2):  # 30 ms each against a 50 ms budget: the second is admitted, then overdraws
+        embed(server, "budget", model="slow", text=f"spend {i}")  # distinct: a cached answer costs no credits
     with sdk(server, KEYS["budget"], retries=3) as client, pytest.raises(openai.RateLimitError) as caught:
         started = time.monotonic()
         client.embeddings.create(model="slow", input="one more")

@@ -91,7 +91,8 @@ def test_a_request_span_joins_the_callers_trace_with_queue_and_execution_inside(
     assert answer.status_code == 200
     embedded = httpx.post(f"{traced_server.url}/v1/embeddings", json={"model": "emulated", "input": SECRET})
     assert embedded.status_code == 200
-    late = httpx.post(f"{traced_server.url}/v2/models/emulated/infer", json=inputs,
+    other = {"inputs": [{**inputs["inputs"][0], "data": [5, 6, 7, 8]}]}  # not the cached answer above
+    late = httpx.post(f"{traced_server.url}/v2/models/emulated/infer", json=other,
                       headers={"x-request-timeout-ms": "1"})
     assert late.status_code == 504
 

@@ -9,6 +9,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from sluice.errors import InvalidInput, PayloadTooLarge
 from sluice.gateway import Caller
+from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -102,8 +103,10 @@ def caller(request: Request, priority: Priority | None, estimated_tokens: float 
            is_traced: bool = False) -> Caller:
     """`is_traced`: the server exports traces, so the client's `traceparent` is read (a header
     lookup that misses costs more than the rest of this, on every request)."""
-    traceparent = request.headers.get("traceparent") if is_traced else None
-    return Caller(request_tenant(request), priority, estimated_tokens, traceparent)
+    headers = request.headers
+    traceparent = headers.get("traceparent") if is_traced else None
+    return Caller(request_tenant(request), priority, estimated_tokens, traceparent,
+                  cache_policy(headers.get("cache-control")))
 
 
 MAX_TEXT_ITEMS = 2048

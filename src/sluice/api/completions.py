@@ -146,7 +146,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     if not payload.stream:
         result = await _unless_disconnected(request, events, _final(events))
         return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
-                        headers=result.rate_limit_headers)
+                        headers=result.headers)
     # errors before the first byte become HTTP statuses
     first = await _unless_disconnected(request, events, anext(events))
     return StreamingResponse(_sse(shape, first, events), media_type="text/event-stream",

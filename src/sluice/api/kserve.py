@@ -81,7 +81,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         header_timeout = header_timeout_s(request, gateway.max_timeout_s)
         header_length = _header_length(request)
         body = await read_body(request, body_limit_bytes)
-        if b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply if we must
+        cached = gateway.caches(info)  # a cached answer needs no device: shed only once it is known there is none
+        if not cached and b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply
             early = caller(request, requested_priority(request), is_traced=gateway.is_tracing)
             gateway.shed_if_overloaded(info, header_timeout, arrived_at, early)
         parsed, tensors = parse_request(body, header_length)
@@ -91,9 +92,11 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
         who = caller(request, priority, tokens, is_traced=gateway.is_tracing)
-        result = await gateway.infer(info, payload, header_timeout if timeout_s is None else timeout_s,
-                                     arrived_at=arrived_at, caller=who)
-        return _render(info, parsed, result.payload, binary_outputs, result.rate_limit_headers)
+        timeout_s = header_timeout if timeout_s is None else timeout_s
+        if cached:
+            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload)
+        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who)
+        return _render(info, parsed, result.payload, binary_outputs, result.headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
     table = [

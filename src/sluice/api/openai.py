@@ -72,11 +72,12 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         _check_dimensions(info, parsed.dimensions, None)
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
         who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
-        gateway.shed_if_overloaded(info, timeout_s, arrived_at, who)
-        result = await gateway.infer(info, wire.TextPayload(texts), timeout_s, arrived_at=arrived_at, caller=who)
-        payload = result.payload
-        assert isinstance(payload, wire.TensorPayload)
-        vectors = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
+        payload = wire.TextPayload(texts)
+        gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload)
+        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who)
+        vectors_payload = result.payload
+        assert isinstance(vectors_payload, wire.TensorPayload)
+        vectors = np.frombuffer(vectors_payload.data, dtype=vectors_payload.dtype).reshape(vectors_payload.shape)
         _check_dimensions(info, parsed.dimensions, vectors.shape[-1])
         data = [
             {"object": "embedding", "index": i, "embedding": _encode_vector(row, parsed.encoding_format)}
@@ -84,7 +85,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         ]
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
         return _json({"object": "list", "data": data, "model": info.name, "usage": usage},
-                     headers=result.rate_limit_headers)
+                     headers=result.headers)
 
     return [
         Route("/v1/models", list_models, methods=["GET"]),

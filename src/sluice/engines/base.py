@@ -114,6 +114,7 @@ def rows_model_info(version: ModelVersion) -> wire.ModelInfo:
         slo_s=version.slo_s,
         accepts_text=True,
         accepts_tensor=True,
+        cache_revision=version.cache_revision,
     )
 
 

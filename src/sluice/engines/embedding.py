@@ -72,6 +72,7 @@ class EmbeddingRunner:
             slo_s=version.slo_s,
             accepts_text=True,
             accepts_tensor=False,
+            cache_revision=version.cache_revision,
         )
 
     def prior(self) -> tuple[float, float, float]:

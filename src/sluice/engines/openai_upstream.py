@@ -166,6 +166,7 @@ class OpenAIUpstreamRunner:
             outputs=(wire.TensorSpec("text_output", "BYTES", (-1,)),),
             max_batch_size=self.config.max_concurrency, slo_s=version.slo_s, accepts_text=False,
             accepts_tensor=False,
+            cache_revision=version.cache_revision,
         )
         self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None

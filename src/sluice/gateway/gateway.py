@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from sluice import wire
@@ -29,6 +29,7 @@ from sluice.errors import (
     WorkerLost,
 )
 from sluice.gateway import router
+from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, ResultCache, cache_key
 from sluice.gateway.connection import InFlight, WorkerConnection
 from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.ticket import InferResult, Ticket, interpret
@@ -63,12 +64,16 @@ class Caller:
     """Reserved against the tenant's tokens-per-minute limit until the real count is known."""
     traceparent: str | None = None
     """The caller's W3C trace context, if it sent one: the request's span joins that trace."""
+    cache: CachePolicy = CachePolicy.USE
+    """What the request lets the result cache do (its `Cache-Control` header)."""
 
 
 class Gateway:
     def __init__(self, clock: Clock, metrics: GatewayMetrics, config: GatewayConfig | None = None,
-                 tenancy: Tenancy | None = None, tracing: Tracing | None = None) -> None:
+                 tenancy: Tenancy | None = None, tracing: Tracing | None = None,
+                 cache: ResultCache | None = None) -> None:
         self._clock = clock
+        self.cache = cache
         self._metrics = metrics
         self._tracing = tracing or Tracing()
         self._config = config or GatewayConfig()
@@ -114,6 +119,8 @@ class Gateway:
     def refresh_metrics(self) -> None:
         """Update gauges that are cheaper to compute on scrape than on every change."""
         self._metrics.workers_ready(len(self.ready_workers()))
+        if self.cache is not None:
+            self._metrics.cache_state(self.cache)
 
     # -- models --------------------------------------------------------------------------------
 
@@ -181,14 +188,24 @@ class Gateway:
 
     # -- inference -----------------------------------------------------------------------------
 
+    def caches(self, info: wire.ModelInfo) -> bool:
+        """Requests to this model may be answered from the result cache."""
+        return self.cache is not None and bool(info.cache_revision)
+
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
-                           caller: Caller | None = None) -> None:
+                           caller: Caller | None = None, payload: wire.Payload | None = None) -> None:
         """Refuse now, before the body is parsed, when every ready replica already reports more
         work ahead of this tenant's class than the request's deadline allows: under overload the
-        excess costs the gateway as little as possible and gets its answer at once."""
+        excess costs the gateway as little as possible and gets its answer at once. Given the
+        `payload`, a request this gateway holds a cached answer for is not refused: it needs no device."""
         caller = caller or _LOCAL_CALLER
         allowed = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
+        if payload is not None and self.cache is not None and self.cache.local is not None \
+                and caller.cache is CachePolicy.USE:
+            key = cache_key(info, payload, allowed.name)
+            if key is not None and key in self.cache.local:
+                return
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
@@ -270,7 +287,12 @@ class Gateway:
         tokens are reserved from the estimate and settled with the worker's count."""
         ticket = await self._admit(info, timeout_s, arrived_at, caller)
         async with ticket:
-            result = await self._dispatch(info, payload, ticket)
+            key = None if self.cache is None else cache_key(info, payload, ticket.tenant)
+            if key is None:
+                result = await self._dispatch(info, payload, ticket)
+            else:
+                result = await self._cached(key, info, ticket, (caller or _LOCAL_CALLER).cache,
+                                            lambda: self._dispatch(info, payload, ticket))
             ticket.done(result)
             return ticket.with_limits(result)
 
@@ -289,11 +311,49 @@ class Gateway:
         if limit_headers is not None:
             limit_headers.update(ticket.limit_headers())
         async with ticket:
+            key = None if self.cache is None else cache_key(info, payload, ticket.tenant)
+            if key is not None:  # a whole greedy answer
+                result = await self._cached(key, info, ticket, (caller or _LOCAL_CALLER).cache,
+                                            lambda: self._whole(info, payload, ticket))
+                ticket.done(result)
+                yield ticket.with_limits(result)
+                return
             async for event in self._dispatch_stream(info, payload, ticket):
                 if isinstance(event, InferResult):
                     ticket.done(event)
                     event = ticket.with_limits(event)
                 yield event
+
+    async def _cached(self, key: bytes, info: wire.ModelInfo, ticket: Ticket, policy: CachePolicy,
+                      run: Callable[[], Awaitable[InferResult]]) -> InferResult:
+        """`run`'s result, or the cache's answer for `key` (`gateway.cache`): a stored one, or an
+        identical request's that was running. Those used no device time for this request; their
+        tokens count against the tenant's limits like any answer's."""
+        assert self.cache is not None
+        if self._clock.now() >= ticket.deadline:
+            raise DeadlineExceeded("the deadline passed before the request could be answered")
+        try:
+            value, source = await self.cache.answer(key, policy, info.name, ticket.deadline - self._clock.now(),
+                                                    run, _kept)
+        except TimeoutError:
+            raise DeadlineExceeded("the deadline passed while an identical request was still running") from None
+        if not source:
+            assert isinstance(value, InferResult)
+            return value
+        assert isinstance(value, CachedResult)
+        ticket.charge(value.num_tokens, 0.0)
+        return InferResult(info, value.payload, value.num_tokens, 0.0, 0.0, 0, headers={CACHE_HEADER: source})
+
+    async def _whole(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
+        """The final result of an unstreamed generation."""
+        events = self._dispatch_stream(info, payload, ticket)
+        try:
+            async for event in events:
+                if isinstance(event, InferResult):
+                    return event
+        finally:
+            await events.aclose()
+        raise RuntimeError("a generation ended without a result")
 
     async def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
                caller: Caller | None) -> Ticket:
@@ -421,6 +481,10 @@ class Gateway:
 
 
 _LOCAL_CALLER = Caller()
+
+
+def _kept(result: InferResult) -> CachedResult:
+    return CachedResult(result.payload, result.num_tokens)
 
 
 def _overloaded(connection: WorkerConnection, excess_s: float) -> Overloaded:

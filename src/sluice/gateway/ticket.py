@@ -42,7 +42,9 @@ class InferResult:
     exec_s: float
     batch_size: int
     device_s: float = 0.0
-    rate_limit_headers: dict[str, str] | None = None
+    headers: dict[str, str] | None = None
+    """For the HTTP answer: the tenant's `x-ratelimit-*`, and `x-sluice-cache` if it did not run for
+    this request (`gateway.cache`)."""
 
 
 class Ticket:
@@ -77,14 +79,18 @@ class Ticket:
         """What the worker reports the request used, also when it did not succeed (a missed
         deadline, a failure): the tenant pays for the device's work. Never less than what its
         streamed chunks already showed."""
-        tokens, device_s = self._used or (0.0, 0.0)
-        self._used = (max(tokens, result.num_tokens), max(device_s, result.device_s))
+        self.charge(result.num_tokens, result.device_s)
+
+    def charge(self, tokens: float, device_s: float) -> None:
+        """Tokens and device time the request used (e.g. none of the device's, answered from the cache)."""
+        used_tokens, used_device_s = self._used or (0.0, 0.0)
+        self._used = (max(used_tokens, tokens), max(used_device_s, device_s))
 
     def with_limits(self, result: InferResult) -> InferResult:
         """The result with the tenant's `x-ratelimit-*` headers (unchanged if it has no limits)."""
         if not self.reservation.statuses:
             return result
-        return replace(result, rate_limit_headers=self.limit_headers())
+        return replace(result, headers={**(result.headers or {}), **self.limit_headers()})
 
     def limit_headers(self) -> dict[str, str]:
         """The tenant's `x-ratelimit-*` headers as of its admission (empty if it has no limits)."""

@@ -76,6 +76,7 @@ class GenerativeRunner:
             max_batch_size=config.max_num_seqs, slo_s=version.slo_s, accepts_text=False, accepts_tensor=False,
             max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
             max_prompt_chars=MAX_CHARS_PER_TOKEN * self.engine.max_model_len,
+            cache_revision=version.cache_revision,
         )
 
     def prepare(self, payload: wire.GeneratePayload) -> PreparedGeneration:

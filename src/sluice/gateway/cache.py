@@ -1,0 +1,249 @@
+"""The result cache: a deterministic request asked again is answered without the device.
+
+    Gateway ─▶ admitted (auth, limits) ─▶ cache_key ─┬─ stored? ──────────────▶ answer ("hit")
+                                                      ├─ same request running? ─▶ its answer ("coalesced")
+                                                      └─ run it ─▶ store it ───▶ answer
+
+Which requests: those to a model version whose worker marks it deterministic
+(`ModelInfo.cache_revision`, from `model.toml` `[cache] enabled`, on by default except for
+external services), and for generative models only greedy (`temperature` 0), whole-answer
+requests. A key is a digest of the tenant, the model version, its revision (weights and settings)
+and the whole payload, so one tenant's requests never answer another's (a shared entry would let
+a tenant learn, from how fast it is answered, what another tenant asked), and new weights under
+the same version number start cold. Only successful answers are stored.
+
+Single flight: while a request runs, identical ones (same key) wait for its answer instead of
+taking the device too; if it fails, each of them runs on its own, within its own deadline.
+
+A client can opt out with `Cache-Control: no-cache` (do not answer from the cache, but store the
+fresh answer) or `no-store` (neither). `MemoryStore` is pure (no I/O, an injected clock);
+`shared_cache.RedisCacheStore` shares entries between gateways.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import hashlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import msgspec
+
+from sluice import wire
+from sluice.clock import Clock
+
+__all__ = ["CachePolicy", "CachedResult", "MemoryStore", "ResultCache", "SharedStore", "cache_key", "cache_policy"]
+
+CACHE_HEADER = "x-sluice-cache"
+"""Sent on answers that did not run on a device for this request: `hit` (stored) or `coalesced`."""
+
+
+class CachePolicy(enum.Enum):
+    USE = "use"
+    """Answer from the cache when possible, store new answers."""
+    REFRESH = "refresh"
+    """`Cache-Control: no-cache`: run the request, store its answer."""
+    BYPASS = "bypass"
+    """`Cache-Control: no-store`: the cache is neither read nor written."""
+
+
+def cache_policy(cache_control: str | None) -> CachePolicy:
+    """The policy a request's `Cache-Control` header asks for (directives are case-insensitive;
+    ones that mean nothing here, such as `max-stale`, are ignored)."""
+    if not cache_control:
+        return CachePolicy.USE
+    directives: dict[str, str] = {}
+    for part in cache_control.split(","):
+        name, _, value = part.partition("=")
+        directives[name.strip().lower()] = value.strip().strip('"')
+    if "no-store" in directives:
+        return CachePolicy.BYPASS
+    if "no-cache" in directives or directives.get("max-age") == "0":
+        return CachePolicy.REFRESH
+    return CachePolicy.USE
+
+
+class CachedResult(msgspec.Struct, frozen=True):
+    """What is kept of an answer: enough to answer it again."""
+
+    payload: wire.Payload
+    num_tokens: int
+
+    @property
+    def size_bytes(self) -> int:
+        """About what the entry holds in memory: its data, its texts, and a fixed overhead."""
+        payload = self.payload
+        if isinstance(payload, wire.TensorPayload):
+            size = len(payload.data)
+        elif isinstance(payload, wire.TextPayload):
+            size = sum(len(text) for text in payload.texts)
+        elif isinstance(payload, wire.GenerationResult):
+            size = len(payload.text)
+        else:
+            size = 0
+        return size + _ENTRY_OVERHEAD_BYTES
+
+
+_ENTRY_OVERHEAD_BYTES = 256
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def cache_key(info: wire.ModelInfo, payload: wire.Payload, tenant: str) -> bytes | None:
+    """The key of a request whose answer may be cached, None if it may not be."""
+    if not info.cache_revision:
+        return None
+    if isinstance(payload, wire.GeneratePayload) and (payload.stream or payload.temperature != 0):
+        return None  # sampled text differs run to run; a stream is answered as it is made
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{tenant}\0{info.name}\0{info.version}\0{info.cache_revision}\0".encode())
+    digest.update(_ENCODER.encode(payload))
+    return digest.digest()
+
+
+class MemoryStore:
+    """Least recently used entries, bounded in bytes, each kept at most `ttl_s`. An entry larger
+    than `max_entry_bytes` is not kept: one big answer must not push out hundreds of small ones."""
+
+    def __init__(self, capacity_bytes: int, ttl_s: float, clock: Clock, *, max_entry_bytes: int | None = None) -> None:
+        if capacity_bytes <= 0 or ttl_s <= 0:
+            raise ValueError("a memory store needs a positive capacity and time to live")
+        self.capacity_bytes = capacity_bytes
+        self.max_entry_bytes = max_entry_bytes if max_entry_bytes is not None else max(capacity_bytes // 16, 1)
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._entries: collections.OrderedDict[bytes, tuple[CachedResult, int, float]] = collections.OrderedDict()
+        self.num_bytes = 0
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Holds an answer for `key` now (does not count as a use)."""
+        entry = self._entries.get(key)
+        return entry is not None and self._clock.now() < entry[2]
+
+    def get(self, key: bytes) -> CachedResult | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        value, size, expires_at = entry
+        if self._clock.now() >= expires_at:
+            del self._entries[key]
+            self.num_bytes -= size
+            return None
+        self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: bytes, value: CachedResult) -> bool:
+        """Keep `value` under `key`; False if it is too large to keep."""
+        size = len(key) + value.size_bytes
+        if size > self.max_entry_bytes:
+            return False
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.num_bytes -= old[1]
+        while self._entries and self.num_bytes + size > self.capacity_bytes:
+            _, (_, evicted_size, _) = self._entries.popitem(last=False)
+            self.num_bytes -= evicted_size
+            self.num_evicted += 1
+        self._entries[key] = (value, size, self._clock.now() + self._ttl_s)
+        self.num_bytes += size
+        return True
+
+
+class SharedStore(Protocol):
+    """A store shared by several gateways. It never raises: an entry it cannot read is a miss,
+    one it cannot write is not kept (a cache must not fail or slow down a request)."""
+
+    async def get(self, key: bytes) -> CachedResult | None: ...
+
+    def put(self, key: bytes, value: CachedResult) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    capacity_bytes: int = 256 * 1024 * 1024
+    """This gateway's own store; 0: none (only the shared store, if any)."""
+    ttl_s: float = 3600.0
+    redis_url: str | None = None
+    """A `redis://` URL: also keep entries there, shared by every gateway using it."""
+
+
+T = TypeVar("T")
+
+
+class ResultCache:
+    """A local store, an optional shared one behind it, and the requests in flight by key."""
+
+    def __init__(self, local: MemoryStore | None, shared: SharedStore | None = None) -> None:
+        self.local = local
+        self.shared = shared
+        self.lookups: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(model, "hit" | "coalesced" | "miss") -> requests so far (exported on each scrape)."""
+        self._in_flight: dict[bytes, asyncio.Future[CachedResult | None] | None] = {}
+        """Keys being run; the future is made when the first identical request comes to wait."""
+
+    async def answer(
+        self, key: bytes, policy: CachePolicy, model: str, deadline_s: float,
+        run: Callable[[], Awaitable[T]], keep: Callable[[T], CachedResult],
+    ) -> tuple[T | CachedResult, str]:
+        """The answer for `key` and where it came from: "hit" (stored), "coalesced" (an identical
+        request's run), or "": `run()`'s own result, whose `keep(result)` is stored. `deadline_s`:
+        the most this request may wait for an identical one's answer (TimeoutError past it)."""
+        if policy is CachePolicy.BYPASS:
+            return await run(), ""
+        if policy is CachePolicy.USE:
+            stored = await self._get(key)
+            if stored is not None:
+                self.lookups[model, "hit"] += 1
+                return stored, "hit"
+            if key in self._in_flight:
+                waiting = self._in_flight[key]
+                if waiting is None:
+                    waiting = self._in_flight[key] = asyncio.get_running_loop().create_future()
+                value = await asyncio.wait_for(asyncio.shield(waiting), max(deadline_s, 0.0))
+                if value is not None:
+                    self.lookups[model, "coalesced"] += 1
+                    return value, "coalesced"
+                # the run failed: this request runs on its own, within its own deadline
+        self.lookups[model, "miss"] += 1
+        is_leading = key not in self._in_flight
+        if is_leading:
+            self._in_flight[key] = None
+        kept: CachedResult | None = None
+        try:
+            result = await run()
+            kept = keep(result)
+            self._put(key, kept)
+        finally:
+            if is_leading:
+                waiting = self._in_flight.pop(key)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(kept)  # None: the identical requests run on their own
+        return result, ""
+
+    async def _get(self, key: bytes) -> CachedResult | None:
+        if self.local is not None and (value := self.local.get(key)) is not None:
+            return value
+        if self.shared is None:
+            return None
+        value = await self.shared.get(key)
+        if value is not None and self.local is not None:
+            self.local.put(key, value)
+        return value
+
+    def _put(self, key: bytes, value: CachedResult) -> None:
+        if self.local is not None:
+            self.local.put(key, value)
+        if self.shared is not None:
+            self.shared.put(key, value)
+
+    async def aclose(self) -> None:
+        if self.shared is not None:
+            await self.shared.aclose()

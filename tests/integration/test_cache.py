@@ -1,0 +1,140 @@
+"""The result cache through real servers and real clients: repeated and concurrent identical
+requests are answered without the device, per tenant, shared between gateways through Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import redis
+import tritonclient.http as triton
+
+from sluice.gateway.tenants import hash_key, new_key
+from tests.conftest import ServerProcess, metric_total, write_emulated_model, write_tiny_lm_model
+
+pytestmark = pytest.mark.slow
+
+
+def _items_run(server: ServerProcess, model: str = "emulated") -> float:
+    """Items that went through a batch on a device."""
+    return metric_total(server, "sluice_batch_size_sum", model=model)
+
+
+def _infer_body(*values: float) -> dict[str, object]:
+    return {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, len(values)], "data": list(values)}]}
+
+
+def test_the_openai_sdk_gets_a_repeated_embedding_from_the_cache(demo_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="unused")
+    sentence = f"a sentence seen twice {uuid.uuid4().hex}"
+    first = client.embeddings.with_raw_response.create(model="minilm", input=[sentence])
+    items = _items_run(demo_server, "minilm")
+    second = client.embeddings.with_raw_response.create(model="minilm", input=[sentence],
+                                                        encoding_format="float")
+    assert first.headers.get("x-sluice-cache") is None and second.headers.get("x-sluice-cache") == "hit"
+    assert _items_run(demo_server, "minilm") == items  # the device did not see it again
+    a, b = first.parse(), second.parse()
+    assert a.data[0].embedding == pytest.approx(b.data[0].embedding, abs=1e-6)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > 0
+    assert metric_total(demo_server, "sluice_cache_lookups_total", model="minilm", result="hit") >= 1
+
+
+def test_identical_requests_in_flight_run_once(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    server = make_server(write_emulated_model(tmp_path / "repo", alpha_ms=400))
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(*(client.post(f"{server.url}/v2/models/emulated/infer",
+                                                      json=_infer_body(1, 2, 3)) for _ in range(8)))
+
+    answers = asyncio.run(send_all())
+    assert [a.status_code for a in answers] == [200] * 8
+    assert {a.json()["outputs"][0]["data"][0] for a in answers} == {6.0}
+    assert sorted(a.headers.get("x-sluice-cache", "") for a in answers) == [""] + ["coalesced"] * 7
+    assert _items_run(server) == 1
+
+
+def test_tritonclient_requests_honour_cache_control(make_server: Callable[..., ServerProcess],
+                                                   tmp_path: Path) -> None:
+    server = make_server(write_emulated_model(tmp_path / "repo"))
+    client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+    data = np.array([[1.5, 2.5, 4.0]], dtype=np.float32)
+
+    def infer(**headers: str) -> float:
+        tensor = triton.InferInput("INPUT0", list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data)
+        return float(client.infer("emulated", [tensor], headers=headers).as_numpy("OUTPUT0")[0])
+
+    assert [infer(), infer(), infer()] == [8.0] * 3
+    assert _items_run(server) == 1
+    assert infer(**{"Cache-Control": "no-store"}) == infer(**{"Cache-Control": "no-cache"}) == 8.0
+    assert _items_run(server) == 3
+
+
+def test_a_model_can_turn_the_cache_off(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    repo = write_emulated_model(tmp_path / "repo")
+    with (repo / "emulated" / "model.toml").open("a") as toml:
+        toml.write("[cache]\nenabled = false\n")
+    server = make_server(repo)
+    answers = [httpx.post(f"{server.url}/v2/models/emulated/infer", json=_infer_body(1, 2)) for _ in range(2)]
+    assert [a.headers.get("x-sluice-cache") for a in answers] == [None, None]
+    assert _items_run(server) == 2
+
+
+def test_tenants_never_get_each_others_answers(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    keys = {"alpha": new_key(), "beta": new_key()}
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(f'[tenants.{name}]\napi_keys = ["{hash_key(key)}"]\n' for name, key in keys.items()))
+    server = make_server(write_emulated_model(tmp_path / "repo"), "--tenants", str(tenants))
+
+    def infer(tenant: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v2/models/emulated/infer", json=_infer_body(7, 8),
+                          headers={"Authorization": f"Bearer {keys[tenant]}"})
+
+    sources = [infer(tenant).headers.get("x-sluice-cache") for tenant in ("alpha", "beta", "alpha", "beta")]
+    assert sources == [None, None, "hit", "hit"]
+    assert _items_run(server) == 2
+
+
+def test_greedy_completions_are_cached_and_sampled_ones_are_not(make_server: Callable[..., ServerProcess],
+                                                                tmp_path: Path) -> None:
+    server = make_server(write_tiny_lm_model(tmp_path / "repo"))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+    def complete(**sampling: float) -> tuple[str | None, str, int]:
+        raw = client.completions.with_raw_response.create(model="tiny", prompt="once upon a time", max_tokens=8,
+                                                          **sampling)
+        answer = raw.parse()
+        return raw.headers.get("x-sluice-cache"), answer.choices[0].text, answer.usage.completion_tokens
+
+    first, again = complete(temperature=0), complete(temperature=0)
+    assert first[0] is None and again == ("hit", first[1], first[2])
+    assert [complete(temperature=1.0, seed=1)[0] for _ in range(2)] == [None, None]
+    for _ in range(2):  # a stream is made as it is sent, never answered from the cache
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, temperature=0, stream=True)
+        assert len([chunk for chunk in stream if chunk.choices]) >= 2
+    assert metric_total(server, "sluice_cache_lookups_total", model="tiny", result="hit") == 1
+
+
+def test_gateways_share_answers_through_redis(make_server: Callable[..., ServerProcess], tmp_path: Path,
+                                              redis_url: str) -> None:
+    repo = write_emulated_model(tmp_path / "repo")
+    first, second = (make_server(repo, "--cache-redis", redis_url) for _ in range(2))
+    body = _infer_body(float(uuid.uuid4().int % 1000), 0.25)
+    shared = redis.Redis.from_url(redis_url)
+    stored = len(shared.keys("sluice:cache:*"))
+    assert httpx.post(f"{first.url}/v2/models/emulated/infer", json=body).headers.get("x-sluice-cache") is None
+    deadline = time.monotonic() + 5
+    while len(shared.keys("sluice:cache:*")) == stored and time.monotonic() < deadline:
+        time.sleep(0.01)  # the answer is written to Redis after it is sent
+    answer = httpx.post(f"{second.url}/v2/models/emulated/infer", json=body)
+    assert answer.status_code == 200 and answer.headers.get("x-sluice-cache") == "hit"
+    assert _items_run(second) == 0 and _items_run(first) == 1
