@@ -132,13 +132,30 @@ async def test_identical_requests_in_flight_share_one_run() -> None:
     assert {value for value, _ in answers} == {_result(tokens=1)}
 
 
-async def test_when_the_shared_run_fails_the_others_run_on_their_own() -> None:
+async def test_when_the_shared_run_fails_one_waiting_request_runs_for_the_rest() -> None:
     cache, run = _cache(), _Runs(delay_s=0.05, fail=1)
     answers = await asyncio.gather(*(cache.answer(b"k", CachePolicy.USE, "m", 1.0, run, _same) for _ in range(4)),
                                    return_exceptions=True)
     failed = [a for a in answers if isinstance(a, RuntimeError)]
-    assert len(failed) == 1 and run.count == 4  # the leader's error is its own; the three ran again
-    assert all(not isinstance(a, BaseException) and a[1] == "" for a in answers if a not in failed)
+    assert len(failed) == 1 and run.count == 2  # the first run's error is its own; one more run for the other three
+    assert sorted(a[1] for a in answers if not isinstance(a, BaseException)) == ["", "coalesced", "coalesced"]
+    assert cache.lookups == {("m", "miss"): 2, ("m", "coalesced"): 2}
+
+
+async def test_an_error_the_same_input_would_repeat_is_shared_not_run_again() -> None:
+    cache, run = _cache(), _Runs(delay_s=0.05, fail=1)
+    answers = await asyncio.gather(*(cache.answer(b"k", CachePolicy.USE, "m", 1.0, run, _same,
+                                                  lambda error: isinstance(error, RuntimeError)) for _ in range(4)),
+                                   return_exceptions=True)
+    assert run.count == 1 and all(isinstance(a, RuntimeError) for a in answers)
+    assert len({id(a) for a in answers}) == 4  # each request raises its own copy
+
+
+async def test_an_answer_keep_declines_is_returned_but_not_stored() -> None:
+    cache, run = _cache(), _Runs()
+    assert await cache.answer(b"k", CachePolicy.USE, "m", 1.0, run, lambda value: None) == (_result(tokens=1), "")
+    assert await cache.answer(b"k", CachePolicy.USE, "m", 1.0, run, _same) == (_result(tokens=2), "")
+    assert cache.lookups == {("m", "miss"): 2}
 
 
 async def test_a_cancelled_run_does_not_leave_the_others_waiting() -> None:

@@ -72,10 +72,35 @@ def test_tritonclient_requests_honour_cache_control(make_server: Callable[..., S
         tensor.set_data_from_numpy(data)
         return float(client.infer("emulated", [tensor], headers=headers).as_numpy("OUTPUT0")[0])
 
+    def lookups(result: str) -> float:
+        return metric_total(server, "sluice_cache_lookups_total", model="emulated", result=result)
+
     assert [infer(), infer(), infer()] == [8.0] * 3
-    assert _items_run(server) == 1
-    assert infer(**{"Cache-Control": "no-store"}) == infer(**{"Cache-Control": "no-cache"}) == 8.0
-    assert _items_run(server) == 3
+    assert (_items_run(server), lookups("miss"), lookups("hit")) == (1, 1, 2)
+    assert infer(**{"Cache-Control": "no-store"}) == 8.0  # run, and the cache not even looked at
+    assert (_items_run(server), lookups("miss"), lookups("hit")) == (2, 1, 2)
+    assert infer(**{"Cache-Control": "no-cache"}) == 8.0  # run, and its answer stored
+    assert (_items_run(server), lookups("miss"), lookups("hit")) == (3, 2, 2)
+
+
+def test_a_stored_answer_is_served_while_new_requests_are_refused(make_server: Callable[..., ServerProcess],
+                                                                  tmp_path: Path) -> None:
+    server = make_server(write_emulated_model(tmp_path / "repo", slo_ms=500, max_batch_size=1, alpha_ms=400))
+    infer = f"{server.url}/v2/models/emulated/infer"
+
+    async def overload() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            assert (await client.post(infer, json=_infer_body(1, 1))).status_code == 200  # stored
+            running = asyncio.create_task(client.post(infer, json=_infer_body(2, 2)))
+            await asyncio.sleep(0.15)  # its 400 ms batch runs: nothing else can finish within 500 ms now
+            stored = await client.post(infer, json=_infer_body(1, 1))
+            new = await client.post(infer, json=_infer_body(3, 3))
+            return stored, new, await running
+
+    stored, new, running = asyncio.run(overload())
+    assert new.status_code == 503 and "retry-after" in new.headers
+    assert stored.status_code == 200 and stored.headers.get("x-sluice-cache") == "hit"
+    assert stored.json()["outputs"][0]["data"] == [2.0] and running.status_code == 200
 
 
 def test_a_model_can_turn_the_cache_off(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
@@ -98,9 +123,17 @@ def test_tenants_never_get_each_others_answers(make_server: Callable[..., Server
         return httpx.post(f"{server.url}/v2/models/emulated/infer", json=_infer_body(7, 8),
                           headers={"Authorization": f"Bearer {keys[tenant]}"})
 
-    sources = [infer(tenant).headers.get("x-sluice-cache") for tenant in ("alpha", "beta", "alpha", "beta")]
+    def used(tenant: str, metric: str) -> float:
+        return metric_total(server, f"sluice_tenant_{metric}_total", tenant=tenant)
+
+    sources = [infer(tenant).headers.get("x-sluice-cache") for tenant in ("alpha", "beta")]
+    device_s = {tenant: used(tenant, "device_seconds") for tenant in keys}
+    sources += [infer(tenant).headers.get("x-sluice-cache") for tenant in ("alpha", "beta")]
     assert sources == [None, None, "hit", "hit"]
     assert _items_run(server) == 2
+    for tenant in keys:  # a hit is a success for its tenant, paid with no device time
+        assert device_s[tenant] > 0 and used(tenant, "device_seconds") == device_s[tenant]
+        assert used(tenant, "goodput") == 2
 
 
 def test_greedy_completions_are_cached_and_sampled_ones_are_not(make_server: Callable[..., ServerProcess],
@@ -114,8 +147,11 @@ def test_greedy_completions_are_cached_and_sampled_ones_are_not(make_server: Cal
         answer = raw.parse()
         return raw.headers.get("x-sluice-cache"), answer.choices[0].text, answer.usage.completion_tokens
 
-    first, again = complete(temperature=0), complete(temperature=0)
+    first = complete(temperature=0)
+    generated = metric_total(server, "sluice_generation_tokens_total", model="tiny")
+    again = complete(temperature=0)
     assert first[0] is None and again == ("hit", first[1], first[2])
+    assert metric_total(server, "sluice_generation_tokens_total", model="tiny") == generated  # none made for it
     assert [complete(temperature=1.0, seed=1)[0] for _ in range(2)] == [None, None]
     for _ in range(2):  # a stream is made as it is sent, never answered from the cache
         stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],

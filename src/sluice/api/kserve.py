@@ -36,6 +36,7 @@ from sluice.api.common import (
 from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Gateway
+from sluice.gateway.cache import cache_policy
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -81,7 +82,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         header_timeout = header_timeout_s(request, gateway.max_timeout_s)
         header_length = _header_length(request)
         body = await read_body(request, body_limit_bytes)
-        cached = gateway.caches(info)  # a cached answer needs no device: shed only once it is known there is none
+        policy = cache_policy(request.headers.get("cache-control"))
+        cached = gateway.may_hold_answer(info, policy)  # a stored answer needs no device: look before refusing
         if not cached and b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply
             early = caller(request, requested_priority(request), is_traced=gateway.is_tracing)
             gateway.shed_if_overloaded(info, header_timeout, arrived_at, early)
@@ -93,9 +95,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
         who = caller(request, priority, tokens, is_traced=gateway.is_tracing)
         timeout_s = header_timeout if timeout_s is None else timeout_s
-        if cached:
-            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload)
-        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who)
+        key = gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload) if cached else None
+        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
         return _render(info, parsed, result.payload, binary_outputs, result.headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]

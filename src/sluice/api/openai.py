@@ -73,8 +73,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
         who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
         payload = wire.TextPayload(texts)
-        gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload)
-        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who)
+        key = gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload)
+        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
         vectors_payload = result.payload
         assert isinstance(vectors_payload, wire.TensorPayload)
         vectors = np.frombuffer(vectors_payload.data, dtype=vectors_payload.dtype).reshape(vectors_payload.shape)

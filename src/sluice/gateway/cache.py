@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import enum
 import hashlib
 from collections.abc import Awaitable, Callable
@@ -186,46 +187,57 @@ class ResultCache:
         self.shared = shared
         self.lookups: collections.Counter[tuple[str, str]] = collections.Counter()
         """(model, "hit" | "coalesced" | "miss") -> requests so far (exported on each scrape)."""
-        self._in_flight: dict[bytes, asyncio.Future[CachedResult | None] | None] = {}
+        self._in_flight: dict[bytes, asyncio.Future[CachedResult | BaseException | None] | None] = {}
         """Keys being run; the future is made when the first identical request comes to wait."""
 
     async def answer(
         self, key: bytes, policy: CachePolicy, model: str, deadline_s: float,
-        run: Callable[[], Awaitable[T]], keep: Callable[[T], CachedResult],
+        run: Callable[[], Awaitable[T]], keep: Callable[[T], CachedResult | None],
+        is_final: Callable[[BaseException], bool] = lambda error: False,
     ) -> tuple[T | CachedResult, str]:
         """The answer for `key` and where it came from: "hit" (stored), "coalesced" (an identical
-        request's run), or "": `run()`'s own result, whose `keep(result)` is stored. `deadline_s`:
-        the most this request may wait for an identical one's answer (TimeoutError past it)."""
+        request's run), or "": `run()`'s own result, whose `keep(result)` is stored (unless None).
+        `deadline_s`: from now, the most this request may wait for an identical one's answer
+        (TimeoutError past it). A run that fails with an error `is_final` (the same input would
+        fail the same way) fails the identical requests waiting for it too; after any other
+        failure one of them runs in its place and the rest wait for that one."""
         if policy is CachePolicy.BYPASS:
             return await run(), ""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + deadline_s
         if policy is CachePolicy.USE:
             stored = await self._get(key)
             if stored is not None:
                 self.lookups[model, "hit"] += 1
                 return stored, "hit"
-            if key in self._in_flight:
+            while key in self._in_flight:
                 waiting = self._in_flight[key]
                 if waiting is None:
-                    waiting = self._in_flight[key] = asyncio.get_running_loop().create_future()
-                value = await asyncio.wait_for(asyncio.shield(waiting), max(deadline_s, 0.0))
+                    waiting = self._in_flight[key] = loop.create_future()
+                value = await asyncio.wait_for(asyncio.shield(waiting), max(give_up_at - loop.time(), 0.0))
+                if isinstance(value, BaseException):
+                    raise copy.copy(value)
                 if value is not None:
                     self.lookups[model, "coalesced"] += 1
                     return value, "coalesced"
-                # the run failed: this request runs on its own, within its own deadline
         self.lookups[model, "miss"] += 1
         is_leading = key not in self._in_flight
         if is_leading:
             self._in_flight[key] = None
-        kept: CachedResult | None = None
+        outcome: CachedResult | BaseException | None = None
         try:
             result = await run()
-            kept = keep(result)
-            self._put(key, kept)
+            outcome = keep(result)
+            if outcome is not None:
+                self._put(key, outcome)
+        except Exception as error:
+            outcome = error if is_final(error) else None
+            raise
         finally:
             if is_leading:
                 waiting = self._in_flight.pop(key)
                 if waiting is not None and not waiting.done():
-                    waiting.set_result(kept)  # None: the identical requests run on their own
+                    waiting.set_result(outcome)  # None: one of those waiting runs instead
         return result, ""
 
     async def _get(self, key: bytes) -> CachedResult | None:

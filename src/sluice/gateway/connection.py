@@ -50,6 +50,7 @@ class WorkerConnection:
         self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._introduce)
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
+        self._served: dict[tuple[str, str], wire.ModelInfo] = {}
         self.state_at = 0.0
         self._unreported = _Unreported()
         self._item_s: dict[tuple[str, str], float] = {}
@@ -64,6 +65,11 @@ class WorkerConnection:
         self._weights: dict[str, float] | None = None
         self.on_change: Callable[[], None] = lambda: None
         """Called when readiness or the served models change, so the gateway can re-index."""
+
+    def served(self, info: wire.ModelInfo) -> wire.ModelInfo:
+        """This worker's own description of `info`'s model version: workers serving the same version
+        may differ in what they report (e.g. one restarted on new weights: another cache revision)."""
+        return self._served.get((info.name, info.version), info)
 
     async def start(self) -> None:
         self._channel.start()
@@ -237,6 +243,8 @@ class WorkerConnection:
             self.is_lost = False
             models_changed = message.models != self.known_models
             self.known_models = message.models
+            if models_changed:
+                self._served = {(info.name, info.version): info for info in message.models}
             self.state = message
             self.state_at = time.monotonic()
             self._update_readiness()

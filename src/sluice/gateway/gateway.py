@@ -188,24 +188,28 @@ class Gateway:
 
     # -- inference -----------------------------------------------------------------------------
 
-    def caches(self, info: wire.ModelInfo) -> bool:
-        """Requests to this model may be answered from the result cache."""
-        return self.cache is not None and bool(info.cache_revision)
+    def may_hold_answer(self, info: wire.ModelInfo, policy: CachePolicy) -> bool:
+        """This gateway's own result cache could hold the answer to a request to `info` with this
+        `Cache-Control` policy: an overload check must then see the payload first."""
+        return (policy is CachePolicy.USE and bool(info.cache_revision) and self.cache is not None
+                and self.cache.local is not None)
 
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
-                           caller: Caller | None = None, payload: wire.Payload | None = None) -> None:
+                           caller: Caller | None = None, payload: wire.Payload | None = None) -> bytes | None:
         """Refuse now, before the body is parsed, when every ready replica already reports more
         work ahead of this tenant's class than the request's deadline allows: under overload the
         excess costs the gateway as little as possible and gets its answer at once. Given the
-        `payload`, a request this gateway holds a cached answer for is not refused: it needs no device."""
+        `payload`, a request this gateway holds a cached answer for is not refused (it needs no
+        device); the cache key computed for that is returned, for `infer(key=...)`."""
         caller = caller or _LOCAL_CALLER
         allowed = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
-        if payload is not None and self.cache is not None and self.cache.local is not None \
-                and caller.cache is CachePolicy.USE:
+        key = None
+        if payload is not None and self.may_hold_answer(info, caller.cache):
+            assert self.cache is not None and self.cache.local is not None
             key = cache_key(info, payload, allowed.name)
             if key is not None and key in self.cache.local:
-                return
+                return key
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
@@ -215,10 +219,10 @@ class Gateway:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
         if not excesses:
-            return
+            return key
         excess_s, connection = min(excesses, key=lambda pair: pair[0])
         if excess_s <= 0:
-            return
+            return key
         self._refused_early(info, tenant, priority, caller, arrived_at, now, "rejected")
         raise _overloaded(connection, excess_s)
 
@@ -278,16 +282,18 @@ class Gateway:
 
     async def infer(
         self, info: wire.ModelInfo, payload: wire.Payload, timeout_s: float | None = None,
-        *, arrived_at: float | None = None, caller: Caller | None = None,
+        *, arrived_at: float | None = None, caller: Caller | None = None, key: bytes | None = None,
     ) -> InferResult:
         """Run one request on `info` (from `resolve`) for `caller`. The deadline counts from
-        `arrived_at`, the moment the request reached the gateway (default: now).
+        `arrived_at`, the moment the request reached the gateway (default: now). `key`: its cache
+        key if `shed_if_overloaded` computed it already.
 
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
         tokens are reserved from the estimate and settled with the worker's count."""
         ticket = await self._admit(info, timeout_s, arrived_at, caller)
         async with ticket:
-            key = None if self.cache is None else cache_key(info, payload, ticket.tenant)
+            if key is None and self.cache is not None:
+                key = cache_key(info, payload, ticket.tenant)
             if key is None:
                 result = await self._dispatch(info, payload, ticket)
             else:
@@ -332,9 +338,15 @@ class Gateway:
         assert self.cache is not None
         if self._clock.now() >= ticket.deadline:
             raise DeadlineExceeded("the deadline passed before the request could be answered")
+
+        def keep(result: InferResult) -> CachedResult | None:
+            if result.model.cache_revision != info.cache_revision:
+                return None  # a worker still on other weights or settings answered: not this key's answer
+            return CachedResult(result.payload, result.num_tokens)
+
         try:
             value, source = await self.cache.answer(key, policy, info.name, ticket.deadline - self._clock.now(),
-                                                    run, _kept)
+                                                    run, keep, _repeats)
         except TimeoutError:
             raise DeadlineExceeded("the deadline passed while an identical request was still running") from None
         if not source:
@@ -342,7 +354,8 @@ class Gateway:
             return value
         assert isinstance(value, CachedResult)
         ticket.charge(value.num_tokens, 0.0)
-        return InferResult(info, value.payload, value.num_tokens, 0.0, 0.0, 0, headers={CACHE_HEADER: source})
+        return InferResult(info, value.payload, value.num_tokens, 0.0, 0.0, 0, headers={CACHE_HEADER: source},
+                           is_cached=True)
 
     async def _whole(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         """The final result of an unstreamed generation."""
@@ -378,7 +391,7 @@ class Gateway:
             result = await self._await_answer(connection, in_flight, ticket.deadline)
             if result is not None:
                 ticket.used(result)
-                return interpret(info, result)
+                return interpret(connection.served(info), result)
             self._check_restartable(connection, in_flight)
             tried_lost = True
 
@@ -403,7 +416,7 @@ class Gateway:
                 raise DeadlineExceeded("the worker did not answer before the deadline")
             if result is not None:
                 ticket.used(result)
-                yield interpret(info, result)
+                yield interpret(connection.served(info), result)
                 return
             self._check_restartable(connection, in_flight)
             tried_lost = True
@@ -483,8 +496,9 @@ class Gateway:
 _LOCAL_CALLER = Caller()
 
 
-def _kept(result: InferResult) -> CachedResult:
-    return CachedResult(result.payload, result.num_tokens)
+def _repeats(error: BaseException) -> bool:
+    """The same input would fail the same way: identical requests waiting on it get this error too."""
+    return isinstance(error, InvalidInput)  # a malformed item (ItemFailed), an upstream's 4xx, ...
 
 
 def _overloaded(connection: WorkerConnection, excess_s: float) -> Overloaded:

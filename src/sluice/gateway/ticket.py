@@ -45,6 +45,8 @@ class InferResult:
     headers: dict[str, str] | None = None
     """For the HTTP answer: the tenant's `x-ratelimit-*`, and `x-sluice-cache` if it did not run for
     this request (`gateway.cache`)."""
+    is_cached: bool = False
+    """Answered from the result cache: nothing ran on a device for this request."""
 
 
 class Ticket:
@@ -122,7 +124,7 @@ class Ticket:
         if outcome == "ok" and result is not None:
             self._metrics.tenant_completed(self.tenant, label, result.queue_s, device_s,
                                            on_time=now <= self.deadline)
-            if isinstance(result.payload, wire.GenerationResult):
+            if isinstance(result.payload, wire.GenerationResult) and not result.is_cached:
                 ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
                 self._metrics.generation_done(self.info.name, result.payload, now - self.started, ttft_s)
         else:
