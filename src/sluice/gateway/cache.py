@@ -124,10 +124,16 @@ class MemoryStore:
 
     def __contains__(self, key: bytes) -> bool:
         """Holds an answer for `key` now (does not count as a use)."""
-        entry = self._entries.get(key)
-        return entry is not None and self._clock.now() < entry[2]
+        return self._live(key) is not None
 
     def get(self, key: bytes) -> CachedResult | None:
+        value = self._live(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def _live(self, key: bytes) -> CachedResult | None:
+        """The entry's value unless it has expired (then it is dropped)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -136,7 +142,6 @@ class MemoryStore:
             del self._entries[key]
             self.num_bytes -= size
             return None
-        self._entries.move_to_end(key)
         return value
 
     def put(self, key: bytes, value: CachedResult) -> bool:

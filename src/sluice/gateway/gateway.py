@@ -207,7 +207,7 @@ class Gateway:
         key = None
         if payload is not None and self.may_hold_answer(info, caller.cache):
             assert self.cache is not None and self.cache.local is not None
-            key = cache_key(info, payload, allowed.name)
+            key = self._cache_key(info, payload, allowed.name, caller.cache)
             if key is not None and key in self.cache.local:
                 return key
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
@@ -291,14 +291,13 @@ class Gateway:
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
         tokens are reserved from the estimate and settled with the worker's count."""
         ticket = await self._admit(info, timeout_s, arrived_at, caller)
+        policy = (caller or _LOCAL_CALLER).cache
         async with ticket:
-            if key is None and self.cache is not None:
-                key = cache_key(info, payload, ticket.tenant)
+            key = key or self._cache_key(info, payload, ticket.tenant, policy)
             if key is None:
                 result = await self._dispatch(info, payload, ticket)
             else:
-                result = await self._cached(key, info, ticket, (caller or _LOCAL_CALLER).cache,
-                                            lambda: self._dispatch(info, payload, ticket))
+                result = await self._cached(key, info, ticket, policy, lambda: self._dispatch(info, payload, ticket))
             ticket.done(result)
             return ticket.with_limits(result)
 
@@ -316,11 +315,11 @@ class Gateway:
         ticket = await self._admit(info, timeout_s, arrived_at, caller)
         if limit_headers is not None:
             limit_headers.update(ticket.limit_headers())
+        policy = (caller or _LOCAL_CALLER).cache
         async with ticket:
-            key = None if self.cache is None else cache_key(info, payload, ticket.tenant)
+            key = self._cache_key(info, payload, ticket.tenant, policy)
             if key is not None:  # a whole greedy answer
-                result = await self._cached(key, info, ticket, (caller or _LOCAL_CALLER).cache,
-                                            lambda: self._whole(info, payload, ticket))
+                result = await self._cached(key, info, ticket, policy, lambda: self._whole(info, payload, ticket))
                 ticket.done(result)
                 yield ticket.with_limits(result)
                 return
@@ -329,6 +328,13 @@ class Gateway:
                     ticket.done(event)
                     event = ticket.with_limits(event)
                 yield event
+
+    def _cache_key(self, info: wire.ModelInfo, payload: wire.Payload, tenant: str,
+                   policy: CachePolicy) -> bytes | None:
+        """The request's result-cache key; None when the cache has nothing to do with it."""
+        if self.cache is None or policy is CachePolicy.BYPASS:
+            return None
+        return cache_key(info, payload, tenant)
 
     async def _cached(self, key: bytes, info: wire.ModelInfo, ticket: Ticket, policy: CachePolicy,
                       run: Callable[[], Awaitable[InferResult]]) -> InferResult:
