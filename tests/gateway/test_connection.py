@@ -4,6 +4,7 @@ tenant and class, which early admission adds to the worker's reported wait."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -56,11 +57,13 @@ def test_sent_work_counts_per_flow_until_the_next_report() -> None:
         assert connection.sent_flow_work_s("b", 1) == pytest.approx(0.01)
         assert connection.predicted_wait_s == pytest.approx(0.5 + 0.03)
         info = state.models[0]
-        # tenant a's new request queues behind its reported work and what was sent since (at drain 0.5)
+        # tenant a's new request queues behind its reported work and what was sent since (at drain 0.5);
+        # the report's time is set just before each check, so a slow test machine cannot age it
+        connection.state_at = time.monotonic()
         assert Gateway._tenant_wait_s(connection, "a", Priority.STANDARD, info) == pytest.approx(0.2 + 0.02 / 0.5,
                                                                                                  abs=0.005)
         # the device has been working since the report: that much of the reported wait is gone
-        connection.state_at -= 0.15
+        connection.state_at = time.monotonic() - 0.15
         assert Gateway._tenant_wait_s(connection, "a", Priority.STANDARD, info) == pytest.approx(0.05 + 0.02 / 0.5,
                                                                                                  abs=0.005)
         connection._on_message(_state(0.25))  # the next report includes them
