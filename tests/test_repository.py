@@ -152,3 +152,54 @@ def test_a_bad_cache_table_refuses_the_version(tmp_path, cache, fragment):
     _version(_model(tmp_path, extra=f"[cache]\n{cache}\n"), "1", {"w.bin": "x"})
     repo = scan_repository(tmp_path)
     assert not repo.versions and fragment in repo.refused[0].reason
+
+
+def test_a_version_toml_overrides_the_models_settings_for_that_version_only(tmp_path):
+    model = _model(tmp_path, extra="[params]\nalpha_ms = 8.0\nbeta_ms = 0.5\n")
+    _version(model, "1", {"w.bin": "a"})
+    two = _version(model, "2", {"w.bin": "b"})
+    (two / "version.toml").write_text("[params]\nerror_rate = 0.25\n[slo]\ndefault_ms = 500\n")
+    one, two_parsed = scan_repository(tmp_path).versions
+    assert dict(one.params) == {"alpha_ms": 8.0, "beta_ms": 0.5} and one.slo_s == 0.25
+    assert dict(two_parsed.params) == {"alpha_ms": 8.0, "beta_ms": 0.5, "error_rate": 0.25}
+    assert two_parsed.slo_s == 0.5 and two_parsed.batching.max_batch_size == 8
+    verify(two_parsed)  # version.toml is settings, not a weight file the manifest must list
+
+
+@pytest.mark.parametrize(("own", "fragment"), [
+    ("[routing]\ntraffic = { 2 = 100 }\n", "[routing] belongs in the model's model.toml"),
+    ("[params\n", "not valid TOML"),
+    ("[batching]\nmax_batch_size = 0\n", "max_batch_size must be a positive integer")])
+def test_a_bad_version_toml_refuses_that_version_naming_its_file(tmp_path, own, fragment):
+    model = _model(tmp_path)
+    _version(model, "1", {"w.bin": "a"})
+    (_version(model, "2", {"w.bin": "b"}) / "version.toml").write_text(own)
+    repo = scan_repository(tmp_path)
+    assert [v.version for v in repo.versions] == ["1"]
+    assert repo.refused[0].version == "2" and "version.toml" in repo.refused[0].reason
+    assert fragment in repo.refused[0].reason
+
+
+def test_routing_declares_a_split_that_does_not_change_the_cache_revision(tmp_path):
+    model = _model(tmp_path)
+    _version(model, "1", {"w.bin": "a"})
+    before = scan_repository(tmp_path).versions[0]
+    assert before.routing is None
+    (model / "model.toml").write_text((model / "model.toml").read_text()
+                                      + "[routing]\ntraffic = { 1 = 90, 2 = 10 }\nsticky = false\n")
+    after = scan_repository(tmp_path).versions[0]
+    assert after.routing is not None and after.routing.traffic == {"1": 90.0, "2": 10.0}
+    assert after.routing.sticky is False and after.cache_revision == before.cache_revision
+
+
+@pytest.mark.parametrize(("routing", "fragment"), [
+    ("traffic = { latest = 100 }", "'latest' is not a version number"),
+    ("traffic = { 1 = -1 }", "weight must be a number >= 0"),
+    ("traffic = { 1 = 0 }", "at least one version needs a weight above 0"),
+    ("traffic = 100", "traffic must be a table"),
+    ("sticky = 'yes'\ntraffic = { 1 = 1 }", "sticky must be true or false"),
+    ("weights = { 1 = 1 }", "[routing] has no setting 'weights'")])
+def test_a_bad_routing_table_refuses_the_model(tmp_path, routing, fragment):
+    _version(_model(tmp_path, extra=f"[routing]\n{routing}\n"), "1", {"w.bin": "x"})
+    repo = scan_repository(tmp_path)
+    assert not repo.versions and fragment in repo.refused[0].reason

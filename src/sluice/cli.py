@@ -163,6 +163,92 @@ def manifest(version_dir: Path) -> None:
     click.echo(text, nl=False)
 
 
+def _admin_options(command: F) -> F:
+    command = click.option("--admin-key", envvar="SLUICE_ADMIN_KEY", show_envvar=True, default=None,
+                           help="An admin key (`sluice keys create --admin`); none for a server without "
+                                "tenants.")(command)
+    return click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+                        help="Base URL of the server.")(command)
+
+
+@models.command("status")
+@click.argument("name", required=False)
+@_admin_options
+@click.option("--json", "as_json", is_flag=True, help="Print the server's JSON answer.")
+def models_status(name: str | None, url: str, admin_key: str | None, as_json: bool) -> None:
+    """Each model's versions, where its traffic goes, and its latest canary (or NAME's)."""
+    from sluice.routing_cli import admin_call, show
+
+    answer = admin_call(url, admin_key, "GET", "/admin/models" + (f"/{name}" if name else ""))
+    show(answer, as_json)
+
+
+@models.command("traffic")
+@click.argument("name")
+@click.argument("shares", nargs=-1)
+@click.option("--sticky/--no-sticky", default=True, show_default=True,
+              help="Keep each caller (X-Sluice-Route-Key or `user`) on one version.")
+@click.option("--reset", is_flag=True, help="Go back to the split the model declares in its model.toml.")
+@_admin_options
+def models_traffic(name: str, shares: tuple[str, ...], sticky: bool, reset: bool, url: str,
+                   admin_key: str | None) -> None:
+    """Split NAME's requests that name no version: SHARES as VERSION=WEIGHT, e.g. 1=90 2=10."""
+    from sluice.routing_cli import admin_call, parse_shares, show
+
+    if reset == bool(shares):
+        raise click.UsageError("give SHARES (e.g. 1=90 2=10) or --reset")
+    if reset:
+        show(admin_call(url, admin_key, "DELETE", f"/admin/models/{name}/traffic"))
+    else:
+        body = {"traffic": parse_shares(shares), "sticky": sticky}
+        show(admin_call(url, admin_key, "PUT", f"/admin/models/{name}/traffic", body))
+
+
+@models.command("canary")
+@click.argument("name")
+@click.argument("version")
+@click.option("--baseline", default=None, help="The version to compare with [default: the one with most traffic].")
+@click.option("--steps", default=None, help="The canary's percent of traffic at each step, e.g. 5,25,50.")
+@click.option("--step-seconds", type=float, default=None, help="Shortest time per step [default: 60].")
+@click.option("--min-requests", type=int, default=None, help="Canary answers a step needs [default: 100].")
+@click.option("--max-error-rate", type=float, default=None,
+              help="Failure rate allowed above the baseline's [default: 0.01].")
+@click.option("--max-latency-ratio", type=float, default=None, help="p95 against the baseline's [default: 1.25].")
+@_admin_options
+def models_canary(name: str, version: str, baseline: str | None, steps: str | None, step_seconds: float | None,
+                  min_requests: int | None, max_error_rate: float | None, max_latency_ratio: float | None,
+                  url: str, admin_key: str | None) -> None:
+    """Move NAME's traffic to VERSION step by step; it is rolled back on its own if it fails more
+    often or answers slower than the baseline."""
+    from sluice.routing_cli import admin_call, parse_steps, show
+
+    body = {"version": version, "baseline": baseline, "steps": parse_steps(steps), "step_seconds": step_seconds,
+            "min_requests": min_requests, "max_error_rate": max_error_rate,
+            "max_latency_ratio": max_latency_ratio}
+    show(admin_call(url, admin_key, "POST", f"/admin/models/{name}/canary",
+                    {key: value for key, value in body.items() if value is not None}))
+
+
+@models.command("promote")
+@click.argument("name")
+@_admin_options
+def models_promote(name: str, url: str, admin_key: str | None) -> None:
+    """Give NAME's running canary all of its traffic now."""
+    from sluice.routing_cli import admin_call, show
+
+    show(admin_call(url, admin_key, "POST", f"/admin/models/{name}/promote"))
+
+
+@models.command("rollback")
+@click.argument("name")
+@_admin_options
+def models_rollback(name: str, url: str, admin_key: str | None) -> None:
+    """Stop NAME's running canary (all traffic to its baseline), or undo the last change of its split."""
+    from sluice.routing_cli import admin_call, show
+
+    show(admin_call(url, admin_key, "POST", f"/admin/models/{name}/rollback"))
+
+
 @main.group()
 def keys() -> None:
     """API keys in a tenants file."""

@@ -53,6 +53,10 @@ class IdempotencyKeyReused(InvalidInput):
     """The `Idempotency-Key` was first used for a different request (409)."""
 
 
+class Conflict(InvalidInput):
+    """The request cannot be done in the current state of what it changes (409), e.g. a second canary."""
+
+
 class PayloadTooLarge(InvalidInput):
     """The request body is larger than the configured limit."""
 

@@ -143,6 +143,11 @@ CACHE_ENTRIES = Gauge("sluice_cache_entries", "Answers held in the gateway's own
                       multiprocess_mode="livesum")
 CACHE_BYTES = Gauge("sluice_cache_bytes", "Approximate memory held by the gateway's own result cache.",
                     multiprocess_mode="livesum")
+TRAFFIC_SHARE = Gauge("sluice_traffic_share", "Share (0-1) of a model's requests that name no version sent to "
+                      "each version: its traffic split, or its canary's current step.", ["model", "version"],
+                      multiprocess_mode="livemax")
+CANARY_EVENTS = Counter("sluice_canary_events", "Canary steps passed and canaries ended, by what happened "
+                        "(advanced, promoted, rolled_back).", ["model", "event"])
 CACHE_EVICTIONS = Counter("sluice_cache_evictions", "Answers dropped from the gateway's own cache to make room.")
 CACHE_ERRORS = Counter("sluice_cache_errors", "Calls to the shared result cache in Redis that failed (a miss).")
 
@@ -245,6 +250,14 @@ class GatewayMetrics:
 
     def worker_restarted(self) -> None:
         WORKER_RESTARTS.inc()
+
+    def canary_event(self, model: str, event: str) -> None:
+        _child(CANARY_EVENTS, model, event).inc()
+
+    def traffic_shares(self, shares: dict[tuple[str, str], float]) -> None:
+        """Each served (model, version)'s share of the requests that name no version (on scrape)."""
+        for (model, version), share in shares.items():
+            _child(TRAFFIC_SHARE, model, version).set(share)
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)

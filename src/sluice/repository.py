@@ -2,9 +2,11 @@
 
     models/
       minilm/
-        model.toml        runner kind, batching limits, SLO, where the weights are, result caching
+        model.toml        runner kind, batching limits, SLO, where the weights are, result caching,
+                          the traffic split between versions ([routing])
         1/
           SHA256SUMS      "<sha256>  <path>" per weight file, checked before load
+          version.toml    optional: settings of this version that differ from model.toml's
 
 A version's weights are its own folder, or (`[weights] package = ...`) the data folder of an
 installed Python package, so large files are referenced rather than copied. A version whose
@@ -24,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from sluice import wire
 from sluice.errors import ConfigError
 
 MANIFEST = "SHA256SUMS"
+VERSION_CONFIG = "version.toml"
 RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative", "openai-upstream")
 WEIGHTLESS_KINDS = ("http-single", "openai-upstream")
 """Runner kinds that load no files: a version folder without a SHA256SUMS manifest is fine."""
@@ -64,6 +68,8 @@ class ModelVersion:
     revision: str = ""
     """A digest of the version's settings and weights manifest: results cached under one revision
     are never served for another (new weights under the same version number, changed params)."""
+    routing: wire.Routing | None = None
+    """The model's `[routing]`: how requests that name no version are split among its versions."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -153,7 +159,8 @@ def verify(version: ModelVersion) -> None:
         unlisted = [
             str(p.relative_to(version.weights_dir))
             for p in version.weights_dir.rglob("*")
-            if p.is_file() and p.name != MANIFEST and str(p.relative_to(version.weights_dir)) not in listed
+            if p.is_file() and p.name not in (MANIFEST, VERSION_CONFIG)
+            and str(p.relative_to(version.weights_dir)) not in listed
         ]
         if unlisted:
             raise ConfigError(f"{version.name} v{version.version}: files not in {MANIFEST}: {', '.join(unlisted)}")
@@ -195,8 +202,13 @@ def _num(path: Path) -> int:
 
 
 def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_path: Path) -> ModelVersion:
-    """One version's settings from its model's `model.toml`; a ConfigError naming the file and
-    the field for anything of the wrong type or out of range."""
+    """One version's settings from its model's `model.toml` and its own `version.toml`, if any; a
+    ConfigError naming the file and the field for anything of the wrong type or out of range."""
+    routing = _routing(_table(config, "routing", config_path), config_path)
+    own_path = version_dir / VERSION_CONFIG
+    if own_path.is_file():
+        config_path = own_path  # errors name the file with the setting that wins
+        config = _merge(config, _read_config(own_path), own_path)
     kind = config.get("kind")
     if kind not in RUNNER_KINDS:
         raise ConfigError(f"{config_path}: kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
@@ -222,8 +234,45 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
         generator=weights.get("generate"),
         upstream=_table(config, "upstream", config_path),
         is_cached=is_cached,
-        revision=_revision(config, version_dir / MANIFEST),
+        revision=_revision({k: v for k, v in config.items() if k != "routing"}, version_dir / MANIFEST),
+        routing=routing,
     )
+
+
+def _merge(config: dict[str, Any], own: dict[str, Any], own_path: Path) -> dict[str, Any]:
+    """A version's `version.toml` over its model's settings: its tables update the model's tables
+    key by key, its other values replace them. `[routing]` is the model's, not a version's."""
+    if "routing" in own:
+        raise ConfigError(f"{own_path}: [routing] belongs in the model's model.toml, not a version's")
+    merged = dict(config)
+    for key, value in own.items():
+        merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
+
+
+def _routing(raw: dict[str, Any], config_path: Path) -> wire.Routing | None:
+    """`[routing]`: `traffic = { 1 = 90, 2 = 10 }` (weights by version) and `sticky` (default true)."""
+    if not raw:
+        return None
+    for key in raw:
+        if key not in ("traffic", "sticky"):
+            raise ConfigError(f"{config_path}: [routing] has no setting {key!r} (it has traffic, sticky)")
+    traffic, sticky = raw.get("traffic"), raw.get("sticky", True)
+    if not isinstance(sticky, bool):
+        raise ConfigError(f"{config_path}: [routing] sticky must be true or false, got {sticky!r}")
+    if not isinstance(traffic, dict) or not traffic:
+        raise ConfigError(f"{config_path}: [routing] traffic must be a table of version = weight, "
+                          f"e.g. {{ 1 = 90, 2 = 10 }}, got {traffic!r}")
+    for version, weight in traffic.items():
+        if not version.isdigit():
+            raise ConfigError(f"{config_path}: [routing] traffic: {version!r} is not a version number")
+        if not _is_number(weight) or weight < 0:
+            raise ConfigError(f"{config_path}: [routing] traffic: version {version}'s weight must be a "
+                              f"number >= 0, got {weight!r}")
+    if not any(weight > 0 for weight in traffic.values()):
+        raise ConfigError(f"{config_path}: [routing] traffic: at least one version needs a weight above 0")
+    return wire.Routing({version: float(weight) for version, weight in traffic.items()}, sticky)
 
 
 def _cache_enabled(raw: dict[str, Any], kind: str, config_path: Path) -> bool:

@@ -169,6 +169,15 @@ class TensorSpec(msgspec.Struct, frozen=True):
     shape: tuple[int, ...]  # -1 for a variable dimension; batch dimension first
 
 
+class Routing(msgspec.Struct, frozen=True):
+    """A model's declared traffic split (`model.toml` [routing]) for requests that name no version."""
+
+    traffic: dict[str, float]
+    """Version -> weight (e.g. percent)."""
+    sticky: bool = True
+    """A caller keeps its version (by its route key) rather than drawing one per request."""
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     """What a gateway needs to know about a model version a worker serves."""
 
@@ -191,6 +200,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     cache_revision: str = ""
     """Non-empty: the model's results are deterministic and the gateway may cache them, keyed with
     this digest of its weights and settings (`ModelVersion.revision`); "": never cached."""
+    routing: Routing | None = None
+    """The model's declared split (the same for each of its versions); None: the newest version."""
 
 
 class RefusedModel(msgspec.Struct, frozen=True):

@@ -3,9 +3,25 @@
     GET  /admin/tenants   each tenant's weight, class, models, limits, requests in flight, and
                           device-seconds used (in all and in the current credit period)
     POST /admin/reload    read the tenants file again (as SIGHUP does)
+
+    GET  /admin/models                    each model's versions, traffic split and canary
+    GET  /admin/models/{name}             one of them
+    PUT  /admin/models/{name}/traffic     {"traffic": {"1": 90, "2": 10}, "sticky": true}
+    DELETE /admin/models/{name}/traffic   back to the split the model declares (model.toml)
+    POST /admin/models/{name}/canary      {"version": "2", ...}: move traffic to it step by step,
+                                          rolled back on its own if it does worse than the baseline
+    POST /admin/models/{name}/promote     the running canary takes all the traffic now
+    POST /admin/models/{name}/rollback    stop the canary (all traffic to its baseline), or undo
+                                          the last change of the split
+
+Splits and canaries live in this gateway's memory (`gateway.traffic`): a restarted gateway
+follows the splits the models declare.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -13,8 +29,29 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice.api.auth import ADMIN_SCOPE_KEY
-from sluice.errors import ConfigError, InvalidInput, PermissionDenied
+from sluice.api.common import decode_json, read_body
+from sluice.errors import ConfigError, Conflict, InvalidInput, ModelNotFound, PermissionDenied
 from sluice.gateway import Gateway
+from sluice.gateway.traffic import CanaryEvent, CanaryPlan, Split, version_order
+
+_BODY_LIMIT = 64 * 1024
+T = TypeVar("T")
+
+
+class TrafficBody(msgspec.Struct, forbid_unknown_fields=True):
+    traffic: dict[str, float]
+    sticky: bool = True
+
+
+class CanaryBody(msgspec.Struct, forbid_unknown_fields=True):
+    version: str
+    baseline: str | None = None
+    steps: list[float] | None = None
+    step_seconds: float | None = None
+    min_requests: int | None = None
+    max_error_rate: float | None = None
+    max_latency_ratio: float | None = None
+    sticky: bool | None = None
 
 
 def routes(gateway: Gateway) -> list[Route]:
@@ -34,11 +71,149 @@ def routes(gateway: Gateway) -> list[Route]:
             raise InvalidInput(f"the tenants file was not reloaded (the old one stays): {exc.message}") from exc
         return _json({"reloaded": directory.path is not None, "tenants": sorted(directory.tenants)})
 
+    async def list_models(request: Request) -> Response:
+        check(request)
+        names = sorted(gateway.models(include_recovering=True))
+        return _json({"object": "list", "data": [_describe(gateway, name) for name in names]})
+
+    async def get_model(request: Request) -> Response:
+        check(request)
+        return _json(_describe(gateway, _model(gateway, request)))
+
+    async def set_traffic(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        body = decode_json(await read_body(request, _BODY_LIMIT), TrafficBody)
+        served = gateway.models(include_recovering=True)[name]
+        for version in body.traffic:
+            if version not in served:
+                raise InvalidInput(f"model {name!r} has no version {version!r} served "
+                                   f"(it has {', '.join(_sorted(served))})", param="traffic")
+        try:
+            split = Split.of(body.traffic, body.sticky)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), param="traffic") from None
+        _report(gateway, gateway.traffic.set_split(name, split))
+        return _json(_describe(gateway, name))
+
+    async def reset_traffic(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        _report(gateway, gateway.traffic.set_split(name, None))
+        return _json(_describe(gateway, name))
+
+    async def canary(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        body = decode_json(await read_body(request, _BODY_LIMIT), CanaryBody)
+        ready = gateway.models().get(name, {})
+        if body.version not in ready:
+            raise InvalidInput(f"model {name!r} has no ready version {body.version!r} to send traffic to",
+                               param="version")
+        baseline = body.baseline or _main_version(gateway, name, exclude=body.version)
+        if baseline is None or baseline not in ready:
+            raise InvalidInput(f"model {name!r} needs a ready version other than {body.version!r} to compare "
+                               "the canary with (`baseline`)", param="baseline")
+        split = gateway.split(name)
+        sticky = body.sticky if body.sticky is not None else (split.sticky if split is not None else True)
+        default = CanaryPlan(version=body.version, baseline=baseline, sticky=sticky)
+        try:
+            plan = replace(
+                default, steps=default.steps if body.steps is None else tuple(body.steps),
+                step_s=_given(body.step_seconds, default.step_s),
+                min_requests=_given(body.min_requests, default.min_requests),
+                max_error_rate=_given(body.max_error_rate, default.max_error_rate),
+                max_latency_ratio=_given(body.max_latency_ratio, default.max_latency_ratio))
+            plan.check()
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        try:
+            gateway.traffic.start_canary(name, plan, gateway.now())
+        except ValueError as exc:
+            raise Conflict(str(exc)) from None
+        return _json(_describe(gateway, name), status=201)
+
+    async def promote(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        try:
+            event = gateway.traffic.promote(name)
+        except KeyError:
+            raise Conflict(f"model {name!r} has no canary running") from None
+        gateway.canary_event(event)
+        return _json(_describe(gateway, name))
+
+    async def rollback(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        try:
+            event = gateway.traffic.roll_back(name)
+        except KeyError:
+            raise Conflict(f"model {name!r} has no canary running and no change of its split to undo") from None
+        _report(gateway, event)
+        return _json(_describe(gateway, name))
+
+    prefix = "/admin/models/{name}"
     return [
         Route("/admin/tenants", tenants, methods=["GET"]),
         Route("/admin/reload", reload, methods=["POST"]),
+        Route("/admin/models", list_models, methods=["GET"]),
+        Route(prefix, get_model, methods=["GET"]),
+        Route(prefix + "/traffic", set_traffic, methods=["PUT"]),
+        Route(prefix + "/traffic", reset_traffic, methods=["DELETE"]),
+        Route(prefix + "/canary", canary, methods=["POST"]),
+        Route(prefix + "/promote", promote, methods=["POST"]),
+        Route(prefix + "/rollback", rollback, methods=["POST"]),
     ]
 
 
-def _json(content: object) -> Response:
-    return Response(msgspec.json.encode(content), media_type="application/json")
+def _model(gateway: Gateway, request: Request) -> str:
+    name = request.path_params["name"]
+    if name not in gateway.models(include_recovering=True):
+        raise gateway.refusal(name, None) or ModelNotFound(f"model {name!r} is not served")
+    return name
+
+
+def _report(gateway: Gateway, event: CanaryEvent | None) -> None:
+    if event is not None:
+        gateway.canary_event(event)
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _sorted(versions: Any) -> list[str]:
+    return sorted(versions, key=version_order)
+
+
+def _main_version(gateway: Gateway, name: str, exclude: str) -> str | None:
+    """The version with the largest share of the model's traffic now, other than `exclude`."""
+    shares = {v: share for (model, v), share in gateway.traffic_shares().items() if model == name and v != exclude}
+    return max(shares, key=lambda v: (shares[v], version_order(v))) if shares else None
+
+
+def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
+    """A model's versions, where its unversioned traffic goes and why, and its latest canary."""
+    now = gateway.now()
+    _report(gateway, gateway.traffic.evaluate(name, now))  # judge what came in since the last request
+    versions = gateway.models(include_recovering=True)[name]
+    ready = gateway.models().get(name, {})
+    split, declared = gateway.split(name), gateway.declared_split(name)
+    canary = gateway.traffic.canaries.get(name)
+    source = gateway.traffic.source(name) or ("model.toml" if declared is not None else "newest version")
+    shares = gateway.traffic_shares()
+    return {
+        "object": "model.routing",
+        "model": name,
+        "versions": [{"version": v, "ready": v in ready, "traffic_percent": round(100 * shares[(name, v)], 4)}
+                     for v in _sorted(versions)],
+        "split_source": source,
+        "sticky": split.sticky if split is not None else None,
+        "declared": None if declared is None else {"traffic": declared.percent(), "sticky": declared.sticky},
+        "canary": None if canary is None else canary.describe(now),
+    }
+
+
+def _json(content: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")

@@ -7,8 +7,9 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
+from sluice import wire
 from sluice.errors import InvalidInput, PayloadTooLarge
-from sluice.gateway import Caller
+from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority, parse_priority
 
@@ -80,6 +81,32 @@ batch-job items run in-process, by the job executor). Never read from a client h
 def request_tenant(request: Request) -> str:
     """The tenant this request is served for: "" is the single local tenant (no tenants file)."""
     return str(request.scope.get(TENANT_SCOPE_KEY, ""))
+
+
+ROUTE_KEY_HEADER = "x-sluice-route-key"
+VERSION_HEADER = "x-sluice-model-version"
+
+
+def route_key(request: Request, user: str | None = None) -> str | None:
+    """Who a sticky traffic split keeps on one version (`gateway.traffic`): the caller's
+    `X-Sluice-Route-Key`, else the OpenAI `user` it sent; None (a version drawn for this request
+    alone) if neither. Not the tenant: a split by tenant would give a 5% canary all of a tenant's
+    traffic or none of it."""
+    return request.headers.get(ROUTE_KEY_HEADER) or user or None
+
+
+def resolve_openai(gateway: Gateway, model: str, request: Request, user: str | None) -> wire.ModelInfo:
+    """The model version an OpenAI `model` field asks for: `name` (the model's traffic split
+    chooses) or `name:version` (that version)."""
+    name, _, version = model.rpartition(":")
+    if name and version.isdigit() and model not in gateway.models(include_recovering=True):
+        return gateway.resolve(name, version)
+    return gateway.resolve(model, None, route_key(request, user))
+
+
+def with_version(info: wire.ModelInfo, headers: dict[str, str] | None) -> dict[str, str]:
+    """An answer's headers with the model version that served it (OpenAI's answers have no field for it)."""
+    return {**(headers or {}), VERSION_HEADER: info.version}
 
 
 PRIORITY_HEADER = "x-sluice-priority"

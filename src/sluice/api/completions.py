@@ -41,6 +41,8 @@ from sluice.api.common import (
     header_timeout_s,
     read_body,
     requested_priority,
+    resolve_openai,
+    with_version,
 )
 from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
@@ -131,7 +133,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     timeout_s = header_timeout_s(request, gateway.max_timeout_s)
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
-    info = gateway.resolve(parsed.model, None)
+    info = resolve_openai(gateway, parsed.model, request, parsed.user)
     if info.kind not in ("generative", "openai-upstream"):
         raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
                            f"/v2/models/{parsed.model}/infer", param="model")
@@ -146,11 +148,12 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     if not payload.stream:
         result = await _unless_disconnected(request, events, _final(events))
         return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
-                        headers=result.headers)
+                        headers=with_version(info, result.headers))
     # errors before the first byte become HTTP statuses
     first = await _unless_disconnected(request, events, anext(events))
     return StreamingResponse(_sse(shape, first, events), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(limit_headers or {})})
+                             headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
+                                                         **(limit_headers or {})}))
 
 
 async def _unless_disconnected(request: Request, events: AsyncIterator[Any], waiting: Awaitable[T]) -> T:

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from sluice.errors import (
     BudgetExhausted,
+    Conflict,
     DeadlineExceeded,
     IdempotencyKeyReused,
     InvalidInput,
@@ -49,6 +50,7 @@ class Status:
 _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (PayloadTooLarge, Status(413, "invalid_request_error", "payload_too_large")),
     (IdempotencyKeyReused, Status(409, "invalid_request_error", "idempotency_key_reused")),
+    (Conflict, Status(409, "invalid_request_error", "conflict")),
     (ItemFailed, Status(422, "invalid_request_error", "item_failed")),
     (UpstreamRefused, Status(400, "invalid_request_error", "upstream_refused")),  # with the upstream's status
     (InvalidInput, Status(400, "invalid_request_error", "invalid_request")),

@@ -32,6 +32,7 @@ from sluice.api.common import (
     read_body,
     request_tenant,
     requested_priority,
+    route_key,
 )
 from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
 from sluice.errors import InvalidInput, ModelNotReady
@@ -54,7 +55,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def model_metadata(request: Request) -> Response:
         name, version = _path(request)
-        info = gateway.resolve(name, version)
+        info = gateway.resolve(name, version, route_key(request))
         _authorize(gateway, request, info)
         versions = gateway.models(include_recovering=True).get(name, {})
         return _json({
@@ -69,7 +70,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def model_ready(request: Request) -> Response:
         name, version = _path(request)
         try:
-            info = gateway.resolve(name, version)
+            info = gateway.resolve(name, version, route_key(request))
         except ModelNotReady:
             return _json({"name": name, "ready": False}, status=503)
         _authorize(gateway, request, info)
@@ -78,7 +79,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def infer(request: Request) -> Response:
         arrived_at = arrival(request, gateway.now())
         name, version = _path(request)
-        info = gateway.resolve(name, version)
+        info = gateway.resolve(name, version, route_key(request))
         header_timeout = header_timeout_s(request, gateway.max_timeout_s)
         header_length = _header_length(request)
         body = await read_body(request, body_limit_bytes)

@@ -28,6 +28,8 @@ from sluice.api.common import (
     read_body,
     request_tenant,
     requested_priority,
+    resolve_openai,
+    with_version,
 )
 from sluice.errors import InvalidInput, ModelNotFound
 from sluice.gateway import Gateway
@@ -65,7 +67,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         body = await read_body(request, body_limit_bytes)
         parsed = decode_json(body, EmbeddingsRequest)
         texts = _texts(parsed.input)
-        info = gateway.resolve(parsed.model, None)
+        info = resolve_openai(gateway, parsed.model, request, parsed.user)
         if not info.accepts_text:
             raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                f"use /v2/models/{parsed.model}/infer", param="model")
@@ -85,7 +87,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         ]
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
         return _json({"object": "list", "data": data, "model": info.name, "usage": usage},
-                     headers=result.headers)
+                     headers=with_version(info, result.headers))
 
     return [
         Route("/v1/models", list_models, methods=["GET"]),

@@ -86,7 +86,7 @@ class EmulatedRunner:
 
     def _compute(self, item: PreparedItem) -> np.ndarray | ItemFailure:
         if self.error_rate and self._rng.random() < self.error_rate:
-            return ItemFailure("injected device fault (emulator error_rate)")
+            return ItemFailure("injected device fault (emulator error_rate)", is_transient=True)
         if isinstance(item.data, str):
             digest = hashlib.blake2b(item.data.encode(), digest_size=4 * self.dims).digest()
             vector = np.frombuffer(digest, dtype=np.uint32).astype(np.float32) - 2**31

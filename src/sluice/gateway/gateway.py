@@ -33,6 +33,7 @@ from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, Result
 from sluice.gateway.connection import InFlight, WorkerConnection
 from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.ticket import InferResult, Ticket, interpret
+from sluice.gateway.traffic import CanaryEvent, Split, Traffic, version_order
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority, effective_priority
 from sluice.tracing import Tracing
@@ -86,6 +87,8 @@ class Gateway:
         self.expected_models: set[str] = set()
         self._index: _ModelIndex | None = None  # rebuilt lazily after a worker's change
         self.tenancy.on_weights(self._send_weights)
+        self.traffic = Traffic()
+        """Operators' traffic splits and canaries (`api.admin`), over the splits models declare."""
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class Gateway:
     def refresh_metrics(self) -> None:
         """Update gauges that are cheaper to compute on scrape than on every change."""
         self._metrics.workers_ready(len(self.ready_workers()))
+        self._metrics.traffic_shares(self.traffic_shares())
         if self.cache is not None:
             self._metrics.cache_state(self.cache)
 
@@ -145,7 +149,7 @@ class Gateway:
             for refused in connection.state.refused if connection.state else ():
                 if refused.version not in served.get(refused.name, {}):
                     seen[(refused.name, refused.version)] = refused
-        return [seen[key] for key in sorted(seen, key=lambda key: (key[0], _version_order(key[1])))]
+        return [seen[key] for key in sorted(seen, key=lambda key: (key[0], version_order(key[1])))]
 
     def refusal(self, name: str, version: str | None) -> ModelRefused | None:
         """The error for a request to a model version (None: any) that was refused at load and
@@ -160,10 +164,17 @@ class Gateway:
         why = "; ".join(reason if v == "-" else f"version {v}: {reason}" for v, reason in reasons.items())
         return ModelRefused(f"model {name!r} failed to load and is not served: {why}")
 
-    def resolve(self, name: str, version: str | None) -> wire.ModelInfo:
+    def resolve(self, name: str, version: str | None, route_key: str | None = None) -> wire.ModelInfo:
+        """The model version a request goes to: the one it names, else the one the model's traffic
+        split gives its `route_key` (`gateway.traffic`), else the newest."""
         versions = self.models(include_recovering=True).get(name)
-        if versions and (version is None or version in versions):
-            return versions[max(versions, key=_version_order) if version is None else version]
+        if versions and version is None:
+            split = self.split(name)
+            chosen = None if split is None else split.choose(
+                versions, None if route_key is None else f"{name}\0{route_key}", self._rng)
+            return versions[chosen or max(versions, key=version_order)]
+        if versions and version in versions:
+            return versions[version]
         refusal = self.refusal(name, version)
         if refusal is not None:
             raise refusal
@@ -172,6 +183,40 @@ class Gateway:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
             raise ModelNotFound(f"model {name!r} does not exist")
         raise ModelNotFound(f"model {name!r} has no version {version!r}")
+
+    def split(self, name: str) -> Split | None:
+        """The traffic split requests to `name` that name no version follow (None: the newest)."""
+        return self.traffic.split(name, self._indexed().declared.get(name))
+
+    def declared_split(self, name: str) -> Split | None:
+        """The split the model declares (`model.toml` [routing]), whatever operators changed."""
+        return self._indexed().declared.get(name)
+
+    def traffic_shares(self) -> dict[tuple[str, str], float]:
+        """(model, version) -> the share (0-1) of the model's unversioned requests it gets now, for
+        every served version: by the split among the versions served, else all to the newest."""
+        shares: dict[tuple[str, str], float] = {}
+        for name, versions in self.models(include_recovering=True).items():
+            split = self.split(name)
+            live = [] if split is None else [(v, w) for v, w in split.shares if v in versions]
+            total = sum(w for _, w in live)
+            weights = dict(live) if live else {max(versions, key=version_order): 1.0}
+            for version in versions:
+                shares[(name, version)] = weights.get(version, 0.0) / (total or 1.0)
+        return shares
+
+    def _observe(self, info: wire.ModelInfo, outcome: str, latency_s: float) -> None:
+        """A request ended: evidence for its model's canary, if one runs."""
+        if not self.traffic.has_canary(info.name):
+            return
+        event = self.traffic.observe(info.name, info.version, outcome, latency_s, self._clock.now())
+        if event is not None:
+            self.canary_event(event)
+
+    def canary_event(self, event: CanaryEvent) -> None:
+        log.warning("canary of model %s: %s, now at %g%% of its traffic: %s", event.model,
+                    event.kind.replace("_", " "), event.share, event.reason)
+        self._metrics.canary_event(event.model, event.kind)
 
     def loading_models(self) -> set[str]:
         """Expected models that no ready worker serves yet and that were not refused at load."""
@@ -388,7 +433,7 @@ class Gateway:
         reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
-                      deadline, self._tracing, caller.traceparent)
+                      deadline, self._tracing, caller.traceparent, observer=self._observe)
 
     async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False
@@ -521,6 +566,8 @@ class _ModelIndex:
     ready: dict[str, dict[str, wire.ModelInfo]]
     with_recovering: dict[str, dict[str, wire.ModelInfo]]
     replicas: dict[tuple[str, str], tuple[WorkerConnection, ...]]
+    declared: dict[str, Split]
+    """Each model's `[routing]` split, as its newest served version reports it."""
 
     @classmethod
     def build(cls, connections: Iterable[WorkerConnection]) -> _ModelIndex:
@@ -535,7 +582,12 @@ class _ModelIndex:
                 if connection.is_ready:
                     ready.setdefault(info.name, {})[info.version] = info
                     replicas.setdefault((info.name, info.version), []).append(connection)
-        return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()})
+        declared = {}
+        for name, versions in with_recovering.items():
+            routing = versions[max(versions, key=version_order)].routing
+            if routing is not None:
+                declared[name] = Split.of(routing.traffic, routing.sticky)
+        return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()}, declared)
 
 
 def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,
@@ -557,6 +609,3 @@ def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,
                 newcomer = wait.wait_s
     return state.work_ahead_s if newcomer is None else newcomer
 
-
-def _version_order(version: str) -> tuple[int, str]:
-    return (int(version), version) if version.isdigit() else (-1, version)

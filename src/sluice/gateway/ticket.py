@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,7 +56,8 @@ class Ticket:
 
     def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
                  priority: Priority, reservation: Reservation, started: float, deadline: float,
-                 tracing: Tracing | None = None, traceparent: str | None = None) -> None:
+                 tracing: Tracing | None = None, traceparent: str | None = None,
+                 observer: Callable[[wire.ModelInfo, str, float], None] | None = None) -> None:
         self._metrics = metrics
         self._tenancy = tenancy
         self._clock = clock
@@ -67,6 +69,8 @@ class Ticket:
         self.deadline = deadline
         self._tracing = tracing
         self._traceparent = traceparent
+        self._observer = observer
+        """Told each outcome and its latency (the model's canary judges versions by them)."""
         self._result: InferResult | None = None
         self._first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
@@ -132,6 +136,8 @@ class Ticket:
                 self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
             self._metrics.tenant_used(self.tenant, label, device_s)
         self._metrics.request_done(self.info.name, self.info.version, outcome, now - self.started)
+        if self._observer is not None and not (result is not None and result.is_cached):
+            self._observer(self.info, outcome, now - self.started)
         if self._tracing is not None and self._tracing.is_enabled:
             self._trace(outcome, result)
         await self._tenancy.settle(self.reservation, tokens, device_s,

@@ -79,7 +79,8 @@ class WorkerServer:
         self._runners: dict[ModelKey, Runner] = {
             key: m.runner for key, m in models.items()
             if not isinstance(m.runner, GenerativeRunner | OpenAIUpstreamRunner)}
-        self._infos = [model.runner.info for model in models.values()]
+        self._infos = [msgspec.structs.replace(model.runner.info, routing=model.version.routing)
+                       for model in models.values()]
         self._refused = refused
         self._clock = clock
         self._metrics = metrics

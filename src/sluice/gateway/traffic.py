@@ -1,0 +1,395 @@
+"""Version choice for requests that name no version, pure policy: traffic splits, sticky A/B
+assignment and canary analysis (DESIGN's `router` stage, the part before replica choice).
+
+    a running Canary's current step  ──────┐   the first of these that exists
+    operator's split (admin API)  ─────────┼─▶ is the model's Split ─▶ choose(served, key) ─▶ version
+    declared split (model.toml [routing]) ─┘   (none: the newest version)
+
+A `Split` gives each version a weight. A sticky split maps a request's route key (the caller's
+`X-Sluice-Route-Key`, else its OpenAI `user`; without either, a version is drawn) to a point in
+[0, 1) by a hash and gives the point to the version whose range holds it. Ranges are laid out
+newest version first, so as a new version's share grows the keys it already had stay with it (a
+user who saw version 2 at a 5% share still sees it at 25%). Versions no worker serves are
+skipped, their share spread over the rest.
+
+A `Canary` moves a new version through steps of traffic (by default 5%, 25%, 50%, then all),
+judging each step from the answers both versions gave in it, side by side under the same load:
+
+- *errors*: the canary is rolled back as soon as the lower bound of the 95% Wilson interval of
+  its failure rate is above the baseline's failure rate plus `max_error_rate`, so a few unlucky
+  failures in a small sample do not condemn it, while a broken version is caught within its
+  first `min_requests` answers;
+- *latency*: at a step's end, the canary's p95 of successful answers must be within
+  `max_latency_ratio` of the baseline's (plus a small margin for noise at low latencies);
+- a step ends after `step_s` and at least `min_requests` canary answers; until then it holds.
+
+A failure here is what the service did wrong (a device fault, a lost worker, an internal error,
+a missed deadline); a client's invalid input, overload refusals and cancellations say nothing
+about a version and are not counted. Answers from the result cache are not counted either.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from collections import deque
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["BAD_OUTCOMES", "Canary", "CanaryPlan", "CanaryStatus", "Split", "Traffic", "version_order"]
+
+BAD_OUTCOMES = frozenset({"failed", "error", "expired"})
+"""Request outcomes (`Ticket`'s labels) that count against a version."""
+COUNTED_OUTCOMES = BAD_OUTCOMES | {"ok"}
+
+_Z = 1.96  # two-sided 95%
+_MAX_SAMPLES = 20_000
+"""Latencies kept per version and step for the p95 (the most recent ones)."""
+
+
+def version_order(version: str) -> tuple[int, str]:
+    """Numbered versions in numeric order, after any others."""
+    return (int(version), version) if version.isdigit() else (-1, version)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Shares of a model's traffic by version: (version, weight), newest version first."""
+
+    shares: tuple[tuple[str, float], ...]
+    sticky: bool = True
+
+    @classmethod
+    def of(cls, weights: Mapping[str, float], sticky: bool = True) -> Split:
+        """From version -> weight (any positive scale, e.g. percent). Raises ValueError for a
+        negative or non-finite weight, or no positive one."""
+        for version, weight in weights.items():
+            if not isinstance(weight, int | float) or isinstance(weight, bool) or not math.isfinite(weight) \
+                    or weight < 0:
+                raise ValueError(f"version {version!r}: a weight must be a number >= 0, got {weight!r}")
+        shares = tuple((v, float(w)) for v, w in sorted(weights.items(), key=lambda vw: version_order(vw[0]),
+                                                         reverse=True) if w > 0)
+        if not shares:
+            raise ValueError("at least one version needs a weight above 0")
+        return cls(shares, sticky)
+
+    def choose(self, served: Container[str], key: str | None, rng: random.Random) -> str | None:
+        """The version for one request, among those `served`; None if the split names none of them.
+        `key`: the request's route key (sticky splits only; None draws at random)."""
+        live = [(v, w) for v, w in self.shares if v in served]
+        if not live:
+            return None
+        if len(live) == 1:
+            return live[0][0]
+        point = (_point(key) if self.sticky and key is not None else rng.random()) * sum(w for _, w in live)
+        for version, weight in live:
+            point -= weight
+            if point < 0:
+                return version
+        return live[-1][0]
+
+    def percent(self) -> dict[str, float]:
+        total = sum(w for _, w in self.shares)
+        return {v: round(100.0 * w / total, 4) for v, w in self.shares}
+
+
+def _point(key: str) -> float:
+    """A key's place in [0, 1), the same in every process (unlike `hash`)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryPlan:
+    version: str
+    """The new version under test."""
+    baseline: str
+    """The version it is compared with and rolled back to."""
+    steps: tuple[float, ...] = (5.0, 25.0, 50.0)
+    """The canary's percent of the model's traffic at each step; after the last, it takes all."""
+    step_s: float = 60.0
+    min_requests: int = 100
+    """Canary answers (ok or failed) a step needs before it may end."""
+    max_error_rate: float = 0.01
+    """How much the canary's failure rate may exceed the baseline's (absolute: 0.01 = one point)."""
+    max_latency_ratio: float = 1.25
+    """Canary p95 of successful answers / baseline's, at most (plus `latency_margin_s`)."""
+    latency_margin_s: float = 0.002
+    sticky: bool = True
+
+    def check(self) -> None:
+        """Raise ValueError for a plan that cannot run."""
+        if self.version == self.baseline:
+            raise ValueError("the canary and its baseline must be different versions")
+        if not self.steps or any(not 0 < s < 100 for s in self.steps) or list(self.steps) != sorted(set(self.steps)):
+            raise ValueError("steps must be increasing percentages between 0 and 100 (exclusive)")
+        if not self.step_s > 0 or self.min_requests < 1:
+            raise ValueError("step_s must be > 0 and min_requests >= 1")
+        if not 0 <= self.max_error_rate < 1 or not self.max_latency_ratio >= 1 or self.latency_margin_s < 0:
+            raise ValueError("max_error_rate must be in [0, 1), max_latency_ratio >= 1, latency_margin_s >= 0")
+
+
+class CanaryStatus(enum.StrEnum):
+    RUNNING = "running"
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled_back"
+
+
+@dataclass(slots=True)
+class _Window:
+    """One version's answers in the current step."""
+
+    ok: int = 0
+    bad: int = 0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES))
+
+    @property
+    def count(self) -> int:
+        return self.ok + self.bad
+
+    @property
+    def error_rate(self) -> float:
+        return self.bad / self.count if self.count else 0.0
+
+    def p95(self) -> float | None:
+        if len(self.latencies) < 20:
+            return None
+        ordered = sorted(self.latencies)
+        return ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)]
+
+    def summary(self) -> dict[str, object]:
+        p95 = self.p95()
+        return {"requests": self.count, "failed": self.bad, "error_rate": round(self.error_rate, 6),
+                "p95_ms": None if p95 is None else round(p95 * 1000, 3)}
+
+
+def wilson_lower(failures: int, count: int, z: float = _Z) -> float:
+    """Lower bound of the Wilson score interval for a proportion."""
+    if count == 0:
+        return 0.0
+    p = failures / count
+    denominator = 1 + z * z / count
+    centre = p + z * z / (2 * count)
+    spread = z * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count))
+    return max((centre - spread) / denominator, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryEvent:
+    model: str
+    kind: str
+    """"advanced", "promoted" or "rolled_back"."""
+    share: float
+    """The canary's percent of traffic after the event."""
+    reason: str
+
+
+class Canary:
+    """One model's canary: its plan, where it stands, and the current step's evidence."""
+
+    def __init__(self, model: str, plan: CanaryPlan, now: float) -> None:
+        plan.check()
+        self.model = model
+        self.plan = plan
+        self.status = CanaryStatus.RUNNING
+        self.step = 0
+        self.started_at = now
+        self.step_started_at = now
+        self.reason = ""
+        self._windows = {plan.version: _Window(), plan.baseline: _Window()}
+        self._split = self._make_split()
+
+    @property
+    def share(self) -> float:
+        """The canary's percent of the traffic now."""
+        if self.status is CanaryStatus.RUNNING:
+            return self.plan.steps[self.step]
+        return 100.0 if self.status is CanaryStatus.PROMOTED else 0.0
+
+    @property
+    def split(self) -> Split:
+        return self._split
+
+    def _make_split(self) -> Split:
+        share = self.share
+        weights = {self.plan.version: share, self.plan.baseline: 100.0 - share}
+        return Split.of({v: w for v, w in weights.items() if w > 0}, self.plan.sticky)
+
+    def observe(self, version: str, outcome: str, latency_s: float) -> None:
+        window = self._windows.get(version)
+        if window is None or self.status is not CanaryStatus.RUNNING:
+            return
+        if outcome == "ok":
+            window.ok += 1
+            window.latencies.append(latency_s)
+        elif outcome in BAD_OUTCOMES:
+            window.bad += 1
+
+    def evaluate(self, now: float) -> CanaryEvent | None:
+        """Judge the evidence so far: roll back, end the step (advance or promote), or hold (None)."""
+        if self.status is not CanaryStatus.RUNNING:
+            return None
+        plan = self.plan
+        canary, baseline = self._windows[plan.version], self._windows[plan.baseline]
+        if canary.count >= plan.min_requests:
+            lower = wilson_lower(canary.bad, canary.count)
+            if lower > baseline.error_rate + plan.max_error_rate:
+                return self._finish(CanaryStatus.ROLLED_BACK, (
+                    f"version {plan.version} failed {canary.bad} of {canary.count} requests "
+                    f"({canary.error_rate:.1%}; at least {lower:.1%} at 95% confidence) against "
+                    f"{baseline.error_rate:.1%} for version {plan.baseline}, more than the "
+                    f"{plan.max_error_rate:.1%} allowed"))
+        if now - self.step_started_at < plan.step_s or canary.count < plan.min_requests:
+            return None
+        canary_p95, baseline_p95 = canary.p95(), baseline.p95()
+        if canary_p95 is not None and baseline_p95 is not None \
+                and canary_p95 > baseline_p95 * plan.max_latency_ratio + plan.latency_margin_s:
+            return self._finish(CanaryStatus.ROLLED_BACK, (
+                f"version {plan.version}'s p95 latency {canary_p95 * 1000:.1f} ms is over "
+                f"{plan.max_latency_ratio:g}x version {plan.baseline}'s {baseline_p95 * 1000:.1f} ms"))
+        passed = (f"step {self.step + 1} of {len(plan.steps)} passed: {canary.count} requests, "
+                  f"{canary.error_rate:.1%} failed (baseline {baseline.error_rate:.1%})")
+        if self.step + 1 == len(plan.steps):
+            return self._finish(CanaryStatus.PROMOTED, passed)
+        self.step += 1
+        self._new_step(now)
+        return CanaryEvent(self.model, "advanced", self.share, passed)
+
+    def promote(self, reason: str = "promoted by an operator") -> CanaryEvent:
+        return self._finish(CanaryStatus.PROMOTED, reason)
+
+    def roll_back(self, reason: str = "rolled back by an operator") -> CanaryEvent:
+        return self._finish(CanaryStatus.ROLLED_BACK, reason)
+
+    def _new_step(self, now: float) -> None:
+        self.step_started_at = now
+        self._windows = {version: _Window() for version in self._windows}
+        self._split = self._make_split()
+
+    def _finish(self, status: CanaryStatus, reason: str) -> CanaryEvent:
+        self.status = status
+        self.reason = reason
+        self._split = self._make_split()
+        return CanaryEvent(self.model, status.value, self.share, reason)
+
+    def describe(self, now: float) -> dict[str, object]:
+        plan = self.plan
+        return {
+            "version": plan.version, "baseline": plan.baseline, "status": self.status.value,
+            "share_percent": self.share, "step": self.step + 1, "steps": list(plan.steps),
+            "step_seconds": plan.step_s, "step_elapsed_seconds": round(now - self.step_started_at, 3),
+            "min_requests": plan.min_requests, "max_error_rate": plan.max_error_rate,
+            "max_latency_ratio": plan.max_latency_ratio, "reason": self.reason,
+            "current_step": {version: window.summary() for version, window in self._windows.items()},
+        }
+
+
+_EVALUATE_EVERY_S = 0.25
+
+
+class Traffic:
+    """Every model's split as operators changed it, and the canaries, on top of the splits the
+    models declare. Driven by the requests' outcomes (`observe`) and the caller's clock: a canary
+    is judged on each failure, and otherwise at most every quarter second, as requests end (with
+    none, there is nothing new to judge)."""
+
+    def __init__(self) -> None:
+        self._splits: dict[str, Split] = {}
+        self._set_by: dict[str, str] = {}
+        self._previous: dict[str, Split | None] = {}
+        self.canaries: dict[str, Canary] = {}
+        self._running: dict[str, Canary] = {}
+        self._next_evaluation: dict[str, float] = {}
+
+    def split(self, model: str, declared: Split | None) -> Split | None:
+        """The split requests to `model` that name no version follow now (None: the newest version)."""
+        canary = self._running.get(model)
+        if canary is not None:
+            return canary.split
+        return self._splits.get(model, declared)
+
+    def source(self, model: str) -> str | None:
+        """Who set the model's split now: "canary" (running), "canary result", "operator", or None
+        (the model's declared split, or the newest version)."""
+        if model in self._running:
+            return "canary"
+        return self._set_by.get(model) if model in self._splits else None
+
+    def set_split(self, model: str, split: Split | None) -> CanaryEvent | None:
+        """An operator's split (None: back to the declared one). Ends a running canary (rolled
+        back, returned)."""
+        canary = self._running.pop(model, None)
+        event = None if canary is None else canary.roll_back("replaced by an operator's traffic split")
+        self._remember(model)
+        if split is None:
+            self._splits.pop(model, None)
+        else:
+            self._splits[model] = split
+            self._set_by[model] = "operator"
+        return event
+
+    def start_canary(self, model: str, plan: CanaryPlan, now: float) -> Canary:
+        """Raises ValueError if the plan is unusable or a canary already runs for the model."""
+        if model in self._running:
+            raise ValueError(f"a canary of version {self._running[model].plan.version} is already running")
+        canary = Canary(model, plan, now)
+        self._remember(model)
+        self.canaries[model] = self._running[model] = canary
+        self._next_evaluation[model] = now + _EVALUATE_EVERY_S
+        return canary
+
+    def promote(self, model: str) -> CanaryEvent:
+        """Give the running canary all the traffic now. Raises KeyError if none runs."""
+        return self._end(self._running[model].promote())
+
+    def roll_back(self, model: str) -> CanaryEvent | None:
+        """Stop the running canary (all traffic to its baseline); with none running, go back to
+        the split before the last change. Raises KeyError if there is nothing to go back to."""
+        canary = self._running.get(model)
+        if canary is not None:
+            return self._end(canary.roll_back())
+        if model not in self._previous:
+            raise KeyError(model)
+        previous = self._previous.pop(model)
+        if previous is None:
+            self._splits.pop(model, None)
+        else:
+            self._splits[model] = previous
+        return None
+
+    def has_canary(self, model: str) -> bool:
+        """A canary of `model` is running."""
+        return model in self._running
+
+    def observe(self, model: str, version: str, outcome: str, latency_s: float, now: float) -> CanaryEvent | None:
+        """A request to `model` ended: evidence for its canary, if one runs."""
+        canary = self._running.get(model)
+        if canary is None:
+            return None
+        canary.observe(version, outcome, latency_s)
+        if now < self._next_evaluation[model] and outcome not in BAD_OUTCOMES:
+            return None  # a failure is judged at once (cheap); a step's end at most every quarter second
+        return self.evaluate(model, now)
+
+    def evaluate(self, model: str, now: float) -> CanaryEvent | None:
+        canary = self._running.get(model)
+        if canary is None:
+            return None
+        self._next_evaluation[model] = now + _EVALUATE_EVERY_S
+        event = canary.evaluate(now)
+        if event is not None and canary.status is not CanaryStatus.RUNNING:
+            self._end(event)
+        return event
+
+    def _end(self, event: CanaryEvent) -> CanaryEvent:
+        """A canary finished: its outcome becomes the model's split."""
+        canary = self._running.pop(event.model)
+        winner = canary.plan.version if canary.status is CanaryStatus.PROMOTED else canary.plan.baseline
+        self._splits[event.model] = Split.of({winner: 100.0}, canary.plan.sticky)
+        self._set_by[event.model] = "canary result"
+        return event
+
+    def _remember(self, model: str) -> None:
+        self._previous[model] = self._splits.get(model)

@@ -1,0 +1,82 @@
+"""`sluice models status|traffic|canary|promote|rollback`: calls to a running server's admin API
+(`api.admin`) and their answers in a few lines."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+
+
+def admin_call(url: str, admin_key: str | None, method: str, path: str, body: object | None = None) -> Any:
+    """The JSON answer of `method path`; a ClickException with the server's message on an error."""
+    headers = {"content-type": "application/json"}
+    if admin_key:
+        headers["authorization"] = f"Bearer {admin_key}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise click.ClickException(f"{exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def parse_shares(shares: tuple[str, ...]) -> dict[str, float]:
+    """`("1=90", "2=10")` -> `{"1": 90.0, "2": 10.0}`."""
+    parsed: dict[str, float] = {}
+    for share in shares:
+        version, _, weight = share.partition("=")
+        try:
+            parsed[version.strip()] = float(weight)
+        except ValueError:
+            raise click.BadParameter(f"{share!r} is not VERSION=WEIGHT (e.g. 2=10)", param_hint="SHARES") from None
+    return parsed
+
+
+def parse_steps(steps: str | None) -> list[float] | None:
+    """`"5,25,50"` -> `[5.0, 25.0, 50.0]`."""
+    if steps is None:
+        return None
+    try:
+        return [float(step) for step in steps.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{steps!r} is not a list of percentages such as 5,25,50",
+                                 param_hint="--steps") from None
+
+
+def show(answer: Any, as_json: bool = False) -> None:
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    for model in answer["data"] if answer.get("object") == "list" else [answer]:
+        click.echo(describe(model))
+
+
+def describe(model: dict[str, Any]) -> str:
+    """A model's routing in a few lines, as `sluice models status` prints it."""
+    sticky = "" if model["sticky"] is None else (", sticky" if model["sticky"] else ", drawn per request")
+    lines = [f"{model['model']}: traffic from {model['split_source']}{sticky}"]
+    for version in model["versions"]:
+        state = "ready" if version["ready"] else "not ready"
+        lines.append(f"  version {version['version']:>4}  {version['traffic_percent']:6.2f}%  {state}")
+    canary = model.get("canary")
+    if canary:
+        lines.append(f"  canary: version {canary['version']} against {canary['baseline']}, {canary['status']}"
+                     f" at {canary['share_percent']:g}% (step {canary['step']} of {len(canary['steps'])})")
+        for version, window in canary["current_step"].items():
+            p95 = "-" if window["p95_ms"] is None else f"{window['p95_ms']:.1f} ms"
+            lines.append(f"    version {version}: {window['requests']} requests, {window['failed']} failed, "
+                         f"p95 {p95}")
+        if canary["reason"]:
+            lines.append(f"    {canary['reason']}")
+    return "\n".join(lines)

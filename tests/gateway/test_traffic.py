@@ -1,0 +1,175 @@
+"""Traffic splits, sticky assignment and canary analysis (`gateway.traffic`), on a virtual clock."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from sluice.gateway.traffic import Canary, CanaryPlan, CanaryStatus, Split, Traffic, wilson_lower
+
+SERVED = {"1", "2", "3"}
+
+
+def _shares(split: Split, n: int = 20_000, sticky_keys: bool = False) -> dict[str, float]:
+    rng = random.Random(7)
+    counts = Counter(split.choose(SERVED, f"user-{i}" if sticky_keys else None, rng) for i in range(n))
+    return {version: count / n for version, count in counts.items()}
+
+
+def test_a_split_sends_each_version_its_weight() -> None:
+    shares = _shares(Split.of({"1": 70, "2": 20, "3": 10}, sticky=False))
+    assert shares == pytest.approx({"1": 0.7, "2": 0.2, "3": 0.1}, abs=0.015)
+    # sticky keys spread the same way
+    assert _shares(Split.of({"1": 70, "2": 30}), sticky_keys=True) == pytest.approx({"1": 0.7, "2": 0.3}, abs=0.015)
+
+
+def test_a_sticky_key_keeps_its_version_and_keeps_it_as_the_new_version_grows() -> None:
+    rng = random.Random(1)
+    keys = [f"user-{i}" for i in range(2000)]
+    at = {share: {k: Split.of({"1": 100 - share, "2": share}).choose(SERVED, k, rng) for k in keys}
+          for share in (5, 25, 50, 100)}
+    assert all(Split.of({"1": 95, "2": 5}).choose(SERVED, k, rng) == at[5][k] for k in keys)  # the same each time
+    for smaller, larger in ((5, 25), (25, 50), (50, 100)):
+        on_new = {k for k, v in at[smaller].items() if v == "2"}
+        assert on_new and all(at[larger][k] == "2" for k in on_new)  # nobody who saw version 2 goes back
+    # unsticky: drawn per request
+    loose = Split.of({"1": 50, "2": 50}, sticky=False)
+    assert len({loose.choose(SERVED, "same-key", rng) for _ in range(50)}) == 2
+
+
+def test_versions_not_served_are_skipped_and_their_share_spread() -> None:
+    split = Split.of({"1": 50, "4": 50}, sticky=False)
+    assert {split.choose(SERVED, None, random.Random(i)) for i in range(100)} == {"1"}
+    assert Split.of({"4": 100}).choose(SERVED, "k", random.Random(0)) is None
+
+
+@pytest.mark.parametrize("weights", [{}, {"1": 0}, {"1": -5, "2": 10}, {"1": float("nan")}, {"1": True}])
+def test_bad_weights_are_refused(weights: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Split.of(weights)
+
+
+def test_the_wilson_bound_needs_evidence() -> None:
+    assert wilson_lower(0, 100) == 0.0
+    assert wilson_lower(2, 100) < 0.01 < wilson_lower(20, 100)  # 2% of 100 could be luck; 20% cannot
+    assert wilson_lower(1, 1) < 0.25
+
+
+def _feed(canary: Canary, version: str, n: int, failed: int = 0, latency_s: float = 0.01) -> None:
+    for i in range(n):
+        canary.observe(version, "failed" if i < failed else "ok", latency_s)
+
+
+PLAN = CanaryPlan(version="2", baseline="1", steps=(10.0, 50.0), step_s=30.0, min_requests=50)
+
+
+def test_a_healthy_canary_is_promoted_step_by_step() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    assert canary.split.percent() == {"2": 10.0, "1": 90.0}
+    _feed(canary, "2", 60, failed=1)
+    _feed(canary, "1", 500, failed=5)
+    assert canary.evaluate(10.0) is None  # the step has not lasted step_s
+    event = canary.evaluate(30.0)
+    assert event is not None and event.kind == "advanced" and canary.share == 50.0
+    _feed(canary, "2", 30)
+    assert canary.evaluate(70.0) is None  # the new step's evidence starts empty: 30 < min_requests
+    _feed(canary, "2", 30)
+    _feed(canary, "1", 60)
+    event = canary.evaluate(70.0)
+    assert event is not None and event.kind == "promoted" and canary.status is CanaryStatus.PROMOTED
+    assert canary.split.percent() == {"2": 100.0}
+
+
+def test_a_failing_canary_is_rolled_back_before_its_step_ends() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    _feed(canary, "1", 500, failed=2)
+    _feed(canary, "2", 49, failed=10)
+    assert canary.evaluate(1.0) is None  # not enough canary answers yet
+    _feed(canary, "2", 1, failed=1)
+    event = canary.evaluate(1.0)
+    assert event is not None and event.kind == "rolled_back" and canary.share == 0.0
+    assert "failed 11 of 50" in event.reason
+    assert canary.split.percent() == {"1": 100.0}
+
+
+def test_a_few_failures_like_the_baselines_do_not_roll_back() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    _feed(canary, "1", 1000, failed=10)  # 1%
+    _feed(canary, "2", 50, failed=2)  # 4% of a small sample: within the noise
+    event = canary.evaluate(31.0)
+    assert event is not None and event.kind == "advanced"
+
+
+def test_a_slow_canary_is_rolled_back_at_the_end_of_its_step() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    _feed(canary, "1", 200, latency_s=0.020)
+    _feed(canary, "2", 60, latency_s=0.030)
+    assert canary.evaluate(29.0) is None
+    event = canary.evaluate(30.0)
+    assert event is not None and event.kind == "rolled_back" and "p95 latency 30.0 ms" in event.reason
+
+
+def test_outcomes_that_say_nothing_about_a_version_are_not_counted() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    for outcome in ("invalid", "rejected", "cancelled", "unavailable"):
+        for _ in range(100):
+            canary.observe("2", outcome, 1.0)
+    assert canary.describe(0.0)["current_step"] == {
+        "2": {"requests": 0, "failed": 0, "error_rate": 0.0, "p95_ms": None},
+        "1": {"requests": 0, "failed": 0, "error_rate": 0.0, "p95_ms": None}}
+
+
+@pytest.mark.parametrize("plan", [
+    CanaryPlan(version="1", baseline="1"),
+    CanaryPlan(version="2", baseline="1", steps=()),
+    CanaryPlan(version="2", baseline="1", steps=(50.0, 25.0)),
+    CanaryPlan(version="2", baseline="1", steps=(5.0, 100.0)),
+    CanaryPlan(version="2", baseline="1", step_s=0),
+    CanaryPlan(version="2", baseline="1", max_latency_ratio=0.5),
+])
+def test_unusable_plans_are_refused(plan: CanaryPlan) -> None:
+    with pytest.raises(ValueError):
+        plan.check()
+
+
+def test_traffic_layers_operator_splits_and_canaries_over_the_declared_split() -> None:
+    traffic = Traffic()
+    declared = Split.of({"1": 100})
+    assert traffic.split("m", declared) is declared and traffic.source("m") is None
+    traffic.set_split("m", Split.of({"1": 80, "2": 20}))
+    assert traffic.split("m", declared).percent() == {"2": 20.0, "1": 80.0}
+    assert traffic.source("m") == "operator"
+    traffic.roll_back("m")  # undo the operator's change
+    assert traffic.split("m", declared) is declared
+    with pytest.raises(KeyError):
+        traffic.roll_back("m")  # nothing left to undo
+
+    traffic.start_canary("m", PLAN, now=0.0)
+    assert traffic.source("m") == "canary" and traffic.split("m", declared).percent() == {"2": 10.0, "1": 90.0}
+    with pytest.raises(ValueError):
+        traffic.start_canary("m", PLAN, now=1.0)
+    events = []
+    for i in range(100):  # failures are judged as they come
+        now = 1.0 + i * 0.01
+        events += [traffic.observe("m", "1", "ok", 0.01, now), traffic.observe("m", "2", "failed", 0.01, now)]
+    judged = [(i // 2, e.kind) for i, e in enumerate(events) if e is not None]
+    assert judged == [(49, "rolled_back")]  # at the 50th canary answer (min_requests)
+    assert traffic.split("m", declared).percent() == {"1": 100.0}
+    assert traffic.source("m") == "canary result"
+    assert traffic.canaries["m"].status is CanaryStatus.ROLLED_BACK
+    assert traffic.observe("m", "2", "failed", 0.01, now=3.0) is None  # a finished canary judges nothing
+
+    traffic.start_canary("m", PLAN, now=10.0)
+    traffic.promote("m")
+    assert traffic.split("m", declared).percent() == {"2": 100.0}
+    traffic.roll_back("m")  # undo the promotion: back to what it was before the canary
+    assert traffic.split("m", declared).percent() == {"1": 100.0}
+    with pytest.raises(KeyError):
+        traffic.promote("m")
+
+    traffic.start_canary("m", PLAN, now=20.0)
+    ended = traffic.set_split("m", Split.of({"1": 50, "2": 50}))  # an operator takes over
+    assert ended is not None and ended.kind == "rolled_back" and "operator" in ended.reason
+    assert traffic.source("m") == "operator" and not traffic.has_canary("m")

@@ -1,0 +1,146 @@
+"""Versions through a real server: a declared traffic split with sticky callers, pinned versions in
+both protocols, an operator's split, and canaries that roll back or promote on their own."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+
+from sluice.cli import main
+from tests.conftest import ServerProcess, metric_total, write_emulated_model
+
+pytestmark = pytest.mark.slow
+
+_values = itertools.count(1)
+
+
+def _two_versions(repo: Path, routing: str = "", v2_params: str = "") -> Path:
+    """The emulated model with versions 1 and 2 (2's own settings in its version.toml)."""
+    write_emulated_model(repo, alpha_ms=1.0, beta_ms=0.1)
+    model = repo / "emulated"
+    (model / "2").mkdir()
+    (model / "2" / "SHA256SUMS").write_text("")
+    if v2_params:
+        (model / "2" / "version.toml").write_text(f"[params]\n{v2_params}\n")
+    if routing:
+        (model / "model.toml").write_text((model / "model.toml").read_text() + f"\n[routing]\n{routing}\n")
+    return repo
+
+
+def _infer(client: httpx.Client, server: ServerProcess, path: str = "/v2/models/emulated/infer",
+           **headers: str) -> httpx.Response:
+    value = float(next(_values))  # a new input each time: no answer comes from the result cache
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [value, 1.0]}]}
+    return client.post(f"{server.url}{path}", json=body, headers=headers)
+
+
+def _admin(client: httpx.Client, server: ServerProcess, method: str, path: str, **body: object) -> httpx.Response:
+    return client.request(method, f"{server.url}/admin/models/emulated{path}", json=body or None)
+
+
+def test_a_declared_split_keeps_each_caller_on_its_version_and_pinned_requests_on_theirs(
+        make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    server = make_server(_two_versions(tmp_path / "repo", routing="traffic = { 1 = 50, 2 = 50 }"))
+    with httpx.Client(timeout=30) as client:
+        by_key = {}
+        for key in (f"user-{i}" for i in range(40)):
+            seen = {_infer(client, server, **{"x-sluice-route-key": key}).json()["model_version"] for _ in range(3)}
+            assert len(seen) == 1  # sticky: the same version every time
+            by_key[key] = seen.pop()
+        assert 8 <= Counter(by_key.values())["2"] <= 32  # about half the callers on each
+        pinned = {_infer(client, server, "/v2/models/emulated/versions/1/infer").json()["model_version"]
+                  for _ in range(10)}
+        assert pinned == {"1"}
+        routing = _admin(client, server, "GET", "").json()
+        assert routing["split_source"] == "model.toml" and routing["sticky"] is True
+        assert [(v["version"], v["traffic_percent"]) for v in routing["versions"]] == [("1", 50.0), ("2", 50.0)]
+
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    answer = sdk.embeddings.with_raw_response.create(model="emulated:1", input=["pinned by name"])
+    assert answer.headers["x-sluice-model-version"] == "1" and answer.parse().model == "emulated"
+    versions = {sdk.embeddings.with_raw_response.create(model="emulated", input=[f"text {i}"], user=user)
+                .headers["x-sluice-model-version"] for i, user in enumerate(["alice"] * 5)}
+    assert len(versions) == 1  # the `user` field keeps a caller on one version
+    with pytest.raises(openai.NotFoundError, match="has no version '7'"):
+        sdk.embeddings.create(model="emulated:7", input=["no such version"])
+
+
+def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Callable[..., ServerProcess],
+                                                               tmp_path: Path) -> None:
+    server = make_server(_two_versions(tmp_path / "repo"))
+    with httpx.Client(timeout=30) as client:
+        assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"2"}  # newest by default
+        assert _admin(client, server, "GET", "").json()["split_source"] == "newest version"
+        moved = _admin(client, server, "PUT", "/traffic", traffic={"1": 100})
+        assert moved.status_code == 200 and moved.json()["split_source"] == "operator"
+        assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"1"}
+        assert metric_total(server, "sluice_traffic_share", model="emulated", version="1") == 1.0
+        assert _admin(client, server, "POST", "/rollback").status_code == 200
+        assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"2"}
+        # mistakes are the caller's, in the error envelope
+        refused = _admin(client, server, "PUT", "/traffic", traffic={"9": 100})
+        assert refused.status_code == 400 and "no version '9'" in refused.json()["error"]["message"]
+        assert _admin(client, server, "PUT", "/traffic", traffic={"1": -1}).status_code == 400
+        assert _admin(client, server, "POST", "/promote").status_code == 409  # no canary running
+        assert client.get(f"{server.url}/admin/models/nope").status_code == 404
+
+    # the same through the command line
+    runner = CliRunner()
+    moved = runner.invoke(main, ["models", "traffic", "emulated", "1=75", "2=25", "--no-sticky", "--url", server.url])
+    assert moved.exit_code == 0, moved.output
+    assert "emulated: traffic from operator, drawn per request" in moved.output
+    assert "version    1   75.00%  ready" in moved.output
+    status = runner.invoke(main, ["models", "status", "--url", server.url, "--json"])
+    assert json.loads(status.output)["data"][0]["versions"][1]["traffic_percent"] == 25.0
+    refused = runner.invoke(main, ["models", "canary", "emulated", "9", "--url", server.url])
+    assert refused.exit_code == 1 and "400: model 'emulated' has no ready version '9'" in refused.output
+
+
+def test_a_failing_canary_is_rolled_back_on_its_own(make_server: Callable[..., ServerProcess],
+                                                   tmp_path: Path) -> None:
+    server = make_server(_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }",
+                                       v2_params="error_rate = 1.0"))
+    with httpx.Client(timeout=30) as client:
+        started = _admin(client, server, "POST", "/canary", version="2", steps=[20], step_seconds=60,
+                         min_requests=15)
+        assert started.status_code == 201 and started.json()["canary"]["baseline"] == "1"
+        assert _admin(client, server, "POST", "/canary", version="2").status_code == 409  # one at a time
+        statuses = Counter((r.status_code, r.json().get("model_version")) for r in
+                           (_infer(client, server) for _ in range(300)))
+        # the canary's requests failed (503, a device fault) until it had enough of them to judge
+        failed = statuses[(503, None)]
+        assert 15 <= failed <= 40 and statuses[(200, "1")] == 300 - failed
+        routing = _admin(client, server, "GET", "").json()
+        assert routing["canary"]["status"] == "rolled_back" and "failed" in routing["canary"]["reason"]
+        assert routing["split_source"] == "canary result"
+        assert [v["traffic_percent"] for v in routing["versions"]] == [100.0, 0.0]
+        assert {_infer(client, server).status_code for _ in range(20)} == {200}
+    assert metric_total(server, "sluice_canary_events_total", model="emulated", event="rolled_back") == 1
+    assert "canary of model emulated: rolled back" in server.log()
+
+
+def test_a_healthy_canary_is_promoted_step_by_step(make_server: Callable[..., ServerProcess],
+                                                  tmp_path: Path) -> None:
+    server = make_server(_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }"))
+    with httpx.Client(timeout=30) as client:
+        assert _admin(client, server, "POST", "/canary", version="2", steps=[20, 50], step_seconds=0.2,
+                      min_requests=10, max_latency_ratio=5).status_code == 201
+        for _ in range(400):
+            assert _infer(client, server).status_code == 200
+            if _admin(client, server, "GET", "").json()["canary"]["status"] != "running":
+                break
+        routing = _admin(client, server, "GET", "").json()
+        assert routing["canary"]["status"] == "promoted", routing
+        assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"2"}
+        assert _admin(client, server, "POST", "/rollback").status_code == 200  # undo the promotion
+        assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"1"}
+    assert metric_total(server, "sluice_canary_events_total", model="emulated", event="advanced") == 1
+    assert metric_total(server, "sluice_canary_events_total", model="emulated", event="promoted") == 1
