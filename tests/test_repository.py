@@ -196,6 +196,8 @@ def test_routing_declares_a_split_that_does_not_change_the_cache_revision(tmp_pa
     ("traffic = { latest = 100 }", "'latest' is not a version number"),
     ("traffic = { 1 = -1 }", "weight must be a number >= 0"),
     ("traffic = { 1 = 0 }", "at least one version needs a weight above 0"),
+    ("traffic = { 1 = inf }", "weight must be a number >= 0"),
+    ("traffic = { 1 = 1, 2 = nan }", "weight must be a number >= 0"),
     ("traffic = 100", "traffic must be a table"),
     ("sticky = 'yes'\ntraffic = { 1 = 1 }", "sticky must be true or false"),
     ("weights = { 1 = 1 }", "[routing] has no setting 'weights'")])

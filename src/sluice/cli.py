@@ -177,9 +177,9 @@ def _admin_options(command: F) -> F:
 @click.option("--json", "as_json", is_flag=True, help="Print the server's JSON answer.")
 def models_status(name: str | None, url: str, admin_key: str | None, as_json: bool) -> None:
     """Each model's versions, where its traffic goes, and its latest canary (or NAME's)."""
-    from sluice.routing_cli import admin_call, show
+    from sluice.routing_cli import admin_call, model_path, show
 
-    answer = admin_call(url, admin_key, "GET", "/admin/models" + (f"/{name}" if name else ""))
+    answer = admin_call(url, admin_key, "GET", model_path(name) if name else "/admin/models")
     show(answer, as_json)
 
 
@@ -193,15 +193,15 @@ def models_status(name: str | None, url: str, admin_key: str | None, as_json: bo
 def models_traffic(name: str, shares: tuple[str, ...], sticky: bool, reset: bool, url: str,
                    admin_key: str | None) -> None:
     """Split NAME's requests that name no version: SHARES as VERSION=WEIGHT, e.g. 1=90 2=10."""
-    from sluice.routing_cli import admin_call, parse_shares, show
+    from sluice.routing_cli import admin_call, model_path, parse_shares, show
 
     if reset == bool(shares):
         raise click.UsageError("give SHARES (e.g. 1=90 2=10) or --reset")
     if reset:
-        show(admin_call(url, admin_key, "DELETE", f"/admin/models/{name}/traffic"))
+        show(admin_call(url, admin_key, "DELETE", model_path(name, "/traffic")))
     else:
         body = {"traffic": parse_shares(shares), "sticky": sticky}
-        show(admin_call(url, admin_key, "PUT", f"/admin/models/{name}/traffic", body))
+        show(admin_call(url, admin_key, "PUT", model_path(name, "/traffic"), body))
 
 
 @models.command("canary")
@@ -220,12 +220,12 @@ def models_canary(name: str, version: str, baseline: str | None, steps: str | No
                   url: str, admin_key: str | None) -> None:
     """Move NAME's traffic to VERSION step by step; it is rolled back on its own if it fails more
     often or answers slower than the baseline."""
-    from sluice.routing_cli import admin_call, parse_steps, show
+    from sluice.routing_cli import admin_call, model_path, parse_steps, show
 
     body = {"version": version, "baseline": baseline, "steps": parse_steps(steps), "step_seconds": step_seconds,
             "min_requests": min_requests, "max_error_rate": max_error_rate,
             "max_latency_ratio": max_latency_ratio}
-    show(admin_call(url, admin_key, "POST", f"/admin/models/{name}/canary",
+    show(admin_call(url, admin_key, "POST", model_path(name, "/canary"),
                     {key: value for key, value in body.items() if value is not None}))
 
 
@@ -233,20 +233,21 @@ def models_canary(name: str, version: str, baseline: str | None, steps: str | No
 @click.argument("name")
 @_admin_options
 def models_promote(name: str, url: str, admin_key: str | None) -> None:
-    """Give NAME's running canary all of its traffic now."""
-    from sluice.routing_cli import admin_call, show
+    """Give NAME's running canary its baseline's traffic now."""
+    from sluice.routing_cli import admin_call, model_path, show
 
-    show(admin_call(url, admin_key, "POST", f"/admin/models/{name}/promote"))
+    show(admin_call(url, admin_key, "POST", model_path(name, "/promote")))
 
 
 @models.command("rollback")
 @click.argument("name")
 @_admin_options
 def models_rollback(name: str, url: str, admin_key: str | None) -> None:
-    """Stop NAME's running canary (all traffic to its baseline), or undo the last change of its split."""
-    from sluice.routing_cli import admin_call, show
+    """Stop NAME's running canary; else give a promoted canary's traffic back to its baseline, or
+    undo an operator's last change of NAME's split."""
+    from sluice.routing_cli import admin_call, model_path, show
 
-    show(admin_call(url, admin_key, "POST", f"/admin/models/{name}/rollback"))
+    show(admin_call(url, admin_key, "POST", model_path(name, "/rollback")))
 
 
 @main.group()

@@ -237,6 +237,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self._counted: dict[Any, float] = {}
         """Counters kept elsewhere and exported on scrape: how much of each this registry has."""
+        self._shares_seen: set[tuple[str, str]] = set()
 
     def cache_error(self) -> None:
         CACHE_ERRORS.inc()
@@ -255,9 +256,13 @@ class GatewayMetrics:
         _child(CANARY_EVENTS, model, event).inc()
 
     def traffic_shares(self, shares: dict[tuple[str, str], float]) -> None:
-        """Each served (model, version)'s share of the requests that name no version (on scrape)."""
+        """Each served (model, version)'s share of the requests that name no version (on scrape);
+        0 for a version no longer served."""
+        for model, version in self._shares_seen - shares.keys():
+            _child(TRAFFIC_SHARE, model, version).set(0.0)
         for (model, version), share in shares.items():
             _child(TRAFFIC_SHARE, model, version).set(share)
+        self._shares_seen |= shares.keys()
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -267,7 +268,7 @@ def _routing(raw: dict[str, Any], config_path: Path) -> wire.Routing | None:
     for version, weight in traffic.items():
         if not version.isdigit():
             raise ConfigError(f"{config_path}: [routing] traffic: {version!r} is not a version number")
-        if not _is_number(weight) or weight < 0:
+        if not _is_number(weight) or not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"{config_path}: [routing] traffic: version {version}'s weight must be a "
                               f"number >= 0, got {weight!r}")
     if not any(weight > 0 for weight in traffic.values()):

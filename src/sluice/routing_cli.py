@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
 import click
+
+
+def model_path(name: str, action: str = "") -> str:
+    return f"/admin/models/{urllib.parse.quote(name, safe='')}{action}"
 
 
 def admin_call(url: str, admin_key: str | None, method: str, path: str, body: object | None = None) -> Any:
@@ -27,8 +33,10 @@ def admin_call(url: str, admin_key: str | None, method: str, path: str, body: ob
         except (ValueError, KeyError, TypeError):
             message = exc.reason
         raise click.ClickException(f"{exc.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise click.ClickException(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
+    except ValueError as exc:  # not JSON, or a URL that cannot be sent
+        raise click.ClickException(f"{url} did not answer as a sluice server does: {exc}") from None
 
 
 def parse_shares(shares: tuple[str, ...]) -> dict[str, float]:

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from sluice.gateway.traffic import Canary, CanaryPlan, CanaryStatus, Split, Traffic, wilson_lower
+from sluice.gateway.traffic import Canary, CanaryEvent, CanaryPlan, CanaryStatus, Split, Traffic, wilson_lower
 
 SERVED = {"1", "2", "3"}
 
@@ -54,7 +54,7 @@ def test_bad_weights_are_refused(weights: dict[str, float]) -> None:
 def test_the_wilson_bound_needs_evidence() -> None:
     assert wilson_lower(0, 100) == 0.0
     assert wilson_lower(2, 100) < 0.01 < wilson_lower(20, 100)  # 2% of 100 could be luck; 20% cannot
-    assert wilson_lower(1, 1) < 0.25
+    assert wilson_lower(1, 1) < 0.3
 
 
 def _feed(canary: Canary, version: str, n: int, failed: int = 0, latency_s: float = 0.01) -> None:
@@ -108,7 +108,7 @@ def test_a_slow_canary_is_rolled_back_at_the_end_of_its_step() -> None:
     _feed(canary, "2", 60, latency_s=0.030)
     assert canary.evaluate(29.0) is None
     event = canary.evaluate(30.0)
-    assert event is not None and event.kind == "rolled_back" and "p95 latency 30.0 ms" in event.reason
+    assert event is not None and event.kind == "rolled_back" and "p95 execution time 30.0 ms" in event.reason
 
 
 def test_outcomes_that_say_nothing_about_a_version_are_not_counted() -> None:
@@ -134,42 +134,88 @@ def test_unusable_plans_are_refused(plan: CanaryPlan) -> None:
         plan.check()
 
 
-def test_traffic_layers_operator_splits_and_canaries_over_the_declared_split() -> None:
+def test_a_canary_without_enough_traffic_is_rolled_back_after_ten_steps() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    _feed(canary, "2", 49)
+    assert canary.evaluate(299.0) is None  # holding: the step needs 50 canary answers
+    event = canary.evaluate(300.0)
+    assert event is not None and event.kind == "rolled_back" and "got 49 of the 50" in event.reason
+
+
+def test_the_p95_is_the_nearest_rank() -> None:
+    canary = Canary("m", PLAN, now=0.0)
+    for ms in range(1, 21):
+        canary.observe("2", "ok", ms / 1000)
+    assert canary.describe(0.0)["current_step"]["2"]["p95_ms"] == 19.0
+
+
+def _fail_canary(traffic: Traffic, now: float) -> list[CanaryEvent]:
+    events = []
+    for i in range(100):
+        events += [traffic.observe("m", "1", "ok", 0.01, now + i * 0.01),
+                   traffic.observe("m", "2", "failed", 0.01, now + i * 0.01)]
+    return [e for e in events if e is not None]
+
+
+def test_operator_splits_come_before_the_declared_one_and_can_be_undone() -> None:
     traffic = Traffic()
     declared = Split.of({"1": 100})
     assert traffic.split("m", declared) is declared and traffic.source("m") is None
     traffic.set_split("m", Split.of({"1": 80, "2": 20}))
+    traffic.set_split("m", Split.of({"1": 50, "2": 50}))
+    assert traffic.split("m", declared).percent() == {"2": 50.0, "1": 50.0} and traffic.source("m") == "operator"
+    traffic.roll_back("m")  # undo the last change
+    assert traffic.split("m", declared).percent() == {"2": 20.0, "1": 80.0} and traffic.source("m") == "operator"
+    traffic.set_split("m", None)  # back to the declared split
+    traffic.roll_back("m")
     assert traffic.split("m", declared).percent() == {"2": 20.0, "1": 80.0}
-    assert traffic.source("m") == "operator"
-    traffic.roll_back("m")  # undo the operator's change
-    assert traffic.split("m", declared) is declared
     with pytest.raises(KeyError):
-        traffic.roll_back("m")  # nothing left to undo
+        traffic.roll_back("m")  # one step of undo
 
-    traffic.start_canary("m", PLAN, now=0.0)
-    assert traffic.source("m") == "canary" and traffic.split("m", declared).percent() == {"2": 10.0, "1": 90.0}
+
+def test_a_canary_runs_over_the_split_it_started_from_and_its_outcome_replaces_the_baseline() -> None:
+    traffic = Traffic()
+    before = Split.of({"1": 90, "3": 10})
+    traffic.start_canary("m", PLAN, now=0.0, current=before)
+    # the canary takes its step's share of the baseline's traffic; version 3 keeps its own
+    assert traffic.source("m") == "canary" and traffic.split("m", None).percent() == {"3": 10.0, "2": 9.0, "1": 81.0}
     with pytest.raises(ValueError):
-        traffic.start_canary("m", PLAN, now=1.0)
-    events = []
-    for i in range(100):  # failures are judged as they come
-        now = 1.0 + i * 0.01
-        events += [traffic.observe("m", "1", "ok", 0.01, now), traffic.observe("m", "2", "failed", 0.01, now)]
-    judged = [(i // 2, e.kind) for i, e in enumerate(events) if e is not None]
-    assert judged == [(49, "rolled_back")]  # at the 50th canary answer (min_requests)
-    assert traffic.split("m", declared).percent() == {"1": 100.0}
-    assert traffic.source("m") == "canary result"
-    assert traffic.canaries["m"].status is CanaryStatus.ROLLED_BACK
+        traffic.start_canary("m", PLAN, now=1.0, current=before)
+    events = _fail_canary(traffic, now=1.0)
+    assert [(e.kind, "failed 50 of 50" in e.reason) for e in events] == [("rolled_back", True)]
+    assert traffic.split("m", None).percent() == {"3": 10.0, "1": 90.0}  # as it was
+    assert traffic.source("m") == "canary result" and traffic.canaries["m"].status is CanaryStatus.ROLLED_BACK
     assert traffic.observe("m", "2", "failed", 0.01, now=3.0) is None  # a finished canary judges nothing
+    with pytest.raises(KeyError):
+        traffic.roll_back("m")  # rolled back already: nothing to give back
 
-    traffic.start_canary("m", PLAN, now=10.0)
+    traffic.start_canary("m", PLAN, now=10.0, current=traffic.split("m", None))
     traffic.promote("m")
-    assert traffic.split("m", declared).percent() == {"2": 100.0}
-    traffic.roll_back("m")  # undo the promotion: back to what it was before the canary
-    assert traffic.split("m", declared).percent() == {"1": 100.0}
+    assert traffic.split("m", None).percent() == {"3": 10.0, "2": 90.0}  # the canary took the baseline's share
+    traffic.roll_back("m")  # give it back
+    assert traffic.split("m", None).percent() == {"3": 10.0, "1": 90.0} and traffic.source("m") == "rollback"
     with pytest.raises(KeyError):
         traffic.promote("m")
 
-    traffic.start_canary("m", PLAN, now=20.0)
+
+def test_a_canary_of_a_model_with_no_split_ends_on_one_version() -> None:
+    traffic = Traffic()
+    traffic.start_canary("m", PLAN, now=0.0, current=None)  # all traffic was on the newest (2)
+    assert _fail_canary(traffic, now=1.0)[0].kind == "rolled_back"
+    assert traffic.split("m", None).percent() == {"1": 100.0}  # not back to the newest, the broken one
+    traffic.start_canary("m", PLAN, now=5.0, current=None)
+    traffic.promote("m")
+    assert traffic.split("m", None).percent() == {"2": 100.0}
+
+
+def test_a_canary_ends_when_an_operator_sets_a_split_or_a_version_is_no_longer_served() -> None:
+    traffic = Traffic()
+    traffic.start_canary("m", PLAN, now=0.0, current=None)
+    assert traffic.check_served("m", {"1", "2"}) is None
+    ended = traffic.check_served("m", {"2"})
+    assert ended is not None and ended.kind == "rolled_back" and "version 1 is no longer served" in ended.reason
+    assert not traffic.has_canary("m")
+    traffic.start_canary("m", PLAN, now=1.0, current=None)
     ended = traffic.set_split("m", Split.of({"1": 50, "2": 50}))  # an operator takes over
     assert ended is not None and ended.kind == "rolled_back" and "operator" in ended.reason
     assert traffic.source("m") == "operator" and not traffic.has_canary("m")

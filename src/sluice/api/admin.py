@@ -11,8 +11,9 @@
     POST /admin/models/{name}/canary      {"version": "2", ...}: move traffic to it step by step,
                                           rolled back on its own if it does worse than the baseline
     POST /admin/models/{name}/promote     the running canary takes all the traffic now
-    POST /admin/models/{name}/rollback    stop the canary (all traffic to its baseline), or undo
-                                          the last change of the split
+    POST /admin/models/{name}/rollback    stop the canary (its traffic back to its baseline); else
+                                          give a promoted canary's traffic back to its baseline, or
+                                          undo an operator's last change of the split
 
 Splits and canaries live in this gateway's memory (`gateway.traffic`): a restarted gateway
 follows the splits the models declare.
@@ -84,7 +85,7 @@ def routes(gateway: Gateway) -> list[Route]:
         check(request)
         name = _model(gateway, request)
         body = decode_json(await read_body(request, _BODY_LIMIT), TrafficBody)
-        served = gateway.models(include_recovering=True)[name]
+        served = gateway.models(include_recovering=True).get(name, {})
         for version in body.traffic:
             if version not in served:
                 raise InvalidInput(f"model {name!r} has no version {version!r} served "
@@ -128,7 +129,7 @@ def routes(gateway: Gateway) -> list[Route]:
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         try:
-            gateway.traffic.start_canary(name, plan, gateway.now())
+            gateway.traffic.start_canary(name, plan, gateway.now(), split)
         except ValueError as exc:
             raise Conflict(str(exc)) from None
         return _json(_describe(gateway, name), status=201)
@@ -149,7 +150,8 @@ def routes(gateway: Gateway) -> list[Route]:
         try:
             event = gateway.traffic.roll_back(name)
         except KeyError:
-            raise Conflict(f"model {name!r} has no canary running and no change of its split to undo") from None
+            raise Conflict(f"model {name!r} has no canary running, no promoted canary to give back and no "
+                           "operator's change of its split to undo") from None
         _report(gateway, event)
         return _json(_describe(gateway, name))
 
@@ -197,7 +199,7 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
     """A model's versions, where its unversioned traffic goes and why, and its latest canary."""
     now = gateway.now()
     _report(gateway, gateway.traffic.evaluate(name, now))  # judge what came in since the last request
-    versions = gateway.models(include_recovering=True)[name]
+    versions = gateway.models(include_recovering=True).get(name, {})
     ready = gateway.models().get(name, {})
     split, declared = gateway.split(name), gateway.declared_split(name)
     canary = gateway.traffic.canaries.get(name)
@@ -206,7 +208,7 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
     return {
         "object": "model.routing",
         "model": name,
-        "versions": [{"version": v, "ready": v in ready, "traffic_percent": round(100 * shares[(name, v)], 4)}
+        "versions": [{"version": v, "ready": v in ready, "traffic_percent": round(100 * shares.get((name, v), 0), 4)}
                      for v in _sorted(versions)],
         "split_source": source,
         "sticky": split.sticky if split is not None else None,

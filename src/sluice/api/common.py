@@ -99,7 +99,8 @@ def resolve_openai(gateway: Gateway, model: str, request: Request, user: str | N
     """The model version an OpenAI `model` field asks for: `name` (the model's traffic split
     chooses) or `name:version` (that version)."""
     name, _, version = model.rpartition(":")
-    if name and version.isdigit() and model not in gateway.models(include_recovering=True):
+    if name and version.isdigit() and model not in gateway.models(include_recovering=True) \
+            and model not in gateway.expected_models:
         return gateway.resolve(name, version)
     return gateway.resolve(model, None, route_key(request, user))
 

@@ -55,7 +55,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def model_metadata(request: Request) -> Response:
         name, version = _path(request)
-        info = gateway.resolve(name, version, route_key(request))
+        info = gateway.resolve(name, version, by_split=False)  # the same answer each time
         _authorize(gateway, request, info)
         versions = gateway.models(include_recovering=True).get(name, {})
         return _json({
@@ -70,7 +70,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def model_ready(request: Request) -> Response:
         name, version = _path(request)
         try:
-            info = gateway.resolve(name, version, route_key(request))
+            info = gateway.resolve(name, version, by_split=False)
         except ModelNotReady:
             return _json({"name": name, "ready": False}, status=503)
         _authorize(gateway, request, info)

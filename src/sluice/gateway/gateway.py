@@ -133,7 +133,11 @@ class Gateway:
 
     def _indexed(self) -> _ModelIndex:
         if self._index is None:
-            self._index = _ModelIndex.build(self._connections.values())
+            self._index = index = _ModelIndex.build(self._connections.values())
+            for canary in self.traffic.running():  # a version gone ends its canary
+                event = self.traffic.check_served(canary.model, index.with_recovering.get(canary.model, {}))
+                if event is not None:
+                    self.canary_event(event)
         return self._index
 
     def models(self, *, include_recovering: bool = False) -> dict[str, dict[str, wire.ModelInfo]]:
@@ -164,12 +168,13 @@ class Gateway:
         why = "; ".join(reason if v == "-" else f"version {v}: {reason}" for v, reason in reasons.items())
         return ModelRefused(f"model {name!r} failed to load and is not served: {why}")
 
-    def resolve(self, name: str, version: str | None, route_key: str | None = None) -> wire.ModelInfo:
+    def resolve(self, name: str, version: str | None, route_key: str | None = None, *,
+                by_split: bool = True) -> wire.ModelInfo:
         """The model version a request goes to: the one it names, else the one the model's traffic
-        split gives its `route_key` (`gateway.traffic`), else the newest."""
+        split gives its `route_key` (`gateway.traffic`), else the newest (also without `by_split`)."""
         versions = self.models(include_recovering=True).get(name)
         if versions and version is None:
-            split = self.split(name)
+            split = self.split(name) if by_split else None
             chosen = None if split is None else split.choose(
                 versions, None if route_key is None else f"{name}\0{route_key}", self._rng)
             return versions[chosen or max(versions, key=version_order)]
@@ -205,11 +210,15 @@ class Gateway:
                 shares[(name, version)] = weights.get(version, 0.0) / (total or 1.0)
         return shares
 
-    def _observe(self, info: wire.ModelInfo, outcome: str, latency_s: float) -> None:
-        """A request ended: evidence for its model's canary, if one runs."""
-        if not self.traffic.has_canary(info.name):
+    def _observe(self, ticket: Ticket, outcome: str, result: InferResult | None) -> None:
+        """A request ended: evidence for its model's canary, if one runs. Not an answer from the
+        cache (nothing ran), nor a deadline the client set that was missed (too short, maybe)."""
+        info = ticket.info
+        if not self.traffic.has_canary(info.name) or (result is not None and result.is_cached) \
+                or (outcome == "expired" and ticket.client_deadline):
             return
-        event = self.traffic.observe(info.name, info.version, outcome, latency_s, self._clock.now())
+        event = self.traffic.observe(info.name, info.version, outcome, result.exec_s if result else 0.0,
+                                     self._clock.now())
         if event is not None:
             self.canary_event(event)
 
@@ -433,7 +442,8 @@ class Gateway:
         reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
-                      deadline, self._tracing, caller.traceparent, observer=self._observe)
+                      deadline, self._tracing, caller.traceparent, observer=self._observe,
+                      client_deadline=timeout_s is not None)
 
     async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False
@@ -585,8 +595,11 @@ class _ModelIndex:
         declared = {}
         for name, versions in with_recovering.items():
             routing = versions[max(versions, key=version_order)].routing
-            if routing is not None:
-                declared[name] = Split.of(routing.traffic, routing.sticky)
+            try:
+                if routing is not None:
+                    declared[name] = Split.of(routing.traffic, routing.sticky)
+            except ValueError as exc:  # the repository checks it; a worker of another release might not
+                log.error("model %s declares an unusable traffic split, ignored: %s", name, exc)
         return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()}, declared)
 
 

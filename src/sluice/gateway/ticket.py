@@ -57,7 +57,8 @@ class Ticket:
     def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
                  priority: Priority, reservation: Reservation, started: float, deadline: float,
                  tracing: Tracing | None = None, traceparent: str | None = None,
-                 observer: Callable[[wire.ModelInfo, str, float], None] | None = None) -> None:
+                 observer: Callable[[Ticket, str, InferResult | None], None] | None = None,
+                 client_deadline: bool = False) -> None:
         self._metrics = metrics
         self._tenancy = tenancy
         self._clock = clock
@@ -70,7 +71,9 @@ class Ticket:
         self._tracing = tracing
         self._traceparent = traceparent
         self._observer = observer
-        """Told each outcome and its latency (the model's canary judges versions by them)."""
+        """Told each outcome and result (the model's canary judges versions by them)."""
+        self.client_deadline = client_deadline
+        """The deadline is the client's (a header or parameter), not the model's SLO."""
         self._result: InferResult | None = None
         self._first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
@@ -136,8 +139,8 @@ class Ticket:
                 self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
             self._metrics.tenant_used(self.tenant, label, device_s)
         self._metrics.request_done(self.info.name, self.info.version, outcome, now - self.started)
-        if self._observer is not None and not (result is not None and result.is_cached):
-            self._observer(self.info, outcome, now - self.started)
+        if self._observer is not None:
+            self._observer(self, outcome, result)
         if self._tracing is not None and self._tracing.is_enabled:
             self._trace(outcome, result)
         await self._tenancy.settle(self.reservation, tokens, device_s,

@@ -12,20 +12,31 @@ newest version first, so as a new version's share grows the keys it already had 
 user who saw version 2 at a 5% share still sees it at 25%). Versions no worker serves are
 skipped, their share spread over the rest.
 
-A `Canary` moves a new version through steps of traffic (by default 5%, 25%, 50%, then all),
-judging each step from the answers both versions gave in it, side by side under the same load:
+A `Canary` moves a new version through steps of its baseline's traffic (by default 5%, 25%,
+50%, then all; other versions in the split keep their shares), judging each step from the
+answers both versions gave in it, side by side under the same load:
 
-- *errors*: the canary is rolled back as soon as the lower bound of the 95% Wilson interval of
-  its failure rate is above the baseline's failure rate plus `max_error_rate`, so a few unlucky
-  failures in a small sample do not condemn it, while a broken version is caught within its
-  first `min_requests` answers;
-- *latency*: at a step's end, the canary's p95 of successful answers must be within
-  `max_latency_ratio` of the baseline's (plus a small margin for noise at low latencies);
-- a step ends after `step_s` and at least `min_requests` canary answers; until then it holds.
+- *errors*: once it has `min_requests` answers, the canary is rolled back as soon as the lower
+  bound of the Wilson interval of its failure rate (one-sided, 95%) is above the baseline's
+  failure rate plus `max_error_rate`: a few unlucky failures in a small sample do not condemn
+  it, while a broken version is withdrawn after `min_requests` answers;
+- *latency*: at a step's end, the canary's p95 *execution* time (the device time of the batches
+  its requests rode in; queueing is left out because both versions queue on the same devices,
+  so a slow version delays the baseline's requests as much as its own) must be within
+  `max_latency_ratio` of the baseline's, plus a small margin for noise at low latencies;
+- a step ends after `step_s` and at least `min_requests` canary answers; until then it holds,
+  and after `10 * step_s` without them the canary is rolled back (nothing to judge it by);
+- it is rolled back at once if either version stops being served.
 
 A failure here is what the service did wrong (a device fault, a lost worker, an internal error,
-a missed deadline); a client's invalid input, overload refusals and cancellations say nothing
-about a version and are not counted. Answers from the result cache are not counted either.
+a missed deadline the model's own SLO set); a client's invalid input or short deadline, overload
+refusals and cancellations say nothing about a version and are not counted. Answers from the
+result cache are not counted either; answers to requests that named the version are.
+
+When a canary ends, the split it started from comes back with the winner in the baseline's
+place (promoted: the canary takes the baseline's share; rolled back: the baseline keeps it, and
+takes any share the canary version had), as an operator's split would: it stays until an
+operator changes or resets it.
 """
 
 from __future__ import annotations
@@ -44,9 +55,9 @@ BAD_OUTCOMES = frozenset({"failed", "error", "expired"})
 """Request outcomes (`Ticket`'s labels) that count against a version."""
 COUNTED_OUTCOMES = BAD_OUTCOMES | {"ok"}
 
-_Z = 1.96  # two-sided 95%
+_Z = 1.645  # a one-sided 95% bound
 _MAX_SAMPLES = 20_000
-"""Latencies kept per version and step for the p95 (the most recent ones)."""
+"""Execution times kept per version and step for the p95 (the most recent ones)."""
 
 
 def version_order(version: str) -> tuple[int, str]:
@@ -154,10 +165,11 @@ class _Window:
         return self.bad / self.count if self.count else 0.0
 
     def p95(self) -> float | None:
+        """The nearest-rank 95th percentile; None with fewer than 20 samples."""
         if len(self.latencies) < 20:
             return None
         ordered = sorted(self.latencies)
-        return ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)]
+        return ordered[math.ceil(0.95 * len(ordered)) - 1]
 
     def summary(self) -> dict[str, object]:
         p95 = self.p95()
@@ -189,10 +201,12 @@ class CanaryEvent:
 class Canary:
     """One model's canary: its plan, where it stands, and the current step's evidence."""
 
-    def __init__(self, model: str, plan: CanaryPlan, now: float) -> None:
+    def __init__(self, model: str, plan: CanaryPlan, now: float, before: Split | None = None) -> None:
         plan.check()
         self.model = model
         self.plan = plan
+        self.before = before
+        """The model's split when the canary started (None: all to one version)."""
         self.status = CanaryStatus.RUNNING
         self.step = 0
         self.started_at = now
@@ -203,7 +217,7 @@ class Canary:
 
     @property
     def share(self) -> float:
-        """The canary's percent of the traffic now."""
+        """The canary's percent of the baseline's traffic now."""
         if self.status is CanaryStatus.RUNNING:
             return self.plan.steps[self.step]
         return 100.0 if self.status is CanaryStatus.PROMOTED else 0.0
@@ -213,17 +227,25 @@ class Canary:
         return self._split
 
     def _make_split(self) -> Split:
-        share = self.share
-        weights = {self.plan.version: share, self.plan.baseline: 100.0 - share}
+        """The split it started from, with the baseline's weight (and any the canary had) shared
+        between the two by the current step; the other versions keep theirs."""
+        canary, baseline = self.plan.version, self.plan.baseline
+        weights = dict(self.before.shares) if self.before is not None else {}
+        pool = weights.pop(baseline, 0.0) + weights.pop(canary, 0.0)
+        if pool <= 0:  # the baseline had no traffic: the step is a share of the whole model's
+            weights, pool = {}, 100.0
+        weights[canary] = pool * self.share / 100.0
+        weights[baseline] = pool - weights[canary]
         return Split.of({v: w for v, w in weights.items() if w > 0}, self.plan.sticky)
 
-    def observe(self, version: str, outcome: str, latency_s: float) -> None:
+    def observe(self, version: str, outcome: str, exec_s: float) -> None:
+        """An answer from `version`: its outcome (`Ticket`'s label) and, if ok, its execution time."""
         window = self._windows.get(version)
         if window is None or self.status is not CanaryStatus.RUNNING:
             return
         if outcome == "ok":
             window.ok += 1
-            window.latencies.append(latency_s)
+            window.latencies.append(exec_s)
         elif outcome in BAD_OUTCOMES:
             window.bad += 1
 
@@ -241,13 +263,17 @@ class Canary:
                     f"({canary.error_rate:.1%}; at least {lower:.1%} at 95% confidence) against "
                     f"{baseline.error_rate:.1%} for version {plan.baseline}, more than the "
                     f"{plan.max_error_rate:.1%} allowed"))
+        if canary.count < plan.min_requests and now - self.step_started_at >= _PATIENCE * plan.step_s:
+            return self._finish(CanaryStatus.ROLLED_BACK, (
+                f"step {self.step + 1} got {canary.count} of the {plan.min_requests} canary answers it needs "
+                f"in {now - self.step_started_at:.0f} s: too little traffic to judge version {plan.version}"))
         if now - self.step_started_at < plan.step_s or canary.count < plan.min_requests:
             return None
         canary_p95, baseline_p95 = canary.p95(), baseline.p95()
         if canary_p95 is not None and baseline_p95 is not None \
                 and canary_p95 > baseline_p95 * plan.max_latency_ratio + plan.latency_margin_s:
             return self._finish(CanaryStatus.ROLLED_BACK, (
-                f"version {plan.version}'s p95 latency {canary_p95 * 1000:.1f} ms is over "
+                f"version {plan.version}'s p95 execution time {canary_p95 * 1000:.1f} ms is over "
                 f"{plan.max_latency_ratio:g}x version {plan.baseline}'s {baseline_p95 * 1000:.1f} ms"))
         passed = (f"step {self.step + 1} of {len(plan.steps)} passed: {canary.count} requests, "
                   f"{canary.error_rate:.1%} failed (baseline {baseline.error_rate:.1%})")
@@ -287,6 +313,8 @@ class Canary:
 
 
 _EVALUATE_EVERY_S = 0.25
+_PATIENCE = 10
+"""A step without `min_requests` canary answers after this many `step_s` ends the canary."""
 
 
 class Traffic:
@@ -296,10 +324,12 @@ class Traffic:
     none, there is nothing new to judge)."""
 
     def __init__(self) -> None:
-        self._splits: dict[str, Split] = {}
-        self._set_by: dict[str, str] = {}
-        self._previous: dict[str, Split | None] = {}
+        self._splits: dict[str, tuple[Split, str]] = {}
+        """Splits set here, and by whom: "operator", "canary result", "rollback"."""
+        self._undo: dict[str, tuple[Split, str] | None] = {}
+        """What an operator's last change replaced (None: nothing was set here)."""
         self.canaries: dict[str, Canary] = {}
+        """Each model's latest canary, running or ended."""
         self._running: dict[str, Canary] = {}
         self._next_evaluation: dict[str, float] = {}
 
@@ -308,67 +338,73 @@ class Traffic:
         canary = self._running.get(model)
         if canary is not None:
             return canary.split
-        return self._splits.get(model, declared)
+        own = self._splits.get(model)
+        return declared if own is None else own[0]
 
     def source(self, model: str) -> str | None:
-        """Who set the model's split now: "canary" (running), "canary result", "operator", or None
-        (the model's declared split, or the newest version)."""
+        """Who set the model's split now: "canary" (running), "canary result", "operator",
+        "rollback", or None (the model's declared split, or the newest version)."""
         if model in self._running:
             return "canary"
-        return self._set_by.get(model) if model in self._splits else None
+        own = self._splits.get(model)
+        return None if own is None else own[1]
+
+    def running(self) -> list[Canary]:
+        return list(self._running.values())
 
     def set_split(self, model: str, split: Split | None) -> CanaryEvent | None:
         """An operator's split (None: back to the declared one). Ends a running canary (rolled
         back, returned)."""
         canary = self._running.pop(model, None)
         event = None if canary is None else canary.roll_back("replaced by an operator's traffic split")
-        self._remember(model)
-        if split is None:
-            self._splits.pop(model, None)
-        else:
-            self._splits[model] = split
-            self._set_by[model] = "operator"
+        self._undo[model] = self._splits.get(model)
+        self._set(model, None if split is None else (split, "operator"))
         return event
 
-    def start_canary(self, model: str, plan: CanaryPlan, now: float) -> Canary:
-        """Raises ValueError if the plan is unusable or a canary already runs for the model."""
+    def start_canary(self, model: str, plan: CanaryPlan, now: float, current: Split | None) -> Canary:
+        """Start moving `model`'s traffic from `current` (its split now, None: all to the newest
+        version) to the plan's version. Raises ValueError if the plan is unusable or a canary of
+        the model already runs."""
         if model in self._running:
             raise ValueError(f"a canary of version {self._running[model].plan.version} is already running")
-        canary = Canary(model, plan, now)
-        self._remember(model)
+        canary = Canary(model, plan, now, current)
         self.canaries[model] = self._running[model] = canary
+        self._undo.pop(model, None)  # the canary's outcome, not an operator's change, is what comes next
         self._next_evaluation[model] = now + _EVALUATE_EVERY_S
         return canary
 
     def promote(self, model: str) -> CanaryEvent:
-        """Give the running canary all the traffic now. Raises KeyError if none runs."""
+        """Give the running canary the baseline's traffic now. Raises KeyError if none runs."""
         return self._end(self._running[model].promote())
 
     def roll_back(self, model: str) -> CanaryEvent | None:
-        """Stop the running canary (all traffic to its baseline); with none running, go back to
-        the split before the last change. Raises KeyError if there is nothing to go back to."""
+        """Stop the running canary; with none running, give a promoted canary's traffic back to its
+        baseline, or undo an operator's last change. Raises KeyError if there is nothing to undo."""
         canary = self._running.get(model)
         if canary is not None:
             return self._end(canary.roll_back())
-        if model not in self._previous:
+        own = self._splits.get(model)
+        latest = self.canaries.get(model)
+        if own is not None and own[1] == "canary result" and latest is not None \
+                and latest.status is CanaryStatus.PROMOTED:
+            given_back = _replace(own[0], latest.plan.version, latest.plan.baseline)
+            self._set(model, (given_back or Split.of({latest.plan.baseline: 100.0}), "rollback"))
+            return None
+        if model not in self._undo:
             raise KeyError(model)
-        previous = self._previous.pop(model)
-        if previous is None:
-            self._splits.pop(model, None)
-        else:
-            self._splits[model] = previous
+        self._set(model, self._undo.pop(model))
         return None
 
     def has_canary(self, model: str) -> bool:
         """A canary of `model` is running."""
         return model in self._running
 
-    def observe(self, model: str, version: str, outcome: str, latency_s: float, now: float) -> CanaryEvent | None:
+    def observe(self, model: str, version: str, outcome: str, exec_s: float, now: float) -> CanaryEvent | None:
         """A request to `model` ended: evidence for its canary, if one runs."""
         canary = self._running.get(model)
         if canary is None:
             return None
-        canary.observe(version, outcome, latency_s)
+        canary.observe(version, outcome, exec_s)
         if now < self._next_evaluation[model] and outcome not in BAD_OUTCOMES:
             return None  # a failure is judged at once (cheap); a step's end at most every quarter second
         return self.evaluate(model, now)
@@ -383,13 +419,37 @@ class Traffic:
             self._end(event)
         return event
 
+    def check_served(self, model: str, served: Container[str]) -> CanaryEvent | None:
+        """Roll back `model`'s running canary if either of its versions is no longer served."""
+        canary = self._running.get(model)
+        if canary is None:
+            return None
+        missing = [v for v in (canary.plan.version, canary.plan.baseline) if v not in served]
+        if not missing:
+            return None
+        return self._end(canary.roll_back(f"version {missing[0]} is no longer served"))
+
     def _end(self, event: CanaryEvent) -> CanaryEvent:
-        """A canary finished: its outcome becomes the model's split."""
+        """A canary finished: the split it started from, with the winner in the baseline's place
+        (its final split)."""
         canary = self._running.pop(event.model)
-        winner = canary.plan.version if canary.status is CanaryStatus.PROMOTED else canary.plan.baseline
-        self._splits[event.model] = Split.of({winner: 100.0}, canary.plan.sticky)
-        self._set_by[event.model] = "canary result"
+        self._set(event.model, (canary.split, "canary result"))
         return event
 
-    def _remember(self, model: str) -> None:
-        self._previous[model] = self._splits.get(model)
+    def _set(self, model: str, split: tuple[Split, str] | None) -> None:
+        if split is None:
+            self._splits.pop(model, None)
+        else:
+            self._splits[model] = split
+
+
+def _replace(split: Split, loser: str, winner: str) -> Split | None:
+    """`split` with `loser`'s weight added to `winner`'s; None if no weight is left."""
+    weights: dict[str, float] = {}
+    for version, weight in split.shares:
+        target = winner if version == loser else version
+        weights[target] = weights.get(target, 0.0) + weight
+    try:
+        return Split.of(weights, split.sticky)
+    except ValueError:
+        return None
