@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces every number in benchmarks/README.md on this machine (2 cores, no GPU).
 # Each step starts its own server, runs `sluice bench` against it, and stops it.
-# Usage: benchmarks/run.sh [step...]   steps: selftest emulated lowload overload minilm scenarios (default: all)
+# Usage: benchmarks/run.sh [step...]   steps: selftest emulated lowload overload minilm scenarios canary (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
@@ -58,6 +58,10 @@ step_scenarios() {  # issue 3: each scenario starts its own server (emulated dev
   done
 }
 
+step_canary() {     # canaries of a broken, flaky, slow and healthy version 2 under 400 req/s
+  .venv/bin/python benchmarks/canary.py --out "$out/canary.json"
+}
+
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(selftest emulated lowload overload minilm scenarios)
+[ ${#steps[@]} -eq 0 ] && steps=(selftest emulated lowload overload minilm scenarios canary)
 for step in "${steps[@]}"; do "step_$step"; done
