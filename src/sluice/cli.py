@@ -88,8 +88,11 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 
 
 @main.command()
-@click.option("--worker", "workers", multiple=True, required=True,
+@click.option("--worker", "workers", multiple=True,
               help="A worker's address, e.g. tcp://10.0.0.5:7000 (repeat for each worker).")
+@click.option("--registry", default=None, metavar="redis://...",
+              help="Also use the workers registered in this Redis (`sluice worker --registry`), as they "
+                   "come and go.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--tenants", "tenants_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -100,8 +103,9 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
               help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
                    "gateway that uses it (default: each gateway keeps its own).")
 @_cache_options
-def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path | None, log_level: str,
-            limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None) -> None:
+def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
+            log_level: str, limits_redis: str | None, cache_mb: int, cache_ttl_s: float,
+            cache_redis: str | None) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -109,8 +113,11 @@ def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path |
     from sluice.repository import demo_repository
     from sluice.serve import ServeConfig, run
 
+    if not workers and not registry:
+        raise click.UsageError("name the workers (--worker ADDR) or where they register (--registry redis://...)")
     logs.configure(log_level)
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
+                         registry=_redis_url(registry, "--registry"),
                          tenants_file=tenants_file.resolve() if tenants_file else None,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
@@ -126,11 +133,15 @@ def gateway(workers: tuple[str, ...], host: str, port: int, tenants_file: Path |
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--metrics-port", type=int, default=None, help="Serve this worker's /metrics on this port.")
+@click.option("--registry", default=None, metavar="redis://...",
+              help="Announce this worker in this Redis, where `sluice gateway --registry` finds it.")
+@click.option("--advertise", default=None,
+              help="The address gateways reach this worker at, as registered (default: --bind's).")
 @click.option("--share", default="0/1", show_default=True, callback=lambda ctx, param, value: _share(value),
               help="I/N: this is worker I of N sharing each external upstream's concurrency limit "
                    "(openai-upstream, http-single); it takes its part. `sluice serve` sets it.")
 def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None,
-           share: tuple[int, int]) -> None:
+           registry: str | None, advertise: str | None, share: tuple[int, int]) -> None:
     """Run one worker process (started for you by `sluice serve`)."""
     from sluice import logs
 
@@ -143,7 +154,9 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
     from sluice.worker.main import main as worker_main
 
     try:
-        worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share))
+        worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share,
+                                 registry=_redis_url(registry, "--registry"),
+                                 advertise=_advertised(address, advertise, registry)))
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc
 
@@ -281,6 +294,16 @@ def create_key(tenant: str | None, tenants_file: Path, is_admin: bool) -> None:
         except ConfigError as exc:
             click.echo(f"Note: {exc.message}. `sluice serve --tenants` needs at least one tenant: "
                        "add one with `sluice keys create NAME`.", err=True)
+
+
+def _advertised(bind: str, advertise: str | None, registry: str | None) -> str | None:
+    """The address to register: --advertise, else --bind's unless it names no reachable host."""
+    if advertise or registry is None:
+        return advertise
+    if any(host in bind for host in ("://0.0.0.0", "://*", "://[::]")):
+        raise click.UsageError(f"--bind {bind} listens on every interface: give --advertise with the address "
+                               "gateways should use, e.g. tcp://10.0.0.5:7000")
+    return None
 
 
 def _share(value: str) -> tuple[int, int]:

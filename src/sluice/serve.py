@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from sluice.jobs.postgres_store import PostgresJobStore
 from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import JobStore
 from sluice.metrics import GatewayMetrics
+from sluice.registry import RegistryWatcher
 from sluice.repository import scan_repository
 from sluice.runtime import settle_garbage_collector
 from sluice.tracing import Tracing
@@ -58,6 +60,8 @@ class ServeConfig:
     tenants_file: Path | None = None
     """The tenants file (keys, weights, limits); None: one local tenant and no keys."""
     remote_workers: tuple[str, ...] = ()
+    registry: str | None = None
+    """A Redis URL: also use the workers registered there (`sluice.registry`), as they come and go."""
     """Addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     graceful_timeout_s: float = 30.0
     keep_alive_s: int = 75
@@ -137,8 +141,10 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     tracing = tracing_from_environment(clock)
     cache = await _result_cache(config.cache, clock, gateway_metrics)
     gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing, cache=cache)
-    if config.remote_workers:
+    if config.remote_workers or config.registry:
         devices = [f"remote {address}" for address in config.remote_workers]
+        if config.registry:
+            devices.append(f"those registered in {_redacted(config.registry)}")
         addresses = list(config.remote_workers)
         specs: list[WorkerSpec] = []
     else:
@@ -153,10 +159,15 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                             on_restart=lambda worker_id: gateway_metrics.worker_restarted(),
                             config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
 
+    registry = None if config.registry is None else RegistryWatcher(
+        config.registry, gateway.add_worker, gateway.remove_worker)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for i, address in enumerate(addresses):
             await gateway.add_worker(str(i), address)
+        if registry is not None:
+            await registry.start()
         await supervisor.start()
         settle_garbage_collector()
         announcer = asyncio.create_task(_announce(config, server, gateway, devices, console))
@@ -165,6 +176,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             yield
         finally:
             announcer.cancel()
+            if registry is not None:
+                await registry.aclose()
             await executor.aclose()
             await store.aclose()
             gateway.is_draining = True
@@ -229,6 +242,14 @@ async def _announce(config: ServeConfig, server: uvicorn.Server, gateway: Gatewa
         await asyncio.sleep(0.1)
     for line in _banner(_url(config, server), gateway, devices):
         console.print(line, soft_wrap=True)  # never wrapped: a broken line breaks a copied command
+
+
+def _redacted(url: str) -> str:
+    """A URL without its password, for the banner."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()
 
 
 def _is_loaded(gateway: Gateway) -> bool:

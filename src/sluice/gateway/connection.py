@@ -66,6 +66,15 @@ class WorkerConnection:
         self.on_change: Callable[[], None] = lambda: None
         """Called when readiness or the served models change, so the gateway can re-index."""
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def is_draining_alive(self) -> bool:
+        """The worker is draining (finishing what it has, taking nothing new) and still reporting."""
+        return (not self.is_lost and self.state is not None and self.state.is_draining
+                and time.monotonic() - self.state_at < STALE_AFTER_S)
+
     def served(self, info: wire.ModelInfo) -> wire.ModelInfo:
         """This worker's own description of `info`'s model version: workers serving the same version
         may differ in what they report (e.g. one restarted on new weights: another cache revision)."""

@@ -21,6 +21,7 @@ from sluice.engines import load_runner
 from sluice.engines.base import Share
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
+from sluice.registry import WorkerRegistration
 from sluice.repository import scan_repository, verify
 from sluice.runtime import settle_garbage_collector
 from sluice.worker.server import LoadedModel, WorkerServer
@@ -38,6 +39,10 @@ class WorkerConfig:
     model_names: tuple[str, ...] = ()  # empty: every model in the repository
     share: Share = (0, 1)
     """Worker `index` of `count`: its part of each external upstream's concurrency."""
+    registry: str | None = None
+    """A Redis URL: announce `advertise` there for gateways to find (`sluice.registry`)."""
+    advertise: str | None = None
+    """The address gateways reach this worker at (default: `address`)."""
 
 
 def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel]]:
@@ -72,10 +77,24 @@ async def run_worker(config: WorkerConfig) -> None:
     models, refused = load_models(config)
     server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id))
     settle_garbage_collector()
+    registration = None if config.registry is None else WorkerRegistration(
+        config.registry, config.worker_id, config.advertise or config.address)
+
+    def drain() -> None:
+        server.drain()
+        if registration is not None:
+            registration.withdraw()  # gateways stop sending work before the worker goes
+
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, server.drain)
-    loop.add_signal_handler(signal.SIGINT, server.drain)
-    await server.serve(config.address)
+    loop.add_signal_handler(signal.SIGTERM, drain)
+    loop.add_signal_handler(signal.SIGINT, drain)
+    if registration is not None:
+        registration.start()
+    try:
+        await server.serve(config.address)
+    finally:
+        if registration is not None:
+            await registration.aclose()
 
 
 def exit_with_parent() -> None:

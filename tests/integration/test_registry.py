@@ -1,0 +1,98 @@
+"""Cluster mode with the worker registry: `sluice worker --registry` and `sluice gateway --registry`
+find each other through a real Redis; a worker that joins gets traffic, one that drains leaves
+without failing a request."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from sluice.registry import PREFIX
+from tests.conftest import free_port, write_emulated_model
+
+pytestmark = pytest.mark.slow
+
+BODY = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]}
+
+
+def _workers_ready(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("sluice_workers_ready"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait(condition, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, redis_url: str) -> None:
+    registry = redis_url.rsplit("/", 1)[0] + "/6"
+    redis.Redis.from_url(registry).flushdb()
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def worker(name: str) -> tuple[subprocess.Popen[bytes], str]:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        process = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--id", name, "--bind", address,
+                                    "--models", str(repo), "--registry", registry])
+        processes.append(process)
+        return process, address
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        first, first_address = worker("a")
+        processes.append(subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
+                                           "--port", str(port)]))
+        _wait(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200, "the gateway to be ready")
+        assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).json()["outputs"][0]["data"] == [3.0]
+
+        _, second_address = worker("b")
+        _wait(lambda: _workers_ready(url) == 2, "the second worker to join")
+
+        statuses: list[int] = []
+
+        def send() -> None:
+            with httpx.Client(timeout=30) as client:
+                for i in range(300):
+                    body = {"inputs": [{**BODY["inputs"][0], "data": [float(i), 1.0]}]}  # type: ignore[dict-item]
+                    statuses.append(client.post(f"{url}/v2/models/emulated/infer", json=body).status_code)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        time.sleep(0.3)
+        first.send_signal(signal.SIGTERM)  # drains: leaves the registry, finishes its work, exits
+        assert first.wait(timeout=30) == 0
+        sender.join()
+        assert statuses == [200] * 300  # nothing failed while the worker left
+        keys = {key.decode() for key in redis.Redis.from_url(registry).keys(PREFIX + "*")}
+        assert keys == {PREFIX + second_address}
+        _wait(lambda: _workers_ready(url) == 1, "the gateway to drop the worker that left")
+        assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
+        assert first_address not in keys
+    finally:
+        for process in reversed(processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -1,0 +1,75 @@
+"""The worker registry against a real Redis: workers come, withdraw, or die and expire."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from sluice.registry import PREFIX, RegistryWatcher, WorkerRegistration, registered_workers
+
+
+@pytest.fixture
+def registry_url(redis_url: str) -> str:
+    url = redis_url.rsplit("/", 1)[0] + "/5"  # a database of its own: the registry's keys are fixed
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+def test_gateways_see_workers_join_withdraw_and_expire(registry_url: str) -> None:
+    async def scenario() -> list[tuple[str, str]]:
+        events: list[tuple[str, str]] = []
+
+        async def add(worker_id: str, address: str) -> None:
+            events.append(("add", worker_id))
+
+        async def remove(worker_id: str) -> None:
+            events.append(("remove", worker_id))
+
+        a = WorkerRegistration(registry_url, "a", "tcp://10.0.0.1:7000", ttl_s=0.5)
+        b = WorkerRegistration(registry_url, "b", "tcp://10.0.0.2:7000", ttl_s=0.5)
+        a.start()
+        await asyncio.sleep(0.05)
+        watcher = RegistryWatcher(registry_url, add, remove, poll_s=0.05)
+        await watcher.start()  # knows a at once
+        assert events == [("add", "a@tcp://10.0.0.1:7000")]
+        b.start()
+        await asyncio.sleep(0.7)  # longer than the TTL: renewals keep both
+        assert set(watcher.workers) == {"tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000"}
+        a.withdraw()  # a drains: its entry goes at once
+        await asyncio.sleep(0.2)
+        assert events[-1] == ("remove", "a@tcp://10.0.0.1:7000")
+        assert b._task is not None
+        b._task.cancel()  # b dies without a word: its entry expires
+        await asyncio.sleep(0.8)
+        assert events[-1] == ("remove", "b@tcp://10.0.0.2:7000")
+        assert await registered_workers(watcher._redis) == {}
+        await watcher.aclose()
+        await b.aclose()
+        return events
+
+    events = asyncio.run(scenario())
+    assert [kind for kind, _ in events] == ["add", "add", "remove", "remove"]
+
+
+def test_a_registry_that_cannot_be_reached_keeps_the_workers_known(registry_url: str) -> None:
+    async def scenario() -> None:
+        removed: list[str] = []
+
+        async def add(worker_id: str, address: str) -> None:
+            pass
+
+        async def remove(worker_id: str) -> None:
+            removed.append(worker_id)
+
+        redis.Redis.from_url(registry_url).set(PREFIX + "tcp://10.0.0.3:7000", "c")
+        watcher = RegistryWatcher(registry_url, add, remove)
+        await watcher.start()
+        assert list(watcher.workers) == ["tcp://10.0.0.3:7000"]
+        watcher._redis = redis.asyncio.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+        await watcher.refresh()  # Redis away: nothing removed
+        assert removed == [] and list(watcher.workers) == ["tcp://10.0.0.3:7000"]
+        await watcher.aclose()
+
+    asyncio.run(scenario())
