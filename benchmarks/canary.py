@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+from serving import start_server
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_EMULATED = REPO / "src" / "sluice" / "demo_models" / "emulated"
@@ -44,20 +45,7 @@ def _start(work: Path, port: int, case: str) -> subprocess.Popen[bytes]:
     (model / "model.toml").write_text((model / "model.toml").read_text() + "\n[routing]\ntraffic = { 1 = 100 }\n")
     shutil.copytree(model / "1", model / "2")
     (model / "2" / "version.toml").write_text(CASES[case])
-    log = (work / "server.log").open("wb")
-    server = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--models", str(work / "models"),
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None:
-            break
-        time.sleep(0.2)
-    server.kill()
-    sys.exit(f"the server did not start; see {work / 'server.log'}")
+    return start_server(work / "models", port, work / "server.log")
 
 
 def _outcomes(client: httpx.Client) -> dict[tuple[str, str], float]:

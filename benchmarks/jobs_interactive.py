@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
+from serving import start_server
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_EMULATED = REPO / "src" / "sluice" / "demo_models" / "emulated"
@@ -44,20 +45,7 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 def _start_server(work: Path, port: int) -> subprocess.Popen[bytes]:
     models = work / "models"
     shutil.copytree(DEMO_EMULATED, models / "emulated")
-    log = (work / "server.log").open("wb")
-    server = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--models", str(models), "--port", str(port),
-                               "--data-dir", str(work / "data")], stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None:
-            break
-        time.sleep(0.2)
-    server.kill()
-    sys.exit(f"the server did not start; see {work / 'server.log'}")
+    return start_server(models, port, work / "server.log", "--data-dir", str(work / "data"))
 
 
 def _metric_sum(client: httpx.Client, name: str) -> float:

@@ -21,6 +21,7 @@ follows the splits the models declare.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from sluice.gateway import Gateway
 from sluice.gateway.traffic import CanaryEvent, CanaryPlan, Split, version_order
 
 _BODY_LIMIT = 64 * 1024
+Endpoint = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
 
 
@@ -134,26 +136,22 @@ def routes(gateway: Gateway) -> list[Route]:
             raise Conflict(str(exc)) from None
         return _json(_describe(gateway, name), status=201)
 
-    async def promote(request: Request) -> Response:
-        check(request)
-        name = _model(gateway, request)
-        try:
-            event = gateway.traffic.promote(name)
-        except KeyError:
-            raise Conflict(f"model {name!r} has no canary running") from None
-        gateway.canary_event(event)
-        return _json(_describe(gateway, name))
+    def canary_action(act: Callable[[str], CanaryEvent | None], nothing_to_do: str) -> Endpoint:
+        """`promote` or `roll_back` on the model in the path; 409 with `nothing_to_do` if it had none."""
+        async def endpoint(request: Request) -> Response:
+            check(request)
+            name = _model(gateway, request)
+            try:
+                event = act(name)
+            except KeyError:
+                raise Conflict(f"model {name!r} has {nothing_to_do}") from None
+            _report(gateway, event)
+            return _json(_describe(gateway, name))
+        return endpoint
 
-    async def rollback(request: Request) -> Response:
-        check(request)
-        name = _model(gateway, request)
-        try:
-            event = gateway.traffic.roll_back(name)
-        except KeyError:
-            raise Conflict(f"model {name!r} has no canary running, no promoted canary to give back and no "
-                           "operator's change of its split to undo") from None
-        _report(gateway, event)
-        return _json(_describe(gateway, name))
+    promote = canary_action(gateway.traffic.promote, "no canary running")
+    rollback = canary_action(gateway.traffic.roll_back, "no canary running, no promoted canary to give back "
+                             "and no operator's change of its split to undo")
 
     prefix = "/admin/models/{name}"
     return [
@@ -191,7 +189,7 @@ def _sorted(versions: Any) -> list[str]:
 
 def _main_version(gateway: Gateway, name: str, exclude: str) -> str | None:
     """The version with the largest share of the model's traffic now, other than `exclude`."""
-    shares = {v: share for (model, v), share in gateway.traffic_shares().items() if model == name and v != exclude}
+    shares = {v: share for (_, v), share in gateway.traffic_shares(name).items() if v != exclude}
     return max(shares, key=lambda v: (shares[v], version_order(v))) if shares else None
 
 
@@ -204,7 +202,7 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
     split, declared = gateway.split(name), gateway.declared_split(name)
     canary = gateway.traffic.canaries.get(name)
     source = gateway.traffic.source(name) or ("model.toml" if declared is not None else "newest version")
-    shares = gateway.traffic_shares()
+    shares = gateway.traffic_shares(name)
     return {
         "object": "model.routing",
         "model": name,

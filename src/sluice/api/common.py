@@ -10,7 +10,7 @@ from starlette.requests import ClientDisconnect, Request
 from sluice import wire
 from sluice.errors import InvalidInput, PayloadTooLarge
 from sluice.gateway import Caller, Gateway
-from sluice.gateway.cache import cache_policy
+from sluice.gateway.cache import CachePolicy, cache_policy
 from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -128,13 +128,15 @@ def requested_priority(request: Request, *body_values: tuple[str, Any]) -> Prior
 
 
 def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0, *,
-           is_traced: bool = False) -> Caller:
+           is_traced: bool = False, cache: CachePolicy | None = None) -> Caller:
     """`is_traced`: the server exports traces, so the client's `traceparent` is read (a header
-    lookup that misses costs more than the rest of this, on every request)."""
+    lookup that misses costs more than the rest of this, on every request). `cache`: the request's
+    `Cache-Control` policy if the caller read it already (else it is read here)."""
     headers = request.headers
     traceparent = headers.get("traceparent") if is_traced else None
-    return Caller(request_tenant(request), priority, estimated_tokens, traceparent,
-                  cache_policy(headers.get("cache-control")))
+    if cache is None:
+        cache = cache_policy(headers.get("cache-control"))
+    return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache)
 
 
 MAX_TEXT_ITEMS = 2048

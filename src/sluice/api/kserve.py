@@ -86,7 +86,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         policy = cache_policy(request.headers.get("cache-control"))
         cached = gateway.may_hold_answer(info, policy)  # a stored answer needs no device: look before refusing
         if not cached and b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply
-            early = caller(request, requested_priority(request), is_traced=gateway.is_tracing)
+            early = caller(request, requested_priority(request), is_traced=gateway.is_tracing, cache=policy)
             gateway.shed_if_overloaded(info, header_timeout, arrived_at, early)
         parsed, tensors = parse_request(body, header_length)
         payload = _to_payload(info, tensors)
@@ -94,7 +94,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         timeout_s = _timeout(parsed.parameters, gateway.max_timeout_s)
         priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
-        who = caller(request, priority, tokens, is_traced=gateway.is_tracing)
+        who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=policy)
         timeout_s = header_timeout if timeout_s is None else timeout_s
         key = gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload) if cached else None
         result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)

@@ -86,10 +86,14 @@ class Split:
             raise ValueError("at least one version needs a weight above 0")
         return cls(shares, sticky)
 
+    def live(self, served: Container[str]) -> list[tuple[str, float]]:
+        """The shares of the versions `served` (the others' spread over them by weight)."""
+        return [(v, w) for v, w in self.shares if v in served]
+
     def choose(self, served: Container[str], key: str | None, rng: random.Random) -> str | None:
         """The version for one request, among those `served`; None if the split names none of them.
         `key`: the request's route key (sticky splits only; None draws at random)."""
-        live = [(v, w) for v, w in self.shares if v in served]
+        live = self.live(served)
         if not live:
             return None
         if len(live) == 1:
