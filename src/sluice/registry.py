@@ -41,7 +41,7 @@ class WorkerRegistration:
         self._worker_id = worker_id
         self._ttl_ms = int(ttl_s * 1000)
         self._task: asyncio.Task[None] | None = None
-        self._withdrawn = False
+        self._closing: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._renew())
@@ -62,12 +62,16 @@ class WorkerRegistration:
 
     def withdraw(self) -> None:
         """Stop renewing and delete the entry (in the background): the worker is draining."""
-        if not self._withdrawn:
-            self._withdrawn = True
-            asyncio.get_running_loop().create_task(self.aclose())
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._close())
 
     async def aclose(self) -> None:
-        self._withdrawn = True
+        """Withdraw (if not already) and wait until the entry is deleted."""
+        self.withdraw()
+        assert self._closing is not None
+        await self._closing
+
+    async def _close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

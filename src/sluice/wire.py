@@ -93,6 +93,9 @@ class Outcome(enum.StrEnum):
     """At least one item failed in the model; `errors` says which and why."""
     NOT_FOUND = "not_found"
     """The worker does not serve this model version."""
+    DRAINING = "draining"
+    """Not taken: the worker is draining (its report saying so had not reached the gateway yet);
+    the gateway sends the request to another worker."""
 
 
 class Hello(msgspec.Struct, tag="hello"):

@@ -70,6 +70,12 @@ class WorkerConnection:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    def mark_draining(self) -> None:
+        """The worker answered that it is draining before its report said so: send it nothing new."""
+        if self.is_ready:
+            self.is_ready = False
+            self.on_change()
+
     def is_draining_alive(self) -> bool:
         """The worker is draining (finishing what it has, taking nothing new) and still reporting."""
         return (not self.is_lost and self.state is not None and self.state.is_draining

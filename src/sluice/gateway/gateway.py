@@ -217,17 +217,19 @@ class Gateway:
         """The split the model declares (`model.toml` [routing]), whatever operators changed."""
         return self._indexed().declared.get(name)
 
-    def traffic_shares(self) -> dict[tuple[str, str], float]:
+    def traffic_shares(self, name: str | None = None) -> dict[tuple[str, str], float]:
         """(model, version) -> the share (0-1) of the model's unversioned requests it gets now, for
-        every served version: by the split among the versions served, else all to the newest."""
+        every served version of every model (or of `name`): as `resolve` draws them."""
         shares: dict[tuple[str, str], float] = {}
-        for name, versions in self.models(include_recovering=True).items():
-            split = self.split(name)
-            live = [] if split is None else [(v, w) for v, w in split.shares if v in versions]
-            total = sum(w for _, w in live)
+        for model, versions in self.models(include_recovering=True).items():
+            if name is not None and model != name:
+                continue
+            split = self.split(model)
+            live = [] if split is None else split.live(versions)
             weights = dict(live) if live else {max(versions, key=version_order): 1.0}
+            total = sum(weights.values())
             for version in versions:
-                shares[(name, version)] = weights.get(version, 0.0) / (total or 1.0)
+                shares[(model, version)] = weights.get(version, 0.0) / total
         return shares
 
     def _observe(self, ticket: Ticket, outcome: str, result: InferResult | None) -> None:
@@ -470,6 +472,8 @@ class Gateway:
         while True:
             connection, in_flight = await self._send(info, payload, ticket, tried_lost)
             result = await self._await_answer(connection, in_flight, ticket.deadline)
+            if _is_refused_draining(connection, result):
+                continue
             if result is not None:
                 ticket.used(result)
                 return interpret(connection.served(info), result)
@@ -495,6 +499,8 @@ class Gateway:
                     connection.cancel(in_flight.submit.request_id)
             if in_flight.is_timed_out:
                 raise DeadlineExceeded("the worker did not answer before the deadline")
+            if _is_refused_draining(connection, result):
+                continue
             if result is not None:
                 ticket.used(result)
                 yield interpret(connection.served(info), result)
@@ -575,6 +581,14 @@ class Gateway:
 
 
 _LOCAL_CALLER = Caller()
+
+
+def _is_refused_draining(connection: WorkerConnection, result: wire.Result | None) -> bool:
+    """The worker did not take the request because it is draining: it goes to another worker."""
+    if result is None or result.outcome is not wire.Outcome.DRAINING:
+        return False
+    connection.mark_draining()
+    return True
 
 
 def _repeats(error: BaseException) -> bool:

@@ -192,6 +192,8 @@ def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
             raise DeadlineExceeded(result.message or "deadline exceeded")
         case wire.Outcome.NOT_FOUND:
             raise ModelNotReady(result.message, retry_after_s=1.0)
+        case wire.Outcome.DRAINING:  # (the gateway sends such a request elsewhere first)
+            raise Unavailable(result.message or "worker is draining", retry_after_s=result.retry_after_s or 1.0)
         case _:
             refused = next((e for e in result.errors if e.upstream_status), None)
             if refused is not None:

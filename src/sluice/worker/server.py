@@ -196,7 +196,7 @@ class WorkerServer:
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND, message=missing))
             return
         if self._is_draining:
-            self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
+            self._reply(identity, wire.Result(message.request_id, wire.Outcome.DRAINING, retry_after_s=1.0,
                                               message="worker is draining"))
             return
         if generation_loop is not None:
