@@ -34,10 +34,33 @@ def _cache_options(command: F) -> F:
     return command
 
 
-@click.group()
+def _jobs_options(command: F) -> F:
+    """Where batch jobs are kept, shared by `serve` and `gateway`."""
+    for option in reversed([
+        click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Keep batch jobs here (SQLite) so they survive restarts (default: a temporary folder)."),
+        click.option("--jobs-db", default=None, metavar="postgresql://...", callback=_postgres_url,
+                     help="Keep batch jobs in this PostgreSQL database instead (several gateways may share it)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _postgres_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith(("postgresql://", "postgres://")):
+        raise click.BadParameter("must be a postgresql:// URL")
+    return value
+
+
+@click.group(context_settings={"auto_envvar_prefix": "SLUICE", "show_default": True})
 @click.version_option(__version__, prog_name="sluice")
 def main() -> None:
-    """sluice: batch inference requests onto devices, within their deadlines."""
+    """sluice: batch inference requests onto devices, within their deadlines.
+
+    Every option can also be set in the environment, as SLUICE_<COMMAND>_<OPTION>: for example
+    SLUICE_GATEWAY_REGISTRY=redis://... for `sluice gateway --registry` (secrets stay out of the
+    process list and can come from a Kubernetes Secret).
+    """
 
 
 @main.command()
@@ -52,10 +75,7 @@ def main() -> None:
               default=None, help="Tenants file (API keys, weights, limits). Without one: a single local tenant.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep batch jobs here (SQLite) so they survive restarts (default: a temporary folder).")
-@click.option("--jobs-db", default=None, metavar="postgresql://...",
-              help="Keep batch jobs in this PostgreSQL database instead (several gateways may share it).")
+@_jobs_options
 @click.option("--limits-redis", default=None, metavar="redis://...",
               help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
                    "gateway that uses it (default: each gateway keeps its own).")
@@ -79,8 +99,6 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
-    if jobs_db is not None and not jobs_db.startswith(("postgresql://", "postgres://")):
-        raise click.BadParameter("must be a postgresql:// URL", param_hint="--jobs-db")
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -102,10 +120,11 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @click.option("--limits-redis", default=None, metavar="redis://...",
               help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
                    "gateway that uses it (default: each gateway keeps its own).")
+@_jobs_options
 @_cache_options
 def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
-            log_level: str, limits_redis: str | None, cache_mb: int, cache_ttl_s: float,
-            cache_redis: str | None) -> None:
+            log_level: str, data_dir: Path | None, jobs_db: str | None, limits_redis: str | None, cache_mb: int,
+            cache_ttl_s: float, cache_redis: str | None) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -119,6 +138,7 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
                          registry=_redis_url(registry, "--registry"),
                          tenants_file=tenants_file.resolve() if tenants_file else None,
+                         data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
     try:

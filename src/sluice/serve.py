@@ -60,9 +60,9 @@ class ServeConfig:
     tenants_file: Path | None = None
     """The tenants file (keys, weights, limits); None: one local tenant and no keys."""
     remote_workers: tuple[str, ...] = ()
+    """Addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     registry: str | None = None
     """A Redis URL: also use the workers registered there (`sluice.registry`), as they come and go."""
-    """Addresses of workers started elsewhere (`sluice worker`); none are spawned then."""
     graceful_timeout_s: float = 30.0
     keep_alive_s: int = 75
     """How long an idle client connection is kept, advertised in `Keep-Alive: timeout=N`: longer
