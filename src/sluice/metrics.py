@@ -41,6 +41,12 @@ BATCH_SIZE = Histogram(
     "sluice_batch_size", "Items per executed batch.", ["model", "version"], buckets=_BATCH_BUCKETS,
 )
 DEVICE_BUSY = Counter("sluice_device_busy_seconds", "Seconds the device spent executing batches.", ["worker"])
+REFUSED_WORK = Counter(
+    "sluice_refused_work_seconds",
+    "Predicted device-seconds of requests refused for overload: the demand the devices did not serve. "
+    "rate(sluice_device_busy_seconds_total) + rate(this) is the number of devices the offered load needs.",
+    ["model", "version"],
+)
 DEVICE_BUSY_RATIO = Gauge(
     "sluice_device_busy_ratio", "Fraction of the last few seconds the device was busy.", ["worker"],
     multiprocess_mode="liveall",
@@ -225,12 +231,18 @@ class JobMetrics:
 
 
 class EngineCounts(Protocol):
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def num_preemptions_total(self) -> int: ...
+    @property
+    def prefix_cache_query_tokens(self) -> int: ...
+    @property
+    def prefix_cache_hit_tokens(self) -> int: ...
 
 
 class GatewayMetrics:
@@ -248,6 +260,10 @@ class GatewayMetrics:
 
     def workers_ready(self, count: int) -> None:
         WORKERS_READY.set(count)
+
+    def refused_work(self, model: str, version: str, seconds: float) -> None:
+        """A request refused for overload at the gateway, by the device time it would have used."""
+        _child(REFUSED_WORK, model, version).inc(seconds)
 
     def worker_restarted(self) -> None:
         WORKER_RESTARTS.inc()
@@ -338,6 +354,10 @@ class WorkerMetrics:
 
     def item_failed(self, model: str, version: str) -> None:
         _child(ITEM_FAILURES, model, version).inc()
+
+    def refused_work(self, model: str, version: str, seconds: float) -> None:
+        """A request this worker refused for overload, by the device time it would have used."""
+        _child(REFUSED_WORK, model, version).inc(seconds)
 
     def queue(self, model: str, version: str, depth: int, work_s: float) -> None:
         _child(QUEUE_DEPTH, model, version).set(depth)

@@ -133,6 +133,10 @@ class WorkerConnection:
         not count yet."""
         return self._unreported.flow_work_s((tenant, priority))
 
+    def item_s(self, model: str, version: str) -> float:
+        """From the last report: the device time one more typical item adds (`QueueState.item_s`)."""
+        return self._item_s.get((model, version), 0.0)
+
     def newcomer_s(self, model: str, version: str) -> float:
         """From the last report: what a newcomer's own batch adds to its wait (`QueueState.newcomer_s`)."""
         return self._newcomer_s.get((model, version), 0.0)

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from sluice import wire
@@ -300,7 +300,7 @@ class Gateway:
         if excess_s <= 0:
             return key
         self._refused_early(info, tenant, priority, caller, arrived_at, now, "rejected")
-        raise _overloaded(connection, excess_s)
+        raise self._overloaded(connection, info, excess_s)
 
     def _refused_early(self, info: wire.ModelInfo, tenant: str, priority: Priority, caller: Caller,
                        arrived_at: float, now: float, outcome: str) -> None:
@@ -482,7 +482,7 @@ class Gateway:
 
     async def _dispatch_stream(
         self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket
-    ) -> AsyncIterator[wire.TokenChunk | InferResult]:
+    ) -> AsyncGenerator[wire.TokenChunk | InferResult, None]:
         tried_lost = False
         while True:
             connection, in_flight = await self._send(info, payload, ticket, tried_lost)
@@ -560,8 +560,16 @@ class Gateway:
         # the round trip (most of a rejection's latency under overload).
         excess_s = self._excess_s(connection, ticket.tenant, ticket.priority, info, self._clock.now(), ticket.deadline)
         if excess_s > 0:
-            raise _overloaded(connection, excess_s)
+            raise self._overloaded(connection, info, excess_s)
         return connection
+
+    def _overloaded(self, connection: WorkerConnection, info: wire.ModelInfo, excess_s: float) -> Overloaded:
+        """The early refusal: retry once the excess has drained at the worker's reported rate. The
+        demand it turns away is counted as one typical item (the body may not be read yet)."""
+        self._metrics.refused_work(info.name, info.version, connection.item_s(info.name, info.version))
+        drain_rate = connection.state.drain_rate if connection.state is not None else 1.0
+        return Overloaded("the work queued ahead would make this request miss its deadline",
+                          retry_after_s=max(excess_s / max(drain_rate, 0.05), 0.001))
 
     async def _await_answer(
         self, connection: WorkerConnection, in_flight: InFlight, deadline: float
@@ -594,13 +602,6 @@ def _is_refused_draining(connection: WorkerConnection, result: wire.Result | Non
 def _repeats(error: BaseException) -> bool:
     """The same input would fail the same way: identical requests waiting on it get this error too."""
     return isinstance(error, InvalidInput)  # a malformed item (ItemFailed), an upstream's 4xx, ...
-
-
-def _overloaded(connection: WorkerConnection, excess_s: float) -> Overloaded:
-    """The early refusal: retry once the excess has drained at the worker's reported rate."""
-    drain_rate = connection.state.drain_rate if connection.state is not None else 1.0
-    return Overloaded("the work queued ahead would make this request miss its deadline",
-                      retry_after_s=max(excess_s / max(drain_rate, 0.05), 0.001))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -143,8 +144,10 @@ class WorkerServer:
                 await upstream.aclose()
             for generation_loop in self._generation_loops.values():
                 generation_loop.stop()
-            for runner in [*self._runners.values(), *self._generators.values()]:
+            for runner in self._runners.values():
                 runner.close()
+            for generator in self._generators.values():
+                generator.close()
             await self._listener.aclose()  # closing flushes what is still buffered
 
     def drain(self) -> None:
@@ -220,6 +223,8 @@ class WorkerServer:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
                                              tenant=message.tenant, priority=_priority(message.priority))
         if isinstance(decision, Rejected):
+            if decision.reason is not RejectReason.DEADLINE_UNREACHABLE:  # turned away for want of capacity
+                self._metrics.refused_work(key[0], key[1], self._predicted_s(key, items))
             self._reply(identity, _rejection(message.request_id, decision, message.timeout_s))
             return
         pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
@@ -380,6 +385,13 @@ class WorkerServer:
         outbox, self._outbox = self._outbox, {}
         for identity, messages in outbox.items():
             self._listener.send(identity, wire.encode_many(messages))  # dropped if that gateway is gone
+
+    def _predicted_s(self, key: tuple[str, str], items: Sequence[PreparedItem]) -> float:
+        """The device time `items` would use, each its share of a full batch's fixed cost."""
+        with self._lock:
+            profile = self._scheduler.profile(key)
+        share_s = profile.alpha_s / self._runners[key].info.max_batch_size
+        return sum(share_s + profile.beta_s * item.cost for item in items)
 
     def _state(self) -> wire.WorkerState:
         queues = []
