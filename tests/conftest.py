@@ -54,6 +54,18 @@ class ServerProcess:
         return self.process.returncode
 
 
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process still running, newest first (they drain), then wait; kill stragglers."""
+    for process in reversed(processes):
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import free_port, write_emulated_model
+from tests.conftest import free_port, stop_all, write_emulated_model
 
 pytestmark = pytest.mark.slow
 
@@ -86,11 +85,4 @@ def test_two_gateways_share_workers_and_jobs(tmp_path: Path, redis_url: str, pos
         assert sum(done) == ITEMS, done
         assert min(done) > 0, done
     finally:
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from sluice.registry import PREFIX
-from tests.conftest import free_port, write_emulated_model
+from tests.conftest import free_port, stop_all, write_emulated_model
 
 pytestmark = pytest.mark.slow
 
@@ -89,11 +89,4 @@ def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, r
         _wait(lambda: _workers_ready(url) == 1, "the gateway to drop the worker that left")
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
     finally:
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)

@@ -1,0 +1,214 @@
+"""The Kubernetes manifests in `deploy/kubernetes`: valid against the Kubernetes API's schemas,
+consistent with each other (selectors, ports, scale targets), with commands and environment
+variables that the real `sluice` command line accepts, with an autoscaling query over metrics
+sluice exports; and their gateway and worker commands, run as local processes against a real
+Redis, make a working cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+import jsonpatch
+import kubernetes_validate
+import pytest
+import yaml
+
+from sluice import cli
+from tests.conftest import free_port, stop_all, write_emulated_model
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+VARIANTS = ["base", "keda", "gpu"]
+KUBERNETES_VERSION = "1.30.0"
+SUPPORTED_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches"}
+
+
+def render(folder: Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize folder` gives for the subset of kustomize these manifests use
+    (resources, and JSON 6902 patches with a target): checked against kubectl where it is installed."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert set(kustomization) <= SUPPORTED_KUSTOMIZATION_KEYS, set(kustomization) - SUPPORTED_KUSTOMIZATION_KEYS
+    documents: list[dict[str, Any]] = []
+    for resource in kustomization.get("resources", []):
+        path = (folder / resource).resolve()
+        documents += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        target = patch["target"]
+        operations = yaml.safe_load((folder / patch["path"]).read_text())
+        matches = [i for i, d in enumerate(documents)
+                   if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        assert len(matches) == 1, target
+        documents[matches[0]] = jsonpatch.apply_patch(documents[matches[0]], operations)
+    return documents
+
+
+def by_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents if d["kind"] == kind}
+
+
+def containers(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every Deployment's containers, by container name."""
+    return {c["name"]: c for d in by_kind(documents, "Deployment").values()
+            for c in d["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manifests_are_valid_kubernetes_objects(variant: str) -> None:
+    documents = render(KUBERNETES / variant)
+    for document in documents:
+        if document["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: checked by test_workers_autoscale_on_demand_that_sluice_exports
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+    names = [(d["kind"], d["metadata"]["name"]) for d in documents]
+    assert len(names) == len(set(names)), names
+    if shutil.which("kubectl"):  # the renderer above agrees with kustomize itself
+        built = subprocess.run(["kubectl", "kustomize", str(KUBERNETES / variant)], capture_output=True, text=True,
+                               check=True).stdout
+        key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+        assert sorted(yaml.safe_load_all(built), key=key) == sorted(documents, key=key)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_selectors_ports_and_targets_agree(variant: str) -> None:
+    documents = render(KUBERNETES / variant)
+    deployments = by_kind(documents, "Deployment")
+    for deployment in deployments.values():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in container:
+                    check = container[probe].get("httpGet") or container[probe]["tcpSocket"]
+                    assert check["port"] in ports or check["port"] in ports.values(), (container["name"], probe)
+    pods = [d["spec"]["template"] for d in deployments.values()]
+    for service in by_kind(documents, "Service").values():
+        selected = [p for p in pods if service["spec"]["selector"].items() <= p["metadata"]["labels"].items()]
+        assert len(selected) == 1, service["metadata"]["name"]
+        port_names = {p["name"] for c in selected[0]["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
+    for budget in by_kind(documents, "PodDisruptionBudget").values():
+        assert any(budget["spec"]["selector"]["matchLabels"].items() <= p["metadata"]["labels"].items() for p in pods)
+    for autoscaler in [*by_kind(documents, "HorizontalPodAutoscaler").values(),
+                       *by_kind(documents, "ScaledObject").values()]:
+        assert autoscaler["spec"]["scaleTargetRef"]["name"] in deployments
+
+
+def _arguments(container: dict[str, Any], values: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The container's args with `$(VAR)` expanded, and its environment (`valueFrom`: `values`)."""
+    env = {e["name"]: e.get("value", values.get(e["name"], "x")) for e in container.get("env", [])}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+    return args, env
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_commands_and_environment_are_what_the_cli_accepts(variant: str, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("")
+    values = {"POD_NAME": "sluice-worker-abc", "POD_IP": "10.1.2.3", "SLUICE_GATEWAY_JOBS_DB": "postgresql://db/x"}
+    sluice_containers = {name: c for name, c in containers(render(KUBERNETES / variant)).items()
+                         if c["image"].startswith("sluice")}
+    assert set(sluice_containers) == {"gateway", "worker"}
+    for container in sluice_containers.values():
+        args, env = _arguments(container, values)
+        args = [str(tenants) if a == "/etc/sluice/tenants.toml" else a for a in args]
+        command = cli.main.get_command(click.Context(cli.main), args[0])
+        assert command is not None, args
+        options = {f"SLUICE_{args[0].upper()}_{p.name.upper()}" for p in command.params}
+        for name, value in env.items():
+            assert not name.startswith(f"SLUICE_{args[0].upper()}_") or name in options, name  # else silently unused
+            monkeypatch.setenv(name, value)
+        with cli.main.make_context("sluice", list(args)) as group:
+            parsed = command.make_context(args[0], args[1:], parent=group)  # option types and callbacks run
+        if args[0] == "worker":
+            assert parsed.params["registry"] == env["SLUICE_WORKER_REGISTRY"]
+            assert parsed.params["device"] == ("cuda" if variant == "gpu" else "cpu")
+            assert parsed.params["advertise"] == "tcp://10.1.2.3:7000"
+        else:
+            assert parsed.params["jobs_db"] == "postgresql://db/x"
+            assert parsed.params["registry"] == parsed.params["limits_redis"] == parsed.params["cache_redis"]
+        monkeypatch.undo()
+
+
+def test_workers_autoscale_on_demand_that_sluice_exports() -> None:
+    (scaled,) = by_kind(render(KUBERNETES / "keda"), "ScaledObject").values()
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "sluice-worker"
+    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and 0 < float(trigger["metadata"]["threshold"]) <= 1
+    from sluice import metrics
+
+    exported = {f"{m._name}_total" if m._type == "counter" else m._name
+                for m in vars(metrics).values() if hasattr(m, "_type") and hasattr(m, "_name")}
+    queried = set(re.findall(r"\b(sluice_\w+)", trigger["metadata"]["query"]))
+    assert queried == {"sluice_device_busy_seconds_total", "sluice_refused_work_seconds_total"}
+    assert queried <= exported
+    assert trigger["metadata"]["query"].count("or vector(0)") == len(queried)  # defined before any refusal
+
+
+def test_the_image_pins_the_same_torch_as_the_package() -> None:
+    pyproject = (DEPLOY.parent / "pyproject.toml").read_text()
+    pin = re.search(r'"torch==([\d.]+)"', pyproject)
+    assert pin is not None
+    assert f"torch=={pin.group(1)}" in (DEPLOY / "Dockerfile").read_text()
+
+
+@pytest.mark.slow
+def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path, redis_url: str) -> None:
+    """The gateway and worker containers' args and environment, with the cluster's names and
+    ports swapped for local ones: a worker registers, the gateway finds it, a tenant's key is
+    required and works, and the metrics the autoscaler reads are where Prometheus scrapes."""
+    documents = render(KUBERNETES / "base")
+    redis_address = redis_url.removeprefix("redis://").split("/")[0]
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
+    tenants = tmp_path / "tenants.toml"
+    created = subprocess.run([sys.executable, "-m", "sluice", "keys", "create", "team", "--tenants", str(tenants)],
+                             capture_output=True, text=True, check=True)
+    key = created.stdout.strip().split()[-1]
+    gateway_port, worker_port, metrics_port = free_port(), free_port(), free_port()
+    local = {"sluice-redis:6379/0": f"{redis_address}/8", "/etc/sluice/tenants.toml": str(tenants),
+             "/models": str(repo), "tcp://0.0.0.0:7000": f"tcp://127.0.0.1:{worker_port}",
+             ":7000": f":{worker_port}", "8000": str(gateway_port), "9090": str(metrics_port)}
+
+    def localized(text: str) -> str:
+        for cluster, here in local.items():
+            text = text.replace(cluster, here)
+        return text
+
+    processes = []
+    try:
+        for name in ("worker", "gateway"):
+            args, env = _arguments(containers(documents)[name], {"POD_NAME": "sluice-worker-0", "POD_IP": "127.0.0.1"})
+            env = {k: localized(v) for k, v in env.items() if k != "SLUICE_GATEWAY_JOBS_DB"}
+            processes.append(subprocess.Popen([sys.executable, "-m", "sluice", *map(localized, args)],
+                                              env={**os.environ, **env}))
+        url = f"http://127.0.0.1:{gateway_port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+            time.sleep(0.2)
+        body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 3], "data": [1.0, 2.0, 3.0]}]}
+        assert httpx.post(f"{url}/v2/models/emulated/infer", json=body).status_code == 401
+        answer = httpx.post(f"{url}/v2/models/emulated/infer", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [6.0]
+        worker_metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert re.search(r'^sluice_device_busy_seconds_total\{worker="sluice-worker-0"\} [1-9e.\-0-9]+$',
+                         worker_metrics, re.MULTILINE), worker_metrics[:2000]
+    finally:
+        stop_all(processes)
