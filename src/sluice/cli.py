@@ -52,14 +52,14 @@ def _postgres_url(ctx: click.Context, param: click.Parameter, value: str | None)
     return value
 
 
-@click.group(context_settings={"auto_envvar_prefix": "SLUICE", "show_default": True})
+@click.group(context_settings={"show_default": True})
 @click.version_option(__version__, prog_name="sluice")
 def main() -> None:
     """sluice: batch inference requests onto devices, within their deadlines.
 
-    Every option can also be set in the environment, as SLUICE_<COMMAND>_<OPTION>: for example
-    SLUICE_GATEWAY_REGISTRY=redis://... for `sluice gateway --registry` (secrets stay out of the
-    process list and can come from a Kubernetes Secret).
+    Every option can also be set in the environment, as SLUICE_<COMMAND>_<OPTION> (the flag's
+    name): for example SLUICE_GATEWAY_REGISTRY=redis://... for `sluice gateway --registry`
+    (secrets stay out of the process list and can come from a Kubernetes Secret).
     """
 
 
@@ -353,6 +353,22 @@ from sluice.jobs.cli import batch  # noqa: E402
 main.add_command(batch)
 
 
+def _environment_names(group: click.Group, prefix: str) -> None:
+    """Name each option's environment variable after its command and flag, `SLUICE_GATEWAY_JOBS_DB`
+    for `sluice gateway --jobs-db` (click's automatic names follow the Python parameter instead,
+    `--tenants` would be `..._TENANTS_FILE`); options that name their own variable keep it."""
+    for name, command in group.commands.items():
+        path = f"{prefix}_{name.upper().replace('-', '_')}"
+        if isinstance(command, click.Group):
+            _environment_names(command, path)
+            continue
+        for param in command.params:
+            if isinstance(param, click.Option) and param.envvar is None:
+                flag = max(param.opts, key=len).lstrip("-").split("/")[0]
+                param.envvar = f"{path}_{flag.upper().replace('-', '_')}"
+                param.show_envvar = True
+
+
 def _redis_url(url: str | None, option: str = "--limits-redis") -> str | None:
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
         raise click.BadParameter("must be a redis://, rediss:// or unix:// URL", param_hint=option)
@@ -364,3 +380,6 @@ def _cache_config(cache_mb: int, ttl_s: float, redis_url: str | None) -> CacheCo
 
     return CacheConfig(capacity_bytes=cache_mb * 1024 * 1024, ttl_s=ttl_s,
                        redis_url=_redis_url(redis_url, "--cache-redis"))
+
+
+_environment_names(main, "SLUICE")

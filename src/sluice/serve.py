@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import urllib.parse
@@ -34,6 +36,7 @@ from sluice.gateway.cache import CacheConfig, MemoryStore, ResultCache
 from sluice.gateway.gateway import GatewayConfig
 from sluice.gateway.shared_cache import RedisCacheStore
 from sluice.gateway.shared_limits import SharedLimiter
+from sluice.gateway.shared_traffic import SharedTraffic
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.gateway.tenancy import Tenancy
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
@@ -161,6 +164,9 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
 
     registry = None if config.registry is None else RegistryWatcher(
         config.registry, gateway.add_worker, gateway.remove_worker)
+    if config.registry is not None:  # the gateways of a cluster share their traffic splits and canaries
+        gateway.shared_traffic = SharedTraffic(config.registry, f"{socket.gethostname()}:{os.getpid()}",
+                                               gateway.traffic, gateway.canary_event)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -168,6 +174,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             await gateway.add_worker(str(i), address)
         if registry is not None:
             await registry.start()
+        if gateway.shared_traffic is not None:
+            await gateway.shared_traffic.start()
         await supervisor.start()
         settle_garbage_collector()
         announcer = asyncio.create_task(_announce(config, server, gateway, devices, console))
@@ -178,6 +186,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             announcer.cancel()
             if registry is not None:
                 await registry.aclose()
+            if gateway.shared_traffic is not None:
+                await gateway.shared_traffic.aclose()
             await executor.aclose()
             await store.aclose()
             gateway.is_draining = True

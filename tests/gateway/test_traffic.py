@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
 import pytest
 
-from sluice.gateway.traffic import Canary, CanaryEvent, CanaryPlan, CanaryStatus, Split, Traffic, wilson_lower
+from sluice.gateway.traffic import (
+    Canary,
+    CanaryEvent,
+    CanaryPlan,
+    CanaryStatus,
+    Published,
+    Split,
+    Traffic,
+    wilson_lower,
+)
 
 SERVED = {"1", "2", "3"}
 
@@ -219,3 +229,36 @@ def test_a_canary_ends_when_an_operator_sets_a_split_or_a_version_is_no_longer_s
     ended = traffic.set_split("m", Split.of({"1": 50, "2": 50}))  # an operator takes over
     assert ended is not None and ended.kind == "rolled_back" and "operator" in ended.reason
     assert traffic.source("m") == "operator" and not traffic.has_canary("m")
+
+
+def test_a_published_state_survives_json_and_another_gateway_follows_it() -> None:
+    owner, follower = Traffic(), Traffic()
+    before = Split.of({"1": 100})
+    owner.set_split("m", before)
+    owner.start_canary("m", CanaryPlan(version="2", baseline="1", steps=(10.0,)), 0.0, before)
+    state = Published.from_json(json.loads(json.dumps(owner.published("m", "gw-a", 1.0).to_json())))
+    assert state.source == "canary" and state.before == before and state.canary is not None
+    assert state.canary["owner"] == "gw-a" and state.split == owner.split("m", None)
+
+    assert follower.follow("m", state) is None
+    assert follower.split("m", None) == owner.split("m", None) and follower.source("m") == "canary"
+    remote = follower.remote_canary("m")
+    assert remote is not None and remote.before == before
+    with pytest.raises(ValueError, match="already running on gateway gw-a"):
+        follower.start_canary("m", CanaryPlan(version="2", baseline="1"), 1.0, before)
+
+    follower.set_split("m", Split.of({"1": 50, "2": 50}))  # an operator's change on the follower...
+    event = owner.follow("m", follower.published("m", "gw-b", 2.0))  # ...ends the canary where it runs
+    assert event is not None and event.kind == "rolled_back" and "another gateway" in event.reason
+    assert not owner.has_canary("m") and owner.source("m") == "operator"
+    assert owner.split("m", None) == Split.of({"1": 50, "2": 50})
+    owner.follow("m", Published(None, None))  # reset to the declared split
+    assert owner.split("m", Split.of({"1": 100})) == Split.of({"1": 100}) and owner.source("m") is None
+
+
+@pytest.mark.parametrize("record", [{"split": {"traffic": {"1": -1}, "sticky": True}, "source": "operator"},
+                                    {"split": [1], "source": "operator"}, {"split": None, "source": 3},
+                                    {"split": None, "source": None, "canary": "x"}, {"source": None}])
+def test_a_malformed_published_record_is_refused(record: dict) -> None:
+    with pytest.raises((ValueError, KeyError)):
+        Published.from_json(record)

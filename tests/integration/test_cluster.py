@@ -1,8 +1,9 @@
 """Cluster mode end to end: two `sluice gateway`s and a `sluice worker` that find each other in a
-real Redis, sharing one PostgreSQL job store. A batch job submitted through one gateway is run by
+real Redis. Sharing one PostgreSQL job store, a batch job submitted through one gateway is run by
 both gateways' executors, each item exactly once, and read back through the other; online
 requests go through either. The second gateway is configured only through the environment
-(`SLUICE_GATEWAY_*`), as a Kubernetes Secret would set it."""
+(`SLUICE_GATEWAY_*`), as a Kubernetes Secret would set it. Traffic splits and canaries set
+through one gateway apply on both; a canary whose gateway dies is rolled back by the other."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 import redis
 
 from tests.conftest import free_port, stop_all, write_emulated_model
+from tests.integration.test_versions import _two_versions
 
 pytestmark = pytest.mark.slow
 
@@ -84,5 +86,68 @@ def test_two_gateways_share_workers_and_jobs(tmp_path: Path, redis_url: str, pos
         done = [_items_done(url) for url in urls]  # each item ran once, and both executors took part
         assert sum(done) == ITEMS, done
         assert min(done) > 0, done
+    finally:
+        stop_all(processes)
+
+
+def _state(client: httpx.Client, url: str) -> dict:
+    return client.get(f"{url}/admin/models/emulated").json()
+
+
+def _versions_served(client: httpx.Client, url: str, n: int = 20) -> set[str]:
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]}
+    return {client.post(f"{url}/v2/models/emulated/infer", json=body, headers={"Cache-Control": "no-store"}
+                        ).json()["model_version"] for _ in range(n)}
+
+
+def _eventually(check, what: str, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_gateways_share_traffic_splits_and_canaries(tmp_path: Path, redis_url: str) -> None:
+    registry = redis_url.rsplit("/", 1)[0] + "/9"
+    redis.Redis.from_url(registry).flushdb()
+    repo = _two_versions(tmp_path / "models")
+    ports = [free_port(), free_port()]
+    a, b = (f"http://127.0.0.1:{port}" for port in ports)
+    processes = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind",
+                                   f"tcp://127.0.0.1:{free_port()}", "--models", str(repo), "--registry", registry])]
+    processes += [subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
+                                    "--port", str(port)]) for port in ports]
+    try:
+        _eventually(lambda: _ready(a) and _ready(b), "the gateways", timeout_s=90)
+        with httpx.Client(timeout=30) as client:
+            assert _versions_served(client, b) == {"2"}  # the newest, with no split set anywhere
+            moved = client.put(f"{a}/admin/models/emulated/traffic", json={"traffic": {"1": 100}})
+            assert moved.status_code == 200, moved.text
+            _eventually(lambda: _state(client, b)["split_source"] == "operator", "gateway b to follow the split")
+            assert _versions_served(client, b) == {"1"}
+
+            started = client.post(f"{b}/admin/models/emulated/canary",
+                                  json={"version": "2", "steps": [50], "step_seconds": 600})
+            assert started.status_code == 201, started.text
+            _eventually(lambda: _state(client, a)["split_source"] == "canary", "gateway a to follow the canary")
+            followed = _state(client, a)
+            assert followed["canary"]["version"] == "2" and followed["canary"]["owner"]
+            assert {v["version"]: v["traffic_percent"] for v in followed["versions"]} == {"1": 50.0, "2": 50.0}
+            assert _versions_served(client, a, 60) == {"1", "2"}
+            again = client.post(f"{a}/admin/models/emulated/canary", json={"version": "2"})
+            assert again.status_code == 409 and "already running on gateway" in again.text
+
+            rolled_back = client.post(f"{a}/admin/models/emulated/rollback")  # handed to gateway b, which runs it
+            assert rolled_back.status_code == 200, rolled_back.text
+            assert rolled_back.json()["split_source"] == "canary result"
+            assert _state(client, b)["canary"]["status"] == "rolled_back"
+            assert _versions_served(client, a) == _versions_served(client, b) == {"1"}
+
+            started = client.post(f"{a}/admin/models/emulated/canary", json={"version": "2", "steps": [50]})
+            assert started.status_code == 201, started.text
+            _eventually(lambda: _state(client, b)["split_source"] == "canary", "gateway b to follow a's canary")
+            processes[1].kill()  # gateway a dies while its canary runs
+            _eventually(lambda: _state(client, b)["split_source"] == "rollback", "the orphaned canary's rollback")
+            assert _versions_served(client, b) == {"1"}
     finally:
         stop_all(processes)

@@ -15,8 +15,9 @@
                                           give a promoted canary's traffic back to its baseline, or
                                           undo an operator's last change of the split
 
-Splits and canaries live in this gateway's memory (`gateway.traffic`): a restarted gateway
-follows the splits the models declare.
+Splits and canaries live in the gateway's memory (`gateway.traffic`); gateways that share a
+registry share them too (`gateway.shared_traffic`), so a change sent to any of them applies to
+all. Without one, a restarted gateway follows the splits the models declare.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from starlette.routing import Route
 
 from sluice.api.auth import ADMIN_SCOPE_KEY
 from sluice.api.common import decode_json, read_body
-from sluice.errors import ConfigError, Conflict, InvalidInput, ModelNotFound, PermissionDenied
+from sluice.errors import ConfigError, Conflict, InvalidInput, ModelNotFound, PermissionDenied, Unavailable
 from sluice.gateway import Gateway
 from sluice.gateway.traffic import CanaryEvent, CanaryPlan, Split, version_order
 
@@ -97,12 +98,14 @@ def routes(gateway: Gateway) -> list[Route]:
         except ValueError as exc:
             raise InvalidInput(str(exc), param="traffic") from None
         _report(gateway, gateway.traffic.set_split(name, split))
+        await gateway.share_traffic(name)
         return _json(_describe(gateway, name))
 
     async def reset_traffic(request: Request) -> Response:
         check(request)
         name = _model(gateway, request)
         _report(gateway, gateway.traffic.set_split(name, None))
+        await gateway.share_traffic(name)
         return _json(_describe(gateway, name))
 
     async def canary(request: Request) -> Response:
@@ -134,24 +137,33 @@ def routes(gateway: Gateway) -> list[Route]:
             gateway.traffic.start_canary(name, plan, gateway.now(), split)
         except ValueError as exc:
             raise Conflict(str(exc)) from None
+        await gateway.share_traffic(name)
         return _json(_describe(gateway, name), status=201)
 
-    def canary_action(act: Callable[[str], CanaryEvent | None], nothing_to_do: str) -> Endpoint:
-        """`promote` or `roll_back` on the model in the path; 409 with `nothing_to_do` if it had none."""
+    def canary_action(action: str, act: Callable[[str], CanaryEvent | None], nothing_to_do: str) -> Endpoint:
+        """`promote` or `roll_back` on the model in the path; 409 with `nothing_to_do` if it had none.
+        A canary running on another gateway of the cluster is handed to that gateway."""
         async def endpoint(request: Request) -> Response:
             check(request)
             name = _model(gateway, request)
+            remote = gateway.traffic.remote_canary(name)
+            if remote is not None and gateway.shared_traffic is not None:
+                if not await gateway.shared_traffic.command(name, action):
+                    raise Unavailable(f"the gateway running model {name!r}'s canary "
+                                      f"({(remote.canary or {}).get('owner')}) did not answer", retry_after_s=1.0)
+                return _json(_describe(gateway, name))
             try:
                 event = act(name)
             except KeyError:
                 raise Conflict(f"model {name!r} has {nothing_to_do}") from None
             _report(gateway, event)
+            await gateway.share_traffic(name)
             return _json(_describe(gateway, name))
         return endpoint
 
-    promote = canary_action(gateway.traffic.promote, "no canary running")
-    rollback = canary_action(gateway.traffic.roll_back, "no canary running, no promoted canary to give back "
-                             "and no operator's change of its split to undo")
+    promote = canary_action("promote", gateway.traffic.promote, "no canary running")
+    rollback = canary_action("rollback", gateway.traffic.roll_back, "no canary running, no promoted canary to "
+                             "give back and no operator's change of its split to undo")
 
     prefix = "/admin/models/{name}"
     return [
@@ -201,6 +213,7 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
     ready = gateway.models().get(name, {})
     split, declared = gateway.split(name), gateway.declared_split(name)
     canary = gateway.traffic.canaries.get(name)
+    remote = gateway.traffic.remote_canary(name)
     source = gateway.traffic.source(name) or ("model.toml" if declared is not None else "newest version")
     shares = gateway.traffic_shares(name)
     return {
@@ -211,7 +224,7 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
         "split_source": source,
         "sticky": split.sticky if split is not None else None,
         "declared": None if declared is None else {"traffic": declared.percent(), "sticky": declared.sticky},
-        "canary": None if canary is None else canary.describe(now),
+        "canary": remote.canary if remote is not None else None if canary is None else canary.describe(now),
     }
 
 

@@ -16,9 +16,12 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
 from sluice import wire
 from sluice.clock import Clock
 from sluice.errors import (
+    Conflict,
     DeadlineExceeded,
     InvalidInput,
     ModelNotFound,
@@ -31,6 +34,7 @@ from sluice.errors import (
 from sluice.gateway import router
 from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, ResultCache, cache_key
 from sluice.gateway.connection import InFlight, WorkerConnection
+from sluice.gateway.shared_traffic import SharedTraffic, Stale
 from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.ticket import InferResult, Ticket, interpret
 from sluice.gateway.traffic import CanaryEvent, Split, Traffic, version_order
@@ -89,6 +93,8 @@ class Gateway:
         self.tenancy.on_weights(self._send_weights)
         self.traffic = Traffic()
         """Operators' traffic splits and canaries (`api.admin`), over the splits models declare."""
+        self.shared_traffic: SharedTraffic | None = None
+        """Where `traffic` is shared with the other gateways of a cluster (`serve` sets it)."""
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -248,6 +254,20 @@ class Gateway:
         log.warning("canary of model %s: %s, now at %g%% of its traffic: %s", event.model,
                     event.kind.replace("_", " "), event.share, event.reason)
         self._metrics.canary_event(event.model, event.kind)
+        if self.shared_traffic is not None:
+            self.shared_traffic.publish_soon(event.model)
+
+    async def share_traffic(self, name: str) -> None:
+        """Tell the cluster's other gateways about a change of `name`'s traffic made here. Raises
+        `Conflict` if one of them changed it meanwhile (this gateway now follows that change)."""
+        if self.shared_traffic is None:
+            return
+        try:
+            await self.shared_traffic.publish(name)
+        except Stale as exc:
+            raise Conflict(str(exc)) from None
+        except (RedisError, OSError) as exc:
+            log.warning("cannot share model %s's traffic change with the other gateways: %s", name, exc)
 
     def loading_models(self) -> set[str]:
         """Expected models that no ready worker serves yet and that were not refused at load."""

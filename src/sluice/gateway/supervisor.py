@@ -108,5 +108,6 @@ class Supervisor:
             "--id", spec.worker_id, "--bind", spec.address,
             "--models", str(spec.models_dir), "--device", spec.device, "--share", "{}/{}".format(*spec.share),
         ]
-        env = {**os.environ, **self._config.env}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_WORKER_")}  # not for these
+        env = {**inherited, **self._config.env}
         return await asyncio.create_subprocess_exec(*command, env=env)

@@ -33,6 +33,11 @@ a missed deadline the model's own SLO set); a client's invalid input or short de
 refusals and cancellations say nothing about a version and are not counted. Answers from the
 result cache are not counted either; answers to requests that named the version are.
 
+Several gateways keep one state per model between them (`gateway.shared_traffic`): each change
+here is `published()` and the others `follow()` it. A canary runs on the gateway it was started
+on, judged on the requests that gateway serves (behind a load balancer, a random share of all of
+them); the others follow its steps, and a canary whose gateway stops publishing is rolled back.
+
 When a canary ends, the split it started from comes back with the winner in the baseline's
 place (promoted: the canary takes the baseline's share; rolled back: the baseline keeps it, and
 takes any share the canary version had), as an operator's split would: it stays until an
@@ -49,7 +54,7 @@ from collections import deque
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BAD_OUTCOMES", "Canary", "CanaryPlan", "CanaryStatus", "Split", "Traffic", "version_order"]
+__all__ = ["BAD_OUTCOMES", "Canary", "CanaryPlan", "CanaryStatus", "Published", "Split", "Traffic", "version_order"]
 
 BAD_OUTCOMES = frozenset({"failed", "error", "expired"})
 """Request outcomes (`Ticket`'s labels) that count against a version."""
@@ -108,6 +113,20 @@ class Split:
     def percent(self) -> dict[str, float]:
         total = sum(w for _, w in self.shares)
         return {v: round(100.0 * w / total, 4) for v, w in self.shares}
+
+
+    def to_json(self) -> dict[str, object]:
+        return {"traffic": dict(self.shares), "sticky": self.sticky}
+
+    @classmethod
+    def from_json(cls, value: object) -> Split | None:
+        """The inverse of `to_json` (None for None). Raises ValueError for anything else."""
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("traffic"), dict) \
+                or not isinstance(value.get("sticky"), bool):
+            raise ValueError(f"not a split: {value!r}")
+        return cls.of(value["traffic"], value["sticky"])
 
 
 def _point(key: str) -> float:
@@ -316,6 +335,34 @@ class Canary:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Published:
+    """One model's traffic state as a gateway shares it with the others: the split set there (None:
+    the model's declared one) and by whom (`Traffic.source`); while a canary runs there, its
+    description (`Canary.describe`, plus the owner's name) and the split it started from, the
+    one it goes back to if its gateway disappears."""
+
+    split: Split | None
+    source: str | None
+    canary: dict[str, object] | None = None
+    before: Split | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"split": None if self.split is None else self.split.to_json(), "source": self.source,
+                "canary": self.canary, "before": None if self.before is None else self.before.to_json()}
+
+    @classmethod
+    def from_json(cls, value: dict[str, object]) -> Published:
+        """Raises ValueError (or KeyError, TypeError) for a record that is not one."""
+        canary = value.get("canary")
+        if canary is not None and not isinstance(canary, dict):
+            raise ValueError(f"not a canary: {canary!r}")
+        source = value["source"]
+        if source is not None and not isinstance(source, str):
+            raise ValueError(f"not a source: {source!r}")
+        return cls(Split.from_json(value["split"]), source, canary, Split.from_json(value.get("before")))
+
+
 _EVALUATE_EVERY_S = 0.25
 _PATIENCE = 10
 """A step without `min_requests` canary answers after this many `step_s` ends the canary."""
@@ -336,6 +383,8 @@ class Traffic:
         """Each model's latest canary, running or ended."""
         self._running: dict[str, Canary] = {}
         self._next_evaluation: dict[str, float] = {}
+        self._remote: dict[str, Published] = {}
+        """Canaries running on another gateway, as it last published them."""
 
     def split(self, model: str, declared: Split | None) -> Split | None:
         """The split requests to `model` that name no version follow now (None: the newest version)."""
@@ -348,7 +397,7 @@ class Traffic:
     def source(self, model: str) -> str | None:
         """Who set the model's split now: "canary" (running), "canary result", "operator",
         "rollback", or None (the model's declared split, or the newest version)."""
-        if model in self._running:
+        if model in self._running or model in self._remote:
             return "canary"
         own = self._splits.get(model)
         return None if own is None else own[1]
@@ -359,6 +408,7 @@ class Traffic:
     def set_split(self, model: str, split: Split | None) -> CanaryEvent | None:
         """An operator's split (None: back to the declared one). Ends a running canary (rolled
         back, returned)."""
+        self._remote.pop(model, None)  # one running elsewhere ends when its gateway follows this
         canary = self._running.pop(model, None)
         event = None if canary is None else canary.roll_back("replaced by an operator's traffic split")
         self._undo[model] = self._splits.get(model)
@@ -371,6 +421,10 @@ class Traffic:
         the model already runs."""
         if model in self._running:
             raise ValueError(f"a canary of version {self._running[model].plan.version} is already running")
+        remote = self._remote.get(model)
+        if remote is not None and remote.canary is not None:
+            raise ValueError(f"a canary of version {remote.canary.get('version')} is already running on gateway "
+                             f"{remote.canary.get('owner')}")
         canary = Canary(model, plan, now, current)
         self.canaries[model] = self._running[model] = canary
         self._undo.pop(model, None)  # the canary's outcome, not an operator's change, is what comes next
@@ -398,6 +452,31 @@ class Traffic:
             raise KeyError(model)
         self._set(model, self._undo.pop(model))
         return None
+
+    def published(self, model: str, owner: str, now: float) -> Published:
+        """What this gateway shares of `model`'s state with the others."""
+        canary = self._running.get(model)
+        if canary is not None:
+            return Published(canary.split, "canary", {**canary.describe(now), "owner": owner}, canary.before)
+        own = self._splits.get(model)
+        return Published(None, None) if own is None else Published(own[0], own[1])
+
+    def follow(self, model: str, state: Published) -> CanaryEvent | None:
+        """Take another gateway's newer state of `model`. A canary running here ends (returned):
+        the other gateway changed the split after it."""
+        canary = self._running.pop(model, None)
+        event = None if canary is None else canary.roll_back("replaced by a change on another gateway")
+        self._undo.pop(model, None)
+        self._set(model, None if state.split is None else (state.split, state.source or "operator"))
+        if state.source == "canary" and state.canary is not None:
+            self._remote[model] = state
+        else:
+            self._remote.pop(model, None)
+        return event
+
+    def remote_canary(self, model: str) -> Published | None:
+        """The canary of `model` running on another gateway, as it last published it."""
+        return self._remote.get(model)
 
     def has_canary(self, model: str) -> bool:
         """A canary of `model` is running."""

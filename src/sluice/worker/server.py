@@ -223,7 +223,7 @@ class WorkerServer:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
                                              tenant=message.tenant, priority=_priority(message.priority))
         if isinstance(decision, Rejected):
-            if decision.reason is not RejectReason.DEADLINE_UNREACHABLE:  # turned away for want of capacity
+            if decision.reason is RejectReason.OVERLOADED:  # turned away for want of capacity (not a tenant's cap)
                 self._metrics.refused_work(key[0], key[1], self._predicted_s(key, items))
             self._reply(identity, _rejection(message.request_id, decision, message.timeout_s))
             return
