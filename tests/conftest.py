@@ -108,6 +108,19 @@ def write_emulated_model(repo: Path, name: str = "emulated", slo_ms: float = 100
     return repo
 
 
+def write_two_versions(repo: Path, routing: str = "", v2_params: str = "") -> Path:
+    """The emulated model with versions 1 and 2 (2's own settings in its version.toml)."""
+    write_emulated_model(repo, alpha_ms=1.0, beta_ms=0.1)
+    model = repo / "emulated"
+    (model / "2").mkdir()
+    (model / "2" / "SHA256SUMS").write_text("")
+    if v2_params:
+        (model / "2" / "version.toml").write_text(f"[params]\n{v2_params}\n")
+    if routing:
+        (model / "model.toml").write_text((model / "model.toml").read_text() + f"\n[routing]\n{routing}\n")
+    return repo
+
+
 def write_tiny_lm_model(repo: Path, name: str = "tiny", max_num_seqs: int = 16) -> Path:
     """A repository entry `name`: a tiny random-weight Llama (generated, with its SHA256SUMS) served
     by the generative engine with a roomy deadline and a small KV cache."""

@@ -245,7 +245,15 @@ class EngineCounts(Protocol):
     def prefix_cache_hit_tokens(self) -> int: ...
 
 
-class GatewayMetrics:
+class _Demand:
+    """What gateways and workers both record: the demand they turn away."""
+
+    def refused_work(self, model: str, version: str, seconds: float) -> None:
+        """A request refused for overload, by the device time it would have used."""
+        _child(REFUSED_WORK, model, version).inc(seconds)
+
+
+class GatewayMetrics(_Demand):
     def __init__(self) -> None:
         self._counted: dict[Any, float] = {}
         """Counters kept elsewhere and exported on scrape: how much of each this registry has."""
@@ -260,10 +268,6 @@ class GatewayMetrics:
 
     def workers_ready(self, count: int) -> None:
         WORKERS_READY.set(count)
-
-    def refused_work(self, model: str, version: str, seconds: float) -> None:
-        """A request refused for overload at the gateway, by the device time it would have used."""
-        _child(REFUSED_WORK, model, version).inc(seconds)
 
     def worker_restarted(self) -> None:
         WORKER_RESTARTS.inc()
@@ -338,7 +342,7 @@ class GatewayMetrics:
             _child(TENANT_DEVICE_SECONDS, tenant_label(tenant), klass).inc(device_s)
 
 
-class WorkerMetrics:
+class WorkerMetrics(_Demand):
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self._busy = _child(DEVICE_BUSY, worker_id)
@@ -354,10 +358,6 @@ class WorkerMetrics:
 
     def item_failed(self, model: str, version: str) -> None:
         _child(ITEM_FAILURES, model, version).inc()
-
-    def refused_work(self, model: str, version: str, seconds: float) -> None:
-        """A request this worker refused for overload, by the device time it would have used."""
-        _child(REFUSED_WORK, model, version).inc(seconds)
 
     def queue(self, model: str, version: str, depth: int, work_s: float) -> None:
         _child(QUEUE_DEPTH, model, version).set(depth)

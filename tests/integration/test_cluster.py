@@ -19,8 +19,7 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import free_port, stop_all, write_emulated_model
-from tests.integration.test_versions import _two_versions
+from tests.conftest import free_port, stop_all, write_emulated_model, write_two_versions
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +109,7 @@ def _eventually(check, what: str, timeout_s: float = 10.0) -> None:  # type: ign
 def test_gateways_share_traffic_splits_and_canaries(tmp_path: Path, redis_url: str) -> None:
     registry = redis_url.rsplit("/", 1)[0] + "/9"
     redis.Redis.from_url(registry).flushdb()
-    repo = _two_versions(tmp_path / "models")
+    repo = write_two_versions(tmp_path / "models")
     ports = [free_port(), free_port()]
     a, b = (f"http://127.0.0.1:{port}" for port in ports)
     processes = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind",

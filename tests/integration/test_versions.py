@@ -15,24 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from sluice.cli import main
-from tests.conftest import ServerProcess, metric_total, write_emulated_model
+from tests.conftest import ServerProcess, metric_total, write_two_versions
 
 pytestmark = pytest.mark.slow
 
 _values = itertools.count(1)
-
-
-def _two_versions(repo: Path, routing: str = "", v2_params: str = "") -> Path:
-    """The emulated model with versions 1 and 2 (2's own settings in its version.toml)."""
-    write_emulated_model(repo, alpha_ms=1.0, beta_ms=0.1)
-    model = repo / "emulated"
-    (model / "2").mkdir()
-    (model / "2" / "SHA256SUMS").write_text("")
-    if v2_params:
-        (model / "2" / "version.toml").write_text(f"[params]\n{v2_params}\n")
-    if routing:
-        (model / "model.toml").write_text((model / "model.toml").read_text() + f"\n[routing]\n{routing}\n")
-    return repo
 
 
 def _infer(client: httpx.Client, server: ServerProcess, path: str = "/v2/models/emulated/infer",
@@ -48,7 +35,7 @@ def _admin(client: httpx.Client, server: ServerProcess, method: str, path: str, 
 
 def test_a_declared_split_keeps_each_caller_on_its_version_and_pinned_requests_on_theirs(
         make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
-    server = make_server(_two_versions(tmp_path / "repo", routing="traffic = { 1 = 50, 2 = 50 }"))
+    server = make_server(write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 50, 2 = 50 }"))
     with httpx.Client(timeout=30) as client:
         by_key = {}
         for key in (f"user-{i}" for i in range(40)):
@@ -75,7 +62,7 @@ def test_a_declared_split_keeps_each_caller_on_its_version_and_pinned_requests_o
 
 def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Callable[..., ServerProcess],
                                                                tmp_path: Path) -> None:
-    server = make_server(_two_versions(tmp_path / "repo"))
+    server = make_server(write_two_versions(tmp_path / "repo"))
     with httpx.Client(timeout=30) as client:
         assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"2"}  # newest by default
         assert _admin(client, server, "GET", "").json()["split_source"] == "newest version"
@@ -106,7 +93,7 @@ def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Cal
 
 def test_a_failing_canary_is_rolled_back_on_its_own(make_server: Callable[..., ServerProcess],
                                                    tmp_path: Path) -> None:
-    server = make_server(_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }",
+    server = make_server(write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }",
                                        v2_params="error_rate = 1.0"))
     with httpx.Client(timeout=30) as client:
         started = _admin(client, server, "POST", "/canary", version="2", steps=[20], step_seconds=60,
@@ -129,7 +116,7 @@ def test_a_failing_canary_is_rolled_back_on_its_own(make_server: Callable[..., S
 
 def test_a_healthy_canary_is_promoted_step_by_step(make_server: Callable[..., ServerProcess],
                                                   tmp_path: Path) -> None:
-    server = make_server(_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }"))
+    server = make_server(write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }"))
     with httpx.Client(timeout=30) as client:
         assert _admin(client, server, "POST", "/canary", version="2", steps=[20, 50], step_seconds=0.2,
                       min_requests=10, max_latency_ratio=5).status_code == 201

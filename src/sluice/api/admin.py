@@ -97,16 +97,12 @@ def routes(gateway: Gateway) -> list[Route]:
             split = Split.of(body.traffic, body.sticky)
         except ValueError as exc:
             raise InvalidInput(str(exc), param="traffic") from None
-        _report(gateway, gateway.traffic.set_split(name, split))
-        await gateway.share_traffic(name)
-        return _json(_describe(gateway, name))
+        return await _changed(gateway, name, gateway.traffic.set_split(name, split))
 
     async def reset_traffic(request: Request) -> Response:
         check(request)
         name = _model(gateway, request)
-        _report(gateway, gateway.traffic.set_split(name, None))
-        await gateway.share_traffic(name)
-        return _json(_describe(gateway, name))
+        return await _changed(gateway, name, gateway.traffic.set_split(name, None))
 
     async def canary(request: Request) -> Response:
         check(request)
@@ -137,8 +133,7 @@ def routes(gateway: Gateway) -> list[Route]:
             gateway.traffic.start_canary(name, plan, gateway.now(), split)
         except ValueError as exc:
             raise Conflict(str(exc)) from None
-        await gateway.share_traffic(name)
-        return _json(_describe(gateway, name), status=201)
+        return await _changed(gateway, name, None, status=201)
 
     def canary_action(action: str, act: Callable[[str], CanaryEvent | None], nothing_to_do: str) -> Endpoint:
         """`promote` or `roll_back` on the model in the path; 409 with `nothing_to_do` if it had none.
@@ -156,9 +151,7 @@ def routes(gateway: Gateway) -> list[Route]:
                 event = act(name)
             except KeyError:
                 raise Conflict(f"model {name!r} has {nothing_to_do}") from None
-            _report(gateway, event)
-            await gateway.share_traffic(name)
-            return _json(_describe(gateway, name))
+            return await _changed(gateway, name, event)
         return endpoint
 
     promote = canary_action("promote", gateway.traffic.promote, "no canary running")
@@ -184,6 +177,14 @@ def _model(gateway: Gateway, request: Request) -> str:
     if name not in gateway.models(include_recovering=True):
         raise gateway.refusal(name, None) or ModelNotFound(f"model {name!r} is not served")
     return name
+
+
+async def _changed(gateway: Gateway, name: str, event: CanaryEvent | None, status: int = 200) -> Response:
+    """After an operator changed `name`'s traffic here: report the canary it ended, tell the other
+    gateways, answer with the model's routing."""
+    _report(gateway, event)
+    await gateway.share_traffic(name)
+    return _json(_describe(gateway, name), status=status)
 
 
 def _report(gateway: Gateway, event: CanaryEvent | None) -> None:

@@ -130,14 +130,14 @@ class SharedTraffic:
                 self._command(canary.model, command.decode())
             with contextlib.suppress(Stale):
                 await self._publish(canary.model)
-        for model in list(self._remote_models()):
+        for raw_model, raw in records.items():  # canaries whose gateway stopped renewing them
+            model = raw_model.decode()
             remote = self._traffic.remote_canary(model)
-            record = json.loads(records.get(model.encode(), b"{}"))
-            if remote is not None and float(record.get("lease_until", now)) < now - self._poll_s:
+            if remote is None:
+                continue
+            record = json.loads(raw)
+            if float(record.get("lease_until", now)) < now - self._poll_s:
                 self._abandoned(model, remote, str(record.get("by")))
-
-    def _remote_models(self) -> list[str]:
-        return [m for m in self._seen if self._traffic.remote_canary(m) is not None]
 
     def _command(self, model: str, action: str) -> None:
         try:

@@ -222,9 +222,12 @@ class WorkerServer:
         with self._lock:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
                                              tenant=message.tenant, priority=_priority(message.priority))
+            # turned away for want of capacity (not a tenant's own cap): the demand it carried
+            refused_s = self._predicted_s(key, items) if isinstance(decision, Rejected) \
+                and decision.reason is RejectReason.OVERLOADED else 0.0
         if isinstance(decision, Rejected):
-            if decision.reason is RejectReason.OVERLOADED:  # turned away for want of capacity (not a tenant's cap)
-                self._metrics.refused_work(key[0], key[1], self._predicted_s(key, items))
+            if refused_s > 0:
+                self._metrics.refused_work(key[0], key[1], refused_s)
             self._reply(identity, _rejection(message.request_id, decision, message.timeout_s))
             return
         pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
@@ -387,9 +390,9 @@ class WorkerServer:
             self._listener.send(identity, wire.encode_many(messages))  # dropped if that gateway is gone
 
     def _predicted_s(self, key: tuple[str, str], items: Sequence[PreparedItem]) -> float:
-        """The device time `items` would use, each its share of a full batch's fixed cost."""
-        with self._lock:
-            profile = self._scheduler.profile(key)
+        """The device time `items` would use, each its share of a full batch's fixed cost. The
+        caller holds the scheduler's lock."""
+        profile = self._scheduler.profile(key)
         share_s = profile.alpha_s / self._runners[key].info.max_batch_size
         return sum(share_s + profile.beta_s * item.cost for item in items)
 
