@@ -40,7 +40,9 @@ EXECUTION = Histogram(
 BATCH_SIZE = Histogram(
     "sluice_batch_size", "Items per executed batch.", ["model", "version"], buckets=_BATCH_BUCKETS,
 )
-DEVICE_BUSY = Counter("sluice_device_busy_seconds", "Seconds the device spent executing batches.", ["worker"])
+DEVICE_BUSY = Counter(
+    "sluice_device_busy_seconds", "Seconds the device spent executing batches and generative engine steps.", ["worker"],
+)
 REFUSED_WORK = Counter(
     "sluice_refused_work_seconds",
     "Predicted device-seconds of requests refused for overload: the demand the devices did not serve. "
@@ -354,7 +356,11 @@ class WorkerMetrics(_Demand):
         wait = _child(QUEUE_WAIT, model, version)
         for w in waits_s:
             wait.observe(w)
-        self._busy.inc(exec_s)
+        self.device_busy(exec_s)
+
+    def device_busy(self, seconds: float) -> None:
+        """The device computed for `seconds` (a batch, or a generative engine's step)."""
+        self._busy.inc(seconds)
 
     def item_failed(self, model: str, version: str) -> None:
         _child(ITEM_FAILURES, model, version).inc()

@@ -90,6 +90,8 @@ def test_finished_generations_count_as_ok_with_their_tokens(server, client):
     cancelled = metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
     generated = metric_total(server, "sluice_generation_tokens_total", model=MODEL)
     goodput = metric_total(server, "sluice_tenant_goodput_total", tenant="local")
+    busy_s = metric_total(server, "sluice_device_busy_seconds_total")
+    charged_s = metric_total(server, "sluice_tenant_device_seconds_total", tenant="local")
     client.completions.create(model=MODEL, prompt="Count me", max_tokens=5, temperature=0)
     list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "and me"}],
                                         max_tokens=7, temperature=0, stream=True))
@@ -97,6 +99,10 @@ def test_finished_generations_count_as_ok_with_their_tokens(server, client):
     assert metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled
     assert metric_total(server, "sluice_generation_tokens_total", model=MODEL) == generated + 12
     assert metric_total(server, "sluice_tenant_goodput_total", tenant="local") == goodput + 2
+    # the engine's steps keep the device busy (the demand signal autoscaling reads), at least
+    # as long as the device time the two requests were charged
+    charged_s = metric_total(server, "sluice_tenant_device_seconds_total", tenant="local") - charged_s
+    assert metric_total(server, "sluice_device_busy_seconds_total") - busy_s >= charged_s * 0.999 > 0
 
 
 def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it_used(server, client):

@@ -172,6 +172,29 @@ def test_a_steps_time_is_split_by_the_tokens_it_computed_for_each_sequence():
     assert expired.num_tokens == 120
 
 
+def test_a_refused_generation_is_counted_as_the_device_time_it_would_have_used():
+    refused: list[tuple[str, str, float]] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: None, lambda identity, request_id: None,
+                              lambda model, version, seconds: refused.append((model, version, seconds)))
+
+    def submit(internal_id: int, max_tokens: int) -> None:
+        payload = wire.GeneratePayload(prompt="hi", max_tokens=max_tokens)
+        loop = _Loop()
+        prepared = PreparedGeneration([1, 2, 3], SamplingParams(max_tokens=max_tokens))
+        loop.runner = SimpleNamespace(prepare=lambda _: prepared)
+        assert generations.submit(internal_id, b"gw", wire.Submit(internal_id, "tiny", "1", payload, 5.0, "a", 1),
+                                  loop)  # type: ignore[arg-type]
+
+    submit(1, 40)
+    # two steps of 10 ms, 50 tokens each: 0.2 ms per computed token; the request stops at 10 of its 40 tokens
+    generations.on_outputs([], 0.01, {"1": 50})
+    generations.on_outputs([RequestOutput("1", (7,), "x", True, "stop", 3, 0, 10)], 0.01, {"1": 50})
+    submit(2, 100)
+    generations.on_outputs([RequestOutput("2", (), "", True, "refused", 60, 0, 0)], 0.0, {})
+    # 60 prompt tokens and a quarter of its 100 tokens, as the finished one used, at 0.2 ms each
+    assert refused == [("tiny", "1", pytest.approx(0.0002 * (60 + 25)))]
+
+
 def test_a_request_whose_preparation_fails_unexpectedly_is_answered_and_not_kept():
     replies: list[wire.Message] = []
     generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),

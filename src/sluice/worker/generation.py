@@ -35,6 +35,9 @@ log = logging.getLogger("sluice.worker")
 OnOutputs = Callable[[list[RequestOutput], float, dict[str, int]], None]
 """(a step's outputs, its seconds, the tokens it computed for each sequence)"""
 
+RefusedWork = Callable[[str, str, float], None]
+"""(model, version, predicted device-seconds) of a generation refused for overload"""
+
 OFF_LOOP_PROMPT_CHARS = 16_384
 """Longer prompts (more than a few ms to tokenize) are prepared on a thread, off the event loop."""
 
@@ -108,21 +111,58 @@ class _Generation:
     gateway_request_id: int
     loop: GenerationLoop
     is_streamed: bool
+    key: tuple[str, str]
+    max_tokens: int = 0
     parts: list[str] = field(default_factory=list)
     device_s: float = 0.0
     is_started: bool = False
 
 
+class _RecentCost:
+    """What one model's generations have recently cost, to price one that was refused: device
+    seconds per computed token (each step's time over the tokens it computed, as `device_s` is
+    charged), and the share of `max_tokens` that finished generations used (a stop string or
+    the end-of-sequence token usually ends one sooner). Both decay over the last few hundred
+    steps and generations."""
+
+    DECAY = 0.99
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._tokens = 0.0
+        self._used = 0.0
+        self._allowed = 0.0
+
+    def step(self, seconds: float, num_tokens: int) -> None:
+        self._seconds = self._seconds * self.DECAY + seconds
+        self._tokens = self._tokens * self.DECAY + num_tokens
+
+    def finished(self, num_output_tokens: int, max_tokens: int) -> None:
+        self._used = self._used * self.DECAY + min(num_output_tokens, max_tokens)
+        self._allowed = self._allowed * self.DECAY + max_tokens
+
+    def predicted_s(self, num_prompt_tokens: int, max_tokens: int) -> float:
+        """The device time a generation of this size would have used (0 before any step)."""
+        if self._tokens <= 0:
+            return 0.0
+        share = self._used / self._allowed if self._allowed > 0 else 1.0
+        return self._seconds / self._tokens * (num_prompt_tokens + share * max_tokens)
+
+
 class Generations:
     """The worker's generation requests, by internal id: submitted to their model's loop, streamed
     back as `TokenChunk`s (or collected, unstreamed), answered with one `Result` when they end.
-    `forget(identity, gateway_request_id)` is called when one has been answered."""
+    `forget(identity, gateway_request_id)` is called when one has been answered; `refused_work`
+    with the predicted device time of each one the engine refused for overload."""
 
-    def __init__(self, clock: Clock, reply: wire.Reply, forget: Callable[[bytes, int], None]) -> None:
+    def __init__(self, clock: Clock, reply: wire.Reply, forget: Callable[[bytes, int], None],
+                 refused_work: RefusedWork | None = None) -> None:
         self._clock = clock
         self._reply = reply
         self._forget = forget
+        self._refused_work = refused_work
         self._by_id: dict[int, _Generation] = {}
+        self._demand: dict[tuple[str, str], _RecentCost] = {}
         self._preparing: set[asyncio.Task[None]] = set()  # held so they are not collected mid-flight
 
     def __bool__(self) -> bool:
@@ -137,7 +177,7 @@ class Generations:
             error = InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
             self._refuse(identity, message.request_id, error)
             return False
-        generation = _Generation(identity, message.request_id, loop, payload.stream)
+        generation = _Generation(identity, message.request_id, loop, payload.stream, (message.model, message.version))
         self._by_id[internal_id] = generation
         if prompt_chars(payload) > OFF_LOOP_PROMPT_CHARS:
             task = asyncio.create_task(self._prepare_off_loop(internal_id, generation, message, deadline))
@@ -176,6 +216,7 @@ class Generations:
 
     def _enqueue(self, internal_id: int, generation: _Generation, message: wire.Submit, prepared: PreparedGeneration,
                  deadline: float) -> None:
+        generation.max_tokens = prepared.params.max_tokens
         generation.loop.submit(str(internal_id), prepared, Priority(message.priority), deadline, salt=message.tenant)
 
     def _refuse(self, identity: bytes, request_id: int, error: InvalidInput) -> None:
@@ -196,10 +237,14 @@ class Generations:
         split among the sequences it computed by their tokens (`tokens`: a 500-token prompt chunk
         costs 500 decodes), also those still in prefill, which have no output yet."""
         total = sum(tokens.values())
+        demand = None
         for request_id, num_tokens in tokens.items():
             computed = self._by_id.get(int(request_id))
             if computed is not None:
                 computed.device_s += step_s * num_tokens / total
+                demand = demand or self._demand.setdefault(computed.key, _RecentCost())
+        if demand is not None:  # one engine's step: every sequence in it is of the same model
+            demand.step(step_s, total)
         for output in outputs:
             internal_id = int(output.request_id)
             generation = self._by_id.get(internal_id)
@@ -226,12 +271,17 @@ class Generations:
             result = wire.Result(request_id, wire.Outcome.EXPIRED, num_tokens=num_tokens, device_s=generation.device_s,
                                  message="the deadline passed before the generation finished")
         elif output.finish_reason in ("stop", "length"):
+            cost = self._demand.setdefault(generation.key, _RecentCost())
+            cost.finished(output.num_output_tokens, generation.max_tokens)
             text = "" if generation.is_streamed else "".join(generation.parts)
             payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
                                             output.num_cached_tokens, output.num_output_tokens)
             result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                  device_s=generation.device_s)
         elif output.finish_reason == "refused":  # the engine's early refusal: the queue ahead is too long
+            if self._refused_work is not None and generation.key in self._demand:
+                predicted_s = self._demand[generation.key].predicted_s(output.num_prompt_tokens, generation.max_tokens)
+                self._refused_work(*generation.key, predicted_s)
             result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
                                  message="worker overloaded: queued generations would miss the deadline")
         elif output.finish_reason == "error":

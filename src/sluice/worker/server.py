@@ -100,7 +100,7 @@ class WorkerServer:
             generator.warmup()
         self._generation_loops: dict[ModelKey, GenerationLoop] = {}
         self._upstream_loops: dict[ModelKey, UpstreamLoop] = {}
-        self._generations = Generations(clock, self._reply, self._forget)
+        self._generations = Generations(clock, self._reply, self._forget, self._metrics.refused_work)
         self._pending: dict[int, _Pending] = {}
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
@@ -243,7 +243,11 @@ class WorkerServer:
             self._by_gateway_id[(identity, message.request_id)] = internal_id
 
     def _on_generated(self, outputs: list[RequestOutput], step_s: float, tokens: dict[str, int]) -> None:
-        """Loop thread: one engine step's output (see `Generations.on_outputs`)."""
+        """Loop thread: one engine step's output (see `Generations.on_outputs`). A step that
+        computed tokens kept the device busy, as a batch does."""
+        if tokens:
+            self._busy_s += step_s
+            self._metrics.device_busy(step_s)
         self._generations.on_outputs(outputs, step_s, tokens)
         self._check_drained()
 
