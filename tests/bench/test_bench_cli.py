@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from sluice.cli import main
+from tests.conftest import metric_total
 
 
 @pytest.mark.slow
@@ -36,6 +37,21 @@ def test_bench_against_a_real_server_writes_sensible_json_and_a_plot(make_server
     assert document["goodput"]["slo_ms"] == 1000
     assert out.with_suffix(".png").stat().st_size > 0
     assert "goodput" in result.output
+
+
+@pytest.mark.slow
+def test_no_rate_and_no_run_is_answered_from_the_result_cache(make_server, emulated_repo, tmp_path: Path) -> None:
+    """A sweep's rates, and a second run against the same server, send bodies of their own: a
+    cached answer would measure the cache, not the device path."""
+    server = make_server(emulated_repo(alpha_ms=1, beta_ms=0.1))
+    for run in range(2):
+        result = CliRunner().invoke(main, [
+            "bench", "--url", server.url, "--rates", "50,60", "--duration", "1", "--warmup", "0.2",
+            "--out", str(tmp_path / f"run{run}.json"),
+        ])
+        assert result.exit_code == 0, result.output
+    assert metric_total(server, "sluice_cache_lookups_total", model="emulated", result="miss") > 200
+    assert metric_total(server, "sluice_cache_lookups_total", model="emulated", result="hit") == 0
 
 
 def test_bench_needs_exactly_one_of_rate_and_rates() -> None:

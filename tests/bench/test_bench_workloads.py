@@ -48,6 +48,16 @@ def test_every_request_body_is_distinct(endpoint: Endpoint) -> None:
     assert len(set(bodies)) == 1000  # so a result cache cannot answer them
 
 
+@pytest.mark.parametrize("spec", [InputSpec("IN", "FP32"), InputSpec("text", "BYTES")])
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_another_runs_bodies_differ_from_this_ones(endpoint: Endpoint, spec: InputSpec) -> None:
+    """A second `sluice bench` against the same server is not answered from the first's cached results."""
+    first, second = (build_workload(endpoint, "http://h", "m", 16, None, spec) for _ in range(2))
+    assert not {first.body(i) for i in range(1000)} & {second.body(i) for i in range(1000)}
+    again = [build_workload(endpoint, "http://h", "m", 16, None, spec, run_mark=7) for _ in range(2)]
+    assert again[0].body(3) == again[1].body(3)  # and a given mark repeats a run exactly
+
+
 def test_sentences_are_varied_and_repeatable() -> None:
     texts = sentences(50)
     assert texts == sentences(50)

@@ -26,7 +26,7 @@ from sluice.bench.loadgen import LoadConfig, LoadGenerator, auth_headers, new_se
 from sluice.bench.promstats import scrape
 from sluice.bench.selftest import run_self_test
 from sluice.bench.stats import MAX_LAG_P99_MS, RateResult, select_goodput, summarize
-from sluice.bench.workloads import Endpoint, build_workload, input_spec_from_metadata
+from sluice.bench.workloads import Endpoint, Workload, build_workload, input_spec_from_metadata
 
 
 class BenchError(Exception):
@@ -118,10 +118,12 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
                 spec = input_spec_from_metadata(metadata)
             except ValueError as exc:
                 raise BenchError(str(exc)) from exc
-        workload = build_workload(config.endpoint, config.url, config.model, config.input_len,
-                                  config.timeout_ms, spec, seed=config.seed, extra_headers=auth_headers(config.api_key))
+        def new_workload() -> Workload:  # one per rate: no rate resends an earlier one's bodies
+            return build_workload(config.endpoint, config.url, config.model, config.input_len, config.timeout_ms,
+                                  spec, seed=config.seed, extra_headers=auth_headers(config.api_key))
+
+        workload = new_workload()
         console.print(f"{workload.description} -> {workload.url}")
-        generator = LoadGenerator(workload, config.request_timeout_s, config.max_connections)
         snapshot = functools.partial(scrape, session, config.url, config.model)
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[sent]} sent"),
                    TextColumn("{task.completed:.0f}/{task.total:.0f} done"), TimeElapsedColumn())
@@ -134,7 +136,9 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
                     progress.update(task_id, completed=num_done, sent=num_sent)
 
                 load = LoadConfig(rate_per_s, config.duration_s, config.warmup_s, config.seed)
+                generator = LoadGenerator(workload, config.request_timeout_s, config.max_connections)
                 samples = await generator.run(load, snapshot, on_progress)
+                workload = new_workload()
                 progress.update(task_id, total=progress.tasks[-1].completed)  # the Poisson count, now known
                 results.append(summarize(samples, config.max_lag_ms))
     return results, model_platform
