@@ -60,9 +60,11 @@ def _busy_s(client: httpx.Client) -> float:
     return _metric_sum(client, "sluice_device_busy_seconds_total")
 
 
-def _job_file(client: httpx.Client, num_items: int) -> str:
+def _job_file(client: httpx.Client, num_items: int, tag: str = "") -> str:
+    """Upload a job's input; `tag` makes its items differ from another job's, whose answers the
+    result cache may hold."""
     lines = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
-                                 "body": {"model": "emulated", "input": f"item number {i}"}}).encode() + b"\n"
+                                 "body": {"model": "emulated", "input": f"item number {i}{tag}"}}).encode() + b"\n"
                      for i in range(num_items))
     uploaded = client.post("/v1/files", files={"file": ("job.jsonl", lines)}, data={"purpose": "batch"})
     uploaded.raise_for_status()
@@ -113,7 +115,7 @@ def measure_interactive(client: httpx.Client, port: int, args: argparse.Namespac
     alone_p99s, with_job_p99s = [], []
     for round_ in range(args.rounds):
         alone_p99s.append(_bench_p99(port, args.rate, args.duration, work / f"alone-{round_}.json"))
-        batch_id = _create(client, _job_file(client, args.items))
+        batch_id = _create(client, _job_file(client, args.items, f" of round {round_}"))
         _wait(client, batch_id, ("in_progress", *FINAL), poll_s=0.02)
         with_job_p99s.append(_bench_p99(port, args.rate, args.duration, work / f"with_job-{round_}.json"))
         batch = client.get(f"/v1/batches/{batch_id}").json()
