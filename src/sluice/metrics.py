@@ -190,7 +190,9 @@ BATCH_ITEMS = Counter(
 )
 BATCH_ITEM_RETRIES = Counter("sluice_batch_item_retries", "Batch-job item attempts that failed transiently.")
 BATCH_ITEMS_PENDING = Gauge(
-    "sluice_batch_items_pending", "Unfinished items of active batch jobs, by state (queued, running).",
+    "sluice_batch_items_pending",
+    "Unfinished items of active batch jobs, by state: queued (in the job store, the same on every gateway "
+    "sharing it: aggregate with max) and running (on this gateway: aggregate with sum).",
     ["state"], multiprocess_mode="livesum",
 )
 BATCH_JOBS = Counter("sluice_batch_jobs", "Batch jobs that reached a final status, by status.", ["status"])
