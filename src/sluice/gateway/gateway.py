@@ -89,6 +89,9 @@ class Gateway:
         self._rng = random.Random()
         self.is_draining = False
         self.expected_models: set[str] = set()
+        self.expected_versions: set[tuple[str, str]] = set()
+        """(model, version) of the repository's versions: one asked for before it is ready is a
+        503 ("not ready yet"), not a 404."""
         self._index: _ModelIndex | None = None  # rebuilt lazily after a worker's change
         self.tenancy.on_weights(self._send_weights)
         self.traffic = Traffic()
@@ -213,6 +216,8 @@ class Gateway:
             if name in self.expected_models:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
             raise ModelNotFound(f"model {name!r} does not exist")
+        if (name, version) in self.expected_versions:
+            raise ModelNotReady(f"model {name!r} version {version!r} has no ready worker yet", retry_after_s=1.0)
         raise ModelNotFound(f"model {name!r} has no version {version!r}")
 
     def split(self, name: str) -> Split | None:
