@@ -151,9 +151,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         addresses = list(config.remote_workers)
         specs: list[WorkerSpec] = []
     else:
-        versions = scan_repository(config.models_dir).versions
-        gateway.expected_models = {v.name for v in versions}
-        gateway.expected_versions = {(v.name, v.version) for v in versions}
+        gateway.expected_versions = {(v.name, v.version) for v in scan_repository(config.models_dir).versions}
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
         specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)))

@@ -88,7 +88,6 @@ class Gateway:
         self._next_id = 0
         self._rng = random.Random()
         self.is_draining = False
-        self.expected_models: set[str] = set()
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
         503 ("not ready yet"), not a 404."""
@@ -219,6 +218,11 @@ class Gateway:
         if (name, version) in self.expected_versions:
             raise ModelNotReady(f"model {name!r} version {version!r} has no ready worker yet", retry_after_s=1.0)
         raise ModelNotFound(f"model {name!r} has no version {version!r}")
+
+    @property
+    def expected_models(self) -> set[str]:
+        """The models of `expected_versions`."""
+        return {name for name, _ in self.expected_versions}
 
     def split(self, name: str) -> Split | None:
         """The traffic split requests to `name` that name no version follow (None: the newest)."""

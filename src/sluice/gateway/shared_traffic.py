@@ -59,6 +59,7 @@ class SharedTraffic:
         self._seen: dict[str, int] = {}
         """Each model's revision this gateway has taken (or written)."""
         self._task: asyncio.Task[None] | None = None
+        self._publishing: set[asyncio.Task[None]] = set()  # held so they are not collected mid-flight
         self._lock = asyncio.Lock()  # one sync or publish at a time, so revisions are read in order
 
     async def start(self) -> None:
@@ -165,7 +166,9 @@ class SharedTraffic:
 
     def publish_soon(self, model: str) -> None:
         """`publish` from synchronous code (a canary's step or end, judged as a request ends)."""
-        asyncio.get_running_loop().create_task(self._publish_quietly(model))
+        task = asyncio.get_running_loop().create_task(self._publish_quietly(model))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     async def command(self, model: str, action: str, timeout_s: float = 5.0) -> bool:
         """Ask the gateway running `model`'s canary to `promote` or `rollback` it; True once it has

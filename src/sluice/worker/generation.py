@@ -162,7 +162,7 @@ class Generations:
         self._forget = forget
         self._refused_work = refused_work
         self._by_id: dict[int, _Generation] = {}
-        self._demand: dict[tuple[str, str], _RecentCost] = {}
+        self._costs: dict[tuple[str, str], _RecentCost] = {}
         self._preparing: set[asyncio.Task[None]] = set()  # held so they are not collected mid-flight
 
     def __bool__(self) -> bool:
@@ -237,14 +237,14 @@ class Generations:
         split among the sequences it computed by their tokens (`tokens`: a 500-token prompt chunk
         costs 500 decodes), also those still in prefill, which have no output yet."""
         total = sum(tokens.values())
-        demand = None
+        model = None
         for request_id, num_tokens in tokens.items():
             computed = self._by_id.get(int(request_id))
             if computed is not None:
                 computed.device_s += step_s * num_tokens / total
-                demand = demand or self._demand.setdefault(computed.key, _RecentCost())
-        if demand is not None:  # one engine's step: every sequence in it is of the same model
-            demand.step(step_s, total)
+                model = computed.key  # one engine's step: every sequence in it is of the same model
+        if model is not None:
+            self._cost(model).step(step_s, total)
         for output in outputs:
             internal_id = int(output.request_id)
             generation = self._by_id.get(internal_id)
@@ -262,6 +262,12 @@ class Generations:
             if output.is_finished:
                 self._finish(internal_id, generation, output)
 
+    def _cost(self, model: tuple[str, str]) -> _RecentCost:
+        cost = self._costs.get(model)
+        if cost is None:
+            cost = self._costs[model] = _RecentCost()
+        return cost
+
     def _finish(self, internal_id: int, generation: _Generation, output: RequestOutput) -> None:
         del self._by_id[internal_id]
         self._forget(generation.identity, generation.gateway_request_id)
@@ -271,16 +277,15 @@ class Generations:
             result = wire.Result(request_id, wire.Outcome.EXPIRED, num_tokens=num_tokens, device_s=generation.device_s,
                                  message="the deadline passed before the generation finished")
         elif output.finish_reason in ("stop", "length"):
-            cost = self._demand.setdefault(generation.key, _RecentCost())
-            cost.finished(output.num_output_tokens, generation.max_tokens)
+            self._cost(generation.key).finished(output.num_output_tokens, generation.max_tokens)
             text = "" if generation.is_streamed else "".join(generation.parts)
             payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
                                             output.num_cached_tokens, output.num_output_tokens)
             result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                  device_s=generation.device_s)
         elif output.finish_reason == "refused":  # the engine's early refusal: the queue ahead is too long
-            if self._refused_work is not None and generation.key in self._demand:
-                predicted_s = self._demand[generation.key].predicted_s(output.num_prompt_tokens, generation.max_tokens)
+            if self._refused_work is not None:
+                predicted_s = self._cost(generation.key).predicted_s(output.num_prompt_tokens, generation.max_tokens)
                 self._refused_work(*generation.key, predicted_s)
             result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
                                  message="worker overloaded: queued generations would miss the deadline")
