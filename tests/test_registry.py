@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -17,6 +19,13 @@ def registry_url(redis_url: str) -> str:
     return url
 
 
+async def _until(condition: Callable[[], bool], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "the registry did not change in time"
+        await asyncio.sleep(0.02)
+
+
 def test_gateways_see_workers_join_withdraw_and_expire(registry_url: str) -> None:
     async def scenario() -> list[tuple[str, str]]:
         events: list[tuple[str, str]] = []
@@ -27,22 +36,24 @@ def test_gateways_see_workers_join_withdraw_and_expire(registry_url: str) -> Non
         async def remove(worker_id: str) -> None:
             events.append(("remove", worker_id))
 
-        a = WorkerRegistration(registry_url, "a", "tcp://10.0.0.1:7000", ttl_s=0.5)
-        b = WorkerRegistration(registry_url, "b", "tcp://10.0.0.2:7000", ttl_s=0.5)
+        # renewals every TTL / 5 = 0.3 s: a host stall shorter than 1.2 s cannot expire an entry
+        a = WorkerRegistration(registry_url, "a", "tcp://10.0.0.1:7000", ttl_s=1.5)
+        b = WorkerRegistration(registry_url, "b", "tcp://10.0.0.2:7000", ttl_s=1.5)
         a.start()
         await asyncio.sleep(0.05)
         watcher = RegistryWatcher(registry_url, add, remove, poll_s=0.05)
         await watcher.start()  # knows a at once
         assert events == [("add", "a@tcp://10.0.0.1:7000")]
         b.start()
-        await asyncio.sleep(0.7)  # longer than the TTL: renewals keep both
+        await _until(lambda: len(watcher.workers) == 2)
+        await asyncio.sleep(2.0)  # longer than the TTL: renewals keep both
         assert set(watcher.workers) == {"tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000"}
         a.withdraw()  # a drains: its entry goes at once
-        await asyncio.sleep(0.2)
+        await _until(lambda: events[-1][0] == "remove", within_s=1.0)  # well before its TTL
         assert events[-1] == ("remove", "a@tcp://10.0.0.1:7000")
         assert b._task is not None
         b._task.cancel()  # b dies without a word: its entry expires
-        await asyncio.sleep(0.8)
+        await _until(lambda: len(events) == 4, within_s=10.0)
         assert events[-1] == ("remove", "b@tcp://10.0.0.2:7000")
         assert await registered_workers(watcher._redis) == {}
         await watcher.aclose()

@@ -174,12 +174,15 @@ class Channel:
     """The gateway's end: one connection to one worker, kept up by reconnecting."""
 
     def __init__(self, address: str, identity: bytes, on_frame: OnFrame,
-                 on_connect: Callable[[], None] = lambda: None) -> None:
+                 on_connect: Callable[[], None] = lambda: None,
+                 on_disconnect: Callable[[], None] = lambda: None) -> None:
         self._address = Address.parse(address)
         self._identity = identity
         self._on_frame = on_frame
         self._on_connect = on_connect
         """Called after each (re)connection, once the identity is sent."""
+        self._on_disconnect = on_disconnect
+        """Called when an established connection is lost (after every frame it delivered)."""
         self._protocol: _FramedProtocol | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -225,6 +228,7 @@ class Channel:
             self._on_connect()
             await lost
             self._protocol = None
+            self._on_disconnect()
             await asyncio.sleep(RECONNECT_MIN_S)
 
     async def _connect(self, factory: Callable[[], _FramedProtocol]) -> _FramedProtocol:

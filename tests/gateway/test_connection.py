@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from sluice import wire
+from sluice.clock import VirtualClock
 from sluice.errors import InvalidInput
 from sluice.gateway.connection import WorkerConnection
 from sluice.gateway.gateway import Gateway
 from sluice.gateway.ticket import interpret
+from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
+from sluice.transport import Listener
 
 
 def _state(tenant_wait_s: float, seen_request_id: int = 0, newcomer_s: float = 0.0) -> wire.WorkerState:
@@ -32,6 +37,9 @@ class _RecordingChannel:
     def send(self, data: bytes) -> bool:
         self.frames.append(data)
         return True
+
+    async def aclose(self) -> None:
+        pass
 
 
 def _connection(channel: _RecordingChannel | None = None) -> WorkerConnection:
@@ -151,3 +159,56 @@ def test_a_request_the_worker_cannot_take_now_is_not_left_in_flight() -> None:
 def _generate(request_id: int, seed: int | None = None) -> wire.Submit:
     payload = wire.GeneratePayload(prompt="hi", seed=seed)
     return wire.Submit(request_id, "m", "1", payload, 1.0, "a", int(Priority.STANDARD))
+
+
+def test_a_worker_leaving_the_registry_answers_what_it_has_before_its_report_says_draining() -> None:
+    """The registry can show a draining worker gone before its next report says it drains: its
+    requests must still be answered, and it must be sent nothing new meanwhile."""
+    async def scenario() -> None:
+        gateway = Gateway(VirtualClock(), GatewayMetrics())
+        connection = _connection()
+        gateway._connections["w"] = connection
+        connection._on_message(_state(0.0))  # ready, not (yet) reported draining
+        assert connection.is_ready
+        in_flight = connection.submit(_submit(1, "a"))
+        assert in_flight is not None
+        removal = asyncio.create_task(gateway.remove_worker("w"))
+        await asyncio.sleep(0.1)
+        assert not removal.done() and not connection.is_ready
+        connection._on_message(_state(0.0))  # a report from before the drain: still nothing new
+        assert not connection.is_ready
+        connection._on_message(wire.Result(1, wire.Outcome.OK))
+        await asyncio.wait_for(removal, 1.0)
+        assert (await in_flight.future) is not None and in_flight.future.result().outcome is wire.Outcome.OK
+        assert "w" not in gateway._connections
+
+    asyncio.run(scenario())
+
+
+def test_a_request_on_its_way_to_a_worker_that_drained_and_closed_is_freed_at_once(tmp_path: Path) -> None:
+    """A draining worker closes once it has answered what it took; a request that reached its
+    socket after that is resolved as lost (not started: the gateway sends it elsewhere) when the
+    connection closes, not after the worker's reports have been missing for seconds."""
+    async def scenario() -> None:
+        address = f"ipc://{tmp_path}/w.sock"
+        received: list[bytes] = []
+        listener = await Listener.start(address, lambda identity, frame: received.append(identity))
+        connection = WorkerConnection("w", address, "g")
+        await connection.start()
+        async with asyncio.timeout(5):
+            while not received:
+                await asyncio.sleep(0.01)
+        draining = msgspec.structs.replace(_state(0.0), is_ready=False, is_draining=True)
+        listener.send(received[0], wire.encode_many([draining]))
+        async with asyncio.timeout(5):
+            while connection.state is None:
+                await asyncio.sleep(0.01)
+        in_flight = connection.submit(_submit(1, "a"))
+        assert in_flight is not None
+        started = time.monotonic()
+        await listener.aclose()  # the worker exits without reading it
+        assert await asyncio.wait_for(in_flight.future, 1.0) is None
+        assert not in_flight.is_started and time.monotonic() - started < 1.0
+        await connection.aclose()
+
+    asyncio.run(scenario())

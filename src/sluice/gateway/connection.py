@@ -47,7 +47,8 @@ class WorkerConnection:
         self.worker_id = worker_id
         self.address = address
         self._gateway_id = gateway_id
-        self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._introduce)
+        self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._introduce,
+                                          self._on_disconnect)
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self._served: dict[tuple[str, str], wire.ModelInfo] = {}
@@ -61,6 +62,7 @@ class WorkerConnection:
         self._tasks: list[asyncio.Task[None]] = []
         self.is_lost = False
         self.is_ready = False
+        self._is_leaving = False
         self._lost_incarnation: str | None = None
         self._weights: dict[str, float] | None = None
         self.on_change: Callable[[], None] = lambda: None
@@ -76,10 +78,25 @@ class WorkerConnection:
             self.is_ready = False
             self.on_change()
 
-    def is_draining_alive(self) -> bool:
-        """The worker is draining (finishing what it has, taking nothing new) and still reporting."""
-        return (not self.is_lost and self.state is not None and self.state.is_draining
-                and time.monotonic() - self.state_at < STALE_AFTER_S)
+    def mark_leaving(self) -> None:
+        """The worker is going away (it left the registry): send it nothing new, whatever its
+        reports say, while it answers what it has."""
+        self._is_leaving = True
+        self.mark_draining()
+
+    def _on_disconnect(self) -> None:
+        """A draining worker that closes the connection has answered everything it took and is
+        going: what it still holds here (requests that were on their way when it closed) goes to
+        another worker now, not after its reports have been missing for STALE_AFTER_S."""
+        if self._is_leaving or (self.state is not None and self.state.is_draining):
+            lost = self.mark_lost()
+            if lost:
+                log.info("draining worker %s closed with %d requests it had not taken; sending them elsewhere",
+                         self.worker_id, len(lost))
+
+    def is_alive(self) -> bool:
+        """Connected and reporting: it can still answer what it has."""
+        return not self.is_lost and self.state is not None and time.monotonic() - self.state_at < STALE_AFTER_S
 
     def served(self, info: wire.ModelInfo) -> wire.ModelInfo:
         """This worker's own description of `info`'s model version: workers serving the same version
@@ -101,6 +118,7 @@ class WorkerConnection:
     def _update_readiness(self) -> None:
         is_ready = (
             not self.is_lost
+            and not self._is_leaving
             and self.state is not None
             and self.state.is_ready
             and time.monotonic() - self.state_at < STALE_AFTER_S

@@ -121,15 +121,16 @@ class Gateway:
             log.warning("worker %s lost with %d requests in flight", worker_id, len(lost))
 
     async def remove_worker(self, worker_id: str) -> None:
-        """Stop using a worker for good (it left the registry). A worker that is draining (it
-        says so in its reports, and takes no new requests) first answers what it has; one that
-        went silent is dropped at once: what it had not started goes to another worker, what it
-        had is answered 503."""
+        """Stop using a worker for good (it left the registry). It is sent nothing new from now
+        on; while it still reports (a draining worker, whose report saying so may not have
+        arrived yet), it first answers what it has. One that went silent is dropped at once:
+        what it had not started goes to another worker, what it had is answered 503."""
         connection = self._connections.get(worker_id)
         if connection is None:
             return
+        connection.mark_leaving()
         until = time.monotonic() + self._config.max_timeout_s
-        while connection.num_in_flight and connection.is_draining_alive() and time.monotonic() < until:
+        while connection.num_in_flight and connection.is_alive() and time.monotonic() < until:
             await asyncio.sleep(0.05)
         if self._connections.get(worker_id) is not connection:
             return

@@ -153,6 +153,7 @@ class WorkerServer:
     def drain(self) -> None:
         """Stop admitting; exit once every admitted request has been answered."""
         self._is_draining = True
+        self._broadcast_state()  # gateways stop sending work now, not at the next report
         self._check_drained()
 
     # -- messages in ---------------------------------------------------------------------------
