@@ -85,7 +85,7 @@ def test_concurrency_limit_is_never_exceeded_and_is_used(upstream, make_runner):
     assert not any(isinstance(o, ItemFailure) for o in outputs)
     assert upstream.max_in_flight == 4
     assert upstream.num_requests == 20
-    assert 0.25 <= elapsed < 1.0, "20 calls, 4 at a time, 50 ms each: about 5 rounds"
+    assert 0.25 <= elapsed < 2.0, "20 calls, 4 at a time, 50 ms each: about 5 rounds (serial: 1 s, and max_in_flight 1)"
 
 
 def test_a_call_that_passes_its_timeout_fails_its_item_only(upstream, make_runner):

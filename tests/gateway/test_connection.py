@@ -207,8 +207,8 @@ def test_a_request_on_its_way_to_a_worker_that_drained_and_closed_is_freed_at_on
         assert in_flight is not None
         started = time.monotonic()
         await listener.aclose()  # the worker exits without reading it
-        assert await asyncio.wait_for(in_flight.future, 1.0) is None
-        assert not in_flight.is_started and time.monotonic() - started < 1.0
+        assert await asyncio.wait_for(in_flight.future, 1.5) is None
+        assert not in_flight.is_started and time.monotonic() - started < 1.5  # silence counts after 2 s
         await connection.aclose()
 
     asyncio.run(scenario())

@@ -149,9 +149,10 @@ def test_a_generation_the_engine_refused_is_answered_as_overload_with_retry_afte
                               lambda identity, request_id: None)
     submit = wire.Submit(41, "tiny", "1", wire.GeneratePayload(prompt="hi", stream=True), 5.0, "a", 1)
     assert generations.submit(7, b"gw", submit, _Loop())  # type: ignore[arg-type]
-    generations.on_outputs([RequestOutput("7", (), "", True, "refused", 3, 0, 0)], 0.01, {})
+    generations.on_outputs([RequestOutput("7", (), "", True, "refused", 3, 0, 0, retry_after_s=0.35)], 0.01, {})
     (result,) = [reply for reply in replies if isinstance(reply, wire.Result)]
-    assert result.request_id == 41 and result.outcome is wire.Outcome.REJECTED and result.retry_after_s > 0
+    assert result.request_id == 41 and result.outcome is wire.Outcome.REJECTED
+    assert result.retry_after_s == pytest.approx(0.35)  # when the engine would take it
     assert not generations
 
 

@@ -287,7 +287,8 @@ class Generations:
             if self._refused_work is not None:
                 predicted_s = self._cost(generation.key).predicted_s(output.num_prompt_tokens, generation.max_tokens)
                 self._refused_work(*generation.key, predicted_s)
-            result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=1.0,
+            retry_after_s = max(output.retry_after_s, 0.001) if output.retry_after_s is not None else 1.0
+            result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=retry_after_s,
                                  message="worker overloaded: queued generations would miss the deadline")
         elif output.finish_reason == "error":
             result = _failure(request_id, num_tokens, generation.device_s)

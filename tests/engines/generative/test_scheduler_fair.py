@@ -176,3 +176,19 @@ def test_nothing_is_refused_before_a_second_of_backlog_is_measured():
     run.steps(60)  # over a second of backlog now
     late = run.add("a", deadline=5.0)
     assert late.finish_reason is FinishReason.REFUSED
+
+
+def test_a_refused_request_is_told_when_the_same_request_would_be_taken():
+    run = Run(_scheduler(max_num_seqs=1))  # ~8 steps a sequence: ~12 admissions a second
+    for _ in range(400):  # more than can be admitted before their deadline: the queue reaches it
+        run.add("a", deadline=10.0)
+    run.steps(120)  # over a second of backlog measured
+    slo_s = 10.0 - run.now  # due with them, behind them: admitted about then, done too late
+    refused = run.add("a", deadline=run.now + slo_s)
+    assert refused.finish_reason is FinishReason.REFUSED
+    retry_after_s = refused.retry_after_s
+    assert retry_after_s is not None and 0.05 < retry_after_s < 0.5  # about its own 8 steps
+    run.steps(round(retry_after_s / 2 / STEP_S))  # half way: still too early
+    assert run.add("a", deadline=run.now + slo_s).finish_reason is FinishReason.REFUSED
+    run.steps(round(retry_after_s / 2 / STEP_S) + 1)  # retried when told: taken
+    assert run.add("a", deadline=run.now + slo_s).status is SequenceStatus.WAITING

@@ -45,10 +45,11 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     text_delta: str
     is_finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline" | "refused" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    retry_after_s: float | None = None  # "refused": when the same request would be taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +320,7 @@ class LLMEngine:
     def _output(seq: Sequence, new_token_ids: tuple[int, ...], text: str) -> RequestOutput:
         reason = seq.finish_reason.value if seq.finish_reason else None
         return RequestOutput(seq.request_id, new_token_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens)
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.retry_after_s)
 
 
 def context_length_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:

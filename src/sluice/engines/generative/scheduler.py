@@ -153,9 +153,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or refuse it at once (see the module's docstring)."""
-        if self._is_hopeless(seq):
+        late_s = self._late_s(seq)
+        if late_s is not None and late_s > 0:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.REFUSED
+            rate = self.rates.admitted_per_s
+            seq.retry_after_s = late_s + (1.0 / rate if rate else 0.0)  # + the queue's granularity
             self._finished.append(seq)
             return
         self._enqueue(seq)
@@ -195,16 +198,20 @@ class Scheduler:
         keys = [s.queue_key() for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, seq.queue_key()), seq)
 
-    def _is_hopeless(self, seq: Sequence) -> bool:
-        """It would wait behind its tenant's sequences and then not finish by its deadline."""
+    def _late_s(self, seq: Sequence) -> float | None:
+        """How long after its deadline it would finish, waiting behind its tenant's sequences
+        (None: nothing holds it back, or nothing is measured yet). It is also about how long
+        until the same request would fit, if nothing else arrived: the queue ahead of it is
+        admitted meanwhile and its deadline is as much later; to within one admission interval,
+        as the queue is admitted a sequence at a time."""
         rate, step_s = self.rates.admitted_per_s, self.rates.step_s
         if seq.deadline_s is None or rate is None or step_s is None:
-            return False
+            return None
         admitted_at = self._admitted_at(seq, rate)
         if admitted_at is None:
-            return False
+            return None
         num_prefill_steps = -(-seq.num_prompt_tokens // self.config.long_prefill_token_threshold)
-        return admitted_at + (num_prefill_steps + seq.params.max_tokens - 1) * step_s > seq.deadline_s
+        return admitted_at + (num_prefill_steps + seq.params.max_tokens - 1) * step_s - seq.deadline_s
 
     def _admitted_at(self, seq: Sequence, rate: float) -> float | None:
         """When a new sequence would be admitted behind its tenant's sequences that go first

@@ -107,6 +107,8 @@ class Sequence:
     """Prompt tokens served from the prefix cache at first admission (usage.cached_tokens)."""
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    retry_after_s: float | None = None
+    """Refused: how long until the same request would be taken, if nothing else arrived."""
     _all: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
