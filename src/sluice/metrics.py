@@ -180,9 +180,13 @@ class CacheCounts(Protocol):
 
 
 class GenerationCounts(Protocol):
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
 _JOB_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 24 * 3600.0)
 BATCH_ITEMS = Counter(
     "sluice_batch_items", "Batch-job items finished, by outcome (ok, error, dead_letter, cancelled, expired).",

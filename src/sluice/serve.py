@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,8 +238,9 @@ async def _open_job_store(config: ServeConfig, run_dir: Path) -> JobStore:
 class _Server(uvicorn.Server):
     """uvicorn re-raises SIGTERM after its graceful shutdown; a drained sluice exits 0 instead."""
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 async def _announce(config: ServeConfig, server: uvicorn.Server, gateway: Gateway, devices: list[str],

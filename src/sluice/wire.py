@@ -82,6 +82,15 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
 Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult
 
 
+def num_items(payload: Payload) -> int:
+    """How many items (rows, texts; a generation is one) a request asks for."""
+    if isinstance(payload, TextPayload):
+        return len(payload.texts)
+    if isinstance(payload, TensorPayload):
+        return payload.shape[0] if payload.shape else 1
+    return 1
+
+
 class Outcome(enum.StrEnum):
     OK = "ok"
     """Every item was computed."""

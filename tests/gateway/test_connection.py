@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from sluice import wire
 from sluice.clock import VirtualClock
-from sluice.errors import InvalidInput
+from sluice.errors import InvalidInput, Overloaded
 from sluice.gateway.connection import WorkerConnection
 from sluice.gateway.gateway import Gateway
 from sluice.gateway.ticket import interpret
@@ -210,5 +212,26 @@ def test_a_request_on_its_way_to_a_worker_that_drained_and_closed_is_freed_at_on
         assert await asyncio.wait_for(in_flight.future, 1.5) is None
         assert not in_flight.is_started and time.monotonic() - started < 1.5  # silence counts after 2 s
         await connection.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_refused_before_it_is_sent_counts_the_work_of_all_its_items() -> None:
+    """The refused demand (what autoscaling reads) of a 4-row request is 4 rows' work, not one's."""
+    async def scenario() -> None:
+        gateway = Gateway(VirtualClock(), GatewayMetrics())
+        connection = _connection()
+        gateway._connections["w"] = connection
+        connection._on_message(_state(5.0))  # tenant a's work queued: 5 s
+        connection.state_at = time.monotonic()
+        info = connection.state.models[0]
+        ticket = SimpleNamespace(tenant="a", priority=Priority.STANDARD, deadline=1.0)
+        labels = {"model": "m", "version": "1"}
+        before = REGISTRY.get_sample_value("sluice_refused_work_seconds_total", labels) or 0.0
+        payload = wire.TensorPayload("float32", (4, 16), bytes(256))
+        with pytest.raises(Overloaded):
+            gateway._choose(info, ticket, payload)  # type: ignore[arg-type]
+        refused_s = (REGISTRY.get_sample_value("sluice_refused_work_seconds_total", labels) or 0.0) - before
+        assert refused_s == pytest.approx(4 * 0.01)  # the report's 10 ms per item
 
     asyncio.run(scenario())

@@ -83,6 +83,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         created = await store.create_file(owner, filename, "batch", content, int(time.time()), key, file_id)
         if created.id != file_id and (created.filename != filename or created.bytes != len(content)
                                       or await store.file_content(owner, created.id) != content):
+            assert key is not None  # only an idempotency key finds another file
             raise _key_reused(key, "file")
         return _json(_file_json(created))
 
@@ -215,7 +216,8 @@ async def _batch(store: JobStore, request: Request) -> BatchJob:
 
 
 async def _file_parts(store: JobStore, found: FileObject, first: bytes) -> AsyncIterator[bytes]:
-    part, index = first, 0
+    part: bytes | None = first
+    index = 0
     while part is not None:
         if part:
             yield part

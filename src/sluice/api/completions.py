@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -156,7 +156,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                                                          **(limit_headers or {})}))
 
 
-async def _unless_disconnected(request: Request, events: AsyncIterator[Any], waiting: Awaitable[T]) -> T:
+async def _unless_disconnected(request: Request, events: AsyncGenerator[Any, None], waiting: Awaitable[T]) -> T:
     """What `waiting` (on `events`) gives, unless the client disconnects first: then the generation
     is withdrawn from its worker (its blocks freed within a step) and nobody is answered."""
     work = asyncio.ensure_future(waiting)
@@ -181,7 +181,7 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _final(events: AsyncIterator[wire.TokenChunk | InferResult]) -> InferResult:
+async def _final(events: AsyncGenerator[wire.TokenChunk | InferResult, None]) -> InferResult:
     async for event in events:
         if isinstance(event, InferResult):
             return event
@@ -189,7 +189,7 @@ async def _final(events: AsyncIterator[wire.TokenChunk | InferResult]) -> InferR
 
 
 async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
-               events: AsyncIterator[wire.TokenChunk | InferResult]) -> AsyncIterator[bytes]:
+               events: AsyncGenerator[wire.TokenChunk | InferResult, None]) -> AsyncIterator[bytes]:
     try:
         if shape.is_chat:
             yield _event(shape.role_chunk())
@@ -325,6 +325,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
 
 def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:
     """max_tokens, the field that gave it, and whether it is the default (the client sent none)."""
+    value: int | None
     if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         value, param = request.max_completion_tokens, "max_completion_tokens"
     else:

@@ -23,6 +23,6 @@ def stamping_protocol(clock: Clock) -> type[Any]:
     class StampingHttpToolsProtocol(HttpToolsProtocol):
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[typeddict-unknown-key]
+            self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
 
     return StampingHttpToolsProtocol

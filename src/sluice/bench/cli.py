@@ -111,11 +111,11 @@ def bench(url: str, api_key: str | None, endpoint: str, model: str, input_len: i
     if self_test:
         runner.self_test(console, concurrency, duration_s, rates_per_s, out_path, max_lag_ms)
         return
-    config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, input_len, rates_per_s,
-                                duration_s, warmup_s, timeout_ms, slo_ms, seed, request_timeout_s,
-                                max_connections, max_lag_ms, api_key)
+    bench_config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, input_len, rates_per_s,
+                                      duration_s, warmup_s, timeout_ms, slo_ms, seed, request_timeout_s,
+                                      max_connections, max_lag_ms, api_key)
     try:
-        runner.bench(config, console, out_path, plot_path)
+        runner.bench(bench_config, console, out_path, plot_path)
     except runner.BenchError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -12,6 +12,7 @@ the SLOs, and output tokens/s.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import msgspec
 import uvloop
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sluice.bench import generative, report
@@ -103,11 +104,14 @@ async def _run(config: GenBenchConfig, console: Console) -> tuple[generative.Cal
                 requests = workload.requests(num, config.prompt_len, config.output_len, calibration,
                                              seed=config.seed + index)
                 task_id = progress.add_task(f"{rate_per_s:g} req/s", total=num)
-                samples = await generative.run_rate(
-                    session, workload, requests, rate_per_s, config.seed + index,
-                    on_done=lambda n, task_id=task_id: progress.update(task_id, completed=n))
+                samples = await generative.run_rate(session, workload, requests, rate_per_s, config.seed + index,
+                                                    on_done=functools.partial(_completed, progress, task_id))
                 results.append(summarize_generation(samples, rate_per_s, config.slo))
     return calibration, results
+
+
+def _completed(progress: Progress, task_id: TaskID, num_done: int) -> None:
+    progress.update(task_id, completed=num_done)
 
 
 def summary_tables(results: Sequence[GenRateResult], title: str) -> list[Table]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from sluice import wire
-from sluice.errors import ConfigError
+from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
 
@@ -35,6 +35,19 @@ class ItemFailure:
     is_transient: bool = False
     """The device failed, not the input (an upstream down, a circuit open): retrying later may
     succeed. A request whose every failed item is transient is answered 503, not 422."""
+
+
+def fp32_rows(payload: wire.Payload, max_len: int | None = None) -> np.ndarray:
+    """A request's FP32 [batch, length] tensor as an array of rows (rows of 1 to `max_len`
+    elements); `InvalidInput` for anything else."""
+    if not isinstance(payload, wire.TensorPayload) or payload.dtype != "float32" or len(payload.shape) != 2:
+        got = f"{payload.dtype} {list(payload.shape)}" if isinstance(payload, wire.TensorPayload) else "no tensor"
+        raise InvalidInput(f"INPUT0 must be FP32 with shape [batch, length], got {got}")
+    rows, length = payload.shape
+    if length < 1 or (max_len is not None and length > max_len):
+        allowed = "at least 1" if max_len is None else f"1 to {max_len}"
+        raise InvalidInput(f"INPUT0 rows must have {allowed} elements, got {length}")
+    return np.frombuffer(payload.data, dtype=np.float32).reshape(rows, length)
 
 
 class Runner(Protocol):

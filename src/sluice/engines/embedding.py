@@ -94,10 +94,9 @@ class EmbeddingRunner:
 
     def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
         if not isinstance(payload, wire.TextPayload):
-            raise InvalidInput(
-                f"model {self.info.name!r} embeds text: send a list of strings, not a tensor "
-                f"({payload.dtype} {list(payload.shape)})"
-            )
+            got = f"a tensor ({payload.dtype} {list(payload.shape)})" if isinstance(payload, wire.TensorPayload) \
+                else "a generation request"
+            raise InvalidInput(f"model {self.info.name!r} embeds text: send a list of strings, not {got}")
         encodings = self._tokenizer.encode_batch(payload.texts)
         return [
             PreparedItem(cost=len(e.ids), data=np.asarray(e.ids, dtype=np.int64), num_tokens=len(e.ids))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sluice import wire
-from sluice.engines.base import ItemFailure, PreparedItem, rows_model_info, stack_rows
+from sluice.engines.base import ItemFailure, PreparedItem, fp32_rows, rows_model_info, stack_rows
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
@@ -54,15 +54,8 @@ class EmulatedRunner:
     def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
         if isinstance(payload, wire.TextPayload):
             return [_text_item(text, self.max_len) for text in payload.texts]
-        if payload.dtype != "float32" or len(payload.shape) != 2:
-            raise InvalidInput(
-                f"INPUT0 must be FP32 with shape [batch, length], got {payload.dtype} {list(payload.shape)}"
-            )
-        rows, length = payload.shape
-        if length < 1 or length > self.max_len:
-            raise InvalidInput(f"INPUT0 rows must have 1 to {self.max_len} elements, got {length}")
-        array = np.frombuffer(payload.data, dtype=np.float32).reshape(rows, length)
-        return [PreparedItem(cost=length, data=array[i]) for i in range(rows)]
+        array = fp32_rows(payload, self.max_len)
+        return [PreparedItem(cost=array.shape[1], data=row) for row in array]
 
     def run_batch(self, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
         longest = max(item.cost for item in items)

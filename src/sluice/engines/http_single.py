@@ -40,9 +40,9 @@ import numpy as np
 from sluice import wire
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import MonotonicClock
-from sluice.engines.base import ItemFailure, PreparedItem, Share, rows_model_info, share_of, stack_rows
+from sluice.engines.base import ItemFailure, PreparedItem, Share, fp32_rows, rows_model_info, share_of, stack_rows
 from sluice.engines.retry import RETRYABLE_4XX, backoff_delay_s
-from sluice.errors import ConfigError, InvalidInput
+from sluice.errors import ConfigError
 from sluice.repository import ModelVersion
 
 __all__ = ["HttpSingleRunner", "UpstreamConfig", "backoff_delay_s", "parse_config", "upstream_prior"]
@@ -191,15 +191,7 @@ class HttpSingleRunner:
     def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
         if isinstance(payload, wire.TextPayload):
             return [PreparedItem(cost=1, data=text, num_tokens=max(1, len(text.split()))) for text in payload.texts]
-        if payload.dtype != "float32" or len(payload.shape) != 2:
-            raise InvalidInput(
-                f"INPUT0 must be FP32 with shape [batch, length], got {payload.dtype} {list(payload.shape)}"
-            )
-        rows, length = payload.shape
-        if length < 1:
-            raise InvalidInput("INPUT0 rows must have at least one element")
-        array = np.frombuffer(payload.data, dtype=np.float32).reshape(rows, length)
-        return [PreparedItem(cost=1, data=array[i]) for i in range(rows)]
+        return [PreparedItem(cost=1, data=row) for row in fp32_rows(payload)]
 
     def run_batch(self, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
         result: list[np.ndarray | ItemFailure] = self._calls.run(self._call_all(items))

@@ -35,7 +35,7 @@ import asyncio
 import json
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -182,7 +182,7 @@ class OpenAIUpstreamRunner:
     def close(self) -> None:
         """The worker's synchronous close: the session is closed by `aclose` on the loop."""
 
-    async def generate(self, payload: wire.GeneratePayload, timeout_s: float) -> AsyncIterator[CallEvent]:
+    async def generate(self, payload: wire.GeneratePayload, timeout_s: float) -> AsyncGenerator[CallEvent, None]:
         """Stream one generation: `TextDelta`s, then a `CallEnd` or a `CallFailure`. Retries what is
         retryable until text has been relayed, within `timeout_s` (the request's remaining time)."""
         loop_time = _LoopTime()
@@ -221,7 +221,7 @@ class OpenAIUpstreamRunner:
         yield CallFailure(f"upstream failed after {retry.max_attempts} attempts: {failure.message}",
                           is_retryable=True)
 
-    async def _attempt(self, url: str, data: bytes, timeout_s: float) -> AsyncIterator[CallEvent]:
+    async def _attempt(self, url: str, data: bytes, timeout_s: float) -> AsyncGenerator[CallEvent, None]:
         """One call, its outcome recorded with the breaker whatever way it ends (even cancelled),
         so that a half-open breaker never waits forever for its trial."""
         is_upstream_ok = False
@@ -237,7 +237,7 @@ class OpenAIUpstreamRunner:
             else:
                 self.breaker.record_failure()
 
-    async def _post(self, url: str, data: bytes, timeout_s: float) -> AsyncIterator[CallEvent]:
+    async def _post(self, url: str, data: bytes, timeout_s: float) -> AsyncGenerator[CallEvent, None]:
         assert self._session is not None, "start() opens the session"
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
                    "X-Request-Timeout-Ms": str(max(int(timeout_s * 1000), 1))}
@@ -262,7 +262,7 @@ class OpenAIUpstreamRunner:
             yield CallFailure(f"connection error: {type(exc).__name__}: {exc}", is_retryable=True)
 
 
-async def _relay(response: aiohttp.ClientResponse) -> AsyncIterator[CallEvent]:
+async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, None]:
     """An OpenAI SSE stream as events: text deltas, then its end with the usage it reported."""
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None

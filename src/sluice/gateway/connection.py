@@ -135,7 +135,7 @@ class WorkerConnection:
         if isinstance(message.payload, wire.GeneratePayload) and message.payload.stream:
             in_flight.chunks = asyncio.Queue()
         key = (message.model, message.version)
-        work_s = self._item_s.get(key, 0.001) * _num_items(message.payload)
+        work_s = self._item_s.get(key, 0.001) * wire.num_items(message.payload)
         self._in_flight[message.request_id] = in_flight
         self._unreported.add(message.request_id, (message.tenant, message.priority), work_s)
         if not self._send_now(message):
@@ -363,11 +363,3 @@ class _Unreported:
 
     def total_s(self) -> float:
         return sum(work_s for _, work_s in self._flows.values())
-
-
-def _num_items(payload: wire.Payload) -> int:
-    if isinstance(payload, wire.TextPayload):
-        return len(payload.texts)
-    if isinstance(payload, wire.TensorPayload):
-        return payload.shape[0] if payload.shape else 1
-    return 1

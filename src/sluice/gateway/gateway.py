@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -411,7 +411,7 @@ class Gateway:
         self, info: wire.ModelInfo, payload: wire.GeneratePayload, timeout_s: float | None = None,
         *, arrived_at: float | None = None, caller: Caller | None = None,
         limit_headers: dict[str, str] | None = None,
-    ) -> AsyncIterator[wire.TokenChunk | InferResult]:
+    ) -> AsyncGenerator[wire.TokenChunk | InferResult, None]:
         """Stream a generation: its `TokenChunk`s as they come (only if `payload.stream`), then
         the `InferResult` (payload `GenerationResult`). Errors before the first chunk are raised
         from the first `__anext__`, so the API can still answer them with an HTTP status.
@@ -457,8 +457,8 @@ class Gateway:
             return CachedResult(result.payload, result.num_tokens)
 
         try:
-            value, source = await self.cache.answer(key, policy, info.name, ticket.deadline - self._clock.now(),
-                                                    run, keep, _repeats)
+            answer = self.cache.answer(key, policy, info.name, ticket.deadline - self._clock.now(), run, keep, _repeats)
+            value, source = await answer
         except TimeoutError:
             raise DeadlineExceeded("the deadline passed while an identical request was still running") from None
         if not source:
@@ -551,7 +551,7 @@ class Gateway:
                     raise WorkerLost("the worker serving this model died and none recovered before the "
                                      "request's deadline", retry_after_s=1.0)
                 raise DeadlineExceeded("deadline passed before a worker could take the request")
-            connection = self._choose(info, ticket)
+            connection = self._choose(info, ticket, payload)
             if connection is None:
                 if tried_lost or self._is_recovering(info):
                     tried_lost = True
@@ -577,7 +577,7 @@ class Gateway:
         return info.name in self._indexed().with_recovering and any(
             c.is_lost and info in c.known_models for c in self._connections.values())
 
-    def _choose(self, info: wire.ModelInfo, ticket: Ticket) -> WorkerConnection | None:
+    def _choose(self, info: wire.ModelInfo, ticket: Ticket, payload: wire.Payload) -> WorkerConnection | None:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         candidates = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
                       for c in replicas if c.is_ready]
@@ -590,13 +590,16 @@ class Gateway:
         # the round trip (most of a rejection's latency under overload).
         excess_s = self._excess_s(connection, ticket.tenant, ticket.priority, info, self._clock.now(), ticket.deadline)
         if excess_s > 0:
-            raise self._overloaded(connection, info, excess_s)
+            raise self._overloaded(connection, info, excess_s, wire.num_items(payload))
         return connection
 
-    def _overloaded(self, connection: WorkerConnection, info: wire.ModelInfo, excess_s: float) -> Overloaded:
+    def _overloaded(self, connection: WorkerConnection, info: wire.ModelInfo, excess_s: float,
+                    num_items: int = 1) -> Overloaded:
         """The early refusal: retry once the excess has drained at the worker's reported rate. The
-        demand it turns away is counted as one typical item (the body may not be read yet)."""
-        self._metrics.refused_work(info.name, info.version, connection.item_s(info.name, info.version))
+        demand it turns away is counted as `num_items` typical items (one when the body is not
+        read yet: `shed_if_overloaded`)."""
+        work_s = connection.item_s(info.name, info.version) * num_items
+        self._metrics.refused_work(info.name, info.version, work_s)
         drain_rate = connection.state.drain_rate if connection.state is not None else 1.0
         return Overloaded("the work queued ahead would make this request miss its deadline",
                           retry_after_s=max(excess_s / max(drain_rate, 0.05), 0.001))

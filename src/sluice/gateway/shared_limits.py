@@ -31,7 +31,7 @@ import os
 import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
@@ -238,7 +238,8 @@ class SharedLimiter:
     async def usage(self, tenant: Tenant) -> Usage:
         now = self._clock.now()
         key, inflight = self._keys(tenant.name)
-        total, period_used, period_index = await self._guarded(self._client.hmget(key, ["tu", "pu", "pi"]))
+        reply = cast(Awaitable[list[Any]], self._client.hmget(key, ["tu", "pu", "pi"]))  # (typed sync | async)
+        total, period_used, period_index = await self._guarded(reply)
         in_flight = await self._guarded(self._client.zcount(inflight, f"({now}", "+inf"))  # leases not ended
         is_current = (tenant.credits_device_s > 0 and period_index is not None
                       and int(float(period_index)) == math.floor(now / tenant.credit_period_s))

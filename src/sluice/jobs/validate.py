@@ -104,7 +104,9 @@ class _Checker:
         self._models = models
         self._is_kserve = endpoint == "/v2/infer"
         self._decode_line = msgspec.json.Decoder(_Line).decode
-        self._decode_body = msgspec.json.Decoder(_KServeBody if self._is_kserve else _OpenAIBody).decode
+        decoder: msgspec.json.Decoder[_KServeBody | _OpenAIBody] = msgspec.json.Decoder(
+            _KServeBody if self._is_kserve else _OpenAIBody)
+        self._decode_body = decoder.decode
         self._seen: set[str] = set()
 
     def check(self, raw: bytes, items: list[NewItem]) -> Problem | None:

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 from sluice import wire
 from sluice.clock import Clock
@@ -172,7 +173,7 @@ class UpstreamLoop:
             return  # cancelled meanwhile: the gateway expects no answer
         now = self._clock.now()
         exec_s = now - call.started_at
-        timing = {"queue_s": call.started_at - call.queued_at, "exec_s": exec_s, "device_s": exec_s}
+        timing = _Timing(queue_s=call.started_at - call.queued_at, exec_s=exec_s, device_s=exec_s)
         if isinstance(event, CallEnd):
             self._call_s += 0.2 * (exec_s - self._call_s)
             text = "" if call.payload.stream else "".join(call.parts)
@@ -206,7 +207,13 @@ class UpstreamLoop:
             self._on_idle()
 
 
-def _unavailable(request_id: int, message: str, retry_after_s: float, **timing: float) -> wire.Result:
+class _Timing(TypedDict, total=False):
+    queue_s: float
+    exec_s: float
+    device_s: float
+
+
+def _unavailable(request_id: int, message: str, retry_after_s: float, **timing: Unpack[_Timing]) -> wire.Result:
     error = wire.ItemError(0, message, is_transient=True)
     return wire.Result(request_id, wire.Outcome.FAILED, errors=[error], retry_after_s=retry_after_s,
                        message=message, **timing)
