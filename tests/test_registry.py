@@ -84,3 +84,21 @@ def test_a_registry_that_cannot_be_reached_keeps_the_workers_known(registry_url:
         await watcher.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_told_to_drain_before_it_listens_never_registers(registry_url: str) -> None:
+    async def scenario() -> None:
+        registration = WorkerRegistration(registry_url, "a", "tcp://10.0.0.4:7000", ttl_s=1.0)
+        registration.withdraw()  # SIGTERM while the models were still loading
+        await asyncio.sleep(0.1)
+        registration.start()  # then the listener came up
+        await asyncio.sleep(0.3)
+        try:
+            assert redis.Redis.from_url(registry_url).keys(PREFIX + "*") == []
+            assert registration._task is None
+        finally:
+            if registration._task is not None:
+                registration._task.cancel()
+            await registration.aclose()
+
+    asyncio.run(scenario())

@@ -44,7 +44,9 @@ class WorkerRegistration:
         self._closing: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._renew())
+        """Register, and keep the entry alive; nothing if the worker already began to drain."""
+        if self._closing is None and self._task is None:
+            self._task = asyncio.create_task(self._renew())
 
     async def _renew(self) -> None:
         failing = False

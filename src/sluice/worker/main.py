@@ -88,10 +88,8 @@ async def run_worker(config: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, drain)
     loop.add_signal_handler(signal.SIGINT, drain)
-    if registration is not None:
-        registration.start()
-    try:
-        await server.serve(config.address)
+    try:  # registered once it listens: a gateway that reads the registry can connect at once
+        await server.serve(config.address, registration.start if registration is not None else lambda: None)
     finally:
         if registration is not None:
             await registration.aclose()

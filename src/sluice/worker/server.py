@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -119,7 +119,8 @@ class WorkerServer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    async def serve(self, address: str) -> None:
+    async def serve(self, address: str, on_listening: Callable[[], None] = lambda: None) -> None:
+        """Listen at `address` until drained; `on_listening` is called once gateways can connect."""
         self._device = DeviceThread(self._scheduler, self._lock, self._runners, self._prepared_items,
                                     self._on_batch_done, asyncio.get_running_loop())
         self._generation_loops = {key: GenerationLoop(runner, self._on_generated, asyncio.get_running_loop())
@@ -130,6 +131,7 @@ class WorkerServer:
             await upstream.start()
         self._listener = await transport.Listener.start(address, self._on_frame)
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
+        on_listening()
         ticker = asyncio.create_task(self._state_loop())
         try:
             await self._drained.wait()
