@@ -166,25 +166,30 @@ def emulated_repo(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A real `redis-server` with `args` on a free loopback port, its log and data in `folder`;
+    returns once it accepts connections."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed; ./scripts/test installs it")
+    port = free_port()
+    process = subprocess.Popen([binary, *args, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
+                               stdout=(folder / "log").open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return process, port
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"redis-server did not start:\n{(folder / 'log').read_text()}")
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis (Debian's `redis-server`) on a free loopback port, for the whole session;
     tests keep apart by key prefix."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed; ./scripts/test installs it")
-    folder = tmp_path_factory.mktemp("redis")
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", str(folder)], stdout=(folder / "log").open("wb"),
-                               stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            break
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server did not start:\n{(folder / 'log').read_text()}")
-        time.sleep(0.05)
+    process, port = start_redis(tmp_path_factory.mktemp("redis"), "--save", "", "--appendonly", "no")
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:

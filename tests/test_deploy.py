@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -20,10 +21,11 @@ import httpx
 import jsonpatch
 import kubernetes_validate
 import pytest
+import redis
 import yaml
 
 from sluice import cli
-from tests.conftest import free_port, stop_all, write_emulated_model
+from tests.conftest import free_port, start_redis, stop_all, write_emulated_model
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -55,10 +57,14 @@ def by_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, A
     return {d["metadata"]["name"]: d for d in documents if d["kind"] == kind}
 
 
+def workloads(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Deployments and StatefulSets, by name."""
+    return {**by_kind(documents, "Deployment"), **by_kind(documents, "StatefulSet")}
+
+
 def containers(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every Deployment's containers, by container name."""
-    return {c["name"]: c for d in by_kind(documents, "Deployment").values()
-            for c in d["spec"]["template"]["spec"]["containers"]}
+    """Every workload's containers, by container name."""
+    return {c["name"]: c for d in workloads(documents).values() for c in d["spec"]["template"]["spec"]["containers"]}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -80,7 +86,7 @@ def test_manifests_are_valid_kubernetes_objects(variant: str) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_selectors_ports_and_targets_agree(variant: str) -> None:
     documents = render(KUBERNETES / variant)
-    deployments = by_kind(documents, "Deployment")
+    deployments = workloads(documents)
     for deployment in deployments.values():
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -98,16 +104,37 @@ def test_selectors_ports_and_targets_agree(variant: str) -> None:
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
     for budget in by_kind(documents, "PodDisruptionBudget").values():
         assert any(budget["spec"]["selector"]["matchLabels"].items() <= p["metadata"]["labels"].items() for p in pods)
+    for policy in by_kind(documents, "NetworkPolicy").values():  # it guards a pod, by ports the pod has
+        selected = [p for p in pods if policy["spec"]["podSelector"]["matchLabels"].items()
+                    <= p["metadata"]["labels"].items()]
+        assert len(selected) == 1, policy["metadata"]["name"]
+        port_names = {p["name"] for c in selected[0]["spec"]["containers"] for p in c["ports"]}
+        for rule in policy["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} <= port_names
+            for peer in rule.get("from", []):  # and lets in pods that exist
+                assert any(peer["podSelector"]["matchLabels"].items() <= p["metadata"]["labels"].items()
+                           for p in pods if p is not selected[0])
+    for stateful in by_kind(documents, "StatefulSet").values():
+        assert stateful["spec"]["serviceName"] in by_kind(documents, "Service")
+        claims = {t["metadata"]["name"] for t in stateful["spec"].get("volumeClaimTemplates", [])}
+        mounted = {m["name"] for c in stateful["spec"]["template"]["spec"]["containers"]
+                   for m in c.get("volumeMounts", [])}
+        assert claims <= mounted
     for autoscaler in [*by_kind(documents, "HorizontalPodAutoscaler").values(),
                        *by_kind(documents, "ScaledObject").values()]:
         assert autoscaler["spec"]["scaleTargetRef"]["name"] in deployments
 
 
 def _arguments(container: dict[str, Any], values: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The container's args with `$(VAR)` expanded, and its environment (`valueFrom`: `values`)."""
-    env = {e["name"]: e.get("value", values.get(e["name"], "x")) for e in container.get("env", [])}
-    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
-    return args, env
+    """The container's args and environment (`valueFrom`: `values`) with `$(VAR)` expanded as
+    Kubernetes does: in a variable's value, from the variables defined before it."""
+    def expand(text: str) -> str:
+        return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], text)
+
+    env: dict[str, str] = {}
+    for variable in container.get("env", []):
+        env[variable["name"]] = expand(variable["value"]) if "value" in variable else values.get(variable["name"], "x")
+    return [expand(a) for a in container["args"]], env
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -168,12 +195,18 @@ def test_the_image_pins_the_same_torch_as_the_package() -> None:
 
 
 @pytest.mark.slow
-def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path, redis_url: str) -> None:
-    """The gateway and worker containers' args and environment, with the cluster's names and
-    ports swapped for local ones: a worker registers, the gateway finds it, a tenant's key is
-    required and works, and the metrics the autoscaler reads are where Prometheus scrapes."""
+def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path) -> None:
+    """The Redis, gateway and worker containers' args and environment, with the cluster's names
+    and ports swapped for local ones: Redis requires the Secret's password and the others use it,
+    a worker registers, the gateway finds it, a tenant's key is required and works, the metrics
+    the autoscaler reads are where Prometheus scrapes, and what Redis holds survives its restart."""
     documents = render(KUBERNETES / "base")
-    redis_address = redis_url.removeprefix("redis://").split("/")[0]
+    values = {"REDIS_PASSWORD": secrets.token_hex(16), "POD_NAME": "sluice-worker-0", "POD_IP": "127.0.0.1"}
+    (tmp_path / "redis").mkdir()
+    redis_args, _ = _arguments(containers(documents)["redis"], values)
+    redis_args = [str(tmp_path / "redis") if a == "/data" else a for a in redis_args]
+    redis_process, redis_port = start_redis(tmp_path / "redis", *redis_args)
+    redis_address = f"127.0.0.1:{redis_port}"
     repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
     tenants = tmp_path / "tenants.toml"
     created = subprocess.run([sys.executable, "-m", "sluice", "keys", "create", "team", "--tenants", str(tenants)],
@@ -189,10 +222,12 @@ def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path, redis_url
             text = text.replace(cluster, here)
         return text
 
-    processes = []
+    processes = [redis_process]
     try:
+        with pytest.raises(redis.AuthenticationError):  # no password, no entry
+            redis.Redis(port=redis_port).ping()
         for name in ("worker", "gateway"):
-            args, env = _arguments(containers(documents)[name], {"POD_NAME": "sluice-worker-0", "POD_IP": "127.0.0.1"})
+            args, env = _arguments(containers(documents)[name], values)
             env = {k: localized(v) for k, v in env.items() if k != "SLUICE_GATEWAY_JOBS_DB"}
             processes.append(subprocess.Popen([sys.executable, "-m", "sluice", *map(localized, args)],
                                               env={**os.environ, **env}))
@@ -214,5 +249,15 @@ def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path, redis_url
         busy = re.search(r'^sluice_device_busy_seconds_total\{worker="sluice-worker-0"\} (\S+)$', worker_metrics,
                          re.MULTILINE)
         assert busy is not None and float(busy.group(1)) > 0, worker_metrics[:2000]
+        stop_all(processes[1:])  # the worker withdraws its registration
+        client = redis.Redis(port=redis_port, password=values["REDIS_PASSWORD"], db=8)
+        kept = {key: client.dump(key) for key in client.scan_iter() if client.ttl(key) == -1}
+        assert any(key.startswith(b"sluice:limits:") for key in kept), kept  # the tenant's usage
+        redis_process.terminate()
+        redis_process.wait(timeout=10)
+        redis_process, redis_port = start_redis(tmp_path / "redis", *redis_args)
+        processes = [redis_process]
+        client = redis.Redis(port=redis_port, password=values["REDIS_PASSWORD"], db=8)
+        assert {key: client.dump(key) for key in client.scan_iter() if client.ttl(key) == -1} == kept
     finally:
         stop_all(processes)
