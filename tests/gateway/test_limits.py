@@ -152,6 +152,23 @@ def test_concurrency_cap_and_release(limiter):
     assert isinstance(b, Reservation)
 
 
+def test_a_concurrency_refusal_says_when_a_slot_should_free(limiter):
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, max_concurrent=2)
+    a, b = lim.admit(tenant, 0), lim.admit(tenant, 0)
+    assert lim.admit(tenant, 0).retry_after_s == 1.0  # no request has ended yet: a second
+    clock.advance(0.3)
+    lim.settle(a, 0, 0.0)  # it held its slot 0.3 s
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+    refusal = lim.admit(tenant, 0)
+    # two in flight, a request takes 0.3 s: the first of them ends in about 0.1 s
+    assert isinstance(refusal, Refusal) and refusal.retry_after_s == pytest.approx(0.1)
+    clock.advance(0.05)
+    lim.settle(b, 0, 0.0)  # 0.35 s: the mean moves a fifth of the way
+    assert lim.admit(tenant, 0)
+    assert lim.admit(tenant, 0).retry_after_s == pytest.approx((0.3 + 0.2 * 0.05) / 3)
+
+
 def test_credit_budget_is_final_until_the_period_resets(limiter):
     clock = VirtualClock(start_s=1000.0)
     lim, tenant = limiter(clock, credits_device_s=2.0, credit_period_s=3600)

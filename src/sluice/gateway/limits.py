@@ -98,6 +98,8 @@ class Reservation:
     """The shared limiter's in-flight entry (`shared_limits`); unused in one process."""
     limits: Tenant | None = None
     """The limits it was admitted under (the shared limiter settles with them)."""
+    admitted_at: float = 0.0
+    """The limiter's clock at admission: how long the request held its concurrency slot."""
 
 
 @dataclass(slots=True)
@@ -109,6 +111,8 @@ class _TenantState:
     period_index: int = 0
     used_device_s: float = 0.0
     used_total_device_s: float = 0.0
+    request_s: float | None = None
+    """Decayed mean of how long its requests held a concurrency slot (None: none has ended yet)."""
     statuses: tuple[LimitStatus, ...] = field(default=())
 
 
@@ -143,7 +147,7 @@ class TenantLimiter:
         if state.tokens is not None:
             state.tokens.adjust(-estimated_tokens)
         state.num_in_flight += 1
-        return Reservation(tenant.name, estimated_tokens, _statuses(state))
+        return Reservation(tenant.name, estimated_tokens, _statuses(state), admitted_at=now)
 
     def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                refund_request: bool = False) -> None:
@@ -156,6 +160,7 @@ class TenantLimiter:
         if state is None:
             return
         state.num_in_flight = max(0, state.num_in_flight - 1)
+        state.request_s = decayed_mean(state.request_s, self._clock.now() - reservation.admitted_at)
         if refund_request and state.requests is not None:
             state.requests.adjust(1)
         if state.tokens is not None:
@@ -177,7 +182,7 @@ class TenantLimiter:
         if (refusal := too_large(tenant, tokens, _statuses(state))) is not None:
             return refusal
         if tenant.max_concurrent and state.num_in_flight >= tenant.max_concurrent:
-            return Refusal("concurrency", 1.0, False, _statuses(state))
+            return Refusal("concurrency", next_slot_s(state.request_s, state.num_in_flight), False, _statuses(state))
         if tenant.credits_device_s and state.used_device_s >= tenant.credits_device_s:
             period_end = (state.period_index + 1) * tenant.credit_period_s
             return Refusal("credits", max(period_end - now, 1.0), True, _statuses(state))
@@ -193,6 +198,25 @@ class TenantLimiter:
         index = math.floor(now / state.tenant.credit_period_s)
         if index != state.period_index:
             state.period_index, state.used_device_s = index, 0.0
+
+
+REQUEST_S_WEIGHT = 0.2
+"""The weight of each ended request in a tenant's mean request duration."""
+
+
+def decayed_mean(mean_s: float | None, duration_s: float) -> float:
+    """A tenant's mean request duration with one more request's."""
+    duration_s = max(duration_s, 0.0)
+    return duration_s if mean_s is None else mean_s + REQUEST_S_WEIGHT * (duration_s - mean_s)
+
+
+def next_slot_s(mean_request_s: float | None, num_in_flight: int) -> float:
+    """When a concurrency slot is expected to free (a refusal's Retry-After): the first of
+    `num_in_flight` requests to end, their remaining times spread evenly over a typical request's
+    duration, is expected after duration / (n + 1). A second until some request has ended."""
+    if mean_request_s is None:
+        return 1.0
+    return max(mean_request_s / (num_in_flight + 1), 0.001)
 
 
 def too_large(tenant: Tenant, tokens: float, statuses: tuple[LimitStatus, ...] = ()) -> Refusal | None:

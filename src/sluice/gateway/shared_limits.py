@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import Clock, WallClock
-from sluice.gateway.limits import LimitStatus, Refusal, Reservation, Usage, too_large
+from sluice.gateway.limits import REQUEST_S_WEIGHT, LimitStatus, Refusal, Reservation, Usage, too_large
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["SharedLimiter"]
@@ -63,16 +63,18 @@ local function bucket(cap, c, l, a)
 end
 local rpm, tpm = tonumber(ARGV[2]), tonumber(ARGV[3])
 local credits, period = tonumber(ARGV[4]), tonumber(ARGV[5])
-local h = redis.call('HMGET', KEYS[1], 'rc', 'rl', 'ra', 'tc', 'tl', 'ta', 'pi', 'pu', 'tu')
+local h = redis.call('HMGET', KEYS[1], 'rc', 'rl', 'ra', 'tc', 'tl', 'ta', 'pi', 'pu', 'tu', 'rd')
 local req = bucket(rpm, h[1], h[2], h[3])
 local tok = bucket(tpm, h[4], h[5], h[6])
 local pi, pu, tu = tonumber(h[7]) or -1, tonumber(h[8]) or 0, tonumber(h[9]) or 0
+local rd = tonumber(h[10])  -- mean request duration (limits.decayed_mean), nil until one ended
 if credits > 0 then
   local index = math.floor(now / period)
   if index ~= pi then pi = index; pu = 0 end
 end
 local function save()
   local fields = {'pi', pi, 'pu', tostring(pu), 'tu', tostring(tu)}
+  if rd then table.insert(fields, 'rd'); table.insert(fields, tostring(rd)) end
   if req then for _, v in ipairs({'rc', tostring(req.cap), 'rl', tostring(req.level), 'ra', tostring(req.at)}) do
     table.insert(fields, v) end end
   if tok then for _, v in ipairs({'tc', tostring(tok.cap), 'tl', tostring(tok.level), 'ta', tostring(tok.at)}) do
@@ -98,7 +100,7 @@ local function wait(b, amount)
 end
 local refused, retry, final = '', 0, 0
 if maxc > 0 and in_flight >= maxc then
-  refused, retry = 'concurrency', 1
+  refused, retry = 'concurrency', rd and math.max(rd / (in_flight + 1), 0.001) or 1  -- limits.next_slot_s
 elseif credits > 0 and pu >= credits then
   refused, retry, final = 'credits', math.max((pi + 1) * period - now, 1), 1
 else
@@ -122,11 +124,13 @@ for _, v in ipairs(status(tok)) do table.insert(reply, v) end
 return reply
 """
 
-# ARGV: now rpm tpm credits period lease_id refund reserved_tokens tokens device_s
+# ARGV: now rpm tpm credits period lease_id refund reserved_tokens tokens device_s held_s weight
 _SETTLE = _LOAD + """
 redis.call('ZREM', KEYS[2], ARGV[6])
 if req and ARGV[7] == '1' then req.level = math.min(req.cap, req.level + 1) end
 if tok then tok.level = math.min(tok.cap, tok.level + tonumber(ARGV[8]) - tonumber(ARGV[9])) end
+local held = math.max(tonumber(ARGV[11]), 0)
+if rd then rd = rd + tonumber(ARGV[12]) * (held - rd) else rd = held end
 pu = pu + tonumber(ARGV[10])
 tu = tu + tonumber(ARGV[10])
 save()
@@ -144,6 +148,8 @@ class _Settlement:
     tokens: float
     device_s: float
     refund_request: bool
+    held_s: float
+    """How long the request held its concurrency slot."""
 
 
 class SharedLimiter:
@@ -192,7 +198,7 @@ class SharedLimiter:
         statuses = _statuses([_text(v) for v in reply[3:9]])
         if refused:
             return Refusal(refused, retry_after_s, is_final, statuses)
-        return Reservation(tenant.name, estimated_tokens, statuses, lease_id=lease_id, limits=tenant)
+        return Reservation(tenant.name, estimated_tokens, statuses, lease_id=lease_id, limits=tenant, admitted_at=now)
 
     async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                      refund_request: bool = False) -> None:
@@ -201,7 +207,8 @@ class SharedLimiter:
         reservation.is_settled = True
         if reservation.limits is None:
             return
-        settlement = _Settlement(reservation, tokens, device_s, refund_request)
+        held_s = self._clock.now() - reservation.admitted_at
+        settlement = _Settlement(reservation, tokens, device_s, refund_request, held_s)
         try:
             await self._run(settlement)
         except RedisError:
@@ -233,7 +240,8 @@ class SharedLimiter:
         assert tenant is not None
         await self._guarded(self._settle(keys=self._keys(tenant.name), args=[
             *self._limit_args(tenant, self._clock.now()), reservation.lease_id,
-            "1" if settlement.refund_request else "0", reservation.tokens, settlement.tokens, settlement.device_s]))
+            "1" if settlement.refund_request else "0", reservation.tokens, settlement.tokens, settlement.device_s,
+            settlement.held_s, REQUEST_S_WEIGHT]))
 
     async def usage(self, tenant: Tenant) -> Usage:
         now = self._clock.now()
