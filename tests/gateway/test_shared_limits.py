@@ -145,3 +145,32 @@ def test_a_settlement_redis_missed_is_sent_again_and_frees_its_slot(redis_url: s
             await each.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_settlement_whose_answer_was_lost_is_charged_once(redis_url: str) -> None:
+    """Redis applied a settlement but the reply never came back (a timeout): the gateway keeps it
+    and sends it again, and the second time must not charge the tenant again."""
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        limiter, other = _pair(redis_url, clock, lease_s=600.0)
+        tenant = Tenant(name="t", max_concurrent=2)
+        held = await limiter.admit(tenant, 0)
+        assert isinstance(held, Reservation)
+        settle_script = limiter._settle
+
+        async def applied_but_unanswered(**kwargs: object) -> None:
+            await settle_script(**kwargs)
+            raise RedisError("timeout reading the reply")
+
+        limiter._settle = applied_but_unanswered
+        with pytest.raises(RedisError):
+            await limiter.settle(held, 0, 2.5)
+        limiter._settle = settle_script
+        clock.advance(REDIS_CIRCUIT.open_s + 1.0)
+        assert isinstance(await limiter.admit(tenant, 0), Reservation)  # sends the kept settlement first
+        assert limiter.num_unsettled == 0
+        assert (await other.usage(tenant)).device_s == pytest.approx(2.5)  # not 5.0
+        for each in (limiter, other):
+            await each.aclose()
+
+    asyncio.run(scenario())

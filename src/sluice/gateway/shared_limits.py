@@ -12,9 +12,13 @@ rule holds across gateways too (a script runs atomically; no other client's comm
 
 Concurrency is counted from the in-flight set, whose members expire with their lease (the
 gateway's longest request timeout), so a gateway that dies with requests in flight cannot hold
-its tenants' concurrency forever. The two keys share the `{tenant}` hash tag, so a Redis Cluster
-keeps them on one shard. Times are wall-clock seconds from the gateway's clock, so gateways must
-keep their clocks in sync (NTP); a skew of a second or two only shifts refills by as much.
+its tenants' concurrency forever. A settlement applies only while its request's member is in the
+set, and removes it: one sent again because its reply was lost charges nothing more (nor does
+one that arrives after its lease ran out: a request settles within the longest timeout, unless
+Redis was away longer than its lease, and then its device time goes uncharged). The two keys
+share the `{tenant}` hash tag, so a Redis Cluster keeps them on one shard. Times are wall-clock
+seconds from the gateway's clock, so gateways must keep their clocks in sync (NTP); a skew of a
+second or two only shifts refills by as much.
 
 The semantics, including every edge (a request larger than a bucket, a changed limit starting a
 fresh bucket, refunds), are those of `TenantLimiter`: tests/gateway/test_limits.py runs the same
@@ -126,7 +130,7 @@ return reply
 
 # ARGV: now rpm tpm credits period lease_id refund reserved_tokens tokens device_s held_s weight
 _SETTLE = _LOAD + """
-redis.call('ZREM', KEYS[2], ARGV[6])
+if redis.call('ZREM', KEYS[2], ARGV[6]) == 0 then return 0 end  -- settled already: a replay
 if req and ARGV[7] == '1' then req.level = math.min(req.cap, req.level + 1) end
 if tok then tok.level = math.min(tok.cap, tok.level + tonumber(ARGV[8]) - tonumber(ARGV[9])) end
 local held = math.max(tonumber(ARGV[11]), 0)
