@@ -181,15 +181,11 @@ def _model(gateway: Gateway, request: Request) -> str:
 
 async def _changed(gateway: Gateway, name: str, event: CanaryEvent | None, status: int = 200) -> Response:
     """After an operator changed `name`'s traffic here: report the canary it ended, tell the other
-    gateways, answer with the model's routing."""
-    _report(gateway, event)
-    await gateway.share_traffic(name)
-    return _json(_describe(gateway, name), status=status)
-
-
-def _report(gateway: Gateway, event: CanaryEvent | None) -> None:
+    gateways (once), answer with the model's routing."""
     if event is not None:
         gateway.canary_event(event)
+    await gateway.share_traffic(name)
+    return _json(_describe(gateway, name), status=status)
 
 
 def _given(value: T | None, default: T) -> T:
@@ -209,7 +205,7 @@ def _main_version(gateway: Gateway, name: str, exclude: str) -> str | None:
 def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
     """A model's versions, where its unversioned traffic goes and why, and its latest canary."""
     now = gateway.now()
-    _report(gateway, gateway.traffic.evaluate(name, now))  # judge what came in since the last request
+    gateway.judge_canary(name)
     versions = gateway.models(include_recovering=True).get(name, {})
     ready = gateway.models().get(name, {})
     split, declared = gateway.split(name), gateway.declared_split(name)

@@ -166,7 +166,7 @@ class Gateway:
             for canary in self.traffic.running():  # a version gone ends its canary
                 event = self.traffic.check_served(canary.model, index.with_recovering.get(canary.model, {}))
                 if event is not None:
-                    self.canary_event(event)
+                    self._canary_moved(event)
         return self._index
 
     def models(self, *, include_recovering: bool = False) -> dict[str, dict[str, wire.ModelInfo]]:
@@ -258,12 +258,25 @@ class Gateway:
         event = self.traffic.observe(info.name, info.version, outcome, result.exec_s if result else 0.0,
                                      self._clock.now())
         if event is not None:
-            self.canary_event(event)
+            self._canary_moved(event)
 
     def canary_event(self, event: CanaryEvent) -> None:
+        """Log and count a canary's step or end. Sharing the change is up to where it was made:
+        one followed from another gateway is not published again."""
         log.warning("canary of model %s: %s, now at %g%% of its traffic: %s", event.model,
                     event.kind.replace("_", " "), event.share, event.reason)
         self._metrics.canary_event(event.model, event.kind)
+
+    def judge_canary(self, name: str) -> None:
+        """Judge `name`'s canary, if one runs here, on the answers since the last request."""
+        event = self.traffic.evaluate(name, self._clock.now())
+        if event is not None:
+            self._canary_moved(event)
+
+    def _canary_moved(self, event: CanaryEvent) -> None:
+        """A canary running here stepped or ended on its own (judged as requests end, or its
+        version went away): report it and tell the cluster's other gateways."""
+        self.canary_event(event)
         if self.shared_traffic is not None:
             self.shared_traffic.publish_soon(event.model)
 
