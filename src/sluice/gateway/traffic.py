@@ -114,7 +114,6 @@ class Split:
         total = sum(w for _, w in self.shares)
         return {v: round(100.0 * w / total, 4) for v, w in self.shares}
 
-
     def to_json(self) -> dict[str, object]:
         return {"traffic": dict(self.shares), "sticky": self.sticky}
 
