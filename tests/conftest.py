@@ -7,6 +7,7 @@ model repository holding one emulated model with the given parameters.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import itertools
@@ -64,6 +65,25 @@ def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    """Wait until `condition()` holds (an HTTP error counts as not yet), or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if condition():
+                return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """In a test's event loop: wait until `condition()` holds, or fail after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.005)
 
 
 def free_port() -> int:

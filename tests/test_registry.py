@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import pytest
 import redis
 
 from sluice.registry import PREFIX, RegistryWatcher, WorkerRegistration, registered_workers
+from tests.conftest import until
 
 
 @pytest.fixture
@@ -17,13 +16,6 @@ def registry_url(redis_url: str) -> str:
     url = redis_url.rsplit("/", 1)[0] + "/5"  # a database of its own: the registry's keys are fixed
     redis.Redis.from_url(url).flushdb()
     return url
-
-
-async def _until(condition: Callable[[], bool], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, "the registry did not change in time"
-        await asyncio.sleep(0.02)
 
 
 def test_gateways_see_workers_join_withdraw_and_expire(registry_url: str) -> None:
@@ -45,15 +37,15 @@ def test_gateways_see_workers_join_withdraw_and_expire(registry_url: str) -> Non
         await watcher.start()  # knows a at once
         assert events == [("add", "a@tcp://10.0.0.1:7000")]
         b.start()
-        await _until(lambda: len(watcher.workers) == 2)
+        await until(lambda: len(watcher.workers) == 2)
         await asyncio.sleep(2.0)  # longer than the TTL: renewals keep both
         assert set(watcher.workers) == {"tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000"}
         a.withdraw()  # a drains: its entry goes at once
-        await _until(lambda: events[-1][0] == "remove", within_s=1.0)  # well before its TTL
+        await until(lambda: events[-1][0] == "remove", timeout_s=1.0)  # well before its TTL
         assert events[-1] == ("remove", "a@tcp://10.0.0.1:7000")
         assert b._task is not None
         b._task.cancel()  # b dies without a word: its entry expires
-        await _until(lambda: len(events) == 4, within_s=10.0)
+        await until(lambda: len(events) == 4, timeout_s=10.0)
         assert events[-1] == ("remove", "b@tcp://10.0.0.2:7000")
         assert await registered_workers(watcher._redis) == {}
         await watcher.aclose()

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from sluice import transport
 from sluice.transport import Address, Channel, Listener
+from tests.conftest import until
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 class _Echo:
@@ -60,13 +54,13 @@ async def test_frames_reach_the_peer_that_sent_them(tmp_path: Path, kind: str) -
     channels = {name: Channel(address, name.encode(), answers[name].append) for name in answers}
     for channel in channels.values():
         channel.start()
-    await _until(lambda: all(c.is_connected for c in channels.values()))
+    await until(lambda: all(c.is_connected for c in channels.values()))
     big = bytes(range(256)) * 20_000  # 5 MB: arrives in many reads
     for i in range(200):  # many small frames: several arrive in one read
         assert channels["a"].send(b"%d" % i)
     assert channels["b"].send(big)
     assert channels["b"].send(b"")
-    await _until(lambda: len(answers["a"]) == 200 and len(answers["b"]) == 2)
+    await until(lambda: len(answers["a"]) == 200 and len(answers["b"]) == 2)
     assert answers["a"] == [b"re:%d" % i for i in range(200)]
     assert answers["b"] == [b"re:" + big, b"re:"]
     assert {identity for identity, _ in echo.received} == {b"a", b"b"}
@@ -87,18 +81,18 @@ async def test_send_fails_while_not_connected_and_the_channel_reconnects(tmp_pat
     assert channel.send(b"nobody listens") is False  # refused at once, not queued for later
 
     echo = await _Echo().start(address)
-    await _until(lambda: channel.is_connected)
+    await until(lambda: channel.is_connected)
     assert channel.send(b"one")
-    await _until(lambda: answers == [b"re:one"])
+    await until(lambda: answers == [b"re:one"])
 
     assert echo.listener is not None
     await echo.listener.aclose()  # the worker goes away...
-    await _until(lambda: not channel.is_connected)
+    await until(lambda: not channel.is_connected)
     assert channel.send(b"lost") is False
     echo = await _Echo().start(address)  # ...and a new one takes its address
-    await _until(lambda: channel.is_connected)
+    await until(lambda: channel.is_connected)
     assert channel.send(b"two")
-    await _until(lambda: answers == [b"re:one", b"re:two"])
+    await until(lambda: answers == [b"re:one", b"re:two"])
     assert len(connects) == 2
     assert echo.received == [(b"gw", b"two")]  # the identity came first again, not as a frame
     await channel.aclose()
@@ -113,16 +107,16 @@ async def test_a_reconnected_peer_gets_the_answers_by_its_identity(tmp_path: Pat
     first: list[bytes] = []
     channel = Channel(address, b"gw", first.append)
     channel.start()
-    await _until(lambda: channel.is_connected)
+    await until(lambda: channel.is_connected)
     channel.send(b"asked before")
-    await _until(lambda: len(received) == 1)
+    await until(lambda: len(received) == 1)
     await channel.aclose()
-    await _until(lambda: not listener.send(b"gw", b"x"))  # the old link is gone: nothing to route to
+    await until(lambda: not listener.send(b"gw", b"x"))  # the old link is gone: nothing to route to
     second: list[bytes] = []
     again = Channel(address, b"gw", second.append)
     again.start()
-    await _until(lambda: listener.send(b"gw", b"answer"))  # once it has introduced itself
-    await _until(lambda: second == [b"answer"])
+    await until(lambda: listener.send(b"gw", b"answer"))  # once it has introduced itself
+    await until(lambda: second == [b"answer"])
     assert first == []
     assert listener.send(b"nobody", b"x") is False
     await again.aclose()
@@ -135,7 +129,7 @@ async def test_a_corrupt_stream_is_dropped_and_others_keep_working(tmp_path: Pat
     answers: list[bytes] = []
     good = Channel(f"ipc://{path}", b"good", answers.append)
     good.start()
-    await _until(lambda: good.is_connected)
+    await until(lambda: good.is_connected)
 
     reader, writer = await asyncio.open_unix_connection(str(path))
     writer.write((2).to_bytes(4, "big") + b"me")
@@ -145,7 +139,7 @@ async def test_a_corrupt_stream_is_dropped_and_others_keep_working(tmp_path: Pat
     writer.close()
 
     assert good.send(b"still here")
-    await _until(lambda: answers == [b"re:still here"])
+    await until(lambda: answers == [b"re:still here"])
     await good.aclose()
     assert echo.listener is not None
     await echo.listener.aclose()

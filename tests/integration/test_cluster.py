@@ -7,6 +7,7 @@ through one gateway apply on both; a canary whose gateway dies is rolled back by
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import free_port, stop_all, write_emulated_model, write_two_versions
+from tests.conftest import eventually, free_port, stop_all, write_emulated_model, write_two_versions
 
 pytestmark = pytest.mark.slow
 
@@ -99,11 +100,7 @@ def _versions_served(client: httpx.Client, url: str, n: int = 20) -> set[str]:
                         ).json()["model_version"] for _ in range(n)}
 
 
-def _eventually(check, what: str, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+follows = functools.partial(eventually, timeout_s=10.0)  # gateways read the shared state every 0.5 s
 
 
 def test_gateways_share_traffic_splits_and_canaries(tmp_path: Path, redis_url: str) -> None:
@@ -117,18 +114,18 @@ def test_gateways_share_traffic_splits_and_canaries(tmp_path: Path, redis_url: s
     processes += [subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
                                     "--port", str(port)]) for port in ports]
     try:
-        _eventually(lambda: _ready(a) and _ready(b), "the gateways", timeout_s=90)
+        eventually(lambda: _ready(a) and _ready(b), "the gateways", timeout_s=90)
         with httpx.Client(timeout=30) as client:
             assert _versions_served(client, b) == {"2"}  # the newest, with no split set anywhere
             moved = client.put(f"{a}/admin/models/emulated/traffic", json={"traffic": {"1": 100}})
             assert moved.status_code == 200, moved.text
-            _eventually(lambda: _state(client, b)["split_source"] == "operator", "gateway b to follow the split")
+            follows(lambda: _state(client, b)["split_source"] == "operator", "gateway b to follow the split")
             assert _versions_served(client, b) == {"1"}
 
             started = client.post(f"{b}/admin/models/emulated/canary",
                                   json={"version": "2", "steps": [50], "step_seconds": 600})
             assert started.status_code == 201, started.text
-            _eventually(lambda: _state(client, a)["split_source"] == "canary", "gateway a to follow the canary")
+            follows(lambda: _state(client, a)["split_source"] == "canary", "gateway a to follow the canary")
             followed = _state(client, a)
             assert followed["canary"]["version"] == "2" and followed["canary"]["owner"]
             assert {v["version"]: v["traffic_percent"] for v in followed["versions"]} == {"1": 50.0, "2": 50.0}
@@ -144,9 +141,9 @@ def test_gateways_share_traffic_splits_and_canaries(tmp_path: Path, redis_url: s
 
             started = client.post(f"{a}/admin/models/emulated/canary", json={"version": "2", "steps": [50]})
             assert started.status_code == 201, started.text
-            _eventually(lambda: _state(client, b)["split_source"] == "canary", "gateway b to follow a's canary")
+            follows(lambda: _state(client, b)["split_source"] == "canary", "gateway b to follow a's canary")
             processes[1].kill()  # gateway a dies while its canary runs
-            _eventually(lambda: _state(client, b)["split_source"] == "rollback", "the orphaned canary's rollback")
+            follows(lambda: _state(client, b)["split_source"] == "rollback", "the orphaned canary's rollback")
             assert _versions_served(client, b) == {"1"}
     finally:
         stop_all(processes)

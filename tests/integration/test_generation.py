@@ -4,14 +4,13 @@ streamed, stop strings, prefix-cache hits in usage, cancellation on disconnect, 
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import metric_total, start_server, write_tiny_lm_model
+from tests.conftest import eventually, metric_total, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +75,6 @@ def test_a_repeated_long_prompt_hits_the_prefix_cache(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
 
 
-def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    pytest.fail(what)
-
-
 def test_finished_generations_count_as_ok_with_their_tokens(server, client):
     ok = metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok")
     cancelled = metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
@@ -112,12 +102,12 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
                                        stream=True, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(5), stream, strict=False):
         pass
-    _wait_for(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 1,
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 1,
               "the running sequence never showed in the gauge")  # (refreshed every 0.5 s)
     stream.close()
-    _wait_for(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
               "the disconnected client's sequence kept running")
-    _wait_for(lambda: metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled + 1,
+    eventually(lambda: metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled + 1,
               "the cut stream was never accounted")
     assert metric_total(server, "sluice_tenant_device_seconds_total", tenant="local") > device_s
     metrics = httpx.get(f"{server.url}/metrics").text
@@ -263,8 +253,8 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_sequence(one_s
     cancelled = _num_cancelled(server)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=1.0))
-    _wait_for(lambda: _num_cancelled(server) > cancelled, "the abandoned request was not cancelled")
-    _wait_for(lambda: _gauge(server, "vllm:num_requests_running") == 0, "its sequence kept running")
+    eventually(lambda: _num_cancelled(server) > cancelled, "the abandoned request was not cancelled")
+    eventually(lambda: _gauge(server, "vllm:num_requests_running") == 0, "its sequence kept running")
     assert _gauge(server, "vllm:kv_cache_usage_perc") == 0
 
 
@@ -277,15 +267,15 @@ def test_a_stream_abandoned_before_its_first_token_leaves_the_queue(one_seq_serv
         with ThreadPoolExecutor(1) as pool:  # queued behind it until its client gives up
             queued = pool.submit(httpx.post, f"{server.url}/v1/completions", json={**LONG, "stream": True},
                                  timeout=httpx.Timeout(60, read=1.5))
-            _wait_for(lambda: _gauge(server, "vllm:num_requests_waiting") == 1, "the second stream did not queue")
+            eventually(lambda: _gauge(server, "vllm:num_requests_waiting") == 1, "the second stream did not queue")
             with pytest.raises(httpx.ReadTimeout):
                 queued.result()
-        _wait_for(lambda: _gauge(server, "vllm:num_requests_waiting") == 0, "the abandoned stream stayed queued")
+        eventually(lambda: _gauge(server, "vllm:num_requests_waiting") == 0, "the abandoned stream stayed queued")
         assert _gauge(server, "vllm:num_requests_running") == 1  # the first one is still going
-    _wait_for(lambda: _gauge(server, "vllm:num_requests_running") == 0, "the closed stream kept running")
+    eventually(lambda: _gauge(server, "vllm:num_requests_running") == 0, "the closed stream kept running")
 
 
 def test_preemptions_are_exported_from_the_start(one_seq_server):
-    _wait_for(lambda: 'sluice_preemptions_total{model="tiny"} 0.0' in httpx.get(f"{one_seq_server.url}/metrics").text,
+    eventually(lambda: 'sluice_preemptions_total{model="tiny"} 0.0' in httpx.get(f"{one_seq_server.url}/metrics").text,
               "sluice_preemptions is not exported before the first preemption")
 

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from sluice.registry import PREFIX
-from tests.conftest import free_port, stop_all, write_emulated_model
+from tests.conftest import eventually, free_port, stop_all, write_emulated_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +28,6 @@ def _workers_ready(url: str) -> float:
         if line.startswith("sluice_workers_ready"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def _wait(condition, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, redis_url: str) -> None:
@@ -61,11 +49,12 @@ def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, r
         first, _ = worker("a")
         processes.append(subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
                                            "--port", str(port)]))
-        _wait(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200, "the gateway to be ready")
+        eventually(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200, "the gateway to be ready",
+                   timeout_s=60.0)
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).json()["outputs"][0]["data"] == [3.0]
 
         _, second_address = worker("b")
-        _wait(lambda: _workers_ready(url) == 2, "the second worker to join")
+        eventually(lambda: _workers_ready(url) == 2, "the second worker to join", timeout_s=60.0)
 
         statuses: list[int] = []
         failures: list[str] = []
@@ -90,7 +79,7 @@ def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, r
         assert statuses == [200] * 400, failures  # nothing failed while the worker left
         keys = {key.decode() for key in redis.Redis.from_url(registry).keys(PREFIX + "*")}
         assert keys == {PREFIX + second_address}
-        _wait(lambda: _workers_ready(url) == 1, "the gateway to drop the worker that left")
+        eventually(lambda: _workers_ready(url) == 1, "the gateway to drop the worker that left", timeout_s=60.0)
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
     finally:
         stop_all(processes)
