@@ -202,7 +202,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     asgi_app = build_app(gateway, config.api, lifespan,
                           extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes))
     server = _Server(uvicorn.Config(
-        asgi_app, host=config.host, port=config.port, loop="uvloop", http=stamping_protocol(clock),
+        asgi_app, host=config.host, port=config.port, loop="uvloop",
+        http=stamping_protocol(clock, asgi_app.answer_early),
         access_log=False, log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
         timeout_keep_alive=config.keep_alive_s, headers=[("keep-alive", f"timeout={config.keep_alive_s}")],
     ))

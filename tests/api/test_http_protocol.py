@@ -1,4 +1,5 @@
-"""The HTTP protocol notes when each request reached the server, and a deadline counts from then."""
+"""The HTTP protocol notes when each request reached the server (a deadline counts from then), and
+answers the requests the application refuses early without starting their tasks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import httpx
 import uvicorn
 from starlette.requests import Request
+from starlette.responses import Response
 
 from sluice.api.common import arrival
 from sluice.api.http_protocol import stamping_protocol
@@ -60,3 +62,110 @@ def test_the_deadline_counts_from_the_stamp_unless_it_is_missing_or_from_the_fut
     assert arrival(request({"sluice.received_at": 7.5}), now=10.0) == 7.5
     assert arrival(request({}), now=10.0) == 10.0  # a batch job's item, run in-process
     assert arrival(request({"sluice.received_at": 12.0}), now=10.0) == 10.0  # another clock's reading
+
+
+class _Recorder:
+    """An ASGI app that echoes each request's body, and notes the paths it was called for."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        self.paths.append(scope["path"])
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _refuse_path_refuse(scope, body: bytes) -> Response | None:
+    if scope["path"] != "/refuse":
+        return None
+    return Response(b'{"error": "busy: ' + body + b'"}', status_code=503, media_type="application/json",
+                    headers={"retry-after": "1"})
+
+
+async def _serve(app, answer_early):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
+                                           http=stamping_protocol(_StepClock(), answer_early), lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, serving, port
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
+    body = await reader.readexactly(int(headers["content-length"]))
+    return int(lines[0].split()[1]), headers, body
+
+
+def _post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%b\r\n%b" % (path.encode(), len(body), extra, body)
+
+
+def test_a_refused_request_is_answered_without_reaching_the_app_and_the_connection_goes_on() -> None:
+    app = _Recorder()
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        server, serving, port = await _serve(app, _refuse_path_refuse)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # pipelined: a refusal between two requests that go on, in one write
+        writer.write(_post("/a", b"one") + _post("/refuse", b"two") + _post("/b", b"three"))
+        answers = [await _read_response(reader) for _ in range(3)]
+        writer.write(_post("/refuse", b"four"))  # the same connection, after a refusal
+        answers.append(await _read_response(reader))
+        writer.close()
+        server.should_exit = True
+        await serving
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert [(status, body) for status, _, body in answers] == [
+        (200, b"one"), (503, b'{"error": "busy: two"}'), (200, b"three"), (503, b'{"error": "busy: four"}')]
+    refused = answers[1][1]
+    assert refused["retry-after"] == "1" and refused["content-type"] == "application/json"
+    assert "date" in refused and "server" in refused  # uvicorn's own headers, as on every answer
+    assert app.paths == ["/a", "/b"]  # the refused requests never reached the app
+
+
+def test_requests_it_cannot_hold_go_to_the_app_untouched() -> None:
+    """A body without a declared length, or one a client will send only after `100 Continue`,
+    must not wait for its task; nor a body larger than uvicorn reads before the task takes it."""
+    app = _Recorder()
+    asked: list[str] = []
+
+    def answer_early(scope, body: bytes) -> Response | None:
+        asked.append(scope["path"])
+        return None
+
+    async def scenario() -> list[tuple[int, bytes]]:
+        server, serving, port = await _serve(app, answer_early)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+        answers = [await _read_response(reader)]
+        writer.write(b"POST /continue HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100")
+        writer.write(b"ok")
+        answers.append(await _read_response(reader))
+        big = b"x" * (1 << 17)
+        writer.write(_post("/big", big))
+        answers.append(await _read_response(reader))
+        writer.write(_post("/small", b"s"))
+        answers.append(await _read_response(reader))
+        writer.close()
+        server.should_exit = True
+        await serving
+        return [(status, body) for status, _, body in answers]
+
+    assert asyncio.run(scenario()) == [(200, b"abc"), (200, b"ok"), (200, b"x" * (1 << 17)), (200, b"s")]
+    assert asked == ["/small"]

@@ -48,6 +48,16 @@ def test_the_key_covers_tenant_model_version_revision_and_the_whole_payload() ->
     assert len({base, *others}) == 6
 
 
+def test_a_request_can_be_keyed_by_its_bytes_before_it_is_parsed() -> None:
+    body = b'{"inputs": [1, 2]}'
+    base = cache_key(_info(), body, "a")
+    assert base is not None and base == cache_key(_info(), body, "a")
+    others = [cache_key(_info(), body, "b"), cache_key(_info(version="2"), body, "a"),
+              cache_key(_info(revision="r2"), body, "a"), cache_key(_info(), b'{"inputs": [1, 3]}', "a")]
+    assert len({base, *others}) == 5
+    assert cache_key(_info(revision=""), body, "a") is None
+
+
 def test_only_deterministic_requests_have_a_key() -> None:
     assert cache_key(_info(revision=""), _tensor(1), "a") is None  # the model is not marked cacheable
     greedy = wire.GeneratePayload(prompt="hi", temperature=0.0)

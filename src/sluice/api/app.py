@@ -3,6 +3,9 @@
     request ─▶ RequestIdMiddleware ─▶ AuthMiddleware ─▶ HotRoutes ──(POST infer | embeddings)──▶ endpoint
                                         (tenant)            └──▶ Starlette: ExceptionMiddleware ─▶ route
                                                                    (openai | kserve | admin | metrics)
+
+    SluiceApp.answer_early: the same id, authentication and hot route's `screen`, run by the HTTP
+    protocol before a task exists; it answers what they refuse (`api.http_protocol`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
 from sluice.api import admin, completions, kserve, openai
-from sluice.api.auth import AuthMiddleware
-from sluice.api.common import request_id
+from sluice.api.auth import AuthMiddleware, authenticate
+from sluice.api.common import SCREENED_SCOPE_KEY, HotRoute, check_body_size, request_id
 from sluice.api.errors import error_response
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
+from sluice.gateway.tenancy import Tenancy
 
 log = logging.getLogger("sluice.api")
 
@@ -43,6 +47,17 @@ class ApiConfig:
     body_limit_bytes: int = 32 * 1024 * 1024
 
 
+def assign_request_id(scope: Scope) -> str:
+    """The request's id: the one already given to it, else the client's `x-request-id` if sane, else a new one."""
+    rid = scope.get("sluice.request_id")
+    if isinstance(rid, str):
+        return rid
+    incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
+    rid = incoming if incoming and _VALID_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+    scope["sluice.request_id"] = rid
+    return rid
+
+
 class RequestIdMiddleware:
     """Gives every request an id (the client's `x-request-id` if sane) and echoes it back."""
 
@@ -53,10 +68,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
-        rid = incoming if incoming and _VALID_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
-        scope["sluice.request_id"] = rid
-        header = (b"x-request-id", rid.encode())
+        header = (b"x-request-id", assign_request_id(scope).encode())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -66,12 +78,9 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-HOT_PATHS = frozenset({"/v1/embeddings", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"})
-"""The one-shot inference routes, taken past Starlette's router and exception middlewares."""
-
-
 class HotRoutes:
-    """Sends the inference routes straight to their endpoints; everything else to `app`.
+    """Sends the one-shot inference routes (`HotRoute`) straight to their endpoints; everything
+    else to `app`.
 
     Starlette's path to an endpoint (the router trying each route's pattern in turn, the server
     error and exception middlewares, the per-route exception wrapper) cost ~64 µs of CPU per
@@ -80,22 +89,25 @@ class HotRoutes:
     same error table as the rest of the app.
     """
 
-    def __init__(self, app: ASGIApp, routes: Sequence[Route]) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[HotRoute]) -> None:
         self.app = app
         self._routes = tuple(routes)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def match(self, scope: Scope) -> HotRoute | None:
+        """The hot route a request is for (its path parameters then in `scope`), or None."""
         if scope["type"] == "http" and scope["method"] == "POST":
             for route in self._routes:
                 match, child_scope = route.matches(scope)
                 if match is Match.FULL:
                     scope.update(child_scope)
-                    await self._run(route, scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+                    return route
+        return None
 
-    @staticmethod
-    async def _run(route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.match(scope)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
         request = Request(scope, receive, send)
         try:
             response = await route.endpoint(request)
@@ -106,8 +118,51 @@ class HotRoutes:
         await response(scope, receive, send)
 
 
+class SluiceApp:
+    """The ASGI application (request ids, authentication, the routes), and its early answers.
+
+    `answer_early(scope, body)` is for the HTTP protocol (`api.http_protocol`), which calls it
+    with a whole small body as soon as it is in, before the request has a task: for a one-shot
+    inference route it authenticates the request and runs the route's `screen`, and returns the
+    answer when they refuse it (a 503 under overload, most often). A refused request then costs
+    no task, no middleware and no trip of a response through ASGI, and is answered from the
+    event loop's I/O step instead of after every task queued before it (under 2x overload those
+    waits made the tail of refusals' latency: benchmarks/README.md). A request that passes goes
+    on through `__call__`, which starts from what `screen` found.
+    """
+
+    def __init__(self, hot: HotRoutes, tenancy: Tenancy, body_limit_bytes: int) -> None:
+        self._app = RequestIdMiddleware(AuthMiddleware(hot, tenancy))
+        self._hot = hot
+        self._tenancy = tenancy
+        self._body_limit_bytes = body_limit_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(scope, receive, send)
+
+    def answer_early(self, scope: Scope, body: bytes) -> Response | None:
+        """The answer to a request its route's first checks refuse, or None: go on."""
+        route = self._hot.match(scope)
+        if route is None:
+            return None
+        rid = assign_request_id(scope)
+        try:
+            authenticate(scope, self._tenancy)
+            check_body_size(len(body), self._body_limit_bytes)
+            scope[SCREENED_SCOPE_KEY] = route.screen(Request(scope), body)
+        except SluiceError as exc:
+            return error_response(exc, _protocol_of(scope["path"]), rid)
+        except Exception:  # a bug: the request's task meets it again, and logs it with the request
+            return None
+        return None
+
+
 def _protocol(request: Request) -> str:
-    return "kserve" if request.scope["path"].startswith("/v2") else "openai"
+    return _protocol_of(request.scope["path"])
+
+
+def _protocol_of(path: str) -> str:
+    return "kserve" if path.startswith("/v2") else "openai"
 
 
 async def _on_sluice_error(request: Request, exc: Exception) -> Response:
@@ -147,7 +202,7 @@ def build_app(
     config: ApiConfig | None = None,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[Any]] | None = None,
     extra_routes: Sequence[BaseRoute] = (),
-) -> ASGIApp:
+) -> SluiceApp:
     """`extra_routes`: optional services mounted beside the inference APIs (e.g. `api.batches`)."""
     config = config or ApiConfig()
     routes = [
@@ -163,5 +218,5 @@ def build_app(
         exception_handlers={SluiceError: _on_sluice_error, HTTPException: _on_http_error, Exception: _on_bug},
         lifespan=lifespan,
     )
-    hot = [route for route in routes if isinstance(route, Route) and route.path in HOT_PATHS]
-    return RequestIdMiddleware(AuthMiddleware(HotRoutes(app, hot), gateway.tenancy))
+    hot = HotRoutes(app, [route for route in routes if isinstance(route, HotRoute)])
+    return SluiceApp(hot, gateway.tenancy, config.body_limit_bytes)

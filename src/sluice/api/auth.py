@@ -43,26 +43,30 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            self._authenticate(scope)
+            authenticate(scope, self.tenancy)
         except SluiceError as exc:
             protocol = "kserve" if scope["path"].startswith("/v2") else "openai"
             await error_response(exc, protocol)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
-    def _authenticate(self, scope: Scope) -> None:
-        key = presented_key(scope)
-        is_admin_route = scope["path"].startswith("/admin/")
-        if self.tenancy.is_open:
-            scope[TENANT_SCOPE_KEY] = ""
-            scope[ADMIN_SCOPE_KEY] = True  # a server without tenants is a single user's
-            return
-        if self.tenancy.is_admin(key):
-            if not is_admin_route:
-                raise PermissionDenied("an admin key manages tenants; it cannot run inference")
-            scope[ADMIN_SCOPE_KEY] = True
-            return
-        tenant = self.tenancy.authenticate(key)
-        if is_admin_route:
-            raise PermissionDenied("this route needs an admin key")
-        scope[TENANT_SCOPE_KEY] = tenant.name
+
+def authenticate(scope: Scope, tenancy: Tenancy) -> None:
+    """Notes in `scope` who a request comes from (a tenant, or the admin), or raises its 401/403."""
+    if TENANT_SCOPE_KEY in scope:
+        return
+    key = presented_key(scope)
+    is_admin_route = scope["path"].startswith("/admin/")
+    if tenancy.is_open:
+        scope[TENANT_SCOPE_KEY] = ""
+        scope[ADMIN_SCOPE_KEY] = True  # a server without tenants is a single user's
+        return
+    if tenancy.is_admin(key):
+        if not is_admin_route:
+            raise PermissionDenied("an admin key manages tenants; it cannot run inference")
+        scope[ADMIN_SCOPE_KEY] = True
+        return
+    tenant = tenancy.authenticate(key)
+    if is_admin_route:
+        raise PermissionDenied("this route needs an admin key")
+    scope[TENANT_SCOPE_KEY] = tenant.name

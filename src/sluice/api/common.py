@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
+from starlette.routing import Route
 
 from sluice import wire
 from sluice.errors import InvalidInput, PayloadTooLarge
@@ -15,12 +17,14 @@ from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
+T = TypeVar("T")
+
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
     """The request body, refusing more than `limit_bytes` before reading it all."""
     declared = parse_count(request.headers.get("content-length", ""))
-    if declared is not None and declared > limit_bytes:
-        raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit_bytes}-byte limit")
+    if declared is not None:
+        check_body_size(declared, limit_bytes)
     chunks = []
     size = 0
     try:
@@ -32,6 +36,36 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
     except ClientDisconnect as exc:  # nobody will read the answer; this only keeps it out of the bug log
         raise InvalidInput("the client disconnected before sending the whole body") from exc
     return b"".join(chunks)
+
+
+def check_body_size(size: int, limit_bytes: int) -> None:
+    if size > limit_bytes:
+        raise PayloadTooLarge(f"request body of {size} bytes is over the {limit_bytes}-byte limit")
+
+
+class HotRoute(Route):
+    """A one-shot inference route (POST). Its `screen(request, body)` makes the checks that can
+    refuse the request before it is sent on (raising the refusal; else returning what it found),
+    which the HTTP protocol may run as soon as the body is in (`SluiceApp.answer_early`): under
+    overload the excess is then refused without a task. The endpoint runs `screen` itself
+    otherwise, and starts from its result (`take_screened`) when the protocol already did."""
+
+    def __init__(self, path: str, endpoint: Callable[[Request], Any],
+                 screen: Callable[[Request, bytes], object]) -> None:
+        super().__init__(path, endpoint, methods=["POST"])
+        self.screen = screen
+
+
+SCREENED_SCOPE_KEY = "sluice.screened"
+"""ASGI scope key: what an inference route's first checks made of a request (its `HotRoute.screen`)
+when the HTTP protocol ran them before the request's task started (`SluiceApp.answer_early`)."""
+
+
+def take_screened(request: Request, kind: type[T]) -> T | None:
+    """The checks the HTTP protocol already ran on this request, if it did: taken, so a route
+    called again in-process (a batch job's item) runs its own."""
+    screened = request.scope.pop(SCREENED_SCOPE_KEY, None)
+    return screened if isinstance(screened, kind) else None
 
 
 def parse_count(raw: str) -> int | None:
@@ -165,9 +199,6 @@ def estimate_text_tokens(texts: list[str]) -> float:
     three characters, where English averages four, plus two special tokens), reserved against the
     tenant's tokens-per-minute limit and settled with the real count afterwards."""
     return float(sum(len(text) // 3 + 2 for text in texts))
-
-
-T = TypeVar("T")
 
 
 def decode_json(body: bytes, kind: type[T]) -> T:

@@ -1,28 +1,96 @@
-"""uvicorn's httptools protocol, noting when each request arrived.
+"""uvicorn's httptools protocol, noting when each request arrived and answering early refusals.
 
-A request's deadline counts from when it reached the server, not from when the event loop got
-round to its handler: under load, a parsed request can wait tens of milliseconds for its task to
-start (benchmarks/README.md, "Where a refusal's time goes"). The moment the parser sees a request
-begin is kept in the ASGI scope (`RECEIVED_AT_SCOPE_KEY`, on the gateway's clock), and the
-inference endpoints count the deadline, and admission's prediction, from it.
+*Arrival.* A request's deadline counts from when it reached the server, not from when the event
+loop got round to its handler: under load, a parsed request can wait tens of milliseconds for its
+task to start (benchmarks/README.md, "Where a refusal's time goes"). The moment the parser sees a
+request begin is kept in the ASGI scope (`RECEIVED_AT_SCOPE_KEY`, on the gateway's clock), and
+the inference endpoints count the deadline, and admission's prediction, from it.
+
+*Early answers.* For a POST whose whole body is small (a declared `Content-Length` within
+uvicorn's read buffer, no `Expect: 100-continue`), the request's task is started only once the
+body is in, and first the application's `answer_early(scope, body)` is asked
+(`SluiceApp.answer_early`). When it refuses the request, the answer is written at once, from the
+parser's callback, in one write, and no task is made. Otherwise the task starts as uvicorn would
+start it, with the whole body waiting for it.
+
+    data_received ─▶ parser ─▶ on_headers_complete ─▶ _start_asgi_task ─(small POST)─▶ held
+                             └▶ on_message_complete ─▶ answer_early(scope, body)
+                                                         ├─ a refusal: written now, cycle complete
+                                                         └─ None: the held task starts
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.responses import Response
+from starlette.types import Scope
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from sluice.api.common import RECEIVED_AT_SCOPE_KEY
 from sluice.clock import Clock
 
+EarlyAnswer = Callable[[Scope, bytes], Response | None]
 
-def stamping_protocol(clock: Clock) -> type[Any]:
-    """An `HttpToolsProtocol` subclass for `uvicorn.Config(http=...)` that stamps `clock.now()`."""
 
-    class StampingHttpToolsProtocol(HttpToolsProtocol):
+def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> type[Any]:
+    """An `HttpToolsProtocol` subclass for `uvicorn.Config(http=...)` that stamps `clock.now()`
+    on each request and, given `answer_early`, answers what it refuses before a task exists."""
+
+    class SluiceHttpToolsProtocol(HttpToolsProtocol):
+        _held: tuple[RequestResponseCycle, Any] | None = None
+
         def on_message_begin(self) -> None:
+            self._unset_keepalive_if_required()  # an early answer armed it within this same read
             super().on_message_begin()
             self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
 
-    return StampingHttpToolsProtocol
+        def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+            if answer_early is None or app is not self.app or not _may_answer_early(cycle):
+                super()._start_asgi_task(cycle, app)
+            elif cycle.more_body:
+                self._held = (cycle, app)  # until its body is in: on_message_complete
+            else:
+                self._answer_or_start(cycle, app)  # a pipelined request, whole already
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            held = self._held
+            if held is not None and held[0] is self.cycle:
+                self._held = None
+                self._answer_or_start(*held)
+
+        def _answer_or_start(self, cycle: RequestResponseCycle, app: Any) -> None:
+            assert answer_early is not None
+            response = answer_early(cast(Scope, cycle.scope), bytes(cycle.body))
+            if response is None:
+                super()._start_asgi_task(cycle, app)
+                return
+            content = [STATUS_LINE[response.status_code]]
+            for name, value in (*self.server_state.default_headers, *response.raw_headers):
+                content += [name, b": ", value, b"\r\n"]
+            if not cycle.keep_alive:
+                content.append(b"connection: close\r\n")
+            content += [b"\r\n", bytes(response.body)]
+            cycle.response_started = cycle.response_complete = True
+            self.transport.write(b"".join(content))
+            if not cycle.keep_alive:
+                self.transport.close()
+            self.on_response_complete()
+
+    return SluiceHttpToolsProtocol
+
+
+def _may_answer_early(cycle: RequestResponseCycle) -> bool:
+    """A POST whose body is declared and fits the read buffer: holding its task until the body is
+    in can neither stall the read (uvicorn pauses reading past `HIGH_WATER_LIMIT` until the task
+    takes the body) nor leave a client waiting for `100 Continue`."""
+    scope = cycle.scope
+    if scope["method"] != "POST" or cycle.waiting_for_100_continue:
+        return False
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.isdigit() and int(value) <= HIGH_WATER_LIMIT
+    return False

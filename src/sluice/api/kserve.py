@@ -13,6 +13,7 @@ shape, inputs and requested outputs are checked here, before any worker time is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ from starlette.routing import Route
 
 from sluice import __version__, wire
 from sluice.api.common import (
+    HotRoute,
     arrival,
     caller,
     check_texts,
@@ -33,10 +35,11 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     route_key,
+    take_screened,
 )
 from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
 from sluice.errors import InvalidInput, ModelNotReady
-from sluice.gateway import Gateway
+from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -76,28 +79,42 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         _authorize(gateway, request, info)
         return _json({"name": info.name, "ready": True, **_refused(gateway, name, version)})
 
-    async def infer(request: Request) -> Response:
-        arrived_at = arrival(request, gateway.now())
-        name, version = _path(request)
-        info = gateway.resolve(name, version, route_key(request))
-        header_timeout = header_timeout_s(request, gateway.max_timeout_s)
-        header_length = _header_length(request)
-        body = await read_body(request, body_limit_bytes)
-        policy = cache_policy(request.headers.get("cache-control"))
-        cached = gateway.may_hold_answer(info, policy)  # a stored answer needs no device: look before refusing
-        if not cached and b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply
+    def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
+        """What can be answered before the body is parsed (404, 400s on headers, 403, and 503/504
+        under overload unless the answer is stored). The overload check is made again on `first`
+        (this request's checks, run earlier by the HTTP protocol): the handler sends it right after."""
+        if first is None:
+            arrived_at = arrival(request, gateway.now())
+            name, version = _path(request)
+            info = gateway.resolve(name, version, route_key(request))
+            header_timeout = header_timeout_s(request, gateway.max_timeout_s)
+            header_length = _header_length(request)
+            policy = cache_policy(request.headers.get("cache-control"))
             early = caller(request, requested_priority(request), is_traced=gateway.is_tracing, cache=policy)
-            gateway.shed_if_overloaded(info, header_timeout, arrived_at, early)
-        parsed, tensors = parse_request(body, header_length)
+            raw = body if header_length is None else b"%d\0%b" % (header_length, body)
+            key = gateway.cache_key(info, raw, early)
+            first = _Screened(arrived_at, info, header_timeout, header_length, early, key)
+        first.is_held = gateway.holds_answer(first.key, first.early.cache)
+        if not first.is_held and b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply
+            gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early)
+        return first
+
+    async def infer(request: Request) -> Response:
+        body = await read_body(request, body_limit_bytes)
+        screened = screen(request, body, take_screened(request, _Screened))
+        info, arrived_at = screened.info, screened.arrived_at
+        parsed, tensors = parse_request(body, screened.header_length)
         payload = _to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)
         timeout_s = _timeout(parsed.parameters, gateway.max_timeout_s)
         priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
-        who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=policy)
-        timeout_s = header_timeout if timeout_s is None else timeout_s
-        key = gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload) if cached else None
-        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
+        who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
+        if timeout_s is None:
+            timeout_s = screened.header_timeout
+        elif not screened.is_held:  # the deadline the body sets: checked now that it is known
+            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who)
+        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=screened.key)
         return _render(info, parsed, result.payload, binary_outputs, result.headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
@@ -110,9 +127,22 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         table += [
             Route(prefix, model_metadata, methods=["GET"]),
             Route(prefix + "/ready", model_ready, methods=["GET"]),
-            Route(prefix + "/infer", infer, methods=["POST"]),
+            HotRoute(prefix + "/infer", infer, screen),
         ]
     return table
+
+
+@dataclass(slots=True)
+class _Screened:
+    arrived_at: float
+    info: wire.ModelInfo
+    header_timeout: float | None
+    header_length: int | None
+    early: Caller
+    """Who asks, as known before the body is parsed (its class from headers only)."""
+    key: bytes | None
+    """The result-cache key, from the body as sent (`cache.cache_key`); None: not cached."""
+    is_held: bool = False
 
 
 def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -19,6 +20,7 @@ from starlette.routing import Route
 from sluice import wire
 from sluice.api.common import (
     MAX_TEXT_ITEMS,
+    HotRoute,
     arrival,
     caller,
     check_texts,
@@ -29,10 +31,11 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     resolve_openai,
+    take_screened,
     with_version,
 )
 from sluice.errors import InvalidInput, ModelNotFound
-from sluice.gateway import Gateway
+from sluice.gateway import Caller, Gateway
 
 MAX_DIMENSIONS = 65_536
 _STARTED = int(time.time())
@@ -61,22 +64,33 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         return _json(_model_card(name))
 
+    def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
+        """Everything before the request is sent on. The overload check is made again on `first`
+        (this request's checks, run earlier by the HTTP protocol): the handler sends it right after."""
+        if first is None:
+            arrived_at = arrival(request, gateway.now())
+            timeout_s = header_timeout_s(request, gateway.max_timeout_s)
+            parsed = decode_json(body, EmbeddingsRequest)
+            texts = _texts(parsed.input)
+            info = resolve_openai(gateway, parsed.model, request, parsed.user)
+            if not info.accepts_text:
+                raise InvalidInput(f"model {parsed.model!r} does not take text; "
+                                   f"use /v2/models/{parsed.model}/infer", param="model")
+            _check_dimensions(info, parsed.dimensions, None)
+            priority = requested_priority(request, ("service_tier", parsed.service_tier),
+                                          ("priority", parsed.priority))
+            who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
+            first = _Screened(arrived_at, timeout_s, parsed, info, who, wire.TextPayload(texts))
+        first.key = gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who,
+                                               first.payload)
+        return first
+
     async def embeddings(request: Request) -> Response:
-        arrived_at = arrival(request, gateway.now())
-        timeout_s = header_timeout_s(request, gateway.max_timeout_s)
         body = await read_body(request, body_limit_bytes)
-        parsed = decode_json(body, EmbeddingsRequest)
-        texts = _texts(parsed.input)
-        info = resolve_openai(gateway, parsed.model, request, parsed.user)
-        if not info.accepts_text:
-            raise InvalidInput(f"model {parsed.model!r} does not take text; "
-                               f"use /v2/models/{parsed.model}/infer", param="model")
-        _check_dimensions(info, parsed.dimensions, None)
-        priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
-        who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
-        payload = wire.TextPayload(texts)
-        key = gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, payload)
-        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
+        screened = screen(request, body, take_screened(request, _Screened))
+        info, parsed = screened.info, screened.parsed
+        result = await gateway.infer(info, screened.payload, screened.timeout_s, arrived_at=screened.arrived_at,
+                                     caller=screened.who, key=screened.key)
         vectors_payload = result.payload
         assert isinstance(vectors_payload, wire.TensorPayload)
         vectors = np.frombuffer(vectors_payload.data, dtype=vectors_payload.dtype).reshape(vectors_payload.shape)
@@ -92,8 +106,19 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     return [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        HotRoute("/v1/embeddings", embeddings, screen),
     ]
+
+
+@dataclass(slots=True)
+class _Screened:
+    arrived_at: float
+    timeout_s: float | None
+    parsed: EmbeddingsRequest
+    info: wire.ModelInfo
+    who: Caller
+    payload: wire.TextPayload
+    key: bytes | None = None
 
 
 def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: int | None) -> None:

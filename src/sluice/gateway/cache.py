@@ -92,15 +92,19 @@ _ENTRY_OVERHEAD_BYTES = 256
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def cache_key(info: wire.ModelInfo, payload: wire.Payload, tenant: str) -> bytes | None:
-    """The key of a request whose answer may be cached, None if it may not be."""
+def cache_key(info: wire.ModelInfo, request: wire.Payload | bytes, tenant: str) -> bytes | None:
+    """The key of a request whose answer may be cached, None if it may not be. `request`: its
+    parsed payload, or the bytes its answer depends on as the client sent them (KServe infer's
+    body: hashed before it is parsed, so an overload check can look for a stored answer cheaply;
+    a body written differently is then another key)."""
     if not info.cache_revision:
         return None
-    if isinstance(payload, wire.GeneratePayload) and (payload.stream or payload.temperature != 0):
+    if isinstance(request, wire.GeneratePayload) and (request.stream or request.temperature != 0):
         return None  # sampled text differs run to run; a stream is answered as it is made
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{tenant}\0{info.name}\0{info.version}\0{info.cache_revision}\0".encode())
-    digest.update(_ENCODER.encode(payload))
+    raw = isinstance(request, bytes)
+    digest.update(f"{tenant}\0{info.name}\0{info.version}\0{info.cache_revision}\0{'raw' if raw else ''}\0".encode())
+    digest.update(request if isinstance(request, bytes) else _ENCODER.encode(request))
     return digest.digest()
 
 

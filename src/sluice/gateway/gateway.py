@@ -307,11 +307,16 @@ class Gateway:
 
     # -- inference -----------------------------------------------------------------------------
 
-    def may_hold_answer(self, info: wire.ModelInfo, policy: CachePolicy) -> bool:
-        """This gateway's own result cache could hold the answer to a request to `info` with this
-        `Cache-Control` policy: an overload check must then see the payload first."""
-        return (policy is CachePolicy.USE and bool(info.cache_revision) and self.cache is not None
-                and self.cache.local is not None)
+    def cache_key(self, info: wire.ModelInfo, request: wire.Payload | bytes, caller: Caller) -> bytes | None:
+        """The result-cache key of `caller`'s request to `info` (its payload, or the bytes its
+        answer depends on: `cache.cache_key`); None when the cache has nothing to do with it."""
+        return self._cache_key(info, request, self.tenancy.tenant(caller.tenant).name, caller.cache)
+
+    def holds_answer(self, key: bytes | None, policy: CachePolicy) -> bool:
+        """This gateway's own store holds an answer for `key` that a request with this
+        `Cache-Control` policy may be given: it needs no device, so it is not refused for overload."""
+        return (key is not None and policy is CachePolicy.USE and self.cache is not None
+                and self.cache.local is not None and key in self.cache.local)
 
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
                            caller: Caller | None = None, payload: wire.Payload | None = None) -> bytes | None:
@@ -323,12 +328,9 @@ class Gateway:
         caller = caller or _LOCAL_CALLER
         allowed = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
-        key = None
-        if payload is not None and self.may_hold_answer(info, caller.cache):
-            assert self.cache is not None and self.cache.local is not None
-            key = self._cache_key(info, payload, allowed.name, caller.cache)
-            if key is not None and key in self.cache.local:
-                return key
+        key = None if payload is None else self._cache_key(info, payload, allowed.name, caller.cache)
+        if self.holds_answer(key, caller.cache):
+            return key
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
@@ -448,7 +450,7 @@ class Gateway:
                     event = ticket.with_limits(event)
                 yield event
 
-    def _cache_key(self, info: wire.ModelInfo, payload: wire.Payload, tenant: str,
+    def _cache_key(self, info: wire.ModelInfo, payload: wire.Payload | bytes, tenant: str,
                    policy: CachePolicy) -> bytes | None:
         """The request's result-cache key; None when the cache has nothing to do with it."""
         if self.cache is None or policy is CachePolicy.BYPASS:
