@@ -169,3 +169,36 @@ def test_requests_it_cannot_hold_go_to_the_app_untouched() -> None:
 
     assert asyncio.run(scenario()) == [(200, b"abc"), (200, b"ok"), (200, b"x" * (1 << 17)), (200, b"s")]
     assert asked == ["/small"]
+
+
+def test_an_answer_made_later_is_written_whole_and_in_order() -> None:
+    app = _Recorder()
+
+    async def later(body: bytes) -> Response:
+        await asyncio.sleep(0.05)
+        return Response(b"later: " + body, headers={"x-answer": "later"})
+
+    def answer_early(scope, body: bytes):
+        return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        server, serving, port = await _serve(app, answer_early)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post("/later", b"one") + _post("/refuse", b"two") + _post("/a", b"three"))
+        answers = [await _read_response(reader) for _ in range(3)]
+        writer.write(_post("/later", b"four"))  # the same connection goes on
+        answers.append(await _read_response(reader))
+        _, gone = await asyncio.open_connection("127.0.0.1", port)
+        gone.write(_post("/later", b"five"))
+        gone.close()  # gone before its answer is ready: nothing to write, nothing breaks
+        await asyncio.sleep(0.1)
+        writer.close()
+        server.should_exit = True
+        await serving
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert [(status, body) for status, _, body in answers] == [
+        (200, b"later: one"), (503, b'{"error": "busy: two"}'), (200, b"three"), (200, b"later: four")]
+    assert answers[0][1]["x-answer"] == "later" and answers[0][1]["content-length"] == "10"
+    assert app.paths == ["/a"]

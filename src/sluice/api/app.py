@@ -4,8 +4,9 @@
                                         (tenant)            └──▶ Starlette: ExceptionMiddleware ─▶ route
                                                                    (openai | kserve | admin | metrics)
 
-    SluiceApp.answer_early: the same id, authentication and hot route's `screen`, run by the HTTP
-    protocol before a task exists; it answers what they refuse (`api.http_protocol`).
+    SluiceApp.answer_early: for a small body, the HTTP protocol's own path to the same id,
+    authentication and hot route (`api.http_protocol`): a refusal is written before any task
+    exists, the rest runs as a task of its own and is written in one go.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import itertools
 import logging
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sluice import metrics
 from sluice.api import admin, completions, kserve, openai
 from sluice.api.auth import AuthMiddleware, authenticate
-from sluice.api.common import SCREENED_SCOPE_KEY, HotRoute, check_body_size, request_id
+from sluice.api.common import HotRoute, check_body_size, request_id
 from sluice.api.errors import error_response
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
@@ -89,11 +90,11 @@ class HotRoutes:
     same error table as the rest of the app.
     """
 
-    def __init__(self, app: ASGIApp, routes: Sequence[HotRoute]) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[HotRoute[Any]]) -> None:
         self.app = app
         self._routes = tuple(routes)
 
-    def match(self, scope: Scope) -> HotRoute | None:
+    def match(self, scope: Scope) -> HotRoute[Any] | None:
         """The hot route a request is for (its path parameters then in `scope`), or None."""
         if scope["type"] == "http" and scope["method"] == "POST":
             for route in self._routes:
@@ -122,13 +123,16 @@ class SluiceApp:
     """The ASGI application (request ids, authentication, the routes), and its early answers.
 
     `answer_early(scope, body)` is for the HTTP protocol (`api.http_protocol`), which calls it
-    with a whole small body as soon as it is in, before the request has a task: for a one-shot
-    inference route it authenticates the request and runs the route's `screen`, and returns the
-    answer when they refuse it (a 503 under overload, most often). A refused request then costs
-    no task, no middleware and no trip of a response through ASGI, and is answered from the
-    event loop's I/O step instead of after every task queued before it (under 2x overload those
-    waits made the tail of refusals' latency: benchmarks/README.md). A request that passes goes
-    on through `__call__`, which starts from what `screen` found.
+    with a whole small body as soon as it is in, before the request has a task. For a one-shot
+    inference route it gives the request its id, authenticates it and runs the route's `screen`:
+    a refusal is returned as a response to write at once (the 503s of an overloaded model, most
+    often: under 2x overload most requests), anything else as the awaitable of the rest
+    (`HotRoute.respond`), for the protocol to run as the request's task and write. Either way
+    the request skips the middleware stack, the body's reading through ASGI and the response's
+    two trips through ASGI `send`. A refusal costs no task, and is answered from the event loop's
+    I/O step instead of after every task the loop already holds (under 2x overload those waits
+    made the tail of refusals' latency: benchmarks/README.md). Other requests return None: they
+    go through `__call__`.
     """
 
     def __init__(self, hot: HotRoutes, tenancy: Tenancy, body_limit_bytes: int) -> None:
@@ -140,21 +144,33 @@ class SluiceApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
 
-    def answer_early(self, scope: Scope, body: bytes) -> Response | None:
-        """The answer to a request its route's first checks refuse, or None: go on."""
+    def answer_early(self, scope: Scope, body: bytes) -> Response | Awaitable[Response] | None:
+        """A refusal to write now, the awaitable of the answer, or None: not a request for this."""
         route = self._hot.match(scope)
         if route is None:
             return None
         rid = assign_request_id(scope)
+        request = Request(scope)
         try:
             authenticate(scope, self._tenancy)
             check_body_size(len(body), self._body_limit_bytes)
-            scope[SCREENED_SCOPE_KEY] = route.screen(Request(scope), body)
+            screened = route.screen(request, body)
         except SluiceError as exc:
             return error_response(exc, _protocol_of(scope["path"]), rid)
-        except Exception:  # a bug: the request's task meets it again, and logs it with the request
+        except Exception:  # a bug: the ASGI path meets it again, and logs it with the request
             return None
-        return None
+        return self._respond(route, request, body, screened, rid)
+
+    @staticmethod
+    async def _respond(route: HotRoute[Any], request: Request, body: bytes, screened: Any, rid: str) -> Response:
+        try:
+            response = await route.respond(request, body, screened)
+        except SluiceError as exc:
+            return error_response(exc, _protocol(request), rid)
+        except Exception as exc:
+            response = await _on_bug(request, exc)
+        response.raw_headers.append((b"x-request-id", rid.encode()))
+        return response
 
 
 def _protocol(request: Request) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import wire
@@ -18,6 +19,7 @@ from sluice.priority import Priority, parse_priority
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
@@ -43,29 +45,28 @@ def check_body_size(size: int, limit_bytes: int) -> None:
         raise PayloadTooLarge(f"request body of {size} bytes is over the {limit_bytes}-byte limit")
 
 
-class HotRoute(Route):
-    """A one-shot inference route (POST). Its `screen(request, body)` makes the checks that can
-    refuse the request before it is sent on (raising the refusal; else returning what it found),
-    which the HTTP protocol may run as soon as the body is in (`SluiceApp.answer_early`): under
-    overload the excess is then refused without a task. The endpoint runs `screen` itself
-    otherwise, and starts from its result (`take_screened`) when the protocol already did."""
+class HotRoute(Route, Generic[S]):
+    """A one-shot inference route (POST), in two steps:
 
-    def __init__(self, path: str, endpoint: Callable[[Request], Any],
-                 screen: Callable[[Request, bytes], object]) -> None:
+    - `screen(request, body)`: the checks that can refuse the request before it is sent on,
+      raising the refusal, else returning what they found;
+    - `respond(request, body, screened)`: the rest, to the response. Given what `screen` found
+      (None: it runs `screen` itself), it checks the overload again, just before sending.
+
+    The HTTP protocol runs `screen` as soon as a small body is in, writes a refusal at once, and
+    runs `respond` in a task of its own (`SluiceApp.answer_early`); any other caller (a chunked
+    or large body, a batch job's item) comes through the ASGI endpoint, which reads the body and
+    calls `respond`.
+    """
+
+    def __init__(self, path: str, screen: Callable[[Request, bytes], S],
+                 respond: Callable[[Request, bytes, S | None], Awaitable[Response]], body_limit_bytes: int) -> None:
+        async def endpoint(request: Request) -> Response:
+            return await respond(request, await read_body(request, body_limit_bytes), None)
+
         super().__init__(path, endpoint, methods=["POST"])
         self.screen = screen
-
-
-SCREENED_SCOPE_KEY = "sluice.screened"
-"""ASGI scope key: what an inference route's first checks made of a request (its `HotRoute.screen`)
-when the HTTP protocol ran them before the request's task started (`SluiceApp.answer_early`)."""
-
-
-def take_screened(request: Request, kind: type[T]) -> T | None:
-    """The checks the HTTP protocol already ran on this request, if it did: taken, so a route
-    called again in-process (a batch job's item) runs its own."""
-    screened = request.scope.pop(SCREENED_SCOPE_KEY, None)
-    return screened if isinstance(screened, kind) else None
+        self.respond = respond
 
 
 def parse_count(raw: str) -> int | None:

@@ -9,19 +9,21 @@ the inference endpoints count the deadline, and admission's prediction, from it.
 *Early answers.* For a POST whose whole body is small (a declared `Content-Length` within
 uvicorn's read buffer, no `Expect: 100-continue`), the request's task is started only once the
 body is in, and first the application's `answer_early(scope, body)` is asked
-(`SluiceApp.answer_early`). When it refuses the request, the answer is written at once, from the
-parser's callback, in one write, and no task is made. Otherwise the task starts as uvicorn would
-start it, with the whole body waiting for it.
+(`SluiceApp.answer_early`). A response it returns (a refusal) is written at once, from the
+parser's callback, and no task is made; an awaitable (the rest of a one-shot inference) becomes
+the request's task, which writes its response in one write; None starts the ASGI task as
+uvicorn would, with the whole body waiting for it.
 
     data_received ─▶ parser ─▶ on_headers_complete ─▶ _start_asgi_task ─(small POST)─▶ held
                              └▶ on_message_complete ─▶ answer_early(scope, body)
-                                                         ├─ a refusal: written now, cycle complete
-                                                         └─ None: the held task starts
+                                                         ├─ Response: written now
+                                                         ├─ awaitable: a task awaits it and writes it
+                                                         └─ None: the held ASGI task starts
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from starlette.responses import Response
@@ -32,7 +34,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from sluice.api.common import RECEIVED_AT_SCOPE_KEY
 from sluice.clock import Clock
 
-EarlyAnswer = Callable[[Scope, bytes], Response | None]
+EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
+"""`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
 
 
 def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> type[Any]:
@@ -64,10 +67,25 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
 
         def _answer_or_start(self, cycle: RequestResponseCycle, app: Any) -> None:
             assert answer_early is not None
-            response = answer_early(cast(Scope, cycle.scope), bytes(cycle.body))
-            if response is None:
+            answer = answer_early(cast(Scope, cycle.scope), bytes(cycle.body))
+            if answer is None:
                 super()._start_asgi_task(cycle, app)
-                return
+            elif isinstance(answer, Response):
+                self._write(cycle, answer)
+            else:
+                task = self.loop.create_task(self._write_when_ready(cycle, answer))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)  # uvicorn's shutdown waits for the requests in self.tasks
+
+        async def _write_when_ready(self, cycle: RequestResponseCycle, answer: Awaitable[Response]) -> None:
+            response = await answer
+            if self.flow.write_paused and not cycle.disconnected:
+                await self.flow.drain()
+            if not cycle.disconnected:  # as uvicorn's own `send`: nothing to write to
+                self._write(cycle, response)
+
+        def _write(self, cycle: RequestResponseCycle, response: Response) -> None:
+            """The whole response in one write (uvicorn's ASGI `send` writes head and body apart)."""
             content = [STATUS_LINE[response.status_code]]
             for name, value in (*self.server_state.default_headers, *response.raw_headers):
                 content += [name, b": ", value, b"\r\n"]

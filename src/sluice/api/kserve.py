@@ -31,11 +31,9 @@ from sluice.api.common import (
     estimate_text_tokens,
     header_timeout_s,
     parse_count,
-    read_body,
     request_tenant,
     requested_priority,
     route_key,
-    take_screened,
 )
 from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
 from sluice.errors import InvalidInput, ModelNotReady
@@ -99,9 +97,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early)
         return first
 
-    async def infer(request: Request) -> Response:
-        body = await read_body(request, body_limit_bytes)
-        screened = screen(request, body, take_screened(request, _Screened))
+    async def infer(request: Request, body: bytes, first: _Screened | None) -> Response:
+        screened = screen(request, body, first)
         info, arrived_at = screened.info, screened.arrived_at
         parsed, tensors = parse_request(body, screened.header_length)
         payload = _to_payload(info, tensors)
@@ -127,7 +124,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         table += [
             Route(prefix, model_metadata, methods=["GET"]),
             Route(prefix + "/ready", model_ready, methods=["GET"]),
-            HotRoute(prefix + "/infer", infer, screen),
+            HotRoute(prefix + "/infer", screen, infer, body_limit_bytes),
         ]
     return table
 

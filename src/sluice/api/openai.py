@@ -27,11 +27,9 @@ from sluice.api.common import (
     decode_json,
     estimate_text_tokens,
     header_timeout_s,
-    read_body,
     request_tenant,
     requested_priority,
     resolve_openai,
-    take_screened,
     with_version,
 )
 from sluice.errors import InvalidInput, ModelNotFound
@@ -85,9 +83,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                                                first.payload)
         return first
 
-    async def embeddings(request: Request) -> Response:
-        body = await read_body(request, body_limit_bytes)
-        screened = screen(request, body, take_screened(request, _Screened))
+    async def embeddings(request: Request, body: bytes, first: _Screened | None) -> Response:
+        screened = screen(request, body, first)
         info, parsed = screened.info, screened.parsed
         result = await gateway.infer(info, screened.payload, screened.timeout_s, arrived_at=screened.arrived_at,
                                      caller=screened.who, key=screened.key)
@@ -106,7 +103,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     return [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        HotRoute("/v1/embeddings", embeddings, screen),
+        HotRoute("/v1/embeddings", screen, embeddings, body_limit_bytes),
     ]
 
 
