@@ -4,7 +4,9 @@ answers the requests the application refuses early without starting their tasks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import httpx
 import uvicorn
@@ -91,14 +93,22 @@ def _refuse_path_refuse(scope, body: bytes) -> Response | None:
                     headers={"retry-after": "1"})
 
 
-async def _serve(app, answer_early):
+@contextlib.asynccontextmanager
+async def _connected(app, answer_early) -> AsyncIterator[tuple[int, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A server with the protocol on a free port, and one connection to it: (port, reader, writer)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
                                            http=stamping_protocol(_StepClock(), answer_early), lifespan="off"))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
-    return server, serving, port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield port, reader, writer
+    finally:
+        writer.close()
+        server.should_exit = True
+        await serving
 
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
@@ -117,16 +127,12 @@ def test_a_refused_request_is_answered_without_reaching_the_app_and_the_connecti
     app = _Recorder()
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
-        server, serving, port = await _serve(app, _refuse_path_refuse)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        # pipelined: a refusal between two requests that go on, in one write
-        writer.write(_post("/a", b"one") + _post("/refuse", b"two") + _post("/b", b"three"))
-        answers = [await _read_response(reader) for _ in range(3)]
-        writer.write(_post("/refuse", b"four"))  # the same connection, after a refusal
-        answers.append(await _read_response(reader))
-        writer.close()
-        server.should_exit = True
-        await serving
+        async with _connected(app, _refuse_path_refuse) as (_, reader, writer):
+            # pipelined: a refusal between two requests that go on, in one write
+            writer.write(_post("/a", b"one") + _post("/refuse", b"two") + _post("/b", b"three"))
+            answers = [await _read_response(reader) for _ in range(3)]
+            writer.write(_post("/refuse", b"four"))  # the same connection, after a refusal
+            answers.append(await _read_response(reader))
         return answers
 
     answers = asyncio.run(scenario())
@@ -149,22 +155,19 @@ def test_requests_it_cannot_hold_go_to_the_app_untouched() -> None:
         return None
 
     async def scenario() -> list[tuple[int, bytes]]:
-        server, serving, port = await _serve(app, answer_early)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
-        answers = [await _read_response(reader)]
-        writer.write(b"POST /continue HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n")
-        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100")
-        writer.write(b"ok")
-        answers.append(await _read_response(reader))
-        big = b"x" * (1 << 17)
-        writer.write(_post("/big", big))
-        answers.append(await _read_response(reader))
-        writer.write(_post("/small", b"s"))
-        answers.append(await _read_response(reader))
-        writer.close()
-        server.should_exit = True
-        await serving
+        async with _connected(app, answer_early) as (_, reader, writer):
+            writer.write(b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"3\r\nabc\r\n0\r\n\r\n")
+            answers = [await _read_response(reader)]
+            writer.write(b"POST /continue HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100")
+            writer.write(b"ok")
+            answers.append(await _read_response(reader))
+            big = b"x" * (1 << 17)
+            writer.write(_post("/big", big))
+            answers.append(await _read_response(reader))
+            writer.write(_post("/small", b"s"))
+            answers.append(await _read_response(reader))
         return [(status, body) for status, _, body in answers]
 
     assert asyncio.run(scenario()) == [(200, b"abc"), (200, b"ok"), (200, b"x" * (1 << 17)), (200, b"s")]
@@ -182,19 +185,15 @@ def test_an_answer_made_later_is_written_whole_and_in_order() -> None:
         return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
-        server, serving, port = await _serve(app, answer_early)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_post("/later", b"one") + _post("/refuse", b"two") + _post("/a", b"three"))
-        answers = [await _read_response(reader) for _ in range(3)]
-        writer.write(_post("/later", b"four"))  # the same connection goes on
-        answers.append(await _read_response(reader))
-        _, gone = await asyncio.open_connection("127.0.0.1", port)
-        gone.write(_post("/later", b"five"))
-        gone.close()  # gone before its answer is ready: nothing to write, nothing breaks
-        await asyncio.sleep(0.1)
-        writer.close()
-        server.should_exit = True
-        await serving
+        async with _connected(app, answer_early) as (port, reader, writer):
+            writer.write(_post("/later", b"one") + _post("/refuse", b"two") + _post("/a", b"three"))
+            answers = [await _read_response(reader) for _ in range(3)]
+            writer.write(_post("/later", b"four"))  # the same connection goes on
+            answers.append(await _read_response(reader))
+            _, gone = await asyncio.open_connection("127.0.0.1", port)
+            gone.write(_post("/later", b"five"))
+            gone.close()  # gone before its answer is ready: nothing to write, nothing breaks
+            await asyncio.sleep(0.1)
         return answers
 
     answers = asyncio.run(scenario())

@@ -110,12 +110,7 @@ class HotRoutes:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive, send)
-        try:
-            response = await route.endpoint(request)
-        except SluiceError as exc:
-            response = await _on_sluice_error(request, exc)
-        except Exception as exc:
-            response = await _on_bug(request, exc)
+        response = await _guarded(request, route.endpoint(request))
         await response(scope, receive, send)
 
 
@@ -135,11 +130,10 @@ class SluiceApp:
     go through `__call__`.
     """
 
-    def __init__(self, hot: HotRoutes, tenancy: Tenancy, body_limit_bytes: int) -> None:
+    def __init__(self, hot: HotRoutes, tenancy: Tenancy) -> None:
         self._app = RequestIdMiddleware(AuthMiddleware(hot, tenancy))
         self._hot = hot
         self._tenancy = tenancy
-        self._body_limit_bytes = body_limit_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
@@ -153,7 +147,7 @@ class SluiceApp:
         request = Request(scope)
         try:
             authenticate(scope, self._tenancy)
-            check_body_size(len(body), self._body_limit_bytes)
+            check_body_size(len(body), route.body_limit_bytes)
             screened = route.screen(request, body)
         except SluiceError as exc:
             return error_response(exc, _protocol_of(scope["path"]), rid)
@@ -163,14 +157,19 @@ class SluiceApp:
 
     @staticmethod
     async def _respond(route: HotRoute[Any], request: Request, body: bytes, screened: Any, rid: str) -> Response:
-        try:
-            response = await route.respond(request, body, screened)
-        except SluiceError as exc:
-            return error_response(exc, _protocol(request), rid)
-        except Exception as exc:
-            response = await _on_bug(request, exc)
+        response = await _guarded(request, route.respond(request, body, screened))
         response.raw_headers.append((b"x-request-id", rid.encode()))
         return response
+
+
+async def _guarded(request: Request, answer: Awaitable[Response]) -> Response:
+    """A hot route's response, or its error's, from the same table as the rest of the app."""
+    try:
+        return await answer
+    except SluiceError as exc:
+        return await _on_sluice_error(request, exc)
+    except Exception as exc:
+        return await _on_bug(request, exc)
 
 
 def _protocol(request: Request) -> str:
@@ -235,4 +234,4 @@ def build_app(
         lifespan=lifespan,
     )
     hot = HotRoutes(app, [route for route in routes if isinstance(route, HotRoute)])
-    return SluiceApp(hot, gateway.tenancy, config.body_limit_bytes)
+    return SluiceApp(hot, gateway.tenancy)

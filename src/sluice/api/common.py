@@ -67,6 +67,7 @@ class HotRoute(Route, Generic[S]):
         super().__init__(path, endpoint, methods=["POST"])
         self.screen = screen
         self.respond = respond
+        self.body_limit_bytes = body_limit_bytes
 
 
 def parse_count(raw: str) -> int | None:

@@ -92,8 +92,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             raw = body if header_length is None else b"%d\0%b" % (header_length, body)
             key = gateway.cache_key(info, raw, early)
             first = _Screened(arrived_at, info, header_timeout, header_length, early, key)
-        first.is_held = gateway.holds_answer(first.key, first.early.cache)
-        if not first.is_held and b'"timeout"' not in body:  # the deadline is known before parsing: shed cheaply
+        if b'"timeout"' not in body and not gateway.holds_answer(first.key, first.early.cache):
             gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early)
         return first
 
@@ -109,7 +108,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
         if timeout_s is None:
             timeout_s = screened.header_timeout
-        elif not screened.is_held:  # the deadline the body sets: checked now that it is known
+        elif not gateway.holds_answer(screened.key, who.cache):  # the body's deadline, known now
             gateway.shed_if_overloaded(info, timeout_s, arrived_at, who)
         result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=screened.key)
         return _render(info, parsed, result.payload, binary_outputs, result.headers)
@@ -139,7 +138,6 @@ class _Screened:
     """Who asks, as known before the body is parsed (its class from headers only)."""
     key: bytes | None
     """The result-cache key, from the body as sent (`cache.cache_key`); None: not cached."""
-    is_held: bool = False
 
 
 def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]:

@@ -101,10 +101,10 @@ def cache_key(info: wire.ModelInfo, request: wire.Payload | bytes, tenant: str) 
         return None
     if isinstance(request, wire.GeneratePayload) and (request.stream or request.temperature != 0):
         return None  # sampled text differs run to run; a stream is answered as it is made
+    kind, data = ("raw", request) if isinstance(request, bytes) else ("", _ENCODER.encode(request))
     digest = hashlib.blake2b(digest_size=16)
-    raw = isinstance(request, bytes)
-    digest.update(f"{tenant}\0{info.name}\0{info.version}\0{info.cache_revision}\0{'raw' if raw else ''}\0".encode())
-    digest.update(request if isinstance(request, bytes) else _ENCODER.encode(request))
+    digest.update(f"{tenant}\0{info.name}\0{info.version}\0{info.cache_revision}\0{kind}\0".encode())
+    digest.update(data)
     return digest.digest()
 
 
