@@ -196,7 +196,11 @@ def test_null_optional_fields_mean_not_given(server):
                            "stop_token_ids", "top_k", "top_p", "temperature", "logprobs", "max_tokens"))
     response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": None, **nulls})
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 16
+    # Sampled at the default temperature, the random-weight model may draw its end-of-sequence token
+    # early; only a text cut by length shows the default limit of 16 tokens.
+    body = response.json()
+    finish, tokens = body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
+    assert (finish, tokens) == ("length", 16) or (finish == "stop" and tokens < 16), body
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **nulls, "max_tokens": 3})
     assert chat.status_code == 200, chat.text
@@ -204,7 +208,8 @@ def test_null_optional_fields_mean_not_given(server):
 
 def test_with_include_usage_every_chunk_but_the_last_has_null_usage(server):
     chunks = []
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
