@@ -222,19 +222,20 @@ class WorkerServer:
             self._typical_cost[key] += 0.05 * (items[0].cost - self._typical_cost[key])
         internal_id = next(self._ids)
         deadline = self._clock.now() + message.timeout_s
+        pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
         with self._lock:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
                                              tenant=message.tenant, priority=_priority(message.priority))
-            # turned away for want of capacity (not a tenant's own cap): the demand it carried
-            refused_s = self._predicted_s(key, items) if isinstance(decision, Rejected) \
-                and decision.reason is RejectReason.OVERLOADED else 0.0
+            if isinstance(decision, Rejected):
+                # turned away for want of capacity (not a tenant's own cap): the demand it carried
+                refused_s = self._predicted_s(key, items) if decision.reason is RejectReason.OVERLOADED else 0.0
+            else:  # under the lock: the device thread may put the items in the next batch at once
+                self._pending[internal_id] = pending
         if isinstance(decision, Rejected):
             if refused_s > 0:
                 self._metrics.refused_work(key[0], key[1], refused_s)
             self._reply(identity, _rejection(message.request_id, decision, message.timeout_s))
             return
-        pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
-        self._pending[internal_id] = pending
         self._by_gateway_id[(identity, message.request_id)] = internal_id
         if not items:
             self._finish(internal_id, pending)
