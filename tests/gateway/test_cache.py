@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import numpy as np
 import pytest
@@ -22,11 +23,18 @@ def _tensor(*values: float) -> wire.TensorPayload:
     return wire.TensorPayload(str(array.dtype), array.shape, array.tobytes())
 
 
-_ENTRY = CachedResult(wire.TensorPayload("uint8", (0,), b""), 0).size_bytes  # bytes of an empty entry
-
-
 def _result(size: int = 0, tokens: int = 3) -> CachedResult:
     return CachedResult(wire.TensorPayload("uint8", (size,), bytes(size)), tokens)
+
+
+def _entry_bytes() -> int:
+    """What a store counts for an entry with an empty key and no data."""
+    store = MemoryStore(10_000, 60.0, VirtualClock())
+    store.put(b"", _result())
+    return store.num_bytes
+
+
+_ENTRY = _entry_bytes()
 
 
 @pytest.mark.parametrize(("header", "policy"), [
@@ -69,7 +77,7 @@ def test_only_deterministic_requests_have_a_key() -> None:
 
 def test_memory_store_evicts_the_least_recently_used_to_stay_within_its_bytes() -> None:
     clock = VirtualClock()
-    store = MemoryStore(3 * 300, 60.0, clock, max_entry_bytes=400)  # room for three entries of ~300 bytes
+    store = MemoryStore(3 * (1 + _ENTRY + 40) + 20, 60.0, clock, max_entry_bytes=400)  # three entries of 40 bytes
     for key in (b"a", b"b", b"c"):
         assert store.put(key, _result(40))
     assert store.get(b"a") is not None  # now the most recently used
@@ -92,6 +100,19 @@ def test_memory_store_entries_expire() -> None:
     assert store.get(b"k") is not None
     clock.advance(0.1)
     assert store.get(b"k") is None and len(store) == 0 and store.num_bytes == 0
+
+
+def test_memory_store_entries_are_not_walked_by_the_garbage_collector() -> None:
+    """A full store holds about a million answers; as objects tracked by the collector each full
+    collection would walk them all (half a second and more)."""
+    store = MemoryStore(1 << 30, 60.0, VirtualClock())
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(20_000):
+        store.put(i.to_bytes(16, "big"), CachedResult(wire.TextPayload([f"answer {i}"]), 2))
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100
+    assert store.get((7).to_bytes(16, "big")) == CachedResult(wire.TextPayload(["answer 7"]), 2)
 
 
 class _Runs:
