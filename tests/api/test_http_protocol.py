@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -94,8 +95,9 @@ def _refuse_path_refuse(scope, body: bytes) -> Response | None:
 
 
 @contextlib.asynccontextmanager
-async def _connected(app, answer_early) -> AsyncIterator[tuple[int, asyncio.StreamReader, asyncio.StreamWriter]]:
-    """A server with the protocol on a free port, and one connection to it: (port, reader, writer)."""
+async def _connected(app, answer_early) -> AsyncIterator[
+        tuple[int, asyncio.StreamReader, asyncio.StreamWriter, uvicorn.Server]]:
+    """A server with the protocol on a free port, and one connection to it: (port, reader, writer, server)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
                                            http=stamping_protocol(_StepClock(), answer_early), lifespan="off"))
@@ -104,7 +106,7 @@ async def _connected(app, answer_early) -> AsyncIterator[tuple[int, asyncio.Stre
         await asyncio.sleep(0.01)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        yield port, reader, writer
+        yield port, reader, writer, server
     finally:
         writer.close()
         server.should_exit = True
@@ -127,7 +129,7 @@ def test_a_refused_request_is_answered_without_reaching_the_app_and_the_connecti
     app = _Recorder()
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
-        async with _connected(app, _refuse_path_refuse) as (_, reader, writer):
+        async with _connected(app, _refuse_path_refuse) as (_, reader, writer, _):
             # pipelined: a refusal between two requests that go on, in one write
             writer.write(_post("/a", b"one") + _post("/refuse", b"two") + _post("/b", b"three"))
             answers = [await _read_response(reader) for _ in range(3)]
@@ -155,7 +157,7 @@ def test_requests_it_cannot_hold_go_to_the_app_untouched() -> None:
         return None
 
     async def scenario() -> list[tuple[int, bytes]]:
-        async with _connected(app, answer_early) as (_, reader, writer):
+        async with _connected(app, answer_early) as (_, reader, writer, _):
             writer.write(b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
                          b"3\r\nabc\r\n0\r\n\r\n")
             answers = [await _read_response(reader)]
@@ -185,7 +187,7 @@ def test_an_answer_made_later_is_written_whole_and_in_order() -> None:
         return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
-        async with _connected(app, answer_early) as (port, reader, writer):
+        async with _connected(app, answer_early) as (port, reader, writer, _):
             writer.write(_post("/later", b"one") + _post("/refuse", b"two") + _post("/a", b"three"))
             answers = [await _read_response(reader) for _ in range(3)]
             writer.write(_post("/later", b"four"))  # the same connection goes on
@@ -201,3 +203,35 @@ def test_an_answer_made_later_is_written_whole_and_in_order() -> None:
         (200, b"later: one"), (503, b'{"error": "busy: two"}'), (200, b"three"), (200, b"later: four")]
     assert answers[0][1]["x-answer"] == "later" and answers[0][1]["content-length"] == "10"
     assert app.paths == ["/a"]
+
+
+def test_a_client_that_does_not_read_its_refusals_is_held_back_not_buffered() -> None:
+    """A client pipelining requests without reading the answers must not make the server buffer
+    them without bound: once the connection's send buffer is full the next refusal waits for it to
+    drain, and the server reads no further request meanwhile."""
+    app = _Recorder()
+    body = b"x" * 8000  # each refusal echoes it: ~8 KB
+    count = 1000  # ~8 MB of answers, far more than the sockets' own buffers take
+
+    async def scenario() -> tuple[int, list[tuple[int, bytes]]]:
+        async with _connected(app, _refuse_path_refuse) as (port, _, _, server):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(b"".join(_post("/refuse", body) for _ in range(count)))
+            most = 0
+            for _ in range(100):  # 0.5 s of not reading
+                await asyncio.sleep(0.005)
+                buffered = [p.transport.get_write_buffer_size() for p in server.server_state.connections]
+                most = max([most, *buffered])
+            answers = [await _read_response(reader) for _ in range(count)]
+            writer.close()
+        return most, [(status, answer) for status, _, answer in answers]
+
+    most, answers = asyncio.run(scenario())
+    assert most < 256 * 1024, f"the server buffered {most} bytes for a client that did not read"
+    assert answers == [(503, b'{"error": "busy: ' + body + b'"}')] * count  # all answered, in order, once read
+    assert app.paths == []
+

@@ -10,7 +10,8 @@ the inference endpoints count the deadline, and admission's prediction, from it.
 uvicorn's read buffer, no `Expect: 100-continue`), the request's task is started only once the
 body is in, and first the application's `answer_early(scope, body)` is asked
 (`SluiceApp.answer_early`). A response it returns (a refusal) is written at once, from the
-parser's callback, and no task is made; an awaitable (the rest of a one-shot inference) becomes
+parser's callback, and no task is made (unless the client has stopped reading: then it waits
+for the connection to drain, as any response does); an awaitable (the rest of a one-shot inference) becomes
 the request's task, which writes its response in one write; None starts the ASGI task as
 uvicorn would, with the whole body waiting for it.
 
@@ -70,15 +71,19 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             answer = answer_early(cast(Scope, cycle.scope), bytes(cycle.body))
             if answer is None:
                 super()._start_asgi_task(cycle, app)
-            elif isinstance(answer, Response):
+            elif isinstance(answer, Response) and not self.flow.write_paused:
                 self._write(cycle, answer)
-            else:
+            else:  # the answer is not ready, or the client is not reading what it was sent
                 task = self.loop.create_task(self._write_when_ready(cycle, answer))
                 task.add_done_callback(self.tasks.discard)
                 self.tasks.add(task)  # uvicorn's shutdown waits for the requests in self.tasks
 
-        async def _write_when_ready(self, cycle: RequestResponseCycle, answer: Awaitable[Response]) -> None:
-            response = await answer
+        async def _write_when_ready(self, cycle: RequestResponseCycle, answer: Response | Awaitable[Response]) -> None:
+            """Write `answer` once it is made and the client has read what it was sent before: until
+            then this request's response is incomplete, so uvicorn reads no further request from
+            the connection (a client that pipelines requests without reading the answers is held
+            back by its own socket, not buffered without bound here)."""
+            response = answer if isinstance(answer, Response) else await answer
             if self.flow.write_paused and not cycle.disconnected:
                 await self.flow.drain()
             if not cycle.disconnected:  # as uvicorn's own `send`: nothing to write to
