@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from starlette.responses import Response
 
 from sluice.api.errors import error_response
 from sluice.errors import BudgetExhausted, RateLimited
@@ -100,6 +101,39 @@ async def test_retries_transient_failures_then_dead_letters(tmp_path: Path):
     assert [r["response"]["body"]["error"]["message"] for r in errors] == ["down", "bad"]
     assert all(r["error"] is None for r in errors)
     assert app.seen_headers[0][b"x-sluice-priority"] == b"batch" and app.tenants == {"acme"}
+    await store.aclose()
+
+
+async def test_an_app_that_answers_early_is_asked_first(tmp_path: Path):
+    """As the HTTP protocol does for a small request (`SluiceApp.answer_early`): an answer it gives
+    at once or later is the item's (a refusal's Retry-After honoured); None goes through the app."""
+    class EarlyApp(ScriptedApp):
+        def __init__(self) -> None:
+            super().__init__()
+            self.early: Counter[str] = Counter()
+
+        def answer_early(self, scope, body: bytes):
+            if scope["method"] != "POST":
+                return None
+            text = json.loads(body)["input"]
+            self.early[text] += 1
+            if text == "busy" and self.early[text] == 1:
+                return Response(b'{"error": {}}', 503, headers={"retry-after-ms": "10", "x-request-id": "r0"})
+            if text in ("now", "busy"):
+                return Response(b'{"usage": {"prompt_tokens": 2}}', headers={"x-request-id": "r2"})
+            return later() if text == "later" else None
+
+    async def later() -> Response:
+        await asyncio.sleep(0.01)
+        return Response(b'{"usage": {"prompt_tokens": 5}}', headers={"x-request-id": "r5"})
+
+    app = EarlyApp()
+    store, batch_id = await _run_job(tmp_path, ["now", "later", "busy", "ok"], app)
+    batch = await store.get_batch(None, batch_id)
+    assert batch is not None and (batch.num_completed, batch.num_failed, batch.input_tokens) == (4, 0, 12)
+    assert app.early == {"now": 1, "later": 1, "busy": 2, "ok": 1} and app.calls == {"ok": 1}
+    output = [json.loads(x) for x in (await store.file_content("acme", batch.output_file_id or "") or b"").splitlines()]
+    assert [r["response"]["request_id"] for r in output] == ["r2", "r5", "r2", "r1"]
     await store.aclose()
 
 

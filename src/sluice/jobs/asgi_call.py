@@ -2,11 +2,15 @@
 
 No socket and no HTTP client: an ASGI scope is built for the item's POST and the app's
 `send` messages are collected. The app is passed in as a callable, so nothing here imports it.
+An app with an `answer_early(scope, body)` (`api.app.SluiceApp`) is asked that first, as the HTTP
+protocol asks it for a small request: a one-shot inference item then skips the middleware stack
+and the ASGI messages, and is screened and answered by the same route code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -54,6 +58,12 @@ async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[t
         "query_string": query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
         "headers": [(b"content-length", str(len(body)).encode()), *headers], **scope_extras,
     }
+    early = getattr(app, "answer_early", None)
+    answer = early(scope, body) if early is not None else None
+    if answer is not None:
+        response = await answer if inspect.isawaitable(answer) else answer
+        return _app_response(response.status_code, {bytes(k).lower(): bytes(v) for k, v in response.raw_headers},
+                             bytes(response.body))
     sent_body = False
 
     async def receive() -> Message:
@@ -76,9 +86,14 @@ async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[t
             chunks.append(bytes(message.get("body", b"")))
 
     await app(scope, receive, send)
+    return _app_response(status_code, answer_headers, b"".join(chunks))
+
+
+def _app_response(status_code: int, headers: dict[bytes, bytes], body: bytes) -> AppResponse:
+    request_id = headers.get(b"x-request-id", b"").decode("latin-1")
     if status_code < 400:
-        return AppResponse(status_code, answer_headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks))
-    limit = answer_headers.get(b"x-sluice-limit")
-    return AppResponse(status_code, answer_headers.get(b"x-request-id", b"").decode("latin-1"), b"".join(chunks),
-                       retry_after_s(answer_headers), limit.decode("latin-1") if limit else None,
-                       answer_headers.get(b"x-should-retry", b"").lower() != b"false")
+        return AppResponse(status_code, request_id, body)
+    limit = headers.get(b"x-sluice-limit")
+    should_retry = headers.get(b"x-should-retry", b"").lower() != b"false"
+    return AppResponse(status_code, request_id, body, retry_after_s(headers),
+                       limit.decode("latin-1") if limit else None, should_retry)
