@@ -5,7 +5,8 @@ items/s at 16 values per item) with its own data directory, then:
 
 1. `busy`: a job of `--items` embeddings lines runs alone; the device busy ratio is
    Δ`sluice_device_busy_seconds_total` / wall time from `POST /v1/batches` (the file is uploaded
-   before) until a poll every 0.1 s sees `completed` (validation and finalization included).
+   before) until a poll every 0.1 s sees `completed` (validation and finalization included);
+   it also prints the gateway process's CPU time per item over that span.
 2. `interactive`: `sluice bench` offers KServe infer requests at `--rate` (666 = 50% of capacity)
    for `--duration` s alone, then again while a job of `--items` lines runs; it prints both p99s
    and their ratio (target: <= 1.10). The job is cancelled once the second window ends. With
@@ -86,17 +87,24 @@ def _wait(client: httpx.Client, batch_id: str, until: tuple[str, ...], poll_s: f
         time.sleep(poll_s)
 
 
-def measure_busy(client: httpx.Client, num_items: int) -> None:
+def _cpu_s(pid: int) -> float:
+    """The CPU time (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_busy(client: httpx.Client, num_items: int, gateway_pid: int) -> None:
     file_id = _job_file(client, num_items)
-    busy_before, started = _busy_s(client), time.monotonic()
+    busy_before, cpu_before, started = _busy_s(client), _cpu_s(gateway_pid), time.monotonic()
     batch_id = _create(client, file_id)
     done = _wait(client, batch_id, FINAL)
     wall_s = time.monotonic() - started
     busy = (_busy_s(client) - busy_before) / wall_s
+    cpu_ms = (_cpu_s(gateway_pid) - cpu_before) * 1000 / num_items
     counts = done["request_counts"]
     print(f"busy: {num_items} items {done['status']} in {wall_s:.1f} s ({num_items / wall_s:.0f} items/s), "
           f"{counts['completed']} ok, {counts['failed']} failed; device busy {100 * busy:.1f}%; item retries "
-          f"{_metric_sum(client, 'sluice_batch_item_retries_total'):.0f}")
+          f"{_metric_sum(client, 'sluice_batch_item_retries_total'):.0f}; gateway CPU {cpu_ms:.3f} ms per item")
 
 
 def _bench_p99(port: int, rate: float, duration_s: float, out: Path) -> float:
@@ -150,7 +158,7 @@ def main() -> None:
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as client:
             if "busy" in args.phases:
-                measure_busy(client, args.items)
+                measure_busy(client, args.items, server.pid)
             if "interactive" in args.phases:
                 measure_interactive(client, args.port, args, work)
     finally:
