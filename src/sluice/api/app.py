@@ -31,7 +31,7 @@ from sluice import metrics
 from sluice.api import admin, completions, kserve, openai
 from sluice.api.auth import AuthMiddleware, authenticate
 from sluice.api.common import HotRoute, check_body_size, request_id
-from sluice.api.errors import error_response
+from sluice.api.errors import error_response, protocol_of
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 from sluice.gateway.tenancy import Tenancy
@@ -150,7 +150,7 @@ class SluiceApp:
             check_body_size(len(body), route.body_limit_bytes)
             screened = route.screen(request, body)
         except SluiceError as exc:
-            return error_response(exc, _protocol_of(scope["path"]), rid)
+            return error_response(exc, protocol_of(scope["path"]), rid)
         except Exception:  # a bug: the ASGI path meets it again, and logs it with the request
             return None
         return self._respond(route, request, body, screened, rid)
@@ -173,11 +173,7 @@ async def _guarded(request: Request, answer: Awaitable[Response]) -> Response:
 
 
 def _protocol(request: Request) -> str:
-    return _protocol_of(request.scope["path"])
-
-
-def _protocol_of(path: str) -> str:
-    return "kserve" if path.startswith("/v2") else "openai"
+    return protocol_of(request.scope["path"])
 
 
 async def _on_sluice_error(request: Request, exc: Exception) -> Response:

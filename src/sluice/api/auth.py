@@ -14,7 +14,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.api.common import TENANT_SCOPE_KEY
-from sluice.api.errors import error_response
+from sluice.api.errors import error_response, protocol_of
 from sluice.errors import PermissionDenied, SluiceError
 from sluice.gateway.tenancy import Tenancy
 
@@ -45,8 +45,7 @@ class AuthMiddleware:
         try:
             authenticate(scope, self.tenancy)
         except SluiceError as exc:
-            protocol = "kserve" if scope["path"].startswith("/v2") else "openai"
-            await error_response(exc, protocol)(scope, receive, send)
+            await error_response(exc, protocol_of(scope["path"]))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -54,9 +54,9 @@ class HotRoute(Route, Generic[S]):
       (None: it runs `screen` itself), it checks the overload again, just before sending.
 
     The HTTP protocol runs `screen` as soon as a small body is in, writes a refusal at once, and
-    runs `respond` in a task of its own (`SluiceApp.answer_early`); any other caller (a chunked
-    or large body, a batch job's item) comes through the ASGI endpoint, which reads the body and
-    calls `respond`.
+    runs `respond` in a task of its own (`SluiceApp.answer_early`), and so does a batch job's item
+    (`jobs.asgi_call`); a chunked or large body comes through the ASGI endpoint, which reads the
+    body and calls `respond`.
     """
 
     def __init__(self, path: str, screen: Callable[[Request, bytes], S],

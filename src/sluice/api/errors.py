@@ -97,6 +97,11 @@ LIMIT_HEADER = "x-sluice-limit"
 both protocols (a KServe error body has no code to say it)."""
 
 
+def protocol_of(path: str) -> str:
+    """Which protocol's error shape a request's answer takes: KServe's under `/v2`, else OpenAI's."""
+    return "kserve" if path.startswith("/v2") else "openai"
+
+
 def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
     status = status_of(error)
     body = msgspec.json.encode(error_body(error, protocol))

@@ -92,8 +92,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             raw = body if header_length is None else b"%d\0%b" % (header_length, body)
             key = gateway.cache_key(info, raw, early)
             first = _Screened(arrived_at, info, header_timeout, header_length, early, key)
-        if b'"timeout"' not in body and not gateway.holds_answer(first.key, first.early.cache):
-            gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early)
+        if b'"timeout"' not in body:  # the deadline is known before parsing
+            gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early, first.key)
         return first
 
     async def infer(request: Request, body: bytes, first: _Screened | None) -> Response:
@@ -108,8 +108,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
         if timeout_s is None:
             timeout_s = screened.header_timeout
-        elif not gateway.holds_answer(screened.key, who.cache):  # the body's deadline, known now
-            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who)
+        else:  # the body's deadline, known now
+            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, screened.key)
         result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=screened.key)
         return _render(info, parsed, result.payload, binary_outputs, result.headers)
 

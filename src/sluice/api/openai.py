@@ -78,9 +78,9 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             priority = requested_priority(request, ("service_tier", parsed.service_tier),
                                           ("priority", parsed.priority))
             who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
-            first = _Screened(arrived_at, timeout_s, parsed, info, who, wire.TextPayload(texts))
-        first.key = gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who,
-                                               first.payload)
+            payload = wire.TextPayload(texts)
+            first = _Screened(arrived_at, timeout_s, parsed, info, who, payload, gateway.cache_key(info, payload, who))
+        gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who, first.key)
         return first
 
     async def embeddings(request: Request, body: bytes, first: _Screened | None) -> Response:
@@ -115,7 +115,8 @@ class _Screened:
     info: wire.ModelInfo
     who: Caller
     payload: wire.TextPayload
-    key: bytes | None = None
+    key: bytes | None
+    """The result-cache key (`Gateway.cache_key`); None: not cached."""
 
 
 def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: int | None) -> None:

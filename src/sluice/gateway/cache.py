@@ -103,7 +103,7 @@ class MemoryStore:
 
     The garbage collector never walks the entries. A full store holds about a million answers; as
     objects in an `OrderedDict` every full collection in the gateway walked them all, a pause of
-    0.8 s with the default 256 MiB (`benchmarks/cache_gc.py`). So each entry is one `bytes` (its
+    0.5-0.8 s with the default 256 MiB (`benchmarks/cache_gc.py`). So each entry is one `bytes` (its
     expiry, then the msgpack of the answer) in a plain dict of `bytes`, which CPython does not
     track at all; the dict's order is the order of use (a use moves the entry to the end), and
     eviction takes from the front, a sliver of the capacity at a time so that the front's

@@ -312,25 +312,24 @@ class Gateway:
         answer depends on: `cache.cache_key`); None when the cache has nothing to do with it."""
         return self._cache_key(info, request, self.tenancy.tenant(caller.tenant).name, caller.cache)
 
-    def holds_answer(self, key: bytes | None, policy: CachePolicy) -> bool:
+    def _holds_answer(self, key: bytes | None, policy: CachePolicy) -> bool:
         """This gateway's own store holds an answer for `key` that a request with this
         `Cache-Control` policy may be given: it needs no device, so it is not refused for overload."""
         return (key is not None and policy is CachePolicy.USE and self.cache is not None
                 and self.cache.local is not None and key in self.cache.local)
 
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
-                           caller: Caller | None = None, payload: wire.Payload | None = None) -> bytes | None:
+                           caller: Caller | None = None, key: bytes | None = None) -> None:
         """Refuse now, before the body is parsed, when every ready replica already reports more
         work ahead of this tenant's class than the request's deadline allows: under overload the
-        excess costs the gateway as little as possible and gets its answer at once. Given the
-        `payload`, a request this gateway holds a cached answer for is not refused (it needs no
-        device); the cache key computed for that is returned, for `infer(key=...)`."""
+        excess costs the gateway as little as possible and gets its answer at once. A request
+        whose cache `key` (`cache_key`) this gateway holds an answer for is not refused: it needs
+        no device."""
         caller = caller or _LOCAL_CALLER
         allowed = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
-        key = None if payload is None else self._cache_key(info, payload, allowed.name, caller.cache)
-        if self.holds_answer(key, caller.cache):
-            return key
+        if self._holds_answer(key, caller.cache):
+            return
         deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
         now = self._clock.now()
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
@@ -340,10 +339,10 @@ class Gateway:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
         if not excesses:
-            return key
+            return
         excess_s, connection = min(excesses, key=lambda pair: pair[0])
         if excess_s <= 0:
-            return key
+            return
         self._refused_early(info, tenant, priority, caller, arrived_at, now, "rejected")
         raise self._overloaded(connection, info, excess_s)
 
@@ -407,7 +406,7 @@ class Gateway:
     ) -> InferResult:
         """Run one request on `info` (from `resolve`) for `caller`. The deadline counts from
         `arrived_at`, the moment the request reached the gateway (default: now). `key`: its cache
-        key if `shed_if_overloaded` computed it already.
+        key if the caller computed it already (`cache_key`).
 
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
         tokens are reserved from the estimate and settled with the worker's count."""
