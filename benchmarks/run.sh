@@ -4,7 +4,7 @@
 # Usage: benchmarks/run.sh [step...]   steps: selftest emulated lowload overload minilm scenarios canary (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=benchmarks/results
+out=${OUT_DIR:-benchmarks/results}
 mkdir -p "$out"
 sluice=.venv/bin/sluice
 port=8765

@@ -46,6 +46,13 @@ def _jobs_options(command: F) -> F:
     return command
 
 
+def _grpc_option(command: F) -> F:
+    """KServe v2 over gRPC, shared by `serve` and `gateway`."""
+    return click.option("--grpc-port", type=click.IntRange(0, 65535), default=None,
+                        help="Also serve KServe v2 over gRPC on this port (Triton's is 8001; 0: any free port). "
+                             "Default: HTTP only.")(command)
+
+
 def _postgres_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None and not value.startswith(("postgresql://", "postgres://")):
         raise click.BadParameter("must be a postgresql:// URL")
@@ -80,11 +87,14 @@ def main() -> None:
               help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
                    "gateway that uses it (default: each gateway keeps its own).")
 @_cache_options
+@_grpc_option
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
-          limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None) -> None:
+          limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
+          grpc_port: int | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
+    _no_grpc_fork_handlers()
     os.environ["SLUICE_LOG_LEVEL"] = log_level
     import uvloop
 
@@ -98,7 +108,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          tenants_file=tenants_file.resolve() if tenants_file else None,
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
-                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
+                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -122,9 +132,10 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                    "gateway that uses it (default: each gateway keeps its own).")
 @_jobs_options
 @_cache_options
+@_grpc_option
 def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
             log_level: str, data_dir: Path | None, jobs_db: str | None, limits_redis: str | None, cache_mb: int,
-            cache_ttl_s: float, cache_redis: str | None) -> None:
+            cache_ttl_s: float, cache_redis: str | None, grpc_port: int | None) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -134,13 +145,14 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
 
     if not workers and not registry:
         raise click.UsageError("name the workers (--worker ADDR) or where they register (--registry redis://...)")
+    _no_grpc_fork_handlers()
     logs.configure(log_level)
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
                          registry=_redis_url(registry, "--registry"),
                          tenants_file=tenants_file.resolve() if tenants_file else None,
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
-                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis))
+                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -331,6 +343,13 @@ def _share(value: str) -> tuple[int, int]:
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         raise click.BadParameter(f"must be I/N with 0 <= I < N, got {value!r}", param_hint="--share")
     return int(index), int(count)
+
+
+def _no_grpc_fork_handlers() -> None:
+    """Before grpc is imported: a gateway starts worker processes (fork and exec) while its gRPC
+    server runs; gRPC's fork handlers are for children that use gRPC, which these never do (with
+    them on, gRPC logs that it skipped them at every start)."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 def _metrics_dir() -> None:

@@ -27,7 +27,7 @@ from rich.markup import escape
 from starlette.applications import Starlette
 
 from sluice import __version__, wire
-from sluice.api import ApiConfig, batches, build_app
+from sluice.api import ApiConfig, batches, build_app, kserve_grpc
 from sluice.api.http_protocol import stamping_protocol
 from sluice.clock import Clock, MonotonicClock, WallClock
 from sluice.errors import ConfigError
@@ -84,6 +84,8 @@ class ServeConfig:
     gateway using it. None: each gateway keeps its own."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """The result cache for deterministic requests (`gateway.cache`)."""
+    grpc_port: int | None = None
+    """Also serve KServe v2 over gRPC on this port of `host` (`api.kserve_grpc`; 0: any free port)."""
 
 
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
@@ -144,6 +146,20 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     tracing = tracing_from_environment(clock)
     cache = await _result_cache(config.cache, clock, gateway_metrics)
     gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing, cache=cache)
+    # Before anything else starts: a port it cannot have ends `sluice serve` with that error. Until
+    # the workers are ready it answers ServerReady false and refuses inference as not ready.
+    grpc_server, grpc_url = None, None
+    if config.grpc_port is not None:
+        try:
+            grpc_server, grpc_port = await kserve_grpc.start_server(gateway, config.host, config.grpc_port,
+                                                                    config.api.body_limit_bytes)
+        except ConfigError:
+            await tenancy.aclose()
+            if cache is not None:
+                await cache.aclose()
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        grpc_url = f"{_host(config.host)}:{grpc_port}"
     if config.remote_workers or config.registry:
         devices = [f"remote {address}" for address in config.remote_workers]
         if config.registry:
@@ -178,12 +194,14 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             await gateway.shared_traffic.start()
         await supervisor.start()
         settle_garbage_collector()
-        announcer = asyncio.create_task(_announce(config, server, gateway, devices, console))
+        announcer = asyncio.create_task(_announce(config, server, gateway, devices, console, grpc_url))
         await executor.start(asgi_app)  # the full app, middleware included
         try:
             yield
         finally:
             announcer.cancel()
+            if grpc_server is not None:  # calls in progress finish; new ones are refused
+                await grpc_server.stop(config.graceful_timeout_s)
             if registry is not None:
                 await registry.aclose()
             if gateway.shared_traffic is not None:
@@ -211,7 +229,11 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.handle_exit, sig, None)
     loop.add_signal_handler(signal.SIGHUP, _reload_tenants, tenancy)
-    await server.serve()
+    try:
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(0)
 
 
 async def _flush_traces(tracing: Tracing) -> None:
@@ -245,14 +267,14 @@ class _Server(uvicorn.Server):
 
 
 async def _announce(config: ServeConfig, server: uvicorn.Server, gateway: Gateway, devices: list[str],
-                    console: Console) -> None:
+                    console: Console, grpc_url: str | None) -> None:
     """Print where we listen and what is ready, once the socket is bound and every model is
     either ready or refused (or after the ready timeout, naming those still loading)."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + config.ready_timeout_s
     while loop.time() < give_up and not (server.started and _is_loaded(gateway)):
         await asyncio.sleep(0.1)
-    for line in _banner(_url(config, server), gateway, devices):
+    for line in _banner(_url(config, server), gateway, devices, grpc_url):
         console.print(line, soft_wrap=True)  # never wrapped: a broken line breaks a copied command
 
 
@@ -275,12 +297,18 @@ def _url(config: ServeConfig, server: uvicorn.Server) -> str:
     sockets = [sock for listening in getattr(server, "servers", []) for sock in listening.sockets]
     if sockets:
         port = sockets[0].getsockname()[1]
-    return f"http://{config.host}:{port}"
+    return f"http://{_host(config.host)}:{port}"
 
 
-def _banner(url: str, gateway: Gateway, devices: list[str]) -> list[str]:
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _banner(url: str, gateway: Gateway, devices: list[str], grpc_url: str | None = None) -> list[str]:
     lines = [f"[bold]sluice {__version__}[/bold] listening on [cyan]{url}[/cyan] "
              f"with {len(devices)} worker(s) on {', '.join(sorted(set(devices)))}"]
+    if grpc_url is not None:
+        lines.append(f"  KServe v2 over gRPC on [cyan]{grpc_url}[/cyan] (tritonclient.grpc, KServe's client)")
     models = gateway.models()
     for name, versions in sorted(models.items()):
         for version, info in sorted(versions.items()):

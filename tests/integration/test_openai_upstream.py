@@ -152,9 +152,11 @@ def test_max_concurrency_one_runs_calls_one_at_a_time(front, upstream, via_front
     assert 'vllm:num_requests_waiting{model_name="proxy"}' in exported
 
 
-def _upstream_cancellations(upstream: ServerProcess) -> float:
-    """Requests the upstream sluice saw withdrawn by its client (the front) before they finished."""
-    return metric_total(upstream, "sluice_requests_total", model=UPSTREAM_MODEL, outcome="cancelled")
+def _upstream_cancellations(upstream: ServerProcess, *also: str) -> float:
+    """Requests the upstream sluice saw withdrawn by its client (the front) before they finished,
+    and those that ended with one of the outcomes in `also`."""
+    return sum(metric_total(upstream, "sluice_requests_total", model=UPSTREAM_MODEL, outcome=outcome)
+               for outcome in ("cancelled", *also))
 
 
 def _running(server: ServerProcess, model: str) -> float:
@@ -168,12 +170,13 @@ def _wait_until_idle(server: ServerProcess, model: str) -> None:
         time.sleep(0.05)
 
 
-def _wait_for_upstream_cancellation(upstream: ServerProcess, before: float, what: str) -> None:
-    """The upstream counts one more cancelled request (a generation that ran to its end would count
-    as ok instead), and its engine has nothing left running."""
+def _wait_for_upstream_cancellation(upstream: ServerProcess, before: float, what: str, *also: str) -> None:
+    """The upstream counts one more cancelled request (or one more of the outcomes in `also`; a
+    generation that ran to its end would count as ok instead), and its engine has nothing left
+    running."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if _upstream_cancellations(upstream) >= before + 1 and _running(upstream, UPSTREAM_MODEL) == 0:
+        if _upstream_cancellations(upstream, *also) >= before + 1 and _running(upstream, UPSTREAM_MODEL) == 0:
             return
         time.sleep(0.25)
     pytest.fail(f"the upstream kept generating {what}")
@@ -208,10 +211,13 @@ def test_a_deadline_that_passes_mid_generation_is_504_and_stops_the_upstream(fro
     # request's deadline, which then never reaches the upstream at all
     _wait_until_idle(front, "proxy")
     _wait_until_idle(upstream, UPSTREAM_MODEL)
-    before = _upstream_cancellations(upstream)
+    # The front passes its remaining time on (X-Request-Timeout-Ms), so the upstream reaches the
+    # same deadline: whichever side notices first ends the generation there, as "cancelled" (the
+    # front closed the stream) or "expired" (the upstream's own deadline).
+    before = _upstream_cancellations(upstream, "expired")
     response = httpx.post(f"{front.url}/v1/completions",
                           headers={"Authorization": f"Bearer {KEY}", "X-Request-Timeout-Ms": "1000"},
                           json={"model": "proxy", "prompt": "Go on", "max_tokens": 900, "ignore_eos": True},
                           timeout=30)
     assert response.status_code == 504, response.text
-    _wait_for_upstream_cancellation(upstream, before, "past the request's deadline")
+    _wait_for_upstream_cancellation(upstream, before, "past the request's deadline", "expired")

@@ -24,13 +24,29 @@ _OPEN_PATHS = frozenset({"/metrics", "/v2/health/live", "/v2/health/ready", "/he
 
 def presented_key(scope: Scope) -> str | None:
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-        elif name == b"api-key" and value:
-            return value.decode("latin-1").strip()
+        if name in (b"authorization", b"api-key") and (key := key_of(name.decode(), value.decode("latin-1"))):
+            return key
     return None
+
+
+def key_of(name: str, value: str) -> str | None:
+    """The API key in one header (or gRPC metadata entry): `authorization: Bearer <key>` or `api-key: <key>`."""
+    if name == "authorization":
+        scheme, _, token = value.partition(" ")
+        return token.strip() or None if scheme.lower() == "bearer" else None
+    if name == "api-key":
+        return value.strip() or None
+    return None
+
+
+def inference_tenant(key: str | None, tenancy: Tenancy) -> str:
+    """The tenant an inference call presenting `key` is served for ("" without a tenants file),
+    or raises its 401 (no key, or an unknown one) or 403 (an admin key)."""
+    if tenancy.is_open:
+        return ""
+    if tenancy.is_admin(key):
+        raise PermissionDenied("an admin key manages tenants; it cannot run inference")
+    return tenancy.authenticate(key).name
 
 
 class AuthMiddleware:
@@ -60,12 +76,10 @@ def authenticate(scope: Scope, tenancy: Tenancy) -> None:
         scope[TENANT_SCOPE_KEY] = ""
         scope[ADMIN_SCOPE_KEY] = True  # a server without tenants is a single user's
         return
-    if tenancy.is_admin(key):
-        if not is_admin_route:
-            raise PermissionDenied("an admin key manages tenants; it cannot run inference")
+    if is_admin_route and tenancy.is_admin(key):
         scope[ADMIN_SCOPE_KEY] = True
         return
-    tenant = tenancy.authenticate(key)
+    tenant = inference_tenant(key, tenancy)
     if is_admin_route:
         raise PermissionDenied("this route needs an admin key")
-    scope[TENANT_SCOPE_KEY] = tenant.name
+    scope[TENANT_SCOPE_KEY] = tenant

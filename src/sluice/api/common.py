@@ -154,7 +154,12 @@ def requested_priority(request: Request, *body_values: tuple[str, Any]) -> Prior
     `priority` fields (names: interactive, standard, batch; OpenAI's `flex` is batch, `priority`
     is interactive, `auto`/`default` keep the tenant's). If several are given the lowest counts;
     the gateway never lets a request rise above its tenant's default class."""
-    found = [parse_priority(request.headers.get(PRIORITY_HEADER), PRIORITY_HEADER)]
+    return priority_of(request.headers.get(PRIORITY_HEADER), *body_values)
+
+
+def priority_of(header: str | None, *body_values: tuple[str, Any]) -> Priority | None:
+    """`requested_priority` from the `x-sluice-priority` header's value (or gRPC metadata's)."""
+    found = [parse_priority(header, PRIORITY_HEADER)]
     for name, value in body_values:
         if value is not None and not isinstance(value, str):
             raise InvalidInput(f"'{name}' must be a string (interactive, standard or batch)", param=name)

@@ -102,14 +102,21 @@ def protocol_of(path: str) -> str:
     return "kserve" if path.startswith("/v2") else "openai"
 
 
-def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
-    status = status_of(error)
-    body = msgspec.json.encode(error_body(error, protocol))
+def error_headers(error: Exception) -> dict[str, str]:
+    """What an error's answer says beside its body: when to retry (`Retry-After` in whole seconds,
+    at least 1, and `retry-after-ms`) and, on a 429, which limit and OpenAI's `x-ratelimit-*`."""
     headers = {**error.headers, LIMIT_HEADER: error.limit} if isinstance(error, RateLimited) else {}
     retry_after_s = getattr(error, "retry_after_s", None)
     if retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
         headers["retry-after-ms"] = str(max(1, math.ceil(retry_after_s * 1000)))
+    return headers
+
+
+def error_response(error: Exception, protocol: str, request_id: str | None = None) -> Response:
+    status = status_of(error)
+    body = msgspec.json.encode(error_body(error, protocol))
+    headers = error_headers(error)
     if request_id:
         headers["x-request-id"] = request_id
     return Response(body, status_code=status.http, media_type="application/json", headers=headers)

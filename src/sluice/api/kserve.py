@@ -56,25 +56,14 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def model_metadata(request: Request) -> Response:
         name, version = _path(request)
-        info = gateway.resolve(name, version, by_split=False)  # the same answer each time
-        _authorize(gateway, request, info)
-        versions = gateway.models(include_recovering=True).get(name, {})
-        return _json({
-            "name": info.name,
-            "versions": sorted(versions) if version is None else [info.version],
-            "platform": info.platform,
-            "inputs": [_spec(s) for s in info.inputs],
-            "outputs": [_spec(s) for s in info.outputs],
-            **_refused(gateway, name, version),
-        })
+        return _json({**model_metadata_of(gateway, request_tenant(request), name, version),
+                      **_refused(gateway, name, version)})
 
     async def model_ready(request: Request) -> Response:
         name, version = _path(request)
-        try:
-            info = gateway.resolve(name, version, by_split=False)
-        except ModelNotReady:
+        info = model_ready_of(gateway, request_tenant(request), name, version)
+        if info is None:
             return _json({"name": name, "ready": False}, status=503)
-        _authorize(gateway, request, info)
         return _json({"name": info.name, "ready": True, **_refused(gateway, name, version)})
 
     def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
@@ -100,10 +89,10 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         screened = screen(request, body, first)
         info, arrived_at = screened.info, screened.arrived_at
         parsed, tensors = parse_request(body, screened.header_length)
-        payload = _to_payload(info, tensors)
+        payload = to_payload(info, tensors)
         binary_outputs = _binary_outputs(info, parsed)
-        timeout_s = _timeout(parsed.parameters, gateway.max_timeout_s)
-        priority = requested_priority(request, ("priority", _triton_priority(parsed.parameters.get("priority"))))
+        timeout_s = parse_timeout(parsed.parameters, gateway.max_timeout_s)
+        priority = requested_priority(request, ("priority", triton_priority(parsed.parameters.get("priority"))))
         tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
         who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
         if timeout_s is None:
@@ -140,6 +129,32 @@ class _Screened:
     """The result-cache key, from the body as sent (`cache.cache_key`); None: not cached."""
 
 
+def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
+    """A model's v2 metadata, for a tenant that may use it (else 403; an unknown model 404): all its
+    versions when asked by name, else the one asked for. Shared by the HTTP and gRPC APIs."""
+    info = gateway.resolve(name, version, by_split=False)  # the same answer each time
+    gateway.tenancy.authorize(gateway.tenancy.tenant(tenant), info.name)
+    versions = gateway.models(include_recovering=True).get(name, {})
+    return {
+        "name": info.name,
+        "versions": sorted(versions) if version is None else [info.version],
+        "platform": info.platform,
+        "inputs": [_spec(s) for s in info.inputs],
+        "outputs": [_spec(s) for s in info.outputs],
+    }
+
+
+def model_ready_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> wire.ModelInfo | None:
+    """The version that answers for `name` (and `version`) if a ready worker serves it, None if
+    none does yet; 404 for an unknown model, 403 for one the tenant may not use."""
+    try:
+        info = gateway.resolve(name, version, by_split=False)
+    except ModelNotReady:
+        return None
+    gateway.tenancy.authorize(gateway.tenancy.tenant(tenant), info.name)
+    return info
+
+
 def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]:
     """For a model asked for as a whole: its versions refused at load and why (a sluice addition
     to the v2 answers; a refused version asked for by number answers 404 with the reason)."""
@@ -149,7 +164,7 @@ def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]
     return {"refused": refused} if refused else {}
 
 
-def _triton_priority(raw: Any) -> Any:
+def triton_priority(raw: Any) -> Any:
     """Triton's `priority` parameter is a level, 1 the highest and 0 the model's default (what
     `tritonclient`'s `priority=` sends); sluice also takes a class name there."""
     if isinstance(raw, bool) or not isinstance(raw, int):
@@ -157,10 +172,6 @@ def _triton_priority(raw: Any) -> Any:
     if raw < 0:
         raise InvalidInput("parameter 'priority' must be a non-negative level or a class name", param="priority")
     return None if raw == 0 else ("interactive", "standard")[raw - 1] if raw <= 2 else "batch"
-
-
-def _authorize(gateway: Gateway, request: Request, info: wire.ModelInfo) -> None:
-    gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), info.name)
 
 
 def _path(request: Request) -> tuple[str, str | None]:
@@ -177,7 +188,7 @@ def _header_length(request: Request) -> int | None:
     return length
 
 
-def _timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | None:
+def parse_timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | None:
     raw = parameters.get("timeout")
     if raw is None:
         return None
@@ -187,7 +198,7 @@ def _timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | None:
     return float(raw) / 1e6
 
 
-def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
+def to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     expected = info.inputs[0]
     if len(tensors) != 1 or tensors[0].name != expected.name:
         names = [t.name for t in tensors]

@@ -95,7 +95,7 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
         if size is not None:
             if not _is_count(size) or offset + size > len(binary):
                 raise InvalidInput(f"input {tensor.name!r}: binary_data_size does not match the body")
-            tensors.append(_from_binary(tensor, binary[offset : offset + size]))
+            tensors.append(tensor_from_raw(tensor, binary[offset : offset + size]))
             offset += size
         else:
             tensors.append(_from_json(tensor))
@@ -174,7 +174,23 @@ def _numeric_array(tensor: InputTensor) -> np.ndarray:
     return array
 
 
-def _from_binary(tensor: InputTensor, raw: bytes) -> Tensor:
+def tensor_from_values(tensor: InputTensor, values: list[Any]) -> Tensor:
+    """An input given as a flat list of already typed elements (gRPC's `contents`): Python
+    numbers of the datatype's kind, or bytes for BYTES."""
+    count = _check_shape(tensor)
+    if len(values) != count:
+        raise InvalidInput(f"input {tensor.name!r}: {len(values)} values do not fill shape {tensor.shape}")
+    if tensor.datatype == "BYTES":
+        return Tensor(tensor.name, "BYTES", tuple(tensor.shape), list(values))
+    try:
+        array = np.array(values, dtype=DATATYPES[tensor.datatype])
+    except (ValueError, OverflowError) as exc:
+        raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}: {exc}") from exc
+    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), array.reshape(tensor.shape))
+
+
+def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
+    """An input given as raw little-endian bytes (the binary extension's, gRPC's `raw_input_contents`)."""
     count = _check_shape(tensor)
     if tensor.datatype == "BYTES":
         values = decode_bytes_elements(raw)

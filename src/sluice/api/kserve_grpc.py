@@ -1,0 +1,353 @@
+"""KServe / Open Inference Protocol v2 over gRPC (`inference.GRPCInferenceService`), beside HTTP.
+
+    ServerLive | ServerReady | ServerMetadata     no key needed
+    ModelReady | ModelMetadata                    `version` "" : the model as a whole
+    ModelInfer                                    one request; outputs in `raw_output_contents`
+    ModelStreamInfer                              Triton's: many requests on one stream, each
+                                                  answered (by `id`) as soon as it is done
+
+What `tritonclient.grpc` and KServe's client send works unchanged: inputs in `raw_input_contents`
+(tritonclient's default) or in typed `contents`; outputs always go back raw, which is where
+tritonclient reads them. A request takes the same path as an HTTP one: the tenant's key, limits
+and class, the model's traffic split, the result cache, overload refusal, the deadline, metrics.
+
+- Keys: `authorization: Bearer <key>` or `api-key` metadata, as the HTTP headers.
+- Deadline: the call's own gRPC deadline, and the request's `timeout` parameter (microseconds,
+  what tritonclient's `timeout=` sends); the earlier counts, capped at the gateway's longest.
+- Class: the `priority` parameter (Triton's level, or a class name) and `x-sluice-priority`
+  metadata, lowest wins. `x-sluice-route-key`, `cache-control` and `traceparent` metadata act as
+  the HTTP headers.
+- Errors: the status the HTTP API would send, as a gRPC code (`GRPC_CODES`), with `retry-after`,
+  `retry-after-ms` and the rate-limit headers as trailing metadata. Every call's trailing
+  metadata carries its `x-request-id` (the client's if it sent a sane one).
+
+The messages come from `proto/grpc_predict_v2.proto`, compiled to a descriptor set
+(`scripts/gen-proto`) and loaded into a private descriptor pool: no generated code tied to one
+protobuf release, and no clash with a client library in the same process that registers the
+same message names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
+
+from sluice import __version__, wire
+from sluice.api.auth import inference_tenant, key_of
+from sluice.api.common import (
+    PRIORITY_HEADER,
+    ROUTE_KEY_HEADER,
+    estimate_text_tokens,
+    priority_of,
+)
+from sluice.api.errors import error_headers, status_of
+from sluice.api.kserve import model_metadata_of, model_ready_of, parse_timeout, to_payload, triton_priority
+from sluice.api.tensors import NUMPY_TO_KSERVE, InputTensor, Tensor, tensor_from_raw, tensor_from_values
+from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, SluiceError
+from sluice.gateway import Caller, Gateway
+from sluice.gateway.cache import cache_policy
+
+log = logging.getLogger("sluice.api.grpc")
+T = TypeVar("T")
+
+SERVICE = "inference.GRPCInferenceService"
+STREAM_WINDOW = 1024
+"""Requests of one `ModelStreamInfer` stream in progress at once; the stream is not read further
+until one ends (the client's sends then wait: flow control, not memory, holds the excess)."""
+
+GRPC_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+"""The HTTP status an error has (`api.errors`) as a gRPC code; anything else is INTERNAL."""
+
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+"""Where `InferTensorContents` holds each datatype's elements (FP16 has no field: raw only)."""
+
+_ids = itertools.count(1)
+
+
+def _load_messages() -> dict[str, type[Message]]:
+    files = descriptor_pb2.FileDescriptorSet.FromString(
+        (Path(__file__).parent / "proto" / "grpc_predict_v2.binpb").read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for file in files.file:
+        pool.Add(file)
+    service = pool.FindServiceByName(SERVICE)
+    names = {m.input_type.full_name for m in service.methods} | {m.output_type.full_name for m in service.methods}
+    return {name.rpartition(".")[2]: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+            for name in names}
+
+
+MESSAGES = _load_messages()
+"""The service's request and response classes by name (`ModelInferRequest`, ...)."""
+_InferRequest = MESSAGES["ModelInferRequest"]
+_InferResponse = MESSAGES["ModelInferResponse"]
+_StreamResponse = MESSAGES["ModelStreamInferResponse"]
+
+
+class _Call:
+    """One request's metadata, read once: who, which class, its route key, cache policy, id."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.metadata: dict[str, str] = {}
+        for name, value in context.invocation_metadata() or ():
+            if isinstance(value, str):  # binary (-bin) entries are not ours
+                self.metadata.setdefault(name, value)
+        self.key = next((k for name in ("authorization", "api-key")
+                         if name in self.metadata and (k := key_of(name, self.metadata[name]))), None)
+        incoming = self.metadata.get("x-request-id", "")
+        self.request_id = incoming if 0 < len(incoming) <= 128 and incoming.isascii() and incoming.isprintable() \
+            else f"grpc-{next(_ids):x}"
+
+
+class KServeGrpc:
+    """The servicer: each RPC of `inference.GRPCInferenceService` over the gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(method: Any, request: str, response: str) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(method, request_deserializer=MESSAGES[request].FromString,
+                                                       response_serializer=MESSAGES[response].SerializeToString)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "ServerLive": unary(self.server_live, "ServerLiveRequest", "ServerLiveResponse"),
+            "ServerReady": unary(self.server_ready, "ServerReadyRequest", "ServerReadyResponse"),
+            "ServerMetadata": unary(self.server_metadata, "ServerMetadataRequest", "ServerMetadataResponse"),
+            "ModelReady": unary(self.model_ready, "ModelReadyRequest", "ModelReadyResponse"),
+            "ModelMetadata": unary(self.model_metadata, "ModelMetadataRequest", "ModelMetadataResponse"),
+            "ModelInfer": unary(self.model_infer, "ModelInferRequest", "ModelInferResponse"),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                self.model_stream_infer, request_deserializer=_InferRequest.FromString,
+                response_serializer=_StreamResponse.SerializeToString),
+        })
+
+    # -- health and metadata -------------------------------------------------------------------
+
+    async def server_live(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        return MESSAGES["ServerLiveResponse"](live=True)
+
+    async def server_ready(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        return MESSAGES["ServerReadyResponse"](ready=self._gateway.is_ready())
+
+    async def server_metadata(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        return MESSAGES["ServerMetadataResponse"](name="sluice", version=__version__,
+                                                  extensions=["binary_tensor_data"])
+
+    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        info = await self._about_model(request, context, model_ready_of)
+        return MESSAGES["ModelReadyResponse"](ready=info is not None)
+
+    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        found = await self._about_model(request, context, model_metadata_of)
+        tensor = MESSAGES["ModelMetadataResponse"].TensorMetadata  # type: ignore[attr-defined]
+        return MESSAGES["ModelMetadataResponse"](
+            name=found["name"], versions=found["versions"], platform=found["platform"],
+            inputs=[tensor(**spec) for spec in found["inputs"]], outputs=[tensor(**spec) for spec in found["outputs"]])
+
+    async def _about_model(self, request: Any, context: grpc.aio.ServicerContext,
+                           lookup: Callable[[Gateway, str, str, str | None], T]) -> T:
+        """`lookup` (`kserve.model_ready_of`, `model_metadata_of`) for the calling tenant."""
+        call = _Call(context)
+        try:
+            tenant = inference_tenant(call.key, self._gateway.tenancy)
+            return lookup(self._gateway, tenant, request.name, request.version or None)
+        except SluiceError as exc:
+            await _abort(context, exc, call.request_id)
+
+    # -- inference ------------------------------------------------------------------------------
+
+    async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        arrived_at = self._gateway.now()
+        call = _Call(context)
+        try:
+            response, headers = await self._infer(request, call, arrived_at, context.time_remaining())
+        except SluiceError as exc:
+            await _abort(context, exc, call.request_id)
+        except Exception:  # a bug of ours: the client learns no more than that
+            log.exception("gRPC ModelInfer %s failed", call.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error",
+                                (("x-request-id", call.request_id),))
+        context.set_trailing_metadata(_metadata({**headers, "x-request-id": call.request_id}))
+        return response
+
+    async def model_stream_infer(self, requests: AsyncIterator[Any],
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+        """Reads requests while earlier ones run (up to `STREAM_WINDOW` at once) and answers each
+        when it ends; a failed request's answer carries its message and its `id`. The stream ends
+        once the client has closed its side and every request is answered."""
+        call = _Call(context)
+        answers: asyncio.Queue[Message | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any, arrived_at: float) -> None:
+            try:
+                response, _ = await self._infer(request, call, arrived_at, context.time_remaining())
+                answers.put_nowait(_StreamResponse(infer_response=response))
+            except Exception as exc:  # every request is answered, a failed one with its reason
+                if not isinstance(exc, SluiceError):
+                    log.exception("gRPC ModelStreamInfer request %r failed", request.id)
+                answers.put_nowait(_StreamResponse(
+                    error_message=exc.message if isinstance(exc, SluiceError) else "internal server error",
+                    infer_response=_InferResponse(model_name=request.model_name,
+                                                  model_version=request.model_version, id=request.id)))
+            finally:
+                window.release()
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    await window.acquire()
+                    task = asyncio.create_task(answer(request, self._gateway.now()))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+            await reader  # raises what ended the reading, if it failed
+        finally:
+            reader.cancel()
+            for task in running:
+                task.cancel()
+
+    async def _infer(self, request: Any, call: _Call, arrived_at: float,
+                     time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
+        gateway = self._gateway
+        tenant = inference_tenant(call.key, gateway.tenancy)
+        info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER))
+        parameters = _parameters(request.parameters)
+        timeout_s = _deadline_s(parse_timeout(parameters, gateway.max_timeout_s), time_remaining_s,
+                                gateway.max_timeout_s)
+        payload = to_payload(info, _tensors(request))
+        _check_outputs(info, request.outputs)
+        priority = priority_of(call.metadata.get(PRIORITY_HEADER),
+                               ("priority", triton_priority(parameters.get("priority"))))
+        tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
+        who = Caller(tenant, priority, tokens, call.metadata.get("traceparent") if gateway.is_tracing else None,
+                     cache_policy(call.metadata.get("cache-control")))
+        key = gateway.cache_key(info, payload, who)
+        gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
+        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
+        return _response(info, request.id, result.payload), result.headers or {}
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """A parameter map's values as Python values (an unset `InferParameter` is None)."""
+    values = {}
+    for name, parameter in parameters.items():
+        which = parameter.WhichOneof("parameter_choice")
+        values[name] = None if which is None else getattr(parameter, which)
+    return values
+
+
+def _deadline_s(timeout_s: float | None, time_remaining_s: float | None, max_timeout_s: float) -> float | None:
+    """The request's timeout: its `timeout` parameter or the call's gRPC deadline, the earlier. A
+    gRPC deadline further off than the gateway allows is cut to its limit (it is the client's
+    patience, not a demand for a longer queue)."""
+    if time_remaining_s is None:
+        return timeout_s
+    if time_remaining_s <= 0:
+        raise DeadlineExceeded("the call's deadline passed before the request was read")
+    remaining = min(time_remaining_s, max_timeout_s)
+    return remaining if timeout_s is None else min(timeout_s, remaining)
+
+
+def _tensors(request: Any) -> list[Tensor]:
+    if not request.inputs:
+        raise InvalidInput("inference request has no inputs", param="inputs")
+    raw: Sequence[bytes] = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents holds {len(raw)} entries for {len(request.inputs)} inputs: "
+                           "give one per input, or none")
+    tensors = []
+    for i, tensor in enumerate(request.inputs):
+        spec = InputTensor(name=tensor.name, shape=list(tensor.shape), datatype=tensor.datatype)
+        if raw:
+            tensors.append(tensor_from_raw(spec, raw[i]))
+            continue
+        field = _CONTENTS_FIELD.get(tensor.datatype)
+        if field is None:
+            raise InvalidInput(f"input {tensor.name!r}: {tensor.datatype} data must be sent in raw_input_contents")
+        tensors.append(tensor_from_values(spec, list(getattr(tensor.contents, field))))
+    return tensors
+
+
+def _check_outputs(info: wire.ModelInfo, outputs: Sequence[Any]) -> None:
+    """Requested outputs must be the model's (they all come back raw, whatever their parameters)."""
+    unknown = [o.name for o in outputs if o.name != info.outputs[0].name]
+    if unknown:
+        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {info.outputs[0].name!r})")
+
+
+def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload) -> Message:
+    if not isinstance(payload, wire.TensorPayload):
+        raise TypeError("models return tensors")
+    spec = info.outputs[0]
+    array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
+    raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    output = _InferResponse.InferOutputTensor(  # type: ignore[attr-defined]
+        name=spec.name, datatype=NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), shape=list(array.shape))
+    return _InferResponse(model_name=info.name, model_version=info.version, id=request_id, outputs=[output],
+                          raw_output_contents=[raw])
+
+
+def _metadata(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((name.lower(), value) for name, value in headers.items())
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: SluiceError, request_id: str) -> NoReturn:
+    """Ends the call with the error's code, message and retry metadata (never returns)."""
+    status = status_of(error)
+    code = GRPC_CODES.get(status.http)
+    if code is None:
+        code = grpc.StatusCode.INVALID_ARGUMENT if 400 <= status.http < 500 else grpc.StatusCode.INTERNAL
+    await context.abort(code, error.message, _metadata({**error_headers(error), "x-request-id": request_id}))
+    raise AssertionError("context.abort returned")  # it raises
+
+
+async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
+    """Serve the gRPC API on `host:port` (0: any free port); returns the server and its port.
+    Messages over `max_message_bytes` (the HTTP body limit) are refused by gRPC itself."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),  # a port another server holds is an error, not shared
+    ])
+    server.add_generic_rpc_handlers((KServeGrpc(gateway).handler(),))
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen for gRPC on {address}: {exc}") from exc
+    await server.start()
+    return server, bound

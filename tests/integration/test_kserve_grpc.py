@@ -1,0 +1,301 @@
+"""KServe v2 over gRPC with the real `tritonclient.grpc` (and its generated stub, for what the
+high-level client does not expose): health, metadata, raw and typed tensors, BYTES, streaming,
+keys, errors as gRPC codes with their retry metadata, and deadlines."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from sluice.gateway.tenants import hash_key, new_key
+from sluice.repository import demo_repository
+from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model
+
+pytestmark = pytest.mark.slow
+
+KEYS = {name: new_key() for name in ("alpha", "beta", "tiny")}
+TENANTS = f"""
+[tenants.alpha]
+api_keys = ["{hash_key(KEYS['alpha'])}"]
+
+[tenants.beta]
+api_keys = ["{hash_key(KEYS['beta'])}"]
+models = ["emulated"]
+
+[tenants.tiny]
+api_keys = ["{hash_key(KEYS['tiny'])}"]
+requests_per_min = 2
+"""
+
+
+def auth(tenant: str = "alpha") -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS[tenant]}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, int]]:
+    repo = tmp_path_factory.mktemp("repo")
+    write_emulated_model(repo, "emulated", slo_ms=30000)
+    write_emulated_model(repo, "slow", alpha_ms=400, beta_ms=0.0, max_batch_size=1, slo_ms=30000)
+    write_emulated_model(repo, "tight", alpha_ms=150, beta_ms=0.0, max_batch_size=1, slo_ms=400)
+    shutil.copytree(demo_repository() / "minilm", repo / "minilm")
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(TENANTS)
+    grpc_port = free_port()
+    started = start_server(repo, tmp_path_factory.mktemp("log"), "--tenants", str(tenants),
+                           "--grpc-port", str(grpc_port))
+    yield started, grpc_port
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[triton.InferenceServerClient]:
+    sdk = triton.InferenceServerClient(f"127.0.0.1:{server[1]}")
+    yield sdk
+    sdk.close()
+
+
+@pytest.fixture(scope="module")
+def stub(server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{server[1]}") as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def rows(num_rows: int = 4, length: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((num_rows, length)).astype(np.float32)
+
+
+def fp32_input(array: np.ndarray, name: str = "INPUT0") -> triton.InferInput:
+    tensor = triton.InferInput(name, list(array.shape), "FP32")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def raw_request(model: str, array: np.ndarray, **fields) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=model, **fields)
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=list(array.shape))
+    request.raw_input_contents.append(array.astype("<f4").tobytes())
+    return request
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(*args, **kwargs)
+    return caught.value
+
+
+def test_health_needs_no_key_and_metadata_describes_the_models(client):
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert "binary_tensor_data" in client.get_server_metadata().extensions
+    assert client.is_model_ready("emulated", headers=auth())
+    assert client.is_model_ready("minilm", model_version="1", headers=auth())
+    emulated = client.get_model_metadata("emulated", headers=auth())
+    assert (emulated.name, list(emulated.versions), emulated.platform) == ("emulated", ["1"], "sluice_emulated")
+    assert [(t.name, t.datatype, list(t.shape)) for t in emulated.inputs] == [("INPUT0", "FP32", [-1, -1])]
+    minilm = client.get_model_metadata("minilm", headers=auth())
+    assert [(t.name, t.datatype, list(t.shape)) for t in minilm.outputs] == [("embedding", "FP32", [-1, 384])]
+
+
+def test_infer_with_raw_tensors_as_tritonclient_sends_them(client):
+    x = rows()
+    result = client.infer("emulated", [fp32_input(x)], request_id="req-7", headers=auth())
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), x.sum(axis=1), rtol=1e-5)
+    response = result.get_response()
+    assert (response.model_name, response.model_version, response.id) == ("emulated", "1", "req-7")
+    assert len(response.raw_output_contents) == 1  # where tritonclient reads outputs
+
+
+def test_infer_with_typed_contents(stub):
+    x = rows(3, seed=1)
+    request = service_pb2.ModelInferRequest(model_name="emulated", id="typed")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[3, 16])
+    tensor.contents.fp32_contents.extend(x.reshape(-1).tolist())
+    response, call = stub.ModelInfer.with_call(request, metadata=tuple(auth().items()))
+    np.testing.assert_allclose(np.frombuffer(response.raw_output_contents[0], "<f4"), x.sum(axis=1), rtol=1e-5)
+    assert list(response.outputs[0].shape) == [3]
+    trailing = dict(call.trailing_metadata())
+    assert trailing["x-request-id"]
+
+
+def test_bytes_input_embeds_like_the_http_api(client, server):
+    import httpx
+
+    texts = [b"hello world", b"the queue drains"]
+    tensor = triton.InferInput("text", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array(texts, dtype=object))
+    vectors = client.infer("minilm", [tensor], headers=auth()).as_numpy("embedding")
+    assert vectors.shape == (2, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-4)
+    answer = httpx.post(f"{server[0].url}/v1/embeddings", headers=auth(), timeout=60,
+                        json={"model": "minilm", "input": [t.decode() for t in texts]})
+    http_vectors = np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
+    np.testing.assert_allclose(vectors, http_vectors, atol=1e-5)
+
+
+def test_a_stream_answers_every_request_by_id_and_fails_only_the_bad_one(client):
+    results: dict[str, np.ndarray] = {}
+    errors: list[str] = []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_answer(result, error):
+        with lock:
+            if error is not None:
+                errors.append(error.message())
+            else:
+                results[result.get_response().id] = result.as_numpy("OUTPUT0")
+            if len(results) + len(errors) == 21:
+                done.set()
+
+    inputs = {f"s{i}": rows(2, seed=i) for i in range(20)}
+    client.start_stream(on_answer, headers=auth())
+    try:
+        for i, (request_id, x) in enumerate(inputs.items()):
+            client.async_stream_infer("emulated", [fp32_input(x)], request_id=request_id)
+            if i == 10:
+                client.async_stream_infer("emulated", [fp32_input(x, name="WRONG")], request_id="bad")
+        assert done.wait(60), f"{len(results)} answers and {len(errors)} errors after 60 s"
+    finally:
+        client.stop_stream()
+    assert sorted(results) == sorted(inputs)
+    for request_id, x in inputs.items():
+        np.testing.assert_allclose(results[request_id], x.sum(axis=1), rtol=1e-5)
+    assert len(errors) == 1 and "INPUT0" in errors[0]
+
+
+def test_keys_are_required_and_models_are_scoped(client, stub):
+    x = rows(1)
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("emulated", [fp32_input(x)])
+    assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("emulated", [fp32_input(x)], headers={"authorization": "Bearer sk-not-a-key"})
+    assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert client.infer("emulated", [fp32_input(x)], headers=auth("beta")).as_numpy("OUTPUT0").shape == (1,)
+    error = rpc_error(stub.ModelMetadata, service_pb2.ModelMetadataRequest(name="slow"),
+                      metadata=tuple(auth("beta").items()))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    error = rpc_error(stub.ModelInfer, raw_request("slow", x), metadata=tuple(auth("beta").items()))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_rate_limited_tenant_gets_resource_exhausted_with_retry_metadata(stub):
+    metadata = tuple(auth("tiny").items())
+    codes = []
+    for _ in range(4):
+        try:
+            stub.ModelInfer(raw_request("emulated", rows(1)), metadata=metadata)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as error:
+            codes.append(error.code())
+            refused = error
+    assert codes[:2] == [grpc.StatusCode.OK] * 2 and codes[2:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    trailing = dict(refused.trailing_metadata())
+    assert int(trailing["retry-after"]) >= 1 and int(trailing["retry-after-ms"]) >= 1
+    assert trailing["x-sluice-limit"] == "requests"
+    assert "x-ratelimit-limit-requests" in trailing
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda r: r.inputs[0].__setattr__("name", "WRONG"), "INPUT0"),
+    (lambda r: r.raw_input_contents.append(b"\0" * 4), "raw_input_contents"),
+    (lambda r: r.outputs.add(name="NOPE"), "NOPE"),
+    (lambda r: r.parameters["timeout"].__setattr__("int64_param", -5), "timeout"),
+    (lambda r: r.parameters["priority"].__setattr__("string_param", "urgent"), "priority"),
+    (lambda r: r.inputs[0].__setattr__("datatype", "FP64"), "bytes do not match"),
+    (lambda r: (r.inputs[0].__setattr__("datatype", "FP64"),
+                r.raw_input_contents.__setitem__(0, np.zeros(32, "<f8").tobytes())), "must be FP32"),
+    (lambda r: r.inputs[0].shape.__setitem__(0, 7), "shape"),
+])
+def test_malformed_requests_are_invalid_argument(stub, change, words):
+    request = raw_request("emulated", rows(2))
+    change(request)
+    error = rpc_error(stub.ModelInfer, request, metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert words in error.details()
+
+
+def test_typed_contents_that_do_not_fit_are_invalid_argument(stub):
+    request = service_pb2.ModelInferRequest(model_name="emulated")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[2, 16]).contents.fp32_contents.extend([1.0] * 5)
+    error = rpc_error(stub.ModelInfer, request, metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "do not fill" in error.details()
+    half = service_pb2.ModelInferRequest(model_name="emulated")
+    half.inputs.add(name="INPUT0", datatype="FP16", shape=[1, 16])
+    error = rpc_error(stub.ModelInfer, half, metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "raw_input_contents" in error.details()
+
+
+def test_unknown_models_are_not_found(client, stub):
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("no-such-model", [fp32_input(rows(1))], headers=auth())
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+    error = rpc_error(stub.ModelReady, service_pb2.ModelReadyRequest(name="emulated", version="9"),
+                      metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_timeout_parameter_and_the_calls_deadline_bound_the_request(client):
+    x = rows(1)
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as caught:  # the server's 504: 400 ms of work, 100 ms allowed
+        client.infer("slow", [fp32_input(x)], timeout=100_000, headers=auth())
+    assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "deadline" in caught.value.message()
+    with pytest.raises(InferenceServerException) as caught:  # the client's own gRPC deadline
+        client.infer("slow", [fp32_input(x)], client_timeout=0.1, headers=auth())
+    assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert time.monotonic() - started < 5
+    assert client.infer("slow", [fp32_input(x)], client_timeout=20, headers=auth()).as_numpy("OUTPUT0").shape == (1,)
+
+
+def test_overload_is_unavailable_with_retry_metadata(stub):
+    """`tight` runs one 150 ms item at a time within a 400 ms deadline: of 12 sent at once, the
+    ones that could not finish in time are refused at once, with when to retry."""
+    metadata = tuple(auth().items())
+    calls = [stub.ModelInfer.future(raw_request("tight", rows(1, seed=i)), metadata=metadata) for i in range(12)]
+    outcomes = []
+    for call in calls:
+        try:
+            call.result(timeout=30)
+            outcomes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as error:
+            outcomes.append(error.code())
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                trailing = dict(error.trailing_metadata())
+                assert int(trailing["retry-after-ms"]) >= 1 and trailing["x-request-id"]
+    assert outcomes.count(grpc.StatusCode.OK) >= 1
+    assert outcomes.count(grpc.StatusCode.UNAVAILABLE) >= 4, outcomes
+    assert set(outcomes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def test_the_clients_request_id_comes_back(stub):
+    _, call = stub.ModelInfer.with_call(raw_request("emulated", rows(1)),
+                                        metadata=(*auth().items(), ("x-request-id", "trace-me-42")))
+    assert dict(call.trailing_metadata())["x-request-id"] == "trace-me-42"
+
+
+def test_the_banner_names_the_grpc_address(server):
+    assert f"KServe v2 over gRPC on 127.0.0.1:{server[1]}" in server[0].log()
+
+
+def test_a_grpc_port_in_use_stops_the_start(tmp_path: Path):
+    import socket
+
+    repo = write_emulated_model(tmp_path / "repo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="gRPC"):
+            start_server(repo, tmp_path, "--grpc-port", str(taken.getsockname()[1]), ready_timeout_s=60)
