@@ -20,8 +20,10 @@ import click
 import httpx
 import jsonpatch
 import kubernetes_validate
+import numpy as np
 import pytest
 import redis
+import tritonclient.grpc
 import yaml
 
 from sluice import cli
@@ -212,10 +214,11 @@ def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path) -> None:
     created = subprocess.run([sys.executable, "-m", "sluice", "keys", "create", "team", "--tenants", str(tenants)],
                              capture_output=True, text=True, check=True)
     key = created.stdout.strip().split()[-1]
-    gateway_port, worker_port, metrics_port = free_port(), free_port(), free_port()
+    gateway_port, grpc_port, worker_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     local = {"sluice-redis:6379/0": f"{redis_address}/8", "/etc/sluice/tenants.toml": str(tenants),
              "/models": str(repo), "tcp://0.0.0.0:7000": f"tcp://127.0.0.1:{worker_port}",
-             ":7000": f":{worker_port}", "8000": str(gateway_port), "9090": str(metrics_port)}
+             ":7000": f":{worker_port}", "8000": str(gateway_port), "8001": str(grpc_port),
+             "9090": str(metrics_port)}
 
     def localized(text: str) -> str:
         for cluster, here in local.items():
@@ -245,6 +248,11 @@ def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path) -> None:
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=body).status_code == 401
         answer = httpx.post(f"{url}/v2/models/emulated/infer", json=body, headers={"Authorization": f"Bearer {key}"})
         assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [6.0]
+        with tritonclient.grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as over_grpc:  # the grpc port
+            rows = tritonclient.grpc.InferInput("INPUT0", [1, 3], "FP32")
+            rows.set_data_from_numpy(np.array([[1.0, 2.0, 3.0]], dtype=np.float32))
+            result = over_grpc.infer("emulated", [rows], headers={"authorization": f"Bearer {key}"})
+            assert result.as_numpy("OUTPUT0").tolist() == [6.0]
         worker_metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
         busy = re.search(r'^sluice_device_busy_seconds_total\{worker="sluice-worker-0"\} (\S+)$', worker_metrics,
                          re.MULTILINE)
