@@ -54,9 +54,14 @@ def assign_request_id(scope: Scope) -> str:
     if isinstance(rid, str):
         return rid
     incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
-    rid = incoming if incoming and _VALID_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+    rid = request_id_for(incoming)
     scope["sluice.request_id"] = rid
     return rid
+
+
+def request_id_for(incoming: str | None) -> str:
+    """The id a request is known by: the client's `x-request-id` if it sent a sane one, else a new one."""
+    return incoming if incoming and _VALID_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class RequestIdMiddleware:

@@ -30,7 +30,6 @@ same message names.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -42,6 +41,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from sluice import __version__, wire
+from sluice.api.app import request_id_for
 from sluice.api.auth import inference_tenant, key_of
 from sluice.api.common import (
     PRIORITY_HEADER,
@@ -61,8 +61,9 @@ T = TypeVar("T")
 
 SERVICE = "inference.GRPCInferenceService"
 STREAM_WINDOW = 1024
-"""Requests of one `ModelStreamInfer` stream in progress at once; the stream is not read further
-until one ends (the client's sends then wait: flow control, not memory, holds the excess)."""
+"""Requests of one `ModelStreamInfer` stream running or answered but not yet sent; the stream is
+not read further until one of their answers is sent (the client's sends then wait: flow control,
+not memory, holds the excess)."""
 
 GRPC_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -84,9 +85,6 @@ _CONTENTS_FIELD = {
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
 """Where `InferTensorContents` holds each datatype's elements (FP16 has no field: raw only)."""
-
-_ids = itertools.count(1)
-
 
 def _load_messages() -> dict[str, type[Message]]:
     files = descriptor_pb2.FileDescriptorSet.FromString(
@@ -117,9 +115,7 @@ class _Call:
                 self.metadata.setdefault(name, value)
         self.key = next((k for name in ("authorization", "api-key")
                          if name in self.metadata and (k := key_of(name, self.metadata[name]))), None)
-        incoming = self.metadata.get("x-request-id", "")
-        self.request_id = incoming if 0 < len(incoming) <= 128 and incoming.isascii() and incoming.isprintable() \
-            else f"grpc-{next(_ids):x}"
+        self.request_id = request_id_for(self.metadata.get("x-request-id"))
 
 
 class KServeGrpc:
@@ -196,9 +192,10 @@ class KServeGrpc:
 
     async def model_stream_infer(self, requests: AsyncIterator[Any],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
-        """Reads requests while earlier ones run (up to `STREAM_WINDOW` at once) and answers each
-        when it ends; a failed request's answer carries its message and its `id`. The stream ends
-        once the client has closed its side and every request is answered."""
+        """Reads requests while earlier ones run and answers each when it ends; a failed request's
+        answer carries its message and its `id`. At most `STREAM_WINDOW` requests are running or
+        waiting for their answer to be sent. The stream ends once the client has closed its side
+        and every request is answered."""
         call = _Call(context)
         answers: asyncio.Queue[Message | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
@@ -215,13 +212,16 @@ class KServeGrpc:
                     error_message=exc.message if isinstance(exc, SluiceError) else "internal server error",
                     infer_response=_InferResponse(model_name=request.model_name,
                                                   model_version=request.model_version, id=request.id)))
-            finally:
-                window.release()
 
         async def read() -> None:
             try:
-                async for request in requests:
-                    await window.acquire()
+                unread = aiter(requests)
+                while True:
+                    await window.acquire()  # before reading: a request waits in the stream, not here
+                    try:
+                        request = await anext(unread)
+                    except StopAsyncIteration:
+                        break
                     task = asyncio.create_task(answer(request, self._gateway.now()))
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -234,6 +234,7 @@ class KServeGrpc:
         try:
             while (response := await answers.get()) is not None:
                 yield response
+                window.release()  # once sent: a client that does not read its answers is not read either
             await reader  # raises what ended the reading, if it failed
         finally:
             reader.cancel()
