@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from sluice import __version__, wire
 from sluice.api.common import (
+    PRIORITY_HEADER,
     HotRoute,
     arrival,
     caller,
@@ -31,6 +32,7 @@ from sluice.api.common import (
     estimate_text_tokens,
     header_timeout_s,
     parse_count,
+    priority_of,
     request_tenant,
     requested_priority,
     route_key,
@@ -39,6 +41,7 @@ from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
+from sluice.priority import Priority
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -89,17 +92,17 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         screened = screen(request, body, first)
         info, arrived_at = screened.info, screened.arrived_at
         parsed, tensors = parse_request(body, screened.header_length)
-        payload = to_payload(info, tensors)
+        terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
+                            gateway.max_timeout_s)
         binary_outputs = _binary_outputs(info, parsed)
-        timeout_s = parse_timeout(parsed.parameters, gateway.max_timeout_s)
-        priority = requested_priority(request, ("priority", triton_priority(parsed.parameters.get("priority"))))
-        tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
-        who = caller(request, priority, tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
+        who = caller(request, terms.priority, terms.tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
+        timeout_s = terms.timeout_s
         if timeout_s is None:
             timeout_s = screened.header_timeout
         else:  # the body's deadline, known now
             gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, screened.key)
-        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=screened.key)
+        result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who,
+                                     key=screened.key)
         return _render(info, parsed, result.payload, binary_outputs, result.headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
@@ -127,6 +130,46 @@ class _Screened:
     """Who asks, as known before the body is parsed (its class from headers only)."""
     key: bytes | None
     """The result-cache key, from the body as sent (`cache.cache_key`); None: not cached."""
+
+
+@dataclass(frozen=True, slots=True)
+class InferTerms:
+    """What an infer request asks, read the same way from either transport (`infer_terms`)."""
+
+    payload: wire.Payload
+    timeout_s: float | None
+    """From the `timeout` parameter (microseconds); None if it has none."""
+    priority: Priority | None
+    tokens: float
+    """The estimate reserved against the tenant's tokens-per-minute limit."""
+
+
+def infer_terms(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[str, Any], priority_header: str | None,
+                max_timeout_s: float) -> InferTerms:
+    """An infer request's payload for `info`, its `timeout` and its class (the `priority`
+    parameter with the `x-sluice-priority` header or metadata), checked alike for HTTP and gRPC."""
+    payload = _to_payload(info, tensors)
+    timeout_s = _parse_timeout(parameters, max_timeout_s)
+    priority = priority_of(priority_header, ("priority", _triton_priority(parameters.get("priority"))))
+    tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
+    return InferTerms(payload, timeout_s, priority, tokens)
+
+
+def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
+    """Requested outputs must be the model's, checked before inference so no device time is spent
+    on a request whose answer cannot be rendered."""
+    unknown = [name for name in names if name != info.outputs[0].name]
+    if unknown:
+        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {info.outputs[0].name!r})")
+
+
+def output_of(info: wire.ModelInfo, payload: wire.Payload) -> tuple[str, str, np.ndarray]:
+    """A model's answer as its output's (name, KServe datatype, array)."""
+    if not isinstance(payload, wire.TensorPayload):
+        raise TypeError("models return tensors")
+    spec = info.outputs[0]
+    array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
+    return spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), array
 
 
 def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
@@ -164,7 +207,7 @@ def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]
     return {"refused": refused} if refused else {}
 
 
-def triton_priority(raw: Any) -> Any:
+def _triton_priority(raw: Any) -> Any:
     """Triton's `priority` parameter is a level, 1 the highest and 0 the model's default (what
     `tritonclient`'s `priority=` sends); sluice also takes a class name there."""
     if isinstance(raw, bool) or not isinstance(raw, int):
@@ -188,7 +231,7 @@ def _header_length(request: Request) -> int | None:
     return length
 
 
-def parse_timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | None:
+def _parse_timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | None:
     raw = parameters.get("timeout")
     if raw is None:
         return None
@@ -198,7 +241,7 @@ def parse_timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | N
     return float(raw) / 1e6
 
 
-def to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
+def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     expected = info.inputs[0]
     if len(tensors) != 1 or tensors[0].name != expected.name:
         names = [t.name for t in tensors]
@@ -231,26 +274,17 @@ def _fits(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:
 
 
 def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]:
-    """The outputs to send as binary, checked before inference so no device time is spent on a
-    request whose answer cannot be rendered. With no `outputs` listed, `binary_data_output`
-    applies to all (what tritonclient sends by default)."""
-    spec = info.outputs[0]
+    """The outputs to send as binary (each one the model's: `check_outputs`). With no `outputs`
+    listed, `binary_data_output` applies to all (what tritonclient sends by default)."""
     if not request.outputs:
-        return {spec.name} if request.parameters.get("binary_data_output") is True else set()
-    unknown = [o.name for o in request.outputs if o.name != spec.name]
-    if unknown:
-        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {spec.name!r})")
+        return {info.outputs[0].name} if request.parameters.get("binary_data_output") is True else set()
+    check_outputs(info, [o.name for o in request.outputs])
     return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
 
 
 def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Payload, binary: set[str],
             headers: dict[str, str] | None) -> Response:
-    spec = info.outputs[0]
-    if not isinstance(payload, wire.TensorPayload):
-        raise TypeError("models return tensors")
-    array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
-    datatype = NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype)
-    entries, raw = render_outputs([(spec.name, datatype, array)], binary)
+    entries, raw = render_outputs([output_of(info, payload)], binary)
     body: dict[str, Any] = {"model_name": info.name, "model_version": info.version, "outputs": entries}
     if request.id is not None:
         body["id"] = request.id

@@ -36,22 +36,16 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from sluice import __version__, wire
 from sluice.api.app import request_id_for
 from sluice.api.auth import inference_tenant, key_of
-from sluice.api.common import (
-    PRIORITY_HEADER,
-    ROUTE_KEY_HEADER,
-    estimate_text_tokens,
-    priority_of,
-)
+from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
 from sluice.api.errors import error_headers, status_of
-from sluice.api.kserve import model_metadata_of, model_ready_of, parse_timeout, to_payload, triton_priority
-from sluice.api.tensors import NUMPY_TO_KSERVE, InputTensor, Tensor, tensor_from_raw, tensor_from_values
+from sluice.api.kserve import check_outputs, infer_terms, model_metadata_of, model_ready_of, output_of
+from sluice.api.tensors import InputTensor, Tensor, render_outputs, tensor_from_raw, tensor_from_values
 from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, SluiceError
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
@@ -246,19 +240,16 @@ class KServeGrpc:
         gateway = self._gateway
         tenant = inference_tenant(call.key, gateway.tenancy)
         info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER))
-        parameters = _parameters(request.parameters)
-        timeout_s = _deadline_s(parse_timeout(parameters, gateway.max_timeout_s), time_remaining_s,
-                                gateway.max_timeout_s)
-        payload = to_payload(info, _tensors(request))
-        _check_outputs(info, request.outputs)
-        priority = priority_of(call.metadata.get(PRIORITY_HEADER),
-                               ("priority", triton_priority(parameters.get("priority"))))
-        tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
-        who = Caller(tenant, priority, tokens, call.metadata.get("traceparent") if gateway.is_tracing else None,
+        terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
+                            call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
+        check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
+        timeout_s = _deadline_s(terms.timeout_s, time_remaining_s, gateway.max_timeout_s)
+        who = Caller(tenant, terms.priority, terms.tokens,
+                     call.metadata.get("traceparent") if gateway.is_tracing else None,
                      cache_policy(call.metadata.get("cache-control")))
-        key = gateway.cache_key(info, payload, who)
+        key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
-        result = await gateway.infer(info, payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
+        result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
         return _response(info, request.id, result.payload), result.headers or {}
 
 
@@ -303,21 +294,11 @@ def _tensors(request: Any) -> list[Tensor]:
     return tensors
 
 
-def _check_outputs(info: wire.ModelInfo, outputs: Sequence[Any]) -> None:
-    """Requested outputs must be the model's (they all come back raw, whatever their parameters)."""
-    unknown = [o.name for o in outputs if o.name != info.outputs[0].name]
-    if unknown:
-        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {info.outputs[0].name!r})")
-
-
 def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload) -> Message:
-    if not isinstance(payload, wire.TensorPayload):
-        raise TypeError("models return tensors")
-    spec = info.outputs[0]
-    array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
-    raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    """The answer with its output raw (`raw_output_contents`), where tritonclient reads it."""
+    (entry,), raw = render_outputs([output_of(info, payload)], {info.outputs[0].name})
     output = _InferResponse.InferOutputTensor(  # type: ignore[attr-defined]
-        name=spec.name, datatype=NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), shape=list(array.shape))
+        name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
     return _InferResponse(model_name=info.name, model_version=info.version, id=request_id, outputs=[output],
                           raw_output_contents=[raw])
 
