@@ -47,6 +47,25 @@ class ChatMessage(msgspec.Struct, frozen=True):
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 """The seeds a generation takes: a signed 64-bit integer, as OpenAI's API and vLLM accept."""
 
+MAX_LOGPROBS = 20
+"""The most alternatives a generation may ask the log-probabilities of, per token (OpenAI's chat limit)."""
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    """The token as text, decoded alone (a token that is part of a character decodes to U+FFFD)."""
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """An output token's log-probability under the model, and its most likely alternatives'."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = []
+
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """A generation request: a prompt (text or token ids) or chat messages the worker renders with
@@ -66,6 +85,11 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None
+    """None: no log-probabilities; k: each output token's, with its k most likely alternatives."""
     stream: bool = False
     is_max_tokens_default: bool = False
     """The client sent no max_tokens: cap it at what the context leaves rather than refusing."""
@@ -77,6 +101,8 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token, if the request asked (unstreamed; a stream's chunks carry them)."""
 
 
 Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult
@@ -144,6 +170,8 @@ class TokenChunk(msgspec.Struct, tag="chunk"):
     num_cached_tokens: int = 0
     device_s: float = 0.0
     """The sequence's device time so far: what its tenant is charged if the stream is cut short."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids`, if the request asked for log-probabilities."""
 
 
 class TenantWeights(msgspec.Struct, tag="weights"):

@@ -1,9 +1,12 @@
 """Generation through a real server and the real `openai` SDK: completions and chat, unary and
-streamed, stop strings, prefix-cache hits in usage, cancellation on disconnect, and 400s."""
+streamed, stop strings, prefix-cache hits in usage, cancellation on disconnect, log-probabilities
+(completions' `logprobs: k`, chat's `logprobs` and `top_logprobs`, in the shapes the SDK parses),
+logit bias and penalties, and 400s naming the field."""
 
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -284,3 +287,98 @@ def test_preemptions_are_exported_from_the_start(one_seq_server):
     eventually(lambda: 'sluice_preemptions_total{model="tiny"} 0.0' in httpx.get(f"{one_seq_server.url}/metrics").text,
               "sluice_preemptions is not exported before the first preemption")
 
+
+# -- log-probabilities, logit bias, penalties ----------------------------------------------------
+
+
+def test_completion_logprobs_name_each_token_and_its_alternatives(client):
+    out = client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=6, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert value <= 0 and math.isfinite(value)
+        assert 3 <= len(top) <= 4 and top[token] == value  # the 3 most likely, and the chosen one
+        assert value == max(top.values())  # greedy chose the most likely
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+def test_streamed_completion_logprobs_equal_the_unary_ones(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float] = []
+    offsets: list[int] = []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == whole.tokens
+    assert values == pytest.approx(whole.token_logprobs, abs=1e-5)
+    assert offsets == whole.text_offset
+
+
+def test_chat_logprobs_with_top_logprobs_unary_and_streamed(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}], max_tokens=5,
+                  temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[1].logprob <= entry.logprob
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs is not None
+                for entry in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_chat_logprobs_without_top_logprobs_and_none_unless_asked(client):
+    messages = [{"role": "user", "content": "Hello"}]
+    asked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                           logprobs=True, extra_body={"ignore_eos": True})
+    assert [e.top_logprobs for e in asked.choices[0].logprobs.content] == [[], [], []]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_a_large_logit_bias_forces_its_token(client):
+    out = client.completions.create(model=MODEL, prompt="Anything", max_tokens=5, temperature=0, logprobs=0,
+                                    logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    tokens = out.choices[0].logprobs.tokens
+    assert len(tokens) == 5 and len(set(tokens)) == 1
+
+
+def test_a_frequency_penalty_changes_what_greedy_decoding_repeats(client):
+    kwargs = dict(model=MODEL, prompt="the the the the", max_tokens=24, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs.tokens
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=1.0, **kwargs)
+    tokens = penalised.choices[0].logprobs.tokens
+    # each repeat costs 2 more, plus 1 once: the greedy text repeats its tokens less
+    assert max(tokens.count(t) for t in set(tokens)) <= max(plain.count(t) for t in set(plain))
+    assert tokens != plain
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+])
+def test_bad_values_are_400_naming_the_field(server, path, body, param):
+    response = httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

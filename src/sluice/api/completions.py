@@ -7,8 +7,10 @@ Errors found before the first byte are HTTP statuses in OpenAI's envelope; once 
 started, an error is sent as an SSE event carrying the same envelope, then `[DONE]`. A client that
 disconnects cancels its sequence on the worker, whether it is waiting for a whole answer, for a
 stream's first token, or reading the stream. Fields `vllm bench serve` sends (`ignore_eos`,
-`top_k`, `min_tokens`, `repetition_penalty`) are honoured; `n > 1`, `echo`, `logprobs`, tools and
-penalties other than repetition are refused with a 400 rather than silently ignored. `null` for an
+`top_k`, `min_tokens`, `repetition_penalty`) are honoured, as are OpenAI's `presence_penalty`,
+`frequency_penalty`, `logit_bias` and `logprobs` (completions: `logprobs: k`; chat: `logprobs: true`
+with `top_logprobs: k`; k up to 20, from the model's own distribution); `n > 1`, `echo`, tools and
+other response formats are refused with a 400 rather than silently ignored. `null` for an
 optional field means "not given", as in OpenAI's API.
 
 What the model reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked
@@ -58,6 +60,8 @@ TOKEN_ID_LIMIT = 1 << 31
 """Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
 """max_tokens of a chat request that sends none: capped at what the context leaves."""
+MAX_LOGIT_BIAS = 1024
+"""Token ids one request may bias (OpenAI documents no limit; the sampler's work grows with it)."""
 
 
 class StreamOptions(msgspec.Struct):
@@ -144,7 +148,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     who = caller(request, priority, estimate, is_traced=gateway.is_tracing)
     events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at, caller=who, limit_headers=limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
-    shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage)
+    shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs)
     if not payload.stream:
         result = await _unless_disconnected(request, events, _final(events))
         return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
@@ -201,8 +205,8 @@ async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
                 if shape.include_usage:
                     yield _event(shape.usage_chunk(event.payload))
                 break
-            if event.text:
-                yield _event(shape.delta(event.text, None))
+            if event.text or (shape.logprobs is not None and event.logprobs):
+                yield _event(shape.delta(event.text, None, event.logprobs))
             event = await anext(events, None)
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
         yield _event(error_body(exc))
@@ -221,13 +225,16 @@ def _event(content: Any) -> bytes:
 class _Shape:
     """OpenAI's response and chunk objects for one request."""
 
-    def __init__(self, is_chat: bool, model: str, include_usage: bool = False) -> None:
+    def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
         """Streamed chunks carry `"usage": null` until the last one carries the counts."""
+        self.logprobs = logprobs
+        """The alternatives asked for per token; None: no log-probabilities."""
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._text_offset = 0  # a completion's tokens' offsets run on across a stream's chunks
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -235,12 +242,13 @@ class _Shape:
     def whole(self, result: InferResult) -> dict[str, Any]:
         payload = result.payload
         assert isinstance(payload, wire.GenerationResult)
+        logprobs = self._logprobs(payload.logprobs or [])
         if self.is_chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": payload.text},
-                                      "logprobs": None, "finish_reason": payload.finish_reason}
+                                      "logprobs": logprobs, "finish_reason": payload.finish_reason}
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": payload.text, "logprobs": None, "finish_reason": payload.finish_reason}
+            choice = {"index": 0, "text": payload.text, "logprobs": logprobs, "finish_reason": payload.finish_reason}
             body = self._head("text_completion")
         return {**body, "choices": [choice], "usage": _usage(payload)}
 
@@ -254,15 +262,43 @@ class _Shape:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def delta(self, text: str, finish_reason: str | None,
+              reported: list[wire.TokenLogprob] | None = None) -> dict[str, Any]:
+        logprobs = self._logprobs(reported) if reported else None
         if self.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+            return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
     def usage_chunk(self, payload: wire.GenerationResult) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
         return {**self._head(name), "choices": [], "usage": _usage(payload)}
+
+    def _logprobs(self, reported: list[wire.TokenLogprob]) -> dict[str, Any] | None:
+        """A choice's `logprobs` in the endpoint's own shape; None when they were not asked for.
+
+        chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [k of the same]}]}
+        completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob} of the k and
+                      the chosen one], "text_offset"}
+        """
+        if self.logprobs is None:
+            return None
+        if self.is_chat:
+            return {"content": [{**_chat_logprob(lp.token, lp.logprob),
+                                 "top_logprobs": [_chat_logprob(top.token, top.logprob) for top in lp.top]}
+                                for lp in reported], "refusal": None}
+        offsets = []
+        for lp in reported:
+            offsets.append(self._text_offset)
+            self._text_offset += len(lp.token)
+        return {"tokens": [lp.token for lp in reported], "token_logprobs": [lp.logprob for lp in reported],
+                "top_logprobs": [{**{top.token: top.logprob for top in lp.top}, lp.token: lp.logprob}
+                                 for lp in reported],
+                "text_offset": offsets}
+
+
+def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _usage(payload: wire.GenerationResult) -> dict[str, Any]:
@@ -294,6 +330,10 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         top_p=_bounded(request.top_p, "top_p", 1e-9, 1.0, 1.0),
         top_k=_bounded_int(0 if request.top_k in (None, -1) else request.top_k, "top_k", 0, 1 << 20),
         repetition_penalty=_bounded(request.repetition_penalty, "repetition_penalty", 1e-3, 10.0, 1.0),
+        presence_penalty=_bounded(request.presence_penalty, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", -2.0, 2.0, 0.0),
+        logit_bias=_logit_bias(request.logit_bias, token_id_limit),
+        logprobs=_logprobs(request, info),
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
         stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
@@ -375,13 +415,6 @@ def _check_context(num_prompt_tokens: int | None, max_tokens: int, max_tokens_pa
 def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
     if request.n not in (None, 1):
         raise InvalidInput("only n = 1 is supported", param="n")
-    if request.logprobs not in (None, False, 0):
-        raise InvalidInput("logprobs are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name) not in (None, 0, 0.0):
-            raise InvalidInput(f"'{name}' is not supported (use repetition_penalty)", param=name)
-    if request.logit_bias:
-        raise InvalidInput("logit_bias is not supported", param="logit_bias")
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise InvalidInput("echo is not supported", param="echo")
@@ -393,6 +426,46 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
         raise InvalidInput("tools are not supported by this server", param="tools")
     elif request.response_format and request.response_format.get("type") not in (None, "text"):
         raise InvalidInput("only response_format type 'text' is supported", param="response_format")
+
+
+def _logprobs(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> int | None:
+    """How many alternatives to report per token (None: no log-probabilities). Completions take
+    `logprobs: k`; chat takes `logprobs: true` and `top_logprobs: k`, as OpenAI's API does."""
+    value = request.logprobs
+    if isinstance(request, ChatRequest):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidInput("'logprobs' must be a boolean (the number of alternatives is 'top_logprobs')",
+                               param="logprobs")
+        if request.top_logprobs is not None:
+            if not value:
+                raise InvalidInput("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            _bounded_int(request.top_logprobs, "top_logprobs", 0, wire.MAX_LOGPROBS)
+        count = (request.top_logprobs or 0) if value else None
+    elif value is None:
+        count = None
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"'logprobs' must be an integer in [0, {wire.MAX_LOGPROBS}]", param="logprobs")
+    else:
+        count = _bounded_int(value, "logprobs", 0, wire.MAX_LOGPROBS)
+    if count is not None and info.kind == "openai-upstream":
+        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay its "
+                           f"log-probabilities", param="logprobs")
+    return count
+
+
+def _logit_bias(bias: dict[str, float] | None, token_id_limit: int) -> dict[int, float]:
+    """`{"token id": bias}` with ids in the vocabulary and biases in [-100, 100], as OpenAI's API takes it."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidInput(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < token_id_limit):
+            raise InvalidInput(f"'logit_bias' keys must be token ids in [0, {token_id_limit}), got {key!r}",
+                               param="logit_bias")
+        out[int(key)] = _bounded(value, "logit_bias", -100.0, 100.0, 0.0)
+    return out
 
 
 def _messages(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:

@@ -142,7 +142,10 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
     optional = {"seed": payload.seed, "stop": payload.stop or None, "top_k": payload.top_k or None,
                 "min_tokens": payload.min_tokens or None, "stop_token_ids": payload.stop_token_ids or None,
                 "ignore_eos": payload.ignore_eos or None,
-                "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty}
+                "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty,
+                "presence_penalty": payload.presence_penalty or None,
+                "frequency_penalty": payload.frequency_penalty or None,
+                "logit_bias": {str(token): bias for token, bias in payload.logit_bias.items()} or None}
     body.update({key: value for key, value in optional.items() if value is not None})
     if payload.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in payload.messages]

@@ -27,6 +27,8 @@ from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.generative.engine import RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration, prompt_chars
+from sluice.engines.generative.sequence import TokenLogprobs
+from sluice.engines.generative.tokenizer import Tokenizer
 from sluice.errors import InvalidInput
 from sluice.priority import Priority
 
@@ -114,6 +116,8 @@ class _Generation:
     key: tuple[str, str]
     max_tokens: int = 0
     parts: list[str] = field(default_factory=list)
+    logprobs: list[wire.TokenLogprob] | None = None
+    """An unstreamed generation's log-probabilities so far, if it asked for them."""
     device_s: float = 0.0
     is_started: bool = False
 
@@ -250,12 +254,17 @@ class Generations:
             generation = self._by_id.get(internal_id)
             if generation is None:
                 continue  # withdrawn meanwhile
+            logprobs = _logprobs(generation.loop.runner.tokenizer, output.logprobs) if output.logprobs else None
             if generation.is_streamed and output.new_token_ids:
                 self._reply(generation.identity, wire.TokenChunk(
                     generation.gateway_request_id, output.text_delta, list(output.new_token_ids),
-                    output.num_prompt_tokens, output.num_cached_tokens, generation.device_s))
+                    output.num_prompt_tokens, output.num_cached_tokens, generation.device_s, logprobs))
             else:
                 generation.parts.append(output.text_delta)
+                if logprobs:
+                    if generation.logprobs is None:
+                        generation.logprobs = []
+                    generation.logprobs.extend(logprobs)
                 if not generation.is_started:
                     self._reply(generation.identity, wire.Started([generation.gateway_request_id]))
             generation.is_started = True
@@ -280,7 +289,8 @@ class Generations:
             self._cost(generation.key).finished(output.num_output_tokens, generation.max_tokens)
             text = "" if generation.is_streamed else "".join(generation.parts)
             payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
-                                            output.num_cached_tokens, output.num_output_tokens)
+                                            output.num_cached_tokens, output.num_output_tokens,
+                                            None if generation.is_streamed else generation.logprobs)
             result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                  device_s=generation.device_s)
         elif output.finish_reason == "refused":  # the engine's early refusal: the queue ahead is too long
@@ -295,6 +305,14 @@ class Generations:
         else:
             return  # aborted: the gateway withdrew it and expects no answer
         self._reply(generation.identity, result)
+
+
+def _logprobs(tokenizer: Tokenizer, reported: tuple[TokenLogprobs, ...]) -> list[wire.TokenLogprob]:
+    """The engine's log-probabilities with each token's text, as they go on the wire."""
+    text = tokenizer.token_text
+    return [wire.TokenLogprob(text(lp.token_id), lp.token_id, lp.logprob,
+                              [wire.TopLogprob(text(token_id), token_id, value) for token_id, value in lp.top])
+            for lp in reported]
 
 
 def _failure(request_id: int, num_tokens: int, device_s: float) -> wire.Result:

@@ -29,7 +29,7 @@ from sluice.engines.generative.model import KVCache, read_spec
 from sluice.engines.generative.model_runner import DTYPES, ModelRunner
 from sluice.engines.generative.sampler import Sampler, SampleRow
 from sluice.engines.generative.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence
+from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence, TokenLogprobs
 from sluice.engines.generative.static_scheduler import StaticScheduler
 from sluice.engines.generative.tokenizer import Detokenizer, StopChecker, Tokenizer
 from sluice.priority import Priority
@@ -50,6 +50,8 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     retry_after_s: float | None = None  # "refused": when the same request would be taken
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per new token, if the request asked for log-probabilities."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,8 @@ class LLMEngine:
         self._last_step: StepTiming | None = None
         self.last_step_tokens: dict[str, int] = {}
         """Tokens the last step computed for each sequence (prompt chunks and decodes), by request id."""
+        self._step_logprobs: dict[str, TokenLogprobs] = {}
+        """This step's sampled tokens' log-probabilities, for the sequences that ask for them."""
 
     def _make_scheduler(self, config: EngineConfig) -> Scheduler:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -169,6 +173,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}")
         if len(prompt) + params.max_tokens > self.max_model_len:
@@ -195,6 +201,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.last_step_tokens = {}  # a step that fails before it is scheduled computed nothing
+        self._step_logprobs = {}
         self._drain_inbox()
         scheduled = self._scheduler.schedule(self._clock.now())
         self.last_step_tokens = {chunk.request_id: len(chunk.token_ids) for chunk in scheduled.chunks}
@@ -257,9 +264,11 @@ class LLMEngine:
                 blocked = () if params.min_tokens == 0 else (*self.eos_token_ids, *params.stop_token_ids)
                 rows.append(SampleRow(chunk.request_id, req.seq.params, req.seq.all_token_ids,
                                       req.seq.num_output_tokens, blocked))
-        tokens = self._sampler.sample(logits, rows)  # type: ignore[arg-type]
-        sampled = {row.request_id: token for row, token in zip(rows, tokens, strict=True) if token is not None}
-        return sampled, [row.request_id for row, token in zip(rows, tokens, strict=True) if token is None]
+        draws = self._sampler.sample(logits, rows)  # type: ignore[arg-type]
+        self._step_logprobs = {row.request_id: draw.logprobs for row, draw in zip(rows, draws, strict=True)
+                               if draw is not None and draw.logprobs is not None}
+        sampled = {row.request_id: draw.token_id for row, draw in zip(rows, draws, strict=True) if draw is not None}
+        return sampled, [row.request_id for row, draw in zip(rows, draws, strict=True) if draw is None]
 
     def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
         """End these sequences with finish_reason "error" (their blocks are freed now)."""
@@ -303,7 +312,8 @@ class LLMEngine:
             self._scheduler.finish(seq, reason)
             text += req.stops.flush()
             self._forget(seq.request_id)
-        return self._output(seq, (token,), text)
+        logprobs = self._step_logprobs.get(seq.request_id)
+        return self._output(seq, (token,), text, () if logprobs is None else (logprobs,))
 
     def _finished_output(self, seq: Sequence) -> RequestOutput:
         text = self._requests[seq.request_id].stops.flush()
@@ -317,10 +327,11 @@ class LLMEngine:
             self._known_ids.discard(request_id)
 
     @staticmethod
-    def _output(seq: Sequence, new_token_ids: tuple[int, ...], text: str) -> RequestOutput:
+    def _output(seq: Sequence, new_token_ids: tuple[int, ...], text: str,
+                logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestOutput:
         reason = seq.finish_reason.value if seq.finish_reason else None
         return RequestOutput(seq.request_id, new_token_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens, seq.retry_after_s)
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.retry_after_s, logprobs)
 
 
 def context_length_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:

@@ -93,6 +93,8 @@ class GenerativeRunner:
             raise InvalidInput(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         if any(not 0 <= t < vocab_size for t in payload.stop_token_ids):
             raise InvalidInput(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+        if any(not 0 <= t < vocab_size for t in payload.logit_bias):
+            raise InvalidInput(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
         max_tokens, min_tokens = payload.max_tokens, payload.min_tokens
         if len(ids) >= max_model_len:
             raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
@@ -107,7 +109,9 @@ class GenerativeRunner:
                 max_tokens=max_tokens, min_tokens=min_tokens,
                 temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k, seed=payload.seed,
                 stop=tuple(payload.stop), stop_token_ids=tuple(payload.stop_token_ids), ignore_eos=payload.ignore_eos,
-                repetition_penalty=payload.repetition_penalty,
+                repetition_penalty=payload.repetition_penalty, presence_penalty=payload.presence_penalty,
+                frequency_penalty=payload.frequency_penalty, logit_bias=tuple(sorted(payload.logit_bias.items())),
+                logprobs=payload.logprobs,
             )
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc

@@ -1,9 +1,13 @@
-"""Next-token choice for a batch of rows: greedy, temperature, top-k, top-p, seeds.
+"""Next-token choice for a batch of rows: greedy, temperature, top-k, top-p, seeds; log-probabilities.
 
 Greedy rows never touch a random generator. A row with a `seed` owns a `torch.Generator` that
 lives as long as its request (`forget` drops it), so a seeded request draws the same tokens
-whatever else is batched with it. Logit processors (min_tokens, repetition penalty) run only on
-the rows that ask for them.
+whatever else is batched with it. Logit processors (min_tokens, logit bias, repetition, presence
+and frequency penalties) run only on the rows that ask for them.
+
+A row that asks for log-probabilities gets them from the model's own distribution, taken before
+any processor or temperature changes it (what vLLM reports by default): the chosen token's and
+the k most likely tokens'. They cost one log-softmax and one top-k over those rows only.
 
 A row whose values break sampling (a bug that let bad input through) gets None instead of a
 token, and is logged; the other rows of the batch still get theirs. Temperatures below
@@ -19,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.engines.generative.sequence import SamplingParams
+from sluice.engines.generative.sequence import SamplingParams, TokenLogprobs
 
-__all__ = ["SampleRow", "Sampler"]
+__all__ = ["SampleRow", "Sampled", "Sampler"]
 
 log = logging.getLogger("sluice.engine")
 
@@ -37,6 +41,13 @@ class SampleRow:
     """Token ids (EOS, stop ids) that may not be sampled before `min_tokens` outputs."""
 
 
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+    """Only for a row whose parameters ask for them."""
+
+
 class Sampler:
     def __init__(self, device: str) -> None:
         self.device = device
@@ -46,9 +57,10 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> list[int | None]:
+    def sample(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> list[Sampled | None]:
         """One token per row (`logits[i]` is row i's); None for a row that could not be sampled.
         The device is synchronised once, when the tokens are read back."""
+        raw = self._raw_logprobs(logits, rows)  # before the processors change the logits in place
         is_usable = [self._process(logits, i, row) for i, row in enumerate(rows)]
         chosen = logits.argmax(dim=-1)
         sampled = [i for i, row in enumerate(rows) if is_usable[i] and not row.params.is_greedy]
@@ -58,7 +70,38 @@ class Sampler:
             chosen[index] = drawn
             for i, ok in zip(sampled, is_valid.tolist(), strict=True):
                 is_usable[i] = is_usable[i] and ok
-        return [token if is_usable[i] else None for i, token in enumerate(chosen.tolist())]
+        reported = self._report(raw, chosen, rows) if raw is not None else {}
+        return [Sampled(token, reported.get(i)) if is_usable[i] else None for i, token in enumerate(chosen.tolist())]
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, rows: Seq[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
+        """The rows that ask for log-probabilities, and the model's log-softmax over theirs."""
+        indices = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not indices:
+            return None
+        picked = logits[torch.tensor(indices, device=logits.device)].float()
+        return indices, picked.log_softmax(dim=-1)
+
+    @staticmethod
+    def _report(raw: tuple[list[int], torch.Tensor], chosen: torch.Tensor, rows: Seq[SampleRow]
+                ) -> dict[int, TokenLogprobs]:
+        """Each asking row's chosen token's log-probability and its top k, by row."""
+        indices, logprobs = raw
+        tokens = chosen[torch.tensor(indices, device=chosen.device)]
+        picked = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        token_ids = tokens.tolist()
+        k = max(rows[i].params.logprobs or 0 for i in indices)
+        top_values: list[list[float]] = [[] for _ in indices]
+        top_ids: list[list[int]] = [[] for _ in indices]
+        if k > 0:
+            best = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+            top_values, top_ids = best.values.tolist(), best.indices.tolist()
+        reported = {}
+        for j, i in enumerate(indices):
+            wanted = rows[i].params.logprobs or 0
+            top = tuple(zip(top_ids[j][:wanted], top_values[j][:wanted], strict=True))
+            reported[i] = TokenLogprobs(token_ids[j], picked[j], top)
+        return reported
 
     def _process(self, logits: torch.Tensor, i: int, row: SampleRow) -> bool:
         """Apply row i's logit processors in place; False if they cannot (the row is not sampled).
@@ -70,7 +113,16 @@ class Sampler:
                 if not all(0 <= t < vocab for t in row.blocked_until_min):
                     raise IndexError(f"a stop token id is outside the vocabulary of {vocab}")
                 logits[i, list(row.blocked_until_min)] = -torch.inf
-            penalty = row.params.repetition_penalty
+            params = row.params
+            if params.logit_bias:
+                biased = [token for token, _ in params.logit_bias]
+                if not all(0 <= t < vocab for t in biased):
+                    raise IndexError(f"a logit_bias token id is outside the vocabulary of {vocab}")
+                biases = torch.tensor([bias for _, bias in params.logit_bias], device=logits.device)
+                logits[i, biased] += biases.to(logits.dtype)
+            if params.presence_penalty or params.frequency_penalty:
+                _penalize_outputs(logits, i, row, vocab)
+            penalty = params.repetition_penalty
             if penalty != 1.0:
                 seen_ids = sorted(set(row.token_ids))
                 if seen_ids and not 0 <= seen_ids[0] <= seen_ids[-1] < vocab:
@@ -127,3 +179,16 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(row.params.seed)
             self._generators[row.request_id] = generator
         return generator
+
+
+def _penalize_outputs(logits: torch.Tensor, i: int, row: SampleRow, vocab: int) -> None:
+    """OpenAI's presence and frequency penalties over the tokens generated so far (not the prompt):
+    a token's logit loses `presence` once it has appeared and `frequency` per appearance."""
+    outputs = row.token_ids[len(row.token_ids) - row.num_output_tokens:] if row.num_output_tokens else []
+    if not outputs:
+        return
+    ids, counts = torch.tensor(outputs, device=logits.device, dtype=torch.long).unique(return_counts=True)
+    if not (int(ids[0]) >= 0 and int(ids[-1]) < vocab):
+        raise IndexError(f"a token id is outside the vocabulary of {vocab}")
+    params = row.params
+    logits[i, ids] -= (params.presence_penalty + params.frequency_penalty * counts).to(logits.dtype)

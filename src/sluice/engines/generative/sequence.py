@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass, field
 
 from sluice.priority import Priority
-from sluice.wire import SEED_RANGE
+from sluice.wire import MAX_LOGPROBS, SEED_RANGE
 
-__all__ = ["GREEDY_BELOW_TEMPERATURE", "SEED_RANGE", "FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
+__all__ = ["GREEDY_BELOW_TEMPERATURE", "MAX_LOGPROBS", "SEED_RANGE", "FinishReason", "SamplingParams", "Sequence",
+           "SequenceStatus", "TokenLogprobs"]
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """A temperature below this is greedy: dividing logits by it overflows to inf (vLLM does the same)."""
@@ -65,6 +66,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (OpenAI's semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling."""
+    logprobs: int | None = None
+    """None: none reported. k >= 0: each output token's log-probability and the k most likely
+    alternatives', from the model's own distribution (before penalties, biases and temperature)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,10 +95,28 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be >= 0")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError("seed must be a signed 64-bit integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if any(t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0) for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One output token's log-probability under the model, and the most likely tokens' there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability), most likely first; as many as `SamplingParams.logprobs`."""
 
 
 @dataclass(slots=True, eq=False)

@@ -47,6 +47,15 @@ class Tokenizer:
         self.eos_token: str = _token_text(config.get("eos_token")) or ""
         self.eos_token_ids = _eos_ids(model_dir)
         self.vocab_size = self._tok.get_vocab_size()
+        self._texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (for log-probability reports; a token
+        holding part of a character decodes to U+FFFD). Kept once decoded: at most a vocabulary."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > _GIL_FREE_ENCODE_CHARS:  # `encode` holds the GIL throughout; `encode_batch` lets go

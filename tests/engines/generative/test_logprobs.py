@@ -1,0 +1,128 @@
+"""Log-probabilities, logit bias and OpenAI's presence and frequency penalties.
+
+The engine's log-probabilities are checked against `transformers`' own forward pass over the same
+tokens: a client scoring text with sluice must get the numbers the model gives, whatever else is
+batched beside the request and wherever its prefill was chunked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
+from sluice.engines.generative.engine import RequestOutput
+from sluice.engines.generative.sampler import Sampler, SampleRow
+from sluice.engines.generative.sequence import TokenLogprobs
+from tests.engines.generative.conftest import VOCAB, greedy, prompts
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir) -> LLMEngine:
+    # a small prefill budget: longer prompts are chunked across steps
+    return LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=24))
+
+
+def _outputs(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def _reference(model_dir, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each position that chose one of `output`'s tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(output)].log_softmax(dim=-1)
+
+
+def test_logprobs_are_the_models_own_with_other_requests_batched_beside(engine, llama_dir):
+    prompt = prompts(21, 1, 40, 40)[0]  # 40 tokens: chunked over two steps
+    for i, other in enumerate(prompts(22, 3, 5, 30)):
+        engine.add_request(f"noise{i}", other, SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True))
+    engine.add_request("scored", prompt, greedy(10, logprobs=5))
+    outs = _outputs(engine)
+    assert all(not o.logprobs for rid, per in outs.items() if rid != "scored" for o in per)  # asked for none
+    reported: list[TokenLogprobs] = [lp for o in outs["scored"] for lp in o.logprobs]
+    output = [t for o in outs["scored"] for t in o.new_token_ids]
+    assert [lp.token_id for lp in reported] == output and len(output) == 10
+    expected = _reference(llama_dir, prompt, output)
+    for position, lp in enumerate(reported):
+        row = expected[position]
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        values, ids = row.topk(5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert lp.top[0][0] == lp.token_id  # greedy chose the most likely token
+
+
+def test_logprobs_zero_reports_only_the_chosen_token_and_sampling_reports_the_raw_distribution(engine, llama_dir):
+    prompt = prompts(23, 1, 12, 12)[0]
+    engine.add_request("hot", prompt, SamplingParams(max_tokens=6, temperature=1.5, seed=7, ignore_eos=True,
+                                                     logprobs=0))
+    outs = _outputs(engine)["hot"]
+    reported = [lp for o in outs for lp in o.logprobs]
+    assert all(lp.top == () for lp in reported)
+    expected = _reference(llama_dir, prompt, [lp.token_id for lp in reported])
+    # the model's distribution, not the temperature-flattened one the token was drawn from
+    assert [lp.logprob for lp in reported] == pytest.approx(
+        [expected[i, lp.token_id].item() for i, lp in enumerate(reported)], abs=1e-4)
+
+
+def test_a_large_logit_bias_forces_a_token_and_a_negative_one_bans_it(engine):
+    prompt = prompts(24, 1, 10, 10)[0]
+    engine.add_request("forced", prompt, greedy(6, logit_bias=((17, 100.0),)))
+    engine.add_request("plain", prompt, greedy(6))
+    outs = _outputs(engine)
+    forced = [t for o in outs["forced"] for t in o.new_token_ids]
+    plain = [t for o in outs["plain"] for t in o.new_token_ids]
+    assert forced == [17] * 6
+    engine.add_request("banned", prompt, greedy(6, logit_bias=((plain[0], -100.0),)))
+    banned = [t for o in _outputs(engine)["banned"] for t in o.new_token_ids]
+    assert plain[0] not in banned[:1]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(engine):
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("bad", [5, 6], greedy(2, logit_bias=((VOCAB, 1.0),)))
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                          ("logprobs", 21), ("logprobs", -1)])
+def test_out_of_range_parameters_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def _row(params: SamplingParams, prompt: list[int], output: list[int]) -> SampleRow:
+    return SampleRow("r", params, prompt + output, len(output), ())
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    sampler = Sampler("cpu")
+    logits = torch.zeros(1, 8)
+    logits[0, 2] = 3.0  # appears in the prompt only: never penalised
+    logits[0, 4] = 3.0  # generated twice
+    logits[0, 5] = 2.5  # generated once
+    logits[0, 6] = 1.5  # never seen
+    params = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.4)
+    sampler._process(logits, 0, _row(params, [2, 2, 2], [4, 5, 4]))
+    assert logits[0, 2] == 3.0
+    assert logits[0, 4] == pytest.approx(3.0 - 0.5 - 2 * 0.4)
+    assert logits[0, 5] == pytest.approx(2.5 - 0.5 - 0.4)
+    assert logits[0, 6] == 1.5
+
+
+def test_penalties_steer_greedy_sampling_away_from_repeats():
+    sampler = Sampler("cpu")
+    logits = torch.tensor([[0.0, 2.0, 1.8, 0.0]])
+    row = _row(SamplingParams(temperature=0.0, frequency_penalty=0.5), [0], [1])
+    plain = _row(SamplingParams(temperature=0.0), [0], [1])
+    assert sampler.sample(logits.clone(), [plain])[0].token_id == 1
+    draw = sampler.sample(logits.clone(), [row])[0]
+    assert draw.token_id == 2 and draw.logprobs is None
