@@ -67,6 +67,16 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[TopLogprob] = []
 
 
+class EchoedPrompt(msgspec.Struct, frozen=True):
+    """A completion's prompt, echoed before its text (`echo`): as the model read it."""
+
+    text: str
+    """The prompt's tokens decoded (the API prefers the client's own text when it sent text)."""
+    first_token: str
+    logprobs: list[TokenLogprob] | None = None
+    """Every prompt token's but the first's, if log-probabilities were asked for."""
+
+
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """A generation request: a prompt (text or token ids) or chat messages the worker renders with
     the model's chat template, and how to sample. Streamed back as `TokenChunk`s, then a `Result`
@@ -90,6 +100,9 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None
     """None: no log-probabilities; k: each output token's, with its k most likely alternatives."""
+    echo: bool = False
+    """Send the prompt back before the completion (with its tokens' log-probabilities, if asked);
+    with `max_tokens` 0 nothing is generated: the prompt is only scored."""
     stream: bool = False
     is_max_tokens_default: bool = False
     """The client sent no max_tokens: cap it at what the context leaves rather than refusing."""
@@ -103,6 +116,8 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
     """One per output token, if the request asked (unstreamed; a stream's chunks carry them)."""
+    prompt: EchoedPrompt | None = None
+    """The echoed prompt, if asked (unstreamed; a stream's first chunk carries it)."""
 
 
 Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult
@@ -172,6 +187,8 @@ class TokenChunk(msgspec.Struct, tag="chunk"):
     """The sequence's device time so far: what its tenant is charged if the stream is cut short."""
     logprobs: list[TokenLogprob] | None = None
     """One per token of `token_ids`, if the request asked for log-probabilities."""
+    prompt: EchoedPrompt | None = None
+    """The echoed prompt, on a stream's first chunk, if asked."""
 
 
 class TenantWeights(msgspec.Struct, tag="weights"):

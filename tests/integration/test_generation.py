@@ -123,7 +123,7 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
     ({"prompt": "x", "temperature": 5}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ])
 def test_unsupported_or_invalid_fields_are_400(server, body, param):
     response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body})
@@ -363,6 +363,39 @@ def test_a_frequency_penalty_changes_what_greedy_decoding_repeats(client):
     # each repeat costs 2 more, plus 1 once: the greedy text repeats its tokens less
     assert max(tokens.count(t) for t in set(tokens)) <= max(plain.count(t) for t in set(plain))
     assert tokens != plain
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_as_evaluation_harnesses_ask(client):
+    prompt = [7, 30, 111, 250, 42, 9]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 0
+    assert len(logprobs.tokens) == 6 and "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
+    for token, value, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:],
+                                 strict=True):
+        assert value < 0 and top[token] == value and 1 <= len(top) <= 2
+    # a prompt sent again (its blocks now cached) is scored the same: prompt log-probabilities skip the cache
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert again.choices[0].logprobs.token_logprobs == logprobs.token_logprobs
+
+
+def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert whole.text == "Once upon a time" + plain.text
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert chunks[0].text == "Once upon a time"
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [t for c in chunks if c.logprobs is not None for t in c.logprobs.tokens]
+    assert streamed == whole.logprobs.tokens
+    assert whole.logprobs.text_offset == sorted(whole.logprobs.text_offset)
+    # the generated part's log-probabilities follow the prompt's, the last one greedy
+    assert whole.logprobs.token_logprobs[-1] == max(whole.logprobs.top_logprobs[-1].values())
 
 
 @pytest.mark.parametrize("path, body, param", [

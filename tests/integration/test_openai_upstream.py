@@ -111,6 +111,27 @@ def test_a_stop_string_is_forwarded(via_front, direct):
     assert cut.choices[0].text == text[:text.index(stop)]
 
 
+def test_penalties_and_logit_bias_are_forwarded(via_front, direct):
+    ask = dict(prompt="Once upon a time", max_tokens=8, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
+               logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    theirs = direct.completions.create(model=UPSTREAM_MODEL, **ask).choices[0].text
+    assert via_front.completions.create(model="proxy", **ask).choices[0].text == theirs
+    assert theirs != direct.completions.create(model=UPSTREAM_MODEL, prompt="Once upon a time", max_tokens=8,
+                                               temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+])
+def test_what_sluice_does_not_relay_from_an_upstream_is_400(front, path, body, param):
+    response = httpx.post(f"{front.url}/v1/{path}", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "proxy", **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_an_upstream_refusal_reaches_the_client_with_its_status(front):
     response = httpx.post(f"{front.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                           json={"model": "proxy", "prompt": list(range(5, 1100)), "max_tokens": 4}, timeout=30)

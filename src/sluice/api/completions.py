@@ -9,8 +9,10 @@ disconnects cancels its sequence on the worker, whether it is waiting for a whol
 stream's first token, or reading the stream. Fields `vllm bench serve` sends (`ignore_eos`,
 `top_k`, `min_tokens`, `repetition_penalty`) are honoured, as are OpenAI's `presence_penalty`,
 `frequency_penalty`, `logit_bias` and `logprobs` (completions: `logprobs: k`; chat: `logprobs: true`
-with `top_logprobs: k`; k up to 20, from the model's own distribution); `n > 1`, `echo`, tools and
-other response formats are refused with a 400 rather than silently ignored. `null` for an
+with `top_logprobs: k`; k up to 20, from the model's own distribution), and completions' `echo`
+(the prompt before the text, with its tokens' log-probabilities; `max_tokens: 0` only scores the
+prompt, as evaluation harnesses ask); `n > 1`, tools and other response formats are refused with a
+400 rather than silently ignored. `null` for an
 optional field means "not given", as in OpenAI's API.
 
 What the model reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked
@@ -148,7 +150,9 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     who = caller(request, priority, estimate, is_traced=gateway.is_tracing)
     events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at, caller=who, limit_headers=limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
-    shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs)
+    echoed_text = parsed.prompt if isinstance(parsed, CompletionRequest) and payload.echo else None
+    shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs,
+                   echoed_text if isinstance(echoed_text, str) else None)
     if not payload.stream:
         result = await _unless_disconnected(request, events, _final(events))
         return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
@@ -205,6 +209,8 @@ async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
                 if shape.include_usage:
                     yield _event(shape.usage_chunk(event.payload))
                 break
+            if event.prompt is not None:
+                yield _event(shape.echo(event.prompt))
             if event.text or (shape.logprobs is not None and event.logprobs):
                 yield _event(shape.delta(event.text, None, event.logprobs))
             event = await anext(events, None)
@@ -225,13 +231,16 @@ def _event(content: Any) -> bytes:
 class _Shape:
     """OpenAI's response and chunk objects for one request."""
 
-    def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None) -> None:
+    def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
+                 prompt_text: str | None = None) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
         """Streamed chunks carry `"usage": null` until the last one carries the counts."""
         self.logprobs = logprobs
         """The alternatives asked for per token; None: no log-probabilities."""
+        self.prompt_text = prompt_text
+        """An echoed prompt the client sent as text: echoed as sent (else as the worker decoded it)."""
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offset = 0  # a completion's tokens' offsets run on across a stream's chunks
@@ -242,7 +251,9 @@ class _Shape:
     def whole(self, result: InferResult) -> dict[str, Any]:
         payload = result.payload
         assert isinstance(payload, wire.GenerationResult)
-        logprobs = self._logprobs(payload.logprobs or [])
+        logprobs = self._logprobs(payload.logprobs or [], payload.prompt)
+        if payload.prompt is not None:
+            payload = msgspec.structs.replace(payload, text=self._prompt_text(payload.prompt) + payload.text)
         if self.is_chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": payload.text},
                                       "logprobs": logprobs, "finish_reason": payload.finish_reason}
@@ -270,19 +281,31 @@ class _Shape:
             return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
+    def echo(self, prompt: wire.EchoedPrompt) -> dict[str, Any]:
+        """A stream's first chunk when the prompt is echoed: the prompt and its log-probabilities."""
+        return self._chunk({"index": 0, "text": self._prompt_text(prompt), "logprobs": self._logprobs([], prompt),
+                            "finish_reason": None})
+
+    def _prompt_text(self, prompt: wire.EchoedPrompt) -> str:
+        return self.prompt_text if self.prompt_text is not None else prompt.text
+
     def usage_chunk(self, payload: wire.GenerationResult) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
         return {**self._head(name), "choices": [], "usage": _usage(payload)}
 
-    def _logprobs(self, reported: list[wire.TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, reported: list[wire.TokenLogprob],
+                  prompt: wire.EchoedPrompt | None = None) -> dict[str, Any] | None:
         """A choice's `logprobs` in the endpoint's own shape; None when they were not asked for.
 
         chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [k of the same]}]}
         completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob} of the k and
-                      the chosen one], "text_offset"}
+                      the chosen one], "text_offset"}; an echoed prompt's tokens come first, the
+                      first of them with null for its log-probability and alternatives
         """
         if self.logprobs is None:
             return None
+        if prompt is not None and not self.is_chat:
+            return _joined(self._prompt_logprobs(prompt), self._logprobs(reported))
         if self.is_chat:
             return {"content": [{**_chat_logprob(lp.token, lp.logprob),
                                  "top_logprobs": [_chat_logprob(top.token, top.logprob) for top in lp.top]}
@@ -295,6 +318,20 @@ class _Shape:
                 "top_logprobs": [{**{top.token: top.logprob for top in lp.top}, lp.token: lp.logprob}
                                  for lp in reported],
                 "text_offset": offsets}
+
+
+    def _prompt_logprobs(self, prompt: wire.EchoedPrompt) -> dict[str, Any]:
+        first = {"tokens": [prompt.first_token], "token_logprobs": [None], "top_logprobs": [None],
+                 "text_offset": [self._text_offset]}
+        self._text_offset += len(prompt.first_token)
+        rest = self._logprobs(prompt.logprobs or [])
+        assert rest is not None
+        return _joined(first, rest)
+
+
+def _joined(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions `logprobs` objects as one: each list of the first, then the second's."""
+    return {key: values + (tail or {}).get(key, []) for key, values in head.items()}
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
@@ -334,6 +371,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", -2.0, 2.0, 0.0),
         logit_bias=_logit_bias(request.logit_bias, token_id_limit),
         logprobs=_logprobs(request, info),
+        echo=_echo(request, info),
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
         stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
@@ -364,7 +402,8 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
 
 
 def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:
-    """max_tokens, the field that gave it, and whether it is the default (the client sent none)."""
+    """max_tokens, the field that gave it, and whether it is the default (the client sent none).
+    0 only with `echo`: the prompt is scored, nothing generated."""
     value: int | None
     if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         value, param = request.max_completion_tokens, "max_completion_tokens"
@@ -372,7 +411,8 @@ def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, boo
         value, param = request.max_tokens, "max_tokens"
     if value is None:
         return (16 if isinstance(request, CompletionRequest) else DEFAULT_CHAT_MAX_TOKENS), param, True
-    return _bounded_int(value, param, 1, MAX_TOKENS_LIMIT), param, False
+    is_echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    return _bounded_int(value, param, 0 if is_echo else 1, MAX_TOKENS_LIMIT), param, False
 
 
 def _token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
@@ -416,8 +456,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
     if request.n not in (None, 1):
         raise InvalidInput("only n = 1 is supported", param="n")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise InvalidInput("echo is not supported", param="echo")
         if request.best_of not in (None, 1):
             raise InvalidInput("only best_of = 1 is supported", param="best_of")
         if request.suffix:
@@ -451,6 +489,15 @@ def _logprobs(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) ->
         raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay its "
                            f"log-probabilities", param="logprobs")
     return count
+
+
+def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:
+    if not isinstance(request, CompletionRequest) or not request.echo:
+        return False
+    if info.kind == "openai-upstream":
+        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay an echoed "
+                           f"prompt", param="echo")
+    return True
 
 
 def _logit_bias(bias: dict[str, float] | None, token_id_limit: int) -> dict[int, float]:

@@ -118,6 +118,11 @@ class _Generation:
     parts: list[str] = field(default_factory=list)
     logprobs: list[wire.TokenLogprob] | None = None
     """An unstreamed generation's log-probabilities so far, if it asked for them."""
+    echo_prompt_ids: list[int] | None = None
+    """The prompt to echo with the first token (`echo`); None once echoed, or if not asked."""
+    prompt: wire.EchoedPrompt | None = None
+    """An unstreamed generation's echoed prompt."""
+    is_prompt_only: bool = False
     device_s: float = 0.0
     is_started: bool = False
 
@@ -221,6 +226,10 @@ class Generations:
     def _enqueue(self, internal_id: int, generation: _Generation, message: wire.Submit, prepared: PreparedGeneration,
                  deadline: float) -> None:
         generation.max_tokens = prepared.params.max_tokens
+        generation.is_prompt_only = prepared.is_prompt_only
+        assert isinstance(message.payload, wire.GeneratePayload)
+        if message.payload.echo:
+            generation.echo_prompt_ids = prepared.prompt_token_ids
         generation.loop.submit(str(internal_id), prepared, Priority(message.priority), deadline, salt=message.tenant)
 
     def _refuse(self, identity: bytes, request_id: int, error: InvalidInput) -> None:
@@ -254,22 +263,36 @@ class Generations:
             generation = self._by_id.get(internal_id)
             if generation is None:
                 continue  # withdrawn meanwhile
-            logprobs = _logprobs(generation.loop.runner.tokenizer, output.logprobs) if output.logprobs else None
-            if generation.is_streamed and output.new_token_ids:
-                self._reply(generation.identity, wire.TokenChunk(
-                    generation.gateway_request_id, output.text_delta, list(output.new_token_ids),
-                    output.num_prompt_tokens, output.num_cached_tokens, generation.device_s, logprobs))
-            else:
-                generation.parts.append(output.text_delta)
-                if logprobs:
-                    if generation.logprobs is None:
-                        generation.logprobs = []
-                    generation.logprobs.extend(logprobs)
-                if not generation.is_started:
-                    self._reply(generation.identity, wire.Started([generation.gateway_request_id]))
-            generation.is_started = True
+            self._deliver(generation, output)
             if output.is_finished:
                 self._finish(internal_id, generation, output)
+
+    def _deliver(self, generation: _Generation, output: RequestOutput) -> None:
+        """A step's new text (and log-probabilities, and the echoed prompt with the first token):
+        streamed as a chunk, or kept for the whole answer."""
+        tokenizer = generation.loop.runner.tokenizer
+        prompt = None
+        if generation.echo_prompt_ids is not None and output.new_token_ids:
+            prompt = _echoed(tokenizer, generation.echo_prompt_ids, output.prompt_logprobs)
+            generation.echo_prompt_ids = None
+        token_ids, text = list(output.new_token_ids), output.text_delta
+        logprobs = _logprobs(tokenizer, output.logprobs) if output.logprobs else None
+        if generation.is_prompt_only:  # scored, not generated: its one token is not reported
+            token_ids, text, logprobs = [], "", None
+        if generation.is_streamed and output.new_token_ids:
+            self._reply(generation.identity, wire.TokenChunk(
+                generation.gateway_request_id, text, token_ids, output.num_prompt_tokens, output.num_cached_tokens,
+                generation.device_s, logprobs, prompt))
+        else:
+            generation.parts.append(text)
+            generation.prompt = prompt or generation.prompt
+            if logprobs:
+                if generation.logprobs is None:
+                    generation.logprobs = []
+                generation.logprobs.extend(logprobs)
+            if not generation.is_started:
+                self._reply(generation.identity, wire.Started([generation.gateway_request_id]))
+        generation.is_started = True
 
     def _cost(self, model: tuple[str, str]) -> _RecentCost:
         cost = self._costs.get(model)
@@ -288,9 +311,11 @@ class Generations:
         elif output.finish_reason in ("stop", "length"):
             self._cost(generation.key).finished(output.num_output_tokens, generation.max_tokens)
             text = "" if generation.is_streamed else "".join(generation.parts)
+            num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
             payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
-                                            output.num_cached_tokens, output.num_output_tokens,
-                                            None if generation.is_streamed else generation.logprobs)
+                                            output.num_cached_tokens, num_output_tokens,
+                                            None if generation.is_streamed else generation.logprobs,
+                                            None if generation.is_streamed else generation.prompt)
             result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                  device_s=generation.device_s)
         elif output.finish_reason == "refused":  # the engine's early refusal: the queue ahead is too long
@@ -313,6 +338,14 @@ def _logprobs(tokenizer: Tokenizer, reported: tuple[TokenLogprobs, ...]) -> list
     return [wire.TokenLogprob(text(lp.token_id), lp.token_id, lp.logprob,
                               [wire.TopLogprob(text(token_id), token_id, value) for token_id, value in lp.top])
             for lp in reported]
+
+
+def _echoed(tokenizer: Tokenizer, prompt_ids: list[int],
+            reported: tuple[TokenLogprobs, ...] | None) -> wire.EchoedPrompt:
+    """The prompt as the model read it, and its tokens' log-probabilities if they were computed."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    return wire.EchoedPrompt(text, tokenizer.token_text(prompt_ids[0]),
+                             None if reported is None else _logprobs(tokenizer, reported))
 
 
 def _failure(request_id: int, num_tokens: int, device_s: float) -> wire.Result:

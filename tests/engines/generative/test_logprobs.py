@@ -126,3 +126,45 @@ def test_penalties_steer_greedy_sampling_away_from_repeats():
     assert sampler.sample(logits.clone(), [plain])[0].token_id == 1
     draw = sampler.sample(logits.clone(), [row])[0]
     assert draw.token_id == 2 and draw.logprobs is None
+
+
+def _check_prompt_logprobs(model_dir, prompt: list[int], reported: tuple[TokenLogprobs, ...], k: int) -> None:
+    """Each prompt token but the first: its log-probability and the top k at the position before."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    assert [lp.token_id for lp in reported] == prompt[1:]
+    for position, lp in enumerate(reported):
+        assert lp.logprob == pytest.approx(expected[position, lp.token_id].item(), abs=1e-4)
+        values, ids = expected[position].topk(k)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_come_with_the_first_token_over_chunked_prefill_and_ignore_the_prefix_cache(
+        engine, llama_dir):
+    prompt = prompts(25, 1, 45, 45)[0]  # chunked over steps of 24 tokens
+    engine.add_request("warm", prompt, greedy(2))  # caches the prompt's full blocks
+    _outputs(engine)
+    engine.add_request("echo", prompt, greedy(3, logprobs=1, prompt_logprobs=2))
+    outs = _outputs(engine)["echo"]
+    firsts = [o for o in outs if o.prompt_logprobs is not None]
+    assert len(firsts) == 1 and firsts[0] is outs[0] and outs[0].new_token_ids
+    assert outs[0].num_cached_tokens == 0  # its prompt was computed, not taken from the cache
+    _check_prompt_logprobs(llama_dir, prompt, firsts[0].prompt_logprobs, 2)
+
+
+def test_prompt_logprobs_are_exact_and_whole_when_sequences_are_preempted(llama_dir):
+    # 12 blocks of 8 = 96 tokens of KV for 5 requests needing ~70 each: they are preempted and recomputed
+    small = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=12, max_num_batched_tokens=16))
+    batch = prompts(26, 5, 30, 50)
+    for i, prompt in enumerate(batch):
+        small.add_request(f"p{i}", prompt, greedy(25, prompt_logprobs=1))
+    outs = _outputs(small)
+    assert small.stats().num_preemptions_total > 0
+    for i, prompt in enumerate(batch):
+        reported = [o.prompt_logprobs for o in outs[f"p{i}"] if o.prompt_logprobs is not None]
+        assert len(reported) == 1
+        _check_prompt_logprobs(llama_dir, prompt, reported[0], 1)

@@ -19,14 +19,16 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from sluice.clock import Clock, MonotonicClock
 from sluice.engines.generative.block_manager import BlockManager
 from sluice.engines.generative.config import EngineConfig
 from sluice.engines.generative.model import KVCache, read_spec
-from sluice.engines.generative.model_runner import DTYPES, ModelRunner
+from sluice.engines.generative.model_runner import DTYPES, ModelRunner, StepInput
 from sluice.engines.generative.sampler import Sampler, SampleRow
 from sluice.engines.generative.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence, TokenLogprobs
@@ -52,6 +54,8 @@ class RequestOutput:
     retry_after_s: float | None = None  # "refused": when the same request would be taken
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per new token, if the request asked for log-probabilities."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """With the first new token, if the request asked for them: one per prompt token but the first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,8 @@ class _Request:
     seq: Sequence
     detokenizer: Detokenizer | None
     stops: StopChecker
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """Prompt positions 1, 2, ... computed so far, if asked for (a recomputed prefix is not added twice)."""
 
 
 class LLMEngine:
@@ -154,7 +160,8 @@ class LLMEngine:
             if request_id in self._known_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._known_ids.add(request_id)
-            self._inbox.append(_Request(seq, detok, StopChecker(params.stop)))
+            self._inbox.append(_Request(seq, detok, StopChecker(params.stop),
+                                        None if params.prompt_logprobs is None else []))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -211,14 +218,16 @@ class LLMEngine:
         t2 = t3 = t1
         if scheduled.chunks:
             try:
-                inp = self._runner.prepare(scheduled)
+                inp = self._runner.prepare(scheduled, self._prompt_lengths(scheduled))
                 t2 = time.perf_counter()
-                logits = self._runner.execute(inp)
+                logits = self._runner.execute(inp.forward)
                 t3 = time.perf_counter()
             except Exception:  # the device or the model: this step's sequences cannot go on
                 log.exception("a model step of %d sequences failed; ending them", len(scheduled.chunks))
                 return outputs + self._fail([chunk.request_id for chunk in scheduled.chunks])
-            sampled, unsampled = self._sample(scheduled, logits)
+            if inp.prompt_spans:
+                outputs += self._record_prompt_logprobs(inp, logits)
+            sampled, unsampled = self._sample(scheduled, logits[:inp.num_sample_rows])
             if unsampled:
                 log.error("requests %s could not be sampled (see above); ending them", ", ".join(unsampled))
                 outputs += self._fail(unsampled)
@@ -252,6 +261,38 @@ class LLMEngine:
                 self._scheduler.add(item.seq)
             elif item in self._requests:
                 self._scheduler.abort(item)
+
+    def _prompt_lengths(self, scheduled: SchedulerOutput) -> dict[str, int]:
+        """The prompt lengths of this step's sequences whose prompt logits are still wanted."""
+        wanted = {}
+        for chunk in scheduled.chunks:
+            req = self._requests[chunk.request_id]
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.seq.num_prompt_tokens - 1:
+                wanted[chunk.request_id] = req.seq.num_prompt_tokens
+        return wanted
+
+    def _record_prompt_logprobs(self, inp: StepInput, logits: torch.Tensor) -> list[RequestOutput]:
+        """Keep the prompt log-probabilities this step computed (after the sampling rows, span by
+        span); a sequence whose cannot be computed ends alone with an error."""
+        failed = []
+        row = inp.num_sample_rows
+        for span in inp.prompt_spans:
+            rows = logits[row:row + span.count]
+            row += span.count
+            req = self._requests[span.request_id]
+            known = req.prompt_logprobs
+            assert known is not None and span.first_position <= len(known), "prompt chunks run in order"
+            skip = len(known) - span.first_position  # recomputed after a preemption: already kept
+            if skip >= span.count:
+                continue
+            first = span.first_position + skip
+            targets = req.seq.prompt_token_ids[first + 1:span.first_position + span.count + 1]
+            try:
+                known.extend(self._sampler.prompt_logprobs(rows[skip:], targets, req.seq.params.prompt_logprobs or 0))
+            except Exception:
+                log.exception("request %s: its prompt log-probabilities failed; ending it", span.request_id)
+                failed.append(span.request_id)
+        return self._fail(failed)
 
     def _sample(self, scheduled: SchedulerOutput, logits: object) -> tuple[dict[str, int], list[str]]:
         """The sampled token of each sequence that needs one, and the ids of those that could not
@@ -313,7 +354,10 @@ class LLMEngine:
             text += req.stops.flush()
             self._forget(seq.request_id)
         logprobs = self._step_logprobs.get(seq.request_id)
-        return self._output(seq, (token,), text, () if logprobs is None else (logprobs,))
+        output = self._output(seq, (token,), text, () if logprobs is None else (logprobs,))
+        if seq.num_output_tokens == 1 and req.prompt_logprobs is not None:
+            output = replace(output, prompt_logprobs=tuple(req.prompt_logprobs))
+        return output
 
     def _finished_output(self, seq: Sequence) -> RequestOutput:
         text = self._requests[seq.request_id].stops.flush()

@@ -5,10 +5,16 @@
     B: decode 1 token @ pos 80                                          padded group [B, 1, L]
     C: prefill 120 tokens @ 0                                         --> each longer chunk: its own
                                                                           causal group [1, n, L]
+
+Logits are computed for the rows that sample (the last token of each chunk that reaches its
+sequence's end), then for the prompt positions of sequences that asked for prompt
+log-probabilities (`StepInput.prompt_spans`, in that order after the sampling rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,9 +22,28 @@ import torch
 from sluice.engines.generative.model import AttentionGroup, ForwardInput, KVCache, ModelSpec, load_model
 from sluice.engines.generative.scheduler import ScheduledChunk, SchedulerOutput
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "PromptSpan", "StepInput"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpan:
+    """`count` logits rows for a sequence's prompt positions `first_position`, `first_position` + 1, ...:
+    row i holds the model's prediction of prompt token `first_position + i + 1`."""
+
+    request_id: str
+    first_position: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    forward: ForwardInput
+    num_sample_rows: int
+    """The first logits rows: one per chunk that samples, in chunk order."""
+    prompt_spans: tuple[PromptSpan, ...] = ()
+    """The rows after them, span by span."""
 
 
 class ModelRunner:
@@ -31,11 +56,15 @@ class ModelRunner:
         self.model = load_model(model_dir, spec, self.dtype, device)
         self.cache = KVCache(spec, num_blocks, block_size, self.dtype, device)
 
-    def prepare(self, out: SchedulerOutput) -> ForwardInput:
+    def prepare(self, out: SchedulerOutput, prompt_lengths: Mapping[str, int] | None = None) -> StepInput:
+        """The step's tensors. `prompt_lengths`: the prompt length of each sequence whose prompt
+        positions' logits are wanted (prompt log-probabilities)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []
+        spans: list[PromptSpan] = []
         decodes: list[tuple[int, ScheduledChunk]] = []
         groups: list[AttentionGroup] = []
         bs = self.block_size
@@ -49,14 +78,21 @@ class ModelRunner:
                 slots.append(table[pos // bs] * bs + pos % bs)
             if chunk.needs_sample:
                 logits_rows.append(row + n - 1)
+            prompt_length = (prompt_lengths or {}).get(chunk.request_id)
+            if prompt_length is not None:  # positions up to the prompt's last but one predict prompt tokens
+                end = min(chunk.start + n, prompt_length - 1)
+                if end > chunk.start:
+                    spans.append(PromptSpan(chunk.request_id, chunk.start, end - chunk.start))
+                    prompt_rows.extend(range(row, row + end - chunk.start))
             if n == 1:
                 decodes.append((row, chunk))
             else:
                 groups.append(self._prefill_group(row, chunk))
         if decodes:
             groups.append(self._decode_group(decodes))
-        return ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
-                            self._tensor(logits_rows))
+        forward = ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
+                               self._tensor(logits_rows + prompt_rows))
+        return StepInput(forward, len(logits_rows), tuple(spans))
 
     def execute(self, inp: ForwardInput) -> torch.Tensor:
         return self.model.forward(inp, self.cache)

@@ -49,6 +49,8 @@ _ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_
 class PreparedGeneration:
     prompt_token_ids: list[int]
     params: SamplingParams
+    is_prompt_only: bool = False
+    """`max_tokens` 0 with `echo`: the prompt is scored and the one token generated is not reported."""
 
 
 class GenerativeRunner:
@@ -96,6 +98,9 @@ class GenerativeRunner:
         if any(not 0 <= t < vocab_size for t in payload.logit_bias):
             raise InvalidInput(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
         max_tokens, min_tokens = payload.max_tokens, payload.min_tokens
+        is_prompt_only = payload.echo and max_tokens == 0
+        if is_prompt_only:
+            max_tokens = 1  # the prompt's last position samples anyway; its token is not reported
         if len(ids) >= max_model_len:
             raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                                f"{max_model_len} tokens", param=param)
@@ -111,11 +116,11 @@ class GenerativeRunner:
                 stop=tuple(payload.stop), stop_token_ids=tuple(payload.stop_token_ids), ignore_eos=payload.ignore_eos,
                 repetition_penalty=payload.repetition_penalty, presence_penalty=payload.presence_penalty,
                 frequency_penalty=payload.frequency_penalty, logit_bias=tuple(sorted(payload.logit_bias.items())),
-                logprobs=payload.logprobs,
+                logprobs=payload.logprobs, prompt_logprobs=payload.logprobs if payload.echo else None,
             )
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        return PreparedGeneration(ids, params)
+        return PreparedGeneration(ids, params, is_prompt_only)
 
     def _prompt_ids(self, payload: wire.GeneratePayload) -> list[int]:
         if payload.prompt_token_ids is not None:

@@ -87,21 +87,16 @@ class Sampler:
                 ) -> dict[int, TokenLogprobs]:
         """Each asking row's chosen token's log-probability and its top k, by row."""
         indices, logprobs = raw
-        tokens = chosen[torch.tensor(indices, device=chosen.device)]
-        picked = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        token_ids = tokens.tolist()
-        k = max(rows[i].params.logprobs or 0 for i in indices)
-        top_values: list[list[float]] = [[] for _ in indices]
-        top_ids: list[list[int]] = [[] for _ in indices]
-        if k > 0:
-            best = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-            top_values, top_ids = best.values.tolist(), best.indices.tolist()
-        reported = {}
-        for j, i in enumerate(indices):
-            wanted = rows[i].params.logprobs or 0
-            top = tuple(zip(top_ids[j][:wanted], top_values[j][:wanted], strict=True))
-            reported[i] = TokenLogprobs(token_ids[j], picked[j], top)
-        return reported
+        tokens = chosen[torch.tensor(indices, device=chosen.device)].tolist()
+        found = _logprobs_of(logprobs, tokens, [rows[i].params.logprobs or 0 for i in indices])
+        return dict(zip(indices, found, strict=True))
+
+    @staticmethod
+    @torch.inference_mode()
+    def prompt_logprobs(logits: torch.Tensor, targets: Seq[int], k: int) -> list[TokenLogprobs]:
+        """Prompt tokens' log-probabilities: `logits[i]` is the model's prediction of `targets[i]`."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        return _logprobs_of(logprobs, list(targets), [k] * len(targets))
 
     def _process(self, logits: torch.Tensor, i: int, row: SampleRow) -> bool:
         """Apply row i's logit processors in place; False if they cannot (the row is not sampled).
@@ -179,6 +174,21 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(row.params.seed)
             self._generators[row.request_id] = generator
         return generator
+
+
+def _logprobs_of(logprobs: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Row i's log-probability of `token_ids[i]` and its `ks[i]` most likely tokens'; the device is
+    read back once for all rows."""
+    targets = torch.tensor(token_ids, device=logprobs.device, dtype=torch.long)
+    picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    k = min(max(ks, default=0), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    if k > 0:
+        best = logprobs.topk(k, dim=-1)
+        top_values, top_ids = best.values.tolist(), best.indices.tolist()
+    return [TokenLogprobs(token_id, picked[i], tuple(zip(top_ids[i][:ks[i]], top_values[i][:ks[i]], strict=True)))
+            for i, token_id in enumerate(token_ids)]
 
 
 def _penalize_outputs(logits: torch.Tensor, i: int, row: SampleRow, vocab: int) -> None:

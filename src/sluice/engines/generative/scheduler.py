@@ -281,7 +281,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq, jumped = self._next_waiting(pending, may_jump)
             may_jump = may_jump and not jumped
-            cached = self.blocks.cached_prefix(seq.all_token_ids, seq.salt)
+            cached = self.blocks.cached_prefix(seq.all_token_ids, seq.salt) if seq.may_use_prefix_cache else []
             num_cached = len(cached) * self.blocks.block_size
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_size(seq, budget)

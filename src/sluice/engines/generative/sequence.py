@@ -75,6 +75,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: none reported. k >= 0: each output token's log-probability and the k most likely
     alternatives', from the model's own distribution (before penalties, biases and temperature)."""
+    prompt_logprobs: int | None = None
+    """None: none. k >= 0: each prompt token's (but the first's) log-probability and its k most
+    likely alternatives'. Such a sequence computes its whole prompt: no prefix-cache hits."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -101,8 +104,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2]")
         if any(t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0) for t, b in self.logit_bias):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:
@@ -167,6 +172,12 @@ class Sequence:
         """Whose sequence it is: the salt is the tenant's name (the worker passes it), which keeps
         tenants' prefix caches apart and is the flow the scheduler shares the device between."""
         return self.salt
+
+    @property
+    def may_use_prefix_cache(self) -> bool:
+        """False while the prompt's own logits are wanted (prompt log-probabilities): cached blocks
+        would skip computing them. Once a token is generated they have all been reported."""
+        return self.params.prompt_logprobs is None or self.num_output_tokens > 0
 
     @property
     def is_prefilling(self) -> bool:
