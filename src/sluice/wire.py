@@ -100,12 +100,22 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None
     """None: no log-probabilities; k: each output token's, with its k most likely alternatives."""
+    n: int = 1
+    """Completions to generate for the prompt, each its own sequence (choice i is seeded seed + i)."""
     echo: bool = False
     """Send the prompt back before the completion (with its tokens' log-probabilities, if asked);
     with `max_tokens` 0 nothing is generated: the prompt is only scored."""
     stream: bool = False
     is_max_tokens_default: bool = False
     """The client sent no max_tokens: cap it at what the context leaves rather than refusing."""
+
+
+class GeneratedChoice(msgspec.Struct, frozen=True):
+    """Another choice of a request for n > 1 completions."""
+
+    text: str  # "" when it was streamed
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
@@ -118,6 +128,8 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     """One per output token, if the request asked (unstreamed; a stream's chunks carry them)."""
     prompt: EchoedPrompt | None = None
     """The echoed prompt, if asked (unstreamed; a stream's first chunk carries it)."""
+    choices: list[GeneratedChoice] = []
+    """Choices 1 .. n-1 when n > 1 (the fields above are choice 0's; `num_output_tokens` counts all)."""
 
 
 Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult
@@ -189,6 +201,8 @@ class TokenChunk(msgspec.Struct, tag="chunk"):
     """One per token of `token_ids`, if the request asked for log-probabilities."""
     prompt: EchoedPrompt | None = None
     """The echoed prompt, on a stream's first chunk, if asked."""
+    index: int = 0
+    """Which choice the text is of, when n > 1."""
 
 
 class TenantWeights(msgspec.Struct, tag="weights"):

@@ -119,7 +119,8 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "temperature": 5}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": ["a", "b"]}, "prompt"),
@@ -363,6 +364,57 @@ def test_a_frequency_penalty_changes_what_greedy_decoding_repeats(client):
     # each repeat costs 2 more, plus 1 once: the greedy text repeats its tokens less
     assert max(tokens.count(t) for t in set(tokens)) <= max(plain.count(t) for t in set(plain))
     assert tokens != plain
+
+
+def test_n_seeded_choices_are_each_reproducible_and_counted_once_as_a_request(server, client):
+    ok = metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok")
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    three = client.completions.create(n=3, **kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.text for c in three.choices}) > 1  # seeded seed, seed + 1, seed + 2
+    assert three.usage.completion_tokens == 18 and three.usage.total_tokens == three.usage.prompt_tokens + 18
+    assert [c.text for c in client.completions.create(n=3, **kwargs).choices] == [c.text for c in three.choices]
+    assert client.completions.create(n=1, **kwargs).choices[0].text == three.choices[0].text
+    assert metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok") == ok + 3
+
+
+def test_n_greedy_choices_are_equal(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], n=2,
+                                         max_tokens=5, temperature=0)
+    assert len(out.choices) == 2 and out.choices[0].message.content == out.choices[1].message.content
+
+
+def test_n_streamed_choices_equal_the_unary_ones_and_each_finishes(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell"}], n=3, max_tokens=5, temperature=0.9,
+                  seed=3, logprobs=True, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    texts = ["", "", ""]
+    tokens: list[list[str]] = [[], [], []]
+    finishes: list[int] = []
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            tokens[choice.index] += [e.token for e in (choice.logprobs.content if choice.logprobs else [])]
+            if choice.finish_reason:
+                finishes.append(choice.index)
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens == 15
+    assert texts == [c.message.content for c in whole.choices]
+    assert tokens == [[e.token for e in c.logprobs.content] for c in whole.choices]
+    assert sorted(finishes) == [0, 1, 2]
+
+
+def test_a_client_that_disconnects_frees_all_its_choices(server, client):
+    stream = client.completions.create(model=MODEL, prompt="Keep going", max_tokens=800, temperature=0.8, n=3,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(6), stream, strict=False):
+        pass
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 3,
+              "the three running sequences never showed in the gauge")
+    stream.close()
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+              "the disconnected client's sequences kept running")
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_as_evaluation_harnesses_ask(client):

@@ -123,6 +123,7 @@ def test_penalties_and_logit_bias_are_forwarded(via_front, direct):
 @pytest.mark.parametrize("path, body, param", [
     ("completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
     ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "n": 2}, "n"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
 ])
 def test_what_sluice_does_not_relay_from_an_upstream_is_400(front, path, body, param):

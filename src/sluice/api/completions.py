@@ -11,8 +11,9 @@ stream's first token, or reading the stream. Fields `vllm bench serve` sends (`i
 `frequency_penalty`, `logit_bias` and `logprobs` (completions: `logprobs: k`; chat: `logprobs: true`
 with `top_logprobs: k`; k up to 20, from the model's own distribution), and completions' `echo`
 (the prompt before the text, with its tokens' log-probabilities; `max_tokens: 0` only scores the
-prompt, as evaluation harnesses ask); `n > 1`, tools and other response formats are refused with a
-400 rather than silently ignored. `null` for an
+prompt, as evaluation harnesses ask), and `n` completions of one prompt (up to 16, each its own
+sequence on the worker, answered and charged as one request); tools and other response formats
+are refused with a 400 rather than silently ignored. `null` for an
 optional field means "not given", as in OpenAI's API.
 
 What the model reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked
@@ -62,6 +63,8 @@ TOKEN_ID_LIMIT = 1 << 31
 """Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
 """max_tokens of a chat request that sends none: capped at what the context leaves."""
+MAX_CHOICES = 16
+"""The most completions (`n`) one request may ask for: each is a sequence of its own on the worker."""
 MAX_LOGIT_BIAS = 1024
 """Token ids one request may bias (OpenAI documents no limit; the sampler's work grows with it)."""
 
@@ -152,7 +155,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     echoed_text = parsed.prompt if isinstance(parsed, CompletionRequest) and payload.echo else None
     shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs,
-                   echoed_text if isinstance(echoed_text, str) else None)
+                   echoed_text if isinstance(echoed_text, str) else None, payload.n)
     if not payload.stream:
         result = await _unless_disconnected(request, events, _final(events))
         return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
@@ -200,19 +203,24 @@ async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
                events: AsyncGenerator[wire.TokenChunk | InferResult, None]) -> AsyncIterator[bytes]:
     try:
         if shape.is_chat:
-            yield _event(shape.role_chunk())
+            for index in range(shape.n):
+                yield _event(shape.role_chunk(index))
         event: wire.TokenChunk | InferResult | None = first
         while event is not None:
             if isinstance(event, InferResult):
-                assert isinstance(event.payload, wire.GenerationResult)
-                yield _event(shape.delta(event.payload.text, event.payload.finish_reason))
+                payload = event.payload
+                assert isinstance(payload, wire.GenerationResult)
+                yield _event(shape.delta(payload.text, payload.finish_reason))
+                for index, choice in enumerate(payload.choices, start=1):
+                    yield _event(shape.delta(choice.text, choice.finish_reason, index=index))
                 if shape.include_usage:
-                    yield _event(shape.usage_chunk(event.payload))
+                    yield _event(shape.usage_chunk(payload))
                 break
-            if event.prompt is not None:
-                yield _event(shape.echo(event.prompt))
+            if event.prompt is not None:  # with the first token of any choice: every choice starts with it
+                for index in range(shape.n):
+                    yield _event(shape.echo(event.prompt, index))
             if event.text or (shape.logprobs is not None and event.logprobs):
-                yield _event(shape.delta(event.text, None, event.logprobs))
+                yield _event(shape.delta(event.text, None, event.logprobs, event.index))
             event = await anext(events, None)
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
         yield _event(error_body(exc))
@@ -229,10 +237,10 @@ def _event(content: Any) -> bytes:
 
 
 class _Shape:
-    """OpenAI's response and chunk objects for one request."""
+    """OpenAI's response and chunk objects for one request (n choices)."""
 
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
-                 prompt_text: str | None = None) -> None:
+                 prompt_text: str | None = None, n: int = 1) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
@@ -241,9 +249,10 @@ class _Shape:
         """The alternatives asked for per token; None: no log-probabilities."""
         self.prompt_text = prompt_text
         """An echoed prompt the client sent as text: echoed as sent (else as the worker decoded it)."""
+        self.n = n
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._text_offset = 0  # a completion's tokens' offsets run on across a stream's chunks
+        self._text_offsets = [0] * n  # each choice's tokens' offsets run on across a stream's chunks
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -251,17 +260,19 @@ class _Shape:
     def whole(self, result: InferResult) -> dict[str, Any]:
         payload = result.payload
         assert isinstance(payload, wire.GenerationResult)
-        logprobs = self._logprobs(payload.logprobs or [], payload.prompt)
-        if payload.prompt is not None:
-            payload = msgspec.structs.replace(payload, text=self._prompt_text(payload.prompt) + payload.text)
+        first = wire.GeneratedChoice(payload.text, payload.finish_reason, payload.logprobs)
+        choices = [self._choice(index, choice, payload.prompt)
+                   for index, choice in enumerate([first, *payload.choices])]
+        head = self._head("chat.completion" if self.is_chat else "text_completion")
+        return {**head, "choices": choices, "usage": _usage(payload)}
+
+    def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
+        logprobs = self._logprobs(choice.logprobs or [], prompt, index)
         if self.is_chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": payload.text},
-                                      "logprobs": logprobs, "finish_reason": payload.finish_reason}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": payload.text, "logprobs": logprobs, "finish_reason": payload.finish_reason}
-            body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": _usage(payload)}
+            return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason}
+        text = choice.text if prompt is None else self._prompt_text(prompt) + choice.text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": [choice]}
@@ -269,22 +280,22 @@ class _Shape:
             chunk["usage"] = None
         return chunk
 
-    def role_chunk(self) -> dict[str, Any]:
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
     def delta(self, text: str, finish_reason: str | None,
-              reported: list[wire.TokenLogprob] | None = None) -> dict[str, Any]:
-        logprobs = self._logprobs(reported) if reported else None
+              reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
+        logprobs = self._logprobs(reported, index=index) if reported else None
         if self.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
-        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+            return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
-    def echo(self, prompt: wire.EchoedPrompt) -> dict[str, Any]:
-        """A stream's first chunk when the prompt is echoed: the prompt and its log-probabilities."""
-        return self._chunk({"index": 0, "text": self._prompt_text(prompt), "logprobs": self._logprobs([], prompt),
-                            "finish_reason": None})
+    def echo(self, prompt: wire.EchoedPrompt, index: int = 0) -> dict[str, Any]:
+        """A stream's first chunk of a choice when the prompt is echoed: the prompt and its log-probabilities."""
+        return self._chunk({"index": index, "text": self._prompt_text(prompt),
+                            "logprobs": self._logprobs([], prompt, index), "finish_reason": None})
 
     def _prompt_text(self, prompt: wire.EchoedPrompt) -> str:
         return self.prompt_text if self.prompt_text is not None else prompt.text
@@ -293,8 +304,8 @@ class _Shape:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
         return {**self._head(name), "choices": [], "usage": _usage(payload)}
 
-    def _logprobs(self, reported: list[wire.TokenLogprob],
-                  prompt: wire.EchoedPrompt | None = None) -> dict[str, Any] | None:
+    def _logprobs(self, reported: list[wire.TokenLogprob], prompt: wire.EchoedPrompt | None = None,
+                  index: int = 0) -> dict[str, Any] | None:
         """A choice's `logprobs` in the endpoint's own shape; None when they were not asked for.
 
         chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [k of the same]}]}
@@ -305,26 +316,25 @@ class _Shape:
         if self.logprobs is None:
             return None
         if prompt is not None and not self.is_chat:
-            return _joined(self._prompt_logprobs(prompt), self._logprobs(reported))
+            return _joined(self._prompt_logprobs(prompt, index), self._logprobs(reported, index=index))
         if self.is_chat:
             return {"content": [{**_chat_logprob(lp.token, lp.logprob),
                                  "top_logprobs": [_chat_logprob(top.token, top.logprob) for top in lp.top]}
                                 for lp in reported], "refusal": None}
         offsets = []
         for lp in reported:
-            offsets.append(self._text_offset)
-            self._text_offset += len(lp.token)
+            offsets.append(self._text_offsets[index])
+            self._text_offsets[index] += len(lp.token)
         return {"tokens": [lp.token for lp in reported], "token_logprobs": [lp.logprob for lp in reported],
                 "top_logprobs": [{**{top.token: top.logprob for top in lp.top}, lp.token: lp.logprob}
                                  for lp in reported],
                 "text_offset": offsets}
 
-
-    def _prompt_logprobs(self, prompt: wire.EchoedPrompt) -> dict[str, Any]:
+    def _prompt_logprobs(self, prompt: wire.EchoedPrompt, index: int) -> dict[str, Any]:
         first = {"tokens": [prompt.first_token], "token_logprobs": [None], "top_logprobs": [None],
-                 "text_offset": [self._text_offset]}
-        self._text_offset += len(prompt.first_token)
-        rest = self._logprobs(prompt.logprobs or [])
+                 "text_offset": [self._text_offsets[index]]}
+        self._text_offsets[index] += len(prompt.first_token)
+        rest = self._logprobs(prompt.logprobs or [], index=index)
         assert rest is not None
         return _joined(first, rest)
 
@@ -372,6 +382,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         logit_bias=_logit_bias(request.logit_bias, token_id_limit),
         logprobs=_logprobs(request, info),
         echo=_echo(request, info),
+        n=_choices(request, info),
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
         stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
@@ -453,8 +464,6 @@ def _check_context(num_prompt_tokens: int | None, max_tokens: int, max_tokens_pa
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
-    if request.n not in (None, 1):
-        raise InvalidInput("only n = 1 is supported", param="n")
     if isinstance(request, CompletionRequest):
         if request.best_of not in (None, 1):
             raise InvalidInput("only best_of = 1 is supported", param="best_of")
@@ -489,6 +498,15 @@ def _logprobs(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) ->
         raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay its "
                            f"log-probabilities", param="logprobs")
     return count
+
+
+def _choices(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> int:
+    """How many completions to generate for the prompt (`n`)."""
+    n = 1 if request.n is None else _bounded_int(request.n, "n", 1, MAX_CHOICES)
+    if n > 1 and info.kind == "openai-upstream":
+        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice sends it one choice per "
+                           f"request (n = 1)", param="n")
+    return n
 
 
 def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:
@@ -561,4 +579,4 @@ def _estimate_tokens(payload: wire.GeneratePayload) -> float:
         prompt = estimate_text_tokens([m.content for m in payload.messages]) + 4 * len(payload.messages)
     else:
         prompt = estimate_text_tokens([payload.prompt or ""])
-    return prompt + payload.max_tokens
+    return prompt + payload.n * payload.max_tokens

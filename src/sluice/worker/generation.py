@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sluice import wire
 from sluice.clock import Clock
@@ -106,8 +106,20 @@ class GenerationLoop:
 
 
 @dataclass(slots=True)
+class _Choice:
+    """One of a request's n sequences."""
+
+    parts: list[str] = field(default_factory=list)
+    """An unstreamed generation's text so far."""
+    logprobs: list[wire.TokenLogprob] | None = None
+    """An unstreamed generation's log-probabilities so far, if it asked for them."""
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
 class _Generation:
-    """A generation in the engine: where its output goes."""
+    """A generation in the engine (n sequences for n choices): where its output goes."""
 
     identity: bytes
     gateway_request_id: int
@@ -115,9 +127,7 @@ class _Generation:
     is_streamed: bool
     key: tuple[str, str]
     max_tokens: int = 0
-    parts: list[str] = field(default_factory=list)
-    logprobs: list[wire.TokenLogprob] | None = None
-    """An unstreamed generation's log-probabilities so far, if it asked for them."""
+    choices: list[_Choice] = field(default_factory=lambda: [_Choice()])
     echo_prompt_ids: list[int] | None = None
     """The prompt to echo with the first token (`echo`); None once echoed, or if not asked."""
     prompt: wire.EchoedPrompt | None = None
@@ -225,12 +235,21 @@ class Generations:
 
     def _enqueue(self, internal_id: int, generation: _Generation, message: wire.Submit, prepared: PreparedGeneration,
                  deadline: float) -> None:
+        """Queue its n sequences; if the engine refuses one, none stays queued."""
+        payload = message.payload
+        assert isinstance(payload, wire.GeneratePayload)
         generation.max_tokens = prepared.params.max_tokens
         generation.is_prompt_only = prepared.is_prompt_only
-        assert isinstance(message.payload, wire.GeneratePayload)
-        if message.payload.echo:
+        generation.choices = [_Choice() for _ in range(payload.n)]
+        if payload.echo:
             generation.echo_prompt_ids = prepared.prompt_token_ids
-        generation.loop.submit(str(internal_id), prepared, Priority(message.priority), deadline, salt=message.tenant)
+        for index in range(payload.n):
+            try:
+                generation.loop.submit(_engine_id(internal_id, index), _choice_of(prepared, index),
+                                       Priority(message.priority), deadline, salt=message.tenant)
+            except Exception:
+                generation.loop.abort([_engine_id(internal_id, i) for i in range(index)])
+                raise
 
     def _refuse(self, identity: bytes, request_id: int, error: InvalidInput) -> None:
         """Answer a request the engine cannot serve (400, naming the field where known)."""
@@ -242,7 +261,7 @@ class Generations:
         generation = self._by_id.pop(internal_id, None)
         if generation is None:
             return False
-        generation.loop.abort([str(internal_id)])
+        generation.loop.abort([_engine_id(internal_id, i) for i in range(len(generation.choices))])
         return True
 
     def on_outputs(self, outputs: list[RequestOutput], step_s: float, tokens: dict[str, int]) -> None:
@@ -252,22 +271,22 @@ class Generations:
         total = sum(tokens.values())
         model = None
         for request_id, num_tokens in tokens.items():
-            computed = self._by_id.get(int(request_id))
+            computed = self._by_id.get(_parse_engine_id(request_id)[0])
             if computed is not None:
                 computed.device_s += step_s * num_tokens / total
                 model = computed.key  # one engine's step: every sequence in it is of the same model
         if model is not None:
             self._cost(model).step(step_s, total)
         for output in outputs:
-            internal_id = int(output.request_id)
+            internal_id, index = _parse_engine_id(output.request_id)
             generation = self._by_id.get(internal_id)
             if generation is None:
                 continue  # withdrawn meanwhile
-            self._deliver(generation, output)
+            self._deliver(generation, index, output)
             if output.is_finished:
-                self._finish(internal_id, generation, output)
+                self._finish(internal_id, generation, index, output)
 
-    def _deliver(self, generation: _Generation, output: RequestOutput) -> None:
+    def _deliver(self, generation: _Generation, index: int, output: RequestOutput) -> None:
         """A step's new text (and log-probabilities, and the echoed prompt with the first token):
         streamed as a chunk, or kept for the whole answer."""
         tokenizer = generation.loop.runner.tokenizer
@@ -279,17 +298,19 @@ class Generations:
         logprobs = _logprobs(tokenizer, output.logprobs) if output.logprobs else None
         if generation.is_prompt_only:  # scored, not generated: its one token is not reported
             token_ids, text, logprobs = [], "", None
+        choice = generation.choices[index]
+        choice.num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
         if generation.is_streamed and output.new_token_ids:
             self._reply(generation.identity, wire.TokenChunk(
                 generation.gateway_request_id, text, token_ids, output.num_prompt_tokens, output.num_cached_tokens,
-                generation.device_s, logprobs, prompt))
+                generation.device_s, logprobs, prompt, index))
         else:
-            generation.parts.append(text)
+            choice.parts.append(text)
             generation.prompt = prompt or generation.prompt
             if logprobs:
-                if generation.logprobs is None:
-                    generation.logprobs = []
-                generation.logprobs.extend(logprobs)
+                if choice.logprobs is None:
+                    choice.logprobs = []
+                choice.logprobs.extend(logprobs)
             if not generation.is_started:
                 self._reply(generation.identity, wire.Started([generation.gateway_request_id]))
         generation.is_started = True
@@ -300,36 +321,76 @@ class Generations:
             cost = self._costs[model] = _RecentCost()
         return cost
 
-    def _finish(self, internal_id: int, generation: _Generation, output: RequestOutput) -> None:
+    def _finish(self, internal_id: int, generation: _Generation, index: int, output: RequestOutput) -> None:
+        """One of its sequences ended: the request is answered once all have, or at once if one
+        ended otherwise than by stop or length (the others are withdrawn)."""
+        generation.choices[index].finish_reason = output.finish_reason
+        is_complete = output.finish_reason in ("stop", "length")
+        if is_complete:
+            self._cost(generation.key).finished(output.num_output_tokens, generation.max_tokens)
+            if any(choice.finish_reason is None for choice in generation.choices):
+                return
+        else:
+            generation.loop.abort([_engine_id(internal_id, i) for i, choice in enumerate(generation.choices)
+                                   if choice.finish_reason is None])
         del self._by_id[internal_id]
         self._forget(generation.identity, generation.gateway_request_id)
+        result = self._result(generation, output)
+        if result is not None:
+            self._reply(generation.identity, result)
+
+    def _result(self, generation: _Generation, last: RequestOutput) -> wire.Result | None:
+        """The answer of a generation whose `last` output ended it; None if it was aborted (the
+        gateway withdrew it and expects no answer)."""
         request_id = generation.gateway_request_id
-        num_tokens = output.num_prompt_tokens + output.num_output_tokens  # charged whatever the outcome
-        if output.finish_reason == "deadline":
-            result = wire.Result(request_id, wire.Outcome.EXPIRED, num_tokens=num_tokens, device_s=generation.device_s,
-                                 message="the deadline passed before the generation finished")
-        elif output.finish_reason in ("stop", "length"):
-            self._cost(generation.key).finished(output.num_output_tokens, generation.max_tokens)
-            text = "" if generation.is_streamed else "".join(generation.parts)
-            num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
-            payload = wire.GenerationResult(text, output.finish_reason, output.num_prompt_tokens,
-                                            output.num_cached_tokens, num_output_tokens,
-                                            None if generation.is_streamed else generation.logprobs,
-                                            None if generation.is_streamed else generation.prompt)
-            result = wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
-                                 device_s=generation.device_s)
-        elif output.finish_reason == "refused":  # the engine's early refusal: the queue ahead is too long
+        num_output_tokens = sum(choice.num_output_tokens for choice in generation.choices)
+        num_tokens = last.num_prompt_tokens + num_output_tokens  # charged whatever the outcome
+        reason = last.finish_reason
+        if reason == "deadline":
+            return wire.Result(request_id, wire.Outcome.EXPIRED, num_tokens=num_tokens, device_s=generation.device_s,
+                               message="the deadline passed before the generation finished")
+        if reason in ("stop", "length"):
+            first, *others = generation.choices
+            is_whole = not generation.is_streamed
+            payload = wire.GenerationResult(
+                "".join(first.parts) if is_whole else "", first.finish_reason or reason, last.num_prompt_tokens,
+                last.num_cached_tokens, num_output_tokens, first.logprobs if is_whole else None,
+                generation.prompt if is_whole else None,
+                [wire.GeneratedChoice("".join(c.parts) if is_whole else "", c.finish_reason or reason,
+                                      c.logprobs if is_whole else None) for c in others])
+            return wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
+                               device_s=generation.device_s)
+        if reason == "refused":  # the engine's early refusal: the queue ahead is too long
             if self._refused_work is not None:
-                predicted_s = self._cost(generation.key).predicted_s(output.num_prompt_tokens, generation.max_tokens)
-                self._refused_work(*generation.key, predicted_s)
-            retry_after_s = max(output.retry_after_s, 0.001) if output.retry_after_s is not None else 1.0
-            result = wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=retry_after_s,
-                                 message="worker overloaded: queued generations would miss the deadline")
-        elif output.finish_reason == "error":
-            result = _failure(request_id, num_tokens, generation.device_s)
-        else:
-            return  # aborted: the gateway withdrew it and expects no answer
-        self._reply(generation.identity, result)
+                predicted_s = self._cost(generation.key).predicted_s(last.num_prompt_tokens, generation.max_tokens)
+                self._refused_work(*generation.key, predicted_s * len(generation.choices))
+            retry_after_s = max(last.retry_after_s, 0.001) if last.retry_after_s is not None else 1.0
+            return wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=retry_after_s,
+                               message="worker overloaded: queued generations would miss the deadline")
+        if reason == "error":
+            return _failure(request_id, num_tokens, generation.device_s)
+        return None
+
+
+def _engine_id(internal_id: int, index: int) -> str:
+    """The engine's id of choice `index` of a request: the request's id, then `/index` past the first."""
+    return str(internal_id) if index == 0 else f"{internal_id}/{index}"
+
+
+def _parse_engine_id(engine_id: str) -> tuple[int, int]:
+    head, _, index = engine_id.partition("/")
+    return int(head), int(index or 0)
+
+
+def _choice_of(prepared: PreparedGeneration, index: int) -> PreparedGeneration:
+    """Choice `index`'s sequence: seeded `seed + index` (wrapping within 64 bits), so n seeded
+    choices differ from each other and each is reproducible."""
+    seed = prepared.params.seed
+    if index == 0 or seed is None:
+        return prepared
+    low, high = wire.SEED_RANGE
+    params = replace(prepared.params, seed=(seed + index - low) % (high - low + 1) + low)
+    return replace(prepared, params=params)
 
 
 def _logprobs(tokenizer: Tokenizer, reported: tuple[TokenLogprobs, ...]) -> list[wire.TokenLogprob]:
