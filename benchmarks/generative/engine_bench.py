@@ -1,6 +1,17 @@
 """Generative engine benchmark on tiny-lm, CPU: decode-step breakdown and continuous vs static batching.
 
     PYTHONPATH=src python benchmarks/generative/engine_bench.py [--requests 64] [--batch 32] [--json out.json]
+    PYTHONPATH=src python benchmarks/generative/engine_bench.py --breakdown-only --logprobs 0 5 20
+
+    PYTHONPATH=src python benchmarks/generative/engine_bench.py --choices 4
+
+--choices N: N choices of one 256-token prompt (32 tokens each, greedy) alone on the engine,
+with the choices sharing the first one's prompt blocks (what the worker does for `n`) and with
+each computing the prompt itself, alternating --rounds times: wall time and prompt tokens computed.
+
+--logprobs K...: the decode breakdown is also taken with every sequence asking for its tokens'
+log-probabilities and K alternatives (a run without them comes first, and the runs alternate
+--rounds times, so the difference is measured on the same engine and host conditions).
 
 (a) 32 sequences in steady decode: median per-step time of each phase (schedule, prepare inputs,
     forward, sample, output processing) and the share of the step outside the forward pass.
@@ -42,10 +53,12 @@ def engine_for(model_dir: Path, batch: int) -> LLMEngine:
     return LLMEngine(model_dir, config)
 
 
-def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40) -> dict[str, float]:
+def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, logprobs: int | None = None
+                     ) -> dict[str, float]:
     engine = engine_for(model_dir, num_seqs)
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True, logprobs=logprobs)
     for i, (prompt, _) in enumerate(request_set(num_seqs, engine.spec.vocab_size, seed=1)):
-        engine.add_request(f"d{i}", prompt[:64], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+        engine.add_request(f"d{i}", prompt[:64], params)
     while engine.stats().last_step is None or engine.stats().last_step.num_batched_tokens != num_seqs:
         engine.step()
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "sample", "output", "total")}
@@ -60,6 +73,45 @@ def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40) -
     overhead = [total - fwd for total, fwd in zip(phases["total"], phases["forward"], strict=True)]
     result["overhead_pct"] = 100 * statistics.median(o / t for o, t in zip(overhead, phases["total"], strict=True))
     return result
+
+
+def logprobs_cost(model_dir: Path, ks: list[int], rounds: int) -> dict[str, dict[str, float]]:
+    """The decode breakdown without log-probabilities and with each K, alternating, `rounds` times:
+    the median over rounds of each phase's median."""
+    settings: list[int | None] = [None, *ks]
+    taken: dict[str, list[dict[str, float]]] = {_label(k): [] for k in settings}
+    for _ in range(rounds):
+        for k in settings:
+            taken[_label(k)].append(decode_breakdown(model_dir, logprobs=k))
+    return {label: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            for label, runs in taken.items()}
+
+
+def choices_cost(model_dir: Path, n: int, rounds: int) -> dict[str, dict[str, float]]:
+    """`n` greedy choices of one 256-token prompt, sharing its blocks or each computing it."""
+    engine = engine_for(model_dir, 32)
+    prompt = request_set(1, engine.spec.vocab_size, seed=3)[0][0]
+    prompt = (prompt * 2)[:256]
+    taken: dict[str, list[tuple[float, int]]] = {"shared": [], "each computes": []}
+    for r in range(rounds):
+        for label in taken:
+            salt = f"{label}-{r}"  # nothing cached from an earlier run
+            start = time.perf_counter()
+            for i in range(n):
+                prefix_of = "c0" if i and label == "shared" else None
+                engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                                   salt=salt, prefix_of=prefix_of)
+            computed = 0
+            while engine.has_unfinished():
+                engine.step()
+                computed += sum(engine.last_step_tokens.values())
+            taken[label].append((time.perf_counter() - start, computed - n * 31))  # less the decodes
+    return {label: {"wall_s": statistics.median(t for t, _ in runs), "prompt_tokens_computed": runs[0][1]}
+            for label, runs in taken.items()}
+
+
+def _label(k: int | None) -> str:
+    return "no logprobs" if k is None else f"logprobs={k}"
 
 
 def _run(engine: LLMEngine, requests: list[tuple[int, list[int], int]], t0: float,
@@ -102,12 +154,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logprobs", type=int, nargs="*", default=[], metavar="K")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--breakdown-only", action="store_true")
+    parser.add_argument("--choices", type=int, default=0, metavar="N")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_lm(Path(tmp) / "tiny-lm")
+        if args.choices:
+            results = choices_cost(model_dir, args.choices, args.rounds)
+            print(f"{args.choices} choices of one prompt:", json.dumps(results, indent=1))
+            return
+        if args.logprobs:
+            results = logprobs_cost(model_dir, args.logprobs, args.rounds)
+            print("decode step at 32 seqs with log-probabilities:", json.dumps(results, indent=1))
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2) + "\n")
+            return
         results = {"decode_breakdown_32": decode_breakdown(model_dir)}
         print("decode step at 32 seqs (median ms):", json.dumps(results["decode_breakdown_32"], indent=1))
+        if args.breakdown_only:
+            return
         runs = (("continuous", False, False), ("static", True, False), ("static_padded_prompts", True, True))
         for name, static, pad in runs:
             results[name] = throughput(model_dir, args.requests, args.batch, static, pad)

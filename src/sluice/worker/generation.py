@@ -56,11 +56,12 @@ class GenerationLoop:
         self._thread.start()
 
     def submit(self, request_id: str, prepared: PreparedGeneration, priority: Priority, deadline: float,
-               salt: str) -> None:
-        """Queue a sequence; `InvalidInput` for one the engine cannot serve (too long, bad ids)."""
+               salt: str, prefix_of: str | None = None) -> None:
+        """Queue a sequence; `InvalidInput` for one the engine cannot serve (too long, bad ids).
+        `prefix_of`: a sequence queued before with the same prompt, whose prompt this one shares."""
         try:
             self._engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, priority=priority,
-                                     deadline=deadline, salt=salt)
+                                     deadline=deadline, salt=salt, prefix_of=prefix_of)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         self._wake.set()
@@ -246,7 +247,8 @@ class Generations:
         for index in range(payload.n):
             try:
                 generation.loop.submit(_engine_id(internal_id, index), _choice_of(prepared, index),
-                                       Priority(message.priority), deadline, salt=message.tenant)
+                                       Priority(message.priority), deadline, salt=message.tenant,
+                                       prefix_of=_engine_id(internal_id, 0) if index else None)
             except Exception:
                 generation.loop.abort([_engine_id(internal_id, i) for i in range(index)])
                 raise
@@ -384,12 +386,14 @@ def _parse_engine_id(engine_id: str) -> tuple[int, int]:
 
 def _choice_of(prepared: PreparedGeneration, index: int) -> PreparedGeneration:
     """Choice `index`'s sequence: seeded `seed + index` (wrapping within 64 bits), so n seeded
-    choices differ from each other and each is reproducible."""
-    seed = prepared.params.seed
-    if index == 0 or seed is None:
+    choices differ from each other and each is reproducible. Only the first computes the prompt's
+    log-probabilities (an echo is sent once); the others take its blocks from the prefix cache."""
+    if index == 0:
         return prepared
+    seed = prepared.params.seed
     low, high = wire.SEED_RANGE
-    params = replace(prepared.params, seed=(seed + index - low) % (high - low + 1) + low)
+    params = replace(prepared.params, prompt_logprobs=None,
+                     seed=None if seed is None else (seed + index - low) % (high - low + 1) + low)
     return replace(prepared, params=params)
 
 

@@ -168,3 +168,29 @@ def test_prompt_logprobs_are_exact_and_whole_when_sequences_are_preempted(llama_
         reported = [o.prompt_logprobs for o in outs[f"p{i}"] if o.prompt_logprobs is not None]
         assert len(reported) == 1
         _check_prompt_logprobs(llama_dir, prompt, reported[0], 1)
+
+
+def test_choices_of_one_prompt_compute_it_once_and_share_its_blocks(llama_dir, hf_greedy):
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=128))
+    prompt = prompts(27, 1, 61, 61)[0]  # 7 full blocks and 5 tokens
+    engine.add_request("c0", prompt, greedy(6))
+    for i in (1, 2, 3):
+        engine.add_request(f"c{i}", prompt, greedy(6), prefix_of="c0")
+    first = engine.step()  # the first choice's prefill; the others wait for its blocks
+    assert engine.last_step_tokens == {"c0": 61} and [o.request_id for o in first] == ["c0"]
+    outs = _outputs(engine)
+    expected = hf_greedy(llama_dir, prompt, 6)
+    for i in (1, 2, 3):
+        assert [t for o in outs[f"c{i}"] for t in o.new_token_ids] == expected
+        assert outs[f"c{i}"][0].num_cached_tokens == 56
+    assert engine.stats().prefix_cache_hit_tokens == 3 * 56
+
+
+def test_a_choice_whose_first_is_aborted_is_admitted_on_its_own(llama_dir):
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=128))
+    prompt = prompts(28, 1, 20, 20)[0]
+    engine.add_request("c0", prompt, greedy(3))
+    engine.add_request("c1", prompt, greedy(3), prefix_of="c0")
+    engine.abort(["c0"])
+    outs = _outputs(engine)
+    assert len([t for o in outs["c1"] for t in o.new_token_ids]) == 3

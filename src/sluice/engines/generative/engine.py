@@ -91,6 +91,8 @@ class _Request:
     stops: StopChecker
     prompt_logprobs: list[TokenLogprobs] | None = None
     """Prompt positions 1, 2, ... computed so far, if asked for (a recomputed prefix is not added twice)."""
+    prefix_of: str | None = None
+    """The request whose prompt this one shares (`add_request(prefix_of=...)`)."""
 
 
 class LLMEngine:
@@ -148,8 +150,12 @@ class LLMEngine:
     # ---- any thread ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: Priority = Priority.STANDARD, deadline: float | None = None, salt: str = "") -> None:
-        """Queue a request. Raises ValueError for input the engine cannot serve (-> 400)."""
+                    priority: Priority = Priority.STANDARD, deadline: float | None = None, salt: str = "",
+                    prefix_of: str | None = None) -> None:
+        """Queue a request. Raises ValueError for input the engine cannot serve (-> 400).
+        `prefix_of`: a request added before with the same prompt and salt (another choice of the
+        same client request); this one is admitted once that one has computed the prompt, and
+        shares its full blocks through the prefix cache instead of computing them again."""
         prompt = list(prompt_token_ids)
         self._validate(prompt, params)
         if params.stop and self.tokenizer is None:
@@ -161,7 +167,7 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._known_ids.add(request_id)
             self._inbox.append(_Request(seq, detok, StopChecker(params.stop),
-                                        None if params.prompt_logprobs is None else []))
+                                        None if params.prompt_logprobs is None else [], prefix_of))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -257,6 +263,10 @@ class LLMEngine:
             inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, _Request):
+                parent = self._requests.get(item.prefix_of) if item.prefix_of is not None else None
+                if (parent is not None and parent.seq.salt == item.seq.salt
+                        and parent.seq.prompt_token_ids == item.seq.prompt_token_ids):
+                    item.seq.prefix_parent = parent.seq
                 self._requests[item.seq.request_id] = item
                 self._scheduler.add(item.seq)
             elif item in self._requests:

@@ -279,7 +279,10 @@ class Scheduler:
         pending: dict[Flow, int] = {}  # tokens admitted this step, not yet charged
         may_jump = True
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq, jumped = self._next_waiting(pending, may_jump)
+            turn = self._next_waiting(pending, may_jump)
+            if turn is None:
+                break  # what waits, waits for its prompt's blocks
+            seq, jumped = turn
             may_jump = may_jump and not jumped
             cached = self.blocks.cached_prefix(seq.all_token_ids, seq.salt) if seq.may_use_prefix_cache else []
             num_cached = len(cached) * self.blocks.block_size
@@ -301,14 +304,18 @@ class Scheduler:
             pending[flow] = pending.get(flow, 0) + num_new
         return budget
 
-    def _next_waiting(self, pending: Mapping[Flow, int], may_jump: bool) -> tuple[Sequence, bool]:
+    def _next_waiting(self, pending: Mapping[Flow, int], may_jump: bool) -> tuple[Sequence, bool] | None:
         """The waiting sequence whose turn it is, and whether its class jumped ahead of a higher
         one on its owed share: the class (`ClassShares.order`, or strict priority once a step has
         let a class jump), its tenant with the smallest tag counting `pending`, that tenant's
-        earliest deadline."""
+        earliest deadline. A sequence waiting for another to compute its prompt is passed over;
+        None if only such sequences wait."""
         heads: dict[Flow, Sequence] = {}
         for seq in self.waiting:  # in queue_key order: a flow's first is its earliest deadline
-            heads.setdefault((seq.priority, seq.tenant), seq)
+            if not seq.is_waiting_for_prefix:
+                heads.setdefault((seq.priority, seq.tenant), seq)
+        if not heads:
+            return None
         classes = sorted({priority for priority, _ in heads})
         priority = self._class_shares.order(classes)[0] if may_jump else classes[0]
 

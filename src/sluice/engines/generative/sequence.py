@@ -142,6 +142,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     retry_after_s: float | None = None
     """Refused: how long until the same request would be taken, if nothing else arrived."""
+    prefix_parent: Sequence | None = None
+    """A sequence with the same prompt (another choice of the same request): this one waits to be
+    admitted until that one has computed its prompt, then takes the prompt's full blocks from the
+    prefix cache instead of computing them again."""
     _all: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -178,6 +182,11 @@ class Sequence:
         """False while the prompt's own logits are wanted (prompt log-probabilities): cached blocks
         would skip computing them. Once a token is generated they have all been reported."""
         return self.params.prompt_logprobs is None or self.num_output_tokens > 0
+
+    @property
+    def is_waiting_for_prefix(self) -> bool:
+        parent = self.prefix_parent
+        return parent is not None and not parent.is_finished and parent.num_output_tokens == 0
 
     @property
     def is_prefilling(self) -> bool:
