@@ -194,3 +194,18 @@ def test_a_choice_whose_first_is_aborted_is_admitted_on_its_own(llama_dir):
     engine.abort(["c0"])
     outs = _outputs(engine)
     assert len([t for o in outs["c1"] for t in o.new_token_ids]) == 3
+
+
+def test_a_sequence_whose_prompt_logprobs_fail_ends_alone(llama_dir, hf_greedy, monkeypatch):
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=128))
+    prompt = prompts(29, 1, 12, 12)[0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine._sampler, "prompt_logprobs", broken)
+    engine.add_request("scored", prompt, greedy(4, prompt_logprobs=1))
+    engine.add_request("plain", prompt, greedy(4))
+    outs = _outputs(engine)
+    assert outs["scored"][-1].finish_reason == "error" and not outs["scored"][-1].new_token_ids
+    assert [t for o in outs["plain"] for t in o.new_token_ids] == hf_greedy(llama_dir, prompt, 4)

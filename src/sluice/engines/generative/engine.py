@@ -231,12 +231,13 @@ class LLMEngine:
             except Exception:  # the device or the model: this step's sequences cannot go on
                 log.exception("a model step of %d sequences failed; ending them", len(scheduled.chunks))
                 return outputs + self._fail([chunk.request_id for chunk in scheduled.chunks])
-            if inp.prompt_spans:
-                outputs += self._record_prompt_logprobs(inp, logits)
+            failed = self._record_prompt_logprobs(inp, logits) if inp.prompt_spans else []
             sampled, unsampled = self._sample(scheduled, logits[:inp.num_sample_rows])
             if unsampled:
                 log.error("requests %s could not be sampled (see above); ending them", ", ".join(unsampled))
-                outputs += self._fail(unsampled)
+            for request_id in failed:
+                sampled.pop(request_id, None)
+            outputs += self._fail(unsampled + failed)
         t4 = time.perf_counter()
         outputs += self._process(self._scheduler.update(scheduled, sampled))
         t5 = time.perf_counter()
@@ -281,9 +282,10 @@ class LLMEngine:
                 wanted[chunk.request_id] = req.seq.num_prompt_tokens
         return wanted
 
-    def _record_prompt_logprobs(self, inp: StepInput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _record_prompt_logprobs(self, inp: StepInput, logits: torch.Tensor) -> list[str]:
         """Keep the prompt log-probabilities this step computed (after the sampling rows, span by
-        span); a sequence whose cannot be computed ends alone with an error."""
+        span); the ids of the sequences whose could not be computed (they end alone, with an
+        error, once the step's rows have been sampled)."""
         failed = []
         row = inp.num_sample_rows
         for span in inp.prompt_spans:
@@ -302,7 +304,7 @@ class LLMEngine:
             except Exception:
                 log.exception("request %s: its prompt log-probabilities failed; ending it", span.request_id)
                 failed.append(span.request_id)
-        return self._fail(failed)
+        return failed
 
     def _sample(self, scheduled: SchedulerOutput, logits: object) -> tuple[dict[str, int], list[str]]:
         """The sampled token of each sequence that needs one, and the ids of those that could not
