@@ -151,3 +151,58 @@ def test_v1_near_misses_are_never_5xx(http, body):
     _assert_answered(response)
     if response.status_code != 200:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@st.composite
+def generation_requests(draw) -> tuple[str, dict]:
+    """(path, body): a completion or chat request with sampling fields, some of them junk."""
+    is_chat = draw(st.booleans())
+    body: dict = {"model": draw(st.sampled_from(["tiny", "tiny", "tiny", "nope"])),
+                  "max_tokens": draw(st.integers(1, 4)), "temperature": draw(st.sampled_from([0, 0.7, 1.0]))}
+    keys = ["model", "max_tokens", "temperature", "n", "logprobs", "logit_bias", "presence_penalty",
+            "frequency_penalty", "seed", "stop", "stream", "top_k", "top_p"]
+    if is_chat:
+        body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=20))}]
+        body["logprobs"] = draw(st.booleans())
+        if body["logprobs"]:
+            body["top_logprobs"] = draw(st.integers(0, 3))
+        keys += ["messages", "top_logprobs"]
+    else:
+        body["prompt"] = draw(st.text(min_size=1, max_size=20) | st.lists(st.integers(0, 400), min_size=1, max_size=8))
+        body["logprobs"] = draw(st.none() | st.integers(0, 3))
+        body["echo"] = draw(st.booleans())
+        if body["echo"] and draw(st.booleans()):
+            body["max_tokens"] = 0  # scores the prompt only
+        keys += ["prompt", "echo", "suffix"]
+    for key, values in (("n", st.integers(1, 3)), ("logit_bias", st.dictionaries(
+            st.integers(0, 400).map(str), st.floats(-100, 100), max_size=3)),
+            ("presence_penalty", st.floats(-2, 2)), ("frequency_penalty", st.floats(-2, 2)),
+            ("seed", st.integers(0, 2**63 - 1)), ("stop", st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+            ("stream", st.booleans())):
+        if draw(st.booleans()):
+            body[key] = draw(values)
+    _mutate(draw, body, keys)
+    return ("/v1/chat/completions" if is_chat else "/v1/completions"), body
+
+
+@pytest.fixture(scope="module")
+def generation_http(tmp_path_factory: pytest.TempPathFactory):
+    from tests.conftest import start_server, write_tiny_lm_model
+
+    server = start_server(write_tiny_lm_model(tmp_path_factory.mktemp("repo"), "tiny"),
+                          tmp_path_factory.mktemp("log"))
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Cache-Control": "no-store"}) as client:
+        yield client
+    server.stop()
+
+
+@SETTINGS
+@given(request=generation_requests())
+def test_generation_near_misses_are_never_5xx(generation_http, request):
+    path, body = request
+    response = generation_http.post(path, content=_encode(body))
+    _assert_answered(response)
+    if response.status_code != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text
