@@ -210,3 +210,56 @@ def test_a_request_whose_preparation_fails_unexpectedly_is_answered_and_not_kept
     assert isinstance(result, wire.Result) and result.outcome is wire.Outcome.FAILED
     assert result.errors[0].is_transient  # a 503: not the client's fault
     assert not generations  # nothing left registered: a drain can finish
+
+
+class _RecordingLoop(_Loop):
+    """A `_Loop` that keeps what was submitted (engine id, parameters, prefix_of) and aborted."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, SamplingParams, object]] = []
+        self.aborted: list[str] = []
+
+    def submit(self, request_id: str, prepared: PreparedGeneration, *args: object, **kwargs: object) -> None:
+        self.submitted.append((request_id, prepared.params, kwargs.get("prefix_of")))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+
+def test_n_choices_run_as_seeded_sequences_and_are_answered_once_all_have_ended():
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+    loop = _RecordingLoop()
+    loop.runner = SimpleNamespace(prepare=lambda _: PreparedGeneration([1, 2, 3], SamplingParams(seed=2**63 - 2)))
+    payload = wire.GeneratePayload(prompt="hi", n=3)
+    assert generations.submit(5, b"gw", wire.Submit(50, "tiny", "1", payload, 5.0, "a", 1), loop)  # type: ignore[arg-type]
+    assert [(rid, params.seed, prefix_of) for rid, params, prefix_of in loop.submitted] == [
+        ("5", 2**63 - 2, None), ("5/1", 2**63 - 1, "5"), ("5/2", -(2**63), "5")]  # seeds wrap within 64 bits
+    generations.on_outputs([RequestOutput("5/1", (8,), "b", True, "length", 3, 0, 1),
+                            RequestOutput("5", (7,), "a", True, "stop", 3, 0, 1)], 0.01, {"5": 1, "5/1": 1})
+    assert not [reply for reply in replies if isinstance(reply, wire.Result)]  # choice 2 still runs
+    generations.on_outputs([RequestOutput("5/2", (9, 9), "cc", True, "length", 3, 0, 2)], 0.01, {"5/2": 2})
+    (result,) = [reply for reply in replies if isinstance(reply, wire.Result)]
+    payload_out = result.payload
+    assert isinstance(payload_out, wire.GenerationResult)
+    assert (payload_out.text, payload_out.finish_reason, payload_out.num_output_tokens) == ("a", "stop", 4)
+    assert [(c.text, c.finish_reason) for c in payload_out.choices] == [("b", "length"), ("cc", "length")]
+    assert result.num_tokens == 3 + 4 and not loop.aborted and not generations
+
+
+def test_a_choice_that_fails_ends_the_request_and_withdraws_the_others():
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+    loop = _RecordingLoop()
+    payload = wire.GeneratePayload(prompt="hi", n=3, stream=True)
+    assert generations.submit(6, b"gw", wire.Submit(60, "tiny", "1", payload, 5.0, "a", 1), loop)  # type: ignore[arg-type]
+    generations.on_outputs([RequestOutput("6/2", (4,), "x", True, "length", 3, 0, 1)], 0.01, {"6/2": 1})
+    generations.on_outputs([RequestOutput("6/1", (), "", True, "error", 3, 0, 0)], 0.01, {"6/1": 1})
+    (result,) = [reply for reply in replies if isinstance(reply, wire.Result)]
+    assert result.outcome is wire.Outcome.FAILED and result.request_id == 60
+    assert loop.aborted == ["6"]  # the one still running; choice 2 had ended
+    (chunk,) = [reply for reply in replies if isinstance(reply, wire.TokenChunk)]
+    assert chunk.index == 2 and chunk.text == "x"
+    assert not generations

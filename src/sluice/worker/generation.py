@@ -291,13 +291,12 @@ class Generations:
     def _deliver(self, generation: _Generation, index: int, output: RequestOutput) -> None:
         """A step's new text (and log-probabilities, and the echoed prompt with the first token):
         streamed as a chunk, or kept for the whole answer."""
-        tokenizer = generation.loop.runner.tokenizer
         prompt = None
         if generation.echo_prompt_ids is not None and output.new_token_ids:
-            prompt = _echoed(tokenizer, generation.echo_prompt_ids, output.prompt_logprobs)
+            prompt = _echoed(generation.loop.runner.tokenizer, generation.echo_prompt_ids, output.prompt_logprobs)
             generation.echo_prompt_ids = None
         token_ids, text = list(output.new_token_ids), output.text_delta
-        logprobs = _logprobs(tokenizer, output.logprobs) if output.logprobs else None
+        logprobs = _logprobs(generation.loop.runner.tokenizer, output.logprobs) if output.logprobs else None
         if generation.is_prompt_only:  # scored, not generated: its one token is not reported
             token_ids, text, logprobs = [], "", None
         choice = generation.choices[index]
@@ -333,8 +332,10 @@ class Generations:
             if any(choice.finish_reason is None for choice in generation.choices):
                 return
         else:
-            generation.loop.abort([_engine_id(internal_id, i) for i, choice in enumerate(generation.choices)
-                                   if choice.finish_reason is None])
+            unfinished = [_engine_id(internal_id, i) for i, choice in enumerate(generation.choices)
+                          if choice.finish_reason is None]
+            if unfinished:
+                generation.loop.abort(unfinished)
         del self._by_id[internal_id]
         self._forget(generation.identity, generation.gateway_request_id)
         result = self._result(generation, output)
