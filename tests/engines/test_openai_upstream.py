@@ -91,6 +91,30 @@ def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
     assert "prompt" not in body and "min_tokens" not in body
 
 
+def test_the_request_asks_for_log_probabilities_in_each_endpoints_own_words():
+    config = parse_config(_version("http://h:1/v1"))
+    _, body = request_for(config, wire.GeneratePayload(prompt="hi", logprobs=3))
+    assert body["logprobs"] == 3 and "top_logprobs" not in body
+    _, body = request_for(config, wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")], logprobs=2))
+    assert (body["logprobs"], body["top_logprobs"]) == (True, 2)
+    _, body = request_for(config, wire.GeneratePayload(prompt="hi", frequency_penalty=0.5, logit_bias={7: -5.0}))
+    assert (body["frequency_penalty"], body["logit_bias"]) == (0.5, {"7": -5.0}) and "logprobs" not in body
+
+
+def test_upstream_log_probabilities_are_read_in_both_shapes_and_malformed_ones_are_dropped():
+    from sluice.engines.openai_upstream import _logprobs
+
+    completion = _logprobs({"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": [{" b": -1.0, " a": -0.5}]})
+    assert completion == (wire.TokenLogprob(" a", -1, -0.5, [wire.TopLogprob(" a", -1, -0.5),
+                                                               wire.TopLogprob(" b", -1, -1.0)]),)
+    chat = _logprobs({"content": [{"token": "x", "logprob": -0.1, "bytes": [120],
+                                   "top_logprobs": [{"token": "x", "logprob": -0.1}]}]})
+    assert chat == (wire.TokenLogprob("x", -1, -0.1, [wire.TopLogprob("x", -1, -0.1)]),)
+    for malformed in (None, "x", {"tokens": ["a"], "token_logprobs": ["nan?"]}, {"content": [{"token": "x"}]},
+                      {"tokens": ["a", "b"], "token_logprobs": [-1.0]}):
+        assert _logprobs(malformed) == ()
+
+
 async def test_deltas_are_relayed_then_the_end_with_usage_and_the_key_is_sent(upstream, make_runner, monkeypatch):
     monkeypatch.setenv("UPSTREAM_TEST_KEY", "sk-secret")
     runner = await make_runner(_base(upstream), api_key_env="UPSTREAM_TEST_KEY")

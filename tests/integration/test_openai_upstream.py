@@ -120,11 +120,26 @@ def test_penalties_and_logit_bias_are_forwarded(via_front, direct):
                                                temperature=0, extra_body={"ignore_eos": True}).choices[0].text
 
 
+def test_log_probabilities_are_relayed_unary_and_streamed(via_front, direct):
+    ask = dict(prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    theirs = direct.completions.create(model=UPSTREAM_MODEL, **ask).choices[0].logprobs
+    mine = via_front.completions.create(model="proxy", **ask).choices[0].logprobs
+    assert mine.tokens == theirs.tokens and mine.token_logprobs == pytest.approx(theirs.token_logprobs)
+    assert mine.top_logprobs == theirs.top_logprobs
+    streamed = [t for c in via_front.completions.create(model="proxy", stream=True, **ask)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == theirs.tokens
+    chat = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True,
+                top_logprobs=2, extra_body={"ignore_eos": True})
+    theirs_chat = direct.chat.completions.create(model=UPSTREAM_MODEL, **chat).choices[0].logprobs.content
+    mine_chat = via_front.chat.completions.create(model="proxy", **chat).choices[0].logprobs.content
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in mine_chat] == [
+        (e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in theirs_chat]
+
+
 @pytest.mark.parametrize("path, body, param", [
-    ("completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
     ("completions", {"prompt": "x", "echo": True}, "echo"),
     ("completions", {"prompt": "x", "n": 2}, "n"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
 ])
 def test_what_sluice_does_not_relay_from_an_upstream_is_400(front, path, body, param):
     response = httpx.post(f"{front.url}/v1/{path}", headers={"Authorization": f"Bearer {KEY}"},

@@ -380,7 +380,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         presence_penalty=_bounded(request.presence_penalty, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", -2.0, 2.0, 0.0),
         logit_bias=_logit_bias(request.logit_bias, token_id_limit),
-        logprobs=_logprobs(request, info),
+        logprobs=_logprobs(request),
         echo=_echo(request, info),
         n=_choices(request, info),
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
@@ -475,7 +475,7 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
         raise InvalidInput("only response_format type 'text' is supported", param="response_format")
 
 
-def _logprobs(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> int | None:
+def _logprobs(request: CompletionRequest | ChatRequest) -> int | None:
     """How many alternatives to report per token (None: no log-probabilities). Completions take
     `logprobs: k`; chat takes `logprobs: true` and `top_logprobs: k`, as OpenAI's API does."""
     value = request.logprobs
@@ -494,9 +494,6 @@ def _logprobs(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) ->
         raise InvalidInput(f"'logprobs' must be an integer in [0, {wire.MAX_LOGPROBS}]", param="logprobs")
     else:
         count = _bounded_int(value, "logprobs", 0, wire.MAX_LOGPROBS)
-    if count is not None and info.kind == "openai-upstream":
-        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay its "
-                           f"log-probabilities", param="logprobs")
     return count
 
 

@@ -104,6 +104,8 @@ def parse_config(version: ModelVersion) -> OpenAIUpstreamConfig:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+    logprobs: tuple[wire.TokenLogprob, ...] = ()
+    """The delta's tokens' log-probabilities, when they were asked for (token ids unknown: -1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +151,11 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
     body.update({key: value for key, value in optional.items() if value is not None})
     if payload.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in payload.messages]
+        if payload.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=payload.logprobs)
         return f"{config.base_url}/chat/completions", body
+    if payload.logprobs is not None:
+        body["logprobs"] = payload.logprobs
     body["prompt"] = payload.prompt_token_ids if payload.prompt_token_ids is not None else payload.prompt or ""
     return f"{config.base_url}/completions", body
 
@@ -290,14 +296,36 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or ():
             text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-            if text:
+            logprobs = _logprobs(choice.get("logprobs"))
+            if text or logprobs:
                 num_deltas += 1
-                yield TextDelta(text)
+                yield TextDelta(text or "", logprobs)
             finish_reason = choice.get("finish_reason") or finish_reason
     if finish_reason is None:
         yield CallFailure("upstream stream ended without a finish_reason", is_retryable=True)
         return
     yield _end(finish_reason, usage, num_deltas)
+
+
+def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
+    """A choice's `logprobs`, in either endpoint's shape, as sluice's; () if absent or malformed
+    (text is still relayed: log-probabilities are an addition to it)."""
+    try:
+        if not isinstance(reported, dict):
+            return ()
+        if isinstance(reported.get("content"), list):  # chat
+            return tuple(wire.TokenLogprob(str(entry["token"]), -1, float(entry["logprob"]),
+                                           [wire.TopLogprob(str(top["token"]), -1, float(top["logprob"]))
+                                            for top in entry.get("top_logprobs") or ()])
+                         for entry in reported["content"])
+        tokens, values = reported.get("tokens") or [], reported.get("token_logprobs") or []
+        tops = reported.get("top_logprobs") or [None] * len(tokens)
+        return tuple(wire.TokenLogprob(str(token), -1, float(value),
+                                       [wire.TopLogprob(str(t), -1, float(v))
+                                        for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])])
+                     for token, value, top in zip(tokens, values, tops, strict=True))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ()
 
 
 def _end(finish_reason: str, usage: dict[str, Any] | None, num_deltas: int) -> CallEnd:

@@ -40,6 +40,7 @@ class _Call:
     queued_at: float
     started_at: float = 0.0
     parts: list[str] = field(default_factory=list)
+    logprobs: list[wire.TokenLogprob] = field(default_factory=list)
     is_relayed: bool = False
     task: asyncio.Task[None] | None = None
 
@@ -145,7 +146,7 @@ class UpstreamLoop:
             async with aclosing(self.runner.generate(call.payload, timeout_s)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
-                        self._relay(call, event.text)
+                        self._relay(call, event)
                     else:
                         self._finish(call_id, call, event)
         except Exception:  # a bug here must not leave the request unanswered
@@ -159,13 +160,16 @@ class UpstreamLoop:
             if not self._calls:
                 self._on_idle()
 
-    def _relay(self, call: _Call, text: str) -> None:
+    def _relay(self, call: _Call, delta: TextDelta) -> None:
+        logprobs = list(delta.logprobs) if delta.logprobs and call.payload.logprobs is not None else None
         if call.payload.stream:
-            self._reply(call.identity, wire.TokenChunk(call.request_id, text, []))
+            self._reply(call.identity, wire.TokenChunk(call.request_id, delta.text, [], logprobs=logprobs))
         else:
             if not call.is_relayed:
                 self._reply(call.identity, wire.Started([call.request_id]))
-            call.parts.append(text)
+            call.parts.append(delta.text)
+            if logprobs:
+                call.logprobs.extend(logprobs)
         call.is_relayed = True
 
     def _finish(self, call_id: int, call: _Call, event: CallEnd | CallFailure) -> None:
@@ -177,8 +181,9 @@ class UpstreamLoop:
         if isinstance(event, CallEnd):
             self._call_s += 0.2 * (exec_s - self._call_s)
             text = "" if call.payload.stream else "".join(call.parts)
+            logprobs = call.logprobs if call.payload.logprobs is not None and not call.payload.stream else None
             result = wire.GenerationResult(text, event.finish_reason, event.num_prompt_tokens,
-                                           event.num_cached_tokens, event.num_output_tokens)
+                                           event.num_cached_tokens, event.num_output_tokens, logprobs)
             self._reply(call.identity, wire.Result(
                 call.request_id, wire.Outcome.OK, payload=result, batch_size=1,
                 num_tokens=event.num_prompt_tokens + event.num_output_tokens, **timing))
