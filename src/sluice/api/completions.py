@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -49,6 +47,7 @@ from sluice.api.common import (
     resolve_openai,
     with_version,
 )
+from sluice.api.completion_shapes import ResponseShape
 from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
 from sluice.gateway import Gateway, InferResult
@@ -154,11 +153,12 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at, caller=who, limit_headers=limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     echoed_text = parsed.prompt if isinstance(parsed, CompletionRequest) and payload.echo else None
-    shape = _Shape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs,
+    shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs,
                    echoed_text if isinstance(echoed_text, str) else None, payload.n)
     if not payload.stream:
         result = await _unless_disconnected(request, events, _final(events))
-        return Response(msgspec.json.encode(shape.whole(result)), media_type="application/json",
+        assert isinstance(result.payload, wire.GenerationResult)
+        return Response(msgspec.json.encode(shape.whole(result.payload)), media_type="application/json",
                         headers=with_version(info, result.headers))
     # errors before the first byte become HTTP statuses
     first = await _unless_disconnected(request, events, anext(events))
@@ -199,7 +199,7 @@ async def _final(events: AsyncGenerator[wire.TokenChunk | InferResult, None]) ->
     raise RuntimeError("a generation ended without a result")
 
 
-async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
+async def _sse(shape: ResponseShape, first: wire.TokenChunk | InferResult,
                events: AsyncGenerator[wire.TokenChunk | InferResult, None]) -> AsyncIterator[bytes]:
     try:
         if shape.is_chat:
@@ -234,127 +234,6 @@ async def _sse(shape: _Shape, first: wire.TokenChunk | InferResult,
 
 def _event(content: Any) -> bytes:
     return b"data: " + msgspec.json.encode(content) + b"\n\n"
-
-
-class _Shape:
-    """OpenAI's response and chunk objects for one request (n choices)."""
-
-    def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
-                 prompt_text: str | None = None, n: int = 1) -> None:
-        self.is_chat = is_chat
-        self.model = model
-        self.include_usage = include_usage
-        """Streamed chunks carry `"usage": null` until the last one carries the counts."""
-        self.logprobs = logprobs
-        """The alternatives asked for per token; None: no log-probabilities."""
-        self.prompt_text = prompt_text
-        """An echoed prompt the client sent as text: echoed as sent (else as the worker decoded it)."""
-        self.n = n
-        self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._text_offsets = [0] * n  # each choice's tokens' offsets run on across a stream's chunks
-
-    def _head(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
-
-    def whole(self, result: InferResult) -> dict[str, Any]:
-        payload = result.payload
-        assert isinstance(payload, wire.GenerationResult)
-        first = wire.GeneratedChoice(payload.text, payload.finish_reason, payload.logprobs)
-        choices = [self._choice(index, choice, payload.prompt)
-                   for index, choice in enumerate([first, *payload.choices])]
-        head = self._head("chat.completion" if self.is_chat else "text_completion")
-        return {**head, "choices": choices, "usage": _usage(payload)}
-
-    def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
-        logprobs = self._logprobs(choice.logprobs or [], prompt, index)
-        if self.is_chat:
-            return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason}
-        text = choice.text if prompt is None else self._prompt_text(prompt) + choice.text
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = {**self._head("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def role_chunk(self, index: int = 0) -> dict[str, Any]:
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
-
-    def delta(self, text: str, finish_reason: str | None,
-              reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
-        logprobs = self._logprobs(reported, index=index) if reported else None
-        if self.is_chat:
-            delta = {"content": text} if text or finish_reason is None else {}
-            return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
-        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
-
-    def echo(self, prompt: wire.EchoedPrompt, index: int = 0) -> dict[str, Any]:
-        """A stream's first chunk of a choice when the prompt is echoed: the prompt and its log-probabilities."""
-        return self._chunk({"index": index, "text": self._prompt_text(prompt),
-                            "logprobs": self._logprobs([], prompt, index), "finish_reason": None})
-
-    def _prompt_text(self, prompt: wire.EchoedPrompt) -> str:
-        return self.prompt_text if self.prompt_text is not None else prompt.text
-
-    def usage_chunk(self, payload: wire.GenerationResult) -> dict[str, Any]:
-        name = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return {**self._head(name), "choices": [], "usage": _usage(payload)}
-
-    def _logprobs(self, reported: list[wire.TokenLogprob], prompt: wire.EchoedPrompt | None = None,
-                  index: int = 0) -> dict[str, Any] | None:
-        """A choice's `logprobs` in the endpoint's own shape; None when they were not asked for.
-
-        chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [k of the same]}]}
-        completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob} of the k and
-                      the chosen one], "text_offset"}; an echoed prompt's tokens come first, the
-                      first of them with null for its log-probability and alternatives
-        """
-        if self.logprobs is None:
-            return None
-        if prompt is not None and not self.is_chat:
-            return _joined(self._prompt_logprobs(prompt, index), self._logprobs(reported, index=index))
-        if self.is_chat:
-            return {"content": [{**_chat_logprob(lp.token, lp.logprob),
-                                 "top_logprobs": [_chat_logprob(top.token, top.logprob) for top in lp.top]}
-                                for lp in reported], "refusal": None}
-        offsets = []
-        for lp in reported:
-            offsets.append(self._text_offsets[index])
-            self._text_offsets[index] += len(lp.token)
-        return {"tokens": [lp.token for lp in reported], "token_logprobs": [lp.logprob for lp in reported],
-                "top_logprobs": [{**{top.token: top.logprob for top in lp.top}, lp.token: lp.logprob}
-                                 for lp in reported],
-                "text_offset": offsets}
-
-    def _prompt_logprobs(self, prompt: wire.EchoedPrompt, index: int) -> dict[str, Any]:
-        first = {"tokens": [prompt.first_token], "token_logprobs": [None], "top_logprobs": [None],
-                 "text_offset": [self._text_offsets[index]]}
-        self._text_offsets[index] += len(prompt.first_token)
-        rest = self._logprobs(prompt.logprobs or [], index=index)
-        assert rest is not None
-        return _joined(first, rest)
-
-
-def _joined(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
-    """Two completions `logprobs` objects as one: each list of the first, then the second's."""
-    return {key: values + (tail or {}).get(key, []) for key, values in head.items()}
-
-
-def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-
-def _usage(payload: wire.GenerationResult) -> dict[str, Any]:
-    return {
-        "prompt_tokens": payload.num_prompt_tokens,
-        "completion_tokens": payload.num_output_tokens,
-        "total_tokens": payload.num_prompt_tokens + payload.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": payload.num_cached_tokens},
-    }
 
 
 # -- validation --------------------------------------------------------------------------------

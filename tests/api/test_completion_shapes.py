@@ -1,0 +1,50 @@
+"""OpenAI's completion and chat objects built from wire values: n choices, log-probabilities in
+each endpoint's shape, an echoed prompt's tokens before the generated ones."""
+
+from __future__ import annotations
+
+from sluice import wire
+from sluice.api.completion_shapes import ResponseShape
+
+
+def _lp(token: str, value: float, *top: tuple[str, float]) -> wire.TokenLogprob:
+    return wire.TokenLogprob(token, 0, value, [wire.TopLogprob(t, 0, v) for t, v in top])
+
+
+def _result(**fields: object) -> wire.GenerationResult:
+    defaults: dict[str, object] = dict(text=" b", finish_reason="length", num_prompt_tokens=2, num_cached_tokens=0,
+                                       num_output_tokens=1)
+    return wire.GenerationResult(**{**defaults, **fields})  # type: ignore[arg-type]
+
+
+def test_an_echoed_prompt_comes_first_with_null_for_its_first_token_and_offsets_run_on():
+    prompt = wire.EchoedPrompt("Hi a", "Hi", [_lp(" a", -1.0, (" x", -0.5))])
+    body = ResponseShape(False, "m", logprobs=1, prompt_text="Hi a").whole(
+        _result(logprobs=[_lp(" b", -0.2, (" b", -0.2))], prompt=prompt))
+    (choice,) = body["choices"]
+    assert choice["text"] == "Hi a b"
+    assert choice["logprobs"] == {"tokens": ["Hi", " a", " b"], "token_logprobs": [None, -1.0, -0.2],
+                                  "top_logprobs": [None, {" x": -0.5, " a": -1.0}, {" b": -0.2}],
+                                  "text_offset": [0, 2, 4]}
+    assert body["usage"]["completion_tokens"] == 1
+
+
+def test_n_chat_choices_each_have_their_index_and_top_logprobs():
+    choices = [wire.GeneratedChoice(" c", "stop", [_lp(" c", -0.3, (" c", -0.3), (" d", -2.0))])]
+    body = ResponseShape(True, "m", logprobs=2, n=2).whole(
+        _result(logprobs=[_lp(" b", -0.2, (" b", -0.2), (" e", -1.5))], choices=choices))
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == [" b", " c"]
+    second = body["choices"][1]["logprobs"]["content"][0]
+    assert second == {"token": " c", "logprob": -0.3, "bytes": [32, 99],
+                      "top_logprobs": [{"token": " c", "logprob": -0.3, "bytes": [32, 99]},
+                                       {"token": " d", "logprob": -2.0, "bytes": [32, 100]}]}
+
+
+def test_streamed_offsets_are_kept_per_choice_and_nothing_is_reported_unless_asked():
+    shape = ResponseShape(False, "m", logprobs=0, n=2)
+    assert shape.delta("ab", None, [_lp("ab", -1.0)], index=1)["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert shape.delta("c", None, [_lp("c", -1.0)], index=0)["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert shape.delta("d", None, [_lp("d", -1.0)], index=1)["choices"][0]["logprobs"]["text_offset"] == [2]
+    plain = ResponseShape(False, "m").delta("x", None, [_lp("x", -1.0)])
+    assert plain["choices"][0]["logprobs"] is None
