@@ -56,7 +56,7 @@ def engine_for(model_dir: Path, batch: int) -> LLMEngine:
 def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, logprobs: int | None = None
                      ) -> dict[str, float]:
     engine = engine_for(model_dir, num_seqs)
-    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True, logprobs=logprobs)
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True, logprobs=logprobs)  # within 1,024
     for i, (prompt, _) in enumerate(request_set(num_seqs, engine.spec.vocab_size, seed=1)):
         engine.add_request(f"d{i}", prompt[:64], params)
     while engine.stats().last_step is None or engine.stats().last_step.num_batched_tokens != num_seqs:
@@ -91,7 +91,7 @@ def choices_cost(model_dir: Path, n: int, rounds: int) -> dict[str, dict[str, fl
     """`n` greedy choices of one 256-token prompt, sharing its blocks or each computing it."""
     engine = engine_for(model_dir, 32)
     prompt = request_set(1, engine.spec.vocab_size, seed=3)[0][0]
-    prompt = (prompt * 2)[:256]
+    prompt = (prompt * 8)[:256]
     taken: dict[str, list[tuple[float, int]]] = {"shared": [], "each computes": []}
     for r in range(rounds):
         for label in taken:
