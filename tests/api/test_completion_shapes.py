@@ -19,8 +19,8 @@ def _result(**fields: object) -> wire.GenerationResult:
 
 def test_an_echoed_prompt_comes_first_with_null_for_its_first_token_and_offsets_run_on():
     prompt = wire.EchoedPrompt("Hi a", "Hi", [_lp(" a", -1.0, (" x", -0.5))])
-    body = ResponseShape(False, "m", logprobs=1, prompt_text="Hi a").whole(
-        _result(logprobs=[_lp(" b", -0.2, (" b", -0.2))], prompt=prompt))
+    body = ResponseShape(False, "m", logprobs=1, prompt_texts=["Hi a"]).whole(
+        [_result(logprobs=[_lp(" b", -0.2, (" b", -0.2))], prompt=prompt)])
     (choice,) = body["choices"]
     assert choice["text"] == "Hi a b"
     assert choice["logprobs"] == {"tokens": ["Hi", " a", " b"], "token_logprobs": [None, -1.0, -0.2],
@@ -32,7 +32,7 @@ def test_an_echoed_prompt_comes_first_with_null_for_its_first_token_and_offsets_
 def test_n_chat_choices_each_have_their_index_and_top_logprobs():
     choices = [wire.GeneratedChoice(" c", "stop", [_lp(" c", -0.3, (" c", -0.3), (" d", -2.0))])]
     body = ResponseShape(True, "m", logprobs=2, n=2).whole(
-        _result(logprobs=[_lp(" b", -0.2, (" b", -0.2), (" e", -1.5))], choices=choices))
+        [_result(logprobs=[_lp(" b", -0.2, (" b", -0.2), (" e", -1.5))], choices=choices)])
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["message"]["content"] for c in body["choices"]] == [" b", " c"]
     second = body["choices"][1]["logprobs"]["content"][0]
@@ -48,3 +48,14 @@ def test_streamed_offsets_are_kept_per_choice_and_nothing_is_reported_unless_ask
     assert shape.delta("d", None, [_lp("d", -1.0)], index=1)["choices"][0]["logprobs"]["text_offset"] == [2]
     plain = ResponseShape(False, "m").delta("x", None, [_lp("x", -1.0)])
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt_and_sums_usage():
+    shape = ResponseShape(False, "m", prompt_texts=["a", None], n=2)
+    first, second = wire.EchoedPrompt("a", "a"), wire.EchoedPrompt("decoded b", "b")
+    body = shape.whole([_result(text="1", choices=[wire.GeneratedChoice("2", "stop")], prompt=first),
+                        _result(text="3", choices=[wire.GeneratedChoice("4", "length")], prompt=second,
+                                num_prompt_tokens=5, num_output_tokens=2)])
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a1"), (1, "a2"), (2, "decoded b3"),
+                                                                  (3, "decoded b4")]
+    assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 3

@@ -123,7 +123,9 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "temperature": 5}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [5]]}, "prompt"),
+    ({"prompt": [[5, 6], []]}, "prompt"),
+    ({"prompt": ["a"] * 65, "n": 2}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ])
 def test_unsupported_or_invalid_fields_are_400(server, body, param):
@@ -415,6 +417,37 @@ def test_a_client_that_disconnects_frees_all_its_choices(server, client):
     stream.close()
     eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
               "the disconnected client's sequences kept running")
+
+
+def test_a_batch_of_prompts_answers_each_prompts_choices_in_order_and_sums_usage(client):
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs) for p in ("Once upon", "The weather")]
+    batch = client.completions.create(prompt=["Once upon", "The weather"], n=2, **kwargs)
+    assert [(c.index, c.text) for c in batch.choices] == [
+        (0, alone[0].choices[0].text), (1, alone[0].choices[0].text),
+        (2, alone[1].choices[0].text), (3, alone[1].choices[0].text)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 16
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(prompt=["Once upon", "The weather"], n=2, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in batch.choices]
+
+
+def test_a_batch_of_token_id_prompts_is_scored_as_lm_evaluation_harness_sends_it(server):
+    # lm-evaluation-harness's local-completions loglikelihood: prompts as lists of token ids, even
+    # one; echo with logprobs 1 and max_tokens 1; the context's log-probabilities are read from the
+    # echoed prompt
+    prompts = [[7, 30, 111, 250], [42, 9, 200]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+            "seed": 1234}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    assert [len(c["logprobs"]["token_logprobs"]) for c in choices] == [5, 4]  # each prompt and one token
+    one = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [prompts[1]]}, timeout=60).json()
+    assert one["choices"][0]["logprobs"]["token_logprobs"] == choices[1]["logprobs"]["token_logprobs"]
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_as_evaluation_harnesses_ask(client):

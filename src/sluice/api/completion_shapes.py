@@ -1,12 +1,14 @@
 """OpenAI's response and chunk objects for one generation request: `/v1/completions`' and
 `/v1/chat/completions`' bodies, their streamed chunks, usage and log-probabilities, for n choices
-and an echoed prompt. Pure: wire values in, JSON-ready dicts out.
+of each of m prompts (choice `j` of prompt `p` is index `p * n + j`, as OpenAI numbers them) and
+echoed prompts. Pure: wire values in, JSON-ready dicts out.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from sluice import wire
@@ -15,40 +17,44 @@ __all__ = ["ResponseShape", "usage"]
 
 
 class ResponseShape:
-    """OpenAI's response and chunk objects for one request (n choices)."""
+    """OpenAI's response and chunk objects for one request (m prompts, n choices each)."""
 
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
-                 prompt_text: str | None = None, n: int = 1) -> None:
+                 prompt_texts: Sequence[str | None] = (None,), n: int = 1) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
         """Streamed chunks carry `"usage": null` until the last one carries the counts."""
         self.logprobs = logprobs
         """The alternatives asked for per token; None: no log-probabilities."""
-        self.prompt_text = prompt_text
-        """An echoed prompt the client sent as text: echoed as sent (else as the worker decoded it)."""
+        self.prompt_texts = list(prompt_texts)
+        """Each prompt, if the client sent it as text: an echo repeats it as sent (else as the worker
+        decoded its tokens)."""
         self.n = n
+        self.num_choices = n * len(self.prompt_texts)
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._text_offsets = [0] * n  # each choice's tokens' offsets run on across a stream's chunks
+        self._text_offsets = [0] * self.num_choices  # each choice's token offsets run on across a stream's chunks
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def whole(self, payload: wire.GenerationResult) -> dict[str, Any]:
-        """The unstreamed response body."""
-        first = wire.GeneratedChoice(payload.text, payload.finish_reason, payload.logprobs)
-        choices = [self._choice(index, choice, payload.prompt)
-                   for index, choice in enumerate([first, *payload.choices])]
+    def whole(self, payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
+        """The unstreamed response body: each prompt's result, in prompt order."""
+        choices = []
+        for p, payload in enumerate(payloads):
+            first = wire.GeneratedChoice(payload.text, payload.finish_reason, payload.logprobs)
+            choices += [self._choice(p * self.n + j, choice, payload.prompt)
+                        for j, choice in enumerate([first, *payload.choices])]
         head = self._head("chat.completion" if self.is_chat else "text_completion")
-        return {**head, "choices": choices, "usage": usage(payload)}
+        return {**head, "choices": choices, "usage": usage(payloads)}
 
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
         if self.is_chat:
             return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
-        text = choice.text if prompt is None else self._prompt_text(prompt) + choice.text
+        text = choice.text if prompt is None else self._prompt_text(prompt, index) + choice.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -71,15 +77,22 @@ class ResponseShape:
 
     def echo(self, prompt: wire.EchoedPrompt, index: int = 0) -> dict[str, Any]:
         """A stream's first chunk of a choice when the prompt is echoed: the prompt and its log-probabilities."""
-        return self._chunk({"index": index, "text": self._prompt_text(prompt),
+        return self._chunk({"index": index, "text": self._prompt_text(prompt, index),
                             "logprobs": self._logprobs([], prompt, index), "finish_reason": None})
 
-    def _prompt_text(self, prompt: wire.EchoedPrompt) -> str:
-        return self.prompt_text if self.prompt_text is not None else prompt.text
+    def _prompt_text(self, prompt: wire.EchoedPrompt, index: int) -> str:
+        sent = self.prompt_texts[index // self.n]
+        return sent if sent is not None else prompt.text
 
-    def usage_chunk(self, payload: wire.GenerationResult) -> dict[str, Any]:
+    def finish_chunks(self, p: int, payload: wire.GenerationResult) -> list[dict[str, Any]]:
+        """A stream's last chunk of each of prompt `p`'s choices, with its finish reason."""
+        return [self.delta(choice.text, choice.finish_reason, index=p * self.n + j)
+                for j, choice in enumerate([wire.GeneratedChoice(payload.text, payload.finish_reason),
+                                            *payload.choices])]
+
+    def usage_chunk(self, payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return {**self._head(name), "choices": [], "usage": usage(payload)}
+        return {**self._head(name), "choices": [], "usage": usage(payloads)}
 
     def _logprobs(self, reported: list[wire.TokenLogprob], prompt: wire.EchoedPrompt | None = None,
                   index: int = 0) -> dict[str, Any] | None:
@@ -125,10 +138,13 @@ def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def usage(payload: wire.GenerationResult) -> dict[str, Any]:
+def usage(payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
+    """The request's token counts: every prompt's, and every choice's output."""
+    num_prompt_tokens = sum(p.num_prompt_tokens for p in payloads)
+    num_output_tokens = sum(p.num_output_tokens for p in payloads)
     return {
-        "prompt_tokens": payload.num_prompt_tokens,
-        "completion_tokens": payload.num_output_tokens,
-        "total_tokens": payload.num_prompt_tokens + payload.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": payload.num_cached_tokens},
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(p.num_cached_tokens for p in payloads)},
     }

@@ -11,9 +11,10 @@ stream's first token, or reading the stream. Fields `vllm bench serve` sends (`i
 `frequency_penalty`, `logit_bias` and `logprobs` (completions: `logprobs: k`; chat: `logprobs: true`
 with `top_logprobs: k`; k up to 20, from the model's own distribution), and completions' `echo`
 (the prompt before the text, with its tokens' log-probabilities; `max_tokens: 0` only scores the
-prompt, as evaluation harnesses ask), and `n` completions of one prompt (up to 16, each its own
-sequence on the worker, answered and charged as one request); tools and other response formats
-are refused with a 400 rather than silently ignored. `null` for an
+prompt, as evaluation harnesses ask), `n` completions of one prompt (up to 16, each its own
+sequence on the worker, answered and charged as one request), and batches of prompts (each a
+generation of its own through the gateway; their answers joined, their streams merged); tools
+and other response formats are refused with a 400 rather than silently ignored. `null` for an
 optional field means "not given", as in OpenAI's API.
 
 What the model reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked
@@ -27,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -63,7 +64,9 @@ TOKEN_ID_LIMIT = 1 << 31
 DEFAULT_CHAT_MAX_TOKENS = 1024
 """max_tokens of a chat request that sends none: capped at what the context leaves."""
 MAX_CHOICES = 16
-"""The most completions (`n`) one request may ask for: each is a sequence of its own on the worker."""
+"""The most completions (`n`) of one prompt a request may ask for: each is a sequence of its own."""
+MAX_CHOICES_PER_REQUEST = 128
+"""The most prompts x `n` one request may ask for (a batch of prompts is one generation each)."""
 MAX_LOGIT_BIAS = 1024
 """Token ids one request may bias (OpenAI documents no limit; the sampler's work grows with it)."""
 
@@ -145,31 +148,56 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     if info.kind not in ("generative", "openai-upstream"):
         raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
                            f"/v2/models/{parsed.model}/infer", param="model")
-    payload = _to_payload(parsed, info)
+    payloads = _to_payloads(parsed, info)
+    first = payloads[0]
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
-    estimate = _estimate_tokens(payload)
-    limit_headers: dict[str, str] | None = {} if payload.stream else None  # a whole answer has its own
-    who = caller(request, priority, estimate, is_traced=gateway.is_tracing)
-    events = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at, caller=who, limit_headers=limit_headers)
+    limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
+    streams = [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
+                                caller=caller(request, priority, _estimate_tokens(payload),
+                                              is_traced=gateway.is_tracing),
+                                limit_headers=limit_headers if p == 0 else None)
+               for p, payload in enumerate(payloads)]
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
-    echoed_text = parsed.prompt if isinstance(parsed, CompletionRequest) and payload.echo else None
-    shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, payload.logprobs,
-                   echoed_text if isinstance(echoed_text, str) else None, payload.n)
-    if not payload.stream:
-        result = await _unless_disconnected(request, events, _final(events))
-        assert isinstance(result.payload, wire.GenerationResult)
-        return Response(msgspec.json.encode(shape.whole(result.payload)), media_type="application/json",
-                        headers=with_version(info, result.headers))
+    prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
+    shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
+                          first.n)
+    if not first.stream:
+        results = await _unless_disconnected(request, streams, _each(streams, _final))
+        answers = [result.payload for result in results if isinstance(result.payload, wire.GenerationResult)]
+        assert len(answers) == len(results)
+        return Response(msgspec.json.encode(shape.whole(answers)), media_type="application/json",
+                        headers=with_version(info, results[0].headers))
     # errors before the first byte become HTTP statuses
-    first = await _unless_disconnected(request, events, anext(events))
-    return StreamingResponse(_sse(shape, first, events), media_type="text/event-stream",
+    firsts = await _unless_disconnected(request, streams, _each(streams, anext))
+    return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams), media_type="text/event-stream",
                              headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
                                                          **(limit_headers or {})}))
 
 
-async def _unless_disconnected(request: Request, events: AsyncGenerator[Any, None], waiting: Awaitable[T]) -> T:
-    """What `waiting` (on `events`) gives, unless the client disconnects first: then the generation
-    is withdrawn from its worker (its blocks freed within a step) and nobody is answered."""
+Events = AsyncGenerator[wire.TokenChunk | InferResult, None]
+"""One prompt's generation through the gateway: its chunks (if streamed), then its result."""
+
+
+async def _each(streams: list[Events], first: Callable[[Events], Awaitable[T]]) -> list[T]:
+    """`first(stream)` of every prompt's stream, at once; if one fails, the others are withdrawn
+    and its error is the request's."""
+    if len(streams) == 1:
+        return [await first(streams[0])]
+    tasks = [asyncio.ensure_future(first(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+
+
+async def _unless_disconnected(request: Request, streams: list[Events], waiting: Awaitable[T]) -> T:
+    """What `waiting` (on `streams`) gives, unless the client disconnects first: then the
+    generations are withdrawn from their workers (blocks freed within a step) and nobody is answered."""
     work = asyncio.ensure_future(waiting)
     watch = asyncio.ensure_future(_disconnect(request))
     try:
@@ -180,7 +208,8 @@ async def _unless_disconnected(request: Request, events: AsyncGenerator[Any, Non
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-            await events.aclose()  # withdraws the request (its cancellation may have done so already)
+            for stream in streams:
+                await stream.aclose()  # withdraws the request (its cancellation may have done so already)
     if not work.cancelled():
         return work.result()
     raise InvalidInput("the client disconnected before the answer was ready")
@@ -192,43 +221,90 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _final(events: AsyncGenerator[wire.TokenChunk | InferResult, None]) -> InferResult:
+async def _final(events: Events) -> InferResult:
     async for event in events:
         if isinstance(event, InferResult):
             return event
     raise RuntimeError("a generation ended without a result")
 
 
-async def _sse(shape: ResponseShape, first: wire.TokenChunk | InferResult,
-               events: AsyncGenerator[wire.TokenChunk | InferResult, None]) -> AsyncIterator[bytes]:
+async def _tagged(firsts: list[wire.TokenChunk | InferResult], streams: list[Events]
+                  ) -> AsyncGenerator[tuple[int, wire.TokenChunk | InferResult], None]:
+    """Every prompt's events, each with its prompt's position, as they come, until every prompt's
+    result has come. One prompt's events are read directly; several are merged through a queue."""
+    if len(streams) == 1:
+        event: wire.TokenChunk | InferResult | None = firsts[0]
+        while event is not None:
+            yield 0, event
+            if isinstance(event, InferResult):
+                return
+            event = await anext(streams[0], None)
+        raise RuntimeError("a generation ended without a result")
+    queue: asyncio.Queue[tuple[int, wire.TokenChunk | InferResult | BaseException]] = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(p, first, stream, queue))
+             for p, (first, stream) in enumerate(zip(firsts, streams, strict=True))]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                p, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield p, item
+                if isinstance(item, InferResult):
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(p: int, first: wire.TokenChunk | InferResult, stream: Events,
+                queue: asyncio.Queue[tuple[int, wire.TokenChunk | InferResult | BaseException]]) -> None:
+    """Prompt `p`'s events into `queue`, up to its result, or the error that ended it."""
+    try:
+        event = first
+        while not isinstance(event, InferResult):
+            queue.put_nowait((p, event))
+            event = await anext(stream)
+        queue.put_nowait((p, event))
+    except StopAsyncIteration:
+        queue.put_nowait((p, RuntimeError("a generation ended without a result")))
+    except Exception as exc:
+        queue.put_nowait((p, exc))
+
+
+async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.TokenChunk | InferResult], None],
+               streams: list[Events]) -> AsyncIterator[bytes]:
+    n = shape.n
+    finals: list[wire.GenerationResult] = []
     try:
         if shape.is_chat:
-            for index in range(shape.n):
+            for index in range(shape.num_choices):
                 yield _event(shape.role_chunk(index))
-        event: wire.TokenChunk | InferResult | None = first
-        while event is not None:
+        async for p, event in events:
             if isinstance(event, InferResult):
                 payload = event.payload
                 assert isinstance(payload, wire.GenerationResult)
-                yield _event(shape.delta(payload.text, payload.finish_reason))
-                for index, choice in enumerate(payload.choices, start=1):
-                    yield _event(shape.delta(choice.text, choice.finish_reason, index=index))
-                if shape.include_usage:
-                    yield _event(shape.usage_chunk(payload))
-                break
-            if event.prompt is not None:  # with the first token of any choice: every choice starts with it
-                for index in range(shape.n):
+                finals.append(payload)
+                for chunk in shape.finish_chunks(p, payload):
+                    yield _event(chunk)
+                continue
+            if event.prompt is not None:  # with the prompt's first token: each of its choices starts with it
+                for index in range(p * n, p * n + n):
                     yield _event(shape.echo(event.prompt, index))
             if event.text or (shape.logprobs is not None and event.logprobs):
-                yield _event(shape.delta(event.text, None, event.logprobs, event.index))
-            event = await anext(events, None)
+                yield _event(shape.delta(event.text, None, event.logprobs, p * n + event.index))
+        if shape.include_usage:
+            yield _event(shape.usage_chunk(finals))
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
         yield _event(error_body(exc))
     except Exception as exc:  # a bug: the client still gets an error event and a clean end
         log.exception("internal error while streaming %s", shape.id)
         yield _event(error_body(exc))
     finally:
-        await events.aclose()  # withdraws the sequence if we stopped early (client gone)
+        await events.aclose()
+        for stream in streams:
+            await stream.aclose()  # withdraws the sequences if we stopped early (client gone)
     yield b"data: [DONE]\n\n"
 
 
@@ -239,7 +315,8 @@ def _event(content: Any) -> bytes:
 # -- validation --------------------------------------------------------------------------------
 
 
-def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> wire.GeneratePayload:
+def _to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> list[wire.GeneratePayload]:
+    """One payload per prompt (a chat has one; a completion may send a batch of them)."""
     _refuse_unsupported(request)
     max_tokens, max_tokens_param, is_max_tokens_default = _max_tokens(request)
     min_tokens = _bounded_int(request.min_tokens or 0, "min_tokens", 0, MAX_TOKENS_LIMIT)
@@ -249,6 +326,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
     if request.stream_options is not None and not request.stream:
         raise InvalidInput("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     token_id_limit = info.vocab_size or TOKEN_ID_LIMIT
+    n = _choices(request, info)
     sampling = dict(
         max_tokens=max_tokens,
         min_tokens=min(min_tokens, max_tokens),
@@ -261,7 +339,7 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         logit_bias=_logit_bias(request.logit_bias, token_id_limit),
         logprobs=_logprobs(request),
         echo=_echo(request, info),
-        n=_choices(request, info),
+        n=n,
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
         stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
@@ -273,22 +351,43 @@ def _to_payload(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         messages = _messages(request.messages)
         _check_prompt_chars(sum(len(m.content) for m in messages), "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
-        return wire.GeneratePayload(messages=messages, **sampling)  # type: ignore[arg-type]
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = _token_ids(prompt, "prompt", token_id_limit)
-        _check_context(len(ids), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
-        return wire.GeneratePayload(prompt_token_ids=ids, **sampling)  # type: ignore[arg-type]
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidInput("'prompt' must be a string, a list holding one string, or a list of token ids "
-                               "(batched prompts are not supported; send one request each)", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise InvalidInput("'prompt' must not be empty", param="prompt")
-    _check_prompt_chars(len(prompt), "prompt", info)
-    _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
-    return wire.GeneratePayload(prompt=prompt, **sampling)  # type: ignore[arg-type]
+        return [wire.GeneratePayload(messages=messages, **sampling)]  # type: ignore[arg-type]
+    prompts = _prompts(request.prompt, token_id_limit)
+    if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
+        raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "
+                           f"{MAX_CHOICES_PER_REQUEST} one request may ask for", param="prompt")
+    payloads = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            _check_prompt_chars(len(prompt), "prompt", info)
+            _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
+            payloads.append(wire.GeneratePayload(prompt=prompt, **sampling))  # type: ignore[arg-type]
+        else:
+            _check_context(len(prompt), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
+            payloads.append(wire.GeneratePayload(prompt_token_ids=prompt, **sampling))  # type: ignore[arg-type]
+    return payloads
+
+
+def _prompts(prompt: str | list[Any], token_id_limit: int) -> list[str | list[int]]:
+    """A completion's prompts, as OpenAI's API takes them: a string, a list of token ids, or a
+    batch of either (a list of strings; a list of lists of token ids)."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        prompts = prompt
+    else:
+        raise InvalidInput("'prompt' must be a string, a list of token ids, or a list of either", param="prompt")
+    if len(prompts) > MAX_CHOICES_PER_REQUEST:
+        raise InvalidInput(f"'prompt' holds {len(prompts)} prompts; one request takes at most "
+                           f"{MAX_CHOICES_PER_REQUEST}", param="prompt")
+    out: list[str | list[int]] = []
+    for one in prompts:
+        if not one:
+            raise InvalidInput("'prompt' must not be empty", param="prompt")
+        out.append(one if isinstance(one, str) else _token_ids(one, "prompt", token_id_limit))
+    return out
 
 
 def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:
