@@ -450,6 +450,15 @@ def test_a_batch_of_token_id_prompts_is_scored_as_lm_evaluation_harness_sends_it
     assert one["choices"][0]["logprobs"]["token_logprobs"] == choices[1]["logprobs"]["token_logprobs"]
 
 
+def test_a_deadline_that_passes_while_n_choices_run_is_504_and_frees_them_all(server):
+    body = {"model": MODEL, "prompt": "Keep going", "max_tokens": 900, "n": 3, "temperature": 0.8, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Timeout-Ms": "700"},
+                          timeout=60)
+    assert response.status_code == 504, response.text
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+              "the expired request's sequences kept running")
+
+
 def test_echo_with_max_tokens_zero_scores_the_prompt_as_evaluation_harnesses_ask(client):
     prompt = [7, 30, 111, 250, 42, 9]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
