@@ -132,7 +132,32 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     """Choices 1 .. n-1 when n > 1 (the fields above are choice 0's; `num_output_tokens` counts all)."""
 
 
-Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult
+class TokenizePayload(msgspec.Struct, frozen=True, tag="tokenize"):
+    """The model's tokenizer on text, on chat messages (rendered with its chat template), or back
+    from token ids (`token_ids`): answered by the worker at once, on no device."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizerInfo(msgspec.Struct, frozen=True):
+    eos_token: str | None
+    bos_token: str | None
+    chat_template: str | None
+    max_model_len: int
+
+
+class TokenizeResult(msgspec.Struct, frozen=True, tag="tokenized"):
+    token_ids: list[int]
+    text: str
+    """The token ids decoded (for `token_ids`), or the text that was tokenized."""
+    tokenizer: TokenizerInfo
+
+
+Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult | TokenizePayload | TokenizeResult
 
 
 def num_items(payload: Payload) -> int:

@@ -459,6 +459,33 @@ def test_a_deadline_that_passes_while_n_choices_run_is_504_and_frees_them_all(se
               "the expired request's sequences kept running")
 
 
+def test_the_tokenizer_endpoints_agree_with_what_generation_counts(server, client):
+    prompt = "The weather today is"
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=60).json()
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).usage
+    assert tokens["count"] == len(tokens["tokens"]) == usage.prompt_tokens and tokens["max_model_len"] == 1024
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, timeout=60)
+    assert back.json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60).json()
+    chat_usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0).usage
+    assert chat["count"] == chat_usage.prompt_tokens
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] and info["model_max_length"] == 1024 and "messages" in info["chat_template"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/detokenize", {"tokens": [5, 99_999_999]}, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+])
+def test_tokenizer_requests_the_model_cannot_take_are_400(server, path, body, param):
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_echo_with_max_tokens_zero_scores_the_prompt_as_evaluation_harnesses_ask(client):
     prompt = [7, 30, 111, 250, 42, 9]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)

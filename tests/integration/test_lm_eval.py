@@ -64,3 +64,20 @@ def test_generate_until_returns_each_requests_text(served):
     texts = harness.generate_until(requests)
     assert len(texts) == 2 and all(isinstance(text, str) for text in texts)
     assert texts[0] != texts[1]
+
+
+def test_with_no_tokenizer_of_its_own_the_harness_tokenizes_through_the_server(served):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    server, model_dir = served
+    remote = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, tokenizer_backend="auto",
+                                 max_length=1024, batch_size=2, max_retries=1)
+    assert remote.tokenizer_backend == "remote"  # it found /tokenizer_info and /tokenize
+    pairs = [("The weather today", " is nice"), ("Once upon a time", " there was")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    local = _harness(server, model_dir, 2)
+    assert remote.tok_encode("Once upon a time") == local.tok_encode("Once upon a time")
+    by_server, by_files = remote.loglikelihood(requests), local.loglikelihood(requests)
+    assert [greedy for _, greedy in by_server] == [greedy for _, greedy in by_files]
+    assert [value for value, _ in by_server] == pytest.approx([value for value, _ in by_files], abs=1e-5)

@@ -348,7 +348,7 @@ def _to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo)
         is_max_tokens_default=is_max_tokens_default,
     )
     if isinstance(request, ChatRequest):
-        messages = _messages(request.messages)
+        messages = messages_of(request.messages)
         _check_prompt_chars(sum(len(m.content) for m in messages), "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
         return [wire.GeneratePayload(messages=messages, **sampling)]  # type: ignore[arg-type]
@@ -508,7 +508,8 @@ def _logit_bias(bias: dict[str, float] | None, token_id_limit: int) -> dict[int,
     return out
 
 
-def _messages(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
+def messages_of(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
+    """Chat messages as the worker takes them: text parts joined, `developer` as `system`."""
     if not messages:
         raise InvalidInput("'messages' must not be empty", param="messages")
     out = []

@@ -193,6 +193,9 @@ class Generations:
         A large prompt is prepared on a thread: then True, and a failure is answered later."""
         payload = message.payload
         deadline = self._clock.now() + message.timeout_s
+        if isinstance(payload, wire.TokenizePayload):
+            self._tokenize(identity, message.request_id, payload, loop.runner)
+            return False
         if not isinstance(payload, wire.GeneratePayload):
             error = InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
             self._refuse(identity, message.request_id, error)
@@ -252,6 +255,32 @@ class Generations:
             except Exception:
                 generation.loop.abort([_engine_id(internal_id, i) for i in range(index)])
                 raise
+
+    def _tokenize(self, identity: bytes, request_id: int, payload: wire.TokenizePayload,
+                  runner: GenerativeRunner) -> None:
+        """Answer a tokenizer request at once (the engine is not involved); a long text on a thread."""
+        size = len(payload.prompt or "") + sum(len(m.content) for m in payload.messages or ())
+        if size <= OFF_LOOP_PROMPT_CHARS:
+            self._answer_tokenized(identity, request_id, lambda: runner.tokenize(payload))
+            return
+
+        async def off_loop() -> None:
+            result = await asyncio.to_thread(_outcome, lambda: runner.tokenize(payload))
+            self._answer_tokenized(identity, request_id, lambda: result)
+
+        task = asyncio.create_task(off_loop())
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+
+    def _answer_tokenized(self, identity: bytes, request_id: int,
+                          tokenize: Callable[[], wire.TokenizeResult | Exception]) -> None:
+        outcome = _outcome(tokenize)
+        if isinstance(outcome, InvalidInput):
+            self._refuse(identity, request_id, outcome)
+        elif isinstance(outcome, Exception):
+            self._reply(identity, _failure(request_id, 0, 0.0))
+        else:
+            self._reply(identity, wire.Result(request_id, wire.Outcome.OK, payload=outcome))
 
     def _refuse(self, identity: bytes, request_id: int, error: InvalidInput) -> None:
         """Answer a request the engine cannot serve (400, naming the field where known)."""
@@ -373,6 +402,17 @@ class Generations:
         if reason == "error":
             return _failure(request_id, num_tokens, generation.device_s)
         return None
+
+
+def _outcome(tokenize: Callable[[], wire.TokenizeResult | Exception]) -> wire.TokenizeResult | Exception:
+    """`tokenize()`'s result, or the exception it raised (logged unless it is the input's fault)."""
+    try:
+        return tokenize()
+    except InvalidInput as exc:
+        return exc
+    except Exception as exc:
+        log.exception("a tokenizer request failed")
+        return exc
 
 
 def _engine_id(internal_id: int, index: int) -> str:

@@ -122,17 +122,38 @@ class GenerativeRunner:
             raise InvalidInput(str(exc)) from exc
         return PreparedGeneration(ids, params, is_prompt_only)
 
+    def tokenize(self, payload: wire.TokenizePayload) -> wire.TokenizeResult:
+        """The tokenizer alone (`/tokenize`, `/detokenize`, `/tokenizer_info`); `InvalidInput` for
+        token ids outside the vocabulary or text far longer than the context. Thread-safe."""
+        tokenizer = self.tokenizer
+        info = wire.TokenizerInfo(tokenizer.eos_token or None, tokenizer.bos_token or None,
+                                  tokenizer.chat_template, self.engine.max_model_len)
+        if payload.token_ids is not None:
+            if any(not 0 <= t < self.engine.vocab_size for t in payload.token_ids):
+                raise InvalidInput(f"token ids must be in [0, {self.engine.vocab_size})", param="tokens")
+            return wire.TokenizeResult(payload.token_ids, tokenizer.decode(payload.token_ids), info)
+        chars = sum(len(m.content) for m in payload.messages or ()) + len(payload.prompt or "")
+        if chars > MAX_CHARS_PER_TOKEN * self.engine.max_model_len:
+            raise InvalidInput(f"the text has {chars} characters, far more than this model's context of "
+                               f"{self.engine.max_model_len} tokens can hold", param="prompt")
+        if payload.messages is not None:
+            text = self._chat_text(payload.messages, payload.add_generation_prompt)
+        else:
+            text = payload.prompt or ""
+        return wire.TokenizeResult(tokenizer.encode(text, add_special_tokens=payload.add_special_tokens), text, info)
+
+    def _chat_text(self, messages: list[wire.ChatMessage], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template error is the messages' shape, not ours
+            raise InvalidInput(f"the chat template could not render these messages: {exc}", param="messages") from exc
+
     def _prompt_ids(self, payload: wire.GeneratePayload) -> list[int]:
         if payload.prompt_token_ids is not None:
             return list(payload.prompt_token_ids)
         if payload.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in payload.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except Exception as exc:  # a template error is the messages' shape, not ours
-                raise InvalidInput(f"the chat template could not render these messages: {exc}",
-                                   param="messages") from exc
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(self._chat_text(payload.messages), add_special_tokens=False)
         return self.tokenizer.encode(payload.prompt or "")
 
     def warmup(self) -> None:
