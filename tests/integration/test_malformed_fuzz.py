@@ -206,3 +206,34 @@ def test_generation_near_misses_are_never_5xx(generation_http, request):
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text
+
+
+@st.composite
+def tokenizer_requests(draw) -> tuple[str, dict]:
+    """(path, body): a /tokenize or /detokenize request, some of its fields junk."""
+    body: dict = {}
+    if draw(st.booleans()):
+        body["model"] = draw(st.sampled_from(["tiny", "nope"]))
+    if draw(st.booleans()):
+        body["tokens"] = draw(st.lists(st.integers(0, 500), max_size=8))
+        _mutate(draw, body, ["model", "tokens"])
+        return "/detokenize", body
+    if draw(st.booleans()):
+        body["messages"] = [{"role": draw(st.sampled_from(["user", "system", "tool"])),
+                             "content": draw(st.text(max_size=20))}]
+    else:
+        body["prompt"] = draw(st.text(max_size=20))
+    if draw(st.booleans()):
+        body["add_special_tokens"] = draw(st.booleans())
+    _mutate(draw, body, ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"])
+    return "/tokenize", body
+
+
+@SETTINGS
+@given(request=tokenizer_requests())
+def test_tokenizer_near_misses_are_never_5xx(generation_http, request):
+    path, body = request
+    response = generation_http.post(path, content=_encode(body))
+    _assert_answered(response)
+    if response.status_code != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
