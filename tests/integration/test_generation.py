@@ -147,8 +147,9 @@ def test_vllm_bench_fields_are_accepted(client):
     assert out.usage.completion_tokens == 5
 
 
-def test_the_model_is_listed_and_refused_by_embeddings(client, server):
+def test_the_model_is_listed_with_its_context_and_refused_by_embeddings(client, server):
     assert MODEL in {m.id for m in client.models.list().data}
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}").json()["max_model_len"] == 1024  # as vLLM says it
     response = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert response.status_code == 400
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,15 +53,17 @@ class EmbeddingsRequest(msgspec.Struct):
 def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def list_models(request: Request) -> Response:
         tenant = gateway.tenancy.tenant(request_tenant(request))
-        data = [_model_card(name) for name in sorted(gateway.tenancy.visible(tenant, gateway.models()))]
+        models = gateway.models()
+        data = [_model_card(name, models[name]) for name in sorted(gateway.tenancy.visible(tenant, models))]
         return _json({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
-        if name not in gateway.models():
+        models = gateway.models()
+        if name not in models:
             raise gateway.refusal(name, None) or ModelNotFound(f"the model {name!r} does not exist")
         gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
-        return _json(_model_card(name))
+        return _json(_model_card(name, models[name]))
 
     def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
         """Everything before the request is sent on. The overload check is made again on `first`
@@ -150,8 +153,14 @@ def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:
     return values
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "sluice"}
+def _model_card(name: str, versions: Mapping[str, wire.ModelInfo]) -> dict[str, Any]:
+    """OpenAI's model object; a generative model's also says its context (`max_model_len`, as vLLM's
+    does, the smallest of its ready versions': what every request to it may use)."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": _STARTED, "owned_by": "sluice"}
+    contexts = [info.max_model_len for info in versions.values() if info.max_model_len]
+    if contexts:
+        card["max_model_len"] = min(contexts)
+    return card
 
 
 def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
