@@ -41,3 +41,22 @@ def test_prefix_hits_and_preemptions_on_cuda_keep_output_exact(model_dir, hf_gre
     tight = _engine(model_dir, num_kv_blocks=12)
     _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
     assert tight.stats().num_preemptions_total > 0
+
+
+def test_logprobs_penalties_and_prompt_logprobs_on_cuda_match_transformers(model_dir):
+    from sluice.engines.generative import SamplingParams
+    from tests.engines.generative.test_logprobs import _check_prompt_logprobs, _outputs, _reference
+
+    engine = _engine(model_dir, num_kv_blocks=256)
+    prompt = prompts(21, 1, 40, 40)[0]
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3,
+                                                        prompt_logprobs=2))
+    engine.add_request("steered", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                         frequency_penalty=1.0, logit_bias=((17, 5.0),)))
+    outs = _outputs(engine)
+    reported = [lp for o in outs["scored"] for lp in o.logprobs]
+    expected = _reference(model_dir, prompt, [lp.token_id for lp in reported])
+    assert [lp.logprob for lp in reported] == pytest.approx(
+        [expected[i, lp.token_id].item() for i, lp in enumerate(reported)], abs=1e-3)
+    _check_prompt_logprobs(model_dir, prompt, outs["scored"][0].prompt_logprobs, 2)
+    assert len([t for o in outs["steered"] for t in o.new_token_ids]) == 8  # penalties and bias ran on the GPU
