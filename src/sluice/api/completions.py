@@ -326,7 +326,7 @@ def _to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo)
     if request.stream_options is not None and not request.stream:
         raise InvalidInput("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     token_id_limit = info.vocab_size or TOKEN_ID_LIMIT
-    n = _choices(request, info)
+    n = _choices(request)
     sampling = dict(
         max_tokens=max_tokens,
         min_tokens=min(min_tokens, max_tokens),
@@ -475,13 +475,9 @@ def _logprobs(request: CompletionRequest | ChatRequest) -> int | None:
     return count
 
 
-def _choices(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> int:
+def _choices(request: CompletionRequest | ChatRequest) -> int:
     """How many completions to generate for the prompt (`n`)."""
-    n = 1 if request.n is None else _bounded_int(request.n, "n", 1, MAX_CHOICES)
-    if n > 1 and info.kind == "openai-upstream":
-        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice sends it one choice per "
-                           f"request (n = 1)", param="n")
-    return n
+    return 1 if request.n is None else _bounded_int(request.n, "n", 1, MAX_CHOICES)
 
 
 def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:

@@ -54,6 +54,8 @@ __all__ = ["CallEnd", "CallFailure", "OpenAIUpstreamConfig", "OpenAIUpstreamRunn
            "request_for"]
 
 _CREDENTIAL_STATUSES = frozenset({401, 403})
+_MAX_CHOICES = 128
+"""Choice indices past this in an upstream's stream are not relayed (a request asks for at most 16)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,8 @@ class TextDelta:
     text: str
     logprobs: tuple[wire.TokenLogprob, ...] = ()
     """The delta's tokens' log-probabilities, when they were asked for (token ids unknown: -1)."""
+    index: int = 0
+    """The choice it is of (n > 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,8 @@ class CallEnd:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    finish_reasons: tuple[str, ...] = ()
+    """Every choice's, by index, when n > 1 (`finish_reason` is the first's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +147,8 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
     body: dict[str, Any] = {"model": config.model, "stream": True, "stream_options": {"include_usage": True},
                             "max_tokens": payload.max_tokens, "temperature": payload.temperature,
                             "top_p": payload.top_p}
-    optional = {"seed": payload.seed, "stop": payload.stop or None, "top_k": payload.top_k or None,
+    optional = {"n": payload.n if payload.n > 1 else None, "seed": payload.seed, "stop": payload.stop or None,
+                "top_k": payload.top_k or None,
                 "min_tokens": payload.min_tokens or None, "stop_token_ids": payload.stop_token_ids or None,
                 "ignore_eos": payload.ignore_eos or None,
                 "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty,
@@ -273,7 +280,7 @@ class OpenAIUpstreamRunner:
 
 async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, None]:
     """An OpenAI SSE stream as events: text deltas, then its end with the usage it reported."""
-    finish_reason: str | None = None
+    finish_reasons: dict[int, str] = {}
     usage: dict[str, Any] | None = None
     num_deltas = 0
     async for raw in response.content:
@@ -297,14 +304,18 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
         for choice in chunk.get("choices") or ():
             text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             logprobs = _logprobs(choice.get("logprobs"))
+            index = choice.get("index", 0)
+            if not isinstance(index, int) or not 0 <= index < _MAX_CHOICES:
+                continue  # not a choice this request can have asked for
             if text or logprobs:
                 num_deltas += 1
-                yield TextDelta(text or "", logprobs)
-            finish_reason = choice.get("finish_reason") or finish_reason
-    if finish_reason is None:
+                yield TextDelta(text or "", logprobs, index)
+            if choice.get("finish_reason"):
+                finish_reasons[index] = str(choice["finish_reason"])
+    if not finish_reasons:
         yield CallFailure("upstream stream ended without a finish_reason", is_retryable=True)
         return
-    yield _end(finish_reason, usage, num_deltas)
+    yield _end(finish_reasons, usage, num_deltas)
 
 
 def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
@@ -328,13 +339,15 @@ def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
         return ()
 
 
-def _end(finish_reason: str, usage: dict[str, Any] | None, num_deltas: int) -> CallEnd:
+def _end(finish_reasons: dict[int, str], usage: dict[str, Any] | None, num_deltas: int) -> CallEnd:
     """Usage as the upstream counted it; without it, one token per delta and an unknown prompt (0)."""
+    every = tuple(finish_reasons.get(i, "stop") for i in range(max(finish_reasons) + 1))
+    reasons = every if len(every) > 1 else ()
     if not usage:
-        return CallEnd(finish_reason, 0, 0, num_deltas)
+        return CallEnd(every[0], 0, 0, num_deltas, reasons)
     details = usage.get("prompt_tokens_details") or {}
-    return CallEnd(finish_reason, int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
-                   int(usage.get("completion_tokens") or 0))
+    return CallEnd(every[0], int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
+                   int(usage.get("completion_tokens") or 0), reasons)
 
 
 def _refusal(status: int, text: str) -> CallFailure:

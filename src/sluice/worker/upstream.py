@@ -39,8 +39,9 @@ class _Call:
     deadline: float
     queued_at: float
     started_at: float = 0.0
-    parts: list[str] = field(default_factory=list)
-    logprobs: list[wire.TokenLogprob] = field(default_factory=list)
+    parts: dict[int, list[str]] = field(default_factory=dict)
+    """An unstreamed call's text so far, by choice."""
+    logprobs: dict[int, list[wire.TokenLogprob]] = field(default_factory=dict)
     is_relayed: bool = False
     task: asyncio.Task[None] | None = None
 
@@ -161,15 +162,18 @@ class UpstreamLoop:
                 self._on_idle()
 
     def _relay(self, call: _Call, delta: TextDelta) -> None:
+        if delta.index >= call.payload.n:
+            return  # an upstream's answer to a question not asked
         logprobs = list(delta.logprobs) if delta.logprobs and call.payload.logprobs is not None else None
         if call.payload.stream:
-            self._reply(call.identity, wire.TokenChunk(call.request_id, delta.text, [], logprobs=logprobs))
+            self._reply(call.identity, wire.TokenChunk(call.request_id, delta.text, [], logprobs=logprobs,
+                                                       index=delta.index))
         else:
             if not call.is_relayed:
                 self._reply(call.identity, wire.Started([call.request_id]))
-            call.parts.append(delta.text)
+            call.parts.setdefault(delta.index, []).append(delta.text)
             if logprobs:
-                call.logprobs.extend(logprobs)
+                call.logprobs.setdefault(delta.index, []).extend(logprobs)
         call.is_relayed = True
 
     def _finish(self, call_id: int, call: _Call, event: CallEnd | CallFailure) -> None:
@@ -180,10 +184,7 @@ class UpstreamLoop:
         timing = _Timing(queue_s=call.started_at - call.queued_at, exec_s=exec_s, device_s=exec_s)
         if isinstance(event, CallEnd):
             self._call_s += 0.2 * (exec_s - self._call_s)
-            text = "" if call.payload.stream else "".join(call.parts)
-            logprobs = call.logprobs if call.payload.logprobs is not None and not call.payload.stream else None
-            result = wire.GenerationResult(text, event.finish_reason, event.num_prompt_tokens,
-                                           event.num_cached_tokens, event.num_output_tokens, logprobs)
+            result = _generation_result(call, event)
             self._reply(call.identity, wire.Result(
                 call.request_id, wire.Outcome.OK, payload=result, batch_size=1,
                 num_tokens=event.num_prompt_tokens + event.num_output_tokens, **timing))
@@ -229,3 +230,21 @@ def _priority(value: int) -> Priority:
         return Priority(value)
     except ValueError:
         return Priority.STANDARD
+
+
+def _generation_result(call: _Call, end: CallEnd) -> wire.GenerationResult:
+    """A finished call's answer: its choices' text (unless streamed), log-probabilities if asked
+    for, finish reasons, and the usage the upstream reported."""
+    is_whole = not call.payload.stream
+    wants_logprobs = is_whole and call.payload.logprobs is not None
+
+    def choice(index: int) -> tuple[str, str, list[wire.TokenLogprob] | None]:
+        reasons = end.finish_reasons
+        reason = reasons[index] if index < len(reasons) else end.finish_reason
+        text = "".join(call.parts.get(index, [])) if is_whole else ""
+        return text, reason, call.logprobs.get(index, []) if wants_logprobs else None
+
+    text, reason, logprobs = choice(0)
+    others = [wire.GeneratedChoice(*choice(i)) for i in range(1, call.payload.n)]
+    return wire.GenerationResult(text, reason, end.num_prompt_tokens, end.num_cached_tokens, end.num_output_tokens,
+                                 logprobs, choices=others)
