@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import caller, decode_json, read_body, request_tenant, resolve_openai, with_version
-from sluice.api.completions import ChatMessageIn, messages_of
+from sluice.api.completion_params import ChatMessageIn, messages_of
 from sluice.errors import InvalidInput
 from sluice.gateway import Gateway
 

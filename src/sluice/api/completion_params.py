@@ -1,0 +1,327 @@
+"""What a completions or chat request asks for, checked and turned into `GeneratePayload`s.
+
+OpenAI's request fields as msgspec structs, and their checks: every number bounded (clients and
+fuzzers send absurd ones) and a 400 naming the field for what cannot be served. What the model
+reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked here, before
+anything is sent to a worker: token ids outside the vocabulary, a `max_tokens` the context cannot
+hold, a prompt far too long to be worth tokenizing. The worker checks the rest (the tokenized
+prompt's length) with the same messages. `null` for an optional field means "not given".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from sluice import wire
+from sluice.api.common import estimate_text_tokens
+from sluice.errors import InvalidInput
+
+__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "estimate_tokens", "messages_of", "to_payloads"]
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP = 4
+TOKEN_ID_LIMIT = 1 << 31
+"""Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
+DEFAULT_CHAT_MAX_TOKENS = 1024
+"""max_tokens of a chat request that sends none: capped at what the context leaves."""
+MAX_CHOICES = 16
+"""The most completions (`n`) of one prompt a request may ask for: each is a sequence of its own."""
+MAX_CHOICES_PER_REQUEST = 128
+"""The most prompts x `n` one request may ask for (a batch of prompts is one generation each)."""
+MAX_LOGIT_BIAS = 1024
+"""Token ids one request may bias (OpenAI documents no limit; the sampler's work grows with it)."""
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    priority: str | None = None
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+
+def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> list[wire.GeneratePayload]:
+    """One payload per prompt (a chat has one; a completion may send a batch of them)."""
+    _refuse_unsupported(request)
+    max_tokens, max_tokens_param, is_max_tokens_default = _max_tokens(request)
+    min_tokens = _bounded_int(request.min_tokens or 0, "min_tokens", 0, MAX_TOKENS_LIMIT)
+    if min_tokens > max_tokens and not is_max_tokens_default:
+        raise InvalidInput(f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens})",
+                           param="min_tokens")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidInput("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    token_id_limit = info.vocab_size or TOKEN_ID_LIMIT
+    n = _choices(request)
+    sampling = dict(
+        max_tokens=max_tokens,
+        min_tokens=min(min_tokens, max_tokens),
+        temperature=_bounded(request.temperature, "temperature", 0.0, 2.0, 1.0),
+        top_p=_bounded(request.top_p, "top_p", 1e-9, 1.0, 1.0),
+        top_k=_bounded_int(0 if request.top_k in (None, -1) else request.top_k, "top_k", 0, 1 << 20),
+        repetition_penalty=_bounded(request.repetition_penalty, "repetition_penalty", 1e-3, 10.0, 1.0),
+        presence_penalty=_bounded(request.presence_penalty, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", -2.0, 2.0, 0.0),
+        logit_bias=_logit_bias(request.logit_bias, token_id_limit),
+        logprobs=_logprobs(request),
+        echo=_echo(request, info),
+        n=n,
+        seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
+        stop=_stops(request.stop),
+        stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
+        ignore_eos=bool(request.ignore_eos),
+        stream=bool(request.stream),
+        is_max_tokens_default=is_max_tokens_default,
+    )
+    if isinstance(request, ChatRequest):
+        messages = messages_of(request.messages)
+        _check_prompt_chars(sum(len(m.content) for m in messages), "messages", info)
+        _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
+        return [wire.GeneratePayload(messages=messages, **sampling)]  # type: ignore[arg-type]
+    prompts = _prompts(request.prompt, token_id_limit)
+    if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
+        raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "
+                           f"{MAX_CHOICES_PER_REQUEST} one request may ask for", param="prompt")
+    payloads = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            _check_prompt_chars(len(prompt), "prompt", info)
+            _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
+            payloads.append(wire.GeneratePayload(prompt=prompt, **sampling))  # type: ignore[arg-type]
+        else:
+            _check_context(len(prompt), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
+            payloads.append(wire.GeneratePayload(prompt_token_ids=prompt, **sampling))  # type: ignore[arg-type]
+    return payloads
+
+
+def _prompts(prompt: str | list[Any], token_id_limit: int) -> list[str | list[int]]:
+    """A completion's prompts, as OpenAI's API takes them: a string, a list of token ids, or a
+    batch of either (a list of strings; a list of lists of token ids)."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        prompts = prompt
+    else:
+        raise InvalidInput("'prompt' must be a string, a list of token ids, or a list of either", param="prompt")
+    if len(prompts) > MAX_CHOICES_PER_REQUEST:
+        raise InvalidInput(f"'prompt' holds {len(prompts)} prompts; one request takes at most "
+                           f"{MAX_CHOICES_PER_REQUEST}", param="prompt")
+    out: list[str | list[int]] = []
+    for one in prompts:
+        if not one:
+            raise InvalidInput("'prompt' must not be empty", param="prompt")
+        out.append(one if isinstance(one, str) else _token_ids(one, "prompt", token_id_limit))
+    return out
+
+
+def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:
+    """max_tokens, the field that gave it, and whether it is the default (the client sent none).
+    0 only with `echo`: the prompt is scored, nothing generated."""
+    value: int | None
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        value, param = request.max_completion_tokens, "max_completion_tokens"
+    else:
+        value, param = request.max_tokens, "max_tokens"
+    if value is None:
+        return (16 if isinstance(request, CompletionRequest) else DEFAULT_CHAT_MAX_TOKENS), param, True
+    is_echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    return _bounded_int(value, param, 0 if is_echo else 1, MAX_TOKENS_LIMIT), param, False
+
+
+def _token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit for t in ids):
+        raise InvalidInput(f"'{param}' token ids must be integers in [0, {limit})", param=param)
+    return list(ids)
+
+
+def _check_prompt_chars(num_chars: int, param: str, info: wire.ModelInfo) -> None:
+    """Refuse a prompt far too long for the context before anyone tokenizes it."""
+    if info.max_prompt_chars and num_chars > info.max_prompt_chars:
+        raise InvalidInput(f"the prompt has {num_chars} characters, far more than this model's maximum context "
+                           f"length of {info.max_model_len} tokens can hold", param=param)
+
+
+def _check_context(num_prompt_tokens: int | None, max_tokens: int, max_tokens_param: str,
+                   is_max_tokens_default: bool, prompt_param: str, info: wire.ModelInfo) -> None:
+    """Refuse what cannot fit the model's context, as far as it is known here (a text prompt's
+    token count is only known on the worker, which checks it too)."""
+    max_model_len = info.max_model_len
+    if not max_model_len:
+        return
+    if num_prompt_tokens is not None and num_prompt_tokens >= max_model_len:
+        raise InvalidInput(f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length "
+                           f"is {max_model_len} tokens", param=prompt_param)
+    if is_max_tokens_default:
+        return  # capped at what the context leaves
+    if num_prompt_tokens is None:
+        if max_tokens >= max_model_len:
+            raise InvalidInput(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {max_tokens} tokens in the completion, which leaves no room for the "
+                               f"{prompt_param}. Please reduce {max_tokens_param}.", param=max_tokens_param)
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidInput(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, "
+                           f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} or "
+                           f"{max_tokens_param}.", param=max_tokens_param)
+
+
+def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
+    if isinstance(request, CompletionRequest):
+        if request.best_of not in (None, 1):
+            raise InvalidInput("only best_of = 1 is supported", param="best_of")
+        if request.suffix:
+            raise InvalidInput("suffix is not supported", param="suffix")
+    elif request.tools:
+        raise InvalidInput("tools are not supported by this server", param="tools")
+    elif request.response_format and request.response_format.get("type") not in (None, "text"):
+        raise InvalidInput("only response_format type 'text' is supported", param="response_format")
+
+
+def _logprobs(request: CompletionRequest | ChatRequest) -> int | None:
+    """How many alternatives to report per token (None: no log-probabilities). Completions take
+    `logprobs: k`; chat takes `logprobs: true` and `top_logprobs: k`, as OpenAI's API does."""
+    value = request.logprobs
+    if isinstance(request, ChatRequest):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidInput("'logprobs' must be a boolean (the number of alternatives is 'top_logprobs')",
+                               param="logprobs")
+        if request.top_logprobs is not None:
+            if not value:
+                raise InvalidInput("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            _bounded_int(request.top_logprobs, "top_logprobs", 0, wire.MAX_LOGPROBS)
+        count = (request.top_logprobs or 0) if value else None
+    elif value is None:
+        count = None
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"'logprobs' must be an integer in [0, {wire.MAX_LOGPROBS}]", param="logprobs")
+    else:
+        count = _bounded_int(value, "logprobs", 0, wire.MAX_LOGPROBS)
+    return count
+
+
+def _choices(request: CompletionRequest | ChatRequest) -> int:
+    """How many completions to generate for the prompt (`n`)."""
+    return 1 if request.n is None else _bounded_int(request.n, "n", 1, MAX_CHOICES)
+
+
+def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:
+    if not isinstance(request, CompletionRequest) or not request.echo:
+        return False
+    if info.kind == "openai-upstream":
+        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay an echoed "
+                           f"prompt", param="echo")
+    return True
+
+
+def _logit_bias(bias: dict[str, float] | None, token_id_limit: int) -> dict[int, float]:
+    """`{"token id": bias}` with ids in the vocabulary and biases in [-100, 100], as OpenAI's API takes it."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidInput(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < token_id_limit):
+            raise InvalidInput(f"'logit_bias' keys must be token ids in [0, {token_id_limit}), got {key!r}",
+                               param="logit_bias")
+        out[int(key)] = _bounded(value, "logit_bias", -100.0, 100.0, 0.0)
+    return out
+
+
+def messages_of(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
+    """Chat messages as the worker takes them: text parts joined, `developer` as `system`."""
+    if not messages:
+        raise InvalidInput("'messages' must not be empty", param="messages")
+    out = []
+    for message in messages:
+        if message.role not in ("system", "user", "assistant", "developer"):
+            raise InvalidInput(f"message role {message.role!r} is not supported", param="messages")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidInput("only text content parts are supported", param="messages")
+            content = "".join(part.text or "" for part in content)
+        out.append(wire.ChatMessage("system" if message.role == "developer" else message.role, content or ""))
+    return out
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP or any(not s for s in stops):
+        raise InvalidInput(f"'stop' takes up to {MAX_STOP} non-empty strings", param="stop")
+    return stops
+
+
+def _bounded(value: float | None, name: str, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    if not low <= value <= high:
+        raise InvalidInput(f"'{name}' must be in [{low:g}, {high:g}], got {value}", param=name)
+    return float(value)
+
+
+def _bounded_int(value: int, name: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidInput(f"'{name}' must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+def estimate_tokens(payload: wire.GeneratePayload) -> float:
+    """Reserved against the tenant's tokens-per-minute limit: the prompt's estimate plus every
+    token the request may generate; settled with the real counts when it ends."""
+    if payload.prompt_token_ids is not None:
+        prompt = float(len(payload.prompt_token_ids))
+    elif payload.messages is not None:
+        prompt = estimate_text_tokens([m.content for m in payload.messages]) + 4 * len(payload.messages)
+    else:
+        prompt = estimate_text_tokens([payload.prompt or ""])
+    return prompt + payload.n * payload.max_tokens
