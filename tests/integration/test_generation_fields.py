@@ -1,0 +1,271 @@
+"""OpenAI's further generation fields through a real server and the real `openai` SDK:
+log-probabilities (completions' `logprobs: k`, chat's `logprobs` and `top_logprobs`, in the shapes
+the SDK parses), logit bias and penalties, n choices, batches of prompts, echo and prompt scoring,
+vLLM's tokenizer endpoints, and 400s naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from tests.conftest import eventually, metric_total
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm_server):
+    return tiny_lm_server  # tests/integration/conftest.py
+
+
+@pytest.fixture
+def client(tiny_lm_client):
+    return tiny_lm_client
+
+
+def test_completion_logprobs_name_each_token_and_its_alternatives(client):
+    out = client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=6, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert value <= 0 and math.isfinite(value)
+        assert 3 <= len(top) <= 4 and top[token] == value  # the 3 most likely, and the chosen one
+        assert value == max(top.values())  # greedy chose the most likely
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+def test_streamed_completion_logprobs_equal_the_unary_ones(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float] = []
+    offsets: list[int] = []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == whole.tokens
+    assert values == pytest.approx(whole.token_logprobs, abs=1e-5)
+    assert offsets == whole.text_offset
+
+
+def test_chat_logprobs_with_top_logprobs_unary_and_streamed(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}], max_tokens=5,
+                  temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[1].logprob <= entry.logprob
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs is not None
+                for entry in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_chat_logprobs_without_top_logprobs_and_none_unless_asked(client):
+    messages = [{"role": "user", "content": "Hello"}]
+    asked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                           logprobs=True, extra_body={"ignore_eos": True})
+    assert [e.top_logprobs for e in asked.choices[0].logprobs.content] == [[], [], []]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_a_large_logit_bias_forces_its_token(client):
+    out = client.completions.create(model=MODEL, prompt="Anything", max_tokens=5, temperature=0, logprobs=0,
+                                    logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    tokens = out.choices[0].logprobs.tokens
+    assert len(tokens) == 5 and len(set(tokens)) == 1
+
+
+def test_a_frequency_penalty_changes_what_greedy_decoding_repeats(client):
+    kwargs = dict(model=MODEL, prompt="the the the the", max_tokens=24, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs.tokens
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=1.0, **kwargs)
+    tokens = penalised.choices[0].logprobs.tokens
+    # each repeat costs 2 more, plus 1 once: the greedy text repeats its tokens less
+    assert max(tokens.count(t) for t in set(tokens)) <= max(plain.count(t) for t in set(plain))
+    assert tokens != plain
+
+
+def test_n_seeded_choices_are_each_reproducible_and_counted_once_as_a_request(server, client):
+    ok = metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok")
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    three = client.completions.create(n=3, **kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.text for c in three.choices}) > 1  # seeded seed, seed + 1, seed + 2
+    assert three.usage.completion_tokens == 18 and three.usage.total_tokens == three.usage.prompt_tokens + 18
+    assert [c.text for c in client.completions.create(n=3, **kwargs).choices] == [c.text for c in three.choices]
+    assert client.completions.create(n=1, **kwargs).choices[0].text == three.choices[0].text
+    assert metric_total(server, "sluice_requests_total", model=MODEL, outcome="ok") == ok + 3
+
+
+def test_n_greedy_choices_are_equal(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], n=2,
+                                         max_tokens=5, temperature=0)
+    assert len(out.choices) == 2 and out.choices[0].message.content == out.choices[1].message.content
+
+
+def test_n_streamed_choices_equal_the_unary_ones_and_each_finishes(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell"}], n=3, max_tokens=5, temperature=0.9,
+                  seed=3, logprobs=True, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    texts = ["", "", ""]
+    tokens: list[list[str]] = [[], [], []]
+    finishes: list[int] = []
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            tokens[choice.index] += [e.token for e in (choice.logprobs.content if choice.logprobs else [])]
+            if choice.finish_reason:
+                finishes.append(choice.index)
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens == 15
+    assert texts == [c.message.content for c in whole.choices]
+    assert tokens == [[e.token for e in c.logprobs.content] for c in whole.choices]
+    assert sorted(finishes) == [0, 1, 2]
+
+
+def test_a_client_that_disconnects_frees_all_its_choices(server, client):
+    stream = client.completions.create(model=MODEL, prompt="Keep going", max_tokens=800, temperature=0.8, n=3,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(6), stream, strict=False):
+        pass
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 3,
+              "the three running sequences never showed in the gauge")
+    stream.close()
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+              "the disconnected client's sequences kept running")
+
+
+def test_a_batch_of_prompts_answers_each_prompts_choices_in_order_and_sums_usage(client):
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs) for p in ("Once upon", "The weather")]
+    batch = client.completions.create(prompt=["Once upon", "The weather"], n=2, **kwargs)
+    assert [(c.index, c.text) for c in batch.choices] == [
+        (0, alone[0].choices[0].text), (1, alone[0].choices[0].text),
+        (2, alone[1].choices[0].text), (3, alone[1].choices[0].text)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 16
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(prompt=["Once upon", "The weather"], n=2, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in batch.choices]
+
+
+def test_a_batch_of_token_id_prompts_is_scored_as_lm_evaluation_harness_sends_it(server):
+    # lm-evaluation-harness's local-completions loglikelihood: prompts as lists of token ids, even
+    # one; echo with logprobs 1 and max_tokens 1; the context's log-probabilities are read from the
+    # echoed prompt
+    prompts = [[7, 30, 111, 250], [42, 9, 200]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+            "seed": 1234}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    assert [len(c["logprobs"]["token_logprobs"]) for c in choices] == [5, 4]  # each prompt and one token
+    one = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [prompts[1]]}, timeout=60).json()
+    assert one["choices"][0]["logprobs"]["token_logprobs"] == choices[1]["logprobs"]["token_logprobs"]
+
+
+def test_a_deadline_that_passes_while_n_choices_run_is_504_and_frees_them_all(server):
+    body = {"model": MODEL, "prompt": "Keep going", "max_tokens": 900, "n": 3, "temperature": 0.8, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Timeout-Ms": "700"},
+                          timeout=60)
+    assert response.status_code == 504, response.text
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+              "the expired request's sequences kept running")
+
+
+def test_the_tokenizer_endpoints_agree_with_what_generation_counts(server, client):
+    prompt = "The weather today is"
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=60).json()
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).usage
+    assert tokens["count"] == len(tokens["tokens"]) == usage.prompt_tokens and tokens["max_model_len"] == 1024
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, timeout=60)
+    assert back.json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60).json()
+    chat_usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0).usage
+    assert chat["count"] == chat_usage.prompt_tokens
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] and info["model_max_length"] == 1024 and "messages" in info["chat_template"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/detokenize", {"tokens": [5, 99_999_999]}, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+])
+def test_tokenizer_requests_the_model_cannot_take_are_400(server, path, body, param):
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_as_evaluation_harnesses_ask(client):
+    prompt = [7, 30, 111, 250, 42, 9]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 0
+    assert len(logprobs.tokens) == 6 and "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
+    for token, value, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:],
+                                 strict=True):
+        assert value < 0 and top[token] == value and 1 <= len(top) <= 2
+    # a prompt sent again (its blocks now cached) is scored the same: prompt log-probabilities skip the cache
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert again.choices[0].logprobs.token_logprobs == logprobs.token_logprobs
+
+
+def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert whole.text == "Once upon a time" + plain.text
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert chunks[0].text == "Once upon a time"
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [t for c in chunks if c.logprobs is not None for t in c.logprobs.tokens]
+    assert streamed == whole.logprobs.tokens
+    assert whole.logprobs.text_offset == sorted(whole.logprobs.text_offset)
+    # the generated part's log-probabilities follow the prompt's, the last one greedy
+    assert whole.logprobs.token_logprobs[-1] == max(whole.logprobs.top_logprobs[-1].values())
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+])
+def test_bad_values_are_400_naming_the_field(server, path, body, param):
+    response = httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
