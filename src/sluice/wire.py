@@ -50,6 +50,9 @@ SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 MAX_LOGPROBS = 20
 """The most alternatives a generation may ask the log-probabilities of, per token (OpenAI's chat limit)."""
 
+MAX_CHOICES = 16
+"""The most completions (`n`) of one prompt a generation may ask for: each is a sequence of its own."""
+
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     token: str

@@ -119,7 +119,7 @@ async def test_deltas_are_relayed_then_the_end_with_usage_and_the_key_is_sent(up
     monkeypatch.setenv("UPSTREAM_TEST_KEY", "sk-secret")
     runner = await make_runner(_base(upstream), api_key_env="UPSTREAM_TEST_KEY")
     events = await _events(runner)
-    assert events == [TextDelta("Hello"), TextDelta(" world"), CallEnd("stop", 5, 3, 2)]
+    assert events == [TextDelta("Hello"), TextDelta(" world"), CallEnd(("stop",), 5, 3, 2)]
     assert upstream.last_headers["Authorization"] == "Bearer sk-secret"
     assert upstream.last_body["stream_options"] == {"include_usage": True}
 
@@ -128,7 +128,7 @@ async def test_a_5xx_before_the_first_byte_is_retried(upstream, make_runner):
     upstream.sse_plans = [SsePlan(status=503), SsePlan(status=502)]
     runner = await make_runner(_base(upstream), max_attempts=3)
     events = await _events(runner)
-    assert events[-1] == CallEnd("stop", 5, 3, 2) and upstream.num_requests == 3
+    assert events[-1] == CallEnd(("stop",), 5, 3, 2) and upstream.num_requests == 3
 
 
 async def test_retries_spent_is_a_retryable_failure_without_a_client_status(upstream, make_runner):

@@ -54,16 +54,21 @@ def test_loglikelihoods_equal_transformers_for_the_same_tokens(served, batch_siz
         assert is_greedy == all(predicted[i].argmax().item() == t for i, t in enumerate(continuation_ids))
 
 
-def test_generate_until_returns_each_requests_text(served):
+def test_generate_until_returns_each_requests_greedy_text(served):
+    import httpx
     from lm_eval.api.instance import Instance
 
     server, model_dir = served
     harness = _harness(server, model_dir, 1)
+    contexts = ["Hello", "Once upon a time"]
     requests = [Instance("generate_until", {}, (context, {"until": ["\n\n"], "max_gen_toks": 6}), i)
-                for i, context in enumerate(["Hello", "Once upon a time"])]
+                for i, context in enumerate(contexts)]
     texts = harness.generate_until(requests)
-    assert len(texts) == 2 and all(isinstance(text, str) for text in texts)
-    assert texts[0] != texts[1]
+    for context, text in zip(contexts, texts, strict=True):  # what the server gives asked directly
+        direct = httpx.post(f"{server.url}/v1/completions", timeout=60, headers={"Cache-Control": "no-cache"}, json={
+            "model": MODEL, "prompt": harness.tok_encode(context), "max_tokens": 6, "temperature": 0,
+            "stop": ["\n\n"]}).json()
+        assert text == direct["choices"][0]["text"]
 
 
 def test_with_no_tokenizer_of_its_own_the_harness_tokenizes_through_the_server(served):

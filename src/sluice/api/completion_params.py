@@ -26,8 +26,6 @@ TOKEN_ID_LIMIT = 1 << 31
 """Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
 """max_tokens of a chat request that sends none: capped at what the context leaves."""
-MAX_CHOICES = 16
-"""The most completions (`n`) of one prompt a request may ask for: each is a sequence of its own."""
 MAX_CHOICES_PER_REQUEST = 128
 """The most prompts x `n` one request may ask for (a batch of prompts is one generation each)."""
 MAX_LOGIT_BIAS = 1024
@@ -250,7 +248,7 @@ def _logprobs(request: CompletionRequest | ChatRequest) -> int | None:
 
 def _choices(request: CompletionRequest | ChatRequest) -> int:
     """How many completions to generate for the prompt (`n`)."""
-    return 1 if request.n is None else _bounded_int(request.n, "n", 1, MAX_CHOICES)
+    return 1 if request.n is None else _bounded_int(request.n, "n", 1, wire.MAX_CHOICES)
 
 
 def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:

@@ -4,7 +4,7 @@ the model.
 
     GeneratePayload ─▶ one streaming POST {base}/completions or {base}/chat/completions
                        (stream: true, stream_options.include_usage)
-                  ◀─ SSE chunks ─▶ TextDelta ... CallEnd(finish_reason, usage)
+                  ◀─ SSE chunks ─▶ TextDelta ... CallEnd(finish_reasons, usage)
                                    or CallFailure (a value, never an exception)
 
 Retries: a 5xx, 408/429, connection error, timeout or a stream that breaks is retried with
@@ -54,8 +54,6 @@ __all__ = ["CallEnd", "CallFailure", "OpenAIUpstreamConfig", "OpenAIUpstreamRunn
            "request_for"]
 
 _CREDENTIAL_STATUSES = frozenset({401, 403})
-_MAX_CHOICES = 128
-"""Choice indices past this in an upstream's stream are not relayed (a request asks for at most 16)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +112,11 @@ class TextDelta:
 
 @dataclass(frozen=True, slots=True)
 class CallEnd:
-    finish_reason: str
+    finish_reasons: tuple[str, ...]
+    """Every choice's, by index (one unless the request asked for n > 1)."""
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    finish_reasons: tuple[str, ...] = ()
-    """Every choice's, by index, when n > 1 (`finish_reason` is the first's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +302,7 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
             text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             logprobs = _logprobs(choice.get("logprobs"))
             index = choice.get("index", 0)
-            if not isinstance(index, int) or not 0 <= index < _MAX_CHOICES:
+            if not isinstance(index, int) or not 0 <= index < wire.MAX_CHOICES:
                 continue  # not a choice this request can have asked for
             if text or logprobs:
                 num_deltas += 1
@@ -341,13 +338,12 @@ def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
 
 def _end(finish_reasons: dict[int, str], usage: dict[str, Any] | None, num_deltas: int) -> CallEnd:
     """Usage as the upstream counted it; without it, one token per delta and an unknown prompt (0)."""
-    every = tuple(finish_reasons.get(i, "stop") for i in range(max(finish_reasons) + 1))
-    reasons = every if len(every) > 1 else ()
+    reasons = tuple(finish_reasons.get(i, "stop") for i in range(max(finish_reasons) + 1))
     if not usage:
-        return CallEnd(every[0], 0, 0, num_deltas, reasons)
+        return CallEnd(reasons, 0, 0, num_deltas)
     details = usage.get("prompt_tokens_details") or {}
-    return CallEnd(every[0], int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
-                   int(usage.get("completion_tokens") or 0), reasons)
+    return CallEnd(reasons, int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
+                   int(usage.get("completion_tokens") or 0))
 
 
 def _refusal(status: int, text: str) -> CallFailure:

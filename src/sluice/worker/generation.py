@@ -259,22 +259,18 @@ class Generations:
     def _tokenize(self, identity: bytes, request_id: int, payload: wire.TokenizePayload,
                   runner: GenerativeRunner) -> None:
         """Answer a tokenizer request at once (the engine is not involved); a long text on a thread."""
-        size = len(payload.prompt or "") + sum(len(m.content) for m in payload.messages or ())
-        if size <= OFF_LOOP_PROMPT_CHARS:
-            self._answer_tokenized(identity, request_id, lambda: runner.tokenize(payload))
+        if prompt_chars(payload) <= OFF_LOOP_PROMPT_CHARS:
+            self._answer_tokenized(identity, request_id, _outcome(runner, payload))
             return
 
         async def off_loop() -> None:
-            result = await asyncio.to_thread(_outcome, lambda: runner.tokenize(payload))
-            self._answer_tokenized(identity, request_id, lambda: result)
+            self._answer_tokenized(identity, request_id, await asyncio.to_thread(_outcome, runner, payload))
 
         task = asyncio.create_task(off_loop())
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
 
-    def _answer_tokenized(self, identity: bytes, request_id: int,
-                          tokenize: Callable[[], wire.TokenizeResult | Exception]) -> None:
-        outcome = _outcome(tokenize)
+    def _answer_tokenized(self, identity: bytes, request_id: int, outcome: wire.TokenizeResult | Exception) -> None:
         if isinstance(outcome, InvalidInput):
             self._refuse(identity, request_id, outcome)
         elif isinstance(outcome, Exception):
@@ -404,10 +400,10 @@ class Generations:
         return None
 
 
-def _outcome(tokenize: Callable[[], wire.TokenizeResult | Exception]) -> wire.TokenizeResult | Exception:
-    """`tokenize()`'s result, or the exception it raised (logged unless it is the input's fault)."""
+def _outcome(runner: GenerativeRunner, payload: wire.TokenizePayload) -> wire.TokenizeResult | Exception:
+    """The tokenizer's answer, or the exception it raised (logged unless it is the input's fault)."""
     try:
-        return tokenize()
+        return runner.tokenize(payload)
     except InvalidInput as exc:
         return exc
     except Exception as exc:

@@ -239,8 +239,7 @@ def _generation_result(call: _Call, end: CallEnd) -> wire.GenerationResult:
     wants_logprobs = is_whole and call.payload.logprobs is not None
 
     def choice(index: int) -> tuple[str, str, list[wire.TokenLogprob] | None]:
-        reasons = end.finish_reasons
-        reason = reasons[index] if index < len(reasons) else end.finish_reason
+        reason = end.finish_reasons[index] if index < len(end.finish_reasons) else "stop"  # one it never ended
         text = "".join(call.parts.get(index, [])) if is_whole else ""
         return text, reason, call.logprobs.get(index, []) if wants_logprobs else None
 

@@ -29,7 +29,7 @@ from sluice.engines.generative.block_manager import BlockManager
 from sluice.engines.generative.config import EngineConfig
 from sluice.engines.generative.model import KVCache, read_spec
 from sluice.engines.generative.model_runner import DTYPES, ModelRunner, StepInput
-from sluice.engines.generative.sampler import Sampler, SampleRow
+from sluice.engines.generative.sampler import Sampled, Sampler, SampleRow
 from sluice.engines.generative.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence, TokenLogprobs
 from sluice.engines.generative.static_scheduler import StaticScheduler
@@ -124,8 +124,6 @@ class LLMEngine:
         self._last_step: StepTiming | None = None
         self.last_step_tokens: dict[str, int] = {}
         """Tokens the last step computed for each sequence (prompt chunks and decodes), by request id."""
-        self._step_logprobs: dict[str, TokenLogprobs] = {}
-        """This step's sampled tokens' log-probabilities, for the sequences that ask for them."""
 
     def _make_scheduler(self, config: EngineConfig) -> Scheduler:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -214,13 +212,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.last_step_tokens = {}  # a step that fails before it is scheduled computed nothing
-        self._step_logprobs = {}
         self._drain_inbox()
         scheduled = self._scheduler.schedule(self._clock.now())
         self.last_step_tokens = {chunk.request_id: len(chunk.token_ids) for chunk in scheduled.chunks}
         t1 = time.perf_counter()
         outputs = [self._finished_output(seq) for seq in scheduled.finished if seq.request_id in self._requests]
-        sampled: dict[str, int] = {}
+        draws: dict[str, Sampled] = {}
         t2 = t3 = t1
         if scheduled.chunks:
             try:
@@ -232,14 +229,15 @@ class LLMEngine:
                 log.exception("a model step of %d sequences failed; ending them", len(scheduled.chunks))
                 return outputs + self._fail([chunk.request_id for chunk in scheduled.chunks])
             failed = self._record_prompt_logprobs(inp, logits) if inp.prompt_spans else []
-            sampled, unsampled = self._sample(scheduled, logits[:inp.num_sample_rows])
+            draws, unsampled = self._sample(scheduled, logits[:inp.num_sample_rows])
             if unsampled:
                 log.error("requests %s could not be sampled (see above); ending them", ", ".join(unsampled))
             for request_id in failed:
-                sampled.pop(request_id, None)
+                draws.pop(request_id, None)
             outputs += self._fail(unsampled + failed)
         t4 = time.perf_counter()
-        outputs += self._process(self._scheduler.update(scheduled, sampled))
+        sampled = {request_id: draw.token_id for request_id, draw in draws.items()}
+        outputs += self._process(self._scheduler.update(scheduled, sampled), draws)
         t5 = time.perf_counter()
         self._last_step = StepTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(scheduled.chunks),
                                      scheduled.num_batched_tokens)
@@ -306,9 +304,9 @@ class LLMEngine:
                 failed.append(span.request_id)
         return failed
 
-    def _sample(self, scheduled: SchedulerOutput, logits: object) -> tuple[dict[str, int], list[str]]:
-        """The sampled token of each sequence that needs one, and the ids of those that could not
-        be sampled."""
+    def _sample(self, scheduled: SchedulerOutput, logits: object) -> tuple[dict[str, Sampled], list[str]]:
+        """What was sampled for each sequence that needs a token (the token, and its
+        log-probabilities if asked for), and the ids of those that could not be sampled."""
         rows: list[SampleRow] = []
         for chunk in scheduled.chunks:
             if chunk.needs_sample:
@@ -318,9 +316,7 @@ class LLMEngine:
                 rows.append(SampleRow(chunk.request_id, req.seq.params, req.seq.all_token_ids,
                                       req.seq.num_output_tokens, blocked))
         draws = self._sampler.sample(logits, rows)  # type: ignore[arg-type]
-        self._step_logprobs = {row.request_id: draw.logprobs for row, draw in zip(rows, draws, strict=True)
-                               if draw is not None and draw.logprobs is not None}
-        sampled = {row.request_id: draw.token_id for row, draw in zip(rows, draws, strict=True) if draw is not None}
+        sampled = {row.request_id: draw for row, draw in zip(rows, draws, strict=True) if draw is not None}
         return sampled, [row.request_id for row, draw in zip(rows, draws, strict=True) if draw is None]
 
     def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -335,18 +331,19 @@ class LLMEngine:
             outputs.append(self._output(req.seq, (), ""))
         return outputs
 
-    def _process(self, advanced: list[Sequence]) -> list[RequestOutput]:
+    def _process(self, advanced: list[Sequence], draws: Mapping[str, Sampled]) -> list[RequestOutput]:
         outputs = []
         for seq in advanced:
             try:
-                outputs.append(self._advance(seq))
+                outputs.append(self._advance(seq, draws[seq.request_id].logprobs))
             except Exception:
                 log.exception("request %s: handling its new token failed; ending it", seq.request_id)
                 outputs += self._fail([seq.request_id])
         return outputs
 
-    def _advance(self, seq: Sequence) -> RequestOutput:
-        """Stop checks and detokenization for a sequence that got a token."""
+    def _advance(self, seq: Sequence, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """Stop checks and detokenization for a sequence that got a token (with its
+        log-probabilities, if asked for)."""
         req = self._requests[seq.request_id]
         token = seq.output_token_ids[-1]
         params = seq.params
@@ -365,7 +362,6 @@ class LLMEngine:
             self._scheduler.finish(seq, reason)
             text += req.stops.flush()
             self._forget(seq.request_id)
-        logprobs = self._step_logprobs.get(seq.request_id)
         output = self._output(seq, (token,), text, () if logprobs is None else (logprobs,))
         if seq.num_output_tokens == 1 and req.prompt_logprobs is not None:
             output = replace(output, prompt_logprobs=tuple(req.prompt_logprobs))

@@ -86,9 +86,7 @@ class GenerativeRunner:
         Thread-safe."""
         param = "messages" if payload.messages is not None else "prompt"
         max_model_len = self.engine.max_model_len
-        if prompt_chars(payload) > MAX_CHARS_PER_TOKEN * max_model_len:
-            raise InvalidInput(f"the prompt has {prompt_chars(payload)} characters, far more than this model's "
-                               f"context of {max_model_len} tokens can hold", param=param)
+        self._refuse_past_context(prompt_chars(payload), param)
         ids = self._prompt_ids(payload)
         vocab_size = self.engine.vocab_size
         if payload.prompt_token_ids is not None and any(not 0 <= t < vocab_size for t in ids):
@@ -132,15 +130,19 @@ class GenerativeRunner:
             if any(not 0 <= t < self.engine.vocab_size for t in payload.token_ids):
                 raise InvalidInput(f"token ids must be in [0, {self.engine.vocab_size})", param="tokens")
             return wire.TokenizeResult(payload.token_ids, tokenizer.decode(payload.token_ids), info)
-        chars = sum(len(m.content) for m in payload.messages or ()) + len(payload.prompt or "")
-        if chars > MAX_CHARS_PER_TOKEN * self.engine.max_model_len:
-            raise InvalidInput(f"the text has {chars} characters, far more than this model's context of "
-                               f"{self.engine.max_model_len} tokens can hold", param="prompt")
+        self._refuse_past_context(prompt_chars(payload), "messages" if payload.messages is not None else "prompt")
         if payload.messages is not None:
             text = self._chat_text(payload.messages, payload.add_generation_prompt)
         else:
             text = payload.prompt or ""
         return wire.TokenizeResult(tokenizer.encode(text, add_special_tokens=payload.add_special_tokens), text, info)
+
+    def _refuse_past_context(self, num_chars: int, param: str) -> None:
+        """`InvalidInput` for text far longer than the context can hold, before it is tokenized."""
+        max_model_len = self.engine.max_model_len
+        if num_chars > MAX_CHARS_PER_TOKEN * max_model_len:
+            raise InvalidInput(f"the prompt has {num_chars} characters, far more than this model's context of "
+                               f"{max_model_len} tokens can hold", param=param)
 
     def _chat_text(self, messages: list[wire.ChatMessage], add_generation_prompt: bool = True) -> str:
         try:
@@ -176,7 +178,7 @@ def _apply_num_threads(version: ModelVersion, num_threads: object, device: str) 
     torch.set_num_threads(num_threads)
 
 
-def prompt_chars(payload: wire.GeneratePayload) -> int:
+def prompt_chars(payload: wire.GeneratePayload | wire.TokenizePayload) -> int:
     """The prompt's length in characters (messages: their contents), before any tokenization."""
     if payload.messages is not None:
         return sum(len(m.content) for m in payload.messages)

@@ -197,8 +197,8 @@ def _penalize_outputs(logits: torch.Tensor, i: int, row: SampleRow, vocab: int) 
     outputs = row.token_ids[len(row.token_ids) - row.num_output_tokens:] if row.num_output_tokens else []
     if not outputs:
         return
-    ids, counts = torch.tensor(outputs, device=logits.device, dtype=torch.long).unique(return_counts=True)
-    if not (int(ids[0]) >= 0 and int(ids[-1]) < vocab):
+    if not (min(outputs) >= 0 and max(outputs) < vocab):  # checked here: on CUDA it would be a device assert
         raise IndexError(f"a token id is outside the vocabulary of {vocab}")
+    ids, counts = torch.tensor(outputs, device=logits.device, dtype=torch.long).unique(return_counts=True)
     params = row.params
     logits[i, ids] -= (params.presence_penalty + params.frequency_penalty * counts).to(logits.dtype)
