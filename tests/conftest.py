@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -92,7 +93,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(models_dir: Path, log_dir: Path, *extra: str, ready_timeout_s: float = 120.0) -> ServerProcess:
+def start_server(models_dir: Path, log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
+                 tls: ssl.SSLContext | None = None) -> ServerProcess:
+    """`sluice serve` of `models_dir` on a free port, once it is ready; `tls`: the client context
+    to check its readiness with, for a server started with `--ssl-certfile` (its url then https)."""
     port = free_port()
     log_path = log_dir / f"sluice-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -103,13 +107,13 @@ def start_server(models_dir: Path, log_dir: Path, *extra: str, ready_timeout_s: 
          "--log-level", "info", *extra],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env,
     )
-    server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    server = ServerProcess(f"{'http' if tls is None else 'https'}://127.0.0.1:{port}", port, process, log_path)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"sluice serve exited with {process.returncode}:\n{server.log()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/v2/health/ready", timeout=1).status_code == 200:
+            if httpx.get(f"{server.url}/v2/health/ready", timeout=1, verify=tls or True).status_code == 200:
                 return server
         time.sleep(0.1)
     server.stop()

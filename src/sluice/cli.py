@@ -15,6 +15,7 @@ from sluice import __version__
 from sluice.errors import ConfigError
 
 if TYPE_CHECKING:
+    from sluice.api.tls import TlsConfig
     from sluice.gateway.cache import CacheConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,6 +54,29 @@ def _grpc_option(command: F) -> F:
                              "Default: HTTP only.")(command)
 
 
+def _tls_options(command: F) -> F:
+    """TLS for the HTTP and gRPC listeners, shared by `serve` and `gateway`."""
+    file = click.Path(exists=True, dir_okay=False, path_type=Path)
+    command = click.option("--ssl-ca-certs", type=file, default=None,
+                           help="Require client certificates signed by these CAs (mutual TLS).")(command)
+    command = click.option("--ssl-keyfile", type=file, default=None,
+                           help="The certificate's private key (PEM).")(command)
+    return click.option("--ssl-certfile", type=file, default=None,
+                        help="Serve HTTP and gRPC over TLS with this certificate (PEM, chain included).")(command)
+
+
+def _tls_config(certfile: Path | None, keyfile: Path | None, ca_certs: Path | None) -> TlsConfig | None:
+    from sluice.api.tls import TlsConfig
+
+    if certfile is None and keyfile is None:
+        if ca_certs is not None:
+            raise click.UsageError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if certfile is None or keyfile is None:
+        raise click.UsageError("give both --ssl-certfile and --ssl-keyfile")
+    return TlsConfig(certfile.resolve(), keyfile.resolve(), ca_certs.resolve() if ca_certs else None)
+
+
 def _postgres_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None and not value.startswith(("postgresql://", "postgres://")):
         raise click.BadParameter("must be a postgresql:// URL")
@@ -88,10 +112,12 @@ def main() -> None:
                    "gateway that uses it (default: each gateway keeps its own).")
 @_cache_options
 @_grpc_option
+@_tls_options
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
           limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
-          grpc_port: int | None) -> None:
+          grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
+          ssl_ca_certs: Path | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     _no_grpc_fork_handlers()
@@ -108,7 +134,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          tenants_file=tenants_file.resolve() if tenants_file else None,
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
-                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port)
+                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
+                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -133,9 +160,11 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @_jobs_options
 @_cache_options
 @_grpc_option
+@_tls_options
 def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
             log_level: str, data_dir: Path | None, jobs_db: str | None, limits_redis: str | None, cache_mb: int,
-            cache_ttl_s: float, cache_redis: str | None, grpc_port: int | None) -> None:
+            cache_ttl_s: float, cache_redis: str | None, grpc_port: int | None, ssl_certfile: Path | None,
+            ssl_keyfile: Path | None, ssl_ca_certs: Path | None) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -152,7 +181,8 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
                          tenants_file=tenants_file.resolve() if tenants_file else None,
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
-                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port)
+                         cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
+                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:

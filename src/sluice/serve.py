@@ -29,6 +29,7 @@ from starlette.applications import Starlette
 from sluice import __version__, wire
 from sluice.api import ApiConfig, batches, build_app, kserve_grpc
 from sluice.api.http_protocol import stamping_protocol
+from sluice.api.tls import TlsConfig
 from sluice.clock import Clock, MonotonicClock, WallClock
 from sluice.errors import ConfigError
 from sluice.gateway import Gateway
@@ -86,6 +87,8 @@ class ServeConfig:
     """The result cache for deterministic requests (`gateway.cache`)."""
     grpc_port: int | None = None
     """Also serve KServe v2 over gRPC on this port of `host` (`api.kserve_grpc`; 0: any free port)."""
+    tls: TlsConfig | None = None
+    """Serve HTTP and gRPC over TLS (and ask clients for certificates if it names CAs)."""
 
 
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
@@ -138,6 +141,8 @@ def _count_gpus() -> int:
 
 async def run(config: ServeConfig, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
+    if config.tls is not None:
+        config.tls.check()
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
     clock = MonotonicClock()
@@ -152,7 +157,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     if config.grpc_port is not None:
         try:
             grpc_server, grpc_port = await kserve_grpc.start_server(gateway, config.host, config.grpc_port,
-                                                                    config.api.body_limit_bytes)
+                                                                    config.api.body_limit_bytes, config.tls)
         except ConfigError:
             await tenancy.aclose()
             if cache is not None:
@@ -224,6 +229,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         http=stamping_protocol(clock, asgi_app.answer_early),
         access_log=False, log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
         timeout_keep_alive=config.keep_alive_s, headers=[("keep-alive", f"timeout={config.keep_alive_s}")],
+        **(config.tls.uvicorn_options if config.tls is not None else {}),  # type: ignore[arg-type]
     ))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -297,7 +303,7 @@ def _url(config: ServeConfig, server: uvicorn.Server) -> str:
     sockets = [sock for listening in getattr(server, "servers", []) for sock in listening.sockets]
     if sockets:
         port = sockets[0].getsockname()[1]
-    return f"http://{_host(config.host)}:{port}"
+    return f"{'http' if config.tls is None else 'https'}://{_host(config.host)}:{port}"
 
 
 def _host(host: str) -> str:

@@ -1,6 +1,8 @@
-"""The gRPC service sluice serves is the one clients were generated from: every message and method
-of `proto/grpc_predict_v2.proto` matches Triton's `grpc_service.proto` (as shipped in
-tritonclient) field for field, and the descriptor set sluice loads is the .proto compiled."""
+"""The gRPC service sluice serves is the one clients were generated from: every request and response
+message and every method of `proto/grpc_predict_v2.proto` matches Triton's `grpc_service.proto`
+(as shipped in tritonclient) field for field; the parts of Triton's `model_config.proto` it holds
+are Triton's fields with Triton's numbers; and the descriptor set sluice loads is the .proto
+compiled."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2
 
 import sluice.api.kserve_grpc as kserve_grpc
 
@@ -34,6 +36,33 @@ def test_every_message_matches_tritons_field_for_field():
         theirs = service_pb2.DESCRIPTOR.message_types_by_name[name]
         assert ours.full_name == theirs.full_name == f"inference.{name}"
         assert _fields(ours) == _fields(theirs), name
+
+
+def _tritons(name: str):
+    for file in (service_pb2.DESCRIPTOR, model_config_pb2.DESCRIPTOR):
+        if name in file.message_types_by_name:
+            return file.message_types_by_name[name]
+        if name in file.enum_types_by_name:
+            return file.enum_types_by_name[name]
+    raise AssertionError(f"Triton has no {name}")
+
+
+def _values(enum) -> dict[str, int]:
+    return {value.name: value.number for value in enum.values}
+
+
+def test_every_message_and_enum_of_the_file_is_a_part_of_tritons():
+    """Configuration messages hold a subset of Triton's fields (what sluice fills in), each with
+    Triton's number, type and target, so that Triton's classes decode what sluice sends."""
+    file = kserve_grpc.MESSAGES["ModelConfigResponse"].DESCRIPTOR.file
+    assert "ModelConfig" in file.message_types_by_name
+    for name, ours in file.message_types_by_name.items():
+        theirs = _fields(_tritons(name))
+        assert _fields(ours).items() <= theirs.items(), name
+        for enum in ours.enum_types:
+            assert _values(enum) == _values(_tritons(name).enum_types_by_name[enum.name]), f"{name}.{enum.name}"
+    for name, enum in file.enum_types_by_name.items():
+        assert _values(enum) == _values(_tritons(name)), name
 
 
 def test_every_method_is_tritons_with_the_same_types():

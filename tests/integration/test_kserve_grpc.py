@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from sluice.gateway.tenants import hash_key, new_key
@@ -188,6 +188,37 @@ def test_keys_are_required_and_models_are_scoped(client, stub):
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     error = rpc_error(stub.ModelInfer, raw_request("slow", x), metadata=tuple(auth("beta").items()))
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_tritons_configuration_statistics_and_index_over_grpc_for_the_callers_models(client, stub):
+    """tritonclient.grpc decodes sluice's answers with Triton's own classes."""
+    assert {"model_configuration", "statistics"} <= set(client.get_server_metadata().extensions)
+    config = client.get_model_config("slow", headers=auth()).config
+    assert (config.name, config.max_batch_size, config.backend) == ("slow", 1, "emulated")
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("INPUT0", model_config_pb2.TYPE_FP32, [-1])]
+    assert config.dynamic_batching.default_queue_policy.default_timeout_microseconds == 30_000_000
+    assert config.dynamic_batching.priority_levels == 3
+    assert client.get_model_config("minilm", headers=auth(), as_json=True)["config"]["output"][0]["dims"] == ["384"]
+
+    before = client.get_inference_statistics("emulated", headers=auth("beta")).model_stats[0]
+    client.infer("emulated", [fp32_input(rows(3, seed=77))], headers=auth("beta"))
+    (after,) = client.get_inference_statistics("emulated", "1", headers=auth("beta")).model_stats
+    assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+    assert after.inference_count == before.inference_count + 3
+    assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+    visible = {(s.name, s.version) for s in client.get_inference_statistics(headers=auth("beta")).model_stats}
+    assert visible == {("emulated", "1")}  # beta may use emulated only
+    assert {m.name for m in client.get_model_repository_index(headers=auth("beta")).models} == {"emulated"}
+    assert {m.name for m in client.get_model_repository_index(headers=auth()).models} >= {"emulated", "slow", "minilm"}
+
+    for call, request in ((stub.ModelConfig, service_pb2.ModelConfigRequest(name="slow")),
+                          (stub.ModelStatistics, service_pb2.ModelStatisticsRequest(name="slow"))):
+        error = rpc_error(call, request, metadata=tuple(auth("beta").items()))
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert rpc_error(call, request).code() == grpc.StatusCode.UNAUTHENTICATED
+    error = rpc_error(stub.RepositoryModelUnload, service_pb2.RepositoryModelUnloadRequest(model_name="slow"),
+                      metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "restart" in error.details()
 
 
 def test_a_rate_limited_tenant_gets_resource_exhausted_with_retry_metadata(stub):

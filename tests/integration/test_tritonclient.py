@@ -7,6 +7,8 @@ output comes back binary.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tritonclient.http as triton
@@ -155,3 +157,81 @@ def test_one_microsecond_timeout_raises_504(client):
     error = _error(lambda: client.infer("emulated", [_input(_rows())], timeout=1))
     assert error.status() == "504"
     assert "deadline" in error.message()
+
+
+# -- Triton's extensions: model configuration, statistics, repository index ---------------------
+
+
+def test_model_configuration_is_what_triton_clients_read(client):
+    """Triton's example clients size their batches and inputs from `max_batch_size` and `dims`
+    (which leave out the batch dimension)."""
+    assert {"model_configuration", "statistics"} <= set(client.get_server_metadata()["extensions"])
+    emulated = client.get_model_config("emulated")
+    assert (emulated["name"], emulated["platform"], emulated["max_batch_size"]) == ("emulated", "sluice_emulated", 32)
+    assert emulated["input"] == [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]
+    assert emulated["output"] == [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": []}]
+    batching = emulated["dynamic_batching"]
+    assert batching["max_queue_delay_microseconds"] == 0  # a batch starts when the device frees
+    assert batching["default_queue_policy"]["default_timeout_microseconds"] == 90_000  # the model's SLO
+    assert batching["default_queue_policy"]["timeout_action"] == "REJECT"
+    assert emulated["instance_group"][0]["count"] == 1  # one worker serves it
+    assert emulated["response_cache"] == {"enable": True}
+    minilm = client.get_model_config("minilm", model_version="1")
+    assert minilm["input"] == [{"name": "text", "data_type": "TYPE_STRING", "dims": []}]
+    assert minilm["output"] == [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [384]}]
+    assert minilm["parameters"]["sluice_slo_ms"] == {"string_value": "500"}
+    assert _error(lambda: client.get_model_config("no-such-model")).status() == "404"
+    assert _error(lambda: client.get_model_config("emulated", model_version="9")).status() == "404"
+
+
+def _version_stats(client, model: str) -> dict:
+    (stats,) = client.get_inference_statistics(model, model_version="1")["model_stats"]
+    return stats
+
+
+def test_statistics_count_requests_items_batches_and_cache_hits(client):
+    before = _version_stats(client, "emulated")
+    for seed in range(3):  # one after another: each runs alone, a batch of its own 2 rows
+        rows = np.random.default_rng(1000 + seed).standard_normal((2, 16)).astype(np.float32)
+        client.infer("emulated", [_input(rows)], headers=roomy())
+    client.infer("emulated", [_input(rows)], headers=roomy())  # the last one again: from the cache
+    _error(lambda: client.infer("emulated", [_input(_rows())], timeout=1))  # past its deadline
+    after = _version_stats(client, "emulated")
+
+    def delta(*path: str) -> int:
+        a, b = after, before
+        for key in path:
+            a, b = a[key], b[key]
+        return a - b
+
+    assert delta("inference_stats", "success", "count") == 4
+    assert delta("inference_stats", "cache_hit", "count") == 1
+    assert delta("inference_stats", "cache_miss", "count") == 3
+    assert delta("inference_stats", "fail", "count") == 1
+    assert delta("inference_count") == 6  # rows computed on the device, not the cached answer's
+    assert delta("execution_count") == 3
+    assert delta("inference_stats", "queue", "count") == delta("inference_stats", "compute_infer", "count") == 3
+    assert delta("inference_stats", "compute_infer", "ns") >= 3 * 8_000_000  # 8.5 ms per batch of 2 short rows
+    assert delta("inference_stats", "success", "ns") > delta("inference_stats", "compute_infer", "ns")
+    def batches_of_2(stats: dict) -> int:
+        return sum(entry["compute_infer"]["count"] for entry in stats["batch_stats"] if entry["batch_size"] == 2)
+
+    assert batches_of_2(after) - batches_of_2(before) == 3
+    assert after["last_inference"] / 1000 == pytest.approx(time.time(), abs=60)
+
+
+def test_statistics_of_every_model_and_unknown_ones(client):
+    client.infer("emulated", [_input(_rows(1))], headers=roomy())
+    everything = client.get_inference_statistics()["model_stats"]
+    assert {("emulated", "1"), ("minilm", "1")} <= {(s["name"], s["version"]) for s in everything}
+    assert _error(lambda: client.get_inference_statistics("no-such-model")).status() == "404"
+
+
+def test_repository_index_lists_ready_versions_and_refuses_loading(client):
+    index = client.get_model_repository_index()
+    assert {"name": "emulated", "version": "1", "state": "READY", "reason": ""} in index
+    assert {(entry["name"], entry["state"]) for entry in index} >= {("minilm", "READY")}
+    error = _error(lambda: client.load_model("emulated"))
+    assert error.status() == "400"
+    assert "restart" in error.message()
+    assert _error(lambda: client.unload_model("emulated")).status() == "400"

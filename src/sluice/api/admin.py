@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice.api.auth import ADMIN_SCOPE_KEY
-from sluice.api.common import decode_json, read_body
+from sluice.api.common import decode_json, json_response, read_body
 from sluice.errors import ConfigError, Conflict, InvalidInput, ModelNotFound, PermissionDenied, Unavailable
 from sluice.gateway import Gateway
 from sluice.gateway.traffic import CanaryEvent, CanaryPlan, Split, version_order
@@ -65,7 +65,7 @@ def routes(gateway: Gateway) -> list[Route]:
 
     async def tenants(request: Request) -> Response:
         check(request)
-        return _json({"object": "list", "data": await gateway.tenancy.usage()})
+        return json_response({"object": "list", "data": await gateway.tenancy.usage()})
 
     async def reload(request: Request) -> Response:
         check(request)
@@ -73,16 +73,16 @@ def routes(gateway: Gateway) -> list[Route]:
             directory = gateway.tenancy.reload()
         except ConfigError as exc:
             raise InvalidInput(f"the tenants file was not reloaded (the old one stays): {exc.message}") from exc
-        return _json({"reloaded": directory.path is not None, "tenants": sorted(directory.tenants)})
+        return json_response({"reloaded": directory.path is not None, "tenants": sorted(directory.tenants)})
 
     async def list_models(request: Request) -> Response:
         check(request)
         names = sorted(gateway.models(include_recovering=True))
-        return _json({"object": "list", "data": [_describe(gateway, name) for name in names]})
+        return json_response({"object": "list", "data": [_describe(gateway, name) for name in names]})
 
     async def get_model(request: Request) -> Response:
         check(request)
-        return _json(_describe(gateway, _model(gateway, request)))
+        return json_response(_describe(gateway, _model(gateway, request)))
 
     async def set_traffic(request: Request) -> Response:
         check(request)
@@ -146,7 +146,7 @@ def routes(gateway: Gateway) -> list[Route]:
                 if not await gateway.shared_traffic.command(name, action):
                     raise Unavailable(f"the gateway running model {name!r}'s canary "
                                       f"({(remote.canary or {}).get('owner')}) did not answer", retry_after_s=1.0)
-                return _json(_describe(gateway, name))
+                return json_response(_describe(gateway, name))
             try:
                 event = act(name)
             except KeyError:
@@ -185,7 +185,7 @@ async def _changed(gateway: Gateway, name: str, event: CanaryEvent | None, statu
     if event is not None:
         gateway.canary_event(event)
     await gateway.share_traffic(name)
-    return _json(_describe(gateway, name), status=status)
+    return json_response(_describe(gateway, name), status=status)
 
 
 def _given(value: T | None, default: T) -> T:
@@ -224,6 +224,3 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
         "canary": remote.canary if remote is not None else None if canary is None else canary.describe(now),
     }
 
-
-def _json(content: object, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")

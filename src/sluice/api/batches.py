@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive
 
-from sluice.api.common import decode_json, parse_count, read_body, request_tenant
+from sluice.api.common import decode_json, json_response, parse_count, read_body, request_tenant
 from sluice.errors import IdempotencyKeyReused, InvalidInput, NotFound, PayloadTooLarge
 from sluice.jobs.rows import new_file_id
 from sluice.jobs.store import BatchJob, FileObject, JobStore, NewBatch
@@ -85,7 +85,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
                                       or await store.file_content(owner, created.id) != content):
             assert key is not None  # only an idempotency key finds another file
             raise _key_reused(key, "file")
-        return _json(_file_json(created))
+        return json_response(_file_json(created))
 
     async def list_files(request: Request) -> Response:
         """OpenAI's `GET /v1/files`: `purpose`, `limit` (1 to 10,000, default 10,000), `order`
@@ -104,7 +104,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         return _list([_file_json(f) for f in page[:limit]], len(page) > limit)
 
     async def get_file(request: Request) -> Response:
-        return _json(_file_json(await _file(store, request)))
+        return json_response(_file_json(await _file(store, request)))
 
     async def file_content(request: Request) -> Response:
         """Streamed a part (a few MiB) at a time: an output file may be larger than memory should hold."""
@@ -119,7 +119,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         file_id = request.path_params["file_id"]
         if not await store.delete_file(request_tenant(request), file_id):
             raise NotFound(f"no file {file_id!r}")
-        return _json({"id": file_id, "object": "file", "deleted": True})
+        return json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def create_batch(request: Request) -> Response:
         """A repeat with the same `Idempotency-Key` is answered from the key (the original batch, even
@@ -130,7 +130,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         if key is not None and (original := await store.find_batch(owner, key)) is not None:
             if not _is_same_batch(original, parsed):
                 raise _key_reused(key, "batch")
-            return _json(batch_json(original))
+            return json_response(batch_json(original))
         input_file = await store.get_file(owner, parsed.input_file_id)
         if input_file is None:
             raise NotFound(f"no file {parsed.input_file_id!r}")
@@ -143,10 +143,10 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         if key is not None and not _is_same_batch(batch, parsed):  # a concurrent request took the key first
             raise _key_reused(key, "batch")
         notify()
-        return _json(batch_json(batch))
+        return json_response(batch_json(batch))
 
     async def get_batch(request: Request) -> Response:
-        return _json(batch_json(await _batch(store, request)))
+        return json_response(batch_json(await _batch(store, request)))
 
     async def list_batches(request: Request) -> Response:
         limit = parse_count(request.query_params.get("limit", "20"))
@@ -163,7 +163,7 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         if batch is None:
             raise NotFound(f"no batch {request.path_params['batch_id']!r}")
         notify()
-        return _json(batch_json(batch))
+        return json_response(batch_json(batch))
 
     async def results(request: Request) -> Response:
         if request.query_params.get("order", "input") != "input":
@@ -288,7 +288,7 @@ def _key_reused(key: str, kind: str) -> IdempotencyKeyReused:
 
 
 def _list(data: list[dict[str, Any]], has_more: bool) -> Response:
-    return _json({"object": "list", "data": data, "has_more": has_more,
+    return json_response({"object": "list", "data": data, "has_more": has_more,
                   "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
@@ -315,6 +315,3 @@ def batch_json(b: BatchJob) -> dict[str, Any]:
         "metadata": b.metadata,
     }
 
-
-def _json(content: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")

@@ -208,6 +208,12 @@ def estimate_text_tokens(texts: list[str]) -> float:
     return float(sum(len(text) // 3 + 2 for text in texts))
 
 
+def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """`content` as a JSON answer (msgspec-encoded)."""
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
 def decode_json(body: bytes, kind: type[T]) -> T:
     """A JSON body decoded and validated into `kind`; a 400 naming the offending field otherwise."""
     try:

@@ -31,6 +31,7 @@ from sluice.api.common import (
     check_texts,
     estimate_text_tokens,
     header_timeout_s,
+    json_response,
     parse_count,
     priority_of,
     request_tenant,
@@ -44,30 +45,32 @@ from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
 
 HEADER_LENGTH = "inference-header-content-length"
+SERVED_EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
+"""The protocol extensions `GET /v2` and gRPC `ServerMetadata` list (the last two: `api.triton`)."""
 
 
 def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def server_metadata(request: Request) -> Response:
-        return _json({"name": "sluice", "version": __version__, "extensions": ["binary_tensor_data"]})
+        return json_response({"name": "sluice", "version": __version__, "extensions": list(SERVED_EXTENSIONS)})
 
     async def live(request: Request) -> Response:
-        return _json({"live": True})
+        return json_response({"live": True})
 
     async def ready(request: Request) -> Response:
         is_ready = gateway.is_ready()
-        return _json({"ready": is_ready}, status=200 if is_ready else 503)
+        return json_response({"ready": is_ready}, status=200 if is_ready else 503)
 
     async def model_metadata(request: Request) -> Response:
         name, version = _path(request)
-        return _json({**model_metadata_of(gateway, request_tenant(request), name, version),
+        return json_response({**model_metadata_of(gateway, request_tenant(request), name, version),
                       **_refused(gateway, name, version)})
 
     async def model_ready(request: Request) -> Response:
         name, version = _path(request)
         info = model_ready_of(gateway, request_tenant(request), name, version)
         if info is None:
-            return _json({"name": name, "ready": False}, status=503)
-        return _json({"name": info.name, "ready": True, **_refused(gateway, name, version)})
+            return json_response({"name": name, "ready": False}, status=503)
+        return json_response({"name": info.name, "ready": True, **_refused(gateway, name, version)})
 
     def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
         """What can be answered before the body is parsed (404, 400s on headers, 403, and 503/504
@@ -298,8 +301,5 @@ def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Paylo
 def _spec(spec: wire.TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
 
-
-def _json(content: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
 
 

@@ -2,6 +2,10 @@
 
     ServerLive | ServerReady | ServerMetadata     no key needed
     ModelReady | ModelMetadata                    `version` "" : the model as a whole
+    ModelConfig | ModelStatistics                 Triton's extensions (`api.triton`); statistics
+                                                  with `name` "": every model
+    RepositoryIndex                               the model versions and their state
+    RepositoryModelLoad | RepositoryModelUnload   refused: models load when workers start
     ModelInfer                                    one request; outputs in `raw_output_contents`
     ModelStreamInfer                              Triton's: many requests on one stream, each
                                                   answered (by `id`) as soon as it is done
@@ -36,7 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import Message
 
 from sluice import __version__, wire
@@ -44,8 +48,17 @@ from sluice.api.app import request_id_for
 from sluice.api.auth import inference_tenant, key_of
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
 from sluice.api.errors import error_headers, status_of
-from sluice.api.kserve import check_outputs, infer_terms, model_metadata_of, model_ready_of, output_of
+from sluice.api.kserve import (
+    SERVED_EXTENSIONS,
+    check_outputs,
+    infer_terms,
+    model_metadata_of,
+    model_ready_of,
+    output_of,
+)
 from sluice.api.tensors import InputTensor, Tensor, render_outputs, tensor_from_raw, tensor_from_values
+from sluice.api.tls import TlsConfig
+from sluice.api.triton import model_config_of, refuse_loading, repository_index_of, statistics_of
 from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, SluiceError
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
@@ -133,6 +146,13 @@ class KServeGrpc:
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                 self.model_stream_infer, request_deserializer=_InferRequest.FromString,
                 response_serializer=_StreamResponse.SerializeToString),
+            "ModelConfig": unary(self.model_config, "ModelConfigRequest", "ModelConfigResponse"),
+            "ModelStatistics": unary(self.model_statistics, "ModelStatisticsRequest", "ModelStatisticsResponse"),
+            "RepositoryIndex": unary(self.repository_index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
+            "RepositoryModelLoad": unary(self.repository_model_load, "RepositoryModelLoadRequest",
+                                         "RepositoryModelLoadResponse"),
+            "RepositoryModelUnload": unary(self.repository_model_load, "RepositoryModelUnloadRequest",
+                                           "RepositoryModelUnloadResponse"),
         })
 
     # -- health and metadata -------------------------------------------------------------------
@@ -145,7 +165,7 @@ class KServeGrpc:
 
     async def server_metadata(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
         return MESSAGES["ServerMetadataResponse"](name="sluice", version=__version__,
-                                                  extensions=["binary_tensor_data"])
+                                                  extensions=list(SERVED_EXTENSIONS))
 
     async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         info = await self._about_model(request, context, model_ready_of)
@@ -158,13 +178,39 @@ class KServeGrpc:
             name=found["name"], versions=found["versions"], platform=found["platform"],
             inputs=[tensor(**spec) for spec in found["inputs"]], outputs=[tensor(**spec) for spec in found["outputs"]])
 
+    async def model_config(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        config = await self._about_model(request, context, model_config_of)
+        return json_format.ParseDict({"config": config}, MESSAGES["ModelConfigResponse"]())
+
+    async def model_statistics(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        def lookup(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
+            return statistics_of(gateway, tenant, name or None, version)
+
+        statistics = await self._about_model(request, context, lookup)
+        return json_format.ParseDict(statistics, MESSAGES["ModelStatisticsResponse"]())
+
+    async def repository_index(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        index = await self._as_tenant(context, lambda tenant: repository_index_of(self._gateway, tenant, request.ready))
+        return json_format.ParseDict({"models": index}, MESSAGES["RepositoryIndexResponse"]())
+
+    async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        def refuse(tenant: str) -> NoReturn:
+            raise refuse_loading(request.model_name)
+
+        await self._as_tenant(context, refuse)
+        raise AssertionError("refused above")
+
     async def _about_model(self, request: Any, context: grpc.aio.ServicerContext,
                            lookup: Callable[[Gateway, str, str, str | None], T]) -> T:
-        """`lookup` (`kserve.model_ready_of`, `model_metadata_of`) for the calling tenant."""
+        """`lookup` (`kserve.model_ready_of`, `model_metadata_of`, ...) for the calling tenant."""
+        return await self._as_tenant(
+            context, lambda tenant: lookup(self._gateway, tenant, request.name, request.version or None))
+
+    async def _as_tenant(self, context: grpc.aio.ServicerContext, answer: Callable[[str], T]) -> T:
+        """`answer` for the calling tenant (found by its key); its error ends the call."""
         call = _Call(context)
         try:
-            tenant = inference_tenant(call.key, self._gateway.tenancy)
-            return lookup(self._gateway, tenant, request.name, request.version or None)
+            return answer(inference_tenant(call.key, self._gateway.tenancy))
         except SluiceError as exc:
             await _abort(context, exc, call.request_id)
 
@@ -317,9 +363,11 @@ async def _abort(context: grpc.aio.ServicerContext, error: SluiceError, request_
     raise AssertionError("context.abort returned")  # it raises
 
 
-async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
-    """Serve the gRPC API on `host:port` (0: any free port); returns the server and its port.
-    Messages over `max_message_bytes` (the HTTP body limit) are refused by gRPC itself."""
+async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes: int,
+                       tls: TlsConfig | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve the gRPC API on `host:port` (0: any free port), over TLS if `tls` is given; returns
+    the server and its port. Messages over `max_message_bytes` (the HTTP body limit) are refused
+    by gRPC itself."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", -1),
@@ -328,7 +376,10 @@ async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes
     server.add_generic_rpc_handlers((KServeGrpc(gateway).handler(),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.grpc_credentials())
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen for gRPC on {address}: {exc}") from exc
     await server.start()

@@ -28,6 +28,7 @@ from sluice.api.common import (
     decode_json,
     estimate_text_tokens,
     header_timeout_s,
+    json_response,
     request_tenant,
     requested_priority,
     resolve_openai,
@@ -55,7 +56,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         tenant = gateway.tenancy.tenant(request_tenant(request))
         models = gateway.models()
         data = [_model_card(name, models[name]) for name in sorted(gateway.tenancy.visible(tenant, models))]
-        return _json({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
@@ -63,7 +64,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         if name not in models:
             raise gateway.refusal(name, None) or ModelNotFound(f"the model {name!r} does not exist")
         gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
-        return _json(_model_card(name, models[name]))
+        return json_response(_model_card(name, models[name]))
 
     def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
         """Everything before the request is sent on. The overload check is made again on `first`
@@ -100,7 +101,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             for i, row in enumerate(vectors)
         ]
         usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
-        return _json({"object": "list", "data": data, "model": info.name, "usage": usage},
+        return json_response({"object": "list", "data": data, "model": info.name, "usage": usage},
                      headers=with_version(info, result.headers))
 
     return [
@@ -162,7 +163,3 @@ def _model_card(name: str, versions: Mapping[str, wire.ModelInfo]) -> dict[str, 
         card["max_model_len"] = min(contexts)
     return card
 
-
-def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json",
-                    headers=headers)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from sluice import wire
-from sluice.clock import Clock
+from sluice.clock import Clock, WallClock
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,
@@ -35,6 +35,7 @@ from sluice.gateway import router
 from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, ResultCache, cache_key
 from sluice.gateway.connection import InFlight, WorkerConnection
 from sluice.gateway.shared_traffic import SharedTraffic, Stale
+from sluice.gateway.statistics import InferenceStatistics, Ran
 from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.ticket import InferResult, Ticket, interpret
 from sluice.gateway.traffic import CanaryEvent, Split, Traffic, version_order
@@ -76,7 +77,7 @@ class Caller:
 class Gateway:
     def __init__(self, clock: Clock, metrics: GatewayMetrics, config: GatewayConfig | None = None,
                  tenancy: Tenancy | None = None, tracing: Tracing | None = None,
-                 cache: ResultCache | None = None) -> None:
+                 cache: ResultCache | None = None, wall_clock: Clock | None = None) -> None:
         self._clock = clock
         self.cache = cache
         self._metrics = metrics
@@ -97,6 +98,8 @@ class Gateway:
         """Operators' traffic splits and canaries (`api.admin`), over the splits models declare."""
         self.shared_traffic: SharedTraffic | None = None
         """Where `traffic` is shared with the other gateways of a cluster (`serve` sets it)."""
+        self.statistics = InferenceStatistics(wall_clock or WallClock())
+        """Triton-style per-version counts and durations of the requests this gateway answered."""
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -144,6 +147,10 @@ class Gateway:
     async def aclose(self) -> None:
         for connection in self._connections.values():
             await connection.aclose()
+
+    def num_replicas(self, name: str, version: str) -> int:
+        """How many ready workers serve this model version."""
+        return len(self._indexed().replicas.get((name, version), ()))
 
     def ready_workers(self) -> list[WorkerConnection]:
         return [c for c in self._connections.values() if c.is_ready]
@@ -249,9 +256,18 @@ class Gateway:
         return shares
 
     def _observe(self, ticket: Ticket, outcome: str, result: InferResult | None) -> None:
-        """A request ended: evidence for its model's canary, if one runs. Not an answer from the
-        cache (nothing ran), nor a deadline the client set that was missed (too short, maybe)."""
+        """A request ended: into its model's statistics, and evidence for its canary, if one runs
+        (not an answer from the cache: nothing ran; nor a deadline the client set that was
+        missed: too short, maybe)."""
         info = ticket.info
+        duration_s = self._clock.now() - ticket.started
+        if outcome != "ok" or result is None:
+            self.statistics.failed(info.name, info.version, duration_s)
+        else:
+            ran = None if result.is_cached else Ran(wire.num_items(result.payload), result.queue_s, result.exec_s,
+                                                    result.batch_size)
+            self.statistics.succeeded(info.name, info.version, duration_s, ran,
+                                      is_cacheable=self.cache is not None and bool(info.cache_revision))
         if not self.traffic.has_canary(info.name) or (result is not None and result.is_cached) \
                 or (outcome == "expired" and ticket.client_deadline):
             return
@@ -350,6 +366,7 @@ class Gateway:
                        arrived_at: float, now: float, outcome: str) -> None:
         """The accounting of a request answered before admission, as a `Ticket` does it for the rest."""
         self._metrics.request_done(info.name, info.version, outcome, now - arrived_at)
+        self.statistics.failed(info.name, info.version, now - arrived_at)
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded" if outcome == "rejected" else outcome)
         if self._tracing.is_enabled:
             self._tracing.request(model=info.name, version=info.version, tenant=tenant, priority=priority.label,

@@ -1,0 +1,155 @@
+"""Triton's extensions to the v2 protocol that its clients call beside inference:
+
+    GET  /v2/models/{m}[/versions/{v}]/config      model configuration (Triton's `ModelConfig` JSON)
+    GET  /v2/models/stats                          statistics of every model version
+    GET  /v2/models/{m}[/versions/{v}]/stats       statistics of one model (its versions) or version
+    POST /v2/repository/index                      the repository's model versions and their state
+    POST /v2/repository/models/{m}/load | unload   refused (400): sluice loads models at start
+
+`tritonclient`'s `get_model_config`, `get_inference_statistics` and `get_model_repository_index`
+read these (Triton's example clients read `max_batch_size` and the inputs' `dims` from the
+configuration); the gRPC API answers the same content (`api.kserve_grpc`). A tenant sees only
+the models it may use, as in the model metadata.
+
+The configuration describes what sluice does, in Triton's terms: `dynamic_batching` with no
+queue delay (a batch is formed when the device frees), three priority levels (interactive,
+standard, batch; the calling tenant's class is the default), and the model's SLO as the default
+queue timeout, after which a request is rejected. Statistics: `gateway.statistics`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sluice import wire
+from sluice.api.common import decode_json, json_response, read_body, request_tenant
+from sluice.errors import InvalidInput
+from sluice.gateway import Gateway
+from sluice.gateway.traffic import version_order
+
+_NO_LOADING = ("sluice loads its models from the repository when its workers start (--models); loading and "
+               "unloading through the API is not supported: change the repository and restart the workers")
+
+
+def model_config_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
+    """A model version's configuration as Triton's `ModelConfig` (JSON field names), for a
+    tenant that may use it; the newest version when none is named."""
+    info = gateway.resolve(name, version, by_split=False)
+    caller = gateway.tenancy.tenant(tenant)
+    gateway.tenancy.authorize(caller, info.name)
+    batched = info.max_batch_size > 0
+    parameters = {"sluice_kind": info.kind, "sluice_version": info.version, "sluice_slo_ms": f"{info.slo_s * 1000:g}"}
+    if info.max_model_len:
+        parameters["max_model_len"] = str(info.max_model_len)
+    return {
+        "name": info.name,
+        "platform": info.platform,
+        "backend": info.kind,
+        "max_batch_size": info.max_batch_size,
+        "input": [_tensor_config(spec, batched) for spec in info.inputs],
+        "output": [_tensor_config(spec, batched) for spec in info.outputs],
+        "instance_group": [{"name": info.name, "kind": "KIND_MODEL",
+                            "count": gateway.num_replicas(info.name, info.version)}],
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": 0,
+            "preserve_ordering": False,
+            "priority_levels": 3,
+            "default_priority_level": int(caller.priority) + 1,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": round(info.slo_s * 1e6),
+                "allow_timeout_override": True,
+                "max_queue_size": 0,
+            },
+        },
+        "parameters": {key: {"string_value": value} for key, value in parameters.items()},
+        "response_cache": {"enable": bool(info.cache_revision) and gateway.cache is not None},
+    }
+
+
+def statistics_of(gateway: Gateway, tenant: str, name: str | None, version: str | None) -> dict[str, Any]:
+    """Triton's `ModelStatisticsResponse`: every version of every model the tenant may use
+    (`name` None), of one model, or one version (404 if the model or version is not served)."""
+    caller = gateway.tenancy.tenant(tenant)
+    served = gateway.models(include_recovering=True)
+    if name is None:
+        keys = {(model, v) for model in gateway.tenancy.visible(caller, served) for v in served[model]}
+        keys |= {key for key in gateway.statistics.versions() if caller.may_use(key[0])}
+    else:
+        info = gateway.resolve(name, version, by_split=False)
+        gateway.tenancy.authorize(caller, info.name)
+        keys = {(info.name, info.version)} if version is not None else {(name, v) for v in served.get(name, {})}
+    ordered = sorted(keys, key=lambda key: (key[0], version_order(key[1])))
+    return {"model_stats": [gateway.statistics.snapshot(model, v) for model, v in ordered]}
+
+
+def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list[dict[str, str]]:
+    """Triton's repository index: each model version the tenant may use, `READY` when a ready
+    worker serves it, `UNAVAILABLE` (with the reason) when it failed to load or its workers are
+    being restarted, `LOADING` while the repository's version has no worker yet."""
+    caller = gateway.tenancy.tenant(tenant)
+    ready = gateway.models()
+    states: dict[tuple[str, str], tuple[str, str]] = {}
+    for model, version in gateway.expected_versions:
+        states[(model, version)] = ("LOADING", "")
+    for model, versions in gateway.models(include_recovering=True).items():
+        for version in versions:
+            states[(model, version)] = ("READY", "") if version in ready.get(model, {}) \
+                else ("UNAVAILABLE", "its worker is being restarted")
+    for refused in gateway.refused():
+        states[(refused.name, refused.version)] = ("UNAVAILABLE", refused.reason)
+    index = []
+    for (model, version), (state, reason) in sorted(states.items(), key=lambda kv: (kv[0][0], version_order(kv[0][1]))):
+        if caller.may_use(model) and (state == "READY" or not ready_only):
+            index.append({"name": model, "version": version, "state": state, "reason": reason})
+    return index
+
+
+def refuse_loading(model: str) -> InvalidInput:
+    return InvalidInput(f"cannot load or unload model {model!r}: {_NO_LOADING}")
+
+
+def routes(gateway: Gateway) -> list[Route]:
+    async def config(request: Request) -> Response:
+        name, version = request.path_params["name"], request.path_params.get("version")
+        return json_response(model_config_of(gateway, request_tenant(request), name, version))
+
+    async def stats(request: Request) -> Response:
+        name, version = request.path_params.get("name"), request.path_params.get("version")
+        return json_response(statistics_of(gateway, request_tenant(request), name, version))
+
+    async def index(request: Request) -> Response:
+        body = await read_body(request, 4096)
+        options = decode_json(body, _IndexRequest) if body.strip() else _IndexRequest()
+        return json_response(repository_index_of(gateway, request_tenant(request), options.ready))
+
+    async def load(request: Request) -> Response:
+        raise refuse_loading(request.path_params["name"])
+
+    table = [
+        Route("/v2/models/stats", stats, methods=["GET"]),  # before /v2/models/{name}
+        Route("/v2/repository/index", index, methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", load, methods=["POST"]),
+        Route("/v2/repository/models/{name}/unload", load, methods=["POST"]),
+    ]
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        table += [Route(prefix + "/config", config, methods=["GET"]),
+                  Route(prefix + "/stats", stats, methods=["GET"])]
+    return table
+
+
+class _IndexRequest(msgspec.Struct):
+    repository_name: str = ""
+    ready: bool = False
+    """Only the versions that are ready."""
+
+
+def _tensor_config(spec: wire.TensorSpec, batched: bool) -> dict[str, Any]:
+    dims = list(spec.shape[1:] if batched else spec.shape)
+    return {"name": spec.name, "data_type": "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}",
+            "dims": dims}
