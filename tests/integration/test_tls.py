@@ -109,7 +109,7 @@ def test_https_and_grpc_over_tls_with_real_clients(tls_server, pki):
 
 
 def test_plain_http_and_untrusted_clients_are_not_served(tls_server):
-    server, grpc_port = tls_server
+    server, _ = tls_server
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{server.port}/v2/health/ready", timeout=5)
     with pytest.raises(httpx.ConnectError):  # the system's CAs do not trust the test CA
@@ -120,9 +120,8 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_from_the_ca(mtls_serv
     server, grpc_port = mtls_server
     with httpx.Client(verify=_trusting(pki, with_client_cert=True)) as http:
         assert http.post(f"{server.url}/v2/models/emulated/infer", json=INFER, timeout=30).status_code == 200
-    with pytest.raises(httpx.HTTPError):
-        with httpx.Client(verify=_trusting(pki)) as anonymous:
-            anonymous.post(f"{server.url}/v2/models/emulated/infer", json=INFER, timeout=10)
+    with pytest.raises(httpx.HTTPError), httpx.Client(verify=_trusting(pki)) as anonymous:
+        anonymous.post(f"{server.url}/v2/models/emulated/infer", json=INFER, timeout=10)
     client_tls = {"root_certificates": str(pki["ca"]), "private_key": str(pki["client_key"]),
                   "certificate_chain": str(pki["client_cert"])}
     np.testing.assert_allclose(_grpc_sum(grpc_port, **client_tls), [120.0, 376.0])
