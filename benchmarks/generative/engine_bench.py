@@ -4,6 +4,11 @@
     PYTHONPATH=src python benchmarks/generative/engine_bench.py --breakdown-only --logprobs 0 5 20
 
     PYTHONPATH=src python benchmarks/generative/engine_bench.py --choices 4
+    PYTHONPATH=src python benchmarks/generative/engine_bench.py --structured
+
+--structured: the decode breakdown with every sequence's output held to a JSON schema (an array
+of at least 100 objects, so none completes while measured) and with none, alternating --rounds
+times: what computing each step's allowed tokens and masking the logits adds.
 
 --choices N: N choices of one 256-token prompt (32 tokens each, greedy) alone on the engine,
 with the choices sharing the first one's prompt blocks (what the worker does for `n`) and with
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from sluice import wire
 from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
 from sluice.engines.generative.tiny import make_tiny_lm
 
@@ -53,12 +59,22 @@ def engine_for(model_dir: Path, batch: int) -> LLMEngine:
     return LLMEngine(model_dir, config)
 
 
-def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, logprobs: int | None = None
-                     ) -> dict[str, float]:
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 100, "items": {
+    "type": "object", "required": ["name", "count", "ok"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"},
+                   "ok": {"type": "boolean"}}}}
+"""A JSON schema no sequence completes within the measured steps (at least 100 objects)."""
+
+
+def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, logprobs: int | None = None,
+                     structured: bool = False) -> dict[str, float]:
     engine = engine_for(model_dir, num_seqs)
     params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True, logprobs=logprobs)  # within 1,024
+    output_format = wire.OutputFormat("json_schema", json.dumps(STRUCTURED_SCHEMA))
     for i, (prompt, _) in enumerate(request_set(num_seqs, engine.spec.vocab_size, seed=1)):
-        engine.add_request(f"d{i}", prompt[:64], params)
+        assert engine.grammars is not None
+        engine.add_request(f"d{i}", prompt[:64], params,
+                           matcher=engine.grammars.matcher(output_format) if structured else None)
     while engine.stats().last_step is None or engine.stats().last_step.num_batched_tokens != num_seqs:
         engine.step()
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "sample", "output", "total")}
@@ -110,6 +126,17 @@ def choices_cost(model_dir: Path, n: int, rounds: int) -> dict[str, dict[str, fl
             for label, runs in taken.items()}
 
 
+def structured_cost(model_dir: Path, rounds: int) -> dict[str, dict[str, float]]:
+    """The decode breakdown with every sequence's output constrained by a JSON schema and with
+    none, alternating, `rounds` times: the median over rounds of each phase's median."""
+    taken: dict[str, list[dict[str, float]]] = {"unconstrained": [], "json schema": []}
+    for _ in range(rounds):
+        for label in taken:
+            taken[label].append(decode_breakdown(model_dir, structured=label == "json schema"))
+    return {label: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            for label, runs in taken.items()}
+
+
 def _label(k: int | None) -> str:
     return "no logprobs" if k is None else f"logprobs={k}"
 
@@ -158,10 +185,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--breakdown-only", action="store_true")
     parser.add_argument("--choices", type=int, default=0, metavar="N")
+    parser.add_argument("--structured", action="store_true", help="the decode step with JSON-schema outputs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_lm(Path(tmp) / "tiny-lm")
+        if args.structured:
+            results = structured_cost(model_dir, args.rounds)
+            print("decode step at 32 seqs, structured or not:", json.dumps(results, indent=1))
+            return
         if args.choices:
             results = choices_cost(model_dir, args.choices, args.rounds)
             print(f"{args.choices} choices of one prompt:", json.dumps(results, indent=1))

@@ -80,6 +80,17 @@ class EchoedPrompt(msgspec.Struct, frozen=True):
     """Every prompt token's but the first's, if log-probabilities were asked for."""
 
 
+class OutputFormat(msgspec.Struct, frozen=True):
+    """Structured output: what the generated text must be (`engines.generative.structured`)."""
+
+    kind: str
+    """"json_object", "json_schema" (`spec`: the schema as JSON text), "regex" (`spec`: the
+    expression), "choice" (`spec`: a JSON list of strings) or "grammar" (`spec`: Lark or GBNF)."""
+    spec: str = ""
+    param: str = "response_format"
+    """The request field it came from, named in errors."""
+
+
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """A generation request: a prompt (text or token ids) or chat messages the worker renders with
     the model's chat template, and how to sample. Streamed back as `TokenChunk`s, then a `Result`
@@ -111,6 +122,8 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     stream: bool = False
     is_max_tokens_default: bool = False
     """The client sent no max_tokens: cap it at what the context leaves rather than refusing."""
+    output_format: OutputFormat | None = None
+    """Constrain the text to a JSON schema, a regular expression, a choice or a grammar."""
 
 
 class GeneratedChoice(msgspec.Struct, frozen=True):

@@ -8,6 +8,7 @@ sluice serving a tiny generative model, driven through the `openai` SDK.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import threading
 import time
@@ -118,6 +119,19 @@ def test_penalties_and_logit_bias_are_forwarded(via_front, direct):
     assert via_front.completions.create(model="proxy", **ask).choices[0].text == theirs
     assert theirs != direct.completions.create(model=UPSTREAM_MODEL, prompt="Once upon a time", max_tokens=8,
                                                temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_structured_outputs_are_forwarded(via_front):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    answer = via_front.chat.completions.create(
+        model="proxy", messages=[{"role": "user", "content": "JSON please"}], max_tokens=40, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    value = json.loads(answer.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+    choice = via_front.completions.create(model="proxy", prompt="Pick:", max_tokens=10, seed=2,
+                                          extra_body={"guided_choice": ["left", "right"]})
+    assert choice.choices[0].text in ("left", "right")
 
 
 def test_n_choices_are_relayed_unary_and_streamed(via_front, direct):

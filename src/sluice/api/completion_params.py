@@ -32,8 +32,37 @@ MAX_LOGIT_BIAS = 1024
 """Token ids one request may bias (OpenAI documents no limit; the sampler's work grows with it)."""
 
 
+MAX_FORMAT_CHARS = 64 * 1024
+"""The longest structured-output specification (a JSON schema, a regex, a grammar) one request may send."""
+MAX_GUIDED_CHOICES = 256
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    """OpenAI's `response_format`: `text`, `json_object`, or `json_schema` with its schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct):
+    """vLLM's `structured_outputs`: one of these."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -58,6 +87,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
     priority: str | None = None
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -82,7 +117,6 @@ class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
 
 
@@ -117,6 +151,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         ignore_eos=bool(request.ignore_eos),
         stream=bool(request.stream),
         is_max_tokens_default=is_max_tokens_default,
+        output_format=output_format_of(request),
     )
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
@@ -220,8 +255,74 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
             raise InvalidInput("suffix is not supported", param="suffix")
     elif request.tools:
         raise InvalidInput("tools are not supported by this server", param="tools")
-    elif request.response_format and request.response_format.get("type") not in (None, "text"):
-        raise InvalidInput("only response_format type 'text' is supported", param="response_format")
+
+
+def output_format_of(request: CompletionRequest | ChatRequest) -> wire.OutputFormat | None:
+    """The structured output asked for: OpenAI's `response_format` (`json_object`, `json_schema`),
+    or vLLM's `structured_outputs` or `guided_json` / `guided_regex` / `guided_choice` /
+    `guided_grammar`; at most one of them. Whether the schema, expression or grammar can be
+    compiled is checked on the worker, against the model's tokenizer."""
+    given: list[wire.OutputFormat] = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        given.append(_response_format(response_format))
+    if request.structured_outputs is not None:
+        given.append(_structured_outputs(request.structured_outputs))
+    guided = (("guided_json", "json_schema", request.guided_json), ("guided_regex", "regex", request.guided_regex),
+              ("guided_choice", "choice", request.guided_choice), ("guided_grammar", "grammar", request.guided_grammar))
+    given += [_format(kind, value, param) for param, kind, value in guided if value is not None]
+    if len(given) > 1:
+        raise InvalidInput(f"ask for one structured output at most (got {', '.join(f.param for f in given)})",
+                           param=given[1].param)
+    return given[0] if given else None
+
+
+def _response_format(response_format: ResponseFormat) -> wire.OutputFormat:
+    if response_format.type == "json_object":
+        return wire.OutputFormat("json_object")
+    if response_format.type != "json_schema":
+        raise InvalidInput(f"'response_format' type must be 'text', 'json_object' or 'json_schema', got "
+                           f"{response_format.type[:40]!r}", param="response_format")
+    if response_format.json_schema is None or response_format.json_schema.schema is None:
+        raise InvalidInput("'response_format' of type 'json_schema' needs 'json_schema': {'name', 'schema'}",
+                           param="response_format")
+    return _format("json_schema", response_format.json_schema.schema, "response_format")
+
+
+def _structured_outputs(options: StructuredOutputs) -> wire.OutputFormat:
+    given = [(kind, value) for kind, value in (("json_schema", options.json), ("regex", options.regex),
+                                               ("choice", options.choice), ("grammar", options.grammar))
+             if value is not None]
+    if options.json_object:
+        given.append(("json_object", ""))
+    if len(given) != 1:
+        raise InvalidInput("'structured_outputs' takes exactly one of json, regex, choice, grammar, json_object",
+                           param="structured_outputs")
+    kind, value = given[0]
+    return wire.OutputFormat("json_object", param="structured_outputs") if kind == "json_object" \
+        else _format(kind, value, "structured_outputs")
+
+
+def _format(kind: str, value: object, param: str) -> wire.OutputFormat:
+    """One structured output, its specification as text (bounded; a JSON schema must be an object)."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            raise InvalidInput(f"'{param}' must be a JSON schema (an object)", param=param) from None
+    if kind == "json_schema" and not isinstance(value, dict):
+        raise InvalidInput(f"'{param}' must be a JSON schema (an object)", param=param)
+    is_choices = isinstance(value, list) and 0 < len(value) <= MAX_GUIDED_CHOICES and all(
+        isinstance(c, str) and c for c in value)
+    if kind == "choice" and not is_choices:
+        raise InvalidInput(f"'{param}' choices must be 1 to {MAX_GUIDED_CHOICES} non-empty strings", param=param)
+    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+        raise InvalidInput(f"'{param}' must be a non-empty string", param=param)
+    spec = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    if len(spec) > MAX_FORMAT_CHARS:
+        raise InvalidInput(f"'{param}' is longer than the {MAX_FORMAT_CHARS} characters a request may send",
+                           param=param)
+    return wire.OutputFormat(kind, spec, param)
 
 
 def _logprobs(request: CompletionRequest | ChatRequest) -> int | None:

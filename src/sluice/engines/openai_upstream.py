@@ -153,6 +153,8 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
                 "frequency_penalty": payload.frequency_penalty or None,
                 "logit_bias": {str(token): bias for token, bias in payload.logit_bias.items()} or None}
     body.update({key: value for key, value in optional.items() if value is not None})
+    if payload.output_format is not None:
+        body.update(_structured_fields(payload.output_format))
     if payload.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in payload.messages]
         if payload.logprobs is not None:
@@ -162,6 +164,18 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
         body["logprobs"] = payload.logprobs
     body["prompt"] = payload.prompt_token_ids if payload.prompt_token_ids is not None else payload.prompt or ""
     return f"{config.base_url}/completions", body
+
+
+def _structured_fields(output_format: wire.OutputFormat) -> dict[str, Any]:
+    """A structured output as the upstream takes it: OpenAI's `response_format` for JSON, vLLM's
+    `structured_outputs` for the rest (a server that knows neither refuses or ignores them)."""
+    if output_format.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if output_format.kind == "json_schema":
+        schema = json.loads(output_format.spec)
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+    value: Any = json.loads(output_format.spec) if output_format.kind == "choice" else output_format.spec
+    return {"structured_outputs": {output_format.kind: value}}
 
 
 class OpenAIUpstreamRunner:

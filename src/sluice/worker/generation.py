@@ -41,7 +41,8 @@ RefusedWork = Callable[[str, str, float], None]
 """(model, version, predicted device-seconds) of a generation refused for overload"""
 
 OFF_LOOP_PROMPT_CHARS = 16_384
-"""Longer prompts (more than a few ms to tokenize) are prepared on a thread, off the event loop."""
+"""Longer prompts (more than a few ms to tokenize) are prepared on a thread, off the event loop;
+so is every request for a structured output (compiling its grammar can take as long)."""
 
 
 class GenerationLoop:
@@ -61,7 +62,7 @@ class GenerationLoop:
         `prefix_of`: a sequence queued before with the same prompt, whose prompt this one shares."""
         try:
             self._engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, priority=priority,
-                                     deadline=deadline, salt=salt, prefix_of=prefix_of)
+                                     deadline=deadline, salt=salt, prefix_of=prefix_of, matcher=prepared.matcher)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         self._wake.set()
@@ -202,7 +203,7 @@ class Generations:
             return False
         generation = _Generation(identity, message.request_id, loop, payload.stream, (message.model, message.version))
         self._by_id[internal_id] = generation
-        if prompt_chars(payload) > OFF_LOOP_PROMPT_CHARS:
+        if prompt_chars(payload) > OFF_LOOP_PROMPT_CHARS or payload.output_format is not None:
             task = asyncio.create_task(self._prepare_off_loop(internal_id, generation, message, deadline))
             self._preparing.add(task)
             task.add_done_callback(self._preparing.discard)
@@ -247,9 +248,10 @@ class Generations:
         generation.choices = [_Choice() for _ in range(payload.n)]
         if payload.echo:
             generation.echo_prompt_ids = prepared.prompt_token_ids
+        choices = [_choice_of(prepared, index) for index in range(payload.n)]
         for index in range(payload.n):
             try:
-                generation.loop.submit(_engine_id(internal_id, index), _choice_of(prepared, index),
+                generation.loop.submit(_engine_id(internal_id, index), choices[index],
                                        Priority(message.priority), deadline, salt=message.tenant,
                                        prefix_of=_engine_id(internal_id, 0) if index else None)
             except Exception:
@@ -424,14 +426,16 @@ def _parse_engine_id(engine_id: str) -> tuple[int, int]:
 def _choice_of(prepared: PreparedGeneration, index: int) -> PreparedGeneration:
     """Choice `index`'s sequence: seeded `seed + index` (wrapping within 64 bits), so n seeded
     choices differ from each other and each is reproducible. Only the first computes the prompt's
-    log-probabilities (an echo is sent once); the others take its blocks from the prefix cache."""
+    log-probabilities (an echo is sent once); the others take its blocks from the prefix cache.
+    Each has its own copy of a structured output's grammar state: make them all before the first
+    is queued (the engine moves its state on as it samples)."""
     if index == 0:
         return prepared
     seed = prepared.params.seed
     low, high = wire.SEED_RANGE
     params = replace(prepared.params, prompt_logprobs=None,
                      seed=None if seed is None else (seed + index - low) % (high - low + 1) + low)
-    return replace(prepared, params=params)
+    return replace(prepared, params=params, matcher=None if prepared.matcher is None else prepared.matcher.deep_copy())
 
 
 def _logprobs(tokenizer: Tokenizer, reported: tuple[TokenLogprobs, ...]) -> list[wire.TokenLogprob]:

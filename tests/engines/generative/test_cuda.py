@@ -60,3 +60,22 @@ def test_logprobs_penalties_and_prompt_logprobs_on_cuda_match_transformers(model
         [expected[i, lp.token_id].item() for i, lp in enumerate(reported)], abs=1e-3)
     _check_prompt_logprobs(model_dir, prompt, outs["scored"][0].prompt_logprobs, 2)
     assert len([t for o in outs["steered"] for t in o.new_token_ids]) == 8  # penalties and bias ran on the GPU
+
+
+def test_structured_outputs_on_cuda_fit_their_schema(tmp_path):
+    """The grammar's bitmasks are unpacked on the device: sampled JSON still fits its schema."""
+    import json
+
+    from sluice import wire
+    from sluice.engines.generative import SamplingParams
+    from sluice.engines.generative.tiny import make_tiny_lm
+    from tests.engines.generative.conftest import run_to_completion
+    from tests.engines.generative.test_structured import SCHEMA, fits_schema
+
+    engine = _engine(make_tiny_lm(tmp_path / "tiny-lm"), num_kv_blocks=256)
+    assert engine.grammars is not None and engine.tokenizer is not None
+    for seed in range(4):
+        engine.add_request(f"j{seed}", [5, 6, 7], SamplingParams(max_tokens=120, temperature=1.0, seed=seed),
+                           matcher=engine.grammars.matcher(wire.OutputFormat("json_schema", json.dumps(SCHEMA))))
+    outputs = run_to_completion(engine)
+    assert all(fits_schema(json.loads(engine.tokenizer.decode(outputs[f"j{seed}"]))) for seed in range(4))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from llguidance import LLMatcher
 
 from sluice.clock import Clock, MonotonicClock
 from sluice.engines.generative.block_manager import BlockManager
@@ -33,6 +34,7 @@ from sluice.engines.generative.sampler import Sampled, Sampler, SampleRow
 from sluice.engines.generative.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from sluice.engines.generative.sequence import FinishReason, SamplingParams, Sequence, TokenLogprobs
 from sluice.engines.generative.static_scheduler import StaticScheduler
+from sluice.engines.generative.structured import Grammars, masks
 from sluice.engines.generative.tokenizer import Detokenizer, StopChecker, Tokenizer
 from sluice.priority import Priority
 
@@ -93,6 +95,8 @@ class _Request:
     """Prompt positions 1, 2, ... computed so far, if asked for (a recomputed prefix is not added twice)."""
     prefix_of: str | None = None
     """The request whose prompt this one shares (`add_request(prefix_of=...)`)."""
+    matcher: LLMatcher | None = None
+    """Its structured output's grammar state (`add_request(matcher=...)`): what it may sample next."""
 
 
 class LLMEngine:
@@ -103,6 +107,9 @@ class LLMEngine:
         self.spec = read_spec(model_dir)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.grammars = None if self.tokenizer is None else \
+            Grammars(self.tokenizer.to_json(), self.spec.vocab_size, self.eos_token_ids)
+        """Compiles structured outputs' grammars for `add_request(matcher=...)`; None without a tokenizer."""
         bytes_per_block = KVCache.bytes_per_block(self.spec, config.block_size, DTYPES[config.dtype])
         self.num_blocks = config.num_blocks_for(bytes_per_block)
         self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
@@ -149,15 +156,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     priority: Priority = Priority.STANDARD, deadline: float | None = None, salt: str = "",
-                    prefix_of: str | None = None) -> None:
+                    prefix_of: str | None = None, matcher: LLMatcher | None = None) -> None:
         """Queue a request. Raises ValueError for input the engine cannot serve (-> 400).
         `prefix_of`: a request added before with the same prompt and salt (another choice of the
         same client request); this one is admitted once that one has computed the prompt, and
-        shares its full blocks through the prefix cache instead of computing them again."""
+        shares its full blocks through the prefix cache instead of computing them again.
+        `matcher`: a fresh grammar matcher (`grammars.matcher(...)`, one per request): it samples
+        only tokens the grammar allows, and finishes once the grammar is complete."""
         prompt = list(prompt_token_ids)
         self._validate(prompt, params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer.json in the model folder")
+        if matcher is not None and params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a structured output (its grammar decides the end)")
         seq = Sequence(request_id, prompt, params, self._clock.now(), priority, deadline, salt)
         detok = Detokenizer(self.tokenizer, prompt) if self.tokenizer else None
         with self._lock:
@@ -165,7 +176,7 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._known_ids.add(request_id)
             self._inbox.append(_Request(seq, detok, StopChecker(params.stop),
-                                        None if params.prompt_logprobs is None else [], prefix_of))
+                                        None if params.prompt_logprobs is None else [], prefix_of, matcher))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -308,13 +319,20 @@ class LLMEngine:
         """What was sampled for each sequence that needs a token (the token, and its
         log-probabilities if asked for), and the ids of those that could not be sampled."""
         rows: list[SampleRow] = []
+        constrained: list[tuple[int, LLMatcher]] = []
         for chunk in scheduled.chunks:
             if chunk.needs_sample:
                 req = self._requests[chunk.request_id]
                 params = req.seq.params
                 blocked = () if params.min_tokens == 0 else (*self.eos_token_ids, *params.stop_token_ids)
+                if req.matcher is not None:
+                    constrained.append((len(rows), req.matcher))
                 rows.append(SampleRow(chunk.request_id, req.seq.params, req.seq.all_token_ids,
                                       req.seq.num_output_tokens, blocked))
+        if constrained:
+            allowed = masks([matcher for _, matcher in constrained], self.vocab_size)
+            for (i, _), row_allowed in zip(constrained, allowed, strict=True):
+                rows[i] = replace(rows[i], allowed=row_allowed)
         draws = self._sampler.sample(logits, rows)  # type: ignore[arg-type]
         sampled = {row.request_id: draw for row, draw in zip(rows, draws, strict=True) if draw is not None}
         return sampled, [row.request_id for row, draw in zip(rows, draws, strict=True) if draw is None]
@@ -351,11 +369,16 @@ class LLMEngine:
         text = ""
         can_stop = seq.num_output_tokens > params.min_tokens
         is_eos = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        matcher = req.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            raise RuntimeError(f"its grammar refused the sampled token {token}: {matcher.get_error()}")
         if is_eos and seq.num_output_tokens >= params.min_tokens:
             reason = FinishReason.STOP
         elif req.detokenizer is not None:
             text, hit = req.stops.push(req.detokenizer.push([token]), can_stop)
             reason = FinishReason.STOP if hit else None
+        if reason is None and matcher is not None and matcher.is_stopped():
+            reason = FinishReason.STOP  # the grammar is complete: nothing but its end may follow
         if reason is None and seq.num_output_tokens >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from llguidance import LLMatcher
 
 from sluice import wire
 from sluice.engines.generative.config import EngineConfig
@@ -51,6 +52,8 @@ class PreparedGeneration:
     params: SamplingParams
     is_prompt_only: bool = False
     """`max_tokens` 0 with `echo`: the prompt is scored and the one token generated is not reported."""
+    matcher: LLMatcher | None = None
+    """The structured output's compiled grammar, in its start state (each choice takes a copy)."""
 
 
 class GenerativeRunner:
@@ -118,7 +121,23 @@ class GenerativeRunner:
             )
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        return PreparedGeneration(ids, params, is_prompt_only)
+        return PreparedGeneration(ids, params, is_prompt_only, self._matcher(payload))
+
+    def _matcher(self, payload: wire.GeneratePayload) -> LLMatcher | None:
+        """The structured output's grammar compiled for this model (a large one can take a while:
+        a request that asks for one is prepared off the event loop)."""
+        output_format = payload.output_format
+        if output_format is None:
+            return None
+        if payload.min_tokens:
+            raise InvalidInput("min_tokens cannot be combined with a structured output", param="min_tokens")
+        if payload.echo and payload.max_tokens == 0:
+            raise InvalidInput("a structured output needs tokens to generate (max_tokens > 0)", param="max_tokens")
+        assert self.engine.grammars is not None  # a generative runner has a tokenizer
+        try:
+            return self.engine.grammars.matcher(output_format)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), param=output_format.param) from exc
 
     def tokenize(self, payload: wire.TokenizePayload) -> wire.TokenizeResult:
         """The tokenizer alone (`/tokenize`, `/detokenize`, `/tokenizer_info`); `InvalidInput` for

@@ -3,7 +3,8 @@
 Greedy rows never touch a random generator. A row with a `seed` owns a `torch.Generator` that
 lives as long as its request (`forget` drops it), so a seeded request draws the same tokens
 whatever else is batched with it. Logit processors (min_tokens, logit bias, repetition, presence
-and frequency penalties) run only on the rows that ask for them.
+and frequency penalties, a structured output's allowed tokens, last) run only on the rows that
+ask for them.
 
 A row that asks for log-probabilities gets them from the model's own distribution, taken before
 any processor or temperature changes it (what vLLM reports by default): the chosen token's and
@@ -21,6 +22,7 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice.engines.generative.sequence import SamplingParams, TokenLogprobs
@@ -39,6 +41,8 @@ class SampleRow:
     num_output_tokens: int
     blocked_until_min: tuple[int, ...]
     """Token ids (EOS, stop ids) that may not be sampled before `min_tokens` outputs."""
+    allowed: np.ndarray | None = None
+    """A structured output's grammar: the tokens it allows next, as bits (`structured.masks`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class Sampler:
         The device is synchronised once, when the tokens are read back."""
         raw = self._raw_logprobs(logits, rows)  # before the processors change the logits in place
         is_usable = [self._process(logits, i, row) for i, row in enumerate(rows)]
+        _mask_disallowed(logits, rows, is_usable)
         chosen = logits.argmax(dim=-1)
         sampled = [i for i, row in enumerate(rows) if is_usable[i] and not row.params.is_greedy]
         if sampled:
@@ -125,6 +130,8 @@ class Sampler:
                 ids = torch.tensor(seen_ids, device=logits.device, dtype=torch.long)
                 seen = logits[i, ids]
                 logits[i, ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+            if row.allowed is not None and not row.allowed.any():
+                raise ValueError("its grammar allows no token at all")
         except Exception:
             log.exception("request %s: its logit processors failed; ending it", row.request_id)
             return False
@@ -174,6 +181,20 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(row.params.seed)
             self._generators[row.request_id] = generator
         return generator
+
+
+def _mask_disallowed(logits: torch.Tensor, rows: Seq[SampleRow], is_usable: list[bool]) -> None:
+    """Every token a row's grammar does not allow next gets -inf, for all constrained rows at once:
+    their bitmasks go to the device packed and are unpacked there."""
+    constrained = [i for i, row in enumerate(rows) if row.allowed is not None and is_usable[i]]
+    if not constrained:
+        return
+    packed = torch.from_numpy(np.stack([rows[i].allowed for i in constrained]))  # type: ignore[misc]
+    packed = packed.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(constrained), -1)[:, :logits.shape[-1]].bool()
+    index = torch.tensor(constrained, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, -torch.inf)
 
 
 def _logprobs_of(logprobs: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprobs]:

@@ -49,6 +49,10 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self._texts: dict[int, str] = {}
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (for `structured.Grammars`)."""
+        return str(self._tok.to_str())
+
     def token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens included (for log-probability reports; a token
         holding part of a character decodes to U+FFFD). Kept once decoded: at most a vocabulary."""

@@ -1,0 +1,88 @@
+"""Structured outputs: the tokens a sequence may sample next are those its grammar allows.
+
+    wire.OutputFormat ──grammar_of()──▶ llguidance grammar ──Grammars.matcher()──▶ LLMatcher per sequence
+    each step: matcher ──masks()──▶ allowed-token bitmask ──Sampler──▶ -inf for every other token
+               sampled token ──matcher.consume_token()──▶ next state; finished when the grammar is
+
+The grammars (JSON schemas, regular expressions, choices, Lark grammars) are compiled and
+matched by `llguidance` (the library vLLM and SGLang use for the same), against this model's own
+tokenizer: every token's bytes are checked against the grammar, so a constrained sequence can
+only produce text the grammar accepts. A JSON schema is compiled without free whitespace (items
+separated by ", ", keys by ": "): a weak model cannot then spend its tokens on blank space.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.numpy as llnumpy
+import numpy as np
+
+from sluice import wire
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+__all__ = ["Grammars", "grammar_of", "masks"]
+
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How JSON is laid out: compact but readable, as Python's `json.dumps` does."""
+
+
+def grammar_of(output_format: wire.OutputFormat) -> str:
+    """The llguidance grammar for a requested format; ValueError if the format is unusable."""
+    kind, spec = output_format.kind, output_format.spec
+    try:
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if kind == "grammar":
+            return llguidance.grammar_from("grammar", spec)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"unusable {kind.replace('_', ' ')}: {exc}") from exc
+    raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+class Grammars:
+    """Compiles grammars against one model's tokenizer (built once, on first use; thread-safe)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def matcher(self, output_format: wire.OutputFormat) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence; ValueError naming what is wrong with the format."""
+        grammar = grammar_of(output_format)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"unusable {output_format.kind.replace('_', ' ')}: {matcher.get_error()}")
+        return matcher
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                eos = self._eos_token_ids or None
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size, eos_token=eos)
+            return self._tokenizer
+
+
+def masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
+    """Each matcher's allowed next tokens as bits: int32 [len(matchers), ceil(vocab_size / 32)],
+    token t allowed when bit t % 32 of word t // 32 is set (a thirty-second of a bool array's
+    size to send to the device, where the sampler unpacks it)."""
+    packed = llnumpy.allocate_token_bitmask(len(matchers), vocab_size)
+    for i, matcher in enumerate(matchers):
+        llnumpy.fill_next_token_bitmask(matcher, packed, i)
+    return packed
