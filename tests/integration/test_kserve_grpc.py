@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from sluice.gateway.tenants import hash_key, new_key
 from sluice.repository import demo_repository
-from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model
+from tests.conftest import ServerProcess, eventually, free_port, start_server, write_emulated_model
 
 pytestmark = pytest.mark.slow
 
@@ -318,7 +318,7 @@ def test_the_clients_request_id_comes_back(stub):
 
 
 def test_the_banner_names_the_grpc_address(server):
-    assert f"KServe v2 over gRPC on 127.0.0.1:{server[1]}" in server[0].log()
+    eventually(lambda: f"KServe v2 over gRPC on 127.0.0.1:{server[1]}" in server[0].log(), "the banner")
 
 
 def test_a_grpc_port_in_use_stops_the_start(tmp_path: Path):

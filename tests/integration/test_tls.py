@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model
+from tests.conftest import ServerProcess, eventually, free_port, start_server, write_emulated_model
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def _grpc_sum(port: int, **tls: str) -> np.ndarray:
 def test_https_and_grpc_over_tls_with_real_clients(tls_server, pki):
     server, grpc_port = tls_server
     assert server.url.startswith("https://")
-    assert f"listening on https://127.0.0.1:{server.port}" in server.log()
+    eventually(lambda: f"listening on https://127.0.0.1:{server.port}" in server.log(), "the banner")
     with httpx.Client(verify=_trusting(pki)) as http:
         sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", http_client=http)
         assert "emulated" in [model.id for model in sdk.models.list()]
