@@ -39,9 +39,28 @@ class TextPayload(msgspec.Struct, frozen=True, tag="text"):
     texts: list[str]
 
 
+class ChatToolCall(msgspec.Struct, frozen=True):
+    """A tool call an earlier assistant turn made, as the chat template renders it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    tool_calls: list[ChatToolCall] = []
+    tool_call_id: str | None = None
+    """A `tool` message: the call it answers."""
+
+
+class ToolSpec(msgspec.Struct, frozen=True):
+    """A function the model is told it may call (rendered by the chat template)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""  # its JSON schema as text; "": none given
 
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
@@ -124,6 +143,9 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """The client sent no max_tokens: cap it at what the context leaves rather than refusing."""
     output_format: OutputFormat | None = None
     """Constrain the text to a JSON schema, a regular expression, a choice or a grammar."""
+    tools: list[ToolSpec] = []
+    """Chat: the functions the chat template shows the model (tool calls themselves are asked
+    for with `output_format`)."""
 
 
 class GeneratedChoice(msgspec.Struct, frozen=True):
@@ -376,7 +398,26 @@ class WorkerState(msgspec.Struct, tag="state"):
     to when it built the report: what that gateway sent later is not counted in it (0: unknown)."""
 
 
-Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState
+class BatchCount(msgspec.Struct, frozen=True):
+    """Batches of one size a worker has run for a model version since it started, and their time."""
+
+    model: str
+    version: str
+    batch_size: int
+    count: int
+    exec_s: float
+
+
+class BatchStats(msgspec.Struct, tag="batch_stats"):
+    """A worker's cumulative batch counts (`BatchCount`), sent to each gateway every half second
+    while it has run any: the executions in Triton's statistics (`gateway.statistics`)."""
+
+    worker_id: str
+    incarnation: str
+    counts: list[BatchCount]
+
+
+Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState | BatchStats
 
 Reply = Callable[[bytes, Message], None]
 """How worker code answers a gateway: (the gateway's identity, a message); queued, sent per loop turn."""

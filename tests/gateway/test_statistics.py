@@ -1,32 +1,46 @@
-"""Triton-style statistics: a batch shared by several requests is one execution, counted once."""
+"""Triton-style statistics: requests as this gateway answered them, batches as the workers ran them."""
 
 from __future__ import annotations
 
+from sluice import wire
 from sluice.clock import VirtualClock
 from sluice.gateway.statistics import InferenceStatistics, Ran
 
 
-def test_a_batch_shared_by_requests_is_one_execution_and_cached_answers_are_not_executions():
+def test_requests_count_items_queue_and_compute_and_cached_answers_are_hits():
     statistics = InferenceStatistics(VirtualClock(1_700_000_000.0))
-    for _ in range(4):  # four one-item requests that ran together in one batch of 4 (10 ms)
-        statistics.succeeded("m", "1", 0.020, Ran(num_items=1, queue_s=0.004, exec_s=0.010, batch_size=4),
-                             is_cacheable=True)
-    statistics.succeeded("m", "1", 0.030, Ran(num_items=3, queue_s=0.0, exec_s=0.012, batch_size=3),
-                         is_cacheable=True)
+    for _ in range(4):  # four one-item requests that ran together in one batch (10 ms)
+        statistics.succeeded("m", "1", 0.020, Ran(num_items=1, queue_s=0.004, exec_s=0.010), is_cacheable=True)
+    statistics.succeeded("m", "1", 0.030, Ran(num_items=3, queue_s=0.0, exec_s=0.012), is_cacheable=True)
     statistics.succeeded("m", "1", 0.001, None, is_cacheable=True)  # from the cache
     statistics.failed("m", "1", 0.002)
 
     stats = statistics.snapshot("m", "1")
     assert stats["last_inference"] == 1_700_000_000_000
-    assert (stats["inference_count"], stats["execution_count"]) == (7, 2)
+    assert stats["inference_count"] == 7
     inference = stats["inference_stats"]
     assert inference["success"] == {"count": 6, "ns": 111_000_000}
     assert inference["fail"] == {"count": 1, "ns": 2_000_000}
     assert inference["queue"] == {"count": 5, "ns": 16_000_000}
     assert inference["compute_infer"] == {"count": 5, "ns": 52_000_000}  # each request counts its batch's time
     assert (inference["cache_hit"], inference["cache_miss"]) == ({"count": 1, "ns": 1_000_000}, {"count": 5, "ns": 0})
+
+
+def _report(worker: str, incarnation: str, *counts: tuple[int, int, float]) -> wire.BatchStats:
+    return wire.BatchStats(worker, incarnation, [wire.BatchCount("m", "1", size, n, s) for size, n, s in counts])
+
+
+def test_batches_are_the_workers_cumulative_counts_across_reports_workers_and_restarts():
+    statistics = InferenceStatistics(VirtualClock())
+    statistics.executions(_report("w0", "a", (4, 1, 0.010)))
+    statistics.executions(_report("w0", "a", (4, 2, 0.021), (3, 1, 0.012)))  # cumulative: one more of 4
+    statistics.executions(_report("w0", "a", (4, 2, 0.021), (3, 1, 0.012)))  # repeated: nothing new
+    statistics.executions(_report("w1", "x", (4, 1, 0.009)))  # another worker
+    statistics.executions(_report("w0", "b", (4, 1, 0.008)))  # w0 restarted: counts from zero again
+    stats = statistics.snapshot("m", "1")
+    assert stats["execution_count"] == 5
     assert [(b["batch_size"], b["compute_infer"]) for b in stats["batch_stats"]] == \
-        [(3, {"count": 1, "ns": 12_000_000}), (4, {"count": 1, "ns": 10_000_000})]
+        [(3, {"count": 1, "ns": 12_000_000}), (4, {"count": 4, "ns": 38_000_000})]
 
 
 def test_unrecorded_versions_read_as_zeros():

@@ -238,3 +238,52 @@ def test_tokenizer_near_misses_are_never_5xx(generation_http, request):
     path, body = request
     response = generation_http.post(path, content=_encode(body))
     _assert_answered_openai(response)
+
+
+SCHEMAS = [{"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]},
+           {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, {"type": "string", "maxLength": 3},
+           {"type": "strng"}, {"$ref": "#/nowhere"}, {"type": "object", "properties": {"a": {"minimum": "x"}}}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMAS[0]}}
+
+
+@st.composite
+def structured_requests(draw) -> tuple[str, dict]:
+    """(path, body): a request for a structured output or tool calls, near a valid one."""
+    is_chat = draw(st.booleans())
+    body: dict = {"model": "tiny", "max_tokens": draw(st.integers(1, 12)), "seed": draw(st.integers(0, 9))}
+    if is_chat:
+        body["messages"] = [{"role": "user", "content": "x"}]
+    else:
+        body["prompt"] = "x"
+    schema = draw(st.sampled_from(SCHEMAS))
+    fields = {
+        "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+                                            {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}]),
+        "guided_json": st.just(schema) | st.just(json.dumps(schema)),
+        "guided_regex": st.sampled_from(["[a-z]{2}", "(", "a*", "\\d{1,3}"]),
+        "guided_choice": st.lists(st.text(max_size=4), max_size=3),
+        "guided_grammar": st.sampled_from(['start: "a" | "b"', "start: ((", "root ::= \"x\""]),
+        "structured_outputs": st.sampled_from([{"regex": "[0-9]"}, {"choice": ["y", "n"]}, {"json": schema}, {}]),
+    }
+    if is_chat and draw(st.booleans()):
+        body["tools"] = [TOOL]
+        body["tool_choice"] = draw(st.sampled_from(["required", "none", "auto", {"type": "function", "function":
+                                                    {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]))
+    else:
+        key = draw(st.sampled_from(sorted(fields)))
+        body[key] = draw(fields[key])
+    if draw(st.booleans()):
+        body["stream"] = True
+    _mutate(draw, body, ["response_format", "guided_json", "guided_regex", "guided_choice", "tools", "tool_choice",
+                         "structured_outputs", "messages", "max_tokens"])
+    return ("/v1/chat/completions" if is_chat else "/v1/completions"), body
+
+
+@SETTINGS
+@given(request=structured_requests())
+def test_structured_output_and_tool_near_misses_are_never_5xx(generation_http, request):
+    path, body = request
+    response = generation_http.post(path, content=_encode(body))
+    _assert_answered_openai(response)
+    if response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text

@@ -134,6 +134,24 @@ def test_structured_outputs_are_forwarded(via_front):
     assert choice.choices[0].text in ("left", "right")
 
 
+def test_tool_calls_are_asked_of_the_upstream_as_structured_output(via_front):
+    """The upstream gets the tools (with tool_choice "none") and the calls' JSON schema as its
+    response_format; sluice turns the JSON it answers into tool_calls. History is forwarded."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "unknown city"}]
+    answer = via_front.chat.completions.create(
+        model="proxy", messages=messages, tools=[weather], max_tokens=40, seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Lima")
+    assert answer.choices[0].finish_reason == "tool_calls"
+
+
 def test_n_choices_are_relayed_unary_and_streamed(via_front, direct):
     ask = dict(prompt="Once upon a time", max_tokens=5, temperature=0.9, seed=5, n=3, logprobs=0,
                extra_body={"ignore_eos": True})

@@ -14,6 +14,8 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import eventually
+
 
 def roomy() -> dict[str, str]:
     """A roomy deadline, so that a loaded test machine does not turn the models' short SLOs into
@@ -189,35 +191,29 @@ def _version_stats(client, model: str) -> dict:
     return stats
 
 
-def test_statistics_count_requests_items_batches_and_cache_hits(client):
-    before = _version_stats(client, "emulated")
+def test_statistics_count_requests_items_batches_and_cache_hits(make_server, emulated_repo):
+    """On a server of its own, so that the counts are exactly this test's requests."""
+    server = make_server(emulated_repo(slo_ms=30000))
+    own = triton.InferenceServerClient(url=f"127.0.0.1:{server.port}", network_timeout=60)
     for seed in range(3):  # one after another: each runs alone, a batch of its own 2 rows
         rows = np.random.default_rng(1000 + seed).standard_normal((2, 16)).astype(np.float32)
-        client.infer("emulated", [_input(rows)], headers=roomy())
-    client.infer("emulated", [_input(rows)], headers=roomy())  # the last one again: from the cache
-    _error(lambda: client.infer("emulated", [_input(_rows())], timeout=1))  # past its deadline
-    after = _version_stats(client, "emulated")
-
-    def delta(*path: str) -> int:
-        a, b = after, before
-        for key in path:
-            a, b = a[key], b[key]
-        return a - b
-
-    assert delta("inference_stats", "success", "count") == 4
-    assert delta("inference_stats", "cache_hit", "count") == 1
-    assert delta("inference_stats", "cache_miss", "count") == 3
-    assert delta("inference_stats", "fail", "count") == 1
-    assert delta("inference_count") == 6  # rows computed on the device, not the cached answer's
-    assert delta("execution_count") == 3
-    assert delta("inference_stats", "queue", "count") == delta("inference_stats", "compute_infer", "count") == 3
-    assert delta("inference_stats", "compute_infer", "ns") >= 3 * 8_000_000  # 8.5 ms per batch of 2 short rows
-    assert delta("inference_stats", "success", "ns") > delta("inference_stats", "compute_infer", "ns")
-    def batches_of_2(stats: dict) -> int:
-        return sum(entry["compute_infer"]["count"] for entry in stats["batch_stats"] if entry["batch_size"] == 2)
-
-    assert batches_of_2(after) - batches_of_2(before) == 3
-    assert after["last_inference"] / 1000 == pytest.approx(time.time(), abs=60)
+        own.infer("emulated", [_input(rows)])
+    own.infer("emulated", [_input(rows)])  # the last one again: from the cache
+    _error(lambda: own.infer("emulated", [_input(_rows())], timeout=1))  # past its deadline
+    eventually(lambda: _version_stats(own, "emulated")["execution_count"] == 3, "the worker's batch report")
+    stats = _version_stats(own, "emulated")
+    inference = stats["inference_stats"]
+    assert (inference["success"]["count"], inference["cache_hit"]["count"], inference["cache_miss"]["count"],
+            inference["fail"]["count"]) == (4, 1, 3, 1)
+    assert stats["inference_count"] == 6  # rows computed on the device, not the cached answer's
+    assert inference["queue"]["count"] == inference["compute_infer"]["count"] == 3
+    assert inference["compute_infer"]["ns"] >= 3 * 8_000_000  # ~8.5 ms per batch of 2 short rows
+    assert inference["success"]["ns"] > inference["compute_infer"]["ns"]
+    (batches,) = stats["batch_stats"]
+    assert batches["batch_size"] == 2 and batches["compute_infer"]["count"] == 3
+    assert batches["compute_infer"]["ns"] == pytest.approx(inference["compute_infer"]["ns"], rel=0.01)
+    assert stats["last_inference"] / 1000 == pytest.approx(time.time(), abs=60)
+    own.close()
 
 
 def test_statistics_of_every_model_and_unknown_ones(client):

@@ -14,6 +14,7 @@ from sluice import wire
 from sluice.errors import InvalidInput, PayloadTooLarge
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import CachePolicy, cache_policy
+from sluice.gateway.tenancy import RequestGroup
 from sluice.priority import Priority, parse_priority
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -169,15 +170,16 @@ def priority_of(header: str | None, *body_values: tuple[str, Any]) -> Priority |
 
 
 def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0, *,
-           is_traced: bool = False, cache: CachePolicy | None = None) -> Caller:
+           is_traced: bool = False, cache: CachePolicy | None = None, group: RequestGroup | None = None) -> Caller:
     """`is_traced`: the server exports traces, so the client's `traceparent` is read (a header
     lookup that misses costs more than the rest of this, on every request). `cache`: the request's
-    `Cache-Control` policy if the caller read it already (else it is read here)."""
+    `Cache-Control` policy if the caller read it already (else it is read here). `group`: the
+    client request this call is one part of (`tenancy.RequestGroup`)."""
     headers = request.headers
     traceparent = headers.get("traceparent") if is_traced else None
     if cache is None:
         cache = cache_policy(headers.get("cache-control"))
-    return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache)
+    return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache, group)
 
 
 MAX_TEXT_ITEMS = 2048

@@ -16,6 +16,7 @@ import msgspec
 
 from sluice import wire
 from sluice.api.common import estimate_text_tokens
+from sluice.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
 
 __all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "estimate_tokens", "messages_of", "to_payloads"]
@@ -107,16 +108,31 @@ class ChatContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class ToolCallFunctionIn(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct):
+    id: str
+    function: ToolCallFunctionIn
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
 
 
@@ -155,9 +171,11 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
     )
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
-        _check_prompt_chars(sum(len(m.content) for m in messages), "messages", info)
+        tools, sampling["output_format"], _ = chat_tools(request)
+        _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
+                            "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
-        return [wire.GeneratePayload(messages=messages, **sampling)]  # type: ignore[arg-type]
+        return [wire.GeneratePayload(messages=messages, tools=tools, **sampling)]  # type: ignore[arg-type]
     prompts = _prompts(request.prompt, token_id_limit)
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
         raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "
@@ -253,8 +271,15 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
             raise InvalidInput("only best_of = 1 is supported", param="best_of")
         if request.suffix:
             raise InvalidInput("suffix is not supported", param="suffix")
-    elif request.tools:
-        raise InvalidInput("tools are not supported by this server", param="tools")
+
+
+def chat_tools(request: ChatRequest) -> tuple[list[wire.ToolSpec], wire.OutputFormat | None, ToolPlan | None]:
+    """A chat's tools for its template, its structured output (the tool calls' schema, if it asks
+    for calls), and how its answer becomes `tool_calls` (`api.tool_calls`)."""
+    plan = tool_terms(request.tools, request.tool_choice, request.parallel_tool_calls, output_format_of(request))
+    if plan[2] is not None and request.logprobs:
+        raise InvalidInput("log-probabilities are not reported for tool calls", param="logprobs")
+    return plan
 
 
 def output_format_of(request: CompletionRequest | ChatRequest) -> wire.OutputFormat | None:
@@ -382,14 +407,20 @@ def messages_of(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
         raise InvalidInput("'messages' must not be empty", param="messages")
     out = []
     for message in messages:
-        if message.role not in ("system", "user", "assistant", "developer"):
+        if message.role not in ("system", "user", "assistant", "developer", "tool"):
             raise InvalidInput(f"message role {message.role!r} is not supported", param="messages")
         content = message.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
                 raise InvalidInput("only text content parts are supported", param="messages")
             content = "".join(part.text or "" for part in content)
-        out.append(wire.ChatMessage("system" if message.role == "developer" else message.role, content or ""))
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidInput("only assistant messages carry 'tool_calls'", param="messages")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidInput("a 'tool' message needs the 'tool_call_id' it answers", param="messages")
+        calls = [wire.ChatToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        out.append(wire.ChatMessage("system" if message.role == "developer" else message.role, content or "",
+                                    calls, message.tool_call_id))
     return out
 
 
@@ -421,6 +452,8 @@ def estimate_tokens(payload: wire.GeneratePayload) -> float:
         prompt = float(len(payload.prompt_token_ids))
     elif payload.messages is not None:
         prompt = estimate_text_tokens([m.content for m in payload.messages]) + 4 * len(payload.messages)
+        if payload.tools:
+            prompt += estimate_text_tokens([f"{t.name} {t.description} {t.parameters}" for t in payload.tools])
     else:
         prompt = estimate_text_tokens([payload.prompt or ""])
     return prompt + payload.n * payload.max_tokens

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import wire
+from sluice.api.tool_calls import ToolPlan, tool_call
 
 __all__ = ["ResponseShape", "usage"]
 
@@ -20,7 +21,7 @@ class ResponseShape:
     """OpenAI's response and chunk objects for one request (m prompts, n choices each)."""
 
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
-                 prompt_texts: Sequence[str | None] = (None,), n: int = 1) -> None:
+                 prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
@@ -35,6 +36,10 @@ class ResponseShape:
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offsets = [0] * self.num_choices  # each choice's token offsets run on across a stream's chunks
+        self.tools = tools
+        """Chat: the answer is tool calls (`api.tool_calls`), not content."""
+        self._calls_text = [""] * self.num_choices  # a stream's required calls, sent whole at the end
+        self._call_ids: list[str | None] = [None] * self.num_choices  # a stream's named call, once started
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -51,6 +56,11 @@ class ResponseShape:
 
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
+        if self.is_chat and self.tools is not None:
+            calls = self.tools.calls(choice.text)
+            message = {"role": "assistant", "content": choice.text if calls is None else None}
+            return {"index": index, "message": message if calls is None else {**message, "tool_calls": calls},
+                    "logprobs": None, "finish_reason": self._finish_reason(choice.finish_reason, calls)}
         if self.is_chat:
             return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
@@ -68,8 +78,12 @@ class ResponseShape:
                             "finish_reason": None})
 
     def delta(self, text: str, finish_reason: str | None,
-              reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
+              reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any] | None:
+        """A stream's chunk of new text for choice `index` (None: nothing to send yet: tool calls
+        asked for as `required` are sent whole, once they are)."""
         logprobs = self._logprobs(reported, index=index) if reported else None
+        if self.is_chat and self.tools is not None and finish_reason is None:
+            return self._call_delta(text, index)
         if self.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
             return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
@@ -85,10 +99,44 @@ class ResponseShape:
         return sent if sent is not None else prompt.text
 
     def finish_chunks(self, p: int, payload: wire.GenerationResult) -> list[dict[str, Any]]:
-        """A stream's last chunk of each of prompt `p`'s choices, with its finish reason."""
-        return [self.delta(choice.text, choice.finish_reason, index=p * self.n + j)
-                for j, choice in enumerate([wire.GeneratedChoice(payload.text, payload.finish_reason),
-                                            *payload.choices])]
+        """A stream's last chunk of each of prompt `p`'s choices, with its finish reason (and
+        before it, tool calls asked for as `required`, whole)."""
+        chunks = []
+        for j, choice in enumerate([wire.GeneratedChoice(payload.text, payload.finish_reason), *payload.choices]):
+            index = p * self.n + j
+            if self.tools is None:
+                chunks.append(self.delta(choice.text, choice.finish_reason, index=index))
+                continue
+            calls = self.tools.calls(self._calls_text[index] + choice.text) if self.tools.named is None else None
+            if calls is not None:
+                chunks.append(self._chunk({"index": index, "delta": {"tool_calls": [
+                    {"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None, "finish_reason": None}))
+            elif self.tools.named is None and self._calls_text[index]:  # cut short: the text as it is
+                chunks.append(self._chunk({"index": index, "delta": {"content": self._calls_text[index]},
+                                           "logprobs": None, "finish_reason": None}))
+            is_called = calls is not None or (self.tools.named is not None and self._call_ids[index] is not None)
+            reason = self._finish_reason(choice.finish_reason, [] if is_called else None)
+            chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
+        return [chunk for chunk in chunks if chunk is not None]
+
+    def _call_delta(self, text: str, index: int) -> dict[str, Any] | None:
+        assert self.tools is not None
+        if self.tools.named is None:
+            self._calls_text[index] += text
+            return None
+        if self._call_ids[index] is None:  # the call's first chunk names it
+            call = tool_call(self.tools.named, text)
+            self._call_ids[index] = call["id"]
+            delta = {"index": 0, **call}
+        else:
+            delta = {"index": 0, "function": {"arguments": text}}
+        return self._chunk({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                            "finish_reason": None})
+
+    @staticmethod
+    def _finish_reason(reason: str, calls: list[dict[str, Any]] | None) -> str:
+        """"tool_calls" for an answer that is whole tool calls; a cut one keeps its "length"."""
+        return "tool_calls" if calls is not None and reason == "stop" else reason
 
     def usage_chunk(self, payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"

@@ -13,9 +13,11 @@ with `top_logprobs: k`; k up to 20, from the model's own distribution), and comp
 (the prompt before the text, with its tokens' log-probabilities; `max_tokens: 0` only scores the
 prompt, as evaluation harnesses ask), `n` completions of one prompt (up to 16, each its own
 sequence on the worker, answered and charged as one request), and batches of prompts (each a
-generation of its own through the gateway; their answers joined, their streams merged); tools
-and other response formats are refused with a 400 rather than silently ignored. `null` for an
-optional field means "not given", as in OpenAI's API.
+generation of its own through the gateway; their answers joined, their streams merged),
+structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`) and chat tool
+calls (`tools` with `tool_choice` "required" or a named function: `api.tool_calls`). What cannot
+be served is refused with a 400 rather than silently ignored. `null` for an optional field means
+"not given", as in OpenAI's API.
 
 The request's fields and their checks are `api.completion_params`; the response objects
 `api.completion_shapes`.
@@ -45,11 +47,12 @@ from sluice.api.common import (
     resolve_openai,
     with_version,
 )
-from sluice.api.completion_params import ChatRequest, CompletionRequest, estimate_tokens, to_payloads
+from sluice.api.completion_params import ChatRequest, CompletionRequest, chat_tools, estimate_tokens, to_payloads
 from sluice.api.completion_shapes import ResponseShape
 from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
 from sluice.gateway import Gateway, InferResult
+from sluice.gateway.tenancy import RequestGroup
 
 log = logging.getLogger("sluice.api")
 
@@ -82,15 +85,18 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     first = payloads[0]
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
+    # a batch of prompts is one request to the tenant's limits, however many generations it runs
+    group = RequestGroup(sum(map(estimate_tokens, payloads))) if len(payloads) > 1 else None
     streams = [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                                 caller=caller(request, priority, estimate_tokens(payload),
-                                              is_traced=gateway.is_tracing),
+                                              is_traced=gateway.is_tracing, group=group),
                                 limit_headers=limit_headers if p == 0 else None)
                for p, payload in enumerate(payloads)]
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
+    tools = chat_tools(parsed)[2] if isinstance(parsed, ChatRequest) else None
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
-                          first.n)
+                          first.n, tools)
     if not first.stream:
         results = await _unless_disconnected(request, streams, _each(streams, _final))
         answers = [result.payload for result in results if isinstance(result.payload, wire.GenerationResult)]
@@ -223,7 +229,9 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
                 for index in range(p * n, p * n + n):
                     yield _event(shape.echo(event.prompt, index))
             if event.text or (shape.logprobs is not None and event.logprobs):
-                yield _event(shape.delta(event.text, None, event.logprobs, p * n + event.index))
+                delta = shape.delta(event.text, None, event.logprobs, p * n + event.index)
+                if delta is not None:
+                    yield _event(delta)
         if shape.include_usage:
             yield _event(shape.usage_chunk(finals))
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream

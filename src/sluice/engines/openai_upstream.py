@@ -156,7 +156,9 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
     if payload.output_format is not None:
         body.update(_structured_fields(payload.output_format))
     if payload.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in payload.messages]
+        body["messages"] = [_message(m) for m in payload.messages]
+        if payload.tools:  # shown to the model; calls asked for come back as structured output (above)
+            body.update(tools=[_tool(t) for t in payload.tools], tool_choice="none")
         if payload.logprobs is not None:
             body.update(logprobs=True, top_logprobs=payload.logprobs)
         return f"{config.base_url}/chat/completions", body
@@ -164,6 +166,25 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
         body["logprobs"] = payload.logprobs
     body["prompt"] = payload.prompt_token_ids if payload.prompt_token_ids is not None else payload.prompt or ""
     return f"{config.base_url}/completions", body
+
+
+def _message(message: wire.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _tool(tool: wire.ToolSpec) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        function["parameters"] = json.loads(tool.parameters)
+    return {"type": "function", "function": function}
 
 
 def _structured_fields(output_format: wire.OutputFormat) -> dict[str, Any]:

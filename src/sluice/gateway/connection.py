@@ -67,6 +67,8 @@ class WorkerConnection:
         self._weights: dict[str, float] | None = None
         self.on_change: Callable[[], None] = lambda: None
         """Called when readiness or the served models change, so the gateway can re-index."""
+        self.on_batch_stats: Callable[[wire.BatchStats], None] = lambda stats: None
+        """Called with each of the worker's batch counts (`gateway.statistics`)."""
 
     @property
     def num_in_flight(self) -> int:
@@ -274,6 +276,8 @@ class WorkerConnection:
                 started = self._in_flight.get(request_id)
                 if started is not None:
                     started.is_started = True
+        elif isinstance(message, wire.BatchStats):
+            self.on_batch_stats(message)
         elif isinstance(message, wire.WorkerState):
             if message.incarnation == self._lost_incarnation:
                 return  # a late report from a process that has since died

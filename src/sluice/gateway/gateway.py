@@ -36,7 +36,7 @@ from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, Result
 from sluice.gateway.connection import InFlight, WorkerConnection
 from sluice.gateway.shared_traffic import SharedTraffic, Stale
 from sluice.gateway.statistics import InferenceStatistics, Ran
-from sluice.gateway.tenancy import Tenancy
+from sluice.gateway.tenancy import RequestGroup, Tenancy
 from sluice.gateway.ticket import InferResult, Ticket, interpret
 from sluice.gateway.traffic import CanaryEvent, Split, Traffic, version_order
 from sluice.metrics import GatewayMetrics
@@ -72,6 +72,9 @@ class Caller:
     """The caller's W3C trace context, if it sent one: the request's span joins that trace."""
     cache: CachePolicy = CachePolicy.USE
     """What the request lets the result cache do (its `Cache-Control` header)."""
+    group: RequestGroup | None = None
+    """One part of a client request made of several (a batch of prompts): the tenant's limits
+    count the whole request once (`tenancy.RequestGroup`)."""
 
 
 class Gateway:
@@ -106,6 +109,7 @@ class Gateway:
     async def add_worker(self, worker_id: str, address: str) -> None:
         connection = WorkerConnection(worker_id, address, self.gateway_id)
         connection.on_change = self._invalidate
+        connection.on_batch_stats = self.statistics.executions
         self._connections[worker_id] = connection
         await connection.start()
         connection.set_weights(self.tenancy.weights())
@@ -264,8 +268,7 @@ class Gateway:
         if outcome != "ok" or result is None:
             self.statistics.failed(info.name, info.version, duration_s)
         else:
-            ran = None if result.is_cached else Ran(wire.num_items(result.payload), result.queue_s, result.exec_s,
-                                                    result.batch_size)
+            ran = None if result.is_cached else Ran(wire.num_items(result.payload), result.queue_s, result.exec_s)
             self.statistics.succeeded(info.name, info.version, duration_s, ran,
                                       is_cacheable=self.cache is not None and bool(info.cache_revision))
         if not self.traffic.has_canary(info.name) or (result is not None and result.is_cached) \
@@ -522,11 +525,14 @@ class Gateway:
         tenant = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(tenant, info.name)
         priority = effective_priority(tenant.priority, caller.priority)
-        reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
+        if caller.group is None:
+            reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
+        else:
+            reservation = await caller.group.admit(self.tenancy, tenant, priority)
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
                       deadline, self._tracing, caller.traceparent, observer=self._observe,
-                      client_deadline=timeout_s is not None)
+                      client_deadline=timeout_s is not None, group=caller.group)
 
     async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False

@@ -1,12 +1,13 @@
 """Per-model inference statistics in the shape of Triton's statistics extension.
 
-    Ticket ends / early refusal ──▶ InferenceStatistics.record(...) ──▶ snapshot(name, version)
-                                                                        GET /v2/models/.../stats
-                                                                        gRPC ModelStatistics
+    Ticket ends / early refusal ──▶ succeeded() / failed() ──┐
+    worker's wire.BatchStats (every 0.5 s) ──▶ executions() ──┴─▶ snapshot(name, version)
+                                                                 GET /v2/models/.../stats
+                                                                 gRPC ModelStatistics
 
 What Triton users (and `tritonclient`'s `get_inference_statistics`) read: cumulative counts and
-durations since the server started, per model version. They are this gateway's view: every
-request it answered for the version, and the batches its requests ran in.
+durations since the server started, per model version: the requests this gateway answered, and
+the batches the workers ran.
 
 - `success` / `fail`: requests answered ok / otherwise (refused for overload, expired, failed,
   cancelled), with their durations from arrival at the gateway to the answer.
@@ -16,11 +17,12 @@ request it answered for the version, and the batches its requests ran in.
   from the batch, so `compute_input` and `compute_output` count the requests with 0 ns.
 - `cache_hit`: requests answered from the result cache (their durations); `cache_miss`: the
   version's other successful requests when its results may be cached (lookup time not measured).
-- `inference_count`: items computed (a request of n rows counts n); `execution_count` and
-  `batch_stats`: batch executions, each of a batch's n items counting 1/n of it, so a batch is
-  counted once when all its items came through this gateway (always, embedded) and shared out
-  between gateways otherwise. A request whose items ran in several batches is counted at its
-  largest batch.
+- `inference_count`: items this gateway's requests computed (a request of n rows counts n; an
+  answer from the cache counts none);
+- `execution_count` and `batch_stats`: the batches the workers ran for the version, by size, as
+  each worker counts them (whichever gateway sent their items) and reports them every half
+  second: up to half a second behind. A worker that restarts starts counting again from zero;
+  what it had reported stays counted here.
 
 Pure bookkeeping: no I/O, and the time of the last inference comes from an injected wall clock.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice import wire
 from sluice.clock import Clock
 
 
@@ -47,23 +50,17 @@ class _Duration:
 
 
 @dataclass(slots=True)
-class _BatchSize:
-    executions: float = 0.0
-    seconds: float = 0.0
-
-
-@dataclass(slots=True)
 class _Version:
     last_inference_ms: int = 0
     inference_count: int = 0
-    executions: float = 0.0
     success: _Duration = field(default_factory=_Duration)
     fail: _Duration = field(default_factory=_Duration)
     queue: _Duration = field(default_factory=_Duration)
     compute_infer: _Duration = field(default_factory=_Duration)
     cache_hit: _Duration = field(default_factory=_Duration)
     cache_miss: _Duration = field(default_factory=_Duration)
-    batches: dict[int, _BatchSize] = field(default_factory=dict)
+    batches: dict[int, _Duration] = field(default_factory=dict)
+    """Batch size -> batches run and their time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +70,14 @@ class Ran:
     num_items: int
     queue_s: float
     exec_s: float
-    batch_size: int
 
 
 class InferenceStatistics:
     def __init__(self, wall_clock: Clock) -> None:
         self._wall_clock = wall_clock
         self._versions: dict[tuple[str, str], _Version] = {}
+        self._reported: dict[str, tuple[str, dict[tuple[str, str, int], tuple[int, float]]]] = {}
+        """worker id -> (its incarnation, what it last reported): reports are cumulative."""
 
     def failed(self, name: str, version: str, duration_s: float) -> None:
         self._stats(name, version).fail.add(duration_s)
@@ -98,12 +96,22 @@ class InferenceStatistics:
         stats.inference_count += ran.num_items
         stats.queue.add(ran.queue_s)
         stats.compute_infer.add(ran.exec_s)
-        if ran.batch_size > 0:
-            share = ran.num_items / ran.batch_size
-            stats.executions += share
-            batch = stats.batches.setdefault(ran.batch_size, _BatchSize())
-            batch.executions += share
-            batch.seconds += ran.exec_s * share
+
+    def executions(self, report: wire.BatchStats) -> None:
+        """A worker's cumulative batch counts: what is new since its previous report is added (all
+        of it, from a new incarnation of the worker: a restart counts from zero)."""
+        incarnation, previous = self._reported.get(report.worker_id, ("", {}))
+        if incarnation != report.incarnation:
+            previous = {}
+        latest = {}
+        for count in report.counts:
+            key = (count.model, count.version, count.batch_size)
+            latest[key] = (count.count, count.exec_s)
+            seen_count, seen_s = previous.get(key, (0, 0.0))
+            if count.count > seen_count:
+                batches = self._stats(count.model, count.version).batches
+                batches.setdefault(count.batch_size, _Duration()).add(count.exec_s - seen_s, count.count - seen_count)
+        self._reported[report.worker_id] = (report.incarnation, latest)
 
     def versions(self) -> list[tuple[str, str]]:
         """The (model, version) pairs with any request recorded, sorted."""
@@ -120,7 +128,7 @@ class InferenceStatistics:
             "version": version,
             "last_inference": stats.last_inference_ms,
             "inference_count": stats.inference_count,
-            "execution_count": round(stats.executions),
+            "execution_count": sum(batch.count for batch in stats.batches.values()),
             "inference_stats": {
                 "success": stats.success.as_dict(),
                 "fail": stats.fail.as_dict(),
@@ -131,8 +139,7 @@ class InferenceStatistics:
                 "cache_hit": stats.cache_hit.as_dict(),
                 "cache_miss": stats.cache_miss.as_dict(),
             },
-            "batch_stats": [_batch_entry(size, batch) for size, batch in sorted(stats.batches.items())
-                            if round(batch.executions) > 0],
+            "batch_stats": [_batch_entry(size, batch) for size, batch in sorted(stats.batches.items())],
             "memory_usage": [],
         }
 
@@ -143,11 +150,10 @@ class InferenceStatistics:
         return stats
 
 
-def _batch_entry(size: int, batch: _BatchSize) -> dict[str, Any]:
-    count = round(batch.executions)
+def _batch_entry(size: int, batch: _Duration) -> dict[str, Any]:
     return {
         "batch_size": size,
-        "compute_input": {"count": count, "ns": 0},
-        "compute_infer": {"count": count, "ns": round(batch.seconds * 1e9)},
-        "compute_output": {"count": count, "ns": 0},
+        "compute_input": {"count": batch.count, "ns": 0},
+        "compute_infer": batch.as_dict(),
+        "compute_output": {"count": batch.count, "ns": 0},
     }

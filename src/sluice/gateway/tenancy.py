@@ -11,6 +11,7 @@ file that does not parse leaves the old one in force.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -30,7 +31,7 @@ from sluice.priority import Priority
 
 log = logging.getLogger("sluice.tenancy")
 
-__all__ = ["Tenancy", "TenantUsage", "rate_limit_headers"]
+__all__ = ["RequestGroup", "Tenancy", "TenantUsage", "rate_limit_headers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +176,57 @@ class Tenancy:
         if now - self._last_shared_warning_at > 10.0:
             self._last_shared_warning_at = now
             log.warning("shared limits in Redis unavailable (%s): limits hold per gateway until it is back", exc)
+
+
+class RequestGroup:
+    """The parts of one client request that run as generations of their own (a completion's batch
+    of prompts): admitted against the tenant's limits once (one request, one concurrency slot, the
+    parts' tokens reserved together) and settled once, when the last part that was admitted ends,
+    with what they all used. A part admitted after the others have all ended (one answered from
+    the cache before another started) is admitted anew."""
+
+    def __init__(self, estimated_tokens: float) -> None:
+        self.estimated_tokens = estimated_tokens
+        self._admission: asyncio.Future[Reservation] | None = None
+        self._num_members = 0
+        self._used = (0.0, 0.0)
+        self._is_refund = True
+
+    async def admit(self, tenancy: Tenancy, tenant: Tenant, priority: Priority) -> Reservation:
+        """The group's reservation, admitting it if this is the first part (its refusal is every
+        part's). The caller must `leave` once it holds the reservation."""
+        while True:
+            if self._admission is None:
+                admission = self._admission = asyncio.get_running_loop().create_future()
+                try:
+                    reservation = await tenancy.admit(tenant, priority, self.estimated_tokens)
+                except BaseException as exc:
+                    self._admission = None
+                    if isinstance(exc, asyncio.CancelledError):
+                        admission.cancel()
+                    else:
+                        admission.set_exception(exc)
+                        admission.exception()  # retrieved: a group whose other parts are gone logs nothing
+                    raise
+                admission.set_result(reservation)
+            else:
+                reservation = await asyncio.shield(self._admission)
+                if reservation.is_settled:  # the others ended while this one waited
+                    continue
+            self._num_members += 1
+            return reservation
+
+    def leave(self, tokens: float, device_s: float, refund_request: bool) -> tuple[float, float, bool] | None:
+        """A part ended: None while others run; for the last, what the group used (tokens,
+        device seconds, and whether the request is refunded: every part refused for overload)."""
+        self._num_members -= 1
+        self._used = (self._used[0] + tokens, self._used[1] + device_s)
+        self._is_refund = self._is_refund and refund_request
+        if self._num_members > 0:
+            return None
+        totals = (*self._used, self._is_refund)
+        self._admission, self._used, self._is_refund = None, (0.0, 0.0), True
+        return totals
 
 
 _MESSAGES = {

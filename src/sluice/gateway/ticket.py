@@ -26,7 +26,7 @@ from sluice.errors import (
     WorkerLost,
 )
 from sluice.gateway.limits import Reservation
-from sluice.gateway.tenancy import Tenancy, rate_limit_headers
+from sluice.gateway.tenancy import RequestGroup, Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
 from sluice.tracing import Tracing
@@ -58,7 +58,7 @@ class Ticket:
                  priority: Priority, reservation: Reservation, started: float, deadline: float,
                  tracing: Tracing | None = None, traceparent: str | None = None,
                  observer: Callable[[Ticket, str, InferResult | None], None] | None = None,
-                 client_deadline: bool = False) -> None:
+                 client_deadline: bool = False, group: RequestGroup | None = None) -> None:
         self._metrics = metrics
         self._tenancy = tenancy
         self._clock = clock
@@ -74,6 +74,8 @@ class Ticket:
         """Told each outcome and result (the model's canary judges versions by them)."""
         self.client_deadline = client_deadline
         """The deadline is the client's (a header or parameter), not the model's SLO."""
+        self._group = group
+        """The client request this is a part of, whose reservation it shares (settled by the last part)."""
         self._result: InferResult | None = None
         self._first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
@@ -143,8 +145,13 @@ class Ticket:
             self._observer(self, outcome, result)
         if self._tracing is not None and self._tracing.is_enabled:
             self._trace(outcome, result)
-        await self._tenancy.settle(self.reservation, tokens, device_s,
-                                   refund_request=outcome in ("rejected", "unavailable"))
+        refund = outcome in ("rejected", "unavailable")
+        if self._group is not None:
+            totals = self._group.leave(tokens, device_s, refund)
+            if totals is None:
+                return  # the group's last part settles for all of them
+            tokens, device_s, refund = totals
+        await self._tenancy.settle(self.reservation, tokens, device_s, refund_request=refund)
 
     def _usage(self, outcome: str) -> tuple[float, float]:
         """(tokens, device seconds) to charge. A request withdrawn before the worker reported

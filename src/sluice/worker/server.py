@@ -116,6 +116,8 @@ class WorkerServer:
         self._listener: transport.Listener | None = None
         self._outbox: dict[bytes, list[wire.Message]] = {}
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self._batch_counts: dict[tuple[str, str, int], tuple[int, float]] = {}
+        """(model, version, batch size) -> batches run and their device seconds, since this process started."""
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -320,6 +322,9 @@ class WorkerServer:
         self._on_formed(next_decision)
         self._busy_s += exec_s
         model, version = batch.model
+        size_key = (model, version, len(batch.items))
+        count, total_s = self._batch_counts.get(size_key, (0, 0.0))
+        self._batch_counts[size_key] = (count + 1, total_s + exec_s)
         now = self._clock.now()
         self._metrics.batch_done(model, version, len(batch.items), exec_s,
                                  [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
@@ -432,6 +437,16 @@ class WorkerServer:
             upstreams=[upstream.load() for upstream in self._upstream_loops.values()],
         )
 
+    def _send_batch_stats(self) -> None:
+        """Every gateway gets the batches run so far (cumulative: a report that is lost costs nothing)."""
+        if not self._batch_counts:
+            return
+        counts = [wire.BatchCount(model, version, size, count, total_s)
+                  for (model, version, size), (count, total_s) in self._batch_counts.items()]
+        stats = wire.BatchStats(self.worker_id, self._incarnation, counts)
+        for identity in self._gateways:
+            self._reply(identity, stats)
+
     def _state_for(self, identity: bytes, state: wire.WorkerState) -> wire.WorkerState:
         return msgspec.structs.replace(state, seen_request_id=self._gateways.get(identity, 0))
 
@@ -451,6 +466,7 @@ class WorkerServer:
                 upstream.expire()
             self._broadcast_state()
             if next(ticks) % 10 == 0:
+                self._send_batch_stats()
                 now = time.monotonic()
                 sample = min((self._busy_s - last_busy) / max(now - last_at, 1e-6), 1.0)
                 ratio = sample if ratio == 0 else 0.5 * ratio + 0.5 * sample

@@ -65,6 +65,24 @@ def test_chat_template_from_tokenizer_config(tiny_dir):
     assert tok.eos_token_ids == (0,)
 
 
+def test_default_chat_template_shows_tools_and_earlier_calls(tiny_dir, tmp_path):
+    """A model folder without a chat template gets the default one: plain messages as before, the
+    tools as JSON first, and an assistant's calls as JSON after its content."""
+    folder = tmp_path / "no-template"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    tok = Tokenizer(folder)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+         {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+        tools=[{"type": "function", "function": {"name": "f", "description": "d"}}])
+    assert rendered == ('<|tools|>\n[{"function": {"description": "d", "name": "f"}, "type": "function"}]\n'
+                        '<|user|>\nhi\n<|assistant|>\n[{"function": {"arguments": {"x": 1}, "name": "f"}, '
+                        '"id": "c1", "type": "function"}]\n<|tool|>\n42\n<|assistant|>\n')
+
+
 def test_engine_stops_on_a_stop_string_and_strips_it(tiny_dir):
     engine = LLMEngine(tiny_dir, EngineConfig(block_size=8, num_kv_blocks=64))
     prompt = engine.tokenizer.encode("the model serve the request")

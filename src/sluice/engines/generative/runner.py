@@ -24,6 +24,7 @@ worker prepares long prompts off its event loop.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,10 +164,15 @@ class GenerativeRunner:
             raise InvalidInput(f"the prompt has {num_chars} characters, far more than this model's context of "
                                f"{max_model_len} tokens can hold", param=param)
 
-    def _chat_text(self, messages: list[wire.ChatMessage], add_generation_prompt: bool = True) -> str:
+    def _chat_text(self, messages: list[wire.ChatMessage], add_generation_prompt: bool = True,
+                   tools: list[wire.ToolSpec] | None = None) -> str:
+        """The messages (and tools) as the model's chat template writes them, in the shapes Hugging
+        Face templates take: tools as `{"type": "function", "function": {...}}`, an assistant's
+        earlier calls as `tool_calls` with their arguments parsed, a tool's answer with its id."""
         try:
-            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      tools=[_template_tool(t) for t in tools] if tools else None)
         except Exception as exc:  # a template error is the messages' shape, not ours
             raise InvalidInput(f"the chat template could not render these messages: {exc}", param="messages") from exc
 
@@ -174,7 +180,8 @@ class GenerativeRunner:
         if payload.prompt_token_ids is not None:
             return list(payload.prompt_token_ids)
         if payload.messages is not None:
-            return self.tokenizer.encode(self._chat_text(payload.messages), add_special_tokens=False)
+            return self.tokenizer.encode(self._chat_text(payload.messages, tools=payload.tools),
+                                         add_special_tokens=False)
         return self.tokenizer.encode(payload.prompt or "")
 
     def warmup(self) -> None:
@@ -195,6 +202,32 @@ def _apply_num_threads(version: ModelVersion, num_threads: object, device: str) 
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
     torch.set_num_threads(num_threads)
+
+
+def _template_message(message: wire.ChatMessage) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": _parsed(c.arguments)}}
+                                  for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_tool(tool: wire.ToolSpec) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "description": tool.description}
+    if tool.parameters:
+        function["parameters"] = json.loads(tool.parameters)
+    return {"type": "function", "function": function}
+
+
+def _parsed(arguments: str) -> Any:
+    """A call's arguments as the templates expect them (a mapping), or the text if it is not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def prompt_chars(payload: wire.GeneratePayload | wire.TokenizePayload) -> int:

@@ -25,10 +25,13 @@ from sluice.errors import ConfigError
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "Detokenizer", "StopChecker", "Tokenizer"]
 
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{{ m.tool_calls | tojson if m.tool_calls else '' }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-"""Used when the model folder has no `chat_template`: each message as `<|role|>\\ncontent\\n`."""
+"""Used when the model folder has no `chat_template`: the tools (if any) as JSON, then each
+message as `<|role|>\\ncontent\\n`, an assistant's tool calls as JSON after its content."""
 
 _GIL_FREE_ENCODE_CHARS = 4096
 """Longer texts are encoded with the GIL released, so tokenizing one on a worker thread does not
@@ -69,9 +72,10 @@ class Tokenizer:
     def decode(self, token_ids: Seq[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         return self._compiled_template().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=self.bos_token, eos_token=self.eos_token)
+                                                tools=tools, bos_token=self.bos_token, eos_token=self.eos_token)
 
     @functools.cache  # noqa: B019 - one per tokenizer, which lives as long as its model
     def _compiled_template(self) -> Any:

@@ -1,0 +1,123 @@
+"""Chat tool calls through the real `openai` SDK against a random-weight model: with `tool_choice`
+"required" or a named function, the answer is `tool_calls` whose arguments fit the tools' schemas
+(the SDK's `parse()` reads them into pydantic models), unary and streamed; a conversation may carry
+earlier calls and their results; what cannot be served is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _weather_args(arguments: str) -> bool:
+    value = json.loads(arguments)
+    return set(value) == {"city", "unit"} and value["city"] in ("Paris", "Oslo", "Lima") and value["unit"] in "CF"
+
+
+def _time_args(arguments: str) -> bool:
+    return json.loads(arguments) in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+def test_a_named_function_is_called_with_arguments_that_fit_its_schema(tiny_lm_client):
+    answer = tiny_lm_client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=100, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert _weather_args(call.function.arguments), call.function.arguments
+
+
+def test_required_calls_pick_among_the_tools_and_parallel_calls_can_be_refused(tiny_lm_client):
+    for seed in range(3):
+        answer = tiny_lm_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME],
+                                                        tool_choice="required", max_tokens=200, seed=seed, n=2)
+        for choice in answer.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+            for call in choice.message.tool_calls:
+                check = _weather_args if call.function.name == "get_weather" else _time_args
+                assert call.function.name in ("get_weather", "get_time") and check(call.function.arguments)
+    single = tiny_lm_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME],
+                                                    tool_choice="required", parallel_tool_calls=False,
+                                                    max_tokens=200, seed=7)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_streamed_tool_calls_add_up_to_the_calls(tiny_lm_client):
+    named = list(tiny_lm_client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=100, seed=2, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in named if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None for d in deltas[1:]) and len(deltas) > 1  # arguments as they come
+    assert _weather_args("".join(d.function.arguments or "" for d in deltas))
+    assert named[-1].choices[0].finish_reason == "tool_calls"
+    required = list(tiny_lm_client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, seed=3,
+        stream=True))
+    calls = [d for c in required if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert calls and all(d.id.startswith("call_") for d in calls)  # each call whole, in one chunk
+    assert [d.index for d in calls] == list(range(len(calls)))
+    assert required[-1].choices[0].finish_reason == "tool_calls"
+
+
+class GetWeather(BaseModel):
+    city: Literal["Paris", "Oslo", "Lima"]
+    unit: Literal["C", "F"]
+
+
+def test_the_sdks_parse_reads_the_arguments_into_a_pydantic_model(tiny_lm_client):
+    answer = tiny_lm_client.chat.completions.parse(
+        model="tiny", messages=MESSAGES, tools=[openai.pydantic_function_tool(GetWeather)], max_tokens=100, seed=4,
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    (call,) = answer.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_a_conversation_carries_earlier_calls_and_their_results(tiny_lm_client):
+    messages = [*MESSAGES,
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snowing"}]
+    answer = tiny_lm_client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                                    tool_choice="none", max_tokens=5, temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+    usage_with_history = answer.usage.prompt_tokens
+    short = tiny_lm_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
+    assert usage_with_history > short.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto"
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "logprobs": True}, "logprobs"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+])
+def test_what_cannot_be_served_is_400_naming_the_field(tiny_lm_client, body, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny_lm_client.chat.completions.create(model="tiny", max_tokens=10, **{"messages": MESSAGES, **body})
+    assert caught.value.body["param"] == param, caught.value.body
