@@ -207,6 +207,17 @@ def test_the_tokenizer_endpoints_agree_with_what_generation_counts(server, clien
     assert info["eos_token"] and info["model_max_length"] == 1024 and "messages" in info["chat_template"]
 
 
+
+def test_tokenizer_requests_are_not_inferences_in_the_models_statistics(server):
+    def successes() -> int:
+        (stats,) = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=60).json()["model_stats"]
+        return stats["inference_stats"]["success"]["count"]
+
+    before = successes()
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "a few words"}, timeout=60).status_code == 200
+    assert successes() == before
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/tokenize", {}, "prompt"),

@@ -264,13 +264,8 @@ class Gateway:
         (not an answer from the cache: nothing ran; nor a deadline the client set that was
         missed: too short, maybe)."""
         info = ticket.info
-        duration_s = self._clock.now() - ticket.started
-        if outcome != "ok" or result is None:
-            self.statistics.failed(info.name, info.version, duration_s)
-        else:
-            ran = None if result.is_cached else Ran(wire.num_items(result.payload), result.queue_s, result.exec_s)
-            self.statistics.succeeded(info.name, info.version, duration_s, ran,
-                                      is_cacheable=self.cache is not None and bool(info.cache_revision))
+        if result is None or not isinstance(result.payload, wire.TokenizeResult):  # the tokenizer alone is not one
+            self._record_inference(info, outcome, result, self._clock.now() - ticket.started)
         if not self.traffic.has_canary(info.name) or (result is not None and result.is_cached) \
                 or (outcome == "expired" and ticket.client_deadline):
             return
@@ -278,6 +273,15 @@ class Gateway:
                                      self._clock.now())
         if event is not None:
             self._canary_moved(event)
+
+    def _record_inference(self, info: wire.ModelInfo, outcome: str, result: InferResult | None,
+                          duration_s: float) -> None:
+        if outcome != "ok" or result is None:
+            self.statistics.failed(info.name, info.version, duration_s)
+            return
+        ran = None if result.is_cached else Ran(wire.num_items(result.payload), result.queue_s, result.exec_s)
+        self.statistics.succeeded(info.name, info.version, duration_s, ran,
+                                  is_cacheable=self.cache is not None and bool(info.cache_revision))
 
     def canary_event(self, event: CanaryEvent) -> None:
         """Log and count a canary's step or end. Sharing the change is up to where it was made:
