@@ -336,6 +336,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     this digest of its weights and settings (`ModelVersion.revision`); "": never cached."""
     routing: Routing | None = None
     """The model's declared split (the same for each of its versions); None: the newest version."""
+    tool_call_parser: str = ""
+    """Generative models: how the model writes tool calls in its text ("hermes"), for
+    `tool_choice: "auto"`; "": not known, so "auto" is refused."""
 
 
 class RefusedModel(msgspec.Struct, frozen=True):

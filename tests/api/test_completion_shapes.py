@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sluice import wire
 from sluice.api.completion_shapes import ResponseShape
+from sluice.api.tool_calls import ToolPlan
 
 
 def _lp(token: str, value: float, *top: tuple[str, float]) -> wire.TokenLogprob:
@@ -59,3 +60,34 @@ def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt_and_sums_usage():
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a1"), (1, "a2"), (2, "decoded b3"),
                                                                   (3, "decoded b4")]
     assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 3
+
+
+AUTO = ToolPlan(None, "hermes", frozenset({"get_weather"}))
+CALLED = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_auto_tool_calls_are_read_from_hermes_blocks_and_the_rest_is_content():
+    (choice,) = ResponseShape(True, "m", tools=AUTO).whole([_result(text=CALLED, finish_reason="stop")])["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    unknown = CALLED.replace("get_weather", "launch_rockets")  # not one of the tools: it stays text
+    (plain,) = ResponseShape(True, "m", tools=AUTO).whole([_result(text=unknown, finish_reason="stop")])["choices"]
+    assert plain["message"] == {"role": "assistant", "content": unknown} and plain["finish_reason"] == "stop"
+
+
+def test_a_streamed_auto_answer_sends_content_until_a_call_begins_then_the_calls_whole():
+    shape = ResponseShape(True, "m", tools=AUTO)
+    pieces = ["Let me", " look.\n<to", 'ol_call>\n{"name": "get_', 'weather", "arguments": {"city": "Oslo"}}',
+              "\n</tool_call>"]
+    chunks = [c for piece in pieces if (c := shape.delta(piece, None)) is not None]
+    chunks += shape.finish_chunks(0, _result(text="", finish_reason="stop"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look.\n"  # "<to" was held back, not sent
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    text_only = ResponseShape(True, "m", tools=AUTO)
+    sent = [c for piece in ["a <t", "able>"] if (c := text_only.delta(piece, None)) is not None]
+    sent += text_only.finish_chunks(0, _result(text="", finish_reason="stop"))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in sent) == "a <table>"

@@ -6,11 +6,14 @@ earlier calls and their results; what cannot be served is a 400 naming the field
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Literal
 
 import openai
 import pytest
 from pydantic import BaseModel
+
+from tests.conftest import start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +105,40 @@ def test_a_conversation_carries_earlier_calls_and_their_results(tiny_lm_client):
     usage_with_history = answer.usage.prompt_tokens
     short = tiny_lm_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
     assert usage_with_history > short.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+@pytest.fixture(scope="module")
+def hermes_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A tiny model whose model.toml says it writes tool calls as Hermes-style blocks."""
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), "qwenish")
+    toml = repo / "qwenish" / "model.toml"
+    toml.write_text(toml.read_text() + 'tool_call_parser = "hermes"\n')
+    server = start_server(repo, tmp_path_factory.mktemp("log"))
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
+        yield sdk
+    server.stop()
+
+
+HERMES_CALL = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", '
+               r'"arguments": \{"city": "(Oslo|Lima)", "unit": "C"\}\}\n</tool_call>')
+
+
+def test_auto_reads_the_calls_a_model_writes_in_its_format(hermes_client):
+    """The model decides: here a regular expression makes it write a call in the Hermes format, and
+    `auto` answers that as a tool call, the text before it as content; unforced, it writes text."""
+    forced = dict(model="qwenish", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=300, seed=1,
+                  extra_body={"guided_regex": HERMES_CALL})
+    choice = hermes_client.chat.completions.create(**forced).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and _weather_args(call.function.arguments)
+    chunks = list(hermes_client.chat.completions.create(**forced, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Checking."
+    (streamed,) = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert streamed.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    free = hermes_client.chat.completions.create(model="qwenish", messages=MESSAGES, tools=[WEATHER], max_tokens=8,
+                                                 temperature=0)
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
 
 @pytest.mark.parametrize(("body", "param"), [

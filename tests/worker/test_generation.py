@@ -263,3 +263,14 @@ def test_a_choice_that_fails_ends_the_request_and_withdraws_the_others():
     (chunk,) = [reply for reply in replies if isinstance(reply, wire.TokenChunk)]
     assert chunk.index == 2 and chunk.text == "x"
     assert not generations
+
+
+def test_an_unknown_tool_call_parser_refuses_the_model_with_the_choices(tmp_path: Path):
+    from sluice.errors import ConfigError
+
+    repo = write_tiny_lm_model(tmp_path / "repo")
+    toml = next(repo.glob("*/model.toml"))
+    toml.write_text(toml.read_text() + 'tool_call_parser = "llama9"\n')
+    (version,) = scan_repository(repo).versions
+    with pytest.raises(ConfigError, match="tool_call_parser must be one of 'hermes'"):
+        GenerativeRunner(version, "cpu")

@@ -171,7 +171,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
     )
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
-        tools, sampling["output_format"], _ = chat_tools(request)
+        tools, sampling["output_format"], _ = chat_tools(request, info)
         _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
@@ -273,10 +273,12 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
             raise InvalidInput("suffix is not supported", param="suffix")
 
 
-def chat_tools(request: ChatRequest) -> tuple[list[wire.ToolSpec], wire.OutputFormat | None, ToolPlan | None]:
+def chat_tools(request: ChatRequest, info: wire.ModelInfo) -> tuple[list[wire.ToolSpec], wire.OutputFormat | None,
+                                                                    ToolPlan | None]:
     """A chat's tools for its template, its structured output (the tool calls' schema, if it asks
     for calls), and how its answer becomes `tool_calls` (`api.tool_calls`)."""
-    plan = tool_terms(request.tools, request.tool_choice, request.parallel_tool_calls, output_format_of(request))
+    plan = tool_terms(request.tools, request.tool_choice, request.parallel_tool_calls, output_format_of(request),
+                      info.tool_call_parser)
     if plan[2] is not None and request.logprobs:
         raise InvalidInput("log-probabilities are not reported for tool calls", param="logprobs")
     return plan

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import wire
-from sluice.api.tool_calls import ToolPlan, tool_call
+from sluice.api.tool_calls import HERMES_OPEN, ToolPlan, tool_call
 
 __all__ = ["ResponseShape", "usage"]
 
@@ -38,8 +38,9 @@ class ResponseShape:
         self._text_offsets = [0] * self.num_choices  # each choice's token offsets run on across a stream's chunks
         self.tools = tools
         """Chat: the answer is tool calls (`api.tool_calls`), not content."""
-        self._calls_text = [""] * self.num_choices  # a stream's required calls, sent whole at the end
+        self._calls_text = [""] * self.num_choices  # a stream's required (or auto) calls, sent whole at the end
         self._call_ids: list[str | None] = [None] * self.num_choices  # a stream's named call, once started
+        self._held = [""] * self.num_choices  # auto: text that may be the start of a call, not sent yet
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -57,9 +58,9 @@ class ResponseShape:
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
         if self.is_chat and self.tools is not None:
-            calls = self.tools.calls(choice.text)
-            message = {"role": "assistant", "content": choice.text if calls is None else None}
-            return {"index": index, "message": message if calls is None else {**message, "tool_calls": calls},
+            content, calls = self._answer(choice.text)
+            message = {"role": "assistant", "content": content}
+            return {"index": index, "message": {**message, "tool_calls": calls} if calls else message,
                     "logprobs": None, "finish_reason": self._finish_reason(choice.finish_reason, calls)}
         if self.is_chat:
             return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
@@ -107,20 +108,35 @@ class ResponseShape:
             if self.tools is None:
                 chunks.append(self.delta(choice.text, choice.finish_reason, index=index))
                 continue
-            calls = self.tools.calls(self._calls_text[index] + choice.text) if self.tools.named is None else None
-            if calls is not None:
-                chunks.append(self._chunk({"index": index, "delta": {"tool_calls": [
-                    {"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None, "finish_reason": None}))
-            elif self.tools.named is None and self._calls_text[index]:  # cut short: the text as it is
-                chunks.append(self._chunk({"index": index, "delta": {"content": self._calls_text[index]},
-                                           "logprobs": None, "finish_reason": None}))
-            is_called = calls is not None or (self.tools.named is not None and self._call_ids[index] is not None)
-            reason = self._finish_reason(choice.finish_reason, [] if is_called else None)
+            if self.tools.named is not None:
+                calls: list[dict[str, Any]] | None = [] if self._call_ids[index] is not None else None
+            else:  # what was held back, read as content and calls now that it is whole
+                content, calls = self._answer(self._held[index] + self._calls_text[index] + choice.text)
+                if content:
+                    chunks.append(self._chunk({"index": index, "delta": {"content": content}, "logprobs": None,
+                                               "finish_reason": None}))
+                if calls:
+                    chunks.append(self._chunk({"index": index, "delta": {"tool_calls": [
+                        {"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None,
+                        "finish_reason": None}))
+            reason = self._finish_reason(choice.finish_reason, calls)
             chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
         return [chunk for chunk in chunks if chunk is not None]
 
+    def _answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A whole answer as (content, tool calls): the calls asked for (content None), or the text
+        if it is not whole calls (cut by max_tokens); with `auto`, the calls found and the rest."""
+        assert self.tools is not None
+        if self.tools.parser:
+            content, found = self.tools.split(text)
+            return (content or None, found) if found else (content, None)
+        calls = self.tools.calls(text)
+        return (text, None) if calls is None else (None, calls)
+
     def _call_delta(self, text: str, index: int) -> dict[str, Any] | None:
         assert self.tools is not None
+        if self.tools.parser:
+            return self._auto_delta(text, index)
         if self.tools.named is None:
             self._calls_text[index] += text
             return None
@@ -132,6 +148,24 @@ class ResponseShape:
             delta = {"index": 0, "function": {"arguments": text}}
         return self._chunk({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
                             "finish_reason": None})
+
+    def _auto_delta(self, text: str, index: int) -> dict[str, Any] | None:
+        """`auto`: content streams until a call begins (text that may be its first characters is
+        held back); from there on everything waits for the end, to be read as calls and content."""
+        if self._calls_text[index]:
+            self._calls_text[index] += text
+            return None
+        text = self._held[index] + text
+        start = text.find(HERMES_OPEN)
+        if start >= 0:
+            shown, self._calls_text[index], self._held[index] = text[:start], text[start:], ""
+        else:
+            keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1)
+                         if HERMES_OPEN.startswith(text[-k:])), 0)
+            shown, self._held[index] = text[:len(text) - keep], text[len(text) - keep:]
+        if not shown:
+            return None
+        return self._chunk({"index": index, "delta": {"content": shown}, "logprobs": None, "finish_reason": None})
 
     @staticmethod
     def _finish_reason(reason: str, calls: list[dict[str, Any]] | None) -> str:

@@ -15,7 +15,8 @@ prompt, as evaluation harnesses ask), `n` completions of one prompt (up to 16, e
 sequence on the worker, answered and charged as one request), and batches of prompts (each a
 generation of its own through the gateway; their answers joined, their streams merged),
 structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`) and chat tool
-calls (`tools` with `tool_choice` "required" or a named function: `api.tool_calls`). What cannot
+calls (`tools` with `tool_choice` "required", a named function, or "auto" for a model that names
+its `tool_call_parser`: `api.tool_calls`). What cannot
 be served is refused with a 400 rather than silently ignored. `null` for an optional field means
 "not given", as in OpenAI's API.
 
@@ -94,7 +95,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                for p, payload in enumerate(payloads)]
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
-    tools = chat_tools(parsed)[2] if isinstance(parsed, ChatRequest) else None
+    tools = chat_tools(parsed, info)[2] if isinstance(parsed, ChatRequest) else None
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
                           first.n, tools)
     if not first.stream:

@@ -1,5 +1,4 @@
-"""Chat tool calling: `tools` with `tool_choice` "required" or a named function, answered as
-OpenAI's `tool_calls`.
+"""Chat tool calling: `tools` with `tool_choice`, answered as OpenAI's `tool_calls`.
 
     tools + tool_choice ─▶ ToolPlan + a JSON schema (structured output) ─▶ the model writes JSON
     that fits it ─▶ ToolPlan.calls(text) ─▶ message.tool_calls, finish_reason "tool_calls"
@@ -8,14 +7,18 @@ OpenAI's `tool_calls`.
   arguments, held to its `parameters` schema;
 - `"required"`: the text is a JSON array of `{"name", "arguments"}`, each one of the tools with
   its own parameters (one call only with `parallel_tool_calls: false`);
-- `"none"`: the tools are shown to the model (its chat template renders them) and it answers text.
+- `"none"`: the tools are shown to the model (its chat template renders them) and it answers text;
+- `"auto"` (OpenAI's default when tools are given): the model decides, and its text is read for
+  the calls it wrote in its own family's format: a model whose `model.toml` names its
+  `tool_call_parser` ("hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks, as Qwen2.5 and Hermes models write them) answers the blocks as `tool_calls` and the rest
+  as content. For a model without one, "auto" is a 400 naming `tool_choice` (vLLM answers the
+  same without its parser).
 
-`"auto"` (OpenAI's default when tools are given) would need a parser for the calls each model
-family writes into free text; sluice has none, so it is a 400 naming `tool_choice`, as vLLM
-answers without its tool-call parser. Previous turns' `tool_calls` and `tool` messages go to the
-chat template as Hugging Face templates take them. Because the calls are a structured output, an
-`openai-upstream` model serves them too: it is sent the tools with `tool_choice: "none"` and the
-calls' schema as its `response_format` (`engines.openai_upstream`).
+Previous turns' `tool_calls` and `tool` messages go to the chat template as Hugging Face templates
+take them. Because the calls asked for are a structured output, an `openai-upstream` model serves
+them too: it is sent the tools with `tool_choice: "none"` and the calls' schema as its
+`response_format` (`engines.openai_upstream`).
 """
 
 from __future__ import annotations
@@ -58,12 +61,45 @@ class NamedToolChoice(msgspec.Struct):
     function: ChosenFunction
 
 
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """How a request's answer becomes tool calls: `named` (the text is that function's arguments)
-    or None (`required`: the text is an array of calls)."""
+    """How a request's answer becomes tool calls: `named` (the text is that function's arguments),
+    `parser` (`auto`: calls written in the text in that format, among `names`), or neither
+    (`required`: the text is an array of calls)."""
 
     named: str | None
+    parser: str = ""
+    names: frozenset[str] = frozenset()
+
+    def split(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """`auto`: the text outside the calls, and the calls (Hermes-style blocks naming one of the
+        tools, with JSON inside; any other block stays text)."""
+        content, calls, rest = [], [], text
+        while (start := rest.find(HERMES_OPEN)) >= 0:
+            content.append(rest[:start])
+            end = rest.find(HERMES_CLOSE, start)
+            block_end = len(rest) if end < 0 else end + len(HERMES_CLOSE)
+            call = self._hermes_call(rest[start + len(HERMES_OPEN):end if end >= 0 else len(rest)])
+            if call is None:
+                content.append(rest[start:block_end])
+            else:
+                calls.append(call)
+            rest = rest[block_end:]
+        content.append(rest)
+        return "".join(content).strip() if calls else "".join(content), calls
+
+    def _hermes_call(self, body: str) -> dict[str, Any] | None:
+        try:
+            item = json.loads(body)
+            name, arguments = item["name"], item.get("arguments", {})
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+        if name not in self.names or not isinstance(arguments, dict):
+            return None
+        return tool_call(name, json.dumps(arguments))
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The answer's `tool_calls`, or None if the text is not whole (cut by `max_tokens`)."""
@@ -82,8 +118,8 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
 
 
 def tool_terms(tools: list[ToolDef] | None, tool_choice: str | NamedToolChoice | None, parallel: bool | None,
-               output_format: wire.OutputFormat | None) -> tuple[list[wire.ToolSpec], wire.OutputFormat | None,
-                                                                  ToolPlan | None]:
+               output_format: wire.OutputFormat | None, parser: str = "") -> tuple[
+        list[wire.ToolSpec], wire.OutputFormat | None, ToolPlan | None]:
     """The tools for the chat template, the structured output that makes the answer tool calls
     (else `output_format` as asked), and how to read them back; 400s for what cannot be served."""
     if not tools:
@@ -95,9 +131,11 @@ def tool_terms(tools: list[ToolDef] | None, tool_choice: str | NamedToolChoice |
     if tool_choice == "none":
         return specs, output_format, None
     if tool_choice is None or tool_choice == "auto":
-        raise InvalidInput("tool_choice 'auto' needs a parser for the tool calls a model writes into its text, which "
-                           "sluice does not have: ask for 'required' or a named function, or 'none'",
-                           param="tool_choice")
+        if parser:
+            return specs, output_format, ToolPlan(None, parser, frozenset(schemas))
+        raise InvalidInput("tool_choice 'auto' needs to know how this model writes tool calls in its text (its "
+                           "model.toml's tool_call_parser), and it names none: ask for 'required' or a named "
+                           "function, or 'none'", param="tool_choice")
     if output_format is not None:
         raise InvalidInput(f"'{output_format.param}' cannot be combined with tool calls", param=output_format.param)
     if isinstance(tool_choice, NamedToolChoice):

@@ -12,6 +12,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     max_model_len = 1024            # cap on prompt + output tokens (default: the model's context)
     num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
+    tool_call_parser = "hermes"     # tool_choice "auto": <tool_call>{json}</tool_call> blocks (Qwen2.5, Hermes)
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
 
 `prepare` refuses what cannot be served with an `InvalidInput` naming the field, as vLLM does: a
@@ -40,6 +41,9 @@ from sluice.repository import ModelVersion
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
 
+TOOL_CALL_PARSERS = ("", "hermes")
+"""How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
+
 MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
 
@@ -67,6 +71,10 @@ class GenerativeRunner:
             config = EngineConfig(device=device, **settings)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{version.name} v{version.version}: [params]: {exc}") from exc
+        parser = params.get("tool_call_parser", "")
+        if parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"{version.name} v{version.version}: [params]: tool_call_parser must be one of "
+                              f"{', '.join(repr(p) for p in TOOL_CALL_PARSERS if p)}, got {parser!r}")
         _apply_num_threads(version, params.get("num_threads"), device)
         try:
             self.engine = LLMEngine(version.weights_dir, config)
@@ -82,7 +90,7 @@ class GenerativeRunner:
             max_batch_size=config.max_num_seqs, slo_s=version.slo_s, accepts_text=False, accepts_tensor=False,
             max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
             max_prompt_chars=MAX_CHARS_PER_TOKEN * self.engine.max_model_len,
-            cache_revision=version.cache_revision,
+            cache_revision=version.cache_revision, tool_call_parser=parser,
         )
 
     def prepare(self, payload: wire.GeneratePayload) -> PreparedGeneration:
