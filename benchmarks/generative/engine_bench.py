@@ -29,6 +29,20 @@ log-probabilities and K alternatives (a run without them comes first, and the ru
       static_padded_prompts  the same, with prompts also left-padded to the batch's longest, as
                   `generate()` on a padded batch computes them
     Output tokens/s and TTFT percentiles (from t=0 to a request's first token) of both.
+
+--online RATE: the same request mix arriving over time instead (Poisson, RATE requests/s for
+--duration s), each mode on its own engine with the same KV memory (--kv-tokens) and context cap
+(--max-model-len), as the server's model folders configure them:
+      continuous        paged KV, blocks taken as tokens are computed; joins and leaves every step
+      static            request-level batching, each member reserving --max-model-len tokens of KV
+      static-maxtokens  the same, reserving prompt + max_tokens (the kindest static baseline)
+    Output tokens/s = output tokens / (first arrival .. last token), TTFT from each request's
+    arrival (a request with no token when a mode's --cap-s runs out counts as slower than any),
+    TPOT per request. --device cuda --dtype bfloat16 --model 1b runs it on a GPU with a ~1 B
+    parameter random-weight Llama (hidden 2048, 16 layers, GQA 16/4 heads of 128, SwiGLU 5632):
+
+    PYTHONPATH=src python benchmarks/generative/engine_bench.py --online 150 --duration 6 \
+        --device cuda --dtype bfloat16 --model 1b --kv-tokens 16384 --json out.json
 """
 
 from __future__ import annotations
@@ -175,6 +189,81 @@ def throughput(model_dir: Path, num_requests: int, batch: int, static: bool, pad
             "preemptions": engine.stats().num_preemptions_total}
 
 
+MODELS = {
+    "tiny": {},
+    "1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 2048,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+}
+ONLINE_MODES = {"continuous": ("continuous", "max_model_len"), "static": ("static", "max_model_len"),
+                "static-maxtokens": ("static", "max_tokens")}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def online(model_dir: Path, mode: str, rate: float, duration: float, kv_tokens: int, max_model_len: int,
+           device: str, dtype: str, cap_s: float, seed: int = 0) -> dict[str, float]:
+    """One mode at an online load: Poisson arrivals, the engine stepped as fast as it goes."""
+    scheduling, reserve = ONLINE_MODES[mode]
+    engine = LLMEngine(model_dir, EngineConfig(
+        block_size=16, num_kv_blocks=kv_tokens // 16, max_num_seqs=256, max_num_batched_tokens=2048,
+        long_prefill_token_threshold=512, device=device, dtype=dtype, max_model_len=max_model_len,
+        scheduling=scheduling, static_reserve=reserve))
+    for i, (prompt, _) in enumerate(request_set(4, engine.spec.vocab_size, seed + 1)):  # warm-up
+        engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    rng = random.Random(seed)
+    arrivals: list[float] = []
+    t = rng.expovariate(rate)
+    while t < duration:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    reqs = request_set(len(arrivals), engine.spec.vocab_size, seed)
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    tokens = 0
+    last_token = 0.0
+    running: list[int] = []
+    nxt = 0
+    t0 = time.perf_counter()
+    while True:
+        now = time.perf_counter() - t0
+        if now > cap_s:
+            break
+        while nxt < len(arrivals) and arrivals[nxt] <= now:
+            prompt, max_tokens = reqs[nxt]
+            engine.add_request(str(nxt), prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            nxt += 1
+        if engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter() - t0
+            running.append(engine.stats().num_running)
+            for out in outputs:
+                i = int(out.request_id)
+                if out.new_token_ids:
+                    first.setdefault(i, now)
+                    tokens += len(out.new_token_ids)
+                    last_token = now
+                if out.is_finished:
+                    done[i] = now
+        elif nxt < len(arrivals):
+            time.sleep(max(0.0, arrivals[nxt] - now))
+        else:
+            break
+    ttft = [first.get(i, float("inf")) - arrivals[i] for i in range(len(arrivals))]
+    tpot = [(done[i] - first[i]) / (reqs[i][1] - 1) for i in done if reqs[i][1] > 1]
+    return {"requests": len(arrivals), "completed": len(done), "output_tokens": tokens,
+            "output_tokens_per_s": tokens / last_token if last_token else 0.0,
+            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+            "tpot_median_ms": 1000 * statistics.median(tpot) if tpot else float("nan"),
+            "running_seqs_median": statistics.median(running) if running else 0.0,
+            "preemptions": engine.stats().num_preemptions_total}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -186,10 +275,34 @@ def main() -> None:
     parser.add_argument("--breakdown-only", action="store_true")
     parser.add_argument("--choices", type=int, default=0, metavar="N")
     parser.add_argument("--structured", action="store_true", help="the decode step with JSON-schema outputs")
+    parser.add_argument("--online", type=float, default=0.0, metavar="RATE", help="requests/s, Poisson arrivals")
+    parser.add_argument("--duration", type=float, default=10.0, help="--online: seconds of arrivals")
+    parser.add_argument("--modes", nargs="+", default=list(ONLINE_MODES), choices=list(ONLINE_MODES))
+    parser.add_argument("--cap-s", type=float, default=120.0, help="--online: wall-time limit of one mode")
+    parser.add_argument("--kv-tokens", type=int, default=8192, help="--online: KV cache size in tokens")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--model", choices=list(MODELS), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_lm(Path(tmp) / "tiny-lm")
+        model_dir = make_tiny_lm(Path(tmp) / "tiny-lm", **MODELS[args.model])
+        if args.online:
+            results = {"rate": args.online, "duration_s": args.duration, "kv_tokens": args.kv_tokens,
+                       "max_model_len": args.max_model_len, "model": args.model, "device": args.device}
+            if args.device == "cuda":
+                results["gpu"] = torch.cuda.get_device_name()
+            for mode in args.modes:
+                results[mode] = online(model_dir, mode, args.online, args.duration, args.kv_tokens,
+                                       args.max_model_len, args.device, args.dtype, args.cap_s)
+                print(mode, json.dumps(results[mode]), flush=True)
+            for mode in args.modes[1:]:
+                ratio = results[args.modes[0]]["output_tokens_per_s"] / results[mode]["output_tokens_per_s"]
+                print(f"{args.modes[0]} / {mode} output tokens/s: {ratio:.2f}x")
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2) + "\n")
+            return
         if args.structured:
             results = structured_cost(model_dir, args.rounds)
             print("decode step at 32 seqs, structured or not:", json.dumps(results, indent=1))

@@ -18,11 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sluice.engines.generative.model import AttentionGroup, ForwardInput, KVCache, ModelSpec, load_model
 from sluice.engines.generative.scheduler import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ModelRunner", "PromptSpan", "StepInput"]
+
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Attention kernels a CUDA step may use: not cuDNN's. Its fused attention builds an execution plan
+for each new shape on the host (~3.7 ms a call on an H200, torch 2.11), and a decode step's key
+length grows every step: 16 such calls were 90% of a 1 B model's 48 ms decode step at 32 sequences
+while the GPU was busy 4.4 ms of it (`benchmarks/generative/step_profile.py`)."""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -95,7 +102,10 @@ class ModelRunner:
         return StepInput(forward, len(logits_rows), tuple(spans))
 
     def execute(self, inp: ForwardInput) -> torch.Tensor:
-        return self.model.forward(inp, self.cache)
+        if self.device == "cpu":
+            return self.model.forward(inp, self.cache)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            return self.model.forward(inp, self.cache)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -97,11 +97,13 @@ def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def make_tiny_lm(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write tiny-lm into `out_dir` (created if needed) and return it."""
+def make_tiny_lm(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write tiny-lm into `out_dir` (created if needed) and return it. `overrides` replace entries of
+    its config.json (a bigger random-weight Llama for GPU benchmarks, say: `hidden_size=2048, ...`);
+    `torch_dtype` also sets the dtype the weights are stored in."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = dict(TINY_LM_CONFIG)
+    config = dict(TINY_LM_CONFIG) | overrides
     tokenizer = build_tokenizer(config["vocab_size"], seed)
     config["vocab_size"] = tokenizer.get_vocab_size()
     tokenizer.save(str(out / "tokenizer.json"))
@@ -111,7 +113,9 @@ def make_tiny_lm(out_dir: str | Path, seed: int = 0) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
         "chat_template": CHAT_TEMPLATE, "model_max_length": config["max_position_embeddings"],
     })
-    save_file(_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    dtype = getattr(torch, config["torch_dtype"])
+    weights = {name: t.to(dtype) for name, t in _weights(config, seed).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
