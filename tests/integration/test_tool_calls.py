@@ -108,36 +108,46 @@ def test_a_conversation_carries_earlier_calls_and_their_results(tiny_lm_client):
 
 
 @pytest.fixture(scope="module")
-def hermes_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    """A tiny model whose model.toml says it writes tool calls as Hermes-style blocks."""
-    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), "qwenish")
-    toml = repo / "qwenish" / "model.toml"
-    toml.write_text(toml.read_text() + 'tool_call_parser = "hermes"\n')
+def auto_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """Tiny models whose model.toml say how each writes tool calls: one per call format."""
+    repo = tmp_path_factory.mktemp("repo")
+    for name, parser in FORMATS.items():
+        write_tiny_lm_model(repo, name)
+        toml = repo / name / "model.toml"
+        toml.write_text(toml.read_text() + f'tool_call_parser = "{parser}"\n')
     server = start_server(repo, tmp_path_factory.mktemp("log"))
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
         yield sdk
     server.stop()
 
 
-HERMES_CALL = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", '
-               r'"arguments": \{"city": "(Oslo|Lima)", "unit": "C"\}\}\n</tool_call>')
+FORMATS = {"qwenish": "hermes", "llamaish": "llama3_json", "mistralish": "mistral"}
+ARGS = r'\{"city": "(Oslo|Lima)", "unit": "C"\}'
+WRITTEN = {  # what a model of each family writes when it calls get_weather (forced by a regular expression)
+    "qwenish": (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": ' + ARGS + r'\}\n</tool_call>',
+                "Checking."),
+    "llamaish": (r'\{"name": "get_weather", "parameters": ' + ARGS + r'\}', None),
+    "mistralish": (r'\[\{"name": "get_weather", "arguments": ' + ARGS + r'\}\]', None),
+}
 
 
-def test_auto_reads_the_calls_a_model_writes_in_its_format(hermes_client):
-    """The model decides: here a regular expression makes it write a call in the Hermes format, and
-    `auto` answers that as a tool call, the text before it as content; unforced, it writes text."""
-    forced = dict(model="qwenish", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=300, seed=1,
-                  extra_body={"guided_regex": HERMES_CALL})
-    choice = hermes_client.chat.completions.create(**forced).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+@pytest.mark.parametrize("model", list(FORMATS))
+def test_auto_reads_the_calls_a_model_writes_in_its_format(auto_client, model):
+    """The model decides: here a regular expression makes it write a call in its family's format,
+    and `auto` answers that as a tool call, any text before it as content; unforced, it writes text."""
+    regex, content = WRITTEN[model]
+    forced = dict(model=model, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=300, seed=1,
+                  extra_body={"guided_regex": regex})
+    choice = auto_client.chat.completions.create(**forced).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and _weather_args(call.function.arguments)
-    chunks = list(hermes_client.chat.completions.create(**forced, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Checking."
+    chunks = list(auto_client.chat.completions.create(**forced, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == (content or "")
     (streamed,) = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
     assert streamed.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
-    free = hermes_client.chat.completions.create(model="qwenish", messages=MESSAGES, tools=[WEATHER], max_tokens=8,
-                                                 temperature=0)
+    free = auto_client.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER], max_tokens=8,
+                                               temperature=0)
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import wire
-from sluice.api.tool_calls import HERMES_OPEN, ToolPlan, tool_call
+from sluice.api.tool_calls import ToolPlan, tool_call
 
 __all__ = ["ResponseShape", "usage"]
 
@@ -41,6 +41,7 @@ class ResponseShape:
         self._calls_text = [""] * self.num_choices  # a stream's required (or auto) calls, sent whole at the end
         self._call_ids: list[str | None] = [None] * self.num_choices  # a stream's named call, once started
         self._held = [""] * self.num_choices  # auto: text that may be the start of a call, not sent yet
+        self._shown = [False] * self.num_choices  # auto: some content was sent
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -155,14 +156,15 @@ class ResponseShape:
         if self._calls_text[index]:
             self._calls_text[index] += text
             return None
+        assert self.tools is not None
         text = self._held[index] + text
-        start = text.find(HERMES_OPEN)
-        if start >= 0:
-            shown, self._calls_text[index], self._held[index] = text[:start], text[start:], ""
+        safe, begun = self.tools.begin(text, at_start=not self._shown[index])
+        shown, self._held[index] = text[:safe], ""
+        if begun:
+            self._calls_text[index] = text[safe:]
         else:
-            keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1)
-                         if HERMES_OPEN.startswith(text[-k:])), 0)
-            shown, self._held[index] = text[:len(text) - keep], text[len(text) - keep:]
+            self._held[index] = text[safe:]
+        self._shown[index] = self._shown[index] or bool(shown)
         if not shown:
             return None
         return self._chunk({"index": index, "delta": {"content": shown}, "logprobs": None, "finish_reason": None})

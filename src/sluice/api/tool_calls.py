@@ -9,11 +9,18 @@
   its own parameters (one call only with `parallel_tool_calls: false`);
 - `"none"`: the tools are shown to the model (its chat template renders them) and it answers text;
 - `"auto"` (OpenAI's default when tools are given): the model decides, and its text is read for
-  the calls it wrote in its own family's format: a model whose `model.toml` names its
-  `tool_call_parser` ("hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks, as Qwen2.5 and Hermes models write them) answers the blocks as `tool_calls` and the rest
-  as content. For a model without one, "auto" is a 400 naming `tool_choice` (vLLM answers the
-  same without its parser).
+  the calls it wrote in its own family's format, named by its `model.toml`'s `tool_call_parser`
+  (`CALL_FORMATS`): the calls found are answered as `tool_calls`, the rest as content. For a
+  model without one, "auto" is a 400 naming `tool_choice` (vLLM answers the same without its
+  parser). The formats (special tokens such as `<|python_tag|>` and `[TOOL_CALLS]` are usually
+  left out of the text, so each is read with or without its marker):
+    hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in
+                 the text (Qwen2.5/Qwen3, Hermes)
+    llama3_json  the whole answer is `{"name": ..., "parameters": {...}}` objects separated by
+                 `;`, optionally after `<|python_tag|>` (Llama 3.1-3.3's JSON tool calling)
+    mistral      `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (or, in newer
+                 tokenizers, `name[ARGS]{...}` per call); without the marker, an answer that
+                 is such an array
 
 Previous turns' `tool_calls` and `tool` messages go to the chat template as Hugging Face templates
 take them. Because the calls asked for are a structured output, an `openai-upstream` model serves
@@ -34,7 +41,7 @@ import msgspec
 from sluice import wire
 from sluice.errors import InvalidInput
 
-__all__ = ["NamedToolChoice", "ToolDef", "ToolPlan", "tool_call", "tool_terms"]
+__all__ = ["CALL_FORMATS", "NamedToolChoice", "ToolDef", "ToolPlan", "tool_call", "tool_terms"]
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -61,7 +68,146 @@ class NamedToolChoice(msgspec.Struct):
     function: ChosenFunction
 
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+Calls = list[dict[str, Any]]
+
+
+def _call(item: Any, names: frozenset[str]) -> dict[str, Any] | None:
+    """One written call, `{"name", "arguments"}` (or Llama's "parameters"; arguments as an object
+    or as a string holding one), naming one of the request's tools; None for anything else."""
+    if not isinstance(item, dict) or item.get("name") not in names:
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return tool_call(item["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values `text` holds one after another (separated by blanks or ';'); None if it
+    holds anything else."""
+    decoder, at = json.JSONDecoder(), 0
+    values: list[Any] = []
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """How many of `text`'s last characters could be the start of `marker` (held back in a stream)."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
+
+
+class CallFormat:
+    """How one model family writes tool calls in its text."""
+
+    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+        """A whole answer: the text outside the calls, and the calls (naming the request's tools)."""
+        raise NotImplementedError
+
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        """A stream: how much of `text` (what has not been sent yet) is surely content, and whether
+        the calls begin right after it. `at_start`: no content has been sent before `text`."""
+        raise NotImplementedError
+
+
+class _Hermes(CallFormat):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+        content, calls, rest = [], [], text
+        while (start := rest.find(self.OPEN)) >= 0:
+            content.append(rest[:start])
+            end = rest.find(self.CLOSE, start)
+            block_end = len(rest) if end < 0 else end + len(self.CLOSE)
+            values = _json_values(rest[start + len(self.OPEN):end if end >= 0 else len(rest)])
+            call = _call(values[0], names) if values is not None and len(values) == 1 else None
+            if call is None:  # a block that is not a call of one of the tools stays text
+                content.append(rest[start:block_end])
+            else:
+                calls.append(call)
+            rest = rest[block_end:]
+        content.append(rest)
+        return "".join(content).strip() if calls else "".join(content), calls
+
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        start = text.find(self.OPEN)
+        return (start, True) if start >= 0 else (len(text) - _held_prefix(text, self.OPEN), False)
+
+
+class _Llama3Json(CallFormat):
+    TAG = "<|python_tag|>"
+
+    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+        body = text.strip().removeprefix(self.TAG)
+        values = _json_values(body) if body.lstrip().startswith("{") else None
+        calls = [_call(value, names) for value in values or []]
+        if not calls or None in calls:  # not the whole answer as calls of the tools: it is text
+            return text, []
+        return "", [call for call in calls if call is not None]
+
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        head = text.lstrip()
+        if not at_start or (head and not self.TAG.startswith(head[:len(self.TAG)]) and head[0] != "{"):
+            return len(text), False  # calls come first or not at all
+        return 0, head.startswith(("{", self.TAG))
+
+
+class _Mistral(CallFormat):
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+        start = text.find(self.MARK)
+        if start < 0:  # the marker is a special token, usually left out of the text: a bare array
+            calls = self._calls(text, names, arrays_only=True)
+            return ("", calls) if calls else (text, [])
+        calls = self._calls(text[start:].replace(self.MARK, " "), names)
+        return (text[:start].strip(), calls) if calls else (text, [])
+
+    def _calls(self, body: str, names: frozenset[str], arrays_only: bool = False) -> Calls:
+        values = _json_values(body)
+        if values is not None and len(values) == 1 and isinstance(values[0], list):  # [{"name", "arguments"}...]
+            calls = [_call(value, names) for value in values[0]]
+        elif arrays_only:
+            return []
+        else:  # name[ARGS]{...} name[ARGS]{...}
+            calls, at, body = [], 0, body.strip()
+            while at < len(body):
+                brace = body.find("{", at)
+                if brace < 0:
+                    return []
+                try:
+                    arguments, end = json.JSONDecoder().raw_decode(body, brace)
+                except ValueError:
+                    return []
+                calls.append(_call({"name": body[at:brace].replace(self.ARGS, "").strip(), "arguments": arguments},
+                                   names))
+                at = len(body) - len(body[end:].lstrip())
+        return [] if not calls or None in calls else [call for call in calls if call is not None]
+
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        start = text.find(self.MARK)
+        if start >= 0:
+            return start, True
+        head = text.lstrip()
+        if at_start and not head:
+            return 0, False
+        if at_start and head.startswith("["):  # an array of calls without the marker, perhaps
+            return 0, not self.MARK.startswith(head[:len(self.MARK)])
+        return len(text) - _held_prefix(text, self.MARK), False
+
+
+CALL_FORMATS: dict[str, CallFormat] = {"hermes": _Hermes(), "llama3_json": _Llama3Json(), "mistral": _Mistral()}
+"""The values of a model's `tool_call_parser` (the engine's runner checks the name at load)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,34 +220,15 @@ class ToolPlan:
     parser: str = ""
     names: frozenset[str] = frozenset()
 
-    def split(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """`auto`: the text outside the calls, and the calls (Hermes-style blocks naming one of the
-        tools, with JSON inside; any other block stays text)."""
-        content, calls, rest = [], [], text
-        while (start := rest.find(HERMES_OPEN)) >= 0:
-            content.append(rest[:start])
-            end = rest.find(HERMES_CLOSE, start)
-            block_end = len(rest) if end < 0 else end + len(HERMES_CLOSE)
-            call = self._hermes_call(rest[start + len(HERMES_OPEN):end if end >= 0 else len(rest)])
-            if call is None:
-                content.append(rest[start:block_end])
-            else:
-                calls.append(call)
-            rest = rest[block_end:]
-        content.append(rest)
-        return "".join(content).strip() if calls else "".join(content), calls
+    def split(self, text: str) -> tuple[str, Calls]:
+        """`auto`: the text outside the calls, and the calls."""
+        return CALL_FORMATS[self.parser].split(text, self.names)
 
-    def _hermes_call(self, body: str) -> dict[str, Any] | None:
-        try:
-            item = json.loads(body)
-            name, arguments = item["name"], item.get("arguments", {})
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-        if name not in self.names or not isinstance(arguments, dict):
-            return None
-        return tool_call(name, json.dumps(arguments))
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        """`auto`, streamed: see `CallFormat.begin`."""
+        return CALL_FORMATS[self.parser].begin(text, at_start)
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
+    def calls(self, text: str) -> Calls | None:
         """The answer's `tool_calls`, or None if the text is not whole (cut by `max_tokens`)."""
         if self.named is not None:
             return [tool_call(self.named, text)]

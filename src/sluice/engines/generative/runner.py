@@ -41,7 +41,7 @@ from sluice.repository import ModelVersion
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
 
-TOOL_CALL_PARSERS = ("", "hermes")
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral")
 """How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
 
 MAX_CHARS_PER_TOKEN = 32
