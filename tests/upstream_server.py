@@ -17,7 +17,7 @@ It counts requests and the most that were ever in flight at once.
     POST /v1/completions, /v1/chat/completions  -> an OpenAI SSE stream, for `openai-upstream`
 
 plays the next entry of `sse_plans` (a `SsePlan`; when none is left, `SsePlan()`): an HTTP error
-status with OpenAI's error envelope, or text deltas, then (unless `is_broken`) a finish_reason, a
+status with OpenAI's error envelope, or text deltas (or whole chat deltas), then (unless `is_broken`) a finish_reason, a
 usage chunk and `[DONE]`. The last request's body and headers are kept.
 """
 
@@ -47,7 +47,9 @@ def expected_text_output(text: str) -> list[float]:
 
 @dataclass
 class SsePlan:
-    deltas: list[str] = field(default_factory=lambda: ["Hello", " world"])
+    deltas: list[str | dict[str, object]] = field(default_factory=lambda: ["Hello", " world"])
+    """Text, or (chat) a whole delta object such as {"tool_calls": [...]}."""
+    finish_reason: str = "stop"
     status: int = 200
     error_param: str | None = None
     is_broken: bool = False  # the stream stops after the deltas: no finish_reason, no [DONE]
@@ -150,12 +152,13 @@ class UpstreamServer:
         await response.prepare(request)
         is_chat = request.path.endswith("/chat/completions")
         for text in plan.deltas:
-            choice = {"index": 0, "delta": {"content": text}} if is_chat else {"index": 0, "text": text}
+            delta = text if isinstance(text, dict) else {"content": text}
+            choice = {"index": 0, "delta": delta} if is_chat else {"index": 0, "text": text}
             await response.write(_event({"choices": [{**choice, "finish_reason": None}], "usage": None}))
         if plan.is_broken:
             return response
         end = {"index": 0, "delta": {}} if is_chat else {"index": 0, "text": ""}
-        await response.write(_event({"choices": [{**end, "finish_reason": "stop"}], "usage": None}))
+        await response.write(_event({"choices": [{**end, "finish_reason": plan.finish_reason}], "usage": None}))
         await response.write(_event({"choices": [], "usage": plan.usage}))
         await response.write(b"data: [DONE]\n\n")
         return response

@@ -146,6 +146,9 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     tools: list[ToolSpec] = []
     """Chat: the functions the chat template shows the model (tool calls themselves are asked
     for with `output_format`)."""
+    tools_auto: bool = False
+    """Chat, `tool_choice: "auto"`: the model decides whether to call `tools`, writing calls in its
+    own format in the text (an `openai-upstream` model: the upstream is asked with "auto")."""
 
 
 class GeneratedChoice(msgspec.Struct, frozen=True):

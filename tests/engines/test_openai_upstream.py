@@ -4,6 +4,7 @@ first byte only, the upstream's refusals, and the circuit breaker."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -122,6 +123,38 @@ async def test_deltas_are_relayed_then_the_end_with_usage_and_the_key_is_sent(up
     assert events == [TextDelta("Hello"), TextDelta(" world"), CallEnd(("stop",), 5, 3, 2)]
     assert upstream.last_headers["Authorization"] == "Bearer sk-secret"
     assert upstream.last_body["stream_options"] == {"include_usage": True}
+
+
+def test_auto_tool_choice_is_asked_of_the_upstream_as_auto():
+    config = parse_config(_version("http://h:1/v1"))
+    weather = wire.ToolSpec("get_weather", "", '{"type": "object"}')
+    chat = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")], tools=[weather], tools_auto=True)
+    assert request_for(config, chat)[1]["tool_choice"] == "auto"
+    shown = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")], tools=[weather])
+    assert request_for(config, shown)[1]["tool_choice"] == "none"
+
+
+async def test_streamed_upstream_tool_calls_come_back_as_calls_the_gateway_reads(upstream, make_runner):
+    """The calls stream as vLLM streams them (a call's name, then its arguments in pieces); the
+    relayed text holds them as Hermes blocks, which the runner names as its models' format."""
+    from sluice.api.tool_calls import ToolPlan
+
+    def call(index: int, **function: str) -> dict[str, object]:
+        return {"tool_calls": [{"index": index, "function": function}]}
+
+    upstream.sse_plans.append(SsePlan(deltas=[
+        "Checking.", call(0, name="get_weather", arguments=""), call(0, arguments='{"city": '),
+        call(0, arguments='"Oslo"}'), call(1, name="get_time")], finish_reason="tool_calls"))
+    runner = await make_runner(_base(upstream))
+    assert runner.info.tool_call_parser == "hermes"
+    events = await _events(runner, wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")]))
+    *deltas, end = events
+    assert isinstance(end, CallEnd) and end.finish_reasons == ("stop",)
+    text = "".join(d.text for d in deltas if isinstance(d, TextDelta))
+    content, calls = ToolPlan(None, "hermes", frozenset({"get_weather", "get_time"})).split(text)
+    assert content == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
 
 
 async def test_a_5xx_before_the_first_byte_is_retried(upstream, make_runner):

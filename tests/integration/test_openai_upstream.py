@@ -31,6 +31,8 @@ KEY = "sk-front-test-key"
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory: pytest.TempPathFactory):
     repo = write_tiny_lm_model(tmp_path_factory.mktemp("upstream-repo"), UPSTREAM_MODEL)
+    toml = repo / UPSTREAM_MODEL / "model.toml"
+    toml.write_text(toml.read_text() + 'tool_call_parser = "hermes"\n')  # it answers tool_choice "auto"
     started = start_server(repo, tmp_path_factory.mktemp("upstream-log"))
     yield started
     started.stop()
@@ -150,6 +152,25 @@ def test_tool_calls_are_asked_of_the_upstream_as_structured_output(via_front):
     (call,) = answer.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Lima")
     assert answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_is_the_upstreams_decision_and_its_calls_come_back(via_front):
+    """With tool_choice "auto" the upstream decides (here a regular expression makes its model
+    write a call in its own format); the calls it answers reach the client as tool_calls, unary
+    and streamed, and the text before them as content."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    forced = dict(model="proxy", messages=[{"role": "user", "content": "Weather?"}], tools=[weather],
+                  tool_choice="auto", max_tokens=200, seed=1, extra_body={
+                      "guided_regex": r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+                                      r'\{"city": "(Oslo|Lima)"\}\}\n</tool_call>'})
+    choice = via_front.chat.completions.create(**forced).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Lima")
+    chunks = list(via_front.chat.completions.create(**forced, stream=True))
+    (streamed,) = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert streamed.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Checking."
 
 
 def test_n_choices_are_relayed_unary_and_streamed(via_front, direct):

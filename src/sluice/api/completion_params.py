@@ -171,11 +171,12 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
     )
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
-        tools, sampling["output_format"], _ = chat_tools(request, info)
+        tools, sampling["output_format"], plan = chat_tools(request, info)
         _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
-        return [wire.GeneratePayload(messages=messages, tools=tools, **sampling)]  # type: ignore[arg-type]
+        return [wire.GeneratePayload(messages=messages, tools=tools, tools_auto=plan is not None and bool(plan.parser),
+                                     **sampling)]  # type: ignore[arg-type]
     prompts = _prompts(request.prompt, token_id_limit)
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
         raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "

@@ -25,7 +25,8 @@
 Previous turns' `tool_calls` and `tool` messages go to the chat template as Hugging Face templates
 take them. Because the calls asked for are a structured output, an `openai-upstream` model serves
 them too: it is sent the tools with `tool_choice: "none"` and the calls' schema as its
-`response_format` (`engines.openai_upstream`).
+`response_format`; for "auto" it is asked with "auto", and its calls come back written as Hermes
+blocks, the format it reports (`engines.openai_upstream`).
 """
 
 from __future__ import annotations
@@ -85,13 +86,13 @@ def _call(item: Any, names: frozenset[str]) -> dict[str, Any] | None:
     return tool_call(item["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
-def _json_values(text: str) -> list[Any] | None:
-    """The JSON values `text` holds one after another (separated by blanks or ';'); None if it
-    holds anything else."""
+def _json_values(text: str, separators: str = "") -> list[Any] | None:
+    """The JSON values `text` holds one after another (separated by blanks or `separators`); None
+    if it holds anything else."""
     decoder, at = json.JSONDecoder(), 0
     values: list[Any] = []
     while True:
-        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+        while at < len(text) and (text[at].isspace() or text[at] in separators):
             at += 1
         if at == len(text):
             return values
@@ -149,7 +150,7 @@ class _Llama3Json(CallFormat):
 
     def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
         body = text.strip().removeprefix(self.TAG)
-        values = _json_values(body) if body.lstrip().startswith("{") else None
+        values = _json_values(body, ";") if body.lstrip().startswith("{") else None
         calls = [_call(value, names) for value in values or []]
         if not calls or None in calls:  # not the whole answer as calls of the tools: it is text
             return text, []

@@ -7,6 +7,14 @@ the model.
                   ◀─ SSE chunks ─▶ TextDelta ... CallEnd(finish_reasons, usage)
                                    or CallFailure (a value, never an exception)
 
+Tool calls: calls asked for (`required`, a named function) are a structured output, so the
+upstream gets the tools with `tool_choice: "none"` and the calls' schema as `response_format`.
+With `tool_choice: "auto"` the upstream is asked with "auto" and decides (it needs its own tool
+call parser, as vLLM's `--tool-call-parser`); the calls it streams back are written into the
+relayed text as Hermes blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
+format this runner reports as its models' `tool_call_parser`, which the gateway reads back into
+`tool_calls` like any local model's.
+
 Retries: a 5xx, 408/429, connection error, timeout or a stream that breaks is retried with
 backoff while nothing has been relayed yet (`RetryConfig`); once text has gone to the client, a
 failure ends the call. Any other 4xx is the client's request being refused: final, and its status
@@ -157,8 +165,8 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
         body.update(_structured_fields(payload.output_format))
     if payload.messages is not None:
         body["messages"] = [_message(m) for m in payload.messages]
-        if payload.tools:  # shown to the model; calls asked for come back as structured output (above)
-            body.update(tools=[_tool(t) for t in payload.tools], tool_choice="none")
+        if payload.tools:  # calls asked for come back as structured output (above); "auto": see the module
+            body.update(tools=[_tool(t) for t in payload.tools], tool_choice="auto" if payload.tools_auto else "none")
         if payload.logprobs is not None:
             body.update(logprobs=True, top_logprobs=payload.logprobs)
         return f"{config.base_url}/chat/completions", body
@@ -214,7 +222,7 @@ class OpenAIUpstreamRunner:
             outputs=(wire.TensorSpec("text_output", "BYTES", (-1,)),),
             max_batch_size=self.config.max_concurrency, slo_s=version.slo_s, accepts_text=False,
             accepts_tensor=False,
-            cache_revision=version.cache_revision,
+            cache_revision=version.cache_revision, tool_call_parser="hermes",
         )
         self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
@@ -315,6 +323,7 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
     finish_reasons: dict[int, str] = {}
     usage: dict[str, Any] | None = None
     num_deltas = 0
+    calls = _CallsAsText()
     async for raw in response.content:
         line = raw.decode("utf-8", errors="replace").strip()
         if not line.startswith("data:"):
@@ -334,20 +343,55 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
             return
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or ():
-            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            text = choice.get("text") if "text" in choice else delta.get("content")
             logprobs = _logprobs(choice.get("logprobs"))
             index = choice.get("index", 0)
             if not isinstance(index, int) or not 0 <= index < wire.MAX_CHOICES:
                 continue  # not a choice this request can have asked for
+            text = (text or "") + calls.write(index, delta.get("tool_calls"))
+            if choice.get("finish_reason"):
+                text += calls.close(index)
+                reason = str(choice["finish_reason"])
+                finish_reasons[index] = "stop" if reason == "tool_calls" else reason  # the gateway says tool_calls
             if text or logprobs:
                 num_deltas += 1
-                yield TextDelta(text or "", logprobs, index)
-            if choice.get("finish_reason"):
-                finish_reasons[index] = str(choice["finish_reason"])
+                yield TextDelta(text, logprobs, index)
     if not finish_reasons:
         yield CallFailure("upstream stream ended without a finish_reason", is_retryable=True)
         return
     yield _end(finish_reasons, usage, num_deltas)
+
+
+class _CallsAsText:
+    """An upstream's streamed `tool_calls` written as Hermes blocks, choice by choice: a call's
+    first delta names it, the next ones add to its arguments (a JSON object, in pieces)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[int, bool]] = {}  # choice -> (the call being written, any arguments yet)
+
+    def write(self, choice: int, deltas: Any) -> str:
+        out = []
+        for delta in deltas if isinstance(deltas, list) else ():
+            if not isinstance(delta, dict):
+                continue
+            function = delta.get("function")
+            if not isinstance(function, dict):
+                function = {}
+            at, arguments = delta.get("index", 0), str(function.get("arguments") or "")
+            if choice not in self._open or self._open[choice][0] != at:
+                out.append(self.close(choice))
+                out.append(f'<tool_call>{{"name": {json.dumps(str(function.get("name") or ""))}, "arguments": ')
+                self._open[choice] = (at, False)
+            out.append(arguments)
+            self._open[choice] = (at, self._open[choice][1] or bool(arguments.strip()))
+        return "".join(out)
+
+    def close(self, choice: int) -> str:
+        if choice not in self._open:
+            return ""
+        _, has_arguments = self._open.pop(choice)
+        return ("" if has_arguments else "{}") + "}</tool_call>"
 
 
 def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
