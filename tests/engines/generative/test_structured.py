@@ -133,3 +133,23 @@ def test_min_tokens_cannot_hold_back_a_grammar_that_ends(tiny_lm):
     with pytest.raises(ValueError, match="min_tokens"):
         engine.add_request("r", [5, 6], SamplingParams(max_tokens=20, min_tokens=5),
                            matcher=engine.grammars.matcher(_format("json_object")))
+
+
+def test_object_schemas_that_say_nothing_of_other_keys_are_closed(tiny_lm):
+    """As OpenAI's strict mode and vLLM do: `{"properties": {"a": ...}}` admits no other key
+    (JSON Schema would admit any, and a sampling model writes some); `additionalProperties: true`
+    opens it again. Nested objects too, wherever a schema can stand."""
+    engine = _engine(tiny_lm)
+    assert engine.grammars is not None and engine.tokenizer is not None
+
+    def accepts(schema: dict, text: str) -> bool:
+        ids = engine.tokenizer.encode(text)
+        return engine.grammars.matcher(_format("json_schema", schema)).validate_tokens(ids) == len(ids)
+
+    point = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(point, '{"a": 1}') and not accepts(point, '{"a": 1, "b": 2}')
+    assert accepts({**point, "additionalProperties": True}, '{"a": 1, "b": 2}')
+    nested = {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/p"}]}, "$defs": {"p": point}}
+    assert accepts(nested, '[{"a": 1}]') and not accepts(nested, '[{"a": 1, "z": 0}]')
+    named = {"type": "object", "properties": {"properties": point}}  # a property called "properties"
+    assert accepts(named, '{"properties": {"a": 3}}') and not accepts(named, '{"properties": {"a": 3}, "x": 1}')

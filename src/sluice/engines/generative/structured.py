@@ -9,13 +9,18 @@ matched by `llguidance` (the library vLLM and SGLang use for the same), against 
 tokenizer: every token's bytes are checked against the grammar, so a constrained sequence can
 only produce text the grammar accepts. A JSON schema is compiled without free whitespace (items
 separated by ", ", keys by ": "): a weak model cannot then spend its tokens on blank space.
+
+An object schema that lists its `properties` but says nothing of `additionalProperties` is read
+as closed (no other keys), as OpenAI's strict structured outputs require and vLLM's backends do
+by default: JSON Schema would allow any other key, and a sampling model then writes some. Say
+`"additionalProperties": true` to allow them.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llnumpy
@@ -39,7 +44,7 @@ def grammar_of(output_format: wire.OutputFormat) -> str:
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed(json.loads(spec)), defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
@@ -47,9 +52,38 @@ def grammar_of(output_format: wire.OutputFormat) -> str:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         if kind == "grammar":
             return llguidance.grammar_from("grammar", spec)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise ValueError(f"unusable {kind.replace('_', ' ')}: {exc}") from exc
     raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "unevaluatedItems",
+              "unevaluatedProperties", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object schema that has `properties` (or `patternProperties`) and no
+    `additionalProperties` closed to other keys. Only schema positions are visited, so a property
+    that happens to be named "properties" is left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if isinstance(out.get("items"), list):  # the older tuple form
+        out["items"] = [closed(item) for item in out["items"]]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(item) for item in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class Grammars:
