@@ -45,6 +45,20 @@ def test_batched_requests_joining_at_different_steps(model_dir, hf_greedy):
     assert engine.stats().kv_cache_usage == 0.0
 
 
+def test_decodes_of_very_different_lengths_are_attended_in_groups_of_similar_length(llama_dir):
+    """On the CPU a decode group reads its longest context's worth of slots for every member, so
+    contexts of 4 and 101 tokens go in separate groups (the batched tests above check the output)."""
+    from sluice.engines.generative.scheduler import ScheduledChunk, SchedulerOutput
+
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=256))
+    starts = [3, 100, 4, 40, 41]
+    chunks = tuple(ScheduledChunk(str(i), (5,), start, tuple(range(start // 8 + 1)), True)
+                   for i, start in enumerate(starts))
+    groups = engine._runner.prepare(SchedulerOutput(chunks, (), 0)).forward.groups
+    assert sorted((g.num_seqs, g.slots.shape[1]) for g in groups) == [(1, 101), (2, 5), (2, 42)]
+    assert sorted(row for g in groups for row in g.token_index.tolist()) == list(range(len(starts)))
+
+
 def test_chunked_prefill_with_small_token_budget(model_dir, hf_greedy):
     config = EngineConfig(block_size=8, num_kv_blocks=256, max_num_batched_tokens=24, long_prefill_token_threshold=16)
     engine = LLMEngine(model_dir, config)

@@ -1,10 +1,16 @@
 """Turns a `SchedulerOutput` into tensors, runs the model, and returns logits.
 
     chunks (per sequence)            flattened batch (T tokens)          attention groups
-    A: decode 1 token @ pos 37  -->  ids/positions/slot_mapping [T]  --> all 1-token chunks: one
-    B: decode 1 token @ pos 80                                          padded group [B, 1, L]
-    C: prefill 120 tokens @ 0                                         --> each longer chunk: its own
+    A: decode 1 token @ pos 37  -->  ids/positions/slot_mapping [T]  --> 1-token chunks: padded
+    B: decode 1 token @ pos 80                                          groups [B, 1, L] of similar
+    C: prefill 120 tokens @ 0                                           lengths (one on CUDA)
+                                                                      --> each longer chunk: its own
                                                                           causal group [1, n, L]
+
+A decode group reads (gathers) and attends over B x L slots, L its longest context; with
+contexts of 40 and 380 tokens in one step, most of that is padding. On the CPU, where that
+work costs in proportion, decodes are split into groups of similar length (`DECODE_PADDING`);
+on CUDA they stay one group, since there a step's cost is its kernel launches.
 
 Logits are computed for the rows that sample (the last token of each chunk that reaches its
 sequence's end), then for the prompt positions of sequences that asked for prompt
@@ -30,6 +36,10 @@ ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 for each new shape on the host (~3.7 ms a call on an H200, torch 2.11), and a decode step's key
 length grows every step: 16 such calls were 90% of a 1 B model's 48 ms decode step at 32 sequences
 while the GPU was busy 4.4 ms of it (`benchmarks/generative/step_profile.py`)."""
+
+DECODE_PADDING = 0.25
+"""CPU: a decode group's padded slots (B x its longest context) stay within this share above the
+slots its sequences need."""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -95,8 +105,7 @@ class ModelRunner:
                 decodes.append((row, chunk))
             else:
                 groups.append(self._prefill_group(row, chunk))
-        if decodes:
-            groups.append(self._decode_group(decodes))
+        groups += [self._decode_group(group) for group in self._decode_buckets(decodes)]
         forward = ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
                                self._tensor(logits_rows + prompt_rows))
         return StepInput(forward, len(logits_rows), tuple(spans))
@@ -123,6 +132,22 @@ class ModelRunner:
         mask = torch.arange(length, device=self.device)[None, :] <= query_pos[:, None]
         index = torch.arange(row, row + n, device=self.device)
         return AttentionGroup(index, slots, mask[None, None], 1, n)
+
+    def _decode_buckets(self, decodes: list[tuple[int, ScheduledChunk]]) -> list[list[tuple[int, ScheduledChunk]]]:
+        """Decodes in groups of similar context length (CPU), or all together (CUDA)."""
+        if len(decodes) < 2 or self.device != "cpu":
+            return [decodes] if decodes else []
+        buckets: list[list[tuple[int, ScheduledChunk]]] = []
+        needed = 0
+        for row, chunk in sorted(decodes, key=lambda d: d[1].start):
+            length = chunk.start + 1
+            if buckets and length * (len(buckets[-1]) + 1) <= (1 + DECODE_PADDING) * (needed + length):
+                buckets[-1].append((row, chunk))
+                needed += length
+            else:
+                buckets.append([(row, chunk)])
+                needed = length
+        return buckets
 
     def _decode_group(self, decodes: list[tuple[int, ScheduledChunk]]) -> AttentionGroup:
         lengths = [chunk.start + 1 for _, chunk in decodes]
