@@ -94,14 +94,32 @@ def test_llama3_rope_scaling_matches_transformers(llama3_rope_dir, hf_greedy):
     _check_batch(engine, llama3_rope_dir, hf_greedy, batch, [24] * 3, join_every=2)
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused_at_load(llama_dir, tmp_path):
-    import json
-    import shutil
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def windowed_dir(request, tmp_path_factory):
+    """A 16-token attention window, far shorter than the prompts: on every layer (Mistral), or on
+    the second layer only (Qwen2's use_sliding_window from max_window_layers = 1)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    mistral = shutil.copytree(llama_dir, tmp_path / "mistral")
-    config = json.loads((mistral / "config.json").read_text())
-    (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 128}))
-    with pytest.raises(ValueError, match="sliding window of 128 tokens"):
-        LLMEngine(mistral, EngineConfig(block_size=8, num_kv_blocks=64))
-    within = LLMEngine(mistral, EngineConfig(block_size=8, num_kv_blocks=64, max_model_len=128))
-    assert within.max_model_len == 128
+    from tests.engines.generative.conftest import VOCAB, _save
+
+    torch.manual_seed(4)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, rope_theta=500.0, initializer_range=0.1,
+                 bos_token_id=1, eos_token_id=2, sliding_window=16)
+    if request.param == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    return _save(model.eval(), tmp_path_factory.mktemp(request.param))
+
+
+def test_sliding_window_attention_matches_transformers(windowed_dir, hf_greedy):
+    """Prompts of 20-60 tokens and 30 more generated, batched, through prefix-cache hits: each
+    windowed layer sees only its last 16 positions, as transformers computes them."""
+    engine = LLMEngine(windowed_dir, EngineConfig(block_size=8, num_kv_blocks=256))
+    assert engine.spec.sliding_window == 16 and engine.max_model_len == 512
+    assert engine.spec.windowed_layers == ({0, 1} if "mistral" in windowed_dir.name else {1})
+    batch = prompts(8, 4, 20, 60)
+    _check_batch(engine, windowed_dir, hf_greedy, [*batch, batch[0] + batch[1][:9]], [30] * 5, join_every=2)
+    assert engine.stats().prefix_cache_hit_tokens > 0

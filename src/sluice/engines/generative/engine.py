@@ -113,11 +113,6 @@ class LLMEngine:
         bytes_per_block = KVCache.bytes_per_block(self.spec, config.block_size, DTYPES[config.dtype])
         self.num_blocks = config.num_blocks_for(bytes_per_block)
         self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
-        window = self.spec.sliding_window
-        if window is not None and self._max_model_len > window:
-            raise ValueError(f"this model attends over a sliding window of {window} tokens, which sluice does not "
-                             f"implement; set max_model_len to at most {window} (a context within the window is "
-                             f"exact) rather than serve wrong output beyond it")
         self._blocks = BlockManager(self.num_blocks, config.block_size)
         self._scheduler = self._make_scheduler(config)
         self._runner = ModelRunner(model_dir, self.spec, num_blocks=self.num_blocks, block_size=config.block_size,

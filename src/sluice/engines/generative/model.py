@@ -2,8 +2,10 @@
 
 Two architectures: Llama (also Qwen2 / Mistral-style checkpoints: RMSNorm, RoPE, GQA, SwiGLU,
 optional q/k/v biases; Llama 3.1's "llama3" RoPE frequency scaling) and GPT-2 (learned positions,
-LayerNorm, Conv1D weights stored [in, out]). Sliding-window attention is not implemented: the
-engine refuses a context longer than a model's window (`ModelSpec.sliding_window`).
+LayerNorm, Conv1D weights stored [in, out]). Sliding-window attention (Mistral; Qwen2's
+`use_sliding_window` on its layers from `max_window_layers`; any `layer_types` list): a windowed
+layer's queries attend to their last `sliding_window` positions only, themselves included, by
+mask; the cache still keeps every position (blocks that fall out of the window are not freed).
 
 All tokens of a step are flattened into one [T, hidden] batch for every linear layer; only
 attention is grouped (see `attention`). The KV cache of layer l is a pair of tensors
@@ -19,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +80,9 @@ class ModelSpec:
     scale_by_layer: bool = False
     rope_scaling: Llama3RopeScaling | None = None
     sliding_window: int | None = None
-    """Attention looks back at most this many tokens (Mistral); None: the whole context."""
+    """Windowed layers attend to at most this many positions, their own included; None: none is."""
+    windowed_layers: frozenset[int] = frozenset()
+    """The layers that use `sliding_window`."""
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
@@ -104,7 +108,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          config.get("max_position_embeddings", 2048), config.get("rms_norm_eps", 1e-6),
                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                          tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         rope_scaling=_rope_scaling(rope), sliding_window=_sliding_window(config))
+                         rope_scaling=_rope_scaling(rope), **_sliding_window(config))
     raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, mistral, gpt2)")
 
 
@@ -123,14 +127,24 @@ def _rope_scaling(rope: dict[str, object]) -> Llama3RopeScaling | None:
                           f"original_max_position_embeddings: {exc!r}") from exc
 
 
-def _sliding_window(config: dict[str, object]) -> int | None:
-    """The attention window, where the checkpoint uses one (Qwen2 only with use_sliding_window)."""
+def _sliding_window(config: dict[str, Any]) -> dict[str, Any]:
+    """The attention window and the layers that use it, where the checkpoint has one: every layer
+    (Mistral), those `layer_types` names "sliding_attention", or Qwen2's layers from
+    `max_window_layers` on when `use_sliding_window` is set (as transformers reads them)."""
     window = config.get("sliding_window")
     if window is None or (config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False)):
-        return None
+        return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
-    return window
+    num_layers = config["num_hidden_layers"]
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list):
+        layers = {i for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
+    elif config.get("model_type") == "qwen2":
+        layers = set(range(int(config.get("max_window_layers", num_layers)), num_layers))
+    else:
+        layers = set(range(num_layers))
+    return {"sliding_window": window, "windowed_layers": frozenset(layers)} if layers else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +156,7 @@ class AttentionGroup:
     mask: torch.Tensor         # [B, 1, Q, L] True where the query may attend
     num_seqs: int
     num_queries: int
+    window_mask: torch.Tensor | None = None  # the same, for the model's windowed layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +166,7 @@ class ForwardInput:
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
     groups: tuple[AttentionGroup, ...]
     logits_index: torch.Tensor  # [N] rows whose next-token logits are wanted
+    windowed_layers: frozenset[int] = frozenset()  # layers that attend with `AttentionGroup.window_mask`
 
 
 class KVCache:
@@ -179,7 +195,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cac
         # index was 56% of a CPU decode step at 32 sequences; this gather is several times faster.
         kk = _gather(k_cache, g.slots)  # [B, kv_heads, L, D]
         vv = _gather(v_cache, g.slots)
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=scale,
+        mask = g.window_mask if g.window_mask is not None and layer in inp.windowed_layers else g.mask
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale,
                                            enable_gqa=kk.shape[1] != heads)
         out[g.token_index] = o.transpose(1, 2).reshape(-1, heads, head_dim)
     return out

@@ -107,7 +107,7 @@ class ModelRunner:
                 groups.append(self._prefill_group(row, chunk))
         groups += [self._decode_group(group) for group in self._decode_buckets(decodes)]
         forward = ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
-                               self._tensor(logits_rows + prompt_rows))
+                               self._tensor(logits_rows + prompt_rows), self.spec.windowed_layers)
         return StepInput(forward, len(logits_rows), tuple(spans))
 
     def execute(self, inp: ForwardInput) -> torch.Tensor:
@@ -128,10 +128,11 @@ class ModelRunner:
         n, length = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
         num_blocks = -(-length // self.block_size)
         slots = self._slots_of(self._tensor(list(chunk.block_table[:num_blocks]))[None, :], length)
-        query_pos = torch.arange(chunk.start, length, device=self.device)
-        mask = torch.arange(length, device=self.device)[None, :] <= query_pos[:, None]
+        query_pos = torch.arange(chunk.start, length, device=self.device)[:, None]
+        key_pos = torch.arange(length, device=self.device)[None, :]
+        mask = key_pos <= query_pos
         index = torch.arange(row, row + n, device=self.device)
-        return AttentionGroup(index, slots, mask[None, None], 1, n)
+        return AttentionGroup(index, slots, mask[None, None], 1, n, self._windowed(mask, key_pos, query_pos, 1))
 
     def _decode_buckets(self, decodes: list[tuple[int, ScheduledChunk]]) -> list[list[tuple[int, ScheduledChunk]]]:
         """Decodes in groups of similar context length (CPU), or all together (CUDA)."""
@@ -156,6 +157,19 @@ class ModelRunner:
         tables = [list(c.block_table[:max_blocks]) + [0] * (max_blocks - len(c.block_table[:max_blocks]))
                   for _, c in decodes]
         slots = self._slots_of(self._tensor([b for t in tables for b in t]).view(len(decodes), max_blocks), max_len)
-        mask = torch.arange(max_len, device=self.device)[None, :] < self._tensor(lengths)[:, None]
+        key_pos = torch.arange(max_len, device=self.device)[None, :]
+        query_pos = self._tensor(lengths)[:, None] - 1
+        mask = key_pos <= query_pos
         index = self._tensor([row for row, _ in decodes])
-        return AttentionGroup(index, slots, mask[:, None, None, :], len(decodes), 1)
+        return AttentionGroup(index, slots, mask[:, None, None, :], len(decodes), 1,
+                              self._windowed(mask, key_pos, query_pos, 2))
+
+    def _windowed(self, mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
+                  query_dim: int) -> torch.Tensor | None:
+        """`mask` limited to each query's last `sliding_window` positions, shaped as the group's
+        mask ([B, 1, Q, L]: the query axis at `query_dim`), if the model has windowed layers."""
+        window = self.spec.sliding_window
+        if window is None or not self.spec.windowed_layers:
+            return None
+        windowed = mask & (key_pos > query_pos - window)
+        return windowed[None, None] if query_dim == 1 else windowed[:, None, None, :]
