@@ -58,6 +58,23 @@ def test_decodes_of_very_different_lengths_are_attended_in_groups_of_similar_len
     assert sorted((g.num_seqs, g.slots.shape[1]) for g in groups) == [(1, 101), (2, 5), (2, 42)]
     assert sorted(row for g in groups for row in g.token_index.tolist()) == list(range(len(starts)))
 
+    def one_group(starts: list[int]) -> bool:
+        chunks = tuple(ScheduledChunk(str(i), (5,), start, (0, 1), True) for i, start in enumerate(starts))
+        (group,) = engine._runner.prepare(SchedulerOutput(chunks, (), 0)).forward.groups
+        return group.covers_all
+
+    assert one_group([10, 10, 11]) and not one_group([11, 10, 10])  # in place only when rows are in group order
+
+
+def test_pure_decode_steps_of_requests_that_start_together_match_transformers(model_dir, hf_greedy):
+    """Equal prompts added at once decode in one group in row order, attended in place."""
+    engine = LLMEngine(model_dir, EngineConfig(block_size=8, num_kv_blocks=256))
+    batch = prompts(9, 4, 12, 12)
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, greedy(16))
+    outputs = run_to_completion(engine)
+    assert [outputs[f"r{i}"] for i in range(4)] == [hf_greedy(model_dir, p, 16) for p in batch]
+
 
 def test_chunked_prefill_with_small_token_budget(model_dir, hf_greedy):
     config = EngineConfig(block_size=8, num_kv_blocks=256, max_num_batched_tokens=24, long_prefill_token_threshold=16)

@@ -28,10 +28,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers computes it, x * cos + rotate_half(x) * sin, in four kernels: with
+    halves (x1, x2), rotate_half(x) = (-x2, x1) = roll(x, half) * (-1, +1), and the sign is folded
+    into `signed_sin` = (-sin1, sin2) once (a negation is exact, so the products are the same)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
+def signed(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +62,8 @@ class LlamaModel:
         self.norm = w.get("model.norm.weight", dtype, device)
         tied = spec.tie_word_embeddings or not w.has("lm_head.weight")
         self.lm_head = self.embed if tied else w.get("lm_head.weight", dtype, device)
-        self.cos, self.sin = (t.to(dtype) for t in rope_tables(spec, device))
+        cos, sin = rope_tables(spec, device)
+        self.cos, self.signed_sin = cos.to(dtype), signed(sin).to(dtype)
         self.layers = [self._layer(w, f"model.layers.{i}.", dtype, device) for i in range(spec.num_layers)]
 
     @staticmethod
@@ -77,14 +84,14 @@ class LlamaModel:
         s = self.spec
         num_tokens = inp.input_ids.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        cos, sin = self.cos[inp.positions][:, None, :], self.sin[inp.positions][:, None, :]
+        cos, sin = self.cos[inp.positions][:, None, :], self.signed_sin[inp.positions][:, None, :]
         x = self.embed[inp.input_ids]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, s.norm_eps)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-            q = rotate(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
-            k = rotate(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
-            v = v.reshape(num_tokens, s.num_kv_heads, s.head_dim)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qk = rotate(qkv[:, :q_size + kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]  # rotated together: one set of kernels
+            v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
             a = attention(q, k, v, i, cache, inp, softmax_scale(s, i))
             x = x + F.linear(a.view(num_tokens, q_size), layer.o)
             h = rms_norm(x, layer.post_norm, s.norm_eps)

@@ -105,7 +105,10 @@ class ModelRunner:
                 decodes.append((row, chunk))
             else:
                 groups.append(self._prefill_group(row, chunk))
-        groups += [self._decode_group(group) for group in self._decode_buckets(decodes)]
+        buckets = self._decode_buckets(decodes)
+        covers_all = (len(buckets) == 1 and len(decodes) == len(out.chunks)  # rows 0..B-1, one token each, in order
+                      and all(row == i for i, (row, _) in enumerate(buckets[0])))
+        groups += [self._decode_group(bucket, covers_all) for bucket in buckets]
         forward = ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
                                self._tensor(logits_rows + prompt_rows), self.spec.windowed_layers)
         return StepInput(forward, len(logits_rows), tuple(spans))
@@ -150,7 +153,7 @@ class ModelRunner:
                 needed = length
         return buckets
 
-    def _decode_group(self, decodes: list[tuple[int, ScheduledChunk]]) -> AttentionGroup:
+    def _decode_group(self, decodes: list[tuple[int, ScheduledChunk]], covers_all: bool = False) -> AttentionGroup:
         lengths = [chunk.start + 1 for _, chunk in decodes]
         max_len = max(lengths)
         max_blocks = -(-max_len // self.block_size)
@@ -162,7 +165,7 @@ class ModelRunner:
         mask = key_pos <= query_pos
         index = self._tensor([row for row, _ in decodes])
         return AttentionGroup(index, slots, mask[:, None, None, :], len(decodes), 1,
-                              self._windowed(mask, key_pos, query_pos, 2))
+                              self._windowed(mask, key_pos, query_pos, 2), covers_all)
 
     def _windowed(self, mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
                   query_dim: int) -> torch.Tensor | None:
