@@ -188,22 +188,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cac
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     k_cache.index_copy_(0, inp.slot_mapping, k)
     v_cache.index_copy_(0, inp.slot_mapping, v)
-    heads, head_dim = q.shape[1], q.shape[2]
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     out = q.new_empty(q.shape)
     for g in inp.groups:
-        # a pure decode step in one group attends with the batch's own rows: no copy in or out
-        qq = q[:, :, None, :] if g.covers_all else \
-            q[g.token_index].view(g.num_seqs, g.num_queries, heads, head_dim).transpose(1, 2)
         # index_select on the flattened slots, not k_cache[g.slots]: advanced indexing with a 2-D
         # index was 56% of a CPU decode step at 32 sequences; this gather is several times faster.
         kk = _gather(k_cache, g.slots)  # [B, kv_heads, L, D]
         vv = _gather(v_cache, g.slots)
         mask = g.window_mask if g.window_mask is not None and layer in inp.windowed_layers else g.mask
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale,
-                                           enable_gqa=kk.shape[1] != heads)
+        # a pure decode step in one group attends with the batch's own rows: no copy in or out
+        rows = q if g.covers_all else q[g.token_index]
+        if g.num_queries == 1:
+            # one query per sequence: the query heads that share a KV head are that head's queries
+            # ([B, kv_heads, heads / kv_heads, D]), so K and V are never repeated per query head
+            o = F.scaled_dot_product_attention(rows.reshape(g.num_seqs, kv_heads, heads // kv_heads, head_dim),
+                                               kk, vv, attn_mask=mask, scale=scale).reshape(-1, heads, head_dim)
+        else:
+            qq = rows.view(g.num_seqs, g.num_queries, heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=kv_heads != heads)
+            o = o.transpose(1, 2).reshape(-1, heads, head_dim)
         if g.covers_all:
-            return o[:, :, 0, :]
-        out[g.token_index] = o.transpose(1, 2).reshape(-1, heads, head_dim)
+            return o
+        out[g.token_index] = o
     return out
 
 
