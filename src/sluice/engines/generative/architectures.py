@@ -22,10 +22,9 @@ __all__ = ["GPT2Model", "LlamaModel"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # as transformers: normalise in float32, scale in the model's dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """As transformers computes it: normalised in float32, scaled in the model's dtype. torch's
+    `rms_norm` is one fused kernel on CUDA (on the CPU it runs the same few ops as before)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
