@@ -40,6 +40,9 @@ CASES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', "", [OSLO, TIME]),
     ("mistral", "[1, 2, 3] are numbers", None, []),
     ("mistral", f"[TOOL_CALLS] [{W.replace('get_weather', 'launch')}]", None, []),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]" + "{\"a\": " * 5000, None, []),  # deeper than json decodes
+    ("llama3_json", '{"name": "get_weather", "parameters": ' + "[" * 5000, None, []),
+    ("hermes", "<tool_call>" + "[" * 5000 + "</tool_call>", None, []),
 ]
 
 

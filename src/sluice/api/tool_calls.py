@@ -81,7 +81,7 @@ def _call(item: Any, names: frozenset[str]) -> dict[str, Any] | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json decodes
             return None
     return tool_call(item["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
@@ -98,7 +98,7 @@ def _json_values(text: str, separators: str = "") -> list[Any] | None:
             return values
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         values.append(value)
 
@@ -188,7 +188,7 @@ class _Mistral(CallFormat):
                     return []
                 try:
                     arguments, end = json.JSONDecoder().raw_decode(body, brace)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return []
                 calls.append(_call({"name": body[at:brace].replace(self.ARGS, "").strip(), "arguments": arguments},
                                    names))
