@@ -157,6 +157,22 @@ async def test_streamed_upstream_tool_calls_come_back_as_calls_the_gateway_reads
         ("get_weather", {"city": "Oslo"}), ("get_time", {})]
 
 
+async def test_an_undecodable_event_is_a_retryable_failure_not_an_error():
+    from sluice.engines.openai_upstream import _relay
+
+    class Response:  # what `_relay` reads of an aiohttp response: its lines
+        def __init__(self, line: bytes) -> None:
+            async def lines() -> AsyncIterator[bytes]:
+                yield line
+
+            self.content = lines()
+
+    for data in (b"{not json", b"[" * 5000):  # the second nests deeper than json decodes
+        events = [event async for event in _relay(Response(b"data: " + data + b"\n"))]  # type: ignore[arg-type]
+        assert len(events) == 1 and isinstance(events[0], CallFailure) and events[0].is_retryable
+        assert "undecodable" in events[0].message
+
+
 async def test_a_5xx_before_the_first_byte_is_retried(upstream, make_runner):
     upstream.sse_plans = [SsePlan(status=503), SsePlan(status=502)]
     runner = await make_runner(_base(upstream), max_attempts=3)

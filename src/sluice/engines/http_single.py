@@ -271,7 +271,7 @@ class HttpSingleRunner:
         try:
             value = json.loads(text)[name]
             output = np.asarray(value, dtype=np.float32)
-        except (ValueError, TypeError, KeyError, IndexError):
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError):
             return _Final(f"upstream answered HTTP {status} without a numeric {name!r}", is_upstream_fault=True)
         dims = self.config.output_dims
         expected = None if dims is None else (dims,) if dims else ()

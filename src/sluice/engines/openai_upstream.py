@@ -333,7 +333,7 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
             break
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json decodes
             yield CallFailure(f"upstream sent an undecodable event: {data[:100]!r}", is_retryable=True)
             return
         if not isinstance(chunk, dict):
@@ -439,7 +439,7 @@ def _refusal(status: int, text: str) -> CallFailure:
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
