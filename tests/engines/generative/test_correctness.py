@@ -65,6 +65,11 @@ def test_decodes_of_very_different_lengths_are_attended_in_groups_of_similar_len
 
     assert one_group([10, 10, 11]) and not one_group([11, 10, 10])  # in place only when rows are in group order
 
+    fresh = ScheduledChunk("new", (5,) * 12, 0, (0, 1), True)  # a prompt's first chunk
+    later = ScheduledChunk("old", (5,) * 4, 16, (0, 1, 2), True)  # a continuation (or a cached prefix)
+    groups = engine._runner.prepare(SchedulerOutput((fresh, later), (), 0)).forward.groups
+    assert [g.fresh_rows for g in groups] == [(0, 12), None]  # the first attends to itself: no gather
+
 
 def test_pure_decode_steps_of_requests_that_start_together_match_transformers(model_dir, hf_greedy):
     """Equal prompts added at once decode in one group in row order, attended in place."""
