@@ -43,6 +43,14 @@ CASES = [
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]" + "{\"a\": " * 5000, None, []),  # deeper than json decodes
     ("llama3_json", '{"name": "get_weather", "parameters": ' + "[" * 5000, None, []),
     ("hermes", "<tool_call>" + "[" * 5000 + "</tool_call>", None, []),
+    ("pythonic", '[get_weather(city="Oslo")]', "", [OSLO]),
+    ("pythonic", '  [get_weather(city="Oslo"), get_time()]', "", [OSLO, TIME]),
+    ("pythonic", "It is sunny.", None, []),
+    ("pythonic", '[get_weather("Oslo")]', None, []),  # positional arguments name nothing
+    ("pythonic", "[launch()]", None, []),
+    ("pythonic", '[get_weather(city=__import__("os").getcwd())]', None, []),  # not a literal: read, never run
+    ("pythonic", "[1, 2, 3] are numbers", None, []),
+    ("pythonic", "[" * 5000, None, []),
 ]
 
 
@@ -86,7 +94,8 @@ def test_a_streamed_answer_reads_the_same_and_sends_plain_text_as_it_comes(parse
 
 FRAGMENTS = [W, T, LLAMA_W, "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "{", "}", "[",
              "]", " ", "\n", "a", ";", '"', ":", "get_weather", '{"city": "Oslo"}', "<tool", "[TOOL",
-             f"[{W}]", f"[{W}, {T}]", f"<tool_call>{W}</tool_call>", f"{LLAMA_W}; "]
+             f"[{W}]", f"[{W}, {T}]", f"<tool_call>{W}</tool_call>", f"{LLAMA_W}; ", 'get_weather(city="Oslo")',
+             "get_time()", ", ", '[get_weather(city="Oslo")]']
 
 
 @settings(max_examples=500, deadline=None)

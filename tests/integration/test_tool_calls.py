@@ -121,13 +121,14 @@ def auto_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.Ope
     server.stop()
 
 
-FORMATS = {"qwenish": "hermes", "llamaish": "llama3_json", "mistralish": "mistral"}
+FORMATS = {"qwenish": "hermes", "llamaish": "llama3_json", "mistralish": "mistral", "pythonish": "pythonic"}
 ARGS = r'\{"city": "(Oslo|Lima)", "unit": "C"\}'
 WRITTEN = {  # what a model of each family writes when it calls get_weather (forced by a regular expression)
     "qwenish": (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": ' + ARGS + r'\}\n</tool_call>',
                 "Checking."),
     "llamaish": (r'\{"name": "get_weather", "parameters": ' + ARGS + r'\}', None),
     "mistralish": (r'\[\{"name": "get_weather", "arguments": ' + ARGS + r'\}\]', None),
+    "pythonish": (r'\[get_weather\(city="(Oslo|Lima)", unit="C"\)\]', None),
 }
 
 

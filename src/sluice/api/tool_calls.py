@@ -21,6 +21,9 @@
     mistral      `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (or, in newer
                  tokenizers, `name[ARGS]{...}` per call); without the marker, an answer that
                  is such an array
+    pythonic     the whole answer is a Python list of calls with literal keyword arguments,
+                 `[get_weather(city="Oslo"), get_time()]` (Llama 3.2 and 4's format), read with
+                 `ast` (parsed, never run)
 
 Previous turns' `tool_calls` and `tool` messages go to the chat template as Hugging Face templates
 take them. Because the calls asked for are a structured output, an `openai-upstream` model serves
@@ -31,6 +34,7 @@ blocks, the format it reports (`engines.openai_upstream`).
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -207,7 +211,38 @@ class _Mistral(CallFormat):
         return len(text) - _held_prefix(text, self.MARK), False
 
 
-CALL_FORMATS: dict[str, CallFormat] = {"hermes": _Hermes(), "llama3_json": _Llama3Json(), "mistral": _Mistral()}
+class _Pythonic(CallFormat):
+    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+        head = text.strip()
+        if not head.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(head, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = [self._call(node, names) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return text, []
+        return ("", [c for c in calls if c is not None]) if None not in calls else (text, [])
+
+    @staticmethod
+    def _call(node: ast.expr, names: frozenset[str]) -> dict[str, Any] | None:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        if any(keyword.arg is None for keyword in node.keywords):  # **kwargs
+            return None
+        arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+        return _call({"name": node.func.id, "arguments": arguments}, names)
+
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        head = text.lstrip()
+        if not at_start or (head and head[0] != "["):
+            return len(text), False  # calls come first or not at all
+        return 0, bool(head)
+
+
+CALL_FORMATS: dict[str, CallFormat] = {"hermes": _Hermes(), "llama3_json": _Llama3Json(), "mistral": _Mistral(),
+                                       "pythonic": _Pythonic()}
 """The values of a model's `tool_call_parser` (the engine's runner checks the name at load)."""
 
 

@@ -12,7 +12,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     max_model_len = 1024            # cap on prompt + output tokens (default: the model's context)
     num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
-    tool_call_parser = "hermes"     # tool_choice "auto": <tool_call>{json}</tool_call> blocks (Qwen2.5, Hermes)
+    tool_call_parser = "hermes"     # tool_choice "auto": how it writes calls: hermes, llama3_json, mistral, pythonic
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
 
 `prepare` refuses what cannot be served with an `InvalidInput` naming the field, as vLLM does: a
@@ -41,7 +41,7 @@ from sluice.repository import ModelVersion
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
 
-TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic")
 """How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
 
 MAX_CHARS_PER_TOKEN = 32
