@@ -127,6 +127,8 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -90,6 +90,9 @@ def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
     assert body["messages"] == [{"role": "user", "content": "hey"}]
     assert (body["top_k"], body["seed"], body["ignore_eos"]) == (5, 3, True)
     assert "prompt" not in body and "min_tokens" not in body
+    _, body = request_for(config, wire.GeneratePayload(prompt="hi", skip_special_tokens=False,
+                                                       include_stop_str_in_output=True))
+    assert (body["skip_special_tokens"], body["include_stop_str_in_output"]) == (False, True)
 
 
 def test_the_request_asks_for_log_probabilities_in_each_endpoints_own_words():

@@ -90,6 +90,21 @@ def test_a_large_logit_bias_forces_its_token(client):
     assert len(tokens) == 5 and len(set(tokens)) == 1
 
 
+def test_special_tokens_and_the_stop_string_are_in_the_text_only_when_asked(client):
+    """vLLM's `skip_special_tokens` (default true) and `include_stop_str_in_output` (default false)."""
+    forced = dict(model=MODEL, prompt="Anything", max_tokens=3, temperature=0, logit_bias={"2": 100})  # <|user|>
+
+    def text(**extra: object) -> str:
+        return client.completions.create(**forced, extra_body={"ignore_eos": True, **extra}).choices[0].text
+
+    assert text() == ""
+    assert text(skip_special_tokens=False) == "<|user|>" * 3
+    assert client.completions.create(**forced, stop=["<|user|>"], extra_body={"skip_special_tokens": False}
+                                     ).choices[0].text == ""
+    assert client.completions.create(**forced, stop=["<|user|>"], extra_body={
+        "skip_special_tokens": False, "include_stop_str_in_output": True}).choices[0].text == "<|user|>"
+
+
 def test_a_frequency_penalty_changes_what_greedy_decoding_repeats(client):
     kwargs = dict(model=MODEL, prompt="the the the the", max_tokens=24, temperature=0, logprobs=0,
                   extra_body={"ignore_eos": True})

@@ -77,6 +77,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -165,6 +167,8 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         stop=_stops(request.stop),
         stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
         ignore_eos=bool(request.ignore_eos),
+        skip_special_tokens=request.skip_special_tokens is not False,
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
         stream=bool(request.stream),
         is_max_tokens_default=is_max_tokens_default,
         output_format=output_format_of(request),

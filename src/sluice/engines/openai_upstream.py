@@ -156,6 +156,8 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
                 "top_k": payload.top_k or None,
                 "min_tokens": payload.min_tokens or None, "stop_token_ids": payload.stop_token_ids or None,
                 "ignore_eos": payload.ignore_eos or None,
+                "skip_special_tokens": None if payload.skip_special_tokens else False,
+                "include_stop_str_in_output": payload.include_stop_str_in_output or None,
                 "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty,
                 "presence_penalty": payload.presence_penalty or None,
                 "frequency_penalty": payload.frequency_penalty or None,

@@ -50,6 +50,12 @@ def test_stop_string_is_held_back_then_stripped():
     assert no_stop.push("ab")[0] + no_stop.push("x")[0] + no_stop.flush() == "abx"
 
 
+def test_the_stop_string_can_end_the_text_instead():
+    checker = StopChecker(["ST", "STOP", "zz"], include_stop=True)
+    out, hit = checker.push("say STOP and more")
+    assert hit and out == "say STOP"  # of the strings that start first, the longest
+
+
 def test_text_before_min_tokens_never_starts_a_stop_string():
     checker = StopChecker(["ab"])
     assert checker.push("xab", can_stop=False) == ("xab", False)

@@ -165,12 +165,12 @@ class LLMEngine:
         if matcher is not None and params.min_tokens:
             raise ValueError("min_tokens cannot be combined with a structured output (its grammar decides the end)")
         seq = Sequence(request_id, prompt, params, self._clock.now(), priority, deadline, salt)
-        detok = Detokenizer(self.tokenizer, prompt) if self.tokenizer else None
+        detok = Detokenizer(self.tokenizer, prompt, params.skip_special_tokens) if self.tokenizer else None
         with self._lock:
             if request_id in self._known_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._known_ids.add(request_id)
-            self._inbox.append(_Request(seq, detok, StopChecker(params.stop),
+            self._inbox.append(_Request(seq, detok, StopChecker(params.stop, params.include_stop_str_in_output),
                                         None if params.prompt_logprobs is None else [], prefix_of, matcher))
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -127,6 +127,8 @@ class GenerativeRunner:
                 repetition_penalty=payload.repetition_penalty, presence_penalty=payload.presence_penalty,
                 frequency_penalty=payload.frequency_penalty, logit_bias=tuple(sorted(payload.logit_bias.items())),
                 logprobs=payload.logprobs, prompt_logprobs=payload.logprobs if payload.echo else None,
+                skip_special_tokens=payload.skip_special_tokens,
+                include_stop_str_in_output=payload.include_stop_str_in_output,
             )
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc

@@ -78,6 +78,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """None: none. k >= 0: each prompt token's (but the first's) log-probability and its k most
     likely alternatives'. Such a sequence computes its whole prompt: no prefix-cache hits."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (`<|eot_id|>`, `[TOOL_CALLS]`, ...) out of the text, as vLLM does by default."""
+    include_stop_str_in_output: bool = False
+    """End the text with the stop string that ended it, rather than before it."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

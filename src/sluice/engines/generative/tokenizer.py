@@ -104,16 +104,17 @@ def _eos_ids(model_dir: Path) -> tuple[int, ...]:
 class Detokenizer:
     """One sequence's output text, produced a delta at a time."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Seq[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-6:])  # left context for spacing
         self._prefix = 0
         self._read = len(self._ids)
 
     def push(self, token_ids: Seq[int]) -> str:
         self._ids.extend(token_ids)
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read])
-        full_text = self._tokenizer.decode(self._ids[self._prefix:])
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read], self._skip)
+        full_text = self._tokenizer.decode(self._ids[self._prefix:], self._skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
@@ -122,11 +123,13 @@ class Detokenizer:
 
 class StopChecker:
     """Stop strings over a growing text. Holds back a tail that could still become a stop string,
-    and strips the stop string itself from the output. Text pushed with `can_stop=False` (the
-    output before `min_tokens`) is never part of a match: a stop string must start after it."""
+    and strips the stop string itself from the output (keeps it, with `include_stop`). Text pushed
+    with `can_stop=False` (the output before `min_tokens`) is never part of a match: a stop string
+    must start after it."""
 
-    def __init__(self, stop: Seq[str]) -> None:
+    def __init__(self, stop: Seq[str], include_stop: bool = False) -> None:
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._longest = max((len(s) for s in self._stop), default=0)
         self._text = ""
         self._emitted = 0
@@ -147,9 +150,10 @@ class StopChecker:
             return out, False
         search_from = max(self._floor, len(self._text) - self._longest + 1)
         self._text += delta
-        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
+        hits = [(i, -len(s)) for s in self._stop if (i := self._text.find(s, search_from)) >= 0]
         if hits:
-            self._text = self._text[:min(hits)]
+            at, minus_length = min(hits)  # the first to start; of those, the longest
+            self._text = self._text[:at - minus_length if self._include_stop else at]
             return self.flush(), True
         safe = len(self._text) - self._held_back()
         out = self._text[self._emitted:safe] if safe > self._emitted else ""
