@@ -122,6 +122,7 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    min_p: float = 0.0
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: list[str] = []

@@ -91,8 +91,8 @@ def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
     assert (body["top_k"], body["seed"], body["ignore_eos"]) == (5, 3, True)
     assert "prompt" not in body and "min_tokens" not in body
     _, body = request_for(config, wire.GeneratePayload(prompt="hi", skip_special_tokens=False,
-                                                       include_stop_str_in_output=True))
-    assert (body["skip_special_tokens"], body["include_stop_str_in_output"]) == (False, True)
+                                                       include_stop_str_in_output=True, min_p=0.1))
+    assert (body["skip_special_tokens"], body["include_stop_str_in_output"], body["min_p"]) == (False, True, 0.1)
 
 
 def test_the_request_asks_for_log_probabilities_in_each_endpoints_own_words():

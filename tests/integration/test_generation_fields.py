@@ -286,6 +286,8 @@ def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client):
     ("completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},

@@ -71,6 +71,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    min_p: float | None = None
     top_k: int | None = None
     min_tokens: int | None = None
     seed: int | None = None
@@ -155,6 +156,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         min_tokens=min(min_tokens, max_tokens),
         temperature=_bounded(request.temperature, "temperature", 0.0, 2.0, 1.0),
         top_p=_bounded(request.top_p, "top_p", 1e-9, 1.0, 1.0),
+        min_p=_bounded(request.min_p, "min_p", 0.0, 1.0, 0.0),
         top_k=_bounded_int(0 if request.top_k in (None, -1) else request.top_k, "top_k", 0, 1 << 20),
         repetition_penalty=_bounded(request.repetition_penalty, "repetition_penalty", 1e-3, 10.0, 1.0),
         presence_penalty=_bounded(request.presence_penalty, "presence_penalty", -2.0, 2.0, 0.0),

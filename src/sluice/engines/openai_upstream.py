@@ -153,7 +153,7 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
                             "max_tokens": payload.max_tokens, "temperature": payload.temperature,
                             "top_p": payload.top_p}
     optional = {"n": payload.n if payload.n > 1 else None, "seed": payload.seed, "stop": payload.stop or None,
-                "top_k": payload.top_k or None,
+                "top_k": payload.top_k or None, "min_p": payload.min_p or None,
                 "min_tokens": payload.min_tokens or None, "stop_token_ids": payload.stop_token_ids or None,
                 "ignore_eos": payload.ignore_eos or None,
                 "skip_special_tokens": None if payload.skip_special_tokens else False,

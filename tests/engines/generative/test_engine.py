@@ -38,6 +38,23 @@ def test_top_k_one_equals_greedy(engine):
     assert sampled == _one(engine, prompt, greedy(12))
 
 
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_top_one(engine):
+    import math
+
+    import torch
+
+    from sluice.engines.generative.sampler import Sampler
+
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
+    probs = Sampler("cpu")._probabilities(logits, [SamplingParams(temperature=1.0, min_p=0.5)])
+    assert probs[0].tolist() == pytest.approx([0.625, 0.375, 0.0])  # 0.2 < 0.5 x 0.5: dropped
+    prompt = prompts(12, 1, 9, 9)[0]
+    sampled = _one(engine, prompt, SamplingParams(max_tokens=12, temperature=1.3, min_p=1.0, ignore_eos=True))
+    assert sampled == _one(engine, prompt, greedy(12))  # only the top token is as likely as itself
+    with pytest.raises(ValueError):
+        SamplingParams(min_p=1.5)
+
+
 def test_stop_token_ids_and_max_tokens(engine):
     prompt = prompts(13, 1, 9, 9)[0]
     reference = _one(engine, prompt, greedy(12))

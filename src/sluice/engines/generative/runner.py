@@ -122,7 +122,8 @@ class GenerativeRunner:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=min_tokens,
-                temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k, seed=payload.seed,
+                temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k, min_p=payload.min_p,
+                seed=payload.seed,
                 stop=tuple(payload.stop), stop_token_ids=tuple(payload.stop_token_ids), ignore_eos=payload.ignore_eos,
                 repetition_penalty=payload.repetition_penalty, presence_penalty=payload.presence_penalty,
                 frequency_penalty=payload.frequency_penalty, logit_bias=tuple(sorted(payload.logit_bias.items())),

@@ -1,4 +1,4 @@
-"""Next-token choice for a batch of rows: greedy, temperature, top-k, top-p, seeds; log-probabilities.
+"""Next-token choice for a batch of rows: greedy, temperature, top-k, top-p, min-p, seeds; log-probabilities.
 
 Greedy rows never touch a random generator. A row with a `seed` owns a `torch.Generator` that
 lives as long as its request (`forget` drops it), so a seeded request draws the same tokens
@@ -171,6 +171,10 @@ class Sampler:
         cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
         beyond_p = (cumulative - ordered.softmax(dim=-1)) >= top_p[:, None]  # the first token always stays
         ordered = ordered.masked_fill(beyond_p, -torch.inf)
+        if any(p.min_p > 0 for p in params):  # relative to the top token, which top-k and top-p keep
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+            kept = ordered.softmax(dim=-1)
+            ordered = ordered.masked_fill(kept < min_p[:, None] * kept[:, :1], -torch.inf)
         return torch.full_like(logits, -torch.inf).scatter(-1, order, ordered).softmax(dim=-1)
 
     def _generator(self, row: SampleRow) -> torch.Generator | None:

@@ -61,6 +61,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0 (or -1) disables top-k."""
+    min_p: float = 0.0
+    """Drop tokens less likely than this fraction of the most likely one (0: off)."""
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -92,6 +94,8 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 (disabled) or >= 1")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
