@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -152,6 +153,8 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     tools_auto: bool = False
     """Chat, `tool_choice: "auto"`: the model decides whether to call `tools`, writing calls in its
     own format in the text (an `openai-upstream` model: the upstream is asked with "auto")."""
+    template: ChatTemplateOptions | None = None
+    """Chat: how the chat template renders the messages, where the request says (vLLM's fields)."""
 
 
 class GeneratedChoice(msgspec.Struct, frozen=True):
@@ -176,6 +179,16 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     """Choices 1 .. n-1 when n > 1 (the fields above are choice 0's; `num_output_tokens` counts all)."""
 
 
+class ChatTemplateOptions(msgspec.Struct, frozen=True):
+    """vLLM's chat-template fields: `add_generation_prompt` (start the assistant's turn),
+    `continue_final_message` (the prompt ends inside the last, assistant, message, which the model
+    continues), `chat_template_kwargs` (more variables for the template, e.g. `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = {}
+
+
 class TokenizePayload(msgspec.Struct, frozen=True, tag="tokenize"):
     """The model's tokenizer on text, on chat messages (rendered with its chat template), or back
     from token ids (`token_ids`): answered by the worker at once, on no device."""
@@ -185,6 +198,8 @@ class TokenizePayload(msgspec.Struct, frozen=True, tag="tokenize"):
     token_ids: list[int] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    template: ChatTemplateOptions | None = None
+    """Overrides `add_generation_prompt` when given."""
 
 
 class TokenizerInfo(msgspec.Struct, frozen=True):

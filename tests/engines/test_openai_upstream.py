@@ -93,6 +93,11 @@ def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
     _, body = request_for(config, wire.GeneratePayload(prompt="hi", skip_special_tokens=False,
                                                        include_stop_str_in_output=True, min_p=0.1))
     assert (body["skip_special_tokens"], body["include_stop_str_in_output"], body["min_p"]) == (False, True, 0.1)
+    _, body = request_for(config, wire.GeneratePayload(messages=[wire.ChatMessage("assistant", "Once")],
+                                                       template=wire.ChatTemplateOptions(False, True, {"x": 1})))
+    assert (body["add_generation_prompt"], body["continue_final_message"], body["chat_template_kwargs"]) == (
+        False, True, {"x": 1})
+    assert "continue_final_message" not in request_for(config, chat)[1]  # unset: not sent
 
 
 def test_the_request_asks_for_log_probabilities_in_each_endpoints_own_words():

@@ -223,6 +223,41 @@ def test_the_tokenizer_endpoints_agree_with_what_generation_counts(server, clien
 
 
 
+def test_the_chat_template_fields_shape_the_prompt_as_vllm_reads_them(server, client):
+    """`continue_final_message` ends the prompt inside the assistant's last message (no end of
+    turn, no new turn), `add_generation_prompt: false` opens no assistant turn; /tokenize and a
+    chat completion render the same prompt."""
+    def tokens(**body: object) -> list[int]:
+        answer = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, **body}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["tokens"]
+
+    started = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    continued = tokens(messages=started, continue_final_message=True)
+    assert continued == tokens(prompt="<|user|>\nHi<|endoftext|>\n<|assistant|>\nOnce upon", add_special_tokens=False)
+    assert tokens(messages=started[:1], add_generation_prompt=False) == tokens(
+        prompt="<|user|>\nHi<|endoftext|>\n", add_special_tokens=False)
+    usage = client.chat.completions.create(model=MODEL, messages=started, max_tokens=1, temperature=0,
+                                           extra_body={"continue_final_message": True,
+                                                       "add_generation_prompt": False}).usage
+    assert usage.prompt_tokens == len(continued)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"continue_final_message": True, "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"x": "y" * 70000}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["not", "a", "map"]}, "chat_template_kwargs"),
+])
+def test_chat_template_fields_that_cannot_be_served_are_400(server, body, param):
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "max_tokens": 2, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_tokenizer_requests_are_not_inferences_in_the_models_statistics(server):
     def successes() -> int:
         (stats,) = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=60).json()["model_stats"]

@@ -137,6 +137,9 @@ class ChatRequest(_Sampling, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> list[wire.GeneratePayload]:
@@ -182,7 +185,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
         return [wire.GeneratePayload(messages=messages, tools=tools, tools_auto=plan is not None and bool(plan.parser),
-                                     **sampling)]  # type: ignore[arg-type]
+                                     template=template_options(request, messages), **sampling)]  # type: ignore[arg-type]
     prompts = _prompts(request.prompt, token_id_limit)
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
         raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "
@@ -408,6 +411,31 @@ def _logit_bias(bias: dict[str, float] | None, token_id_limit: int) -> dict[int,
                                param="logit_bias")
         out[int(key)] = _bounded(value, "logit_bias", -100.0, 100.0, 0.0)
     return out
+
+
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token")
+"""Variables sluice itself gives the chat template: `chat_template_kwargs` may not set them."""
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+
+
+def template_options(request: Any, messages: list[wire.ChatMessage]) -> wire.ChatTemplateOptions | None:
+    """vLLM's chat-template fields of a chat or tokenize request, checked; None when none is set."""
+    add, cont, kwargs = request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+    if add is None and cont is None and not kwargs:
+        return None
+    if cont and add:
+        raise InvalidInput("'continue_final_message' continues the last message; it cannot be combined with "
+                           "'add_generation_prompt', which starts a new one", param="continue_final_message")
+    if cont and messages[-1].role != "assistant":
+        raise InvalidInput("'continue_final_message' needs the last message to be the assistant's", param="messages")
+    kwargs = kwargs or {}
+    if reserved := sorted(set(kwargs) & set(TEMPLATE_NAMES)):
+        raise InvalidInput(f"'chat_template_kwargs' may not set {', '.join(reserved)}: sluice sets them",
+                           param="chat_template_kwargs")
+    if len(msgspec.json.encode(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidInput(f"'chat_template_kwargs' is longer than {MAX_TEMPLATE_KWARGS_BYTES // 1024} KiB",
+                           param="chat_template_kwargs")
+    return wire.ChatTemplateOptions(add if add is not None else not cont, bool(cont), kwargs)
 
 
 def messages_of(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import caller, decode_json, read_body, request_tenant, resolve_openai, with_version
-from sluice.api.completion_params import ChatMessageIn, messages_of
+from sluice.api.completion_params import ChatMessageIn, messages_of, template_options
 from sluice.errors import InvalidInput
 from sluice.gateway import Gateway
 
@@ -42,6 +42,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -55,11 +57,13 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         if (parsed.prompt is None) == (parsed.messages is None):
             raise InvalidInput("send either 'prompt' or 'messages'", param="prompt")
         is_chat = parsed.messages is not None
+        messages = messages_of(parsed.messages) if parsed.messages is not None else None
         payload = wire.TokenizePayload(
-            prompt=parsed.prompt, messages=messages_of(parsed.messages) if parsed.messages is not None else None,
+            prompt=parsed.prompt, messages=messages,
             # a chat template writes its own special tokens, as vLLM's default for messages assumes
             add_special_tokens=parsed.add_special_tokens if parsed.add_special_tokens is not None else not is_chat,
-            add_generation_prompt=parsed.add_generation_prompt is not False)
+            add_generation_prompt=parsed.add_generation_prompt is not False,
+            template=template_options(parsed, messages) if messages is not None else None)
         info, result = await _ask(gateway, request, parsed.model, payload)
         return _json({"count": len(result.token_ids), "max_model_len": result.tokenizer.max_model_len,
                       "tokens": result.token_ids}, info)

@@ -171,6 +171,11 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
             body.update(tools=[_tool(t) for t in payload.tools], tool_choice="auto" if payload.tools_auto else "none")
         if payload.logprobs is not None:
             body.update(logprobs=True, top_logprobs=payload.logprobs)
+        if payload.template is not None:  # vLLM's fields, sent only when the client set them
+            body.update(add_generation_prompt=payload.template.add_generation_prompt,
+                        continue_final_message=payload.template.continue_final_message)
+            if payload.template.kwargs:
+                body["chat_template_kwargs"] = payload.template.kwargs
         return f"{config.base_url}/chat/completions", body
     if payload.logprobs is not None:
         body["logprobs"] = payload.logprobs

@@ -123,3 +123,22 @@ def test_stop_strings_wait_for_min_tokens(tiny_dir):
     # the reference repeats its first token's text every few tokens: the first repeat after the
     # sixth token ends the output there, with the stop string in it
     assert out == reference[:7]
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_final_message_can_be_continued(tmp_path):
+    import json
+
+    from sluice.engines.generative.tiny import make_tiny_lm
+
+    model = make_tiny_lm(tmp_path / "m")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if enable_thinking %}<think>{% endif %}" + config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(model)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}]
+    assert tokenizer.apply_chat_template(messages, enable_thinking=True).startswith("<think><|user|>")
+    assert not tokenizer.apply_chat_template(messages).startswith("<think>")
+    assert tokenizer.apply_chat_template(messages, False, continue_final_message=True).endswith("<|assistant|>\nOnce")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tokenizer.apply_chat_template([*messages[:1], {"role": "assistant", "content": ""}], False,
+                                      continue_final_message=True)

@@ -163,7 +163,8 @@ class GenerativeRunner:
             return wire.TokenizeResult(payload.token_ids, tokenizer.decode(payload.token_ids), info)
         self._refuse_past_context(prompt_chars(payload), "messages" if payload.messages is not None else "prompt")
         if payload.messages is not None:
-            text = self._chat_text(payload.messages, payload.add_generation_prompt)
+            text = self._chat_text(payload.messages, None,
+                                   payload.template or wire.ChatTemplateOptions(payload.add_generation_prompt))
         else:
             text = payload.prompt or ""
         return wire.TokenizeResult(tokenizer.encode(text, add_special_tokens=payload.add_special_tokens), text, info)
@@ -175,15 +176,17 @@ class GenerativeRunner:
             raise InvalidInput(f"the prompt has {num_chars} characters, far more than this model's context of "
                                f"{max_model_len} tokens can hold", param=param)
 
-    def _chat_text(self, messages: list[wire.ChatMessage], add_generation_prompt: bool = True,
-                   tools: list[wire.ToolSpec] | None = None) -> str:
+    def _chat_text(self, messages: list[wire.ChatMessage], tools: list[wire.ToolSpec] | None = None,
+                   options: wire.ChatTemplateOptions | None = None) -> str:
         """The messages (and tools) as the model's chat template writes them, in the shapes Hugging
         Face templates take: tools as `{"type": "function", "function": {...}}`, an assistant's
         earlier calls as `tool_calls` with their arguments parsed, a tool's answer with its id."""
+        options = options or wire.ChatTemplateOptions()
         try:
             return self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      tools=[_template_tool(t) for t in tools] if tools else None)
+                                                      options.add_generation_prompt,
+                                                      [_template_tool(t) for t in tools] if tools else None,
+                                                      options.continue_final_message, **options.kwargs)
         except Exception as exc:  # a template error is the messages' shape, not ours
             raise InvalidInput(f"the chat template could not render these messages: {exc}", param="messages") from exc
 
@@ -191,7 +194,7 @@ class GenerativeRunner:
         if payload.prompt_token_ids is not None:
             return list(payload.prompt_token_ids)
         if payload.messages is not None:
-            return self.tokenizer.encode(self._chat_text(payload.messages, tools=payload.tools),
+            return self.tokenizer.encode(self._chat_text(payload.messages, payload.tools, payload.template),
                                          add_special_tokens=False)
         return self.tokenizer.encode(payload.prompt or "")
 

@@ -73,9 +73,22 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        return self._compiled_template().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                tools=tools, bos_token=self.bos_token, eos_token=self.eos_token)
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
+        """The template's text; `kwargs` are more variables for it (`enable_thinking`, say).
+        `continue_final_message`: the text ends where the last message's content does, so the
+        model continues that message (ValueError if the template does not write it as sent)."""
+        text: str = self._compiled_template().render(
+            {**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
+             "bos_token": self.bos_token, "eos_token": self.eos_token})
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            end = text.rfind(final) if final.strip() else -1
+            if end < 0:
+                raise ValueError("continue_final_message: the chat template does not write the last message's "
+                                 "content as sent, so there is no place to continue it from")
+            text = text[:end + len(final)]
+        return text
 
     @functools.cache  # noqa: B019 - one per tokenizer, which lives as long as its model
     def _compiled_template(self) -> Any:
