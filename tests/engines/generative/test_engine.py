@@ -108,6 +108,20 @@ def test_invalid_requests_are_value_errors(engine, llama_dir):
         small.add_request("e", [5] * 50, greedy(30))
 
 
+def test_gpu_memory_utilization_leaves_the_kv_cache_what_weights_and_activations_do_not_take():
+    from sluice.engines.generative.model_runner import kv_blocks_for
+
+    gib = 1 << 30
+    # 80 GiB device, 20 GiB in use (weights), 2 GiB of activations: 0.9 x 80 - 20 - 2 = 50 GiB of 1 MiB blocks
+    assert kv_blocks_for(80 * gib, 60 * gib, 0.9, 2 * gib, 1 << 20) == 50 * 1024
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        kv_blocks_for(80 * gib, 10 * gib, 0.9, 2 * gib, 1 << 20)
+    with pytest.raises(ValueError, match="CUDA"):
+        EngineConfig(gpu_memory_utilization=0.9)  # the CPU has no device memory to share out
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        EngineConfig(device="cuda", gpu_memory_utilization=1.5)
+
+
 def test_overload_beyond_the_kv_cache_all_finish(llama_dir):
     # 40 requests of ~60 tokens each against a 20 x 8 = 160-token cache
     engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=20, max_num_seqs=16))

@@ -23,6 +23,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Exact number of KV blocks; when None, derived from `kv_cache_bytes`."""
     kv_cache_bytes: int = 256 * 1024 * 1024
+    gpu_memory_utilization: float | None = None
+    """CUDA: the share of the device's memory the model may use in all (weights, activations at
+    `max_num_batched_tokens`, KV cache), as vLLM's option of that name; the KV cache takes what is
+    left, instead of `kv_cache_bytes`. Measured at load by a forward pass of a full token budget."""
     max_num_seqs: int = 64
     """At most this many sequences are running (hold KV blocks) at once."""
     max_num_batched_tokens: int = 2048
@@ -43,6 +47,11 @@ class EngineConfig:
                      "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            if not self.device.startswith("cuda"):
+                raise ValueError("gpu_memory_utilization sizes a CUDA device's KV cache; on the CPU set kv_cache_mb")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

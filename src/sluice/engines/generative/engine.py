@@ -111,12 +111,18 @@ class LLMEngine:
             Grammars(self.tokenizer.to_json(), self.spec.vocab_size, self.eos_token_ids)
         """Compiles structured outputs' grammars for `add_request(matcher=...)`; None without a tokenizer."""
         bytes_per_block = KVCache.bytes_per_block(self.spec, config.block_size, DTYPES[config.dtype])
-        self.num_blocks = config.num_blocks_for(bytes_per_block)
+        measured = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
+        self._runner = ModelRunner(model_dir, self.spec, num_blocks=None if measured else
+                                   config.num_blocks_for(bytes_per_block), block_size=config.block_size,
+                                   dtype=config.dtype, device=config.device)
+        if measured:
+            assert config.gpu_memory_utilization is not None
+            self._runner.allocate_cache(self._runner.blocks_for_memory(
+                config.gpu_memory_utilization, config.max_num_batched_tokens, bytes_per_block))
+        self.num_blocks = self._runner.cache.num_blocks
         self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
         self._blocks = BlockManager(self.num_blocks, config.block_size)
         self._scheduler = self._make_scheduler(config)
-        self._runner = ModelRunner(model_dir, self.spec, num_blocks=self.num_blocks, block_size=config.block_size,
-                                   dtype=config.dtype, device=config.device)
         self._sampler = Sampler(config.device)
         self._clock = clock or MonotonicClock()
         self._lock = threading.Lock()

@@ -175,6 +175,7 @@ class ForwardInput:
 
 class KVCache:
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
+        self.num_blocks = num_blocks
         shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -63,15 +63,29 @@ class StepInput:
     """The rows after them, span by span."""
 
 
+def kv_blocks_for(total: int, free: int, utilization: float, activations: int, bytes_per_block: int) -> int:
+    """KV blocks that fit in `utilization` of a device's `total` bytes, when `total - free` are in
+    use already (this model's weights, other processes) and a step's activations need `activations`."""
+    budget = int(utilization * total) - (total - free) - activations
+    if budget < bytes_per_block:
+        gib = 1 << 30
+        raise ValueError(f"no room for a KV cache: {(total - free) / gib:.1f} GiB of the device's "
+                         f"{total / gib:.1f} GiB are in use and a step's activations need {activations / gib:.2f} GiB "
+                         f"more, against gpu_memory_utilization = {utilization} ({utilization * total / gib:.1f} GiB); "
+                         f"raise it, or lower max_num_batched_tokens")
+    return budget // bytes_per_block
+
+
 class ModelRunner:
-    def __init__(self, model_dir: Path, spec: ModelSpec, *, num_blocks: int, block_size: int, dtype: str,
+    def __init__(self, model_dir: Path, spec: ModelSpec, *, num_blocks: int | None, block_size: int, dtype: str,
                  device: str) -> None:
+        """`num_blocks` None: the cache is made later, by `allocate_cache` (its size measured first)."""
         self.spec = spec
         self.block_size = block_size
         self.device = device
         self.dtype = DTYPES[dtype]
         self.model = load_model(model_dir, spec, self.dtype, device)
-        self.cache = KVCache(spec, num_blocks, block_size, self.dtype, device)
+        self.cache = KVCache(spec, num_blocks or 1, block_size, self.dtype, device)
         self._nothing = torch.empty(0, dtype=torch.long, device=device)  # a fresh prompt's unused slots and mask
 
     def prepare(self, out: SchedulerOutput, prompt_lengths: Mapping[str, int] | None = None) -> StepInput:
@@ -113,6 +127,27 @@ class ModelRunner:
         forward = ForwardInput(self._tensor(ids), self._tensor(positions), self._tensor(slots), tuple(groups),
                                self._tensor(logits_rows + prompt_rows), self.spec.windowed_layers)
         return StepInput(forward, len(logits_rows), tuple(spans))
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        self.cache = KVCache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+
+    def blocks_for_memory(self, utilization: float, num_tokens: int, bytes_per_block: int) -> int:
+        """CUDA: how many KV blocks fit `utilization` of the device, measured as vLLM does: the peak
+        memory of one forward pass of `num_tokens` prompt tokens, on top of what is in use now."""
+        num_tokens = max(1, min(num_tokens, self.spec.max_model_len - 1))
+        probe_blocks = -(-num_tokens // self.block_size)
+        self.allocate_cache(probe_blocks)  # just big enough for the probe; freed before the budget is read
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        chunk = ScheduledChunk("probe", (0,) * num_tokens, 0, tuple(range(probe_blocks)), True)
+        self.execute(self.prepare(SchedulerOutput((chunk,), (), 0)).forward)
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        self.allocate_cache(1)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return kv_blocks_for(total, free, utilization, activations, bytes_per_block)
 
     def execute(self, inp: ForwardInput) -> torch.Tensor:
         if self.device == "cpu":

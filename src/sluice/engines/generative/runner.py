@@ -5,6 +5,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
 
     block_size = 16                 # tokens per KV block (and prefix-cache granularity)
     kv_cache_mb = 256               # KV cache memory; the number of blocks follows from it
+    gpu_memory_utilization = 0.9    # CUDA, instead: the device share for weights + activations + KV (vLLM's)
     max_num_seqs = 64               # sequences running at once
     max_num_batched_tokens = 2048   # tokens one step may compute (decodes + prefill chunks)
     long_prefill_token_threshold = 512
@@ -48,7 +49,7 @@ MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
 
 _ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
-                  "max_model_len", "scheduling", "static_reserve")
+                  "max_model_len", "scheduling", "static_reserve", "gpu_memory_utilization")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,9 @@ class GenerativeRunner:
         params: dict[str, Any] = dict(version.params)
         settings = {name: params[name] for name in _ENGINE_PARAMS if name in params}
         if "kv_cache_mb" in params:
+            if "gpu_memory_utilization" in params:
+                raise ConfigError(f"{version.name} v{version.version}: [params]: kv_cache_mb and "
+                                  f"gpu_memory_utilization both size the KV cache: set one")
             settings["kv_cache_bytes"] = int(float(params["kv_cache_mb"]) * 1024 * 1024)
         try:
             config = EngineConfig(device=device, **settings)
