@@ -188,7 +188,8 @@ class KVCache:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache,
               inp: ForwardInput, scale: float) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend each group over its gathered slots."""
+    """Write this step's K/V into the cache, then attend each group over its gathered slots (a
+    prompt's first chunk over this step's own K/V, causally)."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     k_cache.index_copy_(0, inp.slot_mapping, k)
     v_cache.index_copy_(0, inp.slot_mapping, v)
