@@ -131,6 +131,8 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int = 0
+    """Keep only the prompt's last this many tokens (vLLM's field); 0: all of them."""
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -105,6 +105,18 @@ def test_special_tokens_and_the_stop_string_are_in_the_text_only_when_asked(clie
         "skip_special_tokens": False, "include_stop_str_in_output": True}).choices[0].text == "<|user|>"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
+    """vLLM's `truncate_prompt_tokens`: a prompt longer than the context is served from its end."""
+    def prompt_tokens(**body: object) -> int:
+        extra = {"truncate_prompt_tokens": body.pop("keep")}
+        create = client.chat.completions.create if "messages" in body else client.completions.create
+        return create(model=MODEL, max_tokens=1, extra_body=extra, **body).usage.prompt_tokens
+
+    assert prompt_tokens(prompt=[5 + i % 1000 for i in range(2000)], keep=10) == 10  # 2,000 ids: twice the context
+    assert prompt_tokens(prompt="the quick brown fox " * 50, keep=7) == 7
+    assert prompt_tokens(messages=[{"role": "user", "content": "Tell me a long story"}], keep=3) == 3
+
+
 def test_a_frequency_penalty_changes_what_greedy_decoding_repeats(client):
     kwargs = dict(model=MODEL, prompt="the the the the", max_tokens=24, temperature=0, logprobs=0,
                   extra_body={"ignore_eos": True})
@@ -322,6 +334,8 @@ def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client):
     ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ("completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 5, "echo": True}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),

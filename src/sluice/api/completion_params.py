@@ -80,6 +80,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -167,6 +168,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         logit_bias=_logit_bias(request.logit_bias, token_id_limit),
         logprobs=_logprobs(request),
         echo=_echo(request, info),
+        truncate_prompt_tokens=_truncation(request, info),
         n=n,
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
@@ -197,6 +199,8 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
             _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
             payloads.append(wire.GeneratePayload(prompt=prompt, **sampling))  # type: ignore[arg-type]
         else:
+            if keep := int(sampling["truncate_prompt_tokens"]):  # type: ignore[call-overload]
+                prompt = prompt[-keep:]
             _check_context(len(prompt), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
             payloads.append(wire.GeneratePayload(prompt_token_ids=prompt, **sampling))  # type: ignore[arg-type]
     return payloads
@@ -387,6 +391,20 @@ def _logprobs(request: CompletionRequest | ChatRequest) -> int | None:
 def _choices(request: CompletionRequest | ChatRequest) -> int:
     """How many completions to generate for the prompt (`n`)."""
     return 1 if request.n is None else _bounded_int(request.n, "n", 1, wire.MAX_CHOICES)
+
+
+def _truncation(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> int:
+    """vLLM's `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: the model's
+    context); 0 when not asked."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return 0
+    if k == -1 and info.max_model_len:
+        return info.max_model_len
+    if isinstance(request, CompletionRequest) and request.echo:
+        raise InvalidInput("'truncate_prompt_tokens' cannot be combined with 'echo' (the prompt would not be the one "
+                           "sent)", param="truncate_prompt_tokens")
+    return _bounded_int(k, "truncate_prompt_tokens", 1, MAX_TOKENS_LIMIT)
 
 
 def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:

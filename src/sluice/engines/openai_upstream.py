@@ -158,6 +158,7 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
                 "ignore_eos": payload.ignore_eos or None,
                 "skip_special_tokens": None if payload.skip_special_tokens else False,
                 "include_stop_str_in_output": payload.include_stop_str_in_output or None,
+                "truncate_prompt_tokens": payload.truncate_prompt_tokens or None,
                 "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty,
                 "presence_penalty": payload.presence_penalty or None,
                 "frequency_penalty": payload.frequency_penalty or None,

@@ -104,6 +104,8 @@ class GenerativeRunner:
         max_model_len = self.engine.max_model_len
         self._refuse_past_context(prompt_chars(payload), param)
         ids = self._prompt_ids(payload)
+        if payload.truncate_prompt_tokens:
+            ids = ids[-payload.truncate_prompt_tokens:]
         vocab_size = self.engine.vocab_size
         if payload.prompt_token_ids is not None and any(not 0 <= t < vocab_size for t in ids):
             raise InvalidInput(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
