@@ -199,9 +199,8 @@ class TokenizePayload(msgspec.Struct, frozen=True, tag="tokenize"):
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     template: ChatTemplateOptions | None = None
-    """Overrides `add_generation_prompt` when given."""
+    """Messages: how the chat template renders them (None: its defaults)."""
 
 
 class TokenizerInfo(msgspec.Struct, frozen=True):

@@ -155,6 +155,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         raise InvalidInput("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     token_id_limit = info.vocab_size or TOKEN_ID_LIMIT
     n = _choices(request)
+    keep = _truncation(request, info)
     sampling = dict(
         max_tokens=max_tokens,
         min_tokens=min(min_tokens, max_tokens),
@@ -168,7 +169,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         logit_bias=_logit_bias(request.logit_bias, token_id_limit),
         logprobs=_logprobs(request),
         echo=_echo(request, info),
-        truncate_prompt_tokens=_truncation(request, info),
+        truncate_prompt_tokens=keep,
         n=n,
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
@@ -187,7 +188,10 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
         return [wire.GeneratePayload(messages=messages, tools=tools, tools_auto=plan is not None and bool(plan.parser),
-                                     template=template_options(request, messages), **sampling)]  # type: ignore[arg-type]
+                                     template=template_options(request.add_generation_prompt,
+                                                               request.continue_final_message,
+                                                               request.chat_template_kwargs, messages),
+                                     **sampling)]  # type: ignore[arg-type]
     prompts = _prompts(request.prompt, token_id_limit)
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
         raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "
@@ -199,7 +203,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
             _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
             payloads.append(wire.GeneratePayload(prompt=prompt, **sampling))  # type: ignore[arg-type]
         else:
-            if keep := int(sampling["truncate_prompt_tokens"]):  # type: ignore[call-overload]
+            if keep:
                 prompt = prompt[-keep:]
             _check_context(len(prompt), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
             payloads.append(wire.GeneratePayload(prompt_token_ids=prompt, **sampling))  # type: ignore[arg-type]
@@ -436,9 +440,10 @@ TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_
 MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
 
 
-def template_options(request: Any, messages: list[wire.ChatMessage]) -> wire.ChatTemplateOptions | None:
-    """vLLM's chat-template fields of a chat or tokenize request, checked; None when none is set."""
-    add, cont, kwargs = request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+def template_options(add: bool | None, cont: bool | None, kwargs: dict[str, Any] | None,
+                     messages: list[wire.ChatMessage]) -> wire.ChatTemplateOptions | None:
+    """vLLM's chat-template fields of a chat or tokenize request (`add_generation_prompt`,
+    `continue_final_message`, `chat_template_kwargs`), checked; None when none is set."""
     if add is None and cont is None and not kwargs:
         return None
     if cont and add:

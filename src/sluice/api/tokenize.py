@@ -62,8 +62,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             prompt=parsed.prompt, messages=messages,
             # a chat template writes its own special tokens, as vLLM's default for messages assumes
             add_special_tokens=parsed.add_special_tokens if parsed.add_special_tokens is not None else not is_chat,
-            add_generation_prompt=parsed.add_generation_prompt is not False,
-            template=template_options(parsed, messages) if messages is not None else None)
+            template=None if messages is None else template_options(
+                parsed.add_generation_prompt, parsed.continue_final_message, parsed.chat_template_kwargs, messages))
         info, result = await _ask(gateway, request, parsed.model, payload)
         return _json({"count": len(result.token_ids), "max_model_len": result.tokenizer.max_model_len,
                       "tokens": result.token_ids}, info)

@@ -220,13 +220,13 @@ class _Pythonic(CallFormat):
             tree = ast.parse(head, mode="eval").body
             if not isinstance(tree, ast.List) or not tree.elts:
                 return text, []
-            calls = [self._call(node, names) for node in tree.elts]
+            calls = [self._node_call(node, names) for node in tree.elts]
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return text, []
         return ("", [c for c in calls if c is not None]) if None not in calls else (text, [])
 
     @staticmethod
-    def _call(node: ast.expr, names: frozenset[str]) -> dict[str, Any] | None:
+    def _node_call(node: ast.expr, names: frozenset[str]) -> dict[str, Any] | None:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         if any(keyword.arg is None for keyword in node.keywords):  # **kwargs

@@ -169,8 +169,7 @@ class GenerativeRunner:
             return wire.TokenizeResult(payload.token_ids, tokenizer.decode(payload.token_ids), info)
         self._refuse_past_context(prompt_chars(payload), "messages" if payload.messages is not None else "prompt")
         if payload.messages is not None:
-            text = self._chat_text(payload.messages, None,
-                                   payload.template or wire.ChatTemplateOptions(payload.add_generation_prompt))
+            text = self._chat_text(payload.messages, None, payload.template)
         else:
             text = payload.prompt or ""
         return wire.TokenizeResult(tokenizer.encode(text, add_special_tokens=payload.add_special_tokens), text, info)
