@@ -80,10 +80,10 @@ STRUCTURED_SCHEMA = {"type": "array", "minItems": 100, "items": {
 """A JSON schema no sequence completes within the measured steps (at least 100 objects)."""
 
 
-def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, logprobs: int | None = None,
-                     structured: bool = False) -> dict[str, float]:
-    engine = engine_for(model_dir, num_seqs)
-    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True, logprobs=logprobs)  # within 1,024
+def start_decoding(engine: LLMEngine, num_seqs: int, logprobs: int | None = None, structured: bool = False) -> None:
+    """`num_seqs` sequences (64-token prompts, up to 900 tokens each: within 1,024) prefilled and in
+    steady decode, every one of them in the step just taken."""
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True, logprobs=logprobs)
     output_format = wire.OutputFormat("json_schema", json.dumps(STRUCTURED_SCHEMA))
     for i, (prompt, _) in enumerate(request_set(num_seqs, engine.spec.vocab_size, seed=1)):
         assert engine.grammars is not None
@@ -91,6 +91,12 @@ def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, l
                            matcher=engine.grammars.matcher(output_format) if structured else None)
     while engine.stats().last_step is None or engine.stats().last_step.num_batched_tokens != num_seqs:
         engine.step()
+
+
+def decode_breakdown(model_dir: Path, num_seqs: int = 32, num_steps: int = 40, logprobs: int | None = None,
+                     structured: bool = False) -> dict[str, float]:
+    engine = engine_for(model_dir, num_seqs)
+    start_decoding(engine, num_seqs, logprobs, structured)
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "sample", "output", "total")}
     for _ in range(num_steps):
         engine.step()

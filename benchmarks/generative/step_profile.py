@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from engine_bench import MODELS, request_set
+from engine_bench import MODELS, start_decoding
 
-from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
+from sluice.engines.generative import EngineConfig, LLMEngine
 from sluice.engines.generative.tiny import make_tiny_lm
 
 
@@ -45,11 +45,7 @@ def launch_cost_us(device: str, launches: int = 2000) -> float:
 def decode_engine(model_dir: Path, seqs: int, device: str, dtype: str) -> LLMEngine:
     engine = LLMEngine(model_dir, EngineConfig(block_size=16, max_num_seqs=seqs, num_kv_blocks=seqs * 64,
                                                device=device, dtype=dtype, max_model_len=1024))
-    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
-    for i, (prompt, _) in enumerate(request_set(seqs, engine.spec.vocab_size, seed=1)):
-        engine.add_request(f"d{i}", prompt[:64], params)
-    while engine.stats().last_step is None or engine.stats().last_step.num_batched_tokens != seqs:
-        engine.step()
+    start_decoding(engine, seqs)
     return engine
 
 
