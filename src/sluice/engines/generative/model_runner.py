@@ -86,7 +86,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.model = load_model(model_dir, spec, self.dtype, device)
         self.cache = KVCache(spec, num_blocks or 1, block_size, self.dtype, device)
-        self._nothing = torch.empty(0, dtype=torch.long, device=device)  # a fresh prompt's unused slots and mask
+        self._nothing = torch.empty(0, dtype=torch.long, device=device)  # a fresh prompt's unused index, slots, mask
 
     def prepare(self, out: SchedulerOutput, prompt_lengths: Mapping[str, int] | None = None) -> StepInput:
         """The step's tensors. `prompt_lengths`: the prompt length of each sequence whose prompt
@@ -165,9 +165,8 @@ class ModelRunner:
 
     def _prefill_group(self, row: int, chunk: ScheduledChunk) -> AttentionGroup:
         n, length = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
-        if chunk.start == 0 and not self.spec.windowed_layers:  # attends to itself alone: nothing to gather
-            return AttentionGroup(torch.arange(row, row + n, device=self.device), self._nothing, self._nothing, 1, n,
-                                  fresh_rows=(row, row + n))
+        if chunk.start == 0 and not self.spec.windowed_layers:  # attends to its own rows alone: no index, slots, mask
+            return AttentionGroup(self._nothing, self._nothing, self._nothing, 1, n, fresh_rows=(row, row + n))
         num_blocks = -(-length // self.block_size)
         slots = self._slots_of(self._tensor(list(chunk.block_table[:num_blocks]))[None, :], length)
         query_pos = torch.arange(chunk.start, length, device=self.device)[:, None]
