@@ -257,6 +257,7 @@ class Submit(msgspec.Struct, tag="submit"):
     timeout_s: float
     tenant: str = ""  # who pays for the device time; "" is the single local tenant
     priority: int = 1  # sluice.priority.Priority: 0 interactive, 1 standard, 2 batch
+    background: bool = False  # a batch job's item: yields to online work (sluice.scheduler.backlog)
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

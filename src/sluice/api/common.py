@@ -111,6 +111,9 @@ def request_id(request: Request) -> str:
 
 
 TENANT_SCOPE_KEY = "sluice.tenant"
+BACKGROUND_SCOPE_KEY = "sluice.background"
+"""Set in the ASGI scope by the batch-job executor (never from a client's request): the request is
+a job's item, which yields to online work on the device."""
 """ASGI scope key holding the authenticated tenant's name, set by the auth middleware (or, for
 batch-job items run in-process, by the job executor). Never read from a client header."""
 
@@ -179,7 +182,8 @@ def caller(request: Request, priority: Priority | None, estimated_tokens: float 
     traceparent = headers.get("traceparent") if is_traced else None
     if cache is None:
         cache = cache_policy(headers.get("cache-control"))
-    return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache, group)
+    return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache, group,
+                  request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
 
 
 MAX_TEXT_ITEMS = 2048

@@ -75,6 +75,9 @@ class Caller:
     group: RequestGroup | None = None
     """One part of a client request made of several (a batch of prompts): the tenant's limits
     count the whole request once (`tenancy.RequestGroup`)."""
+    background: bool = False
+    """A batch job's item (the job executor's, never a client's say): it yields to online work
+    on the device (`sluice.scheduler.backlog`)."""
 
 
 class Gateway:
@@ -536,7 +539,7 @@ class Gateway:
         deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
                       deadline, self._tracing, caller.traceparent, observer=self._observe,
-                      client_deadline=timeout_s is not None, group=caller.group)
+                      client_deadline=timeout_s is not None, group=caller.group, background=caller.background)
 
     async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False
@@ -600,7 +603,7 @@ class Gateway:
                     continue
                 raise ModelNotReady(f"no ready worker serves {info.name} v{info.version}", retry_after_s=1.0)
             submit = wire.Submit(request_id, info.name, info.version, payload, ticket.deadline - now,
-                                 ticket.tenant, int(ticket.priority))
+                                 ticket.tenant, int(ticket.priority), ticket.background)
             in_flight = connection.submit(submit)
             if in_flight is not None:
                 return connection, in_flight

@@ -58,7 +58,7 @@ class Ticket:
                  priority: Priority, reservation: Reservation, started: float, deadline: float,
                  tracing: Tracing | None = None, traceparent: str | None = None,
                  observer: Callable[[Ticket, str, InferResult | None], None] | None = None,
-                 client_deadline: bool = False, group: RequestGroup | None = None) -> None:
+                 client_deadline: bool = False, group: RequestGroup | None = None, background: bool = False) -> None:
         self._metrics = metrics
         self._tenancy = tenancy
         self._clock = clock
@@ -73,6 +73,8 @@ class Ticket:
         self._observer = observer
         """Told each outcome and result (the model's canary judges versions by them)."""
         self.client_deadline = client_deadline
+        self.background = background
+        """A batch job's item (`Caller.background`)."""
         """The deadline is the client's (a header or parameter), not the model's SLO."""
         self._group = group
         """The client request this is a part of, whose reservation it shares (settled by the last part)."""

@@ -5,7 +5,9 @@
       └──────────────── record(token, outcomes) every flush_interval_s ◀─────────────┘
 
 - Items go through the app in-process (`asgi_call.call`), so they get the online path's
-  validation, batching, deadlines and metrics, at the `batch` priority class.
+  validation, batching, deadlines and metrics, at the `batch` priority class, marked as background
+  work: on a device that batches requests they yield to online work of any class, riding in its
+  batches' spare room while it is active (`sluice.scheduler.backlog`).
 - A tenant limit's 429 (one with `retry-after-ms` / `Retry-After`) is a wait, not a failure: the
   item returns to the queue for that long with its attempts untouched, and `TenantPacer` slows the
   tenant's launches down (see `pacing.py`). An exhausted credit budget (`x-should-retry: false`)
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from sluice.api.common import TENANT_SCOPE_KEY
+from sluice.api.common import BACKGROUND_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.jobs import lines
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
@@ -227,7 +229,8 @@ class JobExecutor:
     async def _execute(self, token: str, item: Item, owner: str) -> None:
         assert self._app is not None
         try:
-            answer = await call(self._app, "POST", item.url, item.body, self._headers, {TENANT_SCOPE_KEY: owner})
+            answer = await call(self._app, "POST", item.url, item.body, self._headers,
+                                {TENANT_SCOPE_KEY: owner, BACKGROUND_SCOPE_KEY: True})
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the app answers errors itself; this is a bug: record it, keep going

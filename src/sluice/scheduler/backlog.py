@@ -3,11 +3,39 @@
 `Backlog` owns the models' queues (`model_queue.py`), the queued requests' items, and the
 tenants' and classes' fair-share standing (`fair.py`); the `Scheduler` decides what to admit and
 drives it. See `batcher.py` for the order in which a batch is formed and its invariants.
+
+Background items (a batch job's, `WorkItem.background`) are in the batch class but yield to online
+work (any class) harder than the class's order alone makes them, because a batch cannot be
+interrupted: a job batch that starts just before an online request arrives delays it by up to the
+whole batch, and with a job always queued that happens to a large share of online requests (on the
+emulated device at half its capacity, +40% on the online p99). So, while online work is active:
+
+    device frees ─▶ online work queued? ──yes──▶ it heads the batch; background items ride along
+                         │ no                    in its spare room (from its bucket or shorter
+                         ▼                       ones, padded to its longest row) while they add
+          fewer than `quiet_arrivals` online     at most `ride_share` to its predicted time (and
+          arrivals expected during a full        at least one item fits)
+          background batch (at the decaying
+          average online rate), or the batch   ──yes──▶ background heads a batch
+          class owed more than one such batch
+          of its minimum share?
+                         │ no
+                         ▼
+          the device waits: `held_until` says when the rate will have decayed enough
+
+So on a device kept busy by online work, a job advances by riding and online latency grows by
+about `ride_share` (measured in `tests/scheduler/test_fair_simulate.py`); once online work has
+been quiet for a moment (the rate's half-life), a job runs full batches. Riders are charged their
+padded row (the batch's longest), so the class's minimum share is paid by riding while there is
+room; when online batches are full (an online overload) the share comes due and background heads
+a batch again: background work is never starved past the class's bound (`fair.ClassShares`)
+plus one full batch.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,13 +54,22 @@ class Batch:
     items: tuple[WorkItem, ...]
     padded_cost: int
     predicted_s: float
+    num_riders: int = 0
+    """The last `num_riders` items are background items from shorter buckets, riding in rows padded
+    to the batch's longest item."""
 
     def item_shares(self, exec_s: float) -> list[float]:
-        """`exec_s` split among the batch's items by cost, in item order."""
-        total = sum(item.cost for item in self.items)
+        """`exec_s` split among the batch's items by cost (a rider's: the longest), in item order."""
+        if self.num_riders:
+            longest = max(item.cost for item in self.items)
+            num_own = len(self.items) - self.num_riders
+            costs = [item.cost for item in self.items[:num_own]] + [longest] * self.num_riders
+        else:
+            costs = [item.cost for item in self.items]
+        total = sum(costs)
         if total == 0:
             return [exec_s / len(self.items)] * len(self.items)
-        return [exec_s * item.cost / total for item in self.items]
+        return [exec_s * cost / total for cost in costs]
 
     def device_shares(self, exec_s: float) -> dict[int, float]:
         """`exec_s` split among the batch's items by cost, summed per request id."""
@@ -63,13 +100,25 @@ class _Head:
 class Backlog:
     """Queued items, by model, bucket and flow, with their requests and tenants' standing."""
 
-    def __init__(self, fair: FairShare, class_shares: ClassShares) -> None:
+    def __init__(self, fair: FairShare, class_shares: ClassShares, *, ride_share: float = 0.05,
+                 quiet_arrivals: float = 0.05, rate_halflife_s: float = 0.5) -> None:
+        if not (ride_share >= 0.0 and quiet_arrivals >= 0.0 and rate_halflife_s > 0.0):
+            raise ValueError("ride_share and quiet_arrivals must not be negative, rate_halflife_s must be positive")
         self.queues: dict[ModelKey, ModelQueue] = {}
         self.fair = fair
         """Read it for estimates; only the backlog changes it."""
         self._class_shares = class_shares
         self._requests: dict[int, _Request] = {}
         self._seq = itertools.count()
+        self._ride_share = ride_share
+        self._quiet_arrivals = quiet_arrivals
+        self._rate_tau_s = rate_halflife_s / math.log(2)
+        self._online_rate = 0.0
+        """Online (not background) items queued per second, decayed to `_online_at`."""
+        self._online_at = -math.inf
+        self.held_until: float | None = None
+        """Set by `form` when it held background work back for online work's sake: when it may
+        start if nothing else comes first (None: nothing held)."""
 
     def has_request(self, request_id: int) -> bool:
         return request_id in self._requests
@@ -77,6 +126,9 @@ class Backlog:
     def push(self, key: ModelKey, request_id: int, items: Sequence[WorkItem]) -> None:
         queue = self.queues[key]
         for item in items:
+            if not item.background:
+                self._online_rate = self.online_rate(item.enqueued_at) + 1.0 / self._rate_tau_s
+                self._online_at = max(self._online_at, item.enqueued_at)
             queue.push((item.deadline, next(self._seq), item))
             self.fair.enqueue(item.priority, item.tenant, item.work_s)
         self._requests[request_id] = _Request(queue, {item.index: item for item in items})
@@ -95,6 +147,7 @@ class Backlog:
     def form(self, now: float, expired: list[WorkItem]) -> tuple[Batch, float] | None:
         """The next batch to run now and its credit (see `_fill`), or None when nothing can run;
         items expired on the way are appended to `expired`. Charges the members' predicted time."""
+        self.held_until = None
         while (head := self._choose_head(now, expired)) is not None:
             filled = self._fill(head, now, expired)
             if filled is not None:
@@ -120,10 +173,31 @@ class Backlog:
         for priority in self._class_shares.order(self.backlogged_classes()):
             for tenant in self.fair.backlogged(priority):
                 head = self._earliest_of((priority, tenant), now, expired)
-                if head is not None:
+                if head is not None and not (head.item.background and self._holds(head, now)):
                     self.fair.start(priority, tenant)
                     return head
         return None
+
+    def online_rate(self, now: float) -> float:
+        """Online items queued per second, an exponentially decaying average (`rate_halflife_s`)."""
+        if now <= self._online_at:
+            return self._online_rate
+        return self._online_rate * math.exp((self._online_at - now) / self._rate_tau_s)
+
+    def _holds(self, head: _Head, now: float) -> bool:
+        """Whether background `head` must wait for online work to be quiet (see the module's
+        diagram); if so, `held_until` says until when."""
+        limits, cost = head.queue.batching, head.item.cost
+        full_s = head.queue.profile.predict(max(min(limits.max_batch_size * cost, limits.max_batch_cost), cost))
+        if self._class_shares.credit_s(head.item.priority) > full_s:
+            return False
+        rate = self.online_rate(now)
+        quiet_rate = self._quiet_arrivals / full_s
+        if rate <= quiet_rate:
+            return False
+        quiet_at = now + self._rate_tau_s * math.log(rate / quiet_rate)
+        self.held_until = quiet_at if self.held_until is None else min(self.held_until, quiet_at)
+        return True
 
     def _earliest_of(self, flow: Flow, now: float, expired: list[WorkItem]) -> _Head | None:
         best: _Head | None = None
@@ -161,29 +235,72 @@ class Backlog:
         classes = [head.item.priority, *(p for p in Priority if p != head.item.priority)]
         for priority in classes:
             flows = [flow for flow in queue.flows(bucket) if flow[0] == priority]
-            self._fill_from(queue, bucket, flows, members, pending, now, expired)
+            self._fill_from(queue, bucket, flows, members, pending, now, expired, not head.item.background)
+        credit_s = queue.credit_s(bucket, num_before, high_before, len(members))
+        num_riders = 0
+        if not head.item.background and self._ride_share > 0:
+            num_riders, rider_credit_s = self._add_riders(queue, bucket, members, now)
+            credit_s += rider_credit_s
         if len(expired) > num_expired_before:
             # a member's request may have expired through another of its items: none of it runs
             dead = {item.request_id for item in expired[num_expired_before:]}
             expired.extend(m for m in members if m.request_id in dead)
-            members = [m for m in members if m.request_id not in dead]
+            kept = [m for m in members if m.request_id not in dead]
+            num_riders -= sum(1 for m in members[len(members) - num_riders:] if m.request_id in dead)
+            members = kept
             if not members:
                 return None
         padded_cost = len(members) * max(m.cost for m in members)
-        batch = Batch(head.key, tuple(members), padded_cost, queue.profile.predict(padded_cost))
-        return batch, queue.credit_s(bucket, num_before, high_before, len(members))
+        batch = Batch(head.key, tuple(members), padded_cost, queue.profile.predict(padded_cost), num_riders)
+        return batch, credit_s
+
+    def _add_riders(self, queue: ModelQueue, bucket: int, members: list[WorkItem], now: float) -> tuple[int, float]:
+        """Background items of its bucket or shorter ones that join an online batch, padded to its
+        longest row, while its predicted time stays within `ride_share` of what it was without
+        them; returns how many joined and their credit (see `_fill`)."""
+        limits, profile = queue.batching, queue.profile
+        longest = max(m.cost for m in members)
+        earliest = min(m.deadline for m in members)
+        # at least one rider, or a batch of one online item at light load might never carry any
+        limit_s = max((1.0 + self._ride_share) * profile.predict(len(members) * longest),
+                      profile.predict((len(members) + 1) * longest))
+        if len(members) >= limits.max_batch_size:
+            return 0, 0.0
+        num_riders, credit_s = 0, 0.0
+        for key in sorted((k for k in queue.bucket_keys() if k <= bucket), reverse=True):
+            num_before, high_before = queue.bucket_state(key)
+            num_taken, is_full = 0, False
+            for flow in queue.flows(key):
+                while not is_full and (candidate := queue.top(key, flow)) is not None and candidate.background:
+                    padded = (len(members) + 1) * max(longest, candidate.cost)
+                    seconds = profile.predict(padded)
+                    if now + seconds > min(earliest, candidate.deadline):
+                        break  # this flow's next item is past saving in this batch; another's may fit
+                    is_full = (len(members) >= limits.max_batch_size or padded > limits.max_batch_cost
+                               or seconds > limit_s)
+                    if not is_full:
+                        members.append(self._take(queue, key, flow))
+                        longest = max(longest, candidate.cost)
+                        num_taken += 1
+            if num_taken:
+                num_riders += num_taken
+                credit_s += queue.credit_s(key, num_before, high_before, num_taken)
+            if is_full:
+                break
+        return num_riders, credit_s
 
     def _fill_from(self, queue: ModelQueue, bucket: int, flows: list[Flow], members: list[WorkItem],
-                   pending: dict[Flow, float], now: float, expired: list[WorkItem]) -> None:
+                   pending: dict[Flow, float], now: float, expired: list[WorkItem], is_online: bool) -> None:
         """Add items of `flows` to `members`, the flow with the smallest tag (counting `pending`
-        charges) first, until the batch is full; a flow whose next item does not fit drops out."""
+        charges) first, until the batch is full; a flow whose next item does not fit drops out, and
+        so does one whose next item is background when the batch `is_online` (it may ride later)."""
         limits, profile = queue.batching, queue.profile
         longest = max(m.cost for m in members)
         earliest = min(m.deadline for m in members)
         while flows and len(members) < limits.max_batch_size:
             flow = min(flows, key=lambda f: self.fair.tag(*f) + pending.get(f, 0.0))
             candidate = queue.top(bucket, flow)
-            if candidate is None:
+            if candidate is None or (is_online and candidate.background):
                 flows.remove(flow)
                 continue
             if now + profile.predict(candidate.cost) > candidate.deadline:

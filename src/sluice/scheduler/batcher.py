@@ -11,7 +11,9 @@
                                          (model version, length bucket)
                                       4. fill: same-class items of that bucket in tag order, then
                                          other classes' compatible items, within the limits and
-                                         the earliest member's deadline
+                                         the earliest member's deadline; background (batch job)
+                                         items only ride in an online batch's spare room and head
+                                         one only when online work is quiet  (backlog.py)
                                                              │
                                                              ▼ device ──▶ batch_done(exec_s):
                                         expired items come back     measured time, split by cost,
@@ -20,9 +22,9 @@
 Invariants:
 - a lone request at an idle device starts at once: there is no batching window;
 - a batch holds items of one model version and one length bucket (costs within a factor of two,
-  so padding wastes under half the batch), at most `max_batch_size` items and `max_batch_cost`
-  padded cost (an item costlier than that alone runs alone), and is never so large that its
-  predicted time misses its earliest member's deadline;
+  so padding wastes under half the batch; background riders may come from shorter buckets), at
+  most `max_batch_size` items and `max_batch_cost` padded cost (an item costlier than that alone
+  runs alone), and is never so large that its predicted time misses its earliest member's deadline;
 - an item whose deadline cannot be met by running it alone, now, never reaches the device, and
   neither does any other item of its request: they all come back in `Decision.expired`;
 - every admitted item leaves exactly once: in a batch, in `Decision.expired`, or by `cancel()`;
@@ -83,15 +85,23 @@ class Rejected:
 class Decision:
     batch: Batch | None
     expired: tuple[WorkItem, ...] = ()
+    retry_at: float | None = None
+    """With no batch: background work was held back for online work's sake (`backlog.py`) and
+    may start at this time on the scheduler's clock; call `next_batch` again then, if nothing
+    else has."""
 
 
 class Scheduler:
     """Queues and batch formation for one device. Not thread-safe: one event loop owns it."""
 
     def __init__(self, clock: Clock, *, drain_halflife_s: float = 2.0,
-                 min_class_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES) -> None:
+                 min_class_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES,
+                 background_ride_share: float = 0.05, background_quiet_arrivals: float = 0.05) -> None:
+        """`background_ride_share` and `background_quiet_arrivals`: how far background (batch job)
+        items yield to online work; see `backlog.py`."""
         self._clock = clock
-        self._backlog = Backlog(FairShare(), ClassShares(min_class_shares))
+        self._backlog = Backlog(FairShare(), ClassShares(min_class_shares), ride_share=background_ride_share,
+                                quiet_arrivals=background_quiet_arrivals)
         self._queues = self._backlog.queues
         self._fair = self._backlog.fair  # read only: the backlog keeps it
         self._running: Batch | None = None
@@ -124,8 +134,10 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------
 
     def admit(self, key: ModelKey, request_id: int, costs: Sequence[int], deadline: float, *,
-              tenant: str = "", priority: Priority = Priority.STANDARD) -> Admitted | Rejected:
-        """Queue every item of a request, or none of them.
+              tenant: str = "", priority: Priority = Priority.STANDARD,
+              background: bool = False) -> Admitted | Rejected:
+        """Queue every item of a request, or none of them. `background`: a batch job's request,
+        which yields to online work (see `backlog.py`).
 
         Refused, checked in this order:
         - DEADLINE_UNREACHABLE: alone on an idle device it would still finish after `deadline`;
@@ -168,7 +180,8 @@ class Scheduler:
                                       self._jump_rate(now, priority, tenant, sum(works_s)))
         if finish > deadline:
             return Rejected(RejectReason.OVERLOADED, max(finish - deadline, 0.001))
-        items = tuple(WorkItem(request_id, i, cost, deadline, now, tenant=tenant, priority=priority, work_s=work_s)
+        items = tuple(WorkItem(request_id, i, cost, deadline, now, tenant=tenant, priority=priority, work_s=work_s,
+                               background=background)
                       for i, (cost, work_s) in enumerate(zip(costs, works_s, strict=True)))
         self._backlog.push(key, request_id, items)
         self._demand.add(priority, tenant, sum(works_s), now)
@@ -195,7 +208,7 @@ class Scheduler:
             self._running_since = now
             return Decision(self._running, tuple(expired))
         self._was_backlogged = False
-        return Decision(None, tuple(expired))
+        return Decision(None, tuple(expired), self._backlog.held_until)
 
     def batch_done(self, batch: Batch, exec_s: float) -> dict[int, float]:
         """Record that the running batch finished after `exec_s` seconds on the device.

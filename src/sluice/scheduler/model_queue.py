@@ -56,6 +56,8 @@ class WorkItem:
     queued work counts for it, and its fair-queueing charge until the batch's time is measured."""
     is_cancelled: bool = False
     """Withdrawn (cancelled, or its request expired) while still in a heap; dropped when it surfaces."""
+    background: bool = False
+    """A batch job's item: it yields to online work harder than its class does (see `backlog.py`)."""
 
     @property
     def flow(self) -> Flow:

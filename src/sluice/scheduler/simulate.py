@@ -42,6 +42,8 @@ class Arrival:
     """The client withdraws the request this long after it arrived (if it is still queued)."""
     tenant: str = ""
     priority: Priority = Priority.STANDARD
+    background: bool = False
+    """A batch job's request (`Scheduler.admit`'s `background`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,7 @@ class Trace:
 
 
 # Events at the same instant: a finishing batch first (the device frees), then cancels, then arrivals.
-_DONE, _CANCEL, _ARRIVE = 0, 1, 2
+_DONE, _CANCEL, _ARRIVE, _WAKE = 0, 1, 2, 3
 
 
 def simulate(
@@ -145,6 +147,8 @@ def simulate(
                 trace.device_s[request_id] = trace.device_s.get(request_id, 0.0) + device_s
             trace.batches.append(payload)
             running = None
+        elif kind == _WAKE:
+            pass  # held background work may start now (below)
         elif kind == _CANCEL:
             assert isinstance(payload, int)
             trace.cancellations.append(Cancellation(payload, at_s, scheduler.cancel(payload)))
@@ -153,7 +157,8 @@ def simulate(
             arrival = arrivals[payload]
             deadline = at_s + arrival.timeout_s
             outcome = scheduler.admit(arrival.model, payload, arrival.costs, deadline,
-                                      tenant=arrival.tenant, priority=arrival.priority)
+                                      tenant=arrival.tenant, priority=arrival.priority,
+                                      background=arrival.background)
             num_queued, _ = scheduler.queue_state(arrival.model)
             trace.admissions.append(
                 Admission(payload, at_s, deadline, outcome, scheduler.work_ahead_s(), num_queued)
@@ -161,9 +166,11 @@ def simulate(
             if isinstance(outcome, Admitted) and arrival.cancel_after_s is not None:
                 heapq.heappush(events, (at_s + arrival.cancel_after_s, _CANCEL, next(seq), payload))
         if running is None and scheduler.is_idle:
-            running = _start_next(scheduler, clock, devices, rng, trace)
+            running, retry_at = _start_next(scheduler, clock, devices, rng, trace)
             if running is not None:
                 heapq.heappush(events, (running.finished_at_s, _DONE, next(seq), running))
+            elif retry_at is not None and retry_at > at_s:
+                heapq.heappush(events, (retry_at, _WAKE, next(seq), None))
     trace.end_s = clock.now()
     return trace
 
@@ -174,14 +181,14 @@ def _start_next(
     devices: Mapping[ModelKey, EmulatedDevice],
     rng: random.Random,
     trace: Trace,
-) -> ExecutedBatch | None:
+) -> tuple[ExecutedBatch | None, float | None]:
     now = clock.now()
     decision = scheduler.next_batch()
     trace.expiries.extend(Expiry(item, now) for item in decision.expired)
     if decision.batch is None:
-        return None
+        return None, decision.retry_at
     exec_s = devices[decision.batch.model].exec_s(decision.batch.padded_cost, rng)
-    return ExecutedBatch(decision.batch, now, now + exec_s)
+    return ExecutedBatch(decision.batch, now, now + exec_s), None
 
 
 # -- multi-tenant workloads and their summary ------------------------------------------------------
@@ -200,6 +207,8 @@ class TenantLoad:
     model: ModelKey = ("m", "1")
     start_s: float = 0.0
     """When the tenant starts sending."""
+    background: bool = False
+    """Its requests are a batch job's (`Arrival.background`)."""
 
 
 def tenant_arrivals(loads: Sequence[TenantLoad], duration_s: float, seed: int) -> list[Arrival]:
@@ -211,7 +220,7 @@ def tenant_arrivals(loads: Sequence[TenantLoad], duration_s: float, seed: int) -
         while now < duration_s:
             cost = rng.randint(*load.cost_range)
             arrivals.append(Arrival(now, load.model, (cost,), load.timeout_s, tenant=load.tenant,
-                                    priority=load.priority))
+                                    priority=load.priority, background=load.background))
             now += rng.expovariate(load.rate_per_s)
     arrivals.sort(key=lambda arrival: arrival.at_s)
     return arrivals

@@ -108,6 +108,8 @@ class WorkerServer:
         """Each gateway heard from, with the highest request id it has sent (`WorkerState.seen_request_id`)."""
         self._lock = threading.Lock()  # guards the scheduler, shared with the device thread
         self._device: DeviceThread | None = None
+        self._held: asyncio.TimerHandle | None = None
+        """Looks again when the scheduler held background work back (`Decision.retry_at`)."""
         self._is_draining = False
         self._drained = asyncio.Event()
         self._busy_s = 0.0
@@ -227,7 +229,8 @@ class WorkerServer:
         pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
         with self._lock:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
-                                             tenant=message.tenant, priority=_priority(message.priority))
+                                             tenant=message.tenant, priority=_priority(message.priority),
+                                             background=message.background)
             if isinstance(decision, Rejected):
                 # turned away for want of capacity (not a tenant's own cap): the demand it carried
                 refused_s = self._predicted_s(key, items) if decision.reason is RejectReason.OVERLOADED else 0.0
@@ -304,6 +307,11 @@ class WorkerServer:
             self._expire(item.request_id)
         batch = decision.batch
         if batch is None:
+            if decision.retry_at is not None:
+                if self._held is not None:
+                    self._held.cancel()
+                delay_s = max(decision.retry_at - self._clock.now(), 0.0)
+                self._held = asyncio.get_running_loop().call_later(delay_s, self._kick)
             self._check_drained()
             return
         now = self._clock.now()
