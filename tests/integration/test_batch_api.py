@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,45 @@ def test_sdk_files_and_batches_end_to_end(served):
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
+
+
+def test_a_job_beside_online_traffic_rides_in_its_batches_and_finishes_once_it_stops(served):
+    """Job items yield to online work: while online requests keep coming they ride in the online
+    batches (one or so per batch), and once the traffic stops the rest run as soon as the online
+    rate has decayed: the worker looks again when the scheduler said, with nothing arriving to
+    prompt it (the whole job is in flight at once, so no submission wakes it; without that timer
+    the held items would sit until their 60 s item deadline)."""
+    server, client = served
+    stop = threading.Event()
+    online_ok: list[int] = []
+
+    def send_online() -> None:  # ~25 requests/s, each different (the result cache would answer repeats)
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            while not stop.is_set():
+                data = [float(len(online_ok))] * 16
+                body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": data}]}
+                online_ok.append(http.post("/v2/models/emulated/infer", json=body).status_code)
+                time.sleep(0.03)
+
+    sender = threading.Thread(target=send_online)
+    sender.start()
+    try:
+        uploaded = client.files.create(file=("in.jsonl", jsonl(embedding_lines(500))), purpose="batch")
+        time.sleep(2.0)  # the worker's online rate (a decaying average, half-life 0.5 s) sees the traffic
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        deadline = time.monotonic() + 30
+        while (progress := client.batches.retrieve(batch.id)).request_counts.completed < 30:
+            assert time.monotonic() < deadline, progress
+            time.sleep(0.2)
+        assert progress.request_counts.completed < 250  # riding along, not running the job's own batches
+    finally:
+        stop.set()
+        sender.join()
+    stopped = time.monotonic()
+    done = wait_until_final(client, batch.id, timeout_s=30)
+    assert done.status == "completed" and done.request_counts.completed == 500, done
+    assert time.monotonic() - stopped < 30
+    assert online_ok and set(online_ok) == {200}
 
 
 def test_list_pages_and_cancel_unknown(served):

@@ -44,6 +44,7 @@ class ScriptedApp:
         self.calls: Counter[str] = Counter()
         self.seen_headers: list[dict[bytes, bytes]] = []
         self.tenants: set[str] = set()
+        self.backgrounds: set[object] = set()
 
     async def __call__(self, scope, receive, send) -> None:
         if await answered_model_query(scope, send):
@@ -52,6 +53,7 @@ class ScriptedApp:
         self.calls[text] += 1
         self.seen_headers.append(dict(scope["headers"]))
         self.tenants.add(scope["sluice.tenant"])
+        self.backgrounds.add(scope.get("sluice.background"))
         status = 200
         if text == "down" or (text == "flaky" and self.calls[text] <= 2):
             status = 503
@@ -101,6 +103,7 @@ async def test_retries_transient_failures_then_dead_letters(tmp_path: Path):
     assert [r["response"]["body"]["error"]["message"] for r in errors] == ["down", "bad"]
     assert all(r["error"] is None for r in errors)
     assert app.seen_headers[0][b"x-sluice-priority"] == b"batch" and app.tenants == {"acme"}
+    assert app.backgrounds == {True}  # job items are background work (scheduler/backlog.py)
     await store.aclose()
 
 

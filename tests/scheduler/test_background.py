@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import pytest
 
+from sluice.clock import VirtualClock
 from sluice.priority import Priority
-from sluice.scheduler import Admitted, Scheduler
+from sluice.repository import BatchingConfig
+from sluice.scheduler import Admitted, LatencyProfile, Scheduler
+from sluice.scheduler.simulate import Arrival, EmulatedDevice, TenantLoad, simulate, tenant_arrivals
 from tests.scheduler.support import run
 from tests.scheduler.test_fair import ALPHA_S, BETA_S, M1, make_scheduler
 
 INTER, BAT = Priority.INTERACTIVE, Priority.BATCH
 JOB_COST = 6  # a job's short items: a bucket below the online items' 16
+LIMITS = BatchingConfig(max_batch_size=32, max_batch_cost=8192, max_queue_items=4096)
 
 
 def admit_job(scheduler: Scheduler, now: float, first_id: int, count: int, cost: int = JOB_COST) -> None:
@@ -117,3 +121,20 @@ def test_background_owed_its_minimum_share_heads_a_batch_under_an_online_flood()
             run(scheduler, clock)  # the online batch it delayed
     assert 12 <= heads.index(True) <= 16
     assert 2 <= sum(heads) <= 4
+
+
+def test_held_background_work_runs_once_online_traffic_stops():
+    """Online traffic for 3 s, a job arriving in the middle: the job rides while the traffic lasts,
+    and the worker's look-again time (`Decision.retry_at`) starts the rest once it has stopped."""
+    clock = VirtualClock()
+    scheduler = Scheduler(clock)
+    scheduler.add_model(M1, LIMITS, LatencyProfile(ALPHA_S, BETA_S, 16))
+    arrivals = tenant_arrivals([TenantLoad("web", 25, (16, 16), 0.09, Priority.STANDARD, model=M1)], 3.0, 1)
+    arrivals += [Arrival(1.0 + i * 1e-4, M1, (3,), 60.0, tenant="web", priority=BAT, background=True)
+                 for i in range(500)]
+    trace = simulate(scheduler, clock, sorted(arrivals, key=lambda a: a.at_s), {M1: EmulatedDevice(ALPHA_S, BETA_S)})
+    job_runs = [run for run in trace.batches for item in run.batch.items if item.background]
+    assert len(job_runs) == 500 and scheduler.num_queued() == 0
+    during = sum(1 for run in job_runs if run.finished_at_s < 3.0)
+    assert 20 <= during <= 100  # about one rider per online batch while the traffic lasts
+    assert all(run.started_at_s < 6.0 for run in job_runs)  # then the rest, once the rate has decayed

@@ -195,7 +195,9 @@ class Backlog:
         quiet_rate = self._quiet_arrivals / full_s
         if rate <= quiet_rate:
             return False
-        quiet_at = now + self._rate_tau_s * math.log(rate / quiet_rate)
+        # at least a millisecond on: a wake-up computed to land exactly on the threshold must not
+        # find the rate a rounding error above it and be held again for no time at all
+        quiet_at = now + max(self._rate_tau_s * math.log(rate / quiet_rate), 0.001)
         self.held_until = quiet_at if self.held_until is None else min(self.held_until, quiet_at)
         return True
 
