@@ -17,7 +17,7 @@ items/s at 16 values per item) with its own data directory, then:
 
     python benchmarks/jobs_interactive.py                        # both, 100,000 items, 20 s windows
     python benchmarks/jobs_interactive.py --items 5000 --duration 5 --phases interactive
-    python benchmarks/jobs_interactive.py --phases interactive --items 20000 --duration 10 --rounds 5
+    python benchmarks/jobs_interactive.py --phases interactive --items 100000 --duration 10 --rounds 11
 
 Run it on a quiet machine: the generator, the gateway, the worker and SQLite share its cores.
 """

@@ -203,7 +203,7 @@ def test_a_background_job_beside_interactive_traffic_keeps_its_p99_within_ten_pe
         beside = mixed.groups[("i", INTER)]
         assert beside.success_ratio == alone.success_ratio == 1.0
         assert beside.latency_p99_s <= 1.1 * alone.latency_p99_s, fraction
-        assert mixed.groups[("job", BAT)].goodput_items_per_s >= 40, fraction
+        assert mixed.groups[("job", BAT)].goodput_items_per_s >= 20, fraction
     alone_job = summary([job], 2.0)
     assert alone_job.busy_ratio >= 0.99
     assert alone_job.groups[("job", BAT)].goodput_items_per_s >= 0.95 * 32 / (0.008 + 0.0005 * 32 * 6 / 16)

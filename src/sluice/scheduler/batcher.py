@@ -96,7 +96,7 @@ class Scheduler:
 
     def __init__(self, clock: Clock, *, drain_halflife_s: float = 2.0,
                  min_class_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES,
-                 background_ride_share: float = 0.05, background_quiet_arrivals: float = 0.05) -> None:
+                 background_ride_share: float = 0.02, background_quiet_arrivals: float = 0.05) -> None:
         """`background_ride_share` and `background_quiet_arrivals`: how far background (batch job)
         items yield to online work; see `backlog.py`."""
         self._clock = clock
