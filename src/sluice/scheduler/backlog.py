@@ -125,6 +125,8 @@ class Backlog:
         self._online_rate = 0.0
         """Online (not background) items queued per second, decayed to `_online_at`."""
         self._online_at = -math.inf
+        self._num_online = dict.fromkeys(Priority, 0)
+        """Queued items that are not background, per class."""
         self.held_until: float | None = None
         """Set by `form` when it held background work back for online work's sake: when it may
         start if nothing else comes first (None: nothing held)."""
@@ -136,6 +138,7 @@ class Backlog:
         queue = self.queues[key]
         for item in items:
             if not item.background:
+                self._num_online[item.priority] += 1
                 self._online_rate = self.online_rate(item.enqueued_at) + 1.0 / self._rate_tau_s
                 self._online_at = max(self._online_at, item.enqueued_at)
             queue.push((item.deadline, next(self._seq), item))
@@ -149,6 +152,37 @@ class Backlog:
         for item in request.items.values():
             self._withdraw(request.queue, item)
         return len(request.items)
+
+    def lower_batches_s(self, priority: Priority, ahead_s: float) -> float:
+        """Device time that backlogged classes below `priority` will take, in whole batches,
+        before `ahead_s` of queued work ahead of a newcomer of `priority` has run: a lower class
+        heads a batch once owed its minimum share (`fair.ClassShares`; background work only once
+        owed `OWED_BATCHES` of them), its credit grows by its share of every batch that runs, and
+        a batch cannot be interrupted, so admission must count those batches or the work it
+        admits up to its deadline expires behind them."""
+        total_s = 0.0
+        for lower in self.backlogged_classes():
+            share = self._class_shares.min_share(lower)
+            if lower <= priority or share <= 0:
+                continue
+            batch_s = self._full_batch_s(lower)
+            due_s = 0.0 if self._num_online[lower] else OWED_BATCHES * batch_s
+            excess_s = self._class_shares.credit_s(lower) + share * ahead_s - due_s
+            if excess_s > 0 and batch_s > 0:
+                total_s += batch_s * (1 + int(excess_s / batch_s))
+        return total_s
+
+    def _full_batch_s(self, priority: Priority) -> float:
+        """The predicted time of the longest full batch that class `priority`'s queued items make."""
+        longest_s = 0.0
+        for queue in self.queues.values():
+            limits = queue.batching
+            for key in queue.bucket_keys():
+                if any(flow[0] == priority for flow in queue.flows(key)):
+                    high = queue.bucket_state(key)[1]
+                    cost = max(min(limits.max_batch_size * high, limits.max_batch_cost), high)
+                    longest_s = max(longest_s, queue.profile.predict(cost))
+        return longest_s
 
     def backlogged_classes(self) -> list[Priority]:
         return [p for p in Priority if self.fair.is_backlogged(p)]
@@ -346,6 +380,7 @@ class Backlog:
     def _take(self, queue: ModelQueue, bucket: int, flow: Flow) -> WorkItem:
         item = queue.take(bucket, flow)
         self.fair.dequeue(item.priority, item.tenant, item.work_s)
+        self._num_online[item.priority] -= not item.background
         request = self._requests[item.request_id]
         del request.items[item.index]
         if not request.items:
@@ -357,6 +392,7 @@ class Backlog:
         item.is_cancelled = True
         queue.discard(item)
         self.fair.dequeue(item.priority, item.tenant, item.work_s)
+        self._num_online[item.priority] -= not item.background
 
     def _expire(self, item: WorkItem, expired: list[WorkItem]) -> None:
         """Expire a taken item and, with it, the items of its request still queued."""

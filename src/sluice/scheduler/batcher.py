@@ -177,7 +177,8 @@ class Scheduler:
         works_s = [queue.item_work_s(cost) for cost in costs]
         skipped_s = self._skipped_s(priority, tenant, sum(works_s))
         finish = now + self._finish_s(now, estimate.replaced_room_s, skipped_s, estimate.own_s,
-                                      self._jump_rate(now, priority, tenant, sum(works_s)))
+                                      self._jump_rate(now, priority, tenant, sum(works_s)), priority,
+                                      estimate.alone_s)
         if finish > deadline:
             return Rejected(RejectReason.OVERLOADED, max(finish - deadline, 0.001))
         items = tuple(WorkItem(request_id, i, cost, deadline, now, tenant=tenant, priority=priority, work_s=work_s,
@@ -262,14 +263,14 @@ class Scheduler:
         for priority in Priority:
             weight = sum(self._fair.weight(t) for t in self._fair.queued_by_tenant(priority))
             wait_s = self._finish_s(now, 0.0, self._skipped_s(priority, None, 0.0), 0.0,
-                                    self._jump_rate(now, priority, None, 0.0))
+                                    self._jump_rate(now, priority, None, 0.0), priority)
             classes.append(ClassWait(priority, wait_s, weight))
         tenants = []
         for stats in self._fair.stats():
             if stats.num_queued:
                 skipped_s = self._skipped_s(stats.priority, stats.tenant, 0.0)
                 jump = self._jump_rate(now, stats.priority, stats.tenant, 0.0)
-                wait_s = self._finish_s(now, 0.0, skipped_s, 0.0, jump)
+                wait_s = self._finish_s(now, 0.0, skipped_s, 0.0, jump, stats.priority)
                 tenants.append(TenantWait(stats.tenant, stats.priority, stats.num_queued, wait_s))
         return WaitReport(tuple(classes), tuple(tenants))
 
@@ -315,11 +316,15 @@ class Scheduler:
                   for name, rate in self._demand.rates(priority, now).items() if name != tenant}
         return jump_rate(higher_s, own_s, weight, others)
 
-    def _finish_s(self, now: float, replaced_room_s: float, skipped_s: float, own_s: float, jump: float) -> float:
-        """Seconds from now until `own_s` more work would be done (`_wait_s` ahead of it), with
-        everything after the running batch stretched by later arrivals taking `jump` of the device."""
+    def _finish_s(self, now: float, replaced_room_s: float, skipped_s: float, own_s: float, jump: float,
+                  priority: Priority, own_run_s: float = 0.0) -> float:
+        """Seconds from now until `own_s` more work of class `priority` would be done (`_wait_s`
+        ahead of it, and the batches lower classes are owed before its own batch starts:
+        `Backlog.lower_batches_s`; `own_run_s` of `own_s` is that batch running), with everything
+        after the running batch stretched by later arrivals taking `jump` of the device."""
         running_s = self._running_left_s(now)
         queued_s = self._wait_s(now, replaced_room_s, skipped_s) - running_s
+        queued_s += self._backlog.lower_batches_s(priority, running_s + queued_s + max(own_s - own_run_s, 0.0))
         return running_s + (queued_s + own_s) / (1.0 - jump)
 
     def _wait_s(self, now: float, replaced_room_s: float, skipped_s: float = 0.0) -> float:

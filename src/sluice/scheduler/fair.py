@@ -224,3 +224,6 @@ class ClassShares:
 
     def credit_s(self, priority: Priority) -> float:
         return self._credit_s.get(priority, 0.0)
+
+    def min_share(self, priority: Priority) -> float:
+        return self._min_shares.get(priority, 0.0)
