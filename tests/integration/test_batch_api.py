@@ -109,10 +109,8 @@ def test_a_job_beside_online_traffic_rides_in_its_batches_and_finishes_once_it_s
     finally:
         stop.set()
         sender.join()
-    stopped = time.monotonic()
-    done = wait_until_final(client, batch.id, timeout_s=30)
+    done = wait_until_final(client, batch.id, timeout_s=30)  # raises past 30 s
     assert done.status == "completed" and done.request_counts.completed == 500, done
-    assert time.monotonic() - stopped < 30
     assert online_ok and set(online_ok) == {200}
 
 

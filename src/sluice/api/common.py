@@ -111,11 +111,11 @@ def request_id(request: Request) -> str:
 
 
 TENANT_SCOPE_KEY = "sluice.tenant"
+"""ASGI scope key holding the authenticated tenant's name, set by the auth middleware (or, for
+batch-job items run in-process, by the job executor). Never read from a client header."""
 BACKGROUND_SCOPE_KEY = "sluice.background"
 """Set in the ASGI scope by the batch-job executor (never from a client's request): the request is
 a job's item, which yields to online work on the device."""
-"""ASGI scope key holding the authenticated tenant's name, set by the auth middleware (or, for
-batch-job items run in-process, by the job executor). Never read from a client header."""
 
 
 def request_tenant(request: Request) -> str:

@@ -73,9 +73,9 @@ class Ticket:
         self._observer = observer
         """Told each outcome and result (the model's canary judges versions by them)."""
         self.client_deadline = client_deadline
+        """The deadline is the client's (a header or parameter), not the model's SLO."""
         self.background = background
         """A batch job's item (`Caller.background`)."""
-        """The deadline is the client's (a header or parameter), not the model's SLO."""
         self._group = group
         """The client request this is a part of, whose reservation it shares (settled by the last part)."""
         self._result: InferResult | None = None

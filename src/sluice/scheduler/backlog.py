@@ -62,8 +62,8 @@ class Batch:
     padded_cost: int
     predicted_s: float
     num_riders: int = 0
-    """The last `num_riders` items are background items from shorter buckets, riding in rows padded
-    to the batch's longest item."""
+    """The last `num_riders` items are background items riding in an online batch (from its bucket
+    or shorter ones), in rows padded to the batch's longest item."""
 
     def item_shares(self, exec_s: float) -> list[float]:
         """`exec_s` split among the batch's items by cost (a rider's: the longest), in item order."""
@@ -127,6 +127,8 @@ class Backlog:
         self._online_at = -math.inf
         self._num_online = dict.fromkeys(Priority, 0)
         """Queued items that are not background, per class."""
+        self._num_background = 0
+        """Queued background items."""
         self.held_until: float | None = None
         """Set by `form` when it held background work back for online work's sake: when it may
         start if nothing else comes first (None: nothing held)."""
@@ -137,8 +139,8 @@ class Backlog:
     def push(self, key: ModelKey, request_id: int, items: Sequence[WorkItem]) -> None:
         queue = self.queues[key]
         for item in items:
+            self._count(item, 1)
             if not item.background:
-                self._num_online[item.priority] += 1
                 self._online_rate = self.online_rate(item.enqueued_at) + 1.0 / self._rate_tau_s
                 self._online_at = max(self._online_at, item.enqueued_at)
             queue.push((item.deadline, next(self._seq), item))
@@ -176,12 +178,9 @@ class Backlog:
         """The predicted time of the longest full batch that class `priority`'s queued items make."""
         longest_s = 0.0
         for queue in self.queues.values():
-            limits = queue.batching
             for key in queue.bucket_keys():
                 if any(flow[0] == priority for flow in queue.flows(key)):
-                    high = queue.bucket_state(key)[1]
-                    cost = max(min(limits.max_batch_size * high, limits.max_batch_cost), high)
-                    longest_s = max(longest_s, queue.profile.predict(cost))
+                    longest_s = max(longest_s, queue.full_batch_s(queue.bucket_state(key)[1]))
         return longest_s
 
     def backlogged_classes(self) -> list[Priority]:
@@ -230,8 +229,7 @@ class Backlog:
     def _holds(self, head: _Head, now: float) -> bool:
         """Whether background `head` must wait for online work to be quiet (see the module's
         diagram); if so, `held_until` says until when."""
-        limits, cost = head.queue.batching, head.item.cost
-        full_s = head.queue.profile.predict(max(min(limits.max_batch_size * cost, limits.max_batch_cost), cost))
+        full_s = head.queue.full_batch_s(head.item.cost)
         if self._class_shares.credit_s(head.item.priority) > OWED_BATCHES * full_s:
             return False
         rate = self.online_rate(now)
@@ -317,7 +315,7 @@ class Backlog:
         cap_s = max(self._ride_share * profile.predict(limits.max_batch_size * longest),
                     profile.predict((len(members) + 1) * longest) - base_s)
         allowance_s = self._ride_allowance_s = min(self._ride_allowance_s + self._ride_share * base_s, cap_s)
-        if len(members) >= limits.max_batch_size:
+        if not self._num_background or len(members) >= limits.max_batch_size:
             return 0, 0.0
         limit_s = base_s + allowance_s
         num_riders, credit_s = 0, 0.0
@@ -380,7 +378,7 @@ class Backlog:
     def _take(self, queue: ModelQueue, bucket: int, flow: Flow) -> WorkItem:
         item = queue.take(bucket, flow)
         self.fair.dequeue(item.priority, item.tenant, item.work_s)
-        self._num_online[item.priority] -= not item.background
+        self._count(item, -1)
         request = self._requests[item.request_id]
         del request.items[item.index]
         if not request.items:
@@ -392,7 +390,13 @@ class Backlog:
         item.is_cancelled = True
         queue.discard(item)
         self.fair.dequeue(item.priority, item.tenant, item.work_s)
-        self._num_online[item.priority] -= not item.background
+        self._count(item, -1)
+
+    def _count(self, item: WorkItem, delta: int) -> None:
+        if item.background:
+            self._num_background += delta
+        else:
+            self._num_online[item.priority] += delta
 
     def _expire(self, item: WorkItem, expired: list[WorkItem]) -> None:
         """Expire a taken item and, with it, the items of its request still queued."""

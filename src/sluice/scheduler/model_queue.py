@@ -184,6 +184,10 @@ class ModelQueue:
         num_batches = -(-num_before // per_batch) - -(-num_after // per_batch)
         return self._seconds(num_batches, (num_before - num_after) * high_before)
 
+    def full_batch_s(self, cost: int) -> float:
+        """The predicted time of a full batch of items of `cost`."""
+        return self._seconds(1, self._per_batch(cost) * max(cost, 1))
+
     def bucket_state(self, key: int) -> tuple[int, int]:
         bucket = self._buckets[key]
         return bucket.num_items, bucket.high_water_cost
