@@ -12,8 +12,9 @@ from sluice.errors import DeviceFailed, InvalidInput, ItemFailed, PermissionDeni
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.keyfile import add_key
 from sluice.gateway.tenancy import Tenancy
-from sluice.gateway.ticket import interpret
+from sluice.gateway.ticket import InferResult, interpret
 from sluice.metrics import GatewayMetrics
+from sluice.priority import Priority
 
 INFO = wire.ModelInfo("m", "1", "generative", "p", (), (), 32, 1.0, True, False)
 
@@ -63,3 +64,49 @@ async def test_a_clients_mistake_is_counted_apart_from_our_failures(error: Excep
         async with ticket:
             raise error
     assert REGISTRY.get_sample_value("sluice_requests_total", labels) == before + 1
+
+
+async def test_a_deferred_ticket_counts_and_settles_only_once_its_accounting_runs():
+    """Within `defer_accounting` (the task writing a one-shot HTTP answer), a closed ticket's
+    metrics and local settlement wait for `run_deferred`, and its latency is as of its close."""
+    from prometheus_client import REGISTRY
+
+    from sluice.gateway.limits import Reservation
+    from sluice.gateway.ticket import Ticket, defer_accounting, run_deferred
+    from sluice.priority import Priority
+
+    clock = VirtualClock()
+    metrics = GatewayMetrics()
+    tenancy = Tenancy(clock, metrics)
+    info = wire.ModelInfo("deferred", "1", "emulated", "p", (), (), 32, 1.0, False, True)
+    labels = {"model": "deferred", "version": "1", "outcome": "ok"}
+    settled: list[float] = []
+    tenancy.limiter.settle = lambda reservation, tokens, device_s, refund_request=False: settled.append(device_s)  # type: ignore[method-assign]
+
+    deferred = defer_accounting()
+    ticket = Ticket(metrics, tenancy, clock, info, "", Priority.STANDARD, Reservation("", 0.0, ()), 0.0, 1.0)
+    async with ticket:
+        ticket.charge(3, 0.25)
+        ticket.done(InferResult(info, wire.TensorPayload("float32", (1,), b"\0\0\0\0"), 3, 0.0, 0.01, 1, 0.25))
+    clock.advance(5.0)  # the accounting runs later: the request's latency is still 0
+    assert REGISTRY.get_sample_value("sluice_requests_total", labels) is None and settled == []
+    run_deferred(deferred)
+    assert REGISTRY.get_sample_value("sluice_requests_total", labels) == 1.0
+    assert REGISTRY.get_sample_value("sluice_request_duration_seconds_sum", {**labels}) == 0.0
+    assert settled == [0.25] and deferred == []
+
+
+async def test_without_deferral_a_ticket_settles_as_it_closes():
+    from sluice.gateway.limits import Reservation
+    from sluice.gateway.ticket import Ticket
+
+    clock = VirtualClock()
+    metrics = GatewayMetrics()
+    tenancy = Tenancy(clock, metrics)
+    settled: list[float] = []
+    tenancy.limiter.settle = lambda reservation, tokens, device_s, refund_request=False: settled.append(device_s)  # type: ignore[method-assign]
+    info = wire.ModelInfo("inline", "1", "emulated", "p", (), (), 32, 1.0, False, True)
+    ticket = Ticket(metrics, tenancy, clock, info, "", Priority.STANDARD, Reservation("", 0.0, ()), 0.0, 1.0)
+    async with ticket:
+        ticket.charge(1, 0.5)
+    assert settled == [0.5]

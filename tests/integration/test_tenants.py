@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
-KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream")}
+KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single")}
 ADMIN_KEY = new_key()
 
 TENANTS = f"""
@@ -63,6 +63,10 @@ priority = "batch"
 api_keys = ["{hash_key(KEYS['stream'])}"]
 requests_per_min = 100
 tokens_per_min = 5000
+
+[tenants.single]
+api_keys = ["{hash_key(KEYS['single'])}"]
+max_concurrent = 1
 """
 
 
@@ -136,6 +140,27 @@ def test_requests_limit_answers_429_with_openai_headers_and_the_sdk_waits_it_out
     started = time.monotonic()
     assert embed(server, "tiny", retries=2).parse().data  # the SDK honours retry-after-ms, then succeeds
     assert time.monotonic() - started < 5
+
+
+def test_a_one_request_tenant_can_send_its_next_request_the_moment_it_has_an_answer(server):
+    """The gateway settles a request's accounting just after writing its answer
+    (`gateway.ticket.defer_accounting`): by the time a client can send its next request, the
+    concurrency slot is free and the metrics count the answer."""
+
+    def goodput() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        line = next((x for x in text.splitlines() if x.startswith("sluice_tenant_goodput_total{")
+                     and 'tenant="single"' in x), None)
+        return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+    before = goodput()
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]}
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEYS['single']}", **ROOMY}) as client:
+        for i in range(60):
+            body["inputs"][0]["data"][0] = float(i)  # a new input each time: not a cache hit
+            response = client.post("/v2/models/emulated/infer", json=body)
+            assert response.status_code == 200, response.text
+    assert goodput() == before + 60
 
 
 def test_tokens_limit_refuses_without_consuming_a_request(server):

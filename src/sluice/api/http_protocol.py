@@ -34,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from sluice.api.common import RECEIVED_AT_SCOPE_KEY
 from sluice.clock import Clock
+from sluice.gateway.ticket import defer_accounting, run_deferred
 
 EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
 """`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
@@ -82,12 +83,21 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             """Write `answer` once it is made and the client has read what it was sent before: until
             then this request's response is incomplete, so uvicorn reads no further request from
             the connection (a client that pipelines requests without reading the answers is held
-            back by its own socket, not buffered without bound here)."""
-            response = answer if isinstance(answer, Response) else await answer
-            if self.flow.write_paused and not cycle.disconnected:
-                await self.flow.drain()
-            if not cycle.disconnected:  # as uvicorn's own `send`: nothing to write to
-                self._write(cycle, response)
+            back by its own socket, not buffered without bound here).
+
+            The request's accounting (metrics, the tenant's settlement) runs right after the
+            write, in the same step (`gateway.ticket.defer_accounting`), or before waiting for a
+            client that is not reading."""
+            deferred = defer_accounting()
+            try:
+                response = answer if isinstance(answer, Response) else await answer
+                if self.flow.write_paused and not cycle.disconnected:
+                    run_deferred(deferred)
+                    await self.flow.drain()
+                if not cycle.disconnected:  # as uvicorn's own `send`: nothing to write to
+                    self._write(cycle, response)
+            finally:
+                run_deferred(deferred)
 
         def _write(self, cycle: RequestResponseCycle, response: Response) -> None:
             """The whole response in one write (uvicorn's ASGI `send` writes head and body apart)."""

@@ -126,9 +126,13 @@ class Tenancy:
         self._metrics.tenant_admitted(tenant.name, priority.label)
         return outcome
 
+    def settles_locally(self, reservation: Reservation) -> bool:
+        """`settle` needs no Redis for this reservation (then it completes without waiting)."""
+        return not reservation.lease_id or self._shared is None
+
     async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                      refund_request: bool = False) -> None:
-        if not reservation.lease_id or self._shared is None:
+        if not reservation.lease_id or self._shared is None:  # (`settles_locally`)
             self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
             return
         try:

@@ -3,11 +3,22 @@
     Gateway._admit ──▶ Ticket ──(async with: dispatch, stream)──▶ __aexit__: outcome metric,
                                                                   tenant metrics, settle limits
     worker's wire.Result ──interpret()──▶ InferResult, or the error in `sluice.errors` it means
+
+*After the answer.* The task that writes a one-shot HTTP answer (`api.http_protocol`) calls
+`defer_accounting()` first: a ticket closed in that task then leaves its metrics and its local
+settlement in the returned list, which the task runs right after writing the answer, in the same
+step (nothing else runs in between, so no other request, metrics scrape or admission can see the
+ticket unsettled). This takes ~0.1 ms of bookkeeping off a lone request's latency. A settlement
+that goes to Redis, or that a request group shares, is not deferred: a client that sends its next
+request as soon as it has this answer must find this one's concurrency slot freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,7 +42,30 @@ from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
 from sluice.tracing import Tracing
 
-__all__ = ["InferResult", "Ticket", "interpret"]
+__all__ = ["InferResult", "Ticket", "defer_accounting", "interpret", "run_deferred"]
+
+log = logging.getLogger("sluice.gateway")
+
+_DEFERRED: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "sluice_deferred_accounting", default=None)
+
+
+def defer_accounting() -> list[Callable[[], None]]:
+    """From now on in the calling task, closed tickets leave their local accounting in the list
+    returned, for the caller to run once its answer is written (see the module's docstring)."""
+    deferred: list[Callable[[], None]] = []
+    _DEFERRED.set(deferred)
+    return deferred
+
+
+def run_deferred(deferred: list[Callable[[], None]]) -> None:
+    """Run (and empty) what `defer_accounting` collected; a failing one is logged, the rest still run."""
+    while deferred:
+        account = deferred.pop(0)
+        try:
+            account()
+        except Exception:
+            log.exception("a request's accounting failed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,31 +163,45 @@ class Ticket:
             outcome = "ok"  # (a stream's reader may stop once it has the final result)
         else:
             outcome = next((name for cls, name in _OUTCOME_CLASSES if isinstance(error, cls)), "error")
-        label = self.priority.label
-        now = self._clock.now()
+        ended_at = self._clock.now()
         tokens, device_s = self._usage(outcome)
-        if outcome == "ok" and result is not None:
-            self._metrics.tenant_completed(self.tenant, label, result.queue_s, device_s,
-                                           on_time=now <= self.deadline)
-            if isinstance(result.payload, wire.GenerationResult) and not result.is_cached:
-                ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
-                self._metrics.generation_done(self.info.name, result.payload, now - self.started, ttft_s)
-        else:
-            if outcome in ("rejected", "expired"):
-                self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
-            self._metrics.tenant_used(self.tenant, label, device_s)
-        self._metrics.request_done(self.info.name, self.info.version, outcome, now - self.started)
-        if self._observer is not None:
-            self._observer(self, outcome, result)
-        if self._tracing is not None and self._tracing.is_enabled:
-            self._trace(outcome, result)
         refund = outcome in ("rejected", "unavailable")
+        deferred = _DEFERRED.get()
+        if deferred is not None and self._group is None and self._tenancy.settles_locally(self.reservation):
+            deferred.append(functools.partial(self._account, outcome, result, ended_at, tokens, device_s, refund))
+            return
+        self._record(outcome, result, ended_at, device_s)
         if self._group is not None:
             totals = self._group.leave(tokens, device_s, refund)
             if totals is None:
                 return  # the group's last part settles for all of them
             tokens, device_s, refund = totals
         await self._tenancy.settle(self.reservation, tokens, device_s, refund_request=refund)
+
+    def _account(self, outcome: str, result: InferResult | None, ended_at: float, tokens: float, device_s: float,
+                 refund: bool) -> None:
+        """The whole accounting of a ticket that settles locally, after its answer was written."""
+        self._record(outcome, result, ended_at, device_s)
+        self._tenancy.limiter.settle(self.reservation, tokens, device_s, refund_request=refund)
+
+    def _record(self, outcome: str, result: InferResult | None, ended_at: float, device_s: float) -> None:
+        """The outcome's metrics, the observer and the trace, as of `ended_at`."""
+        label = self.priority.label
+        if outcome == "ok" and result is not None:
+            self._metrics.tenant_completed(self.tenant, label, result.queue_s, device_s,
+                                           on_time=ended_at <= self.deadline)
+            if isinstance(result.payload, wire.GenerationResult) and not result.is_cached:
+                ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
+                self._metrics.generation_done(self.info.name, result.payload, ended_at - self.started, ttft_s)
+        else:
+            if outcome in ("rejected", "expired"):
+                self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
+            self._metrics.tenant_used(self.tenant, label, device_s)
+        self._metrics.request_done(self.info.name, self.info.version, outcome, ended_at - self.started)
+        if self._observer is not None:
+            self._observer(self, outcome, result)
+        if self._tracing is not None and self._tracing.is_enabled:
+            self._trace(outcome, result)
 
     def _usage(self, outcome: str) -> tuple[float, float]:
         """(tokens, device seconds) to charge. A request withdrawn before the worker reported

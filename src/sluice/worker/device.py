@@ -4,14 +4,19 @@
     ───────────                          ─────────────
     admit ─▶ scheduler (under lock)
     device idle? form batch ─▶ start() ─▶ run batch N
-                                         lock: batch_done(N); next_batch() -> N+1
+                                         lock: work queued? batch_done(N); next_batch() -> N+1
     ◀── call_soon_threadsafe(on_done) ── run batch N+1 at once
     replies for N, Started for N+1
+    (nothing was queued: batch_done(N) after the replies, then a batch of what came meanwhile)
 
-When a batch finishes, the thread that is already awake forms the next one and starts it, so
-the device does not wait for the event loop to be scheduled (on a busy host that wait was a
-tenth of the device's time). The scheduler is shared under one lock; everything else (pending
-requests, replies, metrics) stays on the event loop, which learns of each batch afterwards.
+When a batch finishes and work is queued, the thread that is already awake forms the next one
+and starts it, so the device does not wait for the event loop to be scheduled (on a busy host
+that wait was a tenth of the device's time). When nothing is queued, the answers come first:
+the thread hands the batch over unrecorded and the loop records it (`batch_done`) once the
+replies have left, so a lone request's answer does not wait for the scheduler's bookkeeping
+(the two threads share one GIL: work moved between them is not done in parallel). The
+scheduler is shared under one lock; everything else (pending requests, replies, metrics) stays
+on the event loop, which learns of each batch afterwards.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ log = logging.getLogger("sluice.worker")
 
 BatchOutput = tuple[list[np.ndarray | ItemFailure], float]  # outputs in item order, device seconds
 Lookup = Callable[[Batch], list[PreparedItem | None]]
-OnDone = Callable[[Batch, list[np.ndarray | ItemFailure], float, Decision], None]
+OnDone = Callable[[Batch, list[np.ndarray | ItemFailure], float, Decision | None], None]
+"""(batch, outputs, device seconds, the next batch's decision, or None: the batch is not yet
+recorded as done and the loop calls `Scheduler.batch_done` itself)"""
 
 
 class DeviceThread:
@@ -65,12 +72,16 @@ class DeviceThread:
             prepared = job[1]
             while batch is not None:
                 outputs, exec_s = self._execute(batch, prepared)
+                decision: Decision | None = None
+                next_prepared: list[PreparedItem | None] = []
                 with self._lock:
-                    self._scheduler.batch_done(batch, exec_s)
-                    decision = Decision(None) if self.is_stopping else self._scheduler.next_batch()
-                    next_prepared = self._lookup(decision.batch) if decision.batch is not None else []
+                    if not self.is_stopping and self._scheduler.num_queued() > 0:
+                        self._scheduler.batch_done(batch, exec_s)
+                        decision = self._scheduler.next_batch()
+                        if decision.batch is not None:
+                            next_prepared = self._lookup(decision.batch)
                 self._loop.call_soon_threadsafe(self._on_done, batch, outputs, exec_s, decision)
-                batch, prepared = decision.batch, next_prepared
+                batch, prepared = (decision.batch, next_prepared) if decision is not None else (None, [])
 
     def _execute(self, batch: Batch, prepared: list[PreparedItem | None]) -> BatchOutput:
         started = time.perf_counter()

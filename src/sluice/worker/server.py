@@ -325,18 +325,12 @@ class WorkerServer:
             self._reply(identity, wire.Started(ids))
 
     def _on_batch_done(self, batch: Batch, outputs: list[np.ndarray | ItemFailure], exec_s: float,
-                       next_decision: Decision) -> None:
-        """Loop thread: a batch finished (and the device thread already started the next one)."""
-        self._on_formed(next_decision)
-        self._busy_s += exec_s
+                       next_decision: Decision | None) -> None:
+        """Loop thread: a batch finished. `next_decision`: the batch the device thread started
+        next, or None when it found nothing queued and left the batch for this thread to record,
+        after the answers have left."""
+        device_s = batch.device_shares(exec_s)  # as the scheduler splits it in batch_done
         model, version = batch.model
-        size_key = (model, version, len(batch.items))
-        count, total_s = self._batch_counts.get(size_key, (0, 0.0))
-        self._batch_counts[size_key] = (count + 1, total_s + exec_s)
-        now = self._clock.now()
-        self._metrics.batch_done(model, version, len(batch.items), exec_s,
-                                 [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
-        device_s = batch.device_shares(exec_s)  # as the scheduler split it in batch_done
         for item, output in zip(batch.items, outputs, strict=True):
             pending = self._pending.get(item.request_id)
             if pending is None:
@@ -352,6 +346,19 @@ class WorkerServer:
             pending.num_left -= 1
             if pending.num_left == 0:
                 self._finish(item.request_id, pending)
+        if next_decision is None:
+            self._flush()  # the answers leave before the bookkeeping below
+            with self._lock:
+                self._scheduler.batch_done(batch, exec_s)
+        else:
+            self._on_formed(next_decision)
+        self._busy_s += exec_s
+        size_key = (model, version, len(batch.items))
+        count, total_s = self._batch_counts.get(size_key, (0, 0.0))
+        self._batch_counts[size_key] = (count + 1, total_s + exec_s)
+        now = self._clock.now()
+        self._metrics.batch_done(model, version, len(batch.items), exec_s,
+                                 [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
         self._kick()  # the device thread found nothing: requests that arrived since can start
         if self._scheduler.is_idle and self._reported_a_wait:
             # nothing left to run: say so now rather than at the next report, so that no gateway
