@@ -43,6 +43,12 @@ log-probabilities and K alternatives (a run without them comes first, and the ru
 
     PYTHONPATH=src python benchmarks/generative/engine_bench.py --online 150 --duration 6 \
         --device cuda --dtype bfloat16 --model 1b --kv-tokens 16384 --json out.json
+
+--beside-job RATE: interactive requests (Poisson, RATE/s for --duration s, prompts 32-256 tokens,
+outputs 16-64) on a continuous engine with --kv-tokens of KV, alone and then beside a batch job
+(--job-size batch-class requests, prompts 32-256, outputs 16-128, all queued at t=0, as the
+executor feeds a job's items): the interactive TTFT p50/p99 of both and the job's output
+tokens/s meanwhile. Run it with PYTHONPATH set to two checkouts to compare schedulers.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import torch
 from sluice import wire
 from sluice.engines.generative import EngineConfig, LLMEngine, SamplingParams
 from sluice.engines.generative.tiny import make_tiny_lm
+from sluice.priority import Priority
 
 
 def request_set(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -210,6 +217,17 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
+    """Arrival times (s) of a Poisson process of `rate`/s over `duration` s."""
+    rng = random.Random(seed)
+    arrivals: list[float] = []
+    t = rng.expovariate(rate)
+    while t < duration:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return arrivals
+
+
 def online(model_dir: Path, mode: str, rate: float, duration: float, kv_tokens: int, max_model_len: int,
            device: str, dtype: str, cap_s: float, seed: int = 0) -> dict[str, float]:
     """One mode at an online load: Poisson arrivals, the engine stepped as fast as it goes."""
@@ -222,12 +240,7 @@ def online(model_dir: Path, mode: str, rate: float, duration: float, kv_tokens: 
         engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    rng = random.Random(seed)
-    arrivals: list[float] = []
-    t = rng.expovariate(rate)
-    while t < duration:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
+    arrivals = poisson_arrivals(rate, duration, seed)
     reqs = request_set(len(arrivals), engine.spec.vocab_size, seed)
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -270,6 +283,49 @@ def online(model_dir: Path, mode: str, rate: float, duration: float, kv_tokens: 
             "preemptions": engine.stats().num_preemptions_total}
 
 
+def beside_job(model_dir: Path, rate: float, duration: float, job_size: int, kv_tokens: int, max_model_len: int,
+               seed: int = 0) -> dict[str, dict[str, float]]:
+    """Interactive TTFT alone and beside a batch job (see the module's docstring)."""
+    arrivals = poisson_arrivals(rate, duration, seed)
+    results = {}
+    for label, num_job in (("alone", 0), ("beside a job", job_size)):
+        engine = LLMEngine(model_dir, EngineConfig(
+            block_size=16, num_kv_blocks=kv_tokens // 16, max_num_seqs=256, max_num_batched_tokens=2048,
+            long_prefill_token_threshold=512, max_model_len=max_model_len))
+        vocab = engine.spec.vocab_size
+        chats = [(p, min(out, 64)) for p, out in request_set(len(arrivals), vocab, seed)]
+        for i, (prompt, max_tokens) in enumerate(request_set(num_job, vocab, seed + 7)):
+            engine.add_request(f"job{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                               priority=Priority.BATCH)
+        first: dict[int, float] = {}
+        job_tokens = 0
+        nxt = 0
+        t0 = time.perf_counter()
+        while nxt < len(arrivals) or len(first) < len(arrivals):
+            now = time.perf_counter() - t0
+            while nxt < len(arrivals) and arrivals[nxt] <= now:
+                prompt, max_tokens = chats[nxt]
+                engine.add_request(str(nxt), prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True), priority=Priority.INTERACTIVE)
+                nxt += 1
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, arrivals[nxt] - now))
+                continue
+            for out in engine.step():
+                if out.request_id.startswith("job"):
+                    job_tokens += len(out.new_token_ids)
+                elif out.new_token_ids:
+                    first.setdefault(int(out.request_id), time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        ttft = [first[i] - arrivals[i] for i in range(len(arrivals))]
+        results[label] = {"interactive": len(arrivals), "ttft_p50_s": _percentile(ttft, 0.5),
+                          "ttft_p99_s": _percentile(ttft, 0.99), "ttft_max_s": max(ttft),
+                          "job_output_tokens_per_s": job_tokens / elapsed,
+                          "preemptions": engine.stats().num_preemptions_total}
+        print(label, json.dumps(results[label]))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -283,6 +339,9 @@ def main() -> None:
     parser.add_argument("--structured", action="store_true", help="the decode step with JSON-schema outputs")
     parser.add_argument("--online", type=float, default=0.0, metavar="RATE", help="requests/s, Poisson arrivals")
     parser.add_argument("--duration", type=float, default=10.0, help="--online: seconds of arrivals")
+    parser.add_argument("--beside-job", type=float, default=0.0, metavar="RATE",
+                        help="interactive requests/s alone and beside a batch job")
+    parser.add_argument("--job-size", type=int, default=400, help="--beside-job: the job's requests")
     parser.add_argument("--modes", nargs="+", default=list(ONLINE_MODES), choices=list(ONLINE_MODES))
     parser.add_argument("--cap-s", type=float, default=120.0, help="--online: wall-time limit of one mode")
     parser.add_argument("--kv-tokens", type=int, default=8192, help="--online: KV cache size in tokens")
@@ -294,6 +353,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_lm(Path(tmp) / "tiny-lm", **MODELS[args.model])
+        if args.beside_job:
+            results = {"rate": args.beside_job, "duration_s": args.duration, "job_size": args.job_size,
+                       "kv_tokens": args.kv_tokens, **beside_job(model_dir, args.beside_job, args.duration,
+                                                                 args.job_size, args.kv_tokens, args.max_model_len)}
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2) + "\n")
+            return
         if args.online:
             results = {"rate": args.online, "duration_s": args.duration, "kv_tokens": args.kv_tokens,
                        "max_model_len": args.max_model_len, "model": args.model, "device": args.device}

@@ -6,10 +6,18 @@ One step:
     2. running  decodes first (1 token each), then partial prefills (a chunk each, the tenant with
                 the smallest tag first), within the token budget; when blocks run out, preempt the
                 lowest-class, latest-arrived running sequence (free its blocks; it recomputes
-                later) until the allocation fits
+                later) until the allocation fits. Partial prefills of a class below a waiting
+                sequence's are held until after step 3, and then take the budget it leaves
+                only if no higher-class prompt is computed in this step. While a higher class
+                is running or waiting, lower classes compute at most one chunk of prompt tokens
+                (`long_prefill_token_threshold`) per step between them
     3. waiting  admit in fair order (below) while the budget, the sequence cap and the free blocks
-                allow; prefix-cache hits skip their tokens; stops at the first that does not fit,
-                so that a sequence whose turn it is is not overtaken
+                allow, and no prompt of a higher class is computed in this step; prefix-cache
+                hits skip their tokens; a sequence that does not fit for want
+                of a slot or of blocks preempts running sequences of a lower class (the lowest,
+                latest-arrived first; never a class's earliest) until it fits; stops at the
+                first that still does not fit, so that a sequence whose turn it is is not
+                overtaken
     4. charge   every token computed to its sequence's tenant and class
 
 The fair order is the one-shot batcher's (`sluice.scheduler.fair`), with tokens computed for
@@ -22,6 +30,16 @@ its weight, and the tenant with the smallest tag goes next; a tenant with nothin
 class comes back no lower than the class's virtual time (`FairShare.activate`), so idling banks
 no credit. Sequence: that tenant's earliest deadline, then earliest arrival. The tenant is
 `Sequence.tenant`; weights come from `set_tenant_weights`.
+
+Preempting for a higher class: without it, a lower class that filled the KV cache or the
+sequence slots (a batch job's generations, sent in the batch class) would hold an interactive request
+back until some of its sequences finished, each up to its whole output. The victim loses what it
+computed (it recomputes when readmitted; the latest-arrived has the least to lose), and once a
+step has preempted for admission the rest of its admissions follow strict priority, so a victim is
+not readmitted in the same step on its class's owed share. Each class's earliest-arrived running
+sequence is never a victim of admission: it runs to its end, so the sequence a class's owed share
+let in is not undone by the next higher-class arrival, and the minimum share still bounds how long
+a lower class waits (a victim that was always preempted before finishing would never finish).
 
 Early refusal (`add`): a new sequence is refused (finished at once with `FinishReason.REFUSED`,
 which the worker answers 503 with Retry-After) when it would wait behind its tenant's sequences
@@ -143,6 +161,10 @@ class Scheduler:
         # is recorded step by step (see ClassShares)
         self._class_shares = ClassShares(min_class_shares, max_debt_s=config.max_num_batched_tokens)
         self.rates = EngineRates()
+        self._top_class: Priority | None = None
+        """The highest class running or waiting as this step is formed."""
+        self._lower_prompt_left = config.long_prefill_token_threshold
+        """Prompt tokens lower classes may still compute in this step (one chunk in all)."""
 
     def set_tenant_weights(self, weights: Mapping[str, float], *, default_weight: float = 1.0) -> None:
         """Tenants' fair-share weights; tenants not named get `default_weight`. May be called from
@@ -239,24 +261,59 @@ class Scheduler:
         finished, self._finished = self._finished, []
         finished += self._expire(now_s)
         chunks: dict[str, ScheduledChunk] = {}
-        budget, num_preempted = self._schedule_running(chunks)
-        self._charge(chunks.values())
-        num_running, num_chunks = len(self.running), len(chunks)
+        charged: set[str] = set()
+        self._top_class = min((s.priority for s in (*self.running, *self.waiting)), default=None)
+        self._lower_prompt_left = self.config.long_prefill_token_threshold
+        held = self._held_prefills()
+        budget, num_preempted = self._schedule_running(chunks, self.config.max_num_batched_tokens, held)
+        self._charge_new(chunks, charged)
+        num_admitted = 0
         if num_preempted == 0:
-            budget = self._admit_waiting(budget, chunks)
-        self._charge(list(chunks.values())[num_chunks:])
-        self.rates.observe(now_s, was_running, len(self.running) - num_running, bool(self.waiting))
+            budget, num_admitted, num_admission_preempted = self._admit_waiting(budget, chunks, charged)
+            num_preempted += num_admission_preempted
+            self._charge_new(chunks, charged)
+        if held and not self._has_prefill_above(chunks, held):
+            budget, num_held_preempted = self._schedule_running(chunks, budget, set(self.running) - held)
+            num_preempted += num_held_preempted
+            self._charge_new(chunks, charged)
+        self.rates.observe(now_s, was_running, num_admitted, bool(self.waiting))
         self._record_classes(chunks.values())
         return SchedulerOutput(tuple(chunks.values()), tuple(finished), num_preempted)
 
-    def _schedule_running(self, chunks: dict[str, ScheduledChunk]) -> tuple[int, int]:
-        """Chunks for running sequences (phase 2); returns the budget left and the preemptions."""
-        budget = self.config.max_num_batched_tokens
+    def _held_prefills(self) -> set[Sequence]:
+        """Running sequences still computing their prompt whose class is below a waiting one's.
+        Their chunks come after this step's admissions, so that a higher-class prompt is not
+        left for the next step behind a lower class's (a job's prompts would otherwise fill
+        the token budget ahead of an interactive request's), and only if no higher-class prompt
+        is computed in this step: its first token comes at the end of the step, which a full
+        budget of a job's prompts would make several times longer."""
+        top = min((s.priority for s in self.waiting if not s.is_waiting_for_prefix), default=None)
+        if top is None:
+            return set()
+        return {s for s in self.running if s.is_prefilling and s.priority > top}
+
+    def _has_prefill_above(self, chunks: Mapping[str, ScheduledChunk], held: set[Sequence]) -> bool:
+        """Some chunk of this step computes the prompt of a sequence of a class above every held one's."""
+        lowest = min(s.priority for s in held)
+        by_id = {s.request_id: s for s in self.running}
+        return any(by_id[request_id].priority < lowest and by_id[request_id].is_prefilling for request_id in chunks)
+
+    def _charge_new(self, chunks: Mapping[str, ScheduledChunk], charged: set[str]) -> None:
+        """Charge the chunks not charged yet (`_charge`), and note them as charged."""
+        self._charge(chunk for request_id, chunk in chunks.items() if request_id not in charged)
+        charged.update(chunks)
+
+    def _schedule_running(self, chunks: dict[str, ScheduledChunk], budget: int,
+                          skip: set[Sequence]) -> tuple[int, int]:
+        """Chunks for running sequences other than `skip` (phase 2) within `budget`; returns the
+        budget left and the preemptions."""
         num_preempted = 0
         for seq in sorted(self.running, key=self._running_key):
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq in skip:
                 continue
             num_new = self._chunk_size(seq, budget)
+            if num_new == 0:
+                continue  # a lower class's prompt, past its share of this step
             while self.blocks.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
                 victim = max(self.running, key=Sequence.victim_key)
                 self._preempt(victim)
@@ -275,22 +332,46 @@ class Scheduler:
         tag = self._fair.tag(seq.priority, seq.tenant) if seq.is_prefilling else 0.0
         return seq.is_prefilling, int(seq.priority), tag, seq.arrival_s
 
-    def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk],
+                       charged: set[str]) -> tuple[int, int, int]:
+        """Phase 3; returns the budget left, the sequences admitted and the running ones
+        preempted to make room. `charged`: the chunks already charged to their tenants."""
         pending: dict[Flow, int] = {}  # tokens admitted this step, not yet charged
         may_jump = True
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        prompt_class = min((s.priority for s in self.running if s.request_id in chunks and s.is_prefilling),
+                           default=None)  # the highest class whose prompt is computed in this step
+        num_admitted = num_preempted = 0
+        while self.waiting and budget > 0:
             turn = self._next_waiting(pending, may_jump)
             if turn is None:
                 break  # what waits, waits for its prompt's blocks
             seq, jumped = turn
             may_jump = may_jump and not jumped
+            if prompt_class is not None and seq.priority > prompt_class:
+                break  # a higher class's prompt is computed in this step: keep the step short
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._make_room(seq, chunks, charged)
+                if freed is None:
+                    break
+                budget, num_preempted, may_jump = budget + freed, num_preempted + 1, False
+                continue
             cached = self.blocks.cached_prefix(seq.all_token_ids, seq.salt) if seq.may_use_prefix_cache else []
             num_cached = len(cached) * self.blocks.block_size
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_size(seq, budget)
+            if num_new == 0:  # a lower class's prompt, past its share of this step
+                seq.num_computed_tokens = 0
+                if not jumped:
+                    break
+                may_jump = False  # the class owed its share waits; a higher one may still go
+                continue
             if self.blocks.allocate(seq.request_id, num_cached + num_new, cached) is None:
                 seq.num_computed_tokens = 0
-                break
+                freed = self._make_room(seq, chunks, charged)
+                if freed is None:
+                    break
+                budget, num_preempted, may_jump = budget + freed, num_preempted + 1, False
+                continue
             self.blocks.record_query(seq.num_tokens, num_cached)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
@@ -300,9 +381,34 @@ class Scheduler:
             self.running.append(seq)
             chunks[seq.request_id] = self._chunk(seq, num_new)
             budget -= num_new
+            num_admitted += 1
+            if seq.is_prefilling:
+                prompt_class = seq.priority if prompt_class is None else min(prompt_class, seq.priority)
             flow = (seq.priority, seq.tenant)
             pending[flow] = pending.get(flow, 0) + num_new
-        return budget
+        return budget, num_admitted, num_preempted
+
+    def _make_room(self, seq: Sequence, chunks: dict[str, ScheduledChunk], charged: set[str]) -> int | None:
+        """Preempt the lowest-class, latest-arrived running sequence of a class below `seq`'s,
+        other than its class's earliest-arrived; returns the tokens of this step's budget its
+        dropped chunk frees (its charge refunded), or None if there is no such sequence."""
+        earliest: dict[Priority, Sequence] = {}
+        for other in self.running:
+            if other.priority > seq.priority and (
+                    other.priority not in earliest or other.arrival_s < earliest[other.priority].arrival_s):
+                earliest[other.priority] = other
+        kept = set(earliest.values())
+        victims = [s for s in self.running if s.priority > seq.priority and s not in kept]
+        if not victims:
+            return None
+        victim = max(victims, key=Sequence.victim_key)
+        dropped = chunks.pop(victim.request_id, None)
+        freed = 0 if dropped is None else len(dropped.token_ids)
+        if freed and victim.request_id in charged:
+            self._fair.charge(victim.priority, victim.tenant, -freed)
+        charged.discard(victim.request_id)  # were it readmitted this step, its new chunk is charged
+        self._preempt(victim)
+        return freed
 
     def _next_waiting(self, pending: Mapping[Flow, int], may_jump: bool) -> tuple[Sequence, bool] | None:
         """The waiting sequence whose turn it is, and whether its class jumped ahead of a higher
@@ -343,10 +449,18 @@ class Scheduler:
         self._class_shares.record(sum(served.values()), served, {s.priority for s in self.waiting})
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step: a chunk, within `budget`; for the prompt of a
+        class below the highest present, also within `_lower_prompt_left`."""
         remaining = seq.num_tokens - seq.num_computed_tokens
-        return min(remaining, budget, self.config.long_prefill_token_threshold)
+        size = min(remaining, budget, self.config.long_prefill_token_threshold)
+        return min(size, self._lower_prompt_left) if self._is_lower_prompt(seq) else size
+
+    def _is_lower_prompt(self, seq: Sequence) -> bool:
+        return self._top_class is not None and seq.priority > self._top_class and seq.is_prefilling
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        if self._is_lower_prompt(seq):
+            self._lower_prompt_left -= num_new
         start = seq.num_computed_tokens
         return ScheduledChunk(
             request_id=seq.request_id,

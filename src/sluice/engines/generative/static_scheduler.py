@@ -44,9 +44,11 @@ class StaticScheduler(Scheduler):
             return self._max_model_len
         return min(self._max_model_len, seq.num_prompt_tokens + seq.params.max_tokens)
 
-    def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk],
+                       charged: set[str]) -> tuple[int, int, int]:
         if self.running:  # the batch is still running: nobody joins it
-            return budget
+            return budget, 0, 0
+        num_admitted = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self.blocks.allocate(seq.request_id, self.reserve_tokens(seq)) is None:
@@ -55,8 +57,9 @@ class StaticScheduler(Scheduler):
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_admitted += 1
             num_new = self._chunk_size(seq, budget)
             if num_new > 0:  # members past the token budget prefill in the next steps
                 chunks[seq.request_id] = self._chunk(seq, num_new)
                 budget -= num_new
-        return budget
+        return budget, num_admitted, 0
