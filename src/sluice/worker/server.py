@@ -329,6 +329,7 @@ class WorkerServer:
         """Loop thread: a batch finished. `next_decision`: the batch the device thread started
         next, or None when it found nothing queued and left the batch for this thread to record,
         after the answers have left."""
+        now = self._clock.now()
         device_s = batch.device_shares(exec_s)  # as the scheduler splits it in batch_done
         model, version = batch.model
         for item, output in zip(batch.items, outputs, strict=True):
@@ -356,7 +357,6 @@ class WorkerServer:
         size_key = (model, version, len(batch.items))
         count, total_s = self._batch_counts.get(size_key, (0, 0.0))
         self._batch_counts[size_key] = (count + 1, total_s + exec_s)
-        now = self._clock.now()
         self._metrics.batch_done(model, version, len(batch.items), exec_s,
                                  [max(now - exec_s - item.enqueued_at, 0.0) for item in batch.items])
         self._kick()  # the device thread found nothing: requests that arrived since can start

@@ -407,6 +407,8 @@ class Scheduler:
         if freed and victim.request_id in charged:
             self._fair.charge(victim.priority, victim.tenant, -freed)
         charged.discard(victim.request_id)  # were it readmitted this step, its new chunk is charged
+        if freed and self._is_lower_prompt(victim):
+            self._lower_prompt_left += freed
         self._preempt(victim)
         return freed
 
