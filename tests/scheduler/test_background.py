@@ -152,3 +152,18 @@ def test_held_background_work_runs_once_online_traffic_stops():
     during = sum(1 for run in job_runs if run.finished_at_s < 3.0)
     assert 5 <= during <= 100  # a rider every few online batches while the traffic lasts
     assert all(run.started_at_s < 6.0 for run in job_runs)  # then the rest, once the rate has decayed
+
+
+def test_on_a_device_whose_batches_take_no_time_background_work_is_never_held():
+    """A model whose measured profile is zero (a no-op model) predicts batches of no time, which
+    delay no one: background work runs beside online traffic instead of failing to form."""
+    clock = VirtualClock(0.0)
+    scheduler = Scheduler(clock)
+    scheduler.add_model(M1, LIMITS, LatencyProfile(0.0, 0.0, 16))
+    admit_online(scheduler, clock.now(), 1, 1)
+    online = scheduler.next_batch().batch
+    assert online is not None
+    admit_job(scheduler, clock.now(), 1000, 1)
+    scheduler.batch_done(online, 0.0)
+    decision = scheduler.next_batch()
+    assert decision.batch is not None and [item.request_id for item in decision.batch.items] == [1000]

@@ -132,11 +132,12 @@ class Tenancy:
 
     async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                      refund_request: bool = False) -> None:
-        if not reservation.lease_id or self._shared is None:  # (`settles_locally`)
+        shared = self._shared
+        if shared is None or self.settles_locally(reservation):
             self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
             return
         try:
-            await self._shared.settle(reservation, tokens, device_s, refund_request=refund_request)
+            await shared.settle(reservation, tokens, device_s, refund_request=refund_request)
         except RedisError as exc:
             # kept by the limiter and sent again before its next admission; until then its
             # concurrency slot stays taken (at the latest its lease frees it)

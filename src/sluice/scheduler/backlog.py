@@ -230,8 +230,8 @@ class Backlog:
         """Whether background `head` must wait for online work to be quiet (see the module's
         diagram); if so, `held_until` says until when."""
         full_s = head.queue.full_batch_s(head.item.cost)
-        if self._class_shares.credit_s(head.item.priority) > OWED_BATCHES * full_s:
-            return False
+        if full_s <= 0 or self._class_shares.credit_s(head.item.priority) > OWED_BATCHES * full_s:
+            return False  # (a batch predicted to take no time delays no one)
         rate = self.online_rate(now)
         quiet_rate = self._quiet_arrivals / full_s
         if rate <= quiet_rate:

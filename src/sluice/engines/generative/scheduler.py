@@ -272,7 +272,8 @@ class Scheduler:
             budget, num_admitted, num_admission_preempted = self._admit_waiting(budget, chunks, charged)
             num_preempted += num_admission_preempted
             self._charge_new(chunks, charged)
-        if held and not self._has_prefill_above(chunks, held):
+        prompt_class = self._prompt_class(chunks)
+        if held and (prompt_class is None or prompt_class >= min(s.priority for s in held)):
             budget, num_held_preempted = self._schedule_running(chunks, budget, set(self.running) - held)
             num_preempted += num_held_preempted
             self._charge_new(chunks, charged)
@@ -292,11 +293,9 @@ class Scheduler:
             return set()
         return {s for s in self.running if s.is_prefilling and s.priority > top}
 
-    def _has_prefill_above(self, chunks: Mapping[str, ScheduledChunk], held: set[Sequence]) -> bool:
-        """Some chunk of this step computes the prompt of a sequence of a class above every held one's."""
-        lowest = min(s.priority for s in held)
-        by_id = {s.request_id: s for s in self.running}
-        return any(by_id[request_id].priority < lowest and by_id[request_id].is_prefilling for request_id in chunks)
+    def _prompt_class(self, chunks: Mapping[str, ScheduledChunk]) -> Priority | None:
+        """The highest class whose prompt this step computes so far (None: no prompt)."""
+        return min((s.priority for s in self.running if s.request_id in chunks and s.is_prefilling), default=None)
 
     def _charge_new(self, chunks: Mapping[str, ScheduledChunk], charged: set[str]) -> None:
         """Charge the chunks not charged yet (`_charge`), and note them as charged."""
@@ -338,8 +337,7 @@ class Scheduler:
         preempted to make room. `charged`: the chunks already charged to their tenants."""
         pending: dict[Flow, int] = {}  # tokens admitted this step, not yet charged
         may_jump = True
-        prompt_class = min((s.priority for s in self.running if s.request_id in chunks and s.is_prefilling),
-                           default=None)  # the highest class whose prompt is computed in this step
+        prompt_class = self._prompt_class(chunks)
         num_admitted = num_preempted = 0
         while self.waiting and budget > 0:
             turn = self._next_waiting(pending, may_jump)
