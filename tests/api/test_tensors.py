@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from sluice.api.tensors import (
+    DATATYPES,
     MAX_ELEMENTS,
+    Output,
     decode_bytes_elements,
     encode_bytes_elements,
     parse_request,
@@ -248,14 +250,26 @@ def test_bytes_elements_round_trip():
 def test_render_outputs_json_and_binary():
     first = np.arange(6, dtype=np.float32).reshape(2, 3)
     second = np.array([1, -2], dtype=np.int64)
-    entries, raw = render_outputs([("a", "FP32", first), ("b", "INT64", second)], {"b"})
+    entries, raw = render_outputs([Output("a", "FP32", first.shape, first.tobytes()),
+                                   Output("b", "INT64", second.shape, second.astype("<i8").tobytes())], {"b"})
     assert entries[0] == {"name": "a", "datatype": "FP32", "shape": [2, 3], "data": [0, 1, 2, 3, 4, 5]}
     assert entries[1] == {"name": "b", "datatype": "INT64", "shape": [2], "parameters": {"binary_data_size": 16}}
     assert np.frombuffer(raw, dtype="<i8").tolist() == [1, -2]
     assert msgspec.json.encode(entries)  # plain JSON values only
 
 
-def test_render_outputs_binary_is_little_endian_row_major():
-    big_endian = np.arange(4, dtype=">f4").reshape(2, 2).T  # neither little-endian nor contiguous
-    _, raw = render_outputs([("a", "FP32", big_endian)], {"a"})
-    assert np.frombuffer(raw, dtype="<f4").tolist() == [0.0, 2.0, 1.0, 3.0]
+@pytest.mark.parametrize("datatype", sorted(DATATYPES))
+def test_every_numeric_datatype_round_trips_through_json(datatype):
+    """Packed from JSON numbers and rendered back, the values are numpy's for the datatype."""
+    dtype = DATATYPES[datatype]
+    if dtype.kind == "b":
+        data = [True, False, True]
+    elif dtype.kind == "f":
+        data = [0.5, -1.25, float(np.finfo(dtype).max)]
+    else:
+        info = np.iinfo(dtype)
+        data = [int(info.min), 0, int(info.max)]
+    _, (tensor,) = parse_request(_json_request({"name": "x", "shape": [3], "datatype": datatype, "data": data}), None)
+    assert tensor.data == np.array(data, dtype=dtype.newbyteorder("<")).tobytes()
+    (entry,), _ = render_outputs([Output("y", datatype, (3,), tensor.data)], set())
+    assert entry["data"] == data

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -38,7 +37,15 @@ from sluice.api.common import (
     requested_priority,
     route_key,
 )
-from sluice.api.tensors import NUMPY_TO_KSERVE, InferRequestBody, Tensor, parse_request, render_outputs
+from sluice.api.tensors import (
+    NUMPY_NAMES,
+    NUMPY_TO_KSERVE,
+    InferRequestBody,
+    Output,
+    Tensor,
+    parse_request,
+    render_outputs,
+)
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
@@ -166,13 +173,12 @@ def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
         raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {info.outputs[0].name!r})")
 
 
-def output_of(info: wire.ModelInfo, payload: wire.Payload) -> tuple[str, str, np.ndarray]:
-    """A model's answer as its output's (name, KServe datatype, array)."""
+def output_of(info: wire.ModelInfo, payload: wire.Payload) -> Output:
+    """A model's answer as its output."""
     if not isinstance(payload, wire.TensorPayload):
         raise TypeError("models return tensors")
     spec = info.outputs[0]
-    array = np.frombuffer(payload.data, dtype=payload.dtype).reshape(payload.shape)
-    return spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), array
+    return Output(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)
 
 
 def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
@@ -255,16 +261,13 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     if not _fits(tensor.shape, expected):
         raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
                            f"got {list(tensor.shape)}")
-    if tensor.datatype == "BYTES":
-        assert isinstance(tensor.values, list)
+    if isinstance(tensor.data, list):  # BYTES
         try:
-            texts = [v.decode() for v in tensor.values]
+            texts = [v.decode() for v in tensor.data]
         except UnicodeDecodeError as exc:
             raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
         return wire.TextPayload(check_texts(texts, f"input {tensor.name!r}", param=tensor.name))
-    assert isinstance(tensor.values, np.ndarray)
-    array = np.ascontiguousarray(tensor.values)
-    return wire.TensorPayload(str(array.dtype), tuple(array.shape), array.tobytes())
+    return wire.TensorPayload(NUMPY_NAMES[tensor.datatype], tensor.shape, tensor.data)
 
 
 def _fits(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:

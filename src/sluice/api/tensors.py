@@ -10,7 +10,10 @@ little-endian length followed by the bytes.
 
 from __future__ import annotations
 
+import array
+import math
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +38,23 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     "FP64": np.dtype(np.float64),
 }
 NUMPY_TO_KSERVE = {str(v): k for k, v in DATATYPES.items()}
+NUMPY_NAMES = {k: v.name for k, v in DATATYPES.items()}
+"""KServe datatype -> the numpy dtype name a `wire.TensorPayload` carries."""
 MAX_ELEMENTS = 16 * 1024 * 1024
 MAX_DIMS = 16
 # The Python type each JSON element must have: no strings for numbers, no numbers for BOOL.
 _JSON_ELEMENT: dict[str, type] = {
     name: bool if name == "BOOL" else float if name.startswith("FP") else int for name in DATATYPES
 }
+# `array.array` type codes of the same size as the datatype: packing a list of Python numbers
+# with one is a single C loop that refuses out-of-range integers (numpy takes several calls, each
+# of which costs tens of microseconds when a lone request finds the caches cold).
+_ARRAY_CODES = {name: code for name, code in (("INT8", "b"), ("UINT8", "B"), ("INT16", "h"), ("UINT16", "H"),
+                                              ("INT32", "i"), ("UINT32", "I"), ("INT64", "q"), ("UINT64", "Q"),
+                                              ("FP32", "f"), ("FP64", "d"))
+                if array.array(code).itemsize == DATATYPES[name].itemsize}
+_SWAP = sys.byteorder == "big"
+_NO_DATA = (b"", b"null")
 
 
 class RequestedOutput(msgspec.Struct):
@@ -52,7 +66,8 @@ class InputTensor(msgspec.Struct):
     name: str
     shape: list[int]
     datatype: str
-    data: Any = None
+    data: msgspec.Raw = msgspec.Raw()
+    """JSON `data` as sent, decoded once its datatype is known (`_from_json`)."""
     parameters: dict[str, Any] = {}
 
 
@@ -65,12 +80,20 @@ class InferRequestBody(msgspec.Struct):
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
-    """A decoded input: a numpy array for numeric types, a list of bytes for BYTES."""
+    """A decoded input."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    values: np.ndarray | list[bytes]
+    data: bytes | list[bytes]
+    """Numeric types: the elements' little-endian bytes, row-major; BYTES: the elements."""
+
+    @property
+    def values(self) -> np.ndarray | list[bytes]:
+        """A numpy array (a view of `data`) for numeric types, the elements for BYTES."""
+        if isinstance(self.data, list):
+            return self.data
+        return np.frombuffer(self.data, dtype=DATATYPES[self.datatype].newbyteorder("<")).reshape(self.shape)
 
 
 def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestBody, list[Tensor]]:
@@ -133,23 +156,62 @@ def _check_shape(tensor: InputTensor) -> int:
 
 def _from_json(tensor: InputTensor) -> Tensor:
     count = _check_shape(tensor)
-    if tensor.data is None:
+    raw = bytes(tensor.data)
+    if raw.strip() in _NO_DATA:
         raise InvalidInput(f"input {tensor.name!r} has no data")
+    kind = str if tensor.datatype == "BYTES" else _JSON_ELEMENT[tensor.datatype]
+    try:  # the common case, a flat list of the right kind, in one step
+        flat: list[Any] | None = msgspec.json.decode(raw, type=list[kind])  # type: ignore[valid-type]
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        flat = None  # nested, a scalar, or not of the datatype: the general path says which
     if tensor.datatype == "BYTES":
-        flat = _flatten(tensor.data)
+        if flat is None:
+            flat = _flatten(_decode_any(raw))
         if len(flat) != count or not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {tensor.name!r}: expected {count} strings for shape {tensor.shape}")
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), [v.encode() for v in flat])
-    array = _numeric_array(tensor)
-    if array.size != count:
-        raise InvalidInput(f"input {tensor.name!r}: {array.size} values do not fill shape {tensor.shape}")
-    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), array.reshape(tensor.shape))
+    if flat is not None:
+        num_values, data = len(flat), pack_values(tensor, flat)
+    else:
+        numbers = _numeric_array(tensor, _decode_any(raw))
+        num_values, data = numbers.size, numbers.astype(numbers.dtype.newbyteorder("<"), copy=False).tobytes()
+    if num_values != count:
+        raise InvalidInput(f"input {tensor.name!r}: {num_values} values do not fill shape {tensor.shape}")
+    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), data)
 
 
-def _numeric_array(tensor: InputTensor) -> np.ndarray:
+def _decode_any(raw: bytes) -> Any:
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise unreadable_json(exc) from exc
+
+
+def pack_values(tensor: InputTensor, values: list[Any]) -> bytes:
+    """A flat list of Python numbers of the datatype's kind (bool for BOOL, int for integers,
+    float or int for floating point) as little-endian bytes; out-of-range values are refused."""
+    code = _ARRAY_CODES.get(tensor.datatype)
+    try:
+        if code is None:  # BOOL, FP16
+            with np.errstate(over="ignore"):
+                numbers = np.array(values, dtype=DATATYPES[tensor.datatype].newbyteorder("<"))
+            if numbers.dtype.kind == "f" and np.isinf(numbers).any():
+                raise OverflowError
+            return numbers.tobytes()
+        packed = array.array(code, values)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}") from exc
+    if code in "fd" and any(map(math.isinf, packed)):  # JSON has no inf: a finite value overflowed
+        raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}")
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _numeric_array(tensor: InputTensor, data: Any) -> np.ndarray:
     """JSON `data` (flat or nested, row-major) as an array, checking every element's JSON type
     first: numpy alone would turn `"1.5"` or `true` into a number."""
-    data = tensor.data if isinstance(tensor.data, list) else [tensor.data]
+    data = data if isinstance(data, list) else [data]
     kind: Any = _JSON_ELEMENT[tensor.datatype]
     probe = data
     num_levels = 1
@@ -182,11 +244,7 @@ def tensor_from_values(tensor: InputTensor, values: list[Any]) -> Tensor:
         raise InvalidInput(f"input {tensor.name!r}: {len(values)} values do not fill shape {tensor.shape}")
     if tensor.datatype == "BYTES":
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), list(values))
-    try:
-        array = np.array(values, dtype=DATATYPES[tensor.datatype])
-    except (ValueError, OverflowError) as exc:
-        raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}: {exc}") from exc
-    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), array.reshape(tensor.shape))
+    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), pack_values(tensor, values))
 
 
 def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
@@ -198,11 +256,9 @@ def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
             raise InvalidInput(f"input {tensor.name!r}: {len(values)} BYTES elements do not fill "
                                f"shape {tensor.shape}")
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), values)
-    dtype = DATATYPES[tensor.datatype]
-    if len(raw) != count * dtype.itemsize:
+    if len(raw) != count * DATATYPES[tensor.datatype].itemsize:
         raise InvalidInput(f"input {tensor.name!r}: {len(raw)} bytes do not match shape {tensor.shape}")
-    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(tensor.shape)
-    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), array)
+    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), bytes(raw))
 
 
 def decode_bytes_elements(raw: bytes) -> list[bytes]:
@@ -240,19 +296,37 @@ def _flatten(data: Any) -> list[Any]:
     return flat
 
 
-def render_outputs(
-    outputs: list[tuple[str, str, np.ndarray]], binary_names: set[str]
-) -> tuple[list[dict[str, Any]], bytes]:
+@dataclass(frozen=True, slots=True)
+class Output:
+    """An output tensor to render: its elements' little-endian bytes, row-major."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def render_outputs(outputs: list[Output], binary_names: set[str]) -> tuple[list[dict[str, Any]], bytes]:
     """JSON output entries, and the raw bytes of the outputs asked for in binary (in order)."""
     entries = []
     raw_parts = []
-    for name, datatype, array in outputs:
-        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if name in binary_names:
-            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            raw_parts.append(raw)
+    for output in outputs:
+        entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
+        if output.name in binary_names:
+            entry["parameters"] = {"binary_data_size": len(output.data)}
+            raw_parts.append(output.data)
         else:
-            entry["data"] = array.reshape(-1).tolist()
+            entry["data"] = unpack_values(output.datatype, output.data)
         entries.append(entry)
     return entries, b"".join(raw_parts)
+
+
+def unpack_values(datatype: str, data: bytes) -> list[Any]:
+    """Little-endian elements as a flat list of Python numbers (bools for BOOL)."""
+    code = _ARRAY_CODES.get(datatype)
+    if code is None:
+        return np.frombuffer(data, dtype=DATATYPES[datatype].newbyteorder("<")).tolist()  # type: ignore[no-any-return]
+    values = array.array(code, data)
+    if _SWAP:
+        values.byteswap()
+    return values.tolist()

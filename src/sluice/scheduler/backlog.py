@@ -136,6 +136,10 @@ class Backlog:
     def has_request(self, request_id: int) -> bool:
         return request_id in self._requests
 
+    @property
+    def is_empty(self) -> bool:
+        return not self._requests
+
     def push(self, key: ModelKey, request_id: int, items: Sequence[WorkItem]) -> None:
         queue = self.queues[key]
         for item in items:
@@ -275,10 +279,11 @@ class Backlog:
         num_before, high_before = queue.bucket_state(bucket)
         members = [self._take(queue, bucket, head.item.flow)]
         pending = {head.item.flow: head.item.work_s / self.fair.weight(head.item.tenant)}
-        classes = [head.item.priority, *(p for p in Priority if p != head.item.priority)]
-        for priority in classes:
-            flows = [flow for flow in queue.flows(bucket) if flow[0] == priority]
-            self._fill_from(queue, bucket, flows, members, pending, now, expired, not head.item.background)
+        if num_before > 1:  # (at low load the head is often alone)
+            classes = [head.item.priority, *(p for p in Priority if p != head.item.priority)]
+            for priority in classes:
+                flows = [flow for flow in queue.flows(bucket) if flow[0] == priority]
+                self._fill_from(queue, bucket, flows, members, pending, now, expired, not head.item.background)
         credit_s = queue.credit_s(bucket, num_before, high_before, len(members))
         num_riders = 0
         if not head.item.background and self._ride_share > 0:

@@ -175,12 +175,15 @@ class Scheduler:
             share = min(num_over / max(num_queued, 1), 1.0)
             return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * self._fair.queued_s(priority, tenant)))
         works_s = [queue.item_work_s(cost) for cost in costs]
-        skipped_s = self._skipped_s(priority, tenant, sum(works_s))
-        finish = now + self._finish_s(now, estimate.replaced_room_s, skipped_s, estimate.own_s,
-                                      self._jump_rate(now, priority, tenant, sum(works_s)), priority,
-                                      estimate.alone_s)
-        if finish > deadline:
-            return Rejected(RejectReason.OVERLOADED, max(finish - deadline, 0.001))
+        if background or self._running is not None or not self._backlog.is_empty:
+            # (an idle device with nothing queued starts online work at once: it finishes as it
+            # would alone, checked above; on the event loop at low load this is most requests)
+            skipped_s = self._skipped_s(priority, tenant, sum(works_s))
+            finish = now + self._finish_s(now, estimate.replaced_room_s, skipped_s, estimate.own_s,
+                                          self._jump_rate(now, priority, tenant, sum(works_s)), priority,
+                                          estimate.alone_s)
+            if finish > deadline:
+                return Rejected(RejectReason.OVERLOADED, max(finish - deadline, 0.001))
         items = tuple(WorkItem(request_id, i, cost, deadline, now, tenant=tenant, priority=priority, work_s=work_s,
                                background=background)
                       for i, (cost, work_s) in enumerate(zip(costs, works_s, strict=True)))
