@@ -335,20 +335,22 @@ def keys() -> None:
 @click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("tenants.toml"), show_default=True, help="The tenants file to add the key to.")
 @click.option("--admin", "is_admin", is_flag=True, help="Create an admin key instead of a tenant's.")
-def create_key(tenant: str | None, tenants_file: Path, is_admin: bool) -> None:
+@click.option("--metrics", "is_metrics", is_flag=True,
+              help="Create a key that may only read /metrics (which from then on needs one).")
+def create_key(tenant: str | None, tenants_file: Path, is_admin: bool, is_metrics: bool) -> None:
     """Create an API key for TENANT (adding the tenant if new), store its hash, print the key once."""
     from sluice.gateway.keyfile import add_key
 
-    if not is_admin and not tenant:
-        raise click.UsageError("name a TENANT, or pass --admin")
+    if sum((bool(tenant), is_admin, is_metrics)) != 1:
+        raise click.UsageError("name a TENANT, or pass --admin or --metrics (one of them)")
     try:
-        key = add_key(tenants_file, None if is_admin else tenant)
+        key = add_key(tenants_file, tenant, metrics=is_metrics)
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc
     click.echo(key)
-    who = "an admin key" if is_admin else f"a key for tenant {tenant!r}"
+    who = "an admin key" if is_admin else "a metrics key" if is_metrics else f"a key for tenant {tenant!r}"
     click.echo(f"Stored the hash of {who} in {tenants_file}. This is the only time the key is shown.", err=True)
-    if is_admin:
+    if not tenant:
         from sluice.gateway.tenants import load_tenants
 
         try:

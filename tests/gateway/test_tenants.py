@@ -37,7 +37,23 @@ def test_admin_keys_are_separate(tmp_path: Path):
     assert directory.tenant_for_key(admin) is None
 
 
+def test_metrics_are_open_unless_the_file_lists_metrics_keys(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    tenant = add_key(path, "acme")
+    admin = add_key(path, None)
+    assert load_tenants(path).may_scrape(None)
+    scraper = add_key(path, None, metrics=True)
+    directory = load_tenants(path)
+    assert directory.may_scrape(scraper) and directory.may_scrape(admin)
+    assert not directory.may_scrape(None) and not directory.may_scrape(tenant)
+    assert directory.tenant_for_key(scraper) is None and not directory.is_admin_key(scraper)
+    assert 'access = "keys"' in path.read_text()
+
+
 @pytest.mark.parametrize("body, message", [
+    ("[tenants.a]\n[metrics]\naccess = 'public'\n", "access must be"),
+    ("[tenants.a]\n[metrics]\naccess = 'open'\napi_keys = ['sha256:" + "0" * 64 + "']\n", "access is"),
+    ("[tenants.a]\n[metrics]\nkeys = []\n", "unknown field"),
     ("[tenants.a]\napi_keys = ['sk-plain-text']\n", "never in plain text"),
     ("[tenants.a]\nweight = -1\n", "weight must be a number"),
     ("[tenants.a]\npriority = 'urgent'\n", "'priority' must be one of"),
@@ -65,3 +81,20 @@ def test_keys_create_admin_on_a_new_file_says_the_server_needs_a_tenant_too(tmp_
     added = CliRunner().invoke(main, ["keys", "create", "acme", "--tenants", str(path)])
     assert added.exit_code == 0 and "needs at least one tenant" not in added.output
     assert load_tenants(path).tenants.keys() == {"acme"}
+
+
+def test_keys_create_takes_one_of_a_tenant_admin_or_metrics(tmp_path: Path):
+    from click.testing import CliRunner
+
+    from sluice.cli import main
+
+    path = tmp_path / "tenants.toml"
+    runner = CliRunner()
+    assert runner.invoke(main, ["keys", "create", "acme", "--tenants", str(path)]).exit_code == 0
+    both = runner.invoke(main, ["keys", "create", "acme", "--metrics", "--tenants", str(path)])
+    assert both.exit_code == 2 and "one of them" in both.output
+    created = runner.invoke(main, ["keys", "create", "--metrics", "--tenants", str(path)])
+    assert created.exit_code == 0 and "a metrics key" in created.output
+    key = created.output.splitlines()[0]
+    directory = load_tenants(path)
+    assert directory.may_scrape(key) and not directory.may_scrape(None)

@@ -3,6 +3,7 @@ budgets, classes, the admin scope, and a SIGHUP reload that drops nothing in fli
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import signal
 import time
@@ -22,10 +23,15 @@ ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
 KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single")}
 ADMIN_KEY = new_key()
+METRICS_KEY = new_key()
 
 TENANTS = f"""
 [admin]
 api_keys = ["{hash_key(ADMIN_KEY)}"]
+
+[metrics]
+access = "keys"
+api_keys = ["{hash_key(METRICS_KEY)}"]
 
 [tenants.alpha]
 api_keys = ["{hash_key(KEYS['alpha'])}"]
@@ -110,9 +116,36 @@ def test_no_key_or_a_wrong_key_is_401(server):
     assert response.status_code == 401 and "error" in response.json()  # KServe's error shape
 
 
-def test_health_and_metrics_need_no_key(server):
+def scrape(server, key: str = METRICS_KEY) -> httpx.Response:
+    return httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {key}"})
+
+
+def test_health_needs_no_key_and_metrics_a_metrics_or_admin_key(server):
+    """`[metrics] access = "keys"`: the tenants cannot read each other's names and usage."""
     assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    anonymous = httpx.get(f"{server.url}/metrics")
+    assert anonymous.status_code == 401 and "# HELP" not in anonymous.text
+    assert anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert scrape(server, KEYS["alpha"]).status_code == 403
+    assert scrape(server, new_key()).status_code == 401
+    for key in (METRICS_KEY, ADMIN_KEY):
+        answer = scrape(server, key)
+        assert answer.status_code == 200 and "# HELP sluice_" in answer.text
+    with sdk(server, METRICS_KEY) as client, pytest.raises(openai.AuthenticationError):
+        client.embeddings.create(model="emulated", input="hi")  # a metrics key runs nothing
+
+
+def test_sluice_bench_reads_protected_metrics_with_its_metrics_key(server):
+    from sluice.bench.loadgen import auth_headers, new_session
+    from sluice.bench.promstats import scrape
+
+    async def snapshots() -> tuple[object, object]:
+        async with new_session(10.0, 4, auth_headers(KEYS["alpha"])) as session:  # the load's key
+            return (await scrape(session, server.url, "emulated"),
+                    await scrape(session, server.url, "emulated", headers=auth_headers(METRICS_KEY)))
+
+    without, with_key = asyncio.run(snapshots())
+    assert without is None and with_key is not None
 
 
 def test_a_model_the_tenant_may_not_use_is_403_and_not_listed(server):
@@ -148,7 +181,7 @@ def test_a_one_request_tenant_can_send_its_next_request_the_moment_it_has_an_ans
     concurrency slot is free and the metrics count the answer."""
 
     def goodput() -> float:
-        text = httpx.get(f"{server.url}/metrics").text
+        text = scrape(server).text
         line = next((x for x in text.splitlines() if x.startswith("sluice_tenant_goodput_total{")
                      and 'tenant="single"' in x), None)
         return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
@@ -215,7 +248,7 @@ def test_a_request_may_lower_its_class_but_never_raise_it(server):
     with sdk(server, KEYS["alpha"]) as client:
         client.embeddings.create(model="emulated", input="hi", extra_body={"service_tier": "flex"})
         client.embeddings.create(model="emulated", input="hi")
-    text = httpx.get(f"{server.url}/metrics").text
+    text = scrape(server).text
     assert 'sluice_tenant_admitted_total{class="batch",tenant="bulk"} 2.0' in text
     assert 'sluice_tenant_admitted_total{class="interactive",tenant="bulk"}' not in text
     assert 'sluice_tenant_admitted_total{class="batch",tenant="alpha"} 1.0' in text

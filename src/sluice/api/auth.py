@@ -4,9 +4,10 @@
                  │ no key / unknown key: 401    tenant key on /admin/*: 403
 
 Keys come from `Authorization: Bearer <key>` (what the `openai` SDK sends) or `api-key`.
-Health probes and `/metrics` need no key. Without a tenants file every request is the local
-tenant's and no key is asked for. A scope that already names a tenant was built in-process (a
-batch job's item, run for the job's owner) and is left as it is: clients cannot set scope keys.
+Health probes need no key; `/metrics` checks its own (`[metrics]` in the tenants file). Without
+a tenants file every request is the local tenant's and no key is asked for. A scope that already
+names a tenant was built in-process (a batch job's item, run for the job's owner) and is left as
+it is: clients cannot set scope keys.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
 @click.option("--api-key", envvar=["SLUICE_API_KEY", "OPENAI_API_KEY"], show_envvar=True, default=None,
               help="Sent as 'Authorization: Bearer KEY' on every request (load, metadata, /metrics), for a "
                    "server with a tenants file. Never written to the result files.")
+@click.option("--metrics-key", envvar="SLUICE_METRICS_KEY", show_envvar=True, default=None,
+              help="Sent instead of --api-key to read /metrics, for a server whose tenants file asks for a "
+                   "metrics key there (`sluice keys create --metrics`). Never written to the result files.")
 @click.option("--endpoint", type=click.Choice(_ENDPOINTS + _GENERATIVE_ENDPOINTS), default="kserve", show_default=True,
               help="completions/chat: streaming generation (SSE), reported with vLLM's TTFT/TPOT/ITL metrics.")
 @click.option("--model", default="emulated", show_default=True)
@@ -75,8 +78,9 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
               help="completions/chat: TTFT target for goodput.")
 @click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="completions/chat: TPOT target for goodput.")
-def bench(url: str, api_key: str | None, endpoint: str, model: str, input_len: int, rate: float | None,
-          rates: str | None, duration_s: float, warmup_s: float, timeout_ms: float | None, slo_ms: float,
+def bench(url: str, api_key: str | None, metrics_key: str | None, endpoint: str, model: str, input_len: int,
+          rate: float | None, rates: str | None, duration_s: float, warmup_s: float, timeout_ms: float | None,
+          slo_ms: float,
           out_path: Path | None, plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int,
           max_lag_ms: float, self_test: bool, concurrency: int, scenario: str | None, scale: float, prompt_len: str,
           output_len: str, ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> None:
@@ -113,7 +117,7 @@ def bench(url: str, api_key: str | None, endpoint: str, model: str, input_len: i
         return
     bench_config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, input_len, rates_per_s,
                                       duration_s, warmup_s, timeout_ms, slo_ms, seed, request_timeout_s,
-                                      max_connections, max_lag_ms, api_key)
+                                      max_connections, max_lag_ms, api_key, metrics_key)
     try:
         runner.bench(bench_config, console, out_path, plot_path)
     except runner.BenchError as exc:

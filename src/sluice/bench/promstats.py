@@ -105,7 +105,7 @@ def server_delta(before: ServerSnapshot, after: ServerSnapshot) -> ServerStats:
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str, model: str | None = None,
-                 timeout_s: float = 10.0) -> ServerSnapshot | None:
+                 timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> ServerSnapshot | None:
     """One snapshot of the server's counters, or `None` when `/metrics` cannot be read.
 
     A missing or broken `/metrics` is expected (not every server is sluice), so it is a value.
@@ -113,7 +113,7 @@ async def scrape(session: aiohttp.ClientSession, base_url: str, model: str | Non
     """
     started = time.perf_counter()
     try:
-        async with session.get(base_url.rstrip("/") + "/metrics",
+        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             if response.status != 200:
                 return None

@@ -50,6 +50,8 @@ class BenchConfig:
     max_lag_ms: float = MAX_LAG_P99_MS
     api_key: str | None = None
     """Sent as a bearer token on every request; never written to the result file."""
+    metrics_key: str | None = None
+    """Sent instead of `api_key` to read `/metrics` (a server whose tenants file asks for metrics keys)."""
 
 def bench(config: BenchConfig, console: Console, out_path: Path | None, plot_path: Path | None) -> Path:
     """Run every rate, print the summary, write the JSON and the plot; returns the JSON path."""
@@ -100,6 +102,7 @@ def self_test(console: Console, concurrency: int, duration_s: float, rates_per_s
 def config_document(config: BenchConfig, model_platform: str | None) -> dict[str, Any]:
     document: dict[str, Any] = msgspec.to_builtins(config)
     document["api_key"] = "(set)" if config.api_key else None
+    document["metrics_key"] = "(set)" if config.metrics_key else None
     document.update(model_platform=model_platform, is_emulated=model_platform == "sluice_emulated",
                     arrivals="poisson")
     return document
@@ -124,7 +127,8 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
 
         workload = new_workload()
         console.print(f"{workload.description} -> {workload.url}")
-        snapshot = functools.partial(scrape, session, config.url, config.model)
+        snapshot = functools.partial(scrape, session, config.url, config.model,
+                                     headers=auth_headers(config.metrics_key) if config.metrics_key else None)
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[sent]} sent"),
                    TextColumn("{task.completed:.0f}/{task.total:.0f} done"), TimeElapsedColumn())
         with Progress(*columns, console=console, refresh_per_second=4) as progress:

@@ -20,14 +20,18 @@ from sluice.gateway.tenants import hash_key, load_tenants, new_key
 __all__ = ["add_key"]
 
 
-def add_key(path: Path, tenant: str | None) -> str:
-    """Create a key for `tenant` (None: an admin key), adding the tenant if it is new."""
+def add_key(path: Path, tenant: str | None, *, metrics: bool = False) -> str:
+    """Create a key for `tenant` (None: an admin key, or with `metrics` a key that may only read
+    `/metrics`, which then needs one), adding the tenant if it is new."""
     try:
         document = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
     except TOMLKitError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     key = new_key()
-    if tenant is None:
+    if metrics:
+        table = document.setdefault("metrics", tomlkit.table())
+        table.setdefault("access", "keys")
+    elif tenant is None:
         table = document.setdefault("admin", tomlkit.table())
     else:
         tenants = document.setdefault("tenants", tomlkit.table(is_super_table=True))

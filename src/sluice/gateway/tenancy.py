@@ -99,6 +99,10 @@ class Tenancy:
             raise Unauthenticated("the API key is not valid")
         return tenant
 
+    def may_scrape(self, key: str | None) -> bool:
+        """Whether a request presenting `key` may read `/metrics` (the tenants file's `[metrics]`)."""
+        return self.directory.may_scrape(key)
+
     def is_admin(self, key: str | None) -> bool:
         return bool(key) and not self.directory.is_open and self.directory.is_admin_key(key or "")
 

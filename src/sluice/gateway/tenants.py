@@ -16,6 +16,14 @@ The tenants file (TOML) is read at start and again on SIGHUP:
     credit_period_s = 86400
     models = ["minilm", "emulated"]    # omitted: every model
 
+    [metrics]                          # optional: who may read GET /metrics
+    access = "keys"                    # "open" (the default: anyone who reaches the port) or "keys":
+    api_keys = ["sha256:..."]          # these scrape-only keys, or an admin key (`sluice keys create --metrics`)
+
+`/metrics` names every tenant and what each used. On a gateway the tenants themselves reach,
+`access = "keys"` keeps that from them; Prometheus sends the key as its scrape's
+`authorization` credentials. A metrics key does nothing else.
+
 Keys are stored only as SHA-256 digests. API keys are long random tokens, so a fast digest is
 enough (a password hash's stretching protects low-entropy secrets, which these are not). A
 presented key is hashed, looked up, and the stored digest compared with `hmac.compare_digest`.
@@ -71,6 +79,8 @@ class TenantDirectory:
     tenants: Mapping[str, Tenant]
     admin_hashes: frozenset[str] = frozenset()
     path: Path | None = None
+    metrics_hashes: frozenset[str] | None = None
+    """Keys that may read `/metrics` besides the admin's; None: anyone may."""
     _by_hash: Mapping[str, Tenant] = field(default_factory=dict)
 
     @property
@@ -90,19 +100,32 @@ class TenantDirectory:
         digest = hash_key(key)
         return any(hmac.compare_digest(digest, h) for h in self.admin_hashes)
 
+    def may_scrape(self, key: str | None) -> bool:
+        """Whether a request presenting `key` may read `/metrics`."""
+        if self.metrics_hashes is None:
+            return True
+        if not key:
+            return False
+        digest = hash_key(key)
+        return any(hmac.compare_digest(digest, h) for h in self.metrics_hashes | self.admin_hashes)
+
     @classmethod
     def open(cls) -> TenantDirectory:
         return cls(tenants={LOCAL_TENANT.name: LOCAL_TENANT})
 
     @classmethod
-    def build(cls, tenants: Mapping[str, Tenant], admin_hashes: frozenset[str], path: Path) -> TenantDirectory:
+    def build(cls, tenants: Mapping[str, Tenant], admin_hashes: frozenset[str], path: Path,
+              metrics_hashes: frozenset[str] | None = None) -> TenantDirectory:
         by_hash: dict[str, Tenant] = {}
         for tenant in tenants.values():
             for digest in tenant.key_hashes:
-                if digest in by_hash or digest in admin_hashes:
+                if digest in by_hash or digest in admin_hashes or digest in (metrics_hashes or ()):
                     raise ConfigError(f"{path}: the same API key is listed twice (tenant {tenant.name!r})")
                 by_hash[digest] = tenant
-        return cls(tenants=dict(tenants), admin_hashes=admin_hashes, path=path, _by_hash=by_hash)
+        if metrics_hashes and metrics_hashes & admin_hashes:
+            raise ConfigError(f"{path}: a key is listed both in [admin] and in [metrics]")
+        return cls(tenants=dict(tenants), admin_hashes=admin_hashes, path=path, metrics_hashes=metrics_hashes,
+                   _by_hash=by_hash)
 
 
 def new_key() -> str:
@@ -121,17 +144,33 @@ def load_tenants(path: Path) -> TenantDirectory:
         raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
-    unknown = set(raw) - {"admin", "tenants"}
+    unknown = set(raw) - {"admin", "metrics", "tenants"}
     if unknown:
-        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; expected [admin] and [tenants.NAME]")
+        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; expected [admin], [metrics] and "
+                          "[tenants.NAME]")
     admin = _table(raw.get("admin", {}), f"{path}: [admin]")
     admin_hashes = frozenset(_key_hashes(admin.get("api_keys", []), f"{path}: [admin] api_keys"))
+    metrics_hashes = _metrics_keys(_table(raw.get("metrics", {}), f"{path}: [metrics]"), f"{path}: [metrics]")
     tenants_raw = _table(raw.get("tenants", {}), f"{path}: [tenants]")
     tenants = {name: _tenant(name, _table(body, f"{path}: [tenants.{name}]"), path)
                for name, body in tenants_raw.items()}
     if not tenants:
         raise ConfigError(f"{path} defines no tenants; add a [tenants.NAME] table")
-    return TenantDirectory.build(tenants, admin_hashes, path)
+    return TenantDirectory.build(tenants, admin_hashes, path, metrics_hashes)
+
+
+def _metrics_keys(table: dict[str, Any], where: str) -> frozenset[str] | None:
+    """`[metrics]`: None when `/metrics` is open, else the scrape keys' digests."""
+    unknown = set(table) - {"access", "api_keys"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; expected access and api_keys")
+    access = table.get("access", "keys" if "api_keys" in table else "open")
+    if access not in ("open", "keys"):
+        raise ConfigError(f"{where}: access must be \"open\" or \"keys\", got {access!r}")
+    hashes = frozenset(_key_hashes(table.get("api_keys", []), f"{where} api_keys"))
+    if access == "open" and hashes:
+        raise ConfigError(f"{where}: api_keys are listed but access is \"open\"")
+    return None if access == "open" else hashes
 
 
 _TENANT_FIELDS = {"api_keys", "weight", "priority", "requests_per_min", "tokens_per_min", "max_concurrent",
