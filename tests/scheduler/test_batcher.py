@@ -257,6 +257,23 @@ def test_a_lone_request_with_a_tight_deadline_is_admitted_on_an_idle_device():
     assert batch is not None and batch.predicted_s == pytest.approx(own_s)
 
 
+def test_an_idle_device_admits_a_tight_deadline_whatever_other_tenants_sent_lately():
+    """Nothing runs and nothing is queued: the request starts at once, so other tenants' recent
+    demand (which could take the device ahead of queued work) cannot make it late."""
+    scheduler, clock = make_scheduler()
+    for request_id in range(200):  # tenant "a" keeps the device ~80% busy, then pauses
+        assert isinstance(scheduler.admit(M1, request_id, [100], clock.now() + 1.0, tenant="a"), Admitted)
+        batch = run(scheduler, clock)
+        assert batch is not None
+        clock.advance(batch.predicted_s / 4)
+    own_s = ALPHA_S + BETA_S * 100
+    outcome = scheduler.admit(M1, 999, [100], clock.now() + own_s * 1.05, tenant="b")
+    assert isinstance(outcome, Admitted)
+    batch = scheduler.next_batch().batch
+    assert batch is not None and ids(batch) == [(999, 0)]
+    assert clock.now() + batch.predicted_s <= outcome.items[0].deadline
+
+
 def test_a_deadline_already_passed_is_unreachable():
     scheduler, clock = make_scheduler()
     outcome = scheduler.admit(M1, 1, [10], clock.now() - 1.0)
