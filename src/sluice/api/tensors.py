@@ -54,7 +54,6 @@ _ARRAY_CODES = {name: code for name, code in (("INT8", "b"), ("UINT8", "B"), ("I
                                               ("FP32", "f"), ("FP64", "d"))
                 if array.array(code).itemsize == DATATYPES[name].itemsize}
 _SWAP = sys.byteorder == "big"
-_NO_DATA = (b"", b"null")
 
 
 class RequestedOutput(msgspec.Struct):
@@ -156,8 +155,8 @@ def _check_shape(tensor: InputTensor) -> int:
 
 def _from_json(tensor: InputTensor) -> Tensor:
     count = _check_shape(tensor)
-    raw = bytes(tensor.data)
-    if raw.strip() in _NO_DATA:
+    raw = memoryview(tensor.data)  # the JSON text of `data` (msgspec decodes from it without a copy)
+    if raw == b"" or raw == b"null":
         raise InvalidInput(f"input {tensor.name!r} has no data")
     kind = str if tensor.datatype == "BYTES" else _JSON_ELEMENT[tensor.datatype]
     try:  # the common case, a flat list of the right kind, in one step
@@ -180,7 +179,7 @@ def _from_json(tensor: InputTensor) -> Tensor:
     return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), data)
 
 
-def _decode_any(raw: bytes) -> Any:
+def _decode_any(raw: memoryview) -> Any:
     try:
         return msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
@@ -201,11 +200,17 @@ def pack_values(tensor: InputTensor, values: list[Any]) -> bytes:
         packed = array.array(code, values)
     except (OverflowError, TypeError, ValueError) as exc:
         raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}") from exc
-    if code in "fd" and any(map(math.isinf, packed)):  # JSON has no inf: a finite value overflowed
+    if code in "fd" and _has_inf(packed):  # JSON has no inf: a finite value overflowed
         raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}")
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()
+
+
+def _has_inf(packed: array.array[Any]) -> bool:
+    if len(packed) <= 256:  # a few Python floats cost less than two numpy calls
+        return any(map(math.isinf, packed))
+    return bool(np.isinf(np.frombuffer(packed, dtype=np.float32 if packed.typecode == "f" else np.float64)).any())
 
 
 def _numeric_array(tensor: InputTensor, data: Any) -> np.ndarray:
