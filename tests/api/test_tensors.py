@@ -273,3 +273,15 @@ def test_every_numeric_datatype_round_trips_through_json(datatype):
     assert tensor.data == np.array(data, dtype=dtype.newbyteorder("<")).tobytes()
     (entry,), _ = render_outputs([Output("y", datatype, (3,), tensor.data)], set())
     assert entry["data"] == data
+
+
+def test_integers_beyond_a_doubles_precision_stay_exact_and_mixed_inputs_parse():
+    """Flat numeric inputs are decoded in one typed pass; a body with any other input (here
+    BYTES) takes the general path, with the same results."""
+    big = [2**62 + 1, -(2**62) - 1]
+    numbers = {"name": "n", "shape": [2], "datatype": "INT64", "data": big}
+    _, (alone,) = parse_request(_json_request(numbers), None)
+    text = {"name": "t", "shape": [1], "datatype": "BYTES", "data": ["hi"]}
+    _, (mixed, words) = parse_request(_json_request(numbers, text), None)
+    assert alone.values.tolist() == mixed.values.tolist() == big
+    assert words.values == [b"hi"]

@@ -95,8 +95,30 @@ class Tensor:
         return np.frombuffer(self.data, dtype=DATATYPES[self.datatype].newbyteorder("<")).reshape(self.shape)
 
 
+class _NumbersInput(msgspec.Struct):
+    name: str
+    shape: list[int]
+    datatype: str
+    data: list[int | float]
+    parameters: dict[str, Any] = {}
+
+
+class _NumbersBody(msgspec.Struct):
+    """A JSON request whose inputs' `data` are all flat lists of numbers: the common case,
+    decoded typed in one pass (the general `InferRequestBody` scans `data` once to find its end
+    and decodes it again once its datatype is known)."""
+
+    inputs: list[_NumbersInput]
+    id: str | None = None
+    parameters: dict[str, Any] = {}
+    outputs: list[RequestedOutput] | None = None
+
+
 def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestBody, list[Tensor]]:
     if header_length is None:
+        numbers = _numbers_only(body)
+        if numbers is not None:
+            return numbers
         header, binary = body, b""
     else:
         if not 0 <= header_length <= len(body):
@@ -126,11 +148,37 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
     return request, tensors
 
 
+def _numbers_only(body: bytes) -> tuple[InferRequestBody, list[Tensor]] | None:
+    """`parse_request` of a JSON body whose every input is a flat list of numbers for a numeric
+    datatype other than BOOL; None for any other body, which the general path decodes (and whose
+    errors it words, but for those found here too: a shape that does not hold the data)."""
+    try:
+        request = msgspec.json.decode(body, type=_NumbersBody)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return None
+    tensors = []
+    for tensor in request.inputs:
+        if tensor.datatype not in DATATYPES or tensor.datatype == "BOOL" or "binary_data_size" in tensor.parameters:
+            return None
+        count = _check_shape(tensor)
+        if len(tensor.data) != count:
+            raise InvalidInput(f"input {tensor.name!r}: {len(tensor.data)} values do not fill shape {tensor.shape}")
+        try:
+            data = pack_values(tensor, tensor.data)
+        except TypeError:  # a float for an integer datatype: the general path says where
+            return None
+        tensors.append(Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), data))
+    if not tensors:
+        return None
+    inputs = [InputTensor(t.name, t.shape, t.datatype) for t in request.inputs]  # their data: `tensors`
+    return InferRequestBody(inputs, request.id, request.parameters, request.outputs), tensors
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_shape(tensor: InputTensor) -> int:
+def _check_shape(tensor: InputTensor | _NumbersInput) -> int:
     """The number of elements `tensor.shape` holds, refusing shapes no input could fill.
 
     Every dimension is bounded on its own too, so `[0, 2**62]` (zero elements) is refused
@@ -186,7 +234,7 @@ def _decode_any(raw: memoryview) -> Any:
         raise unreadable_json(exc) from exc
 
 
-def pack_values(tensor: InputTensor, values: list[Any]) -> bytes:
+def pack_values(tensor: InputTensor | _NumbersInput, values: list[Any]) -> bytes:
     """A flat list of Python numbers of the datatype's kind (bool for BOOL, int for integers,
     float or int for floating point) as little-endian bytes; out-of-range values are refused."""
     code = _ARRAY_CODES.get(tensor.datatype)
@@ -197,8 +245,8 @@ def pack_values(tensor: InputTensor, values: list[Any]) -> bytes:
             if numbers.dtype.kind == "f" and np.isinf(numbers).any():
                 raise OverflowError
             return numbers.tobytes()
-        packed = array.array(code, values)
-    except (OverflowError, TypeError, ValueError) as exc:
+        packed = array.array(code, values)  # (a float for an integer datatype: TypeError, for the caller)
+    except (OverflowError, ValueError) as exc:
         raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}") from exc
     if code in "fd" and _has_inf(packed):  # JSON has no inf: a finite value overflowed
         raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}")
@@ -249,7 +297,10 @@ def tensor_from_values(tensor: InputTensor, values: list[Any]) -> Tensor:
         raise InvalidInput(f"input {tensor.name!r}: {len(values)} values do not fill shape {tensor.shape}")
     if tensor.datatype == "BYTES":
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), list(values))
-    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), pack_values(tensor, values))
+    try:
+        return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), pack_values(tensor, values))
+    except TypeError as exc:
+        raise InvalidInput(f"input {tensor.name!r}: values are not of the {tensor.datatype} kind") from exc
 
 
 def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
