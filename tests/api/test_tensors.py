@@ -12,7 +12,7 @@ import pytest
 from sluice.api.tensors import (
     DATATYPES,
     MAX_ELEMENTS,
-    Output,
+    Tensor,
     decode_bytes_elements,
     encode_bytes_elements,
     parse_request,
@@ -250,8 +250,8 @@ def test_bytes_elements_round_trip():
 def test_render_outputs_json_and_binary():
     first = np.arange(6, dtype=np.float32).reshape(2, 3)
     second = np.array([1, -2], dtype=np.int64)
-    entries, raw = render_outputs([Output("a", "FP32", first.shape, first.tobytes()),
-                                   Output("b", "INT64", second.shape, second.astype("<i8").tobytes())], {"b"})
+    entries, raw = render_outputs([Tensor("a", "FP32", first.shape, first.tobytes()),
+                                   Tensor("b", "INT64", second.shape, second.astype("<i8").tobytes())], {"b"})
     assert entries[0] == {"name": "a", "datatype": "FP32", "shape": [2, 3], "data": [0, 1, 2, 3, 4, 5]}
     assert entries[1] == {"name": "b", "datatype": "INT64", "shape": [2], "parameters": {"binary_data_size": 16}}
     assert np.frombuffer(raw, dtype="<i8").tolist() == [1, -2]
@@ -271,7 +271,7 @@ def test_every_numeric_datatype_round_trips_through_json(datatype):
         data = [int(info.min), 0, int(info.max)]
     _, (tensor,) = parse_request(_json_request({"name": "x", "shape": [3], "datatype": datatype, "data": data}), None)
     assert tensor.data == np.array(data, dtype=dtype.newbyteorder("<")).tobytes()
-    (entry,), _ = render_outputs([Output("y", datatype, (3,), tensor.data)], set())
+    (entry,), _ = render_outputs([Tensor("y", datatype, (3,), tensor.data)], set())
     assert entry["data"] == data
 
 

@@ -41,7 +41,6 @@ from sluice.api.tensors import (
     NUMPY_NAMES,
     NUMPY_TO_KSERVE,
     InferRequestBody,
-    Output,
     Tensor,
     parse_request,
     render_outputs,
@@ -173,12 +172,12 @@ def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
         raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {info.outputs[0].name!r})")
 
 
-def output_of(info: wire.ModelInfo, payload: wire.Payload) -> Output:
+def output_of(info: wire.ModelInfo, payload: wire.Payload) -> Tensor:
     """A model's answer as its output."""
     if not isinstance(payload, wire.TensorPayload):
         raise TypeError("models return tensors")
     spec = info.outputs[0]
-    return Output(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)
+    return Tensor(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)
 
 
 def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:

@@ -65,8 +65,7 @@ class InputTensor(msgspec.Struct):
     name: str
     shape: list[int]
     datatype: str
-    data: msgspec.Raw = msgspec.Raw()
-    """JSON `data` as sent, decoded once its datatype is known (`_from_json`)."""
+    data: Any = None
     parameters: dict[str, Any] = {}
 
 
@@ -79,7 +78,7 @@ class InferRequestBody(msgspec.Struct):
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
-    """A decoded input."""
+    """An input as decoded, or an output to render."""
 
     name: str
     datatype: str
@@ -105,8 +104,8 @@ class _NumbersInput(msgspec.Struct):
 
 class _NumbersBody(msgspec.Struct):
     """A JSON request whose inputs' `data` are all flat lists of numbers: the common case,
-    decoded typed in one pass (the general `InferRequestBody` scans `data` once to find its end
-    and decodes it again once its datatype is known)."""
+    decoded typed in one pass and packed without numpy (`InferRequestBody` decodes `data` as
+    any JSON, checked against its datatype and converted afterwards)."""
 
     inputs: list[_NumbersInput]
     id: str | None = None
@@ -203,35 +202,17 @@ def _check_shape(tensor: InputTensor | _NumbersInput) -> int:
 
 def _from_json(tensor: InputTensor) -> Tensor:
     count = _check_shape(tensor)
-    raw = memoryview(tensor.data)  # the JSON text of `data` (msgspec decodes from it without a copy)
-    if raw == b"" or raw == b"null":
+    if tensor.data is None:
         raise InvalidInput(f"input {tensor.name!r} has no data")
-    kind = str if tensor.datatype == "BYTES" else _JSON_ELEMENT[tensor.datatype]
-    try:  # the common case, a flat list of the right kind, in one step
-        flat: list[Any] | None = msgspec.json.decode(raw, type=list[kind])  # type: ignore[valid-type]
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-        flat = None  # nested, a scalar, or not of the datatype: the general path says which
     if tensor.datatype == "BYTES":
-        if flat is None:
-            flat = _flatten(_decode_any(raw))
+        flat = _flatten(tensor.data)
         if len(flat) != count or not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {tensor.name!r}: expected {count} strings for shape {tensor.shape}")
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), [v.encode() for v in flat])
-    if flat is not None:
-        num_values, data = len(flat), pack_values(tensor, flat)
-    else:
-        numbers = _numeric_array(tensor, _decode_any(raw))
-        num_values, data = numbers.size, numbers.astype(numbers.dtype.newbyteorder("<"), copy=False).tobytes()
-    if num_values != count:
-        raise InvalidInput(f"input {tensor.name!r}: {num_values} values do not fill shape {tensor.shape}")
-    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), data)
-
-
-def _decode_any(raw: memoryview) -> Any:
-    try:
-        return msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise unreadable_json(exc) from exc
+    numbers = _numeric_array(tensor)
+    if numbers.size != count:
+        raise InvalidInput(f"input {tensor.name!r}: {numbers.size} values do not fill shape {tensor.shape}")
+    return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), numbers.tobytes())
 
 
 def pack_values(tensor: InputTensor | _NumbersInput, values: list[Any]) -> bytes:
@@ -240,11 +221,7 @@ def pack_values(tensor: InputTensor | _NumbersInput, values: list[Any]) -> bytes
     code = _ARRAY_CODES.get(tensor.datatype)
     try:
         if code is None:  # BOOL, FP16
-            with np.errstate(over="ignore"):
-                numbers = np.array(values, dtype=DATATYPES[tensor.datatype].newbyteorder("<"))
-            if numbers.dtype.kind == "f" and np.isinf(numbers).any():
-                raise OverflowError
-            return numbers.tobytes()
+            return _checked_array(tensor, values).tobytes()
         packed = array.array(code, values)  # (a float for an integer datatype: TypeError, for the caller)
     except (OverflowError, ValueError) as exc:
         raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}") from exc
@@ -261,10 +238,10 @@ def _has_inf(packed: array.array[Any]) -> bool:
     return bool(np.isinf(np.frombuffer(packed, dtype=np.float32 if packed.typecode == "f" else np.float64)).any())
 
 
-def _numeric_array(tensor: InputTensor, data: Any) -> np.ndarray:
-    """JSON `data` (flat or nested, row-major) as an array, checking every element's JSON type
-    first: numpy alone would turn `"1.5"` or `true` into a number."""
-    data = data if isinstance(data, list) else [data]
+def _numeric_array(tensor: InputTensor) -> np.ndarray:
+    """JSON `data` (flat or nested, row-major) as a little-endian array, checking every
+    element's JSON type first: numpy alone would turn `"1.5"` or `true` into a number."""
+    data = tensor.data if isinstance(tensor.data, list) else [tensor.data]
     kind: Any = _JSON_ELEMENT[tensor.datatype]
     probe = data
     num_levels = 1
@@ -279,9 +256,15 @@ def _numeric_array(tensor: InputTensor, data: Any) -> np.ndarray:
     except msgspec.ValidationError as exc:
         where = str(exc).replace("`$", "`data", 1)
         raise InvalidInput(f"input {tensor.name!r}: data is not a {tensor.datatype} array: {where}") from exc
+    return _checked_array(tensor, checked)
+
+
+def _checked_array(tensor: InputTensor | _NumbersInput, values: list[Any]) -> np.ndarray:
+    """Values of the datatype's JSON kind (flat or nested) as a little-endian array of it; one
+    out of its range is refused."""
     try:
         with np.errstate(over="ignore"):
-            array = np.asarray(checked, dtype=DATATYPES[tensor.datatype])
+            array = np.asarray(values, dtype=DATATYPES[tensor.datatype].newbyteorder("<"))
     except (ValueError, OverflowError) as exc:
         raise InvalidInput(f"input {tensor.name!r}: data is not a {tensor.datatype} array: {exc}") from exc
     if array.dtype.kind == "f" and np.isinf(array).any():  # JSON has no inf: a finite value overflowed
@@ -352,21 +335,14 @@ def _flatten(data: Any) -> list[Any]:
     return flat
 
 
-@dataclass(frozen=True, slots=True)
-class Output:
-    """An output tensor to render: its elements' little-endian bytes, row-major."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-
-def render_outputs(outputs: list[Output], binary_names: set[str]) -> tuple[list[dict[str, Any]], bytes]:
-    """JSON output entries, and the raw bytes of the outputs asked for in binary (in order)."""
+def render_outputs(outputs: list[Tensor], binary_names: set[str]) -> tuple[list[dict[str, Any]], bytes]:
+    """JSON output entries, and the raw bytes of the outputs asked for in binary (in order).
+    Outputs are numeric: models answer with tensors of numbers."""
     entries = []
     raw_parts = []
     for output in outputs:
+        if isinstance(output.data, list):
+            raise TypeError(f"output {output.name!r} is BYTES; outputs are numeric")
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
         if output.name in binary_names:
             entry["parameters"] = {"binary_data_size": len(output.data)}

@@ -134,11 +134,16 @@ class Tenancy:
         """`settle` needs no Redis for this reservation (then it completes without waiting)."""
         return not reservation.lease_id or self._shared is None
 
+    def settle_now(self, reservation: Reservation, tokens: float, device_s: float, *,
+                   refund_request: bool = False) -> None:
+        """`settle` for a reservation that `settles_locally`, without a task step."""
+        self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
+
     async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                      refund_request: bool = False) -> None:
         shared = self._shared
         if shared is None or self.settles_locally(reservation):
-            self.limiter.settle(reservation, tokens, device_s, refund_request=refund_request)
+            self.settle_now(reservation, tokens, device_s, refund_request=refund_request)
             return
         try:
             await shared.settle(reservation, tokens, device_s, refund_request=refund_request)

@@ -182,7 +182,7 @@ class Ticket:
                  refund: bool) -> None:
         """The whole accounting of a ticket that settles locally, after its answer was written."""
         self._record(outcome, result, ended_at, device_s)
-        self._tenancy.limiter.settle(self.reservation, tokens, device_s, refund_request=refund)
+        self._tenancy.settle_now(self.reservation, tokens, device_s, refund_request=refund)
 
     def _record(self, outcome: str, result: InferResult | None, ended_at: float, device_s: float) -> None:
         """The outcome's metrics, the observer and the trace, as of `ended_at`."""
