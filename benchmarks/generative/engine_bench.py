@@ -229,13 +229,13 @@ def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
 
 
 def online(model_dir: Path, mode: str, rate: float, duration: float, kv_tokens: int, max_model_len: int,
-           device: str, dtype: str, cap_s: float, seed: int = 0) -> dict[str, float]:
+           device: str, dtype: str, cap_s: float, seed: int = 0, cuda_graphs: bool = False) -> dict[str, float]:
     """One mode at an online load: Poisson arrivals, the engine stepped as fast as it goes."""
     scheduling, reserve = ONLINE_MODES[mode]
     engine = LLMEngine(model_dir, EngineConfig(
         block_size=16, num_kv_blocks=kv_tokens // 16, max_num_seqs=256, max_num_batched_tokens=2048,
         long_prefill_token_threshold=512, device=device, dtype=dtype, max_model_len=max_model_len,
-        scheduling=scheduling, static_reserve=reserve))
+        scheduling=scheduling, static_reserve=reserve, cuda_graphs=cuda_graphs))
     for i, (prompt, _) in enumerate(request_set(4, engine.spec.vocab_size, seed + 1)):  # warm-up
         engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
@@ -349,6 +349,7 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cuda-graphs", action="store_true", help="--online on CUDA: decode steps replay CUDA graphs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -362,12 +363,14 @@ def main() -> None:
             return
         if args.online:
             results = {"rate": args.online, "duration_s": args.duration, "kv_tokens": args.kv_tokens,
-                       "max_model_len": args.max_model_len, "model": args.model, "device": args.device}
+                       "max_model_len": args.max_model_len, "model": args.model, "device": args.device,
+                       "cuda_graphs": args.cuda_graphs}
             if args.device == "cuda":
                 results["gpu"] = torch.cuda.get_device_name()
             for mode in args.modes:
                 results[mode] = online(model_dir, mode, args.online, args.duration, args.kv_tokens,
-                                       args.max_model_len, args.device, args.dtype, args.cap_s)
+                                       args.max_model_len, args.device, args.dtype, args.cap_s,
+                                       cuda_graphs=args.cuda_graphs)
                 print(mode, json.dumps(results[mode]), flush=True)
             for mode in args.modes[1:]:
                 ratio = results[args.modes[0]]["output_tokens_per_s"] / results[mode]["output_tokens_per_s"]

@@ -7,7 +7,8 @@
 #
 # Usage: benchmarks/generative/gpu_serve_bench.sh [OUT_DIR]   (default benchmarks/results)
 # Env:   RATE (req/s, default 30), DURATION (s, default 6), PYTHON (default python3), PORT,
-#        DEVICE (default cuda), MODEL (default 1b; "tiny" to try the script on a CPU)
+#        DEVICE (default cuda), MODEL (default 1b; "tiny" to try the script on a CPU),
+#        CUDA_GRAPHS (1: both models replay CUDA graphs for decode steps; default 0)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-benchmarks/results}
@@ -16,7 +17,7 @@ rate=${RATE:-30}
 duration=${DURATION:-6}
 port=${PORT:-8799}
 device=${DEVICE:-cuda}
-export BENCH_MODEL=${MODEL:-1b}
+export BENCH_MODEL=${MODEL:-1b} CUDA_GRAPHS=${CUDA_GRAPHS:-0}
 mkdir -p "$out"
 repo=$(mktemp -d)
 trap 'rm -rf "$repo"' EXIT
@@ -37,7 +38,8 @@ weights = make_tiny_lm(repo / "gpu-continuous" / "1", **MODELS[os.environ["BENCH
 write_manifest(weights, weights / MANIFEST)
 shutil.copytree(weights, repo / "gpu-static" / "1", copy_function=os.link)
 params = ('kind = "generative"\n[slo]\ndefault_ms = 600000\n[params]\ndtype = "bfloat16"\nkv_cache_mb = 512\n'
-          "max_model_len = 1024\nmax_num_seqs = 256\nmax_num_batched_tokens = 2048\n")
+          "max_model_len = 1024\nmax_num_seqs = 256\nmax_num_batched_tokens = 2048\n"
+          f"cuda_graphs = {'true' if os.environ['CUDA_GRAPHS'] == '1' else 'false'}\n")
 (repo / "gpu-continuous" / "model.toml").write_text(params)
 (repo / "gpu-static" / "model.toml").write_text(params + 'scheduling = "static"\nstatic_reserve = "max_model_len"\n')
 EOF

@@ -42,9 +42,10 @@ def launch_cost_us(device: str, launches: int = 2000) -> float:
     return (time.perf_counter() - t0) / launches * 1e6
 
 
-def decode_engine(model_dir: Path, seqs: int, device: str, dtype: str) -> LLMEngine:
+def decode_engine(model_dir: Path, seqs: int, device: str, dtype: str, cuda_graphs: bool = False) -> LLMEngine:
     engine = LLMEngine(model_dir, EngineConfig(block_size=16, max_num_seqs=seqs, num_kv_blocks=seqs * 64,
-                                               device=device, dtype=dtype, max_model_len=1024))
+                                               device=device, dtype=dtype, max_model_len=1024,
+                                               cuda_graphs=cuda_graphs))
     start_decoding(engine, seqs)
     return engine
 
@@ -57,11 +58,12 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--cuda-graphs", action="store_true", help="decode steps replay CUDA graphs")
     args = parser.parse_args()
     print(f"one kernel launch: {launch_cost_us(args.device):.1f} us", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         engine = decode_engine(make_tiny_lm(Path(tmp) / "m", **MODELS[args.model]), args.seqs, args.device,
-                               args.dtype)
+                               args.dtype, args.cuda_graphs)
         walls: list[float] = []
         phases: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "sample", "output")}
         for _ in range(args.steps):
@@ -86,7 +88,8 @@ def main() -> None:
             _sync(args.device)
         events = prof.key_averages()
         print(events.table(sort_by="self_cpu_time_total", row_limit=25))
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC"))
+        launch_calls = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+        launches = sum(e.count for e in events if e.key in launch_calls)
         device_us = sum(e.self_device_time_total for e in events)
         print(f"per step: {launches / args.profile_steps:.0f} kernel launches, "
               f"device busy {device_us / args.profile_steps / 1e3:.2f} ms")

@@ -52,6 +52,23 @@ def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(GPT2LMHeadModel(config).eval(), tmp_path_factory.mktemp("gpt2"))
 
 
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def windowed_dir(request, tmp_path_factory):
+    """A 16-token attention window, far shorter than the prompts: on every layer (Mistral), or on
+    the second layer only (Qwen2's use_sliding_window from max_window_layers = 1)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(4)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, rope_theta=500.0, initializer_range=0.1,
+                 bos_token_id=1, eos_token_id=2, sliding_window=16)
+    if request.param == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    return _save(model.eval(), tmp_path_factory.mktemp(request.param))
+
+
 _HF_CACHE: dict[Path, PreTrainedModel] = {}
 
 

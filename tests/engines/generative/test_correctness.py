@@ -116,26 +116,6 @@ def test_llama3_rope_scaling_matches_transformers(llama3_rope_dir, hf_greedy):
     _check_batch(engine, llama3_rope_dir, hf_greedy, batch, [24] * 3, join_every=2)
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2"])
-def windowed_dir(request, tmp_path_factory):
-    """A 16-token attention window, far shorter than the prompts: on every layer (Mistral), or on
-    the second layer only (Qwen2's use_sliding_window from max_window_layers = 1)."""
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    from tests.engines.generative.conftest import VOCAB, _save
-
-    torch.manual_seed(4)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512, rope_theta=500.0, initializer_range=0.1,
-                 bos_token_id=1, eos_token_id=2, sliding_window=16)
-    if request.param == "mistral":
-        model = MistralForCausalLM(MistralConfig(**shape))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
-    return _save(model.eval(), tmp_path_factory.mktemp(request.param))
-
-
 def test_sliding_window_attention_matches_transformers(windowed_dir, hf_greedy):
     """Prompts of 20-60 tokens and 30 more generated, batched, through prefix-cache hits: each
     windowed layer sees only its last 16 positions, as transformers computes them."""

@@ -96,3 +96,21 @@ def test_gpu_memory_utilization_sizes_the_cache_from_what_the_device_has(model_d
     cache_bytes = engine.num_blocks * engine._runner.cache.bytes_per_block(engine.spec, 8, torch.float32)
     assert (256 << 20) < cache_bytes <= (512 << 20), cache_bytes  # the rest: weights and the probe's activations
     _check_batch(engine, model_dir, hf_greedy, prompts(1, 4, 3, 60), [12] * 4, join_every=2)
+
+
+def test_decode_steps_replayed_from_cuda_graphs_match_transformers(model_dir, hf_greedy):
+    """Pure decode steps replay graphs captured at load (padded to a bucket: padding rows, longer
+    block tables, the scratch block): the output equals transformers', batched, through prefix
+    hits and preemptions."""
+    engine = _engine(model_dir, num_kv_blocks=256, max_num_seqs=16, cuda_graphs=True)
+    graphs = engine._runner._graphs
+    assert graphs is not None and graphs.graphs and all(g._graph is not None for g in graphs.graphs)
+    _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 120), [5 + 3 * i for i in range(8)], join_every=2)
+    shared = prompts(3, 1, 40, 40)[0]
+    _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
+                 join_every=4)
+    assert sum(g.num_runs for g in graphs.graphs) > 20
+    tight = _engine(model_dir, num_kv_blocks=12, max_num_seqs=16, cuda_graphs=True)
+    _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
+    assert tight.stats().num_preemptions_total > 0
+    assert tight._runner._graphs is not None and sum(g.num_runs for g in tight._runner._graphs.graphs) > 0

@@ -41,6 +41,9 @@ class EngineConfig:
     """"continuous", or "static": request-level batching, a benchmark baseline (see static_scheduler)."""
     static_reserve: str = "max_model_len"
     """Static only: KV each sequence reserves, "max_model_len" or "max_tokens" (prompt + max_tokens)."""
+    cuda_graphs: bool = False
+    """CUDA: pure decode steps replay CUDA graphs captured at load (`graphs`: one launch instead of
+    one per kernel); ignored on the CPU."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",

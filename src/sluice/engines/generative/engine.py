@@ -121,6 +121,8 @@ class LLMEngine:
                 config.gpu_memory_utilization, config.max_num_batched_tokens, bytes_per_block))
         self.num_blocks = self._runner.cache.num_blocks
         self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
+        if config.cuda_graphs and config.device.startswith("cuda"):
+            self._runner.use_decode_graphs(config.max_num_seqs, self._max_model_len)
         self._blocks = BlockManager(self.num_blocks, config.block_size)
         self._scheduler = self._make_scheduler(config)
         self._sampler = Sampler(config.device)
@@ -235,7 +237,7 @@ class LLMEngine:
             try:
                 inp = self._runner.prepare(scheduled, self._prompt_lengths(scheduled))
                 t2 = time.perf_counter()
-                logits = self._runner.execute(inp.forward)
+                logits = self._runner.run(inp)
                 t3 = time.perf_counter()
             except Exception:  # the device or the model: this step's sequences cannot go on
                 log.exception("a model step of %d sequences failed; ending them", len(scheduled.chunks))

@@ -174,9 +174,14 @@ class ForwardInput:
 
 
 class KVCache:
+    """Every layer's keys and values, slot by slot: `num_blocks` blocks of `block_size` slots, and one
+    block more (`scratch_block`) that no sequence owns: the padding rows of a captured decode step
+    (`model_runner.DecodeGraph`) write and read there."""
+
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.scratch_block = num_blocks
+        shape = (spec.num_layers, (num_blocks + 1) * block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

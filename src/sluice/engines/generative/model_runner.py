@@ -19,6 +19,7 @@ log-probabilities (`StepInput.prompt_spans`, in that order after the sampling ro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,13 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from sluice.engines.generative.graphs import DecodeGraph, DecodeGraphs
 from sluice.engines.generative.model import AttentionGroup, ForwardInput, KVCache, ModelSpec, load_model
 from sluice.engines.generative.scheduler import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ModelRunner", "PromptSpan", "StepInput"]
+
+log = logging.getLogger("sluice.engines.generative")
 
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """Attention kernels a CUDA step may use: not cuDNN's. Its fused attention builds an execution plan
@@ -56,11 +60,14 @@ class PromptSpan:
 
 @dataclass(frozen=True, slots=True)
 class StepInput:
-    forward: ForwardInput
+    forward: ForwardInput | None
+    """The step's tensors; None when it replays `graph`."""
     num_sample_rows: int
     """The first logits rows: one per chunk that samples, in chunk order."""
     prompt_spans: tuple[PromptSpan, ...] = ()
     """The rows after them, span by span."""
+    graph: DecodeGraph | None = None
+    """A pure decode step: the captured graph whose inputs hold it (`graphs`)."""
 
 
 def kv_blocks_for(total: int, free: int, utilization: float, activations: int, bytes_per_block: int) -> int:
@@ -87,10 +94,32 @@ class ModelRunner:
         self.model = load_model(model_dir, spec, self.dtype, device)
         self.cache = KVCache(spec, num_blocks or 1, block_size, self.dtype, device)
         self._nothing = torch.empty(0, dtype=torch.long, device=device)  # a fresh prompt's unused index, slots, mask
+        self._graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_seqs: int, max_len: int) -> bool:
+        """Pure decode steps of up to `max_seqs` sequences and `max_len` tokens of context go
+        through `graphs.DecodeGraph`s: captured now on CUDA, run eagerly (padded alike) on the CPU.
+        False (and nothing changes) for a model with sliding-window layers. Call after the cache's
+        last `allocate_cache`."""
+        if self.spec.windowed_layers:
+            return False
+        graphs = DecodeGraphs(max_seqs, max_len, self.block_size, self.cache.scratch_block, self.device)
+        if self.device != "cpu":
+            try:
+                graphs.capture(self.execute)
+            except RuntimeError:  # an op this torch cannot capture: slower, not wrong
+                log.warning("could not capture CUDA graphs of decode steps; they run eagerly", exc_info=True)
+                return False
+        self._graphs = graphs
+        return True
 
     def prepare(self, out: SchedulerOutput, prompt_lengths: Mapping[str, int] | None = None) -> StepInput:
         """The step's tensors. `prompt_lengths`: the prompt length of each sequence whose prompt
         positions' logits are wanted (prompt log-probabilities)."""
+        graph = self._graphs.find(out.chunks) if self._graphs is not None and not prompt_lengths else None
+        if graph is not None:
+            graph.fill(out.chunks)
+            return StepInput(None, len(out.chunks), graph=graph)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -130,6 +159,14 @@ class ModelRunner:
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = KVCache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+        self._graphs = None  # captured over the cache it replaces
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The step's logits (`StepInput.num_sample_rows` first)."""
+        if step.graph is not None:
+            return step.graph.run(self.execute)
+        assert step.forward is not None
+        return self.execute(step.forward)
 
     def blocks_for_memory(self, utilization: float, num_tokens: int, bytes_per_block: int) -> int:
         """CUDA: how many KV blocks fit `utilization` of the device, measured as vLLM does: the peak
@@ -141,7 +178,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         chunk = ScheduledChunk("probe", (0,) * num_tokens, 0, tuple(range(probe_blocks)), True)
-        self.execute(self.prepare(SchedulerOutput((chunk,), (), 0)).forward)
+        self.run(self.prepare(SchedulerOutput((chunk,), (), 0)))
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - before
         self.allocate_cache(1)
@@ -150,6 +187,7 @@ class ModelRunner:
         return kv_blocks_for(total, free, utilization, activations, bytes_per_block)
 
     def execute(self, inp: ForwardInput) -> torch.Tensor:
+        """The model's forward pass over this runner's cache."""
         if self.device == "cpu":
             return self.model.forward(inp, self.cache)
         with sdpa_kernel(ATTENTION_BACKENDS):

@@ -15,6 +15,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
     tool_call_parser = "hermes"     # tool_choice "auto": how it writes calls: hermes, llama3_json, mistral, pythonic
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
+    cuda_graphs = false             # CUDA: decode steps replay graphs captured at load (one launch a step)
 
 `prepare` refuses what cannot be served with an `InvalidInput` naming the field, as vLLM does: a
 prompt or stop token id outside the vocabulary, a prompt that leaves no room in the context, a
@@ -49,7 +50,7 @@ MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
 
 _ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
-                  "max_model_len", "scheduling", "static_reserve", "gpu_memory_utilization")
+                  "max_model_len", "scheduling", "static_reserve", "gpu_memory_utilization", "cuda_graphs")
 
 
 @dataclass(frozen=True, slots=True)
