@@ -229,7 +229,7 @@ def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
 
 
 def online(model_dir: Path, mode: str, rate: float, duration: float, kv_tokens: int, max_model_len: int,
-           device: str, dtype: str, cap_s: float, seed: int = 0, cuda_graphs: bool = False) -> dict[str, float]:
+           device: str, dtype: str, cap_s: float, seed: int = 0, cuda_graphs: bool = True) -> dict[str, float]:
     """One mode at an online load: Poisson arrivals, the engine stepped as fast as it goes."""
     scheduling, reserve = ONLINE_MODES[mode]
     engine = LLMEngine(model_dir, EngineConfig(
@@ -349,7 +349,8 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--cuda-graphs", action="store_true", help="--online on CUDA: decode steps replay CUDA graphs")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="--online on CUDA: decode steps replay CUDA graphs (the default; --no-cuda-graphs: eager)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything sluice checks and measures on a CUDA machine, in one go (about 5 minutes on an H200):
 #   1. the GPU tests (generative engine against transformers, embeddings against the CPU);
-#   2. the engine's decode step at 8, 32 and 96 sequences (step_profile.py, 1 B Llama, bf16);
+#   2. the engine's decode step at 8, 32 and 96 sequences (step_profile.py, 1 B Llama, bf16; CUDA graphs on,
+#      the default: gpu_graphs_check.sh compares them with eager steps);
 #   3. continuous vs static batching on the engine at 60 req/s (engine_bench.py --online);
 #   4. the same through the whole server at $RATE req/s (gpu_serve_bench.sh).
 # Results and logs go to OUT_DIR; the numbers and their method are in benchmarks/generative/README.md.

@@ -8,7 +8,7 @@
 # Usage: benchmarks/generative/gpu_serve_bench.sh [OUT_DIR]   (default benchmarks/results)
 # Env:   RATE (req/s, default 30), DURATION (s, default 6), PYTHON (default python3), PORT,
 #        DEVICE (default cuda), MODEL (default 1b; "tiny" to try the script on a CPU),
-#        CUDA_GRAPHS (1: both models replay CUDA graphs for decode steps; default 0)
+#        CUDA_GRAPHS (1, the default: decode steps replay CUDA graphs; 0: every step eager)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-benchmarks/results}
@@ -17,7 +17,7 @@ rate=${RATE:-30}
 duration=${DURATION:-6}
 port=${PORT:-8799}
 device=${DEVICE:-cuda}
-export BENCH_MODEL=${MODEL:-1b} CUDA_GRAPHS=${CUDA_GRAPHS:-0}
+export BENCH_MODEL=${MODEL:-1b} CUDA_GRAPHS=${CUDA_GRAPHS:-1}
 mkdir -p "$out"
 repo=$(mktemp -d)
 trap 'rm -rf "$repo"' EXIT

@@ -42,7 +42,7 @@ def launch_cost_us(device: str, launches: int = 2000) -> float:
     return (time.perf_counter() - t0) / launches * 1e6
 
 
-def decode_engine(model_dir: Path, seqs: int, device: str, dtype: str, cuda_graphs: bool = False) -> LLMEngine:
+def decode_engine(model_dir: Path, seqs: int, device: str, dtype: str, cuda_graphs: bool = True) -> LLMEngine:
     engine = LLMEngine(model_dir, EngineConfig(block_size=16, max_num_seqs=seqs, num_kv_blocks=seqs * 64,
                                                device=device, dtype=dtype, max_model_len=1024,
                                                cuda_graphs=cuda_graphs))
@@ -58,7 +58,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=5)
-    parser.add_argument("--cuda-graphs", action="store_true", help="decode steps replay CUDA graphs")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode steps replay CUDA graphs (the engine's default; --no-cuda-graphs: eager)")
     args = parser.parse_args()
     print(f"one kernel launch: {launch_cost_us(args.device):.1f} us", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,25 +20,26 @@ def model_dir(request, llama_dir, gpt2_dir):
     return llama_dir if request.param == "llama" else gpt2_dir
 
 
-def _engine(model_dir, **config: int) -> LLMEngine:
+def _engine(model_dir, **config: int | bool) -> LLMEngine:
     engine = LLMEngine(model_dir, EngineConfig(block_size=8, device="cuda", **config))  # type: ignore[arg-type]
     assert engine._runner.cache.k.device.type == "cuda"  # the KV cache (and so the model) is on the GPU
     return engine
 
 
 def test_batched_requests_on_cuda_match_transformers(model_dir, hf_greedy):
-    engine = _engine(model_dir, num_kv_blocks=256)
+    """Every step eager (the default replays pure decode steps from CUDA graphs: below)."""
+    engine = _engine(model_dir, num_kv_blocks=256, cuda_graphs=False)
     _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 60), [5 + 3 * i for i in range(8)], join_every=2)
     assert engine.stats().kv_cache_usage == 0.0
 
 
 def test_prefix_hits_and_preemptions_on_cuda_keep_output_exact(model_dir, hf_greedy):
-    engine = _engine(model_dir, num_kv_blocks=256)
+    engine = _engine(model_dir, num_kv_blocks=256, cuda_graphs=False)
     shared = prompts(3, 1, 40, 40)[0]
     _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
                  join_every=4)
     assert engine.stats().prefix_cache_hit_tokens >= 4 * 40 - 8
-    tight = _engine(model_dir, num_kv_blocks=12)
+    tight = _engine(model_dir, num_kv_blocks=12, cuda_graphs=False)
     _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
     assert tight.stats().num_preemptions_total > 0
 
@@ -102,7 +103,7 @@ def test_decode_steps_replayed_from_cuda_graphs_match_transformers(model_dir, hf
     """Pure decode steps replay graphs captured at load (padded to a bucket: padding rows, longer
     block tables, the scratch block): the output equals transformers', batched, through prefix
     hits and preemptions."""
-    engine = _engine(model_dir, num_kv_blocks=256, max_num_seqs=16, cuda_graphs=True)
+    engine = _engine(model_dir, num_kv_blocks=256, max_num_seqs=16)  # graphs: the default
     graphs = engine._runner._graphs
     assert graphs is not None and graphs.graphs and all(g._graph is not None for g in graphs.graphs)
     _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 120), [5 + 3 * i for i in range(8)], join_every=2)
@@ -110,7 +111,7 @@ def test_decode_steps_replayed_from_cuda_graphs_match_transformers(model_dir, hf
     _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
                  join_every=4)
     assert sum(g.num_runs for g in graphs.graphs) > 20
-    tight = _engine(model_dir, num_kv_blocks=12, max_num_seqs=16, cuda_graphs=True)
+    tight = _engine(model_dir, num_kv_blocks=12, max_num_seqs=16)
     _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
     assert tight.stats().num_preemptions_total > 0
     assert tight._runner._graphs is not None and sum(g.num_runs for g in tight._runner._graphs.graphs) > 0

@@ -41,9 +41,10 @@ class EngineConfig:
     """"continuous", or "static": request-level batching, a benchmark baseline (see static_scheduler)."""
     static_reserve: str = "max_model_len"
     """Static only: KV each sequence reserves, "max_model_len" or "max_tokens" (prompt + max_tokens)."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     """CUDA: pure decode steps replay CUDA graphs captured at load (`graphs`: one launch instead of
-    one per kernel); ignored on the CPU."""
+    one per kernel; a 1 B model's decode step at 32 sequences 2.95 ms instead of 8.5 on an H200);
+    ignored on the CPU. False: every step launches its kernels from Python."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",

@@ -15,7 +15,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
     tool_call_parser = "hermes"     # tool_choice "auto": how it writes calls: hermes, llama3_json, mistral, pythonic
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
-    cuda_graphs = false             # CUDA: decode steps replay graphs captured at load (one launch a step)
+    cuda_graphs = true              # CUDA: decode steps replay graphs captured at load (false: eager)
 
 `prepare` refuses what cannot be served with an `InvalidInput` naming the field, as vLLM does: a
 prompt or stop token id outside the vocabulary, a prompt that leaves no room in the context, a
