@@ -314,6 +314,9 @@ class WorkerServer:
                 self._held = asyncio.get_running_loop().call_later(delay_s, self._kick)
             self._check_drained()
             return
+        if self._held is not None:  # a batch started before the retry time: nothing to retry
+            self._held.cancel()
+            self._held = None
         now = self._clock.now()
         started: dict[bytes, list[int]] = {}
         for item in batch.items:

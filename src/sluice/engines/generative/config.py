@@ -26,7 +26,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     """CUDA: the share of the device's memory the model may use in all (weights, activations at
     `max_num_batched_tokens`, KV cache), as vLLM's option of that name; the KV cache takes what is
-    left, instead of `kv_cache_bytes`. Measured at load by a forward pass of a full token budget."""
+    left, instead of `kv_cache_bytes`. Measured at load by a forward pass of a full token budget;
+    the CUDA graphs (`cuda_graphs`), captured after the cache, take their memory from what is left
+    beyond this share (if it is too little they are not used, with a warning)."""
     max_num_seqs: int = 64
     """At most this many sequences are running (hold KV blocks) at once."""
     max_num_batched_tokens: int = 2048

@@ -62,6 +62,10 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepTiming:
+    """Host wall time of a step's phases. On CUDA the forward pass is queued, not waited for
+    (all the more a replayed graph's), so `sample_s`, which reads the sampled tokens back,
+    holds most of the device's time."""
+
     schedule_s: float
     prepare_s: float
     forward_s: float
