@@ -115,3 +115,12 @@ def test_decode_steps_replayed_from_cuda_graphs_match_transformers(model_dir, hf
     _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
     assert tight.stats().num_preemptions_total > 0
     assert tight._runner._graphs is not None and sum(g.num_runs for g in tight._runner._graphs.graphs) > 0
+
+
+def test_cuda_graphs_on_a_numbered_device(llama_dir, hf_greedy):
+    """A worker's device is named `cuda:N`: the graphs are captured and replayed there."""
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=64, max_num_seqs=4, device="cuda:0"))
+    graphs = engine._runner._graphs
+    assert graphs is not None and all(g._graph is not None for g in graphs.graphs)
+    _check_batch(engine, llama_dir, hf_greedy, prompts(7, 3, 5, 40), [12] * 3, join_every=1)
+    assert sum(g.num_runs for g in graphs.graphs) > 0

@@ -30,6 +30,7 @@ how the tests check the padding on a machine without a GPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -141,6 +142,7 @@ class DecodeGraphs:
         self.graphs = [DecodeGraph(b, c, block_size, scratch_block, device)
                        for c in contexts for b in batch_sizes if b * c <= MAX_SLOTS]
         self.graphs.sort(key=lambda g: (g.num_seqs * g.context, g.context))
+        self._device = device
 
     def find(self, chunks: Sequence[ScheduledChunk]) -> DecodeGraph | None:
         """The smallest graph this step fits, if it is a pure decode step that one fits."""
@@ -153,13 +155,16 @@ class DecodeGraphs:
         """Record every graph, largest first: the smaller ones reuse its memory."""
         if not self.graphs:
             return
-        pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_reserved()
-        for graph in sorted(self.graphs, key=lambda g: -g.num_seqs * g.context):
-            graph.capture(model, pool)
-        log.info("captured %d CUDA graphs of decode steps (batches up to %d, contexts up to %d): %.0f MiB",
+        with torch.cuda.device(self._device):  # the streams and the pool on the model's device (cuda:N)
+            pool = torch.cuda.graph_pool_handle()
+            before = torch.cuda.memory_reserved()
+            started = time.perf_counter()
+            for graph in sorted(self.graphs, key=lambda g: -g.num_seqs * g.context):
+                graph.capture(model, pool)
+            reserved = torch.cuda.memory_reserved() - before
+        log.info("captured %d CUDA graphs of decode steps (batches up to %d, contexts up to %d) in %.1f s: %.0f MiB",
                  len(self.graphs), max(g.num_seqs for g in self.graphs), max(g.context for g in self.graphs),
-                 (torch.cuda.memory_reserved() - before) / 2**20)
+                 time.perf_counter() - started, reserved / 2**20)
 
 
 def _up_to(sizes: Sequence[int], limit: int) -> list[int]:
