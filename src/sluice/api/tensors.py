@@ -61,10 +61,13 @@ class RequestedOutput(msgspec.Struct):
     parameters: dict[str, Any] = {}
 
 
-class InputTensor(msgspec.Struct):
+class _TensorHead(msgspec.Struct):
     name: str
     shape: list[int]
     datatype: str
+
+
+class InputTensor(_TensorHead):
     data: Any = None
     parameters: dict[str, Any] = {}
 
@@ -94,10 +97,7 @@ class Tensor:
         return np.frombuffer(self.data, dtype=DATATYPES[self.datatype].newbyteorder("<")).reshape(self.shape)
 
 
-class _NumbersInput(msgspec.Struct):
-    name: str
-    shape: list[int]
-    datatype: str
+class _NumbersInput(_TensorHead):
     data: list[int | float]
     parameters: dict[str, Any] = {}
 
@@ -177,7 +177,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_shape(tensor: InputTensor | _NumbersInput) -> int:
+def _check_shape(tensor: _TensorHead) -> int:
     """The number of elements `tensor.shape` holds, refusing shapes no input could fill.
 
     Every dimension is bounded on its own too, so `[0, 2**62]` (zero elements) is refused
@@ -215,7 +215,7 @@ def _from_json(tensor: InputTensor) -> Tensor:
     return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), numbers.tobytes())
 
 
-def pack_values(tensor: InputTensor | _NumbersInput, values: list[Any]) -> bytes:
+def pack_values(tensor: _TensorHead, values: list[Any]) -> bytes:
     """A flat list of Python numbers of the datatype's kind (bool for BOOL, int for integers,
     float or int for floating point) as little-endian bytes; out-of-range values are refused."""
     code = _ARRAY_CODES.get(tensor.datatype)
@@ -259,7 +259,7 @@ def _numeric_array(tensor: InputTensor) -> np.ndarray:
     return _checked_array(tensor, checked)
 
 
-def _checked_array(tensor: InputTensor | _NumbersInput, values: list[Any]) -> np.ndarray:
+def _checked_array(tensor: _TensorHead, values: list[Any]) -> np.ndarray:
     """Values of the datatype's JSON kind (flat or nested) as a little-endian array of it; one
     out of its range is refused."""
     try:

@@ -12,6 +12,9 @@ contexts of 40 and 380 tokens in one step, most of that is padding. On the CPU, 
 work costs in proportion, decodes are split into groups of similar length (`DECODE_PADDING`);
 on CUDA they stay one group, since there a step's cost is its kernel launches.
 
+On CUDA a pure decode step (every chunk one token) skips all this: it fills the input rows of a
+CUDA graph captured at load for its bucket of batch size and context, and replays it (`graphs`).
+
 Logits are computed for the rows that sample (the last token of each chunk that reaches its
 sequence's end), then for the prompt positions of sequences that asked for prompt
 log-probabilities (`StepInput.prompt_spans`, in that order after the sampling rows).
