@@ -285,3 +285,6 @@ def test_integers_beyond_a_doubles_precision_stay_exact_and_mixed_inputs_parse()
     _, (mixed, words) = parse_request(_json_request(numbers, text), None)
     assert alone.values.tolist() == mixed.values.tolist() == big
     assert words.values == [b"hi"]
+    named = {"name": "BOOL_OR_BYTES", "shape": [2], "datatype": "INT64", "data": big}  # the general path too
+    _, (same,) = parse_request(_json_request(named), None)
+    assert same.values.tolist() == big and same.name == "BOOL_OR_BYTES"

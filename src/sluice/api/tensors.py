@@ -115,7 +115,10 @@ class _NumbersBody(msgspec.Struct):
 
 def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestBody, list[Tensor]]:
     if header_length is None:
-        numbers = _numbers_only(body)
+        # a body naming a BYTES or BOOL datatype would fail the typed decode, maybe late in a
+        # large body: straight to the general path. (A byte search for one character is memchr,
+        # 0.06 ms over 5 MB; the words are looked for only where a "B" is.)
+        numbers = None if b"B" in body and (b"BYTES" in body or b"BOOL" in body) else _numbers_only(body)
         if numbers is not None:
             return numbers
         header, binary = body, b""
