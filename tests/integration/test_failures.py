@@ -6,6 +6,7 @@ import asyncio
 import collections
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -146,45 +147,72 @@ def test_gateway_in_front_of_a_separately_started_worker(tmp_path):
         assert worker.wait(timeout=30) == 0
 
 
+def _stream_in_threads(sdk, count: int, max_tokens: int) -> tuple[list, threading.Semaphore, dict]:
+    """`count` streamed completions, each in its own thread, started 50 ms apart; each releases
+    the semaphore once it has two chunks. Outcomes by index: ("finished", completion tokens from
+    the usage chunk) or (the error's message, chunks received)."""
+    import openai
+
+    streaming = threading.Semaphore(0)
+    outcomes: dict[int, tuple[str, int]] = {}
+
+    def stream(i: int) -> None:
+        received = tokens = 0
+        try:
+            for chunk in sdk.completions.create(model="tiny", prompt=f"story {i}", max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}):
+                received += 1
+                if received == 2:
+                    streaming.release()
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            outcomes[i] = ("finished", tokens)
+        except openai.APIError as exc:
+            outcomes[i] = (exc.message, received)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    return threads, streaming, outcomes
+
+
+def _tiny_sdk(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
 def test_kill_9_worker_mid_stream_ends_the_running_streams_and_reruns_the_waiting_ones(make_server, tmp_path):
     """Four streams on an engine that runs two sequences at once; the worker is killed while the
     first two stream. Those end at once with an error event (the SDK raises it) after the tokens
     they had; the two still waiting had sent nothing, so they are sent again to the restarted
     worker and stream to their end. None hangs."""
-    import threading
-
-    import openai
-
     from tests.conftest import write_tiny_lm_model
 
     server = make_server(write_tiny_lm_model(tmp_path / "models", max_num_seqs=2))
-    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-    streaming = threading.Semaphore(0)
-    outcomes: dict[int, tuple[str, int]] = {}
-
-    def stream(i: int) -> None:
-        received = 0
-        try:
-            for _ in sdk.completions.create(model="tiny", prompt=f"story {i}", max_tokens=300, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True}):
-                received += 1
-                if received == 2:
-                    streaming.release()
-            outcomes[i] = ("finished", received)
-        except openai.APIError as exc:
-            outcomes[i] = (exc.message, received)
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.05)
+    threads, streaming, outcomes = _stream_in_threads(_tiny_sdk(server), 4, 300)
     assert streaming.acquire(timeout=30) and streaming.acquire(timeout=30)  # two streams under way
     os.kill(server.worker_pids()[0], signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=90)
     assert not any(thread.is_alive() for thread in threads), "a stream hung after its worker died"
     ended = sorted(outcomes.values())
-    assert [what for what, _ in ended[:2]] == ["finished"] * 2, outcomes
-    assert all(count == 301 for _, count in ended[:2]), outcomes  # 300 tokens and the closing chunk
+    assert ended[:2] == [("finished", 300)] * 2, outcomes
     assert all("died while executing" in what and count >= 2 for what, count in ended[2:]), outcomes
     _wait_workers_ready(server.url, 1)
+
+
+def test_sigterm_while_streaming_finishes_every_stream_then_exits(make_server, tmp_path):
+    """Draining lets running and waiting generations stream to their end before the server exits."""
+    from tests.conftest import write_tiny_lm_model
+
+    server = make_server(write_tiny_lm_model(tmp_path / "models", max_num_seqs=2))
+    threads, streaming, outcomes = _stream_in_threads(_tiny_sdk(server), 3, 120)
+    assert streaming.acquire(timeout=30) and streaming.acquire(timeout=30)
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=90)
+    assert sorted(outcomes.values()) == [("finished", 120)] * 3, outcomes
+    assert server.process.wait(timeout=60) == 0
