@@ -54,6 +54,13 @@ def _grpc_option(command: F) -> F:
                              "Default: HTTP only.")(command)
 
 
+def _routing_option(command: F) -> F:
+    """Prefix affinity for generations, shared by `serve` and `gateway`."""
+    return click.option("--prefix-affinity/--no-prefix-affinity", default=True, show_default=True,
+                        help="Send a generation to the worker that has its prompt's start cached, unless "
+                             "that worker is busier than another.")(command)
+
+
 def _tls_options(command: F) -> F:
     """TLS for the HTTP and gRPC listeners, shared by `serve` and `gateway`."""
     file = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -113,11 +120,12 @@ def main() -> None:
 @_cache_options
 @_grpc_option
 @_tls_options
+@_routing_option
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
           limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
           grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
-          ssl_ca_certs: Path | None) -> None:
+          ssl_ca_certs: Path | None, prefix_affinity: bool) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     _no_grpc_fork_handlers()
@@ -135,7 +143,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
-                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs))
+                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -161,10 +169,11 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @_cache_options
 @_grpc_option
 @_tls_options
+@_routing_option
 def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
             log_level: str, data_dir: Path | None, jobs_db: str | None, limits_redis: str | None, cache_mb: int,
             cache_ttl_s: float, cache_redis: str | None, grpc_port: int | None, ssl_certfile: Path | None,
-            ssl_keyfile: Path | None, ssl_ca_certs: Path | None) -> None:
+            ssl_keyfile: Path | None, ssl_ca_certs: Path | None, prefix_affinity: bool) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -182,7 +191,7 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
-                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs))
+                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:

@@ -72,6 +72,11 @@ ITEM_FAILURES = Counter("sluice_item_failures", "Items that failed inside the mo
 WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="livemax")
 WORKER_RESTARTS = Counter("sluice_worker_restarts", "Worker processes restarted after an exit.")
 REDISPATCHED = Counter("sluice_redispatched_requests", "Requests sent again after their worker died.")
+PREFIX_ROUTED = Counter(
+    "sluice_prefix_routed_requests",
+    "Generations sent to one of several replicas: by prefix affinity (where their prompt's prefix is "
+    "cached) or by load.", ["model", "version", "by"],
+)
 
 # Per tenant and priority class; the tenant label is bounded by the tenants file ("local" without one).
 TENANT_ADMITTED = Counter(
@@ -294,6 +299,9 @@ class GatewayMetrics(_Demand):
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)
+
+    def prefix_routed(self, model: str, version: str, by_affinity: bool) -> None:
+        _child(PREFIX_ROUTED, model, version, "prefix" if by_affinity else "load").inc()
 
     def cache_state(self, cache: CacheCounts) -> None:
         """The result cache's counts, brought up to date (on each scrape: cheaper than on each request)."""

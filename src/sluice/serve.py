@@ -89,6 +89,8 @@ class ServeConfig:
     """Also serve KServe v2 over gRPC on this port of `host` (`api.kserve_grpc`; 0: any free port)."""
     tls: TlsConfig | None = None
     """Serve HTTP and gRPC over TLS (and ask clients for certificates if it names CAs)."""
+    prefix_affinity: bool = True
+    """Send a generation to the worker that has its prompt's prefix cached (`gateway.router`)."""
 
 
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
@@ -150,7 +152,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                       limits_clock=WallClock())
     tracing = tracing_from_environment(clock)
     cache = await _result_cache(config.cache, clock, gateway_metrics)
-    gateway = Gateway(clock, gateway_metrics, tenancy=tenancy, tracing=tracing, cache=cache)
+    gateway = Gateway(clock, gateway_metrics, GatewayConfig(prefix_affinity=config.prefix_affinity), tenancy=tenancy,
+                      tracing=tracing, cache=cache)
     # Before anything else starts: a port it cannot have ends `sluice serve` with that error. Until
     # the workers are ready it answers ServerReady false and refuses inference as not ready.
     grpc_server, grpc_url = None, None

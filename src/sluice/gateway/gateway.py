@@ -57,6 +57,9 @@ class GatewayConfig:
     answer_grace_s: float = 5.0
     """How long past a deadline to wait for a silent worker before giving up on it."""
     redispatch_poll_s: float = 0.02
+    prefix_affinity: bool = True
+    """A generation goes to the replica that has its prompt's prefix cached, unless that one is
+    busier (`router.PrefixAffinity`); False: by load alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,7 @@ class Gateway:
         self._connections: dict[str, WorkerConnection] = {}
         self._next_id = 0
         self._rng = random.Random()
+        self._affinity = router.PrefixAffinity()
         self.is_draining = False
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
@@ -626,7 +630,14 @@ class Gateway:
         candidates = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
                       for c in replicas if c.is_ready]
         by_id = {c.worker_id: c for c in replicas}
-        chosen = router.choose(candidates, self._rng)
+        prompt = router.prompt_bytes(payload) if self._config.prefix_affinity and len(candidates) > 1 else None
+        keys: list[bytes] = []
+        if prompt is None:
+            chosen = router.choose(candidates, self._rng)
+        else:  # a generation among several replicas: where its prompt's prefix is cached, if not too busy
+            keys = self._affinity.keys(f"{ticket.tenant}\0{info.name}\0{info.version}", prompt)
+            chosen, by_affinity = self._affinity.choose(candidates, keys, self._rng)
+            self._metrics.prefix_routed(info.name, info.version, by_affinity)
         if chosen is None:
             return None
         connection = by_id[chosen.worker_id]
@@ -635,6 +646,8 @@ class Gateway:
         excess_s = self._excess_s(connection, ticket.tenant, ticket.priority, info, self._clock.now(), ticket.deadline)
         if excess_s > 0:
             raise self._overloaded(connection, info, excess_s, wire.num_items(payload))
+        if keys:
+            self._affinity.record(keys, chosen.worker_id)
         return connection
 
     def _overloaded(self, connection: WorkerConnection, info: wire.ModelInfo, excess_s: float,

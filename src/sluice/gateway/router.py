@@ -1,15 +1,39 @@
-"""Replica choice, pure policy: power of two choices over predicted wait.
+"""Replica choice, pure policy: power of two choices over predicted wait, and prefix affinity.
 
 Each candidate's predicted wait is the work ahead its worker last reported plus an estimate of
 what this gateway has sent it since that report. Two candidates are sampled and the less loaded
 one wins, which avoids the herding that "always the least loaded" causes when reports are stale.
+
+*Prefix affinity* (generative models). A worker's engine keeps the KV blocks of the prompts it
+computed (its prefix cache), so a prompt that shares a prefix with one a worker saw recently
+(a system prompt, the earlier turns of a conversation) costs that worker only its new tokens.
+`PrefixAffinity` remembers which worker last took each prompt prefix and sends a prompt to the
+worker that took its longest known prefix, unless that worker's predicted wait is more than
+`slack_s` above the least loaded candidate's; otherwise the choice is by load, as above. A
+prefix is a chain of hashes over the prompt's first `max_blocks` blocks of `block_bytes` bytes,
+started from a scope (tenant, model, version): the workers salt their prefix caches per tenant,
+so one tenant's prompts never route by another's.
+
+    prompt bytes  [  block 0  ][  block 1  ][  block 2  ][ ...      key_i = H(key_{i-1} || block i)
+    keys            k0 ──────▶ k1 ──────▶ k2                       key_-1 = H(scope)
+    owner table     k0 → w1    k1 → w1    k2 → w0                  (bounded, least recently used out)
+    this prompt's longest known run: k0 k1 k2 → w0
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import msgspec
+
+from sluice import wire
+
+__all__ = ["Candidate", "PrefixAffinity", "choose", "prompt_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,3 +50,68 @@ def choose(candidates: Sequence[Candidate], rng: random.Random) -> Candidate | N
     first, second = rng.sample(range(len(candidates)), 2)
     a, b = candidates[first], candidates[second]
     return a if a.predicted_wait_s <= b.predicted_wait_s else b
+
+
+def prompt_bytes(payload: wire.Payload) -> bytes | None:
+    """What a generation's prompt starts with, as bytes; None for any other payload. Chat: the
+    tools and the messages as JSON (an earlier turn's encoding is a prefix of the next's)."""
+    if not isinstance(payload, wire.GeneratePayload):
+        return None
+    if payload.prompt is not None:
+        return payload.prompt.encode()
+    if payload.prompt_token_ids is not None:
+        return array("q", payload.prompt_token_ids).tobytes()
+    if payload.messages is not None:
+        return msgspec.json.encode(payload.tools) + msgspec.json.encode(payload.messages)
+    return None
+
+
+class PrefixAffinity:
+    def __init__(self, *, block_bytes: int = 64, max_blocks: int = 64, slack_s: float = 0.05,
+                 capacity: int = 1 << 16) -> None:
+        self.block_bytes = block_bytes
+        self.max_blocks = max_blocks
+        self.slack_s = slack_s
+        self.capacity = capacity
+        self._owner: OrderedDict[bytes, str] = OrderedDict()
+
+    def keys(self, scope: str, prompt: bytes) -> list[bytes]:
+        """The chain keys of `prompt`'s full blocks (at most `max_blocks`)."""
+        key = hashlib.blake2b(scope.encode(), digest_size=16).digest()
+        keys = []
+        size = self.block_bytes
+        for start in range(0, min(len(prompt) // size, self.max_blocks) * size, size):
+            key = hashlib.blake2b(key + prompt[start:start + size], digest_size=16).digest()
+            keys.append(key)
+        return keys
+
+    def owner(self, keys: Sequence[bytes]) -> str | None:
+        """The worker that took this prompt's longest known prefix."""
+        found = None
+        for key in keys:
+            worker_id = self._owner.get(key)
+            if worker_id is None:
+                break
+            found = worker_id
+        return found
+
+    def choose(self, candidates: Sequence[Candidate], keys: Sequence[bytes], rng: random.Random,
+               ) -> tuple[Candidate | None, bool]:
+        """The replica for a prompt with these keys, and whether affinity chose it (rather than load)."""
+        if len(candidates) > 1 and keys:
+            owner = self.owner(keys)
+            if owner is not None:
+                least = min(c.predicted_wait_s for c in candidates)
+                for candidate in candidates:
+                    if candidate.worker_id == owner and candidate.predicted_wait_s <= least + self.slack_s:
+                        return candidate, True
+        return choose(candidates, rng), False
+
+    def record(self, keys: Sequence[bytes], worker_id: str) -> None:
+        """The prompt with these keys went to `worker_id`: its prefixes are cached there now."""
+        owners = self._owner
+        for key in keys:
+            owners[key] = worker_id
+            owners.move_to_end(key)
+        while len(owners) > self.capacity:
+            owners.popitem(last=False)

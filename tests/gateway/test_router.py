@@ -1,0 +1,125 @@
+"""Replica choice: power of two choices by load, and prefix affinity for generations."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice import wire
+from sluice.gateway.router import Candidate, PrefixAffinity, choose, prompt_bytes
+
+SYSTEM = "You are a careful assistant. Answer in one short paragraph and cite nothing. " * 3
+
+
+def _idle(*workers: str) -> list[Candidate]:
+    return [Candidate(w, 0.0) for w in workers]
+
+
+def test_power_of_two_takes_the_less_loaded_of_two_and_one_candidate_alone():
+    rng = random.Random(0)
+    assert choose([], rng) is None
+    assert choose(_idle("w0"), rng) == Candidate("w0", 0.0)
+    pair = [Candidate("busy", 1.0), Candidate("idle", 0.1)]
+    assert {choose(pair, rng).worker_id for _ in range(50)} == {"idle"}  # type: ignore[union-attr]
+
+
+@given(st.lists(st.floats(0, 10), min_size=3, max_size=8), st.integers(0, 1000))
+def test_power_of_two_never_takes_the_most_loaded_of_several(waits, seed):
+    candidates = [Candidate(f"w{i}", w) for i, w in enumerate(waits)]
+    chosen = choose(candidates, random.Random(seed))
+    assert chosen is not None and chosen in candidates
+    if len(set(waits)) == len(waits):
+        assert chosen.predicted_wait_s != max(waits)
+
+
+def _route(affinity: PrefixAffinity, scope: str, prompt: str, candidates: list[Candidate], rng) -> tuple[str, bool]:
+    keys = affinity.keys(scope, prompt.encode())
+    chosen, by_affinity = affinity.choose(candidates, keys, rng)
+    assert chosen is not None
+    affinity.record(keys, chosen.worker_id)
+    return chosen.worker_id, by_affinity
+
+
+def test_prompts_sharing_a_prefix_go_where_the_first_went():
+    affinity, rng = PrefixAffinity(), random.Random(1)
+    workers = _idle("w0", "w1", "w2", "w3")
+    first, by_affinity = _route(affinity, "t\0m\01", SYSTEM + "Question 0?", workers, rng)
+    assert not by_affinity
+    for i in range(1, 20):
+        assert _route(affinity, "t\0m\01", SYSTEM + f"Question {i}?", workers, rng) == (first, True)
+
+
+def test_the_longest_known_prefix_decides():
+    """Two conversations share the system prompt; each later turn follows its own conversation."""
+    affinity = PrefixAffinity(block_bytes=16)
+    keys_a = affinity.keys("s", (SYSTEM + "conversation A, first turn").encode())
+    keys_b = affinity.keys("s", (SYSTEM + "conversation B, first turn").encode())
+    affinity.record(keys_a, "w0")
+    affinity.record(keys_b, "w1")
+    later_a = affinity.keys("s", (SYSTEM + "conversation A, first turn, and a second").encode())
+    assert affinity.owner(later_a) == "w0"
+    assert affinity.owner(affinity.keys("s", SYSTEM.encode())) == "w1"  # the shared part: its last taker
+    assert affinity.owner(affinity.keys("s", b"something else entirely, long enough to make blocks")) is None
+
+
+def test_another_tenant_or_model_does_not_follow_the_prefix():
+    affinity = PrefixAffinity()
+    prompt = (SYSTEM + "Question?").encode()
+    affinity.record(affinity.keys("tenant-a\0m\01", prompt), "w0")
+    assert affinity.owner(affinity.keys("tenant-a\0m\01", prompt)) == "w0"
+    assert affinity.owner(affinity.keys("tenant-b\0m\01", prompt)) is None
+    assert affinity.owner(affinity.keys("tenant-a\0m\02", prompt)) is None
+
+
+def test_a_busy_owner_is_passed_over_for_load_and_the_prefix_moves():
+    affinity, rng = PrefixAffinity(slack_s=0.05), random.Random(2)
+    keys = affinity.keys("s", (SYSTEM + "Q").encode())
+    affinity.record(keys, "w0")
+    slightly = [Candidate("w0", 0.04), Candidate("w1", 0.0)]
+    assert affinity.choose(slightly, keys, rng) == (slightly[0], True)  # within the slack: keep the cache
+    overloaded = [Candidate("w0", 0.5), Candidate("w1", 0.0)]
+    chosen, by_affinity = affinity.choose(overloaded, keys, rng)
+    assert chosen == overloaded[1] and not by_affinity
+    affinity.record(keys, "w1")
+    assert affinity.owner(keys) == "w1"
+
+
+def test_an_owner_that_is_not_a_candidate_any_more_is_ignored():
+    affinity, rng = PrefixAffinity(), random.Random(3)
+    keys = affinity.keys("s", (SYSTEM + "Q").encode())
+    affinity.record(keys, "gone")
+    chosen, by_affinity = affinity.choose(_idle("w0", "w1"), keys, rng)
+    assert chosen is not None and chosen.worker_id in {"w0", "w1"} and not by_affinity
+
+
+def test_short_prompts_and_single_replicas_route_by_load():
+    affinity, rng = PrefixAffinity(), random.Random(4)
+    assert affinity.keys("s", b"short") == []
+    chosen, by_affinity = affinity.choose(_idle("w0", "w1"), [], rng)
+    assert chosen is not None and not by_affinity
+    keys = affinity.keys("s", SYSTEM.encode())
+    affinity.record(keys, "w1")
+    assert affinity.choose(_idle("w0"), keys, rng) == (Candidate("w0", 0.0), False)
+
+
+def test_only_the_first_blocks_count_and_the_table_is_bounded():
+    affinity = PrefixAffinity(block_bytes=8, max_blocks=4, capacity=10)
+    assert len(affinity.keys("s", b"x" * 1000)) == 4
+    for i in range(20):
+        affinity.record(affinity.keys("s", f"{i:08d}".encode() * 4), f"w{i}")
+    assert len(affinity._owner) == 10
+    assert affinity.owner(affinity.keys("s", f"{19:08d}".encode() * 4)) == "w19"  # the latest stay
+    assert affinity.owner(affinity.keys("s", f"{0:08d}".encode() * 4)) is None
+
+
+def test_prompt_bytes_of_each_kind_of_generation_and_none_for_tensors():
+    assert prompt_bytes(wire.GeneratePayload(prompt="héllo")) == "héllo".encode()
+    ids = prompt_bytes(wire.GeneratePayload(prompt_token_ids=[1, 2]))
+    assert ids == (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    first = [wire.ChatMessage("system", SYSTEM), wire.ChatMessage("user", "hi")]
+    turn = prompt_bytes(wire.GeneratePayload(messages=first))
+    later = prompt_bytes(wire.GeneratePayload(messages=[*first, wire.ChatMessage("assistant", "hello")]))
+    assert turn is not None and later is not None and later.startswith(turn[:-1])  # all but the closing "]"
+    assert prompt_bytes(wire.TensorPayload("float32", (1, 2), bytes(8))) is None
