@@ -12,7 +12,8 @@ worker that took its longest known prefix, unless that worker's predicted wait i
 `slack_s` above the least loaded candidate's; otherwise the choice is by load, as above. A
 prefix is a chain of hashes over the prompt's first `max_blocks` blocks of `block_bytes` bytes,
 started from a scope (tenant, model, version): the workers salt their prefix caches per tenant,
-so one tenant's prompts never route by another's.
+so one tenant's prompts never route by another's. Each gateway keeps its own table (several
+gateways may send one prefix to different workers; each then keeps sending it to its own).
 
     prompt bytes  [  block 0  ][  block 1  ][  block 2  ][ ...      key_i = H(key_{i-1} || block i)
     keys            k0 ──────▶ k1 ──────▶ k2                       key_-1 = H(scope)
