@@ -72,6 +72,10 @@ ITEM_FAILURES = Counter("sluice_item_failures", "Items that failed inside the mo
 WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="livemax")
 WORKER_RESTARTS = Counter("sluice_worker_restarts", "Worker processes restarted after an exit.")
 REDISPATCHED = Counter("sluice_redispatched_requests", "Requests sent again after their worker died.")
+RETRIED = Counter(
+    "sluice_retried_requests", "Requests sent to another replica after their replica's device failed them.",
+    ["model", "version"],
+)
 PREFIX_ROUTED = Counter(
     "sluice_prefix_routed_requests",
     "Generations sent to one of several replicas: by prefix affinity (where their prompt's prefix is "
@@ -299,6 +303,9 @@ class GatewayMetrics(_Demand):
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)
+
+    def retried(self, model: str, version: str) -> None:
+        _child(RETRIED, model, version).inc()
 
     def prefix_routed(self, model: str, version: str, by_affinity: bool) -> None:
         _child(PREFIX_ROUTED, model, version, "prefix" if by_affinity else "load").inc()

@@ -123,3 +123,44 @@ def test_prompt_bytes_of_each_kind_of_generation_and_none_for_tensors():
     later = prompt_bytes(wire.GeneratePayload(messages=[*first, wire.ChatMessage("assistant", "hello")]))
     assert turn is not None and later is not None and later.startswith(turn[:-1])  # all but the closing "]"
     assert prompt_bytes(wire.TensorPayload("float32", (1, 2), bytes(8))) is None
+
+
+def test_a_replica_failing_in_a_row_is_ejected_for_a_while_longer_each_time():
+    from sluice.gateway.router import Ejections
+
+    ejections = Ejections(threshold=3, eject_s=5.0, max_eject_s=12.0)
+    key = ("w0", "m", "1")
+    assert [ejections.failed(key, 0.0) for _ in range(3)] == [0.0, 0.0, 5.0]
+    assert ejections.is_ejected(key, 4.9) and not ejections.is_ejected(key, 5.0)
+    assert not ejections.is_ejected(("w0", "m", "2"), 1.0)  # another version on the same worker
+    assert [ejections.failed(key, 6.0) for _ in range(3)][-1] == 10.0  # ejected again: twice as long
+    assert [ejections.failed(key, 20.0) for _ in range(3)][-1] == 12.0  # up to the cap
+    ejections.succeeded(key)
+    assert not ejections.is_ejected(key, 21.0)
+    assert [ejections.failed(key, 40.0) for _ in range(3)][-1] == 5.0  # a success starts it over
+
+
+def test_failures_that_are_not_in_a_row_eject_nothing():
+    from sluice.gateway.router import Ejections
+
+    ejections = Ejections(threshold=3)
+    key = ("w0", "m", "1")
+    for _ in range(10):
+        ejections.failed(key, 0.0)
+        ejections.failed(key, 0.0)
+        ejections.succeeded(key)
+    assert not ejections.is_ejected(key, 0.0)
+
+
+def test_ejected_replicas_are_left_out_unless_every_one_is():
+    from sluice.gateway.router import Ejections
+
+    ejections = Ejections(threshold=1, eject_s=5.0)
+    replicas = [Candidate("w0", 0.0), Candidate("w1", 0.5)]
+    assert ejections.healthy(replicas, "m", "1", 0.0) == replicas
+    ejections.failed(("w0", "m", "1"), 0.0)
+    assert ejections.healthy(replicas, "m", "1", 1.0) == [replicas[1]]
+    assert ejections.healthy(replicas, "other", "1", 1.0) == replicas
+    ejections.failed(("w1", "m", "1"), 0.0)
+    assert ejections.healthy(replicas, "m", "1", 1.0) == replicas  # all ejected: better to try than refuse
+    assert ejections.healthy(replicas[:1], "m", "1", 1.0) == replicas[:1]  # the only one: kept

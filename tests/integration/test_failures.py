@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import write_emulated_model
 
@@ -114,37 +118,63 @@ def test_sigterm_drains_in_flight_requests_then_exits(make_server, tmp_path):
         pass
 
 
-def test_gateway_in_front_of_a_separately_started_worker(tmp_path):
-    """Cluster mode: `sluice worker --bind tcp://...` and `sluice gateway --worker tcp://...`."""
+@contextlib.contextmanager
+def _cluster(*repos: Path) -> Iterator[str]:
+    """`sluice worker --bind tcp://...` for each repository (ids w0, w1, ...) and one `sluice gateway
+    --worker ...` in front of them, ready; yields its URL; SIGTERMs them all after, and checks that
+    each exits 0."""
     import subprocess
     import sys
 
     from tests.conftest import free_port
 
-    repo = write_emulated_model(tmp_path / "models", alpha_ms=1)
-    worker_port, http_port = free_port(), free_port()
-    worker = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind", f"tcp://127.0.0.1:{worker_port}",
-                               "--models", str(repo)])
-    gateway = subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--worker",
-                                f"tcp://127.0.0.1:{worker_port}", "--port", str(http_port)])
+    ports, http_port = [free_port() for _ in repos], free_port()
+    processes = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--id", f"w{i}",
+                                   "--bind", f"tcp://127.0.0.1:{port}", "--models", str(repo)])
+                 for i, (port, repo) in enumerate(zip(ports, repos, strict=True))]
+    addresses = [arg for port in ports for arg in ("--worker", f"tcp://127.0.0.1:{port}")]
+    processes.insert(0, subprocess.Popen([sys.executable, "-m", "sluice", "gateway", *addresses,
+                                          "--port", str(http_port)]))
     url = f"http://127.0.0.1:{http_port}"
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
+        while time.monotonic() < deadline:  # the gateway listening, then every worker ready
+            with contextlib.suppress(httpx.ConnectError):
                 if httpx.get(f"{url}/v2/health/ready").status_code == 200:
                     break
-            except httpx.ConnectError:
-                pass
             time.sleep(0.1)
+        _wait_workers_ready(url, len(repos))
+        yield url
+    finally:
+        for process in processes:  # the gateway first
+            process.send_signal(signal.SIGTERM)
+        assert [process.wait(timeout=30) for process in processes] == [0] * len(processes)
+
+
+def test_gateway_in_front_of_a_separately_started_worker(tmp_path):
+    """Cluster mode: `sluice worker --bind tcp://...` and `sluice gateway --worker tcp://...`."""
+    with _cluster(write_emulated_model(tmp_path / "models", alpha_ms=1)) as url:
         response = httpx.post(f"{url}/v2/models/emulated/infer", json=BODY)
         assert response.status_code == 200
         assert response.json()["outputs"][0]["data"] == [16.0]
-    finally:
-        gateway.send_signal(signal.SIGTERM)
-        worker.send_signal(signal.SIGTERM)
-        assert gateway.wait(timeout=30) == 0
-        assert worker.wait(timeout=30) == 0
+
+
+def test_a_replica_whose_device_fails_is_retried_around_then_ejected(tmp_path):
+    """Two workers serve the model; one's device fails every batch (the emulator's error_rate 1).
+    Every request still succeeds, sent again to the healthy replica when the broken one failed
+    it, and after 5 failures in a row the broken one gets no more of the model's requests for a
+    while (`router.Ejections`)."""
+    broken = write_emulated_model(tmp_path / "broken", alpha_ms=1, error_rate=1.0)
+    healthy = write_emulated_model(tmp_path / "healthy", alpha_ms=1)
+    with _cluster(broken, healthy) as url:
+        fresh = {"Cache-Control": "no-cache"}  # each one to a worker, not from the result cache
+        statuses = [httpx.post(f"{url}/v2/models/emulated/infer", json=BODY, headers=fresh).status_code
+                    for _ in range(60)]
+        assert statuses == [200] * 60
+        metrics = httpx.get(f"{url}/metrics").text
+    retried = sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                  if s.name == "sluice_retried_requests_total")
+    assert 5 <= retried <= 10, retried  # the failures that ejected it (and, if the run outlasted 5 s, a few more)
 
 
 def _stream_in_threads(sdk, count: int, max_tokens: int) -> tuple[list, threading.Semaphore, dict]:

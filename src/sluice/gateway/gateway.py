@@ -37,7 +37,7 @@ from sluice.gateway.connection import InFlight, WorkerConnection
 from sluice.gateway.shared_traffic import SharedTraffic, Stale
 from sluice.gateway.statistics import InferenceStatistics, Ran
 from sluice.gateway.tenancy import RequestGroup, Tenancy
-from sluice.gateway.ticket import InferResult, Ticket, interpret
+from sluice.gateway.ticket import InferResult, Ticket, interpret, is_device_failure
 from sluice.gateway.traffic import CanaryEvent, Split, Traffic, version_order
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority, effective_priority
@@ -98,6 +98,7 @@ class Gateway:
         self._next_id = 0
         self._rng = random.Random()
         self._affinity = router.PrefixAffinity()
+        self._ejections = router.Ejections()
         self.is_draining = False
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
@@ -547,16 +548,39 @@ class Gateway:
 
     async def _dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False
+        failed_on: set[str] = set()  # replicas whose device failed this request
         while True:
-            connection, in_flight = await self._send(info, payload, ticket, tried_lost)
+            connection, in_flight = await self._send(info, payload, ticket, tried_lost, failed_on)
             result = await self._await_answer(connection, in_flight, ticket.deadline)
             if _is_refused_draining(connection, result):
                 continue
             if result is not None:
+                if self._device_failed(connection, info, result) and self._clock.now() < ticket.deadline:
+                    failed_on.add(connection.worker_id)
+                    if self._has_replica_besides(info, failed_on):  # another may well succeed
+                        self._metrics.retried(info.name, info.version)
+                        continue
                 ticket.used(result)
                 return interpret(connection.served(info), result)
             self._check_restartable(connection, in_flight)
             tried_lost = True
+
+    def _device_failed(self, connection: WorkerConnection, info: wire.ModelInfo, result: wire.Result) -> bool:
+        """Whether the replica's device failed the request; counted towards its ejection."""
+        key = (connection.worker_id, info.name, info.version)
+        if not is_device_failure(result):
+            self._ejections.succeeded(key)
+            return False
+        ejected_s = self._ejections.failed(key, self._clock.now())
+        if ejected_s:
+            log.warning("worker %s failed %d requests of %s v%s in a row on its device: it gets none of "
+                        "them for %.0f s while another replica serves the model", connection.worker_id,
+                        self._ejections.threshold, info.name, info.version, ejected_s)
+        return True
+
+    def _has_replica_besides(self, info: wire.ModelInfo, excluded: set[str]) -> bool:
+        return any(c.is_ready and c.worker_id not in excluded
+                   for c in self._indexed().replicas.get((info.name, info.version), ()))
 
     async def _dispatch_stream(
         self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket
@@ -580,6 +604,7 @@ class Gateway:
             if _is_refused_draining(connection, result):
                 continue
             if result is not None:
+                self._device_failed(connection, info, result)  # counted; a stream is not sent again
                 ticket.used(result)
                 yield interpret(connection.served(info), result)
                 return
@@ -587,9 +612,9 @@ class Gateway:
             tried_lost = True
 
     async def _send(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket,
-                    tried_lost: bool) -> tuple[WorkerConnection, InFlight]:
-        """Submit to the best ready replica, waiting (within the deadline) for one to recover if
-        the one that had the request died."""
+                    tried_lost: bool, avoid: set[str] | None = None) -> tuple[WorkerConnection, InFlight]:
+        """Submit to the best ready replica (not one in `avoid`, whose device failed the request),
+        waiting (within the deadline) for one to recover if the one that had the request died."""
         self._next_id += 1
         request_id = self._next_id
         while True:
@@ -599,7 +624,7 @@ class Gateway:
                     raise WorkerLost("the worker serving this model died and none recovered before the "
                                      "request's deadline", retry_after_s=1.0)
                 raise DeadlineExceeded("deadline passed before a worker could take the request")
-            connection = self._choose(info, ticket, payload)
+            connection = self._choose(info, ticket, payload, avoid)
             if connection is None:
                 if tried_lost or self._is_recovering(info):
                     tried_lost = True
@@ -625,10 +650,12 @@ class Gateway:
         return info.name in self._indexed().with_recovering and any(
             c.is_lost and info in c.known_models for c in self._connections.values())
 
-    def _choose(self, info: wire.ModelInfo, ticket: Ticket, payload: wire.Payload) -> WorkerConnection | None:
+    def _choose(self, info: wire.ModelInfo, ticket: Ticket, payload: wire.Payload,
+                avoid: set[str] | None = None) -> WorkerConnection | None:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
-        candidates = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
-                      for c in replicas if c.is_ready]
+        ready = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
+                 for c in replicas if c.is_ready and not (avoid and c.worker_id in avoid)]
+        candidates = self._ejections.healthy(ready, info.name, info.version, self._clock.now())
         by_id = {c.worker_id: c for c in replicas}
         prompt = router.prompt_bytes(payload) if self._config.prefix_affinity and len(candidates) > 1 else None
         keys: list[bytes] = []

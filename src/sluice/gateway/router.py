@@ -1,4 +1,5 @@
-"""Replica choice, pure policy: power of two choices over predicted wait, and prefix affinity.
+"""Replica choice, pure policy: power of two choices over predicted wait, prefix affinity, and
+ejection of replicas whose device keeps failing.
 
 Each candidate's predicted wait is the work ahead its worker last reported plus an estimate of
 what this gateway has sent it since that report. Two candidates are sampled and the less loaded
@@ -19,6 +20,13 @@ gateways may send one prefix to different workers; each then keeps sending it to
     keys            k0 ──────▶ k1 ──────▶ k2                       key_-1 = H(scope)
     owner table     k0 → w1    k1 → w1    k2 → w0                  (bounded, least recently used out)
     this prompt's longest known run: k0 k1 k2 → w0
+
+*Ejection* (as Envoy's outlier detection does it). A replica whose device failed `threshold`
+requests of a model in a row (transient device faults, not the inputs' errors) gets none of that
+model's requests for `eject_s` while another replica serves it, twice as long after each
+ejection in a row (up to `max_eject_s`); then it is back, and one success resets it. The gateway
+sends a request that failed so to another replica (`Gateway._dispatch`), so a broken device
+costs its clients a retry's latency, not an error.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import msgspec
 
 from sluice import wire
 
-__all__ = ["Candidate", "PrefixAffinity", "choose", "prompt_bytes"]
+__all__ = ["Candidate", "Ejections", "PrefixAffinity", "choose", "prompt_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +124,48 @@ class PrefixAffinity:
             owners.move_to_end(key)
         while len(owners) > self.capacity:
             owners.popitem(last=False)
+
+
+ReplicaKey = tuple[str, str, str]
+"""(worker id, model, version)."""
+
+
+class Ejections:
+    def __init__(self, *, threshold: int = 5, eject_s: float = 5.0, max_eject_s: float = 60.0) -> None:
+        if threshold < 1 or not 0 < eject_s <= max_eject_s:
+            raise ValueError("need threshold >= 1 and 0 < eject_s <= max_eject_s")
+        self.threshold = threshold
+        self.eject_s = eject_s
+        self.max_eject_s = max_eject_s
+        self._failures: dict[ReplicaKey, int] = {}
+        self._ejections: dict[ReplicaKey, int] = {}
+        self._until: dict[ReplicaKey, float] = {}
+
+    def is_ejected(self, key: ReplicaKey, now: float) -> bool:
+        return now < self._until.get(key, 0.0)
+
+    def failed(self, key: ReplicaKey, now: float) -> float:
+        """A request failed on this replica's device: the seconds it is now ejected for (0: not ejected)."""
+        failures = self._failures.get(key, 0) + 1
+        if failures < self.threshold:
+            self._failures[key] = failures
+            return 0.0
+        self._failures[key] = 0
+        ejections = self._ejections.get(key, 0)
+        self._ejections[key] = ejections + 1
+        duration_s = min(self.eject_s * 2 ** ejections, self.max_eject_s)
+        self._until[key] = now + duration_s
+        return duration_s
+
+    def succeeded(self, key: ReplicaKey) -> None:
+        if (self._failures or self._ejections) and (key in self._failures or key in self._ejections):
+            self._failures.pop(key, None)
+            self._ejections.pop(key, None)
+            self._until.pop(key, None)
+
+    def healthy(self, candidates: Sequence[Candidate], model: str, version: str, now: float) -> Sequence[Candidate]:
+        """The candidates not ejected for this model, or all of them if every one is."""
+        if len(candidates) < 2 or not self._until:
+            return candidates
+        kept = [c for c in candidates if not self.is_ejected((c.worker_id, model, version), now)]
+        return kept or candidates

@@ -237,6 +237,13 @@ _OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
 )
 
 
+def is_device_failure(result: wire.Result) -> bool:
+    """The request failed for its device's fault alone (every error transient, none an upstream's
+    refusal): another replica may well succeed."""
+    return (result.outcome is wire.Outcome.FAILED and bool(result.errors)
+            and all(e.is_transient and not e.upstream_status for e in result.errors))
+
+
 def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
     match result.outcome:
         case wire.Outcome.OK:
