@@ -555,7 +555,8 @@ class Gateway:
             if _is_refused_draining(connection, result):
                 continue
             if result is not None:
-                if self._device_failed(connection, info, result) and self._clock.now() < ticket.deadline:
+                if ((result.outcome is not wire.Outcome.OK or not self._ejections.is_clear)
+                        and self._device_failed(connection, info, result) and self._clock.now() < ticket.deadline):
                     failed_on.add(connection.worker_id)
                     if self._has_replica_besides(info, failed_on):  # another may well succeed
                         self._metrics.retried(info.name, info.version)
@@ -604,7 +605,8 @@ class Gateway:
             if _is_refused_draining(connection, result):
                 continue
             if result is not None:
-                self._device_failed(connection, info, result)  # counted; a stream is not sent again
+                if result.outcome is not wire.Outcome.OK or not self._ejections.is_clear:
+                    self._device_failed(connection, info, result)  # counted; a stream is not sent again
                 ticket.used(result)
                 yield interpret(connection.served(info), result)
                 return
@@ -655,7 +657,8 @@ class Gateway:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         ready = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
                  for c in replicas if c.is_ready and not (avoid and c.worker_id in avoid)]
-        candidates = self._ejections.healthy(ready, info.name, info.version, self._clock.now())
+        candidates = ready if self._ejections.is_clear else \
+            self._ejections.healthy(ready, info.name, info.version, self._clock.now())
         by_id = {c.worker_id: c for c in replicas}
         prompt = router.prompt_bytes(payload) if self._config.prefix_affinity and len(candidates) > 1 else None
         keys: list[bytes] = []

@@ -141,6 +141,11 @@ class Ejections:
         self._ejections: dict[ReplicaKey, int] = {}
         self._until: dict[ReplicaKey, float] = {}
 
+    @property
+    def is_clear(self) -> bool:
+        """No failure counted and no replica ejected: nothing to record for a success, nobody to leave out."""
+        return not self._failures and not self._ejections
+
     def is_ejected(self, key: ReplicaKey, now: float) -> bool:
         return now < self._until.get(key, 0.0)
 
@@ -158,14 +163,14 @@ class Ejections:
         return duration_s
 
     def succeeded(self, key: ReplicaKey) -> None:
-        if (self._failures or self._ejections) and (key in self._failures or key in self._ejections):
+        if key in self._failures or key in self._ejections:
             self._failures.pop(key, None)
             self._ejections.pop(key, None)
             self._until.pop(key, None)
 
     def healthy(self, candidates: Sequence[Candidate], model: str, version: str, now: float) -> Sequence[Candidate]:
         """The candidates not ejected for this model, or all of them if every one is."""
-        if len(candidates) < 2 or not self._until:
+        if len(candidates) < 2 or self.is_clear:
             return candidates
         kept = [c for c in candidates if not self.is_ejected((c.worker_id, model, version), now)]
         return kept or candidates
