@@ -72,6 +72,11 @@ ITEM_FAILURES = Counter("sluice_item_failures", "Items that failed inside the mo
 WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="livemax")
 WORKER_RESTARTS = Counter("sluice_worker_restarts", "Worker processes restarted after an exit.")
 REDISPATCHED = Counter("sluice_redispatched_requests", "Requests sent again after their worker died.")
+EJECTED = Gauge(
+    "sluice_replica_ejected",
+    "1 while a worker gets none of a model version's requests after failing them on its device; 0 once back.",
+    ["worker", "model", "version"], multiprocess_mode="livemax",
+)
 RETRIED = Counter(
     "sluice_retried_requests", "Requests sent to another replica after their replica's device failed them.",
     ["model", "version"],
@@ -275,6 +280,7 @@ class GatewayMetrics(_Demand):
         self._counted: dict[Any, float] = {}
         """Counters kept elsewhere and exported on scrape: how much of each this registry has."""
         self._shares_seen: set[tuple[str, str]] = set()
+        self._ejections_seen: set[tuple[str, str, str]] = set()
 
     def cache_error(self) -> None:
         CACHE_ERRORS.inc()
@@ -303,6 +309,15 @@ class GatewayMetrics(_Demand):
 
     def redispatched(self, count: int) -> None:
         REDISPATCHED.inc(count)
+
+    def ejections(self, replicas: dict[tuple[str, str, str], bool]) -> None:
+        """On scrape: each replica that failed since its last success, ejected or not; a replica
+        that has succeeded since reads 0."""
+        for key in self._ejections_seen - replicas.keys():
+            _child(EJECTED, *key).set(0.0)
+        for key, is_ejected in replicas.items():
+            _child(EJECTED, *key).set(1.0 if is_ejected else 0.0)
+        self._ejections_seen |= replicas.keys()
 
     def retried(self, model: str, version: str) -> None:
         _child(RETRIED, model, version).inc()

@@ -135,8 +135,9 @@ def test_a_replica_failing_in_a_row_is_ejected_for_a_while_longer_each_time():
     assert not ejections.is_ejected(("w0", "m", "2"), 1.0)  # another version on the same worker
     assert [ejections.failed(key, 6.0) for _ in range(3)][-1] == 10.0  # ejected again: twice as long
     assert [ejections.failed(key, 20.0) for _ in range(3)][-1] == 12.0  # up to the cap
+    assert ejections.known(21.0) == {key: True} and ejections.known(33.0) == {key: False}
     ejections.succeeded(key)
-    assert not ejections.is_ejected(key, 21.0)
+    assert not ejections.is_ejected(key, 21.0) and ejections.known(21.0) == {}
     assert [ejections.failed(key, 40.0) for _ in range(3)][-1] == 5.0  # a success starts it over
 
 

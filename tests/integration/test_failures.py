@@ -175,6 +175,9 @@ def test_a_replica_whose_device_fails_is_retried_around_then_ejected(tmp_path):
     retried = sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
                   if s.name == "sluice_retried_requests_total")
     assert 5 <= retried <= 10, retried  # the failures that ejected it (and, if the run outlasted 5 s, a few more)
+    ejected = {s.labels["worker"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+               if s.name == "sluice_replica_ejected"}
+    assert list(ejected) == ["0"], ejected  # the broken worker (the gateway's first), and only it, failed
 
 
 def _stream_in_threads(sdk, count: int, max_tokens: int) -> tuple[list, threading.Semaphore, dict]:

@@ -171,6 +171,7 @@ class Gateway:
         """Update gauges that are cheaper to compute on scrape than on every change."""
         self._metrics.workers_ready(len(self.ready_workers()))
         self._metrics.traffic_shares(self.traffic_shares())
+        self._metrics.ejections(self._ejections.known(self._clock.now()))
         if self.cache is not None:
             self._metrics.cache_state(self.cache)
 

@@ -162,6 +162,10 @@ class Ejections:
         self._until[key] = now + duration_s
         return duration_s
 
+    def known(self, now: float) -> dict[ReplicaKey, bool]:
+        """Every replica that has failed since its last success: whether it is ejected now."""
+        return {key: self.is_ejected(key, now) for key in self._failures.keys() | self._ejections.keys()}
+
     def succeeded(self, key: ReplicaKey) -> None:
         if key in self._failures or key in self._ejections:
             self._failures.pop(key, None)
