@@ -14,7 +14,7 @@ Each graph owns one input tensor, a row per sequence:
 
 which a step fills on the host and copies over in one transfer. Inside the graph, the slots each
 row reads and its causal mask (keys at positions <= its own) are derived from the row, as the
-eager path derives them on the host (`ModelRunner._decode_group`). Padding rows (beyond the
+eager path derives them (`model.table_slots`, `ModelRunner._decode_group`). Padding rows (beyond the
 step's sequences) decode token 0 at position 0 and write and read the cache's scratch block
 (`KVCache.scratch_block`), which no sequence owns; their logits are never read. A real row's
 block table beyond its own blocks keeps whatever it held (valid block ids): those slots are
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sluice.engines.generative.model import AttentionGroup, ForwardInput
+from sluice.engines.generative.model import AttentionGroup, ForwardInput, table_slots
 from sluice.engines.generative.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
@@ -73,7 +73,6 @@ class DecodeGraph:
         self._host[:] = self._padding_row
         self._inputs = torch.from_numpy(self._host).to(device)
         self._rows = torch.arange(num_seqs, device=device)
-        self._offsets = torch.arange(block_size, device=device)
         self._keys = torch.arange(context, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
@@ -100,10 +99,9 @@ class DecodeGraph:
 
     def forward(self, model: Forward) -> torch.Tensor:
         """The step on the filled inputs: logits of every row, padding included ([num_seqs, vocab])."""
-        inputs, bs = self._inputs, self.block_size
+        inputs = self._inputs
         positions = inputs[:, _POSITION]
-        tables = inputs[:, _TABLE:]
-        slots = (tables[:, :, None] * bs + self._offsets).reshape(self.num_seqs, self.context)
+        slots = table_slots(inputs[:, _TABLE:], self.block_size, self.context)
         mask = (self._keys[None, :] <= positions[:, None])[:, None, None, :]
         group = AttentionGroup(self._rows, slots, mask, self.num_seqs, 1, covers_all=True)
         step = ForwardInput(inputs[:, _ID], positions, inputs[:, _WRITE], (group,), self._rows)

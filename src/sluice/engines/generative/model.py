@@ -230,6 +230,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cac
     return out
 
 
+def table_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, length] slot ids of positions 0..length-1."""
+    offsets = torch.arange(block_size, device=tables.device)
+    return (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows `slots` [B, L] of one layer's cache [S, kv_heads, D] -> [B, kv_heads, L, D]."""
     rows = torch.index_select(cache, 0, slots.reshape(-1))

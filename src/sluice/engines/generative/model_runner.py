@@ -31,7 +31,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sluice.engines.generative.graphs import DecodeGraph, DecodeGraphs
-from sluice.engines.generative.model import AttentionGroup, ForwardInput, KVCache, ModelSpec, load_model
+from sluice.engines.generative.model import (
+    AttentionGroup,
+    ForwardInput,
+    KVCache,
+    ModelSpec,
+    load_model,
+    table_slots,
+)
 from sluice.engines.generative.scheduler import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ModelRunner", "PromptSpan", "StepInput"]
@@ -199,17 +206,12 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _slots_of(self, tables: torch.Tensor, length: int) -> torch.Tensor:
-        """[B, max_blocks] block tables -> [B, length] slot ids of positions 0..length-1."""
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (tables[:, :, None] * self.block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
-
     def _prefill_group(self, row: int, chunk: ScheduledChunk) -> AttentionGroup:
         n, length = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
         if chunk.start == 0 and not self.spec.windowed_layers:  # attends to its own rows alone: no index, slots, mask
             return AttentionGroup(self._nothing, self._nothing, self._nothing, 1, n, fresh_rows=(row, row + n))
         num_blocks = -(-length // self.block_size)
-        slots = self._slots_of(self._tensor(list(chunk.block_table[:num_blocks]))[None, :], length)
+        slots = table_slots(self._tensor(list(chunk.block_table[:num_blocks]))[None, :], self.block_size, length)
         query_pos = torch.arange(chunk.start, length, device=self.device)[:, None]
         key_pos = torch.arange(length, device=self.device)[None, :]
         mask = key_pos <= query_pos
@@ -239,7 +241,8 @@ class ModelRunner:
         max_blocks = -(-max_len // self.block_size)
         tables = [list(c.block_table[:max_blocks]) + [0] * (max_blocks - len(c.block_table[:max_blocks]))
                   for _, c in decodes]
-        slots = self._slots_of(self._tensor([b for t in tables for b in t]).view(len(decodes), max_blocks), max_len)
+        slots = table_slots(self._tensor([b for t in tables for b in t]).view(len(decodes), max_blocks),
+                            self.block_size, max_len)
         key_pos = torch.arange(max_len, device=self.device)[None, :]
         query_pos = self._tensor(lengths)[:, None] - 1
         mask = key_pos <= query_pos
