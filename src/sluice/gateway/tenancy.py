@@ -99,9 +99,14 @@ class Tenancy:
             raise Unauthenticated("the API key is not valid")
         return tenant
 
-    def may_scrape(self, key: str | None) -> bool:
-        """Whether a request presenting `key` may read `/metrics` (the tenants file's `[metrics]`)."""
-        return self.directory.may_scrape(key)
+    def check_scrape(self, key: str | None) -> None:
+        """Refuse a request presenting `key` that may not read `/metrics` (the tenants file's
+        `[metrics]`): 403 for a tenant's key, 401 for none or an unknown one."""
+        if self.directory.may_scrape(key):
+            return
+        if key and self.directory.tenant_for_key(key) is not None:
+            raise PermissionDenied("/metrics needs a metrics or admin key, not a tenant's")
+        raise Unauthenticated("/metrics needs a metrics or admin key: send 'Authorization: Bearer <key>'")
 
     def is_admin(self, key: str | None) -> bool:
         return bool(key) and not self.directory.is_open and self.directory.is_admin_key(key or "")

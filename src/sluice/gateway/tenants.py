@@ -97,17 +97,13 @@ class TenantDirectory:
         return tenant if any(hmac.compare_digest(digest, h) for h in tenant.key_hashes) else None
 
     def is_admin_key(self, key: str) -> bool:
-        digest = hash_key(key)
-        return any(hmac.compare_digest(digest, h) for h in self.admin_hashes)
+        return _is_listed(key, self.admin_hashes)
 
     def may_scrape(self, key: str | None) -> bool:
         """Whether a request presenting `key` may read `/metrics`."""
         if self.metrics_hashes is None:
             return True
-        if not key:
-            return False
-        digest = hash_key(key)
-        return any(hmac.compare_digest(digest, h) for h in self.metrics_hashes | self.admin_hashes)
+        return bool(key) and _is_listed(key or "", self.metrics_hashes | self.admin_hashes)
 
     @classmethod
     def open(cls) -> TenantDirectory:
@@ -126,6 +122,12 @@ class TenantDirectory:
             raise ConfigError(f"{path}: a key is listed both in [admin] and in [metrics]")
         return cls(tenants=dict(tenants), admin_hashes=admin_hashes, path=path, metrics_hashes=metrics_hashes,
                    _by_hash=by_hash)
+
+
+def _is_listed(key: str, hashes: frozenset[str]) -> bool:
+    """Whether `key`'s digest is one of `hashes`, compared in constant time."""
+    digest = hash_key(key)
+    return any(hmac.compare_digest(digest, h) for h in hashes)
 
 
 def new_key() -> str:
