@@ -115,14 +115,24 @@ def test_only_the_first_blocks_count_and_the_table_is_bounded():
 
 
 def test_prompt_bytes_of_each_kind_of_generation_and_none_for_tensors():
-    assert prompt_bytes(wire.GeneratePayload(prompt="héllo")) == "héllo".encode()
-    ids = prompt_bytes(wire.GeneratePayload(prompt_token_ids=[1, 2]))
+    assert prompt_bytes(wire.GeneratePayload(prompt="héllo"), 4096) == "héllo".encode()
+    ids = prompt_bytes(wire.GeneratePayload(prompt_token_ids=[1, 2]), 4096)
     assert ids == (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
     first = [wire.ChatMessage("system", SYSTEM), wire.ChatMessage("user", "hi")]
-    turn = prompt_bytes(wire.GeneratePayload(messages=first))
-    later = prompt_bytes(wire.GeneratePayload(messages=[*first, wire.ChatMessage("assistant", "hello")]))
-    assert turn is not None and later is not None and later.startswith(turn[:-1])  # all but the closing "]"
-    assert prompt_bytes(wire.TensorPayload("float32", (1, 2), bytes(8))) is None
+    turn = prompt_bytes(wire.GeneratePayload(messages=first), 4096)
+    later = prompt_bytes(wire.GeneratePayload(messages=[*first, wire.ChatMessage("assistant", "hello")]), 4096)
+    assert turn is not None and later is not None and later.startswith(turn) and len(later) > len(turn)
+    assert prompt_bytes(wire.TensorPayload("float32", (1, 2), bytes(8)), 4096) is None
+
+
+def test_prompt_bytes_stop_soon_after_what_affinity_hashes():
+    """A long prompt is not encoded whole: only enough of its start for the keys."""
+    long = "x" * 100_000
+    assert prompt_bytes(wire.GeneratePayload(prompt=long), 4096) == b"x" * 4096
+    assert len(prompt_bytes(wire.GeneratePayload(prompt_token_ids=list(range(10_000))), 4096) or b"") == 4096
+    many = [wire.ChatMessage("user", f"turn {i}: " + "y" * 500) for i in range(200)]
+    chat = prompt_bytes(wire.GeneratePayload(messages=many), 4096)
+    assert chat is not None and 4096 <= len(chat) < 4096 + 600
 
 
 def test_a_replica_failing_in_a_row_is_ejected_for_a_while_longer_each_time():

@@ -661,7 +661,9 @@ class Gateway:
         candidates = ready if self._ejections.is_clear else \
             self._ejections.healthy(ready, info.name, info.version, self._clock.now())
         by_id = {c.worker_id: c for c in replicas}
-        prompt = router.prompt_bytes(payload) if self._config.prefix_affinity and len(candidates) > 1 else None
+        prompt = None
+        if self._config.prefix_affinity and len(candidates) > 1:
+            prompt = router.prompt_bytes(payload, self._affinity.max_bytes)
         keys: list[bytes] = []
         if prompt is None:
             chosen = router.choose(candidates, self._rng)

@@ -61,17 +61,25 @@ def choose(candidates: Sequence[Candidate], rng: random.Random) -> Candidate | N
     return a if a.predicted_wait_s <= b.predicted_wait_s else b
 
 
-def prompt_bytes(payload: wire.Payload) -> bytes | None:
-    """What a generation's prompt starts with, as bytes; None for any other payload. Chat: the
-    tools and the messages as JSON (an earlier turn's encoding is a prefix of the next's)."""
+def prompt_bytes(payload: wire.Payload, limit: int) -> bytes | None:
+    """At least the first `limit` bytes of what a generation's prompt starts with (all of it if
+    shorter); None for any other payload. Chat: the tools, then each message, as JSON (an
+    earlier turn's encoding is a prefix of the next's)."""
     if not isinstance(payload, wire.GeneratePayload):
         return None
     if payload.prompt is not None:
-        return payload.prompt.encode()
+        return payload.prompt[:limit].encode()  # a character is at least one byte
     if payload.prompt_token_ids is not None:
-        return array("q", payload.prompt_token_ids).tobytes()
+        return array("q", payload.prompt_token_ids[:-(-limit // 8)]).tobytes()
     if payload.messages is not None:
-        return msgspec.json.encode(payload.tools) + msgspec.json.encode(payload.messages)
+        parts = [msgspec.json.encode(payload.tools)]
+        size = len(parts[0])
+        for message in payload.messages:
+            if size >= limit:
+                break
+            parts.append(msgspec.json.encode(message))
+            size += len(parts[-1])
+        return b"".join(parts)
     return None
 
 
@@ -83,6 +91,11 @@ class PrefixAffinity:
         self.slack_s = slack_s
         self.capacity = capacity
         self._owner: OrderedDict[bytes, str] = OrderedDict()
+
+    @property
+    def max_bytes(self) -> int:
+        """How much of a prompt's start its keys cover."""
+        return self.block_bytes * self.max_blocks
 
     def keys(self, scope: str, prompt: bytes) -> list[bytes]:
         """The chain keys of `prompt`'s full blocks (at most `max_blocks`)."""
@@ -130,6 +143,18 @@ ReplicaKey = tuple[str, str, str]
 """(worker id, model, version)."""
 
 
+@dataclass(slots=True)
+class _Failing:
+    """A replica that has failed since its last success."""
+
+    failures: int = 0
+    """Failures in a row since it was last ejected (or first failed)."""
+    ejections: int = 0
+    """Ejections in a row: each lasts twice the one before."""
+    until: float = 0.0
+    """Ejected until then."""
+
+
 class Ejections:
     def __init__(self, *, threshold: int = 5, eject_s: float = 5.0, max_eject_s: float = 60.0) -> None:
         if threshold < 1 or not 0 < eject_s <= max_eject_s:
@@ -137,40 +162,33 @@ class Ejections:
         self.threshold = threshold
         self.eject_s = eject_s
         self.max_eject_s = max_eject_s
-        self._failures: dict[ReplicaKey, int] = {}
-        self._ejections: dict[ReplicaKey, int] = {}
-        self._until: dict[ReplicaKey, float] = {}
+        self._failing: dict[ReplicaKey, _Failing] = {}
 
     @property
     def is_clear(self) -> bool:
-        """No failure counted and no replica ejected: nothing to record for a success, nobody to leave out."""
-        return not self._failures and not self._ejections
+        """No replica has failed since its last success: nothing to record for a success, nobody to leave out."""
+        return not self._failing
 
     def is_ejected(self, key: ReplicaKey, now: float) -> bool:
-        return now < self._until.get(key, 0.0)
+        failing = self._failing.get(key)
+        return failing is not None and now < failing.until
 
     def failed(self, key: ReplicaKey, now: float) -> float:
         """A request failed on this replica's device: the seconds it is now ejected for (0: not ejected)."""
-        failures = self._failures.get(key, 0) + 1
-        if failures < self.threshold:
-            self._failures[key] = failures
+        failing = self._failing.setdefault(key, _Failing())
+        failing.failures += 1
+        if failing.failures < self.threshold:
             return 0.0
-        self._failures[key] = 0
-        ejections = self._ejections.get(key, 0)
-        self._ejections[key] = ejections + 1
-        duration_s = min(self.eject_s * 2 ** ejections, self.max_eject_s)
-        self._until[key] = now + duration_s
+        duration_s = min(self.eject_s * 2 ** failing.ejections, self.max_eject_s)
+        failing.failures, failing.ejections, failing.until = 0, failing.ejections + 1, now + duration_s
         return duration_s
 
     def known(self, now: float) -> dict[ReplicaKey, bool]:
         """Every replica that has failed since its last success: whether it is ejected now."""
-        return {key: self.is_ejected(key, now) for key in self._failures.keys() | self._ejections.keys()}
+        return {key: now < failing.until for key, failing in self._failing.items()}
 
     def succeeded(self, key: ReplicaKey) -> None:
-        if key in self._failures or key in self._ejections:
-            self._failures.pop(key, None)
-            self._ejections.pop(key, None)
-            self._until.pop(key, None)
+        self._failing.pop(key, None)
 
     def healthy(self, candidates: Sequence[Candidate], model: str, version: str, now: float) -> Sequence[Candidate]:
         """The candidates not ejected for this model, or all of them if every one is."""
