@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Everything sluice checks and measures on a CUDA machine, in one go (about 5 minutes on an H200):
-#   1. the GPU tests (generative engine against transformers, embeddings against the CPU);
-#   2. the engine's decode step at 8, 32 and 96 sequences (step_profile.py, 1 B Llama, bf16; CUDA graphs on,
-#      the default: gpu_graphs_check.sh compares them with eager steps);
+# Everything sluice checks and measures on a CUDA machine, in one go (about 6 minutes on an H200):
+#   1. the GPU tests (generative engine against transformers, with and without CUDA graphs;
+#      embeddings against the CPU) and the padded decode path's CPU tests;
+#   2. the engine's decode step at 32 sequences without CUDA graphs, then at 8, 32 and 96 with
+#      them, the default (step_profile.py, 1 B Llama, bf16);
 #   3. continuous vs static batching on the engine at 60 req/s (engine_bench.py --online);
-#   4. the same through the whole server at $RATE req/s (gpu_serve_bench.sh).
+#   4. the continuous engine at 120 req/s (beyond what it keeps up with eagerly), without and with graphs;
+#   5. continuous vs static through the whole server at $RATE req/s (gpu_serve_bench.sh).
 # Results and logs go to OUT_DIR; the numbers and their method are in benchmarks/generative/README.md.
 #
 # Usage: benchmarks/generative/gpu_check.sh [OUT_DIR]   (env: PYTHON, default python3; RATE, default 60)
@@ -15,12 +17,20 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="src:.:${PYTHONPATH:-}"
 
-$py -m pytest -q -p no:cacheprovider -m gpu -W ignore::UserWarning -W ignore::FutureWarning \
-    tests/engines/generative/test_cuda.py tests/engines/test_embedding_cuda.py 2>&1 | tail -5 | tee "$out/gpu-tests.log"
-for seqs in 8 32 96; do
-  $py benchmarks/generative/step_profile.py --device cuda --dtype bfloat16 --model 1b --seqs "$seqs" \
-      --profile-steps 3 2>&1 | grep -E "^(one|decode|per step)" | tee -a "$out/gpu-step-sizes.txt"
-done
+$py -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -W ignore::UserWarning -W ignore::FutureWarning \
+    tests/engines/generative/test_cuda.py tests/engines/test_embedding_cuda.py tests/engines/generative/test_graphs.py \
+    2>&1 | tail -15 | tee "$out/gpu-tests.log"
+step() {
+  $py benchmarks/generative/step_profile.py --device cuda --dtype bfloat16 --model 1b --seqs "$1" --profile-steps 3 "${@:2}" \
+      2>&1 | grep -E "^(one|decode|per step)" | sed "s/^/[$*] /" | tee -a "$out/gpu-step-sizes.txt"
+}
+step 32 --no-cuda-graphs
+for seqs in 8 32 96; do step "$seqs"; done
 $py benchmarks/generative/engine_bench.py --online 60 --duration 8 --cap-s 40 --device cuda --dtype bfloat16 \
     --model 1b --kv-tokens 16384 --json "$out/gpu-online-rate60.json" 2>&1 | tail -5
+for graphs in --no-cuda-graphs ""; do
+  $py benchmarks/generative/engine_bench.py --online 120 --duration 8 --cap-s 40 --device cuda --dtype bfloat16 \
+      --model 1b --kv-tokens 16384 --modes continuous $graphs --json "$out/gpu-online120${graphs:+-eager}.json" 2>&1 | tail -2
+done
 RATE=${RATE:-60} PYTHON=$py benchmarks/generative/gpu_serve_bench.sh "$out" 2>&1 | grep -v "━" | tail -30
+grep -E "captured|Traceback|Error" "$out/gpu-server.log" | head -5
