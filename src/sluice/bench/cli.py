@@ -80,10 +80,10 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
               help="completions/chat: TPOT target for goodput.")
 def bench(url: str, api_key: str | None, metrics_key: str | None, endpoint: str, model: str, input_len: int,
           rate: float | None, rates: str | None, duration_s: float, warmup_s: float, timeout_ms: float | None,
-          slo_ms: float,
-          out_path: Path | None, plot_path: Path | None, seed: int, request_timeout_s: float, max_connections: int,
-          max_lag_ms: float, self_test: bool, concurrency: int, scenario: str | None, scale: float, prompt_len: str,
-          output_len: str, ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> None:
+          slo_ms: float, out_path: Path | None, plot_path: Path | None, seed: int, request_timeout_s: float,
+          max_connections: int, max_lag_ms: float, self_test: bool, concurrency: int, scenario: str | None,
+          scale: float, prompt_len: str, output_len: str, ttft_slo_ms: float | None,
+          tpot_slo_ms: float | None) -> None:
     """Open-loop load generator: offer Poisson load to a running server and report what it sustained.
 
     For completions/chat each rate sends round(rate * duration) streamed requests (no warm-up).
