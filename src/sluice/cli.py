@@ -334,6 +334,50 @@ def models_rollback(name: str, url: str, admin_key: str | None) -> None:
     show(admin_call(url, admin_key, "POST", model_path(name, "/rollback")))
 
 
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
+@click.option("--key", default=None, help="A metrics or admin key, if the server's /metrics asks for one.")
+@click.option("--interval", "interval_s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between refreshes; each shows what happened over the last interval.")
+@click.option("--once", is_flag=True, help="Print one view (two scrapes an interval apart) and exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --once: print the view as JSON.")
+@click.option("--ca-certs", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="For an https server: check its certificate against these CAs instead of the system's.")
+def top(url: str, key: str | None, interval_s: float, once: bool, as_json: bool, ca_certs: Path | None) -> None:
+    """Watch a running server: per model answers/s, latency, batch sizes, queues; generation;
+    tenants; how busy each worker's device is. Read from its /metrics."""
+    import json
+    import ssl
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from sluice.top import TopError, render, watch
+
+    if as_json and not once:
+        raise click.UsageError("--json needs --once")
+    views = watch(url, key, interval_s, ssl.create_default_context(cafile=ca_certs) if ca_certs else None)
+    if once:
+        current = next(views)
+        if isinstance(current, TopError):
+            raise click.ClickException(str(current))
+        if as_json:
+            click.echo(json.dumps(current.as_json(), indent=2))
+        else:
+            console = Console()
+            if not console.is_terminal:  # a file or a pipe: no terminal's width to fit, keep columns whole
+                console.width = 200
+            console.print(render(url, current))
+        return
+    with Live(f"reading {url}/metrics every {interval_s:g} s ...", auto_refresh=False) as live:
+        try:
+            for current in views:
+                live.update(f"{current} (retrying)" if isinstance(current, TopError) else render(url, current),
+                            refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
 @main.group()
 def keys() -> None:
     """API keys in a tenants file."""

@@ -363,4 +363,5 @@ def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[st
                             f"\"{tensor.inputs[0].name}\", \"shape\": [1, 4], \"datatype\": \"FP32\", "
                             f"\"data\": [1, 2, 3, 4]}}]}}'"))
     lines.append(f"  curl {url}/metrics")
+    lines.append(f"  sluice top --url {url}        # batches, queues and latency, live")
     return lines

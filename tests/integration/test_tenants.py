@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
+import json
 import signal
 import time
 from pathlib import Path
@@ -146,6 +148,24 @@ def test_sluice_bench_reads_protected_metrics_with_its_metrics_key(server):
 
     without, with_key = asyncio.run(snapshots())
     assert without is None and with_key is not None
+
+
+def test_sluice_top_shows_each_tenant_with_a_metrics_key_and_says_when_it_needs_one(server):
+    from tests.test_top import top_once
+
+    refused = top_once(server.url, "--interval", "0.1")
+    assert refused.returncode == 1 and "401" in refused.stderr and "--key" in refused.stderr
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        shown = pool.submit(top_once, server.url, "--json", "--interval", "1", "--key", METRICS_KEY)
+        texts = (f"top {n}" for n in itertools.count())  # never the same: a cached answer uses no device
+        while not shown.done():  # both tenants busy for as long as top watches
+            embed(server, "alpha", text=next(texts))
+            embed(server, "beta", text=next(texts))
+        now = json.loads(shown.result().stdout)
+    tenants = {row["tenant"]: row for row in now["tenants"]}
+    assert tenants["alpha"]["priority_class"] == "interactive" and tenants["alpha"]["admitted_per_s"] > 0
+    assert tenants["beta"]["priority_class"] == "standard" and tenants["beta"]["admitted_per_s"] > 0
+    assert 0 < tenants["alpha"]["device_share"] < 1
 
 
 def test_a_model_the_tenant_may_not_use_is_403_and_not_listed(server):

@@ -3,6 +3,7 @@ for the test: the real `openai` SDK, httpx and `tritonclient.grpc` as clients.""
 
 from __future__ import annotations
 
+import json
 import ssl
 import subprocess
 import sys
@@ -114,6 +115,17 @@ def test_plain_http_and_untrusted_clients_are_not_served(tls_server):
         httpx.get(f"http://127.0.0.1:{server.port}/v2/health/ready", timeout=5)
     with pytest.raises(httpx.ConnectError):  # the system's CAs do not trust the test CA
         httpx.get(f"{server.url}/v2/health/ready", timeout=5)
+
+
+def test_sluice_top_reads_an_https_server_given_its_ca(tls_server, pki):
+    from tests.test_top import top_once
+
+    server, _ = tls_server
+    trusting = top_once(server.url, "--json", "--interval", "0.2", "--ca-certs", str(pki["ca"]))
+    assert trusting.returncode == 0, trusting.stderr
+    assert "emulated" in [row["model"] for row in json.loads(trusting.stdout)["models"]]
+    untrusting = top_once(server.url, "--interval", "0.2")
+    assert untrusting.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in untrusting.stderr
 
 
 def test_mutual_tls_serves_only_clients_with_a_certificate_from_the_ca(mtls_server, pki):

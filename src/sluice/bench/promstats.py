@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.exposition import Scrape
 
 _BATCH_SIZE = "sluice_batch_size"
 _DEVICE_BUSY = "sluice_device_busy_seconds"
@@ -62,30 +63,15 @@ def parse_snapshot(text: str, taken_at_s: float, model: str | None = None) -> Se
     With `model`, batch sizes count only series labelled with that model. The busy counter has
     no model label (a device is shared by the models on its worker), so it is never filtered.
     """
-    batch_sum = 0.0
-    batch_count = 0.0
-    busy: dict[str, float] = {}
-    tenants: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == _BATCH_SIZE:
-            for sample in family.samples:
-                if model is not None and sample.labels.get("model") != model:
-                    continue
-                if sample.name == _BATCH_SIZE + "_sum":
-                    batch_sum += sample.value
-                elif sample.name == _BATCH_SIZE + "_count":
-                    batch_count += sample.value
-        elif family.name == _DEVICE_BUSY:
-            for sample in family.samples:
-                if sample.name == _DEVICE_BUSY + "_total":
-                    worker = sample.labels.get("worker", "")
-                    busy[worker] = busy.get(worker, 0.0) + sample.value
-        elif family.name == _TENANT_DEVICE:
-            for sample in family.samples:
-                if sample.name == _TENANT_DEVICE + "_total":
-                    tenant = sample.labels.get("tenant", "")
-                    tenants[tenant] = tenants.get(tenant, 0.0) + sample.value
-    return ServerSnapshot(taken_at_s, batch_sum, batch_count, busy, tenants)
+    scrape = Scrape.parse(text, taken_at_s)
+    only = {} if model is None else {"model": model}
+    return ServerSnapshot(
+        taken_at_s,
+        scrape.grouped(_BATCH_SIZE + "_sum", (), **only).get((), 0.0),
+        scrape.grouped(_BATCH_SIZE + "_count", (), **only).get((), 0.0),
+        {worker: s for (worker,), s in scrape.grouped(_DEVICE_BUSY + "_total", ("worker",)).items()},
+        {tenant: s for (tenant,), s in scrape.grouped(_TENANT_DEVICE + "_total", ("tenant",)).items()},
+    )
 
 
 def server_delta(before: ServerSnapshot, after: ServerSnapshot) -> ServerStats:
