@@ -267,6 +267,31 @@ def models_status(name: str | None, url: str, admin_key: str | None, as_json: bo
     show(answer, as_json)
 
 
+@models.command("load")
+@click.argument("name")
+@_admin_options
+def models_load(name: str, url: str, admin_key: str | None) -> None:
+    """Bring NAME in line with the model repository on every worker, while they serve: versions
+    added to its folder are loaded, versions removed from it are unloaded (a new model is loaded
+    whole)."""
+    from sluice.routing_cli import admin_call, repository_path
+
+    answer = admin_call(url, admin_key, "POST", repository_path(name, "load"), {})
+    click.echo(f"{name}: serving version{'s' if len(answer['versions']) > 1 else ''} {', '.join(answer['versions'])}")
+
+
+@models.command("unload")
+@click.argument("name")
+@_admin_options
+def models_unload(name: str, url: str, admin_key: str | None) -> None:
+    """Take every version of NAME off every worker (after they answer what they hold), until it
+    is loaded again."""
+    from sluice.routing_cli import admin_call, repository_path
+
+    admin_call(url, admin_key, "POST", repository_path(name, "unload"), {})
+    click.echo(f"{name}: unloaded")
+
+
 @models.command("traffic")
 @click.argument("name")
 @click.argument("shares", nargs=-1)

@@ -1,5 +1,5 @@
-"""`sluice models status|traffic|canary|promote|rollback`: calls to a running server's admin API
-(`api.admin`) and their answers in a few lines."""
+"""`sluice models status|traffic|canary|promote|rollback|load|unload`: calls to a running server's
+admin API (`api.admin`, and `api.triton`'s model loading) and their answers in a few lines."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ import click
 
 def model_path(name: str, action: str = "") -> str:
     return f"/admin/models/{urllib.parse.quote(name, safe='')}{action}"
+
+
+def repository_path(name: str, action: str) -> str:
+    """`load` or `unload`: Triton's repository extension."""
+    return f"/v2/repository/models/{urllib.parse.quote(name, safe='')}/{action}"
 
 
 def admin_call(url: str, admin_key: str | None, method: str, path: str, body: object | None = None) -> Any:

@@ -443,7 +443,30 @@ class BatchStats(msgspec.Struct, tag="batch_stats"):
     counts: list[BatchCount]
 
 
-Message = Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState | BatchStats
+
+class SyncModel(msgspec.Struct, tag="sync_model"):
+    """Bring a model in line with the worker's repository as it is now (`unload`: take every version
+    of it off): versions new to the folder are loaded, versions gone from it are unloaded once they
+    have answered what they hold, loaded versions are kept. Answered by `ModelSynced`."""
+
+    sync_id: int
+    model: str
+    unload: bool = False
+
+
+class ModelSynced(msgspec.Struct, tag="model_synced"):
+    """The outcome of a `SyncModel`, once its loads have finished: the versions the worker serves
+    now, and those it could not load (with why). Versions taken off stop taking requests at once
+    and are freed once idle."""
+
+    sync_id: int
+    model: str
+    versions: list[str]
+    refused: list[RefusedModel]
+
+
+Message = (Hello | Submit | Cancel | Drain | Started | TokenChunk | TenantWeights | Result | WorkerState | BatchStats
+           | SyncModel | ModelSynced)
 
 Reply = Callable[[bytes, Message], None]
 """How worker code answers a gateway: (the gateway's identity, a message); queued, sent per loop turn."""

@@ -24,7 +24,11 @@ from tests.conftest import ServerProcess, eventually, free_port, start_server, w
 pytestmark = pytest.mark.slow
 
 KEYS = {name: new_key() for name in ("alpha", "beta", "tiny")}
+ADMIN_KEY = new_key()
 TENANTS = f"""
+[admin]
+api_keys = ["{hash_key(ADMIN_KEY)}"]
+
 [tenants.alpha]
 api_keys = ["{hash_key(KEYS['alpha'])}"]
 
@@ -218,7 +222,18 @@ def test_tritons_configuration_statistics_and_index_over_grpc_for_the_callers_mo
         assert rpc_error(call, request).code() == grpc.StatusCode.UNAUTHENTICATED
     error = rpc_error(stub.RepositoryModelUnload, service_pb2.RepositoryModelUnloadRequest(model_name="slow"),
                       metadata=tuple(auth().items()))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "restart" in error.details()
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "admin key" in error.details()
+    assert rpc_error(stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(model_name="slow")).code() \
+        == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_admin_loads_models_over_grpc(client):
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    client.load_model("slow", headers=admin)  # the repository has not changed: nothing to do
+    assert client.is_model_ready("slow", headers=auth())
+    with pytest.raises(InferenceServerException) as caught:
+        client.load_model("no-such-model", headers=admin)
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
 
 
 def test_a_rate_limited_tenant_gets_resource_exhausted_with_retry_metadata(stub):

@@ -168,6 +168,15 @@ def test_sluice_top_shows_each_tenant_with_a_metrics_key_and_says_when_it_needs_
     assert 0 < tenants["alpha"]["device_share"] < 1
 
 
+def test_loading_models_needs_an_admin_key(server):
+    url = f"{server.url}/v2/repository/models/emulated/load"
+    assert httpx.post(url).status_code == 401
+    refused = httpx.post(url, headers={"Authorization": f"Bearer {KEYS['alpha']}"})
+    assert refused.status_code == 403 and "admin key" in refused.json()["error"]
+    loaded = httpx.post(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+    assert loaded.status_code == 200 and loaded.json() == {"name": "emulated", "versions": ["1"]}
+
+
 def test_a_model_the_tenant_may_not_use_is_403_and_not_listed(server):
     with sdk(server, KEYS["beta"]) as client:
         assert [m.id for m in client.models.list().data] == ["emulated"]

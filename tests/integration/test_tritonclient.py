@@ -223,11 +223,11 @@ def test_statistics_of_every_model_and_unknown_ones(client):
     assert _error(lambda: client.get_inference_statistics("no-such-model")).status() == "404"
 
 
-def test_repository_index_lists_ready_versions_and_refuses_loading(client):
+def test_repository_index_lists_ready_versions_and_loading_follows_the_repository(client):
     index = client.get_model_repository_index()
     assert {"name": "emulated", "version": "1", "state": "READY", "reason": ""} in index
     assert {(entry["name"], entry["state"]) for entry in index} >= {("minilm", "READY")}
-    error = _error(lambda: client.load_model("emulated"))
-    assert error.status() == "400"
-    assert "restart" in error.message()
-    assert _error(lambda: client.unload_model("emulated")).status() == "400"
+    client.load_model("emulated")  # the repository has not changed: nothing to do
+    assert client.is_model_ready("emulated")
+    error = _error(lambda: client.load_model("emulated", config='{"max_batch_size": 8}'))
+    assert error.status() == "400" and "repository folder" in error.message()

@@ -524,3 +524,20 @@ def test_the_reported_wait_plus_a_newcomers_own_batch_is_the_admission_bound(num
     refused = scheduler.admit(M1, 999, [cost], clock.now() + bound_s - 1e-4)
     assert isinstance(refused, Rejected) and refused.reason in (RejectReason.OVERLOADED,
                                                                 RejectReason.DEADLINE_UNREACHABLE)
+
+
+def test_a_model_is_removed_only_once_it_holds_no_work():
+    scheduler, clock = make_scheduler(M1, M2)
+    admit(scheduler, clock, 1, [16], 1.0, key=M2)
+    with pytest.raises(ValueError, match="still has work"):
+        scheduler.remove_model(M2)  # queued
+    batch = scheduler.next_batch().batch
+    assert batch is not None and batch.model == M2
+    with pytest.raises(ValueError, match="still has work"):
+        scheduler.remove_model(M2)  # running
+    clock.advance(0.01)
+    scheduler.batch_done(batch, 0.01)
+    scheduler.remove_model(M2)
+    assert scheduler.models() == [M1]
+    admit(scheduler, clock, 2, [16], 1.0)  # the others are scheduled as before
+    assert ids(scheduler.next_batch().batch) == [(2, 0)]

@@ -21,6 +21,7 @@ from sluice.gateway.tenancy import Tenancy
 
 ADMIN_SCOPE_KEY = "sluice.admin"
 _OPEN_PATHS = frozenset({"/metrics", "/v2/health/live", "/v2/health/ready", "/health"})
+_ADMIN_PATHS = ("/admin/", "/v2/repository/models/")  # the latter: loading and unloading models
 
 
 def presented_key(scope: Scope) -> str | None:
@@ -38,6 +39,15 @@ def key_of(name: str, value: str) -> str | None:
     if name == "api-key":
         return value.strip() or None
     return None
+
+
+def check_admin(key: str | None, tenancy: Tenancy) -> None:
+    """Raise the 401 (no key, or an unknown one) or 403 (a tenant's) of a call that needs the admin
+    scope; a server without a tenants file is a single user's, who may do anything."""
+    if tenancy.is_open or tenancy.is_admin(key):
+        return
+    inference_tenant(key, tenancy)  # 401 for no key or an unknown one
+    raise PermissionDenied("this needs an admin key")
 
 
 def inference_tenant(key: str | None, tenancy: Tenancy) -> str:
@@ -72,7 +82,7 @@ def authenticate(scope: Scope, tenancy: Tenancy) -> None:
     if TENANT_SCOPE_KEY in scope:
         return
     key = presented_key(scope)
-    is_admin_route = scope["path"].startswith("/admin/")
+    is_admin_route = scope["path"].startswith(_ADMIN_PATHS)
     if tenancy.is_open:
         scope[TENANT_SCOPE_KEY] = ""
         scope[ADMIN_SCOPE_KEY] = True  # a server without tenants is a single user's

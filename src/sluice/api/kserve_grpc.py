@@ -45,7 +45,7 @@ from google.protobuf.message import Message
 
 from sluice import __version__, wire
 from sluice.api.app import request_id_for
-from sluice.api.auth import inference_tenant, key_of
+from sluice.api.auth import check_admin, inference_tenant, key_of
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
 from sluice.api.errors import error_headers, status_of
 from sluice.api.kserve import (
@@ -58,7 +58,7 @@ from sluice.api.kserve import (
 )
 from sluice.api.tensors import InputTensor, Tensor, render_outputs, tensor_from_raw, tensor_from_values
 from sluice.api.tls import TlsConfig
-from sluice.api.triton import model_config_of, refuse_loading, repository_index_of, statistics_of
+from sluice.api.triton import load_model_of, model_config_of, repository_index_of, statistics_of
 from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, SluiceError
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
@@ -151,7 +151,7 @@ class KServeGrpc:
             "RepositoryIndex": unary(self.repository_index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
             "RepositoryModelLoad": unary(self.repository_model_load, "RepositoryModelLoadRequest",
                                          "RepositoryModelLoadResponse"),
-            "RepositoryModelUnload": unary(self.repository_model_load, "RepositoryModelUnloadRequest",
+            "RepositoryModelUnload": unary(self.repository_model_unload, "RepositoryModelUnloadRequest",
                                            "RepositoryModelUnloadResponse"),
         })
 
@@ -194,11 +194,22 @@ class KServeGrpc:
         return json_format.ParseDict({"models": index}, MESSAGES["RepositoryIndexResponse"]())
 
     async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        def refuse(tenant: str) -> NoReturn:
-            raise refuse_loading(request.model_name)
+        return await self._load(request, context, "RepositoryModelLoadResponse")
 
-        await self._as_tenant(context, refuse)
-        raise AssertionError("refused above")
+    async def repository_model_unload(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        return await self._load(request, context, "RepositoryModelUnloadResponse", unload=True)
+
+    async def _load(self, request: Any, context: grpc.aio.ServicerContext, response: str, *,
+                    unload: bool = False) -> Message:
+        """`api.triton.load_model_of`, for the admin."""
+        call = _Call(context)
+        try:
+            check_admin(call.key, self._gateway.tenancy)
+            await load_model_of(self._gateway, request.model_name, unload=unload,
+                                parameters={name: True for name in request.parameters})
+        except SluiceError as exc:
+            await _abort(context, exc, call.request_id)
+        return MESSAGES[response]()
 
     async def _about_model(self, request: Any, context: grpc.aio.ServicerContext,
                            lookup: Callable[[Gateway, str, str, str | None], T]) -> T:

@@ -4,17 +4,26 @@
     GET  /v2/models/stats                          statistics of every model version
     GET  /v2/models/{m}[/versions/{v}]/stats       statistics of one model (its versions) or version
     POST /v2/repository/index                      the repository's model versions and their state
-    POST /v2/repository/models/{m}/load | unload   refused (400): sluice loads models at start
+    POST /v2/repository/models/{m}/load            (admin) bring the model in line with the repository
+    POST /v2/repository/models/{m}/unload          (admin) take every version of the model off
 
-`tritonclient`'s `get_model_config`, `get_inference_statistics` and `get_model_repository_index`
-read these (Triton's example clients read `max_batch_size` and the inputs' `dims` from the
-configuration); the gRPC API answers the same content (`api.kserve_grpc`). A tenant sees only
-the models it may use, as in the model metadata.
+`tritonclient`'s `get_model_config`, `get_inference_statistics`, `get_model_repository_index`,
+`load_model` and `unload_model` call these (Triton's example clients read `max_batch_size` and
+the inputs' `dims` from the configuration); the gRPC API answers the same content
+(`api.kserve_grpc`). A tenant sees only the models it may use, as in the model metadata.
 
 The configuration describes what sluice does, in Triton's terms: `dynamic_batching` with no
 queue delay (a batch is formed when the device frees), three priority levels (interactive,
 standard, batch; the calling tenant's class is the default), and the model's SLO as the default
 queue timeout, after which a request is rejected. Statistics: `gateway.statistics`.
+
+Loading is Triton's explicit model control over the folder the workers were started with
+(`Gateway.sync_model`): `load` loads the versions added to the model's folder since (each checked
+against its SHA256SUMS and warmed up, while every other version keeps serving), takes off the
+versions removed from it (they answer what they hold first), and keeps the loaded ones as they
+are; a model new to the repository is loaded whole. `unload` takes the model off until it is
+loaded again. The call returns once every worker has done it. A configuration or files sent in
+the call's `parameters` are refused: what a worker serves is always what its repository holds.
 """
 
 from __future__ import annotations
@@ -28,12 +37,9 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import decode_json, json_response, read_body, request_tenant
-from sluice.errors import InvalidInput
+from sluice.errors import InvalidInput, ModelNotFound, Unavailable
 from sluice.gateway import Gateway
 from sluice.gateway.traffic import version_order
-
-_NO_LOADING = ("sluice loads its models from the repository when its workers start (--models); loading and "
-               "unloading through the API is not supported: change the repository and restart the workers")
 
 
 def model_config_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
@@ -110,8 +116,28 @@ def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list
     return index
 
 
-def refuse_loading(model: str) -> InvalidInput:
-    return InvalidInput(f"cannot load or unload model {model!r}: {_NO_LOADING}")
+async def load_model_of(gateway: Gateway, name: str, *, unload: bool = False,
+                        parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load (or unload) a model on every worker (`Gateway.sync_model`): the versions served now,
+    or the error of a version that could not be loaded (the others serve), of a model the
+    repository does not have, or of workers that did not answer."""
+    overrides = sorted(p for p in parameters or {} if p == "config" or p.startswith("file:"))
+    if overrides:  # (`unload_dependents` is about ensembles, which sluice has none of)
+        raise InvalidInput(f"sluice loads model {name!r} from its repository folder: a configuration or files in "
+                           f"the request's parameters ({', '.join(overrides)}) are not supported",
+                           param="parameters")
+    synced = await gateway.sync_model(name, unload=unload)
+    served = f"; served now: version{'s' if len(synced.versions) > 1 else ''} {', '.join(synced.versions)}" \
+        if synced.versions else ""
+    if synced.unanswered:
+        raise Unavailable(f"worker{'s' if len(synced.unanswered) > 1 else ''} {', '.join(synced.unanswered)} did "
+                          f"not finish {'unloading' if unload else 'loading'} model {name!r}{served}")
+    if synced.refused:
+        reasons = "; ".join(f"version {version}: {reason}" for version, reason in synced.refused)
+        raise InvalidInput(f"model {name!r} could not be loaded ({reasons}){served}")
+    if not unload and not synced.versions:
+        raise ModelNotFound(f"model {name!r} is not in the model repository (no version of it is served)")
+    return {"name": name, "versions": synced.versions}
 
 
 def routes(gateway: Gateway) -> list[Route]:
@@ -129,7 +155,11 @@ def routes(gateway: Gateway) -> list[Route]:
         return json_response(repository_index_of(gateway, request_tenant(request), options.ready))
 
     async def load(request: Request) -> Response:
-        raise refuse_loading(request.path_params["name"])
+        body = await read_body(request, 64 * 1024)
+        options = decode_json(body, _LoadRequest) if body.strip() else _LoadRequest()
+        unload = request.url.path.endswith("/unload")
+        return json_response(await load_model_of(gateway, request.path_params["name"], unload=unload,
+                                                 parameters=options.parameters))
 
     table = [
         Route("/v2/models/stats", stats, methods=["GET"]),  # before /v2/models/{name}
@@ -153,3 +183,8 @@ def _tensor_config(spec: wire.TensorSpec, batched: bool) -> dict[str, Any]:
     dims = list(spec.shape[1:] if batched else spec.shape)
     return {"name": spec.name, "data_type": "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}",
             "dims": dims}
+
+
+class _LoadRequest(msgspec.Struct):
+    parameters: dict[str, Any] | None = None
+    """Triton's: a configuration or files to load instead of the repository's (refused)."""

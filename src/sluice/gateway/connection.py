@@ -65,6 +65,7 @@ class WorkerConnection:
         self._is_leaving = False
         self._lost_incarnation: str | None = None
         self._weights: dict[str, float] | None = None
+        self._syncs: dict[int, asyncio.Future[wire.ModelSynced]] = {}
         self.on_change: Callable[[], None] = lambda: None
         """Called when readiness or the served models change, so the gateway can re-index."""
         self.on_batch_stats: Callable[[wire.BatchStats], None] = lambda stats: None
@@ -198,6 +199,15 @@ class WorkerConnection:
         self._weights = weights
         self._send_now(wire.TenantWeights(weights))
 
+    def sync_model(self, sync_id: int, model: str, *, unload: bool = False) -> asyncio.Future[wire.ModelSynced] | None:
+        """Have the worker bring `model` in line with its repository, or unload it (`wire.SyncModel`):
+        the future of its answer, or None if it is not connected."""
+        if not self._send_now(wire.SyncModel(sync_id, model, unload)):
+            return None
+        future = self._syncs[sync_id] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: self._syncs.pop(sync_id, None))
+        return future
+
     def cancel(self, request_id: int) -> None:
         if self._in_flight.pop(request_id, None) is not None:
             self._send_now(wire.Cancel([request_id]))
@@ -247,6 +257,8 @@ class WorkerConnection:
         self._in_flight.clear()
         for in_flight in lost:
             in_flight.resolve(None)
+        for synced in list(self._syncs.values()):
+            synced.cancel()  # it will not answer: the model's load is not known to have finished
         return lost
 
     def _on_frame(self, data: bytes) -> None:
@@ -278,6 +290,10 @@ class WorkerConnection:
                     started.is_started = True
         elif isinstance(message, wire.BatchStats):
             self.on_batch_stats(message)
+        elif isinstance(message, wire.ModelSynced):
+            synced = self._syncs.get(message.sync_id)
+            if synced is not None and not synced.done():
+                synced.set_result(message)
         elif isinstance(message, wire.WorkerState):
             if message.incarnation == self._lost_incarnation:
                 return  # a late report from a process that has since died

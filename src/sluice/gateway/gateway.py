@@ -9,6 +9,7 @@ a last-resort timer covers a worker that goes silent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -63,6 +64,19 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelSync:
+    """What the workers did on `Gateway.sync_model`."""
+
+    model: str
+    versions: list[str]
+    """The versions the workers that answered serve now."""
+    refused: list[tuple[str, str]]
+    """(version, why) of the versions they could not load."""
+    unanswered: list[str]
+    """Workers that did not answer in time, or died meanwhile."""
+
+
+@dataclass(frozen=True, slots=True)
 class Caller:
     """Who a request is for, as the API layer learned it."""
 
@@ -100,6 +114,9 @@ class Gateway:
         self._affinity = router.PrefixAffinity()
         self._ejections = router.Ejections()
         self.is_draining = False
+        self.unloaded: set[str] = set()
+        """Models unloaded through this gateway (`sync_model`), that a restarted worker must not serve."""
+        self._next_sync_id = 0
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
         503 ("not ready yet"), not a 404."""
@@ -116,7 +133,7 @@ class Gateway:
 
     async def add_worker(self, worker_id: str, address: str) -> None:
         connection = WorkerConnection(worker_id, address, self.gateway_id)
-        connection.on_change = self._invalidate
+        connection.on_change = functools.partial(self._worker_changed, connection)
         connection.on_batch_stats = self.statistics.executions
         self._connections[worker_id] = connection
         await connection.start()
@@ -179,6 +196,41 @@ class Gateway:
 
     def _invalidate(self) -> None:
         self._index = None
+
+    def _worker_changed(self, connection: WorkerConnection) -> None:
+        """A worker's readiness or models changed. One that serves a model unloaded through this
+        gateway (it restarted, and loaded its whole repository) is told to unload it again."""
+        self._invalidate()
+        for name in {info.name for info in connection.known_models} & self.unloaded:
+            connection.sync_model(self._new_sync_id(), name, unload=True)
+
+    def _new_sync_id(self) -> int:
+        self._next_sync_id += 1
+        return self._next_sync_id
+
+    async def sync_model(self, name: str, *, unload: bool = False, timeout_s: float = 600.0) -> ModelSync:
+        """Have every connected worker bring `name` in line with its model repository (`unload`:
+        take it off; `wire.SyncModel`), and wait for their answers: new versions are loaded and
+        warmed up while the others keep serving. An unloaded model stays unloaded on workers that
+        restart, until it is loaded again through this gateway."""
+        if unload:
+            self.unloaded.add(name)
+        else:
+            self.unloaded.discard(name)
+        sync_id = self._new_sync_id()
+        asked = {worker_id: future for worker_id, connection in self._connections.items()
+                 if (future := connection.sync_model(sync_id, name, unload=unload)) is not None}
+        if not asked:
+            raise Unavailable("no worker is connected to load or unload models on", retry_after_s=1.0)
+        await asyncio.wait(asked.values(), timeout=timeout_s)
+        answers = {worker_id: future.result() for worker_id, future in asked.items()
+                   if future.done() and not future.cancelled()}
+        versions = sorted({v for answer in answers.values() for v in answer.versions}, key=version_order)
+        self.expected_versions = {key for key in self.expected_versions if key[0] != name} | \
+                                 {(name, version) for version in versions}
+        refused = {(r.version, r.reason) for answer in answers.values() for r in answer.refused}
+        self._invalidate()
+        return ModelSync(name, versions, sorted(refused), sorted(set(asked) - set(answers)))
 
     def _indexed(self) -> _ModelIndex:
         if self._index is None:

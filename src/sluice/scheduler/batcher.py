@@ -120,6 +120,13 @@ class Scheduler:
             raise ValueError(f"model {key[0]} v{key[1]} is already scheduled")
         self._queues[key] = ModelQueue(batching, profile)
 
+    def remove_model(self, key: ModelKey) -> None:
+        """Stop scheduling a model version that holds no work (queued or running): ValueError if it does."""
+        queue = self._queues[key]
+        if queue.num_items or (self._running is not None and self._running.model == key):
+            raise ValueError(f"model {key[0]} v{key[1]} still has work")
+        del self._queues[key]
+
     def profile(self, key: ModelKey) -> LatencyProfile:
         return self._queues[key].profile
 

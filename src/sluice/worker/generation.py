@@ -189,6 +189,10 @@ class Generations:
     def __bool__(self) -> bool:
         return bool(self._by_id)
 
+    def holds(self, key: tuple[str, str]) -> bool:
+        """Whether a generation of this model version is unanswered."""
+        return any(generation.key == key for generation in self._by_id.values())
+
     def submit(self, internal_id: int, identity: bytes, message: wire.Submit, loop: GenerationLoop) -> bool:
         """Queue it on `loop`; False (and the request answered with its error) if it cannot run.
         A large prompt is prepared on a thread: then True, and a failure is answered later."""

@@ -22,9 +22,9 @@ from sluice.engines.base import Share
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
 from sluice.registry import WorkerRegistration
-from sluice.repository import scan_repository, verify
+from sluice.repository import ModelVersion, scan_repository, verify
 from sluice.runtime import settle_garbage_collector
-from sluice.worker.server import LoadedModel, WorkerServer
+from sluice.worker.server import LoadedModel, ModelLoader, RepositoryModel, WorkerServer
 
 log = logging.getLogger("sluice.worker")
 _PR_SET_PDEATHSIG = 1
@@ -46,36 +46,62 @@ class WorkerConfig:
 
 
 def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel]]:
+    """Every model version of the repository this worker serves, loaded, and those it refused."""
     repository = scan_repository(config.models_dir)
     refused = [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused]
     models: dict[tuple[str, str], LoadedModel] = {}
     for version in repository.versions:
-        if config.model_names and version.name not in config.model_names:
-            continue
-        try:
-            if version.generator == "tiny-lm":
-                from sluice.engines.generative.tiny import ensure_tiny_lm
-
-                ensure_tiny_lm(version.weights_dir)
-            verify(version)
-            runner = load_runner(version, config.device, config.share)
-        except ConfigError as exc:
-            log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
-            refused.append(wire.RefusedModel(version.name, version.version, exc.message))
-            continue
-        except Exception as exc:  # a runner that cannot load (bad weights, no memory): refuse it alone
-            log.exception("refusing %s v%s: loading failed", version.name, version.version)
-            reason = f"loading failed: {type(exc).__name__}: {exc}"
-            refused.append(wire.RefusedModel(version.name, version.version, reason))
-            continue
-        models[version.key] = LoadedModel(version, runner)
-        log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, config.device)
+        if not config.model_names or version.name in config.model_names:
+            _load_into(models, refused, version, config)
     return models, refused
+
+
+def model_loader(config: WorkerConfig) -> ModelLoader:
+    """How the worker loads a model again at run time (`WorkerServer` `SyncModel`): the versions the
+    repository has of it now, those of them not in `skip` loaded, and the refused ones."""
+
+    def load(name: str, skip: set[tuple[str, str]]) -> RepositoryModel:
+        if config.model_names and name not in config.model_names:
+            return RepositoryModel([], {}, [])
+        repository = scan_repository(config.models_dir)
+        refused = [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused if r.name == name]
+        models: dict[tuple[str, str], LoadedModel] = {}
+        present = [version for version in repository.versions if version.name == name]
+        for version in present:
+            if version.key not in skip:
+                _load_into(models, refused, version, config)
+        return RepositoryModel([version.version for version in present], models, refused)
+
+    return load
+
+
+def _load_into(models: dict[tuple[str, str], LoadedModel], refused: list[wire.RefusedModel], version: ModelVersion,
+               config: WorkerConfig) -> None:
+    """Verify and load one version into `models`, or say why not in `refused`."""
+    try:
+        if version.generator == "tiny-lm":
+            from sluice.engines.generative.tiny import ensure_tiny_lm
+
+            ensure_tiny_lm(version.weights_dir)
+        verify(version)
+        runner = load_runner(version, config.device, config.share)
+    except ConfigError as exc:
+        log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
+        refused.append(wire.RefusedModel(version.name, version.version, exc.message))
+        return
+    except Exception as exc:  # a runner that cannot load (bad weights, no memory): refuse it alone
+        log.exception("refusing %s v%s: loading failed", version.name, version.version)
+        reason = f"loading failed: {type(exc).__name__}: {exc}"
+        refused.append(wire.RefusedModel(version.name, version.version, reason))
+        return
+    models[version.key] = LoadedModel(version, runner)
+    log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, config.device)
 
 
 async def run_worker(config: WorkerConfig) -> None:
     models, refused = load_models(config)
-    server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id))
+    server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id),
+                          model_loader(config))
     settle_garbage_collector()
     registration = None if config.registry is None else WorkerRegistration(
         config.registry, config.worker_id, config.advertise or config.address)

@@ -44,10 +44,43 @@ STATE_INTERVAL_S = 0.05
 
 
 
+RETIRE_AFTER_S = 0.5
+"""A version taken off (`SyncModel`) still takes the requests sent before the gateways heard it
+was (its report goes out at once, so within a few ms); it is freed once idle and this long after."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     version: ModelVersion
     runner: Runner | GenerativeRunner | OpenAIUpstreamRunner
+
+
+@dataclass(frozen=True, slots=True)
+class RepositoryModel:
+    """A model as the repository has it now (`ModelLoader`)."""
+
+    versions: list[str]
+    """Every version folder it has."""
+    loaded: dict[ModelKey, LoadedModel]
+    """Those asked for, loaded."""
+    refused: list[wire.RefusedModel]
+
+
+ModelLoader = Callable[[str, set[ModelKey]], RepositoryModel]
+"""(model, versions already held) -> the model in the repository now, the versions not held loaded.
+Runs on a thread: it reads and verifies files and loads weights."""
+
+
+def warm_up(model: LoadedModel) -> list[tuple[int, float]]:
+    """Run a model's warm-up (it runs the model: off the event loop once the worker serves); a
+    batch runner's timed warm-up batches, (cost, seconds)."""
+    runner = model.runner
+    if isinstance(runner, GenerativeRunner):
+        runner.warmup()
+        return []
+    if isinstance(runner, OpenAIUpstreamRunner):
+        return []
+    return runner.warmup()
 
 
 @dataclass(slots=True)
@@ -73,31 +106,28 @@ class WorkerServer:
         refused: list[wire.RefusedModel],
         clock: Clock,
         metrics: WorkerMetrics,
+        loader: ModelLoader | None = None,
     ) -> None:
+        """`loader`: how to load a model again while serving (`SyncModel`); None: models are fixed."""
         self.worker_id = worker_id
-        self._generators = {key: m.runner for key, m in models.items() if isinstance(m.runner, GenerativeRunner)}
-        self._upstreams = {key: m.runner for key, m in models.items() if isinstance(m.runner, OpenAIUpstreamRunner)}
-        self._runners: dict[ModelKey, Runner] = {
-            key: m.runner for key, m in models.items()
-            if not isinstance(m.runner, GenerativeRunner | OpenAIUpstreamRunner)}
-        self._infos = [msgspec.structs.replace(model.runner.info, routing=model.version.routing)
-                       for model in models.values()]
+        self._generators: dict[ModelKey, GenerativeRunner] = {}
+        self._upstreams: dict[ModelKey, OpenAIUpstreamRunner] = {}
+        self._runners: dict[ModelKey, Runner] = {}
+        self._infos: dict[ModelKey, wire.ModelInfo] = {}
+        self._typical_cost: dict[ModelKey, float] = {}
         self._refused = refused
+        self._loader = loader
+        self._retiring: dict[ModelKey, tuple[wire.ModelInfo, float]] = {}
+        """Versions taken off: their info, and the earliest time they may be freed."""
+        self._sync_lock = asyncio.Lock()  # one `SyncModel` at a time
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tenant_weights: dict[str, float] | None = None
         self._clock = clock
         self._metrics = metrics
         self._scheduler = Scheduler(clock)
-        for key, runner in self._runners.items():
-            model = models[key]
-            alpha, beta, ref = runner.prior()
-            timings = runner.warmup()
-            # measured warm-up batches outweigh the runner's guess; with none, the prior stands
-            profile = LatencyProfile(alpha, beta, ref, prior_weight=0.5 if timings else 4.0)
-            for cost, seconds in timings:
-                profile.observe(cost, seconds)
-            self._scheduler.add_model(key, model.version.batching, profile)
-        self._typical_cost = {key: float(runner.prior()[2]) for key, runner in self._runners.items()}
-        for generator in self._generators.values():
-            generator.warmup()
+        self._lock = threading.Lock()  # guards the scheduler and `_runners`, shared with the device thread
+        for key, model in models.items():
+            self._register(key, model, warm_up(model))
         self._generation_loops: dict[ModelKey, GenerationLoop] = {}
         self._upstream_loops: dict[ModelKey, UpstreamLoop] = {}
         self._generations = Generations(clock, self._reply, self._forget, self._metrics.refused_work)
@@ -106,7 +136,6 @@ class WorkerServer:
         self._ids = itertools.count(1)
         self._gateways: dict[bytes, int] = {}
         """Each gateway heard from, with the highest request id it has sent (`WorkerState.seen_request_id`)."""
-        self._lock = threading.Lock()  # guards the scheduler, shared with the device thread
         self._device: DeviceThread | None = None
         self._held: asyncio.TimerHandle | None = None
         """Looks again when the scheduler held background work back (`Decision.retry_at`)."""
@@ -127,12 +156,8 @@ class WorkerServer:
         """Listen at `address` until drained; `on_listening` is called once gateways can connect."""
         self._device = DeviceThread(self._scheduler, self._lock, self._runners, self._prepared_items,
                                     self._on_batch_done, asyncio.get_running_loop())
-        self._generation_loops = {key: GenerationLoop(runner, self._on_generated, asyncio.get_running_loop())
-                                  for key, runner in self._generators.items()}
-        self._upstream_loops = {key: UpstreamLoop(runner, self._reply, self._clock, self._check_drained)
-                                for key, runner in self._upstreams.items()}
-        for upstream in self._upstream_loops.values():
-            await upstream.start()
+        for key in [*self._generators, *self._upstreams]:
+            await self._attach(key)
         self._listener = await transport.Listener.start(address, self._on_frame)
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
         on_listening()
@@ -155,6 +180,127 @@ class WorkerServer:
             for generator in self._generators.values():
                 generator.close()
             await self._listener.aclose()  # closing flushes what is still buffered
+
+    # -- models --------------------------------------------------------------------------------
+
+    def _register(self, key: ModelKey, model: LoadedModel, timings: list[tuple[int, float]]) -> None:
+        """Serve a loaded, warmed-up model version (its engine's loop starts in `_attach`)."""
+        runner = model.runner
+        if isinstance(runner, GenerativeRunner):
+            self._generators[key] = runner
+        elif isinstance(runner, OpenAIUpstreamRunner):
+            self._upstreams[key] = runner
+        else:
+            alpha, beta, ref = runner.prior()
+            # measured warm-up batches outweigh the runner's guess; with none, the prior stands
+            profile = LatencyProfile(alpha, beta, ref, prior_weight=0.5 if timings else 4.0)
+            for cost, seconds in timings:
+                profile.observe(cost, seconds)
+            with self._lock:
+                self._scheduler.add_model(key, model.version.batching, profile)
+                self._runners[key] = runner
+            self._typical_cost[key] = float(ref)
+        self._infos[key] = msgspec.structs.replace(runner.info, routing=model.version.routing)
+
+    async def _attach(self, key: ModelKey) -> None:
+        """Start the loop of a generative or upstream model version registered while not serving."""
+        loop = asyncio.get_running_loop()
+        if key in self._generators and key not in self._generation_loops:
+            generation_loop = self._generation_loops[key] = GenerationLoop(self._generators[key], self._on_generated,
+                                                                           loop)
+            if self._tenant_weights is not None:
+                generation_loop.set_tenant_weights(self._tenant_weights)
+        if key in self._upstreams and key not in self._upstream_loops:
+            upstream = self._upstream_loops[key] = UpstreamLoop(self._upstreams[key], self._reply, self._clock,
+                                                                self._check_drained)
+            if self._tenant_weights is not None:
+                upstream.set_tenant_weights(self._tenant_weights)
+            await upstream.start()
+
+    def _on_sync(self, identity: bytes, message: wire.SyncModel) -> None:
+        task = asyncio.create_task(self._sync(identity, message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sync(self, identity: bytes, message: wire.SyncModel) -> None:
+        """Bring `message.model` in line with the repository (`wire.SyncModel`): its new versions are
+        loaded and warmed up on a thread while everything else keeps serving."""
+        name = message.model
+        async with self._sync_lock:
+            if self._loader is not None and not self._is_draining:
+                held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
+                found: RepositoryModel = RepositoryModel([], {}, [])
+                timings: dict[ModelKey, list[tuple[int, float]]] = {}
+                if not message.unload:
+                    found, timings = await asyncio.to_thread(self._load, name, held)
+                self._take(name, found, timings)
+                for key in found.loaded:
+                    await self._attach(key)
+                self._broadcast_state()  # gateways route to what was added, and not to what was taken off
+            versions = [version for model, version in self._infos if model == name]
+            self._reply(identity, wire.ModelSynced(message.sync_id, name, versions,
+                                                   [r for r in self._refused if r.name == name]))
+
+    def _load(self, name: str, held: set[ModelKey]) -> tuple[RepositoryModel, dict[ModelKey, list[tuple[int, float]]]]:
+        """Thread: the model's versions in the repository, those not held loaded and warmed up."""
+        assert self._loader is not None
+        found = self._loader(name, held)
+        return found, {key: warm_up(model) for key, model in found.loaded.items()}
+
+    def _take(self, name: str, found: RepositoryModel, timings: dict[ModelKey, list[tuple[int, float]]]) -> None:
+        """Serve `found`'s loaded versions; take off the versions of `name` it no longer has."""
+        present = set(found.versions)
+        for key in [key for key in self._retiring if key[0] == name and key[1] in present]:
+            self._infos[key] = self._retiring.pop(key)[0]  # back before it was freed
+        for key in [key for key in self._infos if key[0] == name and key[1] not in present]:
+            self._retiring[key] = (self._infos.pop(key), self._clock.now() + RETIRE_AFTER_S)
+            log.info("taking %s v%s off: it is freed once it has answered what it holds", *key)
+        for key, model in found.loaded.items():
+            self._register(key, model, timings[key])
+            log.info("serving %s v%s, loaded while serving", *key)
+        served = {version for model, version in self._infos if model == name}
+        self._refused = [r for r in self._refused if r.name != name] + \
+                        [r for r in found.refused if r.version not in served]
+
+    def _free_retired(self) -> None:
+        """Free the versions taken off that have answered everything they held."""
+        now = self._clock.now()
+        for key, (_, not_before) in list(self._retiring.items()):
+            if now >= not_before and not self._holds_work(key):
+                del self._retiring[key]
+                self._free(key)
+
+    def _holds_work(self, key: ModelKey) -> bool:
+        if key in self._runners:
+            with self._lock:
+                queued = self._scheduler.queue_state(key)[0]
+            return queued > 0 or any(pending.key == key for pending in self._pending.values())
+        if key in self._generators:
+            return self._generations.holds(key)
+        upstream = self._upstream_loops.get(key)
+        return upstream is not None and not upstream.is_idle
+
+    def _free(self, key: ModelKey) -> None:
+        runner = self._runners.get(key)
+        if runner is not None:
+            with self._lock:
+                self._scheduler.remove_model(key)
+                del self._runners[key]
+            runner.close()
+        generator = self._generators.pop(key, None)
+        if generator is not None:
+            generation_loop = self._generation_loops.pop(key, None)
+            if generation_loop is not None:
+                generation_loop.stop()  # its engine has nothing left: the thread ends at once
+            generator.close()
+        if self._upstreams.pop(key, None) is not None:
+            upstream = self._upstream_loops.pop(key, None)
+            if upstream is not None:
+                task = asyncio.create_task(upstream.aclose())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self._typical_cost.pop(key, None)
+        log.info("unloaded %s v%s", *key)
 
     def drain(self) -> None:
         """Stop admitting; exit once every admitted request has been answered."""
@@ -183,7 +329,10 @@ class WorkerServer:
             self._reply(identity, self._state_for(identity, self._state()))
         elif isinstance(message, wire.Drain):
             self.drain()
+        elif isinstance(message, wire.SyncModel):
+            self._on_sync(identity, message)
         elif isinstance(message, wire.TenantWeights):
+            self._tenant_weights = message.weights
             try:
                 with self._lock:
                     self._scheduler.set_tenant_weights(message.weights)
@@ -446,7 +595,7 @@ class WorkerServer:
             incarnation=self._incarnation,
             is_ready=not self._is_draining,
             is_draining=self._is_draining,
-            models=self._infos,
+            models=list(self._infos.values()),
             refused=self._refused,
             queues=queues,
             work_ahead_s=work_ahead_s,
@@ -482,6 +631,8 @@ class WorkerServer:
             await asyncio.sleep(STATE_INTERVAL_S)
             for upstream in self._upstream_loops.values():
                 upstream.expire()
+            if self._retiring:
+                self._free_retired()
             self._broadcast_state()
             if next(ticks) % 10 == 0:
                 self._send_batch_stats()

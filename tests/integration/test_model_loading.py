@@ -1,0 +1,148 @@
+"""Loading and unloading models while serving (Triton's explicit model control over the
+repository): a real server, real clients (`sluice models load`, `tritonclient`, `openai`), and
+requests flowing all along."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import ServerProcess, eventually, write_emulated_model, write_tiny_lm_model
+
+pytestmark = pytest.mark.slow
+
+ROW = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+
+
+def _add_version(repo: Path, version: str, manifest: str = "") -> None:
+    folder = repo / "emulated" / version
+    folder.mkdir()
+    (folder / "SHA256SUMS").write_text(manifest)
+
+
+def _versions(server: ServerProcess) -> list[str]:
+    return httpx.get(f"{server.url}/v2/models/emulated").json()["versions"]
+
+
+def _load(server: ServerProcess, name: str, action: str = "load", **kwargs: object) -> httpx.Response:
+    return httpx.post(f"{server.url}/v2/repository/models/{name}/{action}", timeout=120, **kwargs)  # type: ignore[arg-type]
+
+
+class _Traffic:
+    """Requests to `path` back to back on two threads until stopped; the statuses they got."""
+
+    def __init__(self, url: str, path: str) -> None:
+        self.statuses: Counter[int] = Counter()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._send, args=(url, path)) for _ in range(2)]
+        for thread in self._threads:
+            thread.start()
+
+    def _send(self, url: str, path: str) -> None:
+        with httpx.Client(base_url=url, timeout=30, headers={"cache-control": "no-cache"}) as client:
+            while not self._stop.is_set():
+                self.statuses[client.post(path, json=ROW).status_code] += 1
+
+    def stop(self) -> Counter[int]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        return self.statuses
+
+
+@pytest.fixture
+def served(make_server, tmp_path) -> Iterator[tuple[ServerProcess, Path]]:
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2.0, beta_ms=0.1)
+    yield make_server(repo), repo
+
+
+def test_versions_added_and_removed_are_loaded_and_unloaded_while_requests_flow(served):
+    server, repo = served
+    traffic = _Traffic(server.url, "/v2/models/emulated/infer")
+    time.sleep(0.5)
+    _add_version(repo, "2")
+    loaded = subprocess.run([sys.executable, "-m", "sluice", "models", "load", "emulated", "--url", server.url],
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "emulated: serving versions 1, 2"
+    assert _versions(server) == ["1", "2"]
+    answer = httpx.post(f"{server.url}/v2/models/emulated/versions/2/infer", json=ROW)
+    assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [10.0]
+
+    shutil.rmtree(repo / "emulated" / "1")  # unversioned requests go to version 2 from now on
+    assert _load(server, "emulated").json() == {"name": "emulated", "versions": ["2"]}
+    time.sleep(0.5)
+    statuses = traffic.stop()
+    assert statuses[200] > 50 and set(statuses) == {200}  # not one request lost to the changes
+    assert _versions(server) == ["2"]
+    gone = httpx.post(f"{server.url}/v2/models/emulated/versions/1/infer", json=ROW)
+    assert gone.status_code == 404 and "has no version '1'" in gone.json()["error"]
+    eventually(lambda: "unloaded emulated v1" in server.log(), "version 1 freed")
+
+
+def test_a_version_that_fails_its_checks_is_refused_alone(served):
+    server, repo = served
+    _add_version(repo, "3", manifest="0" * 64 + "  weights.bin\n")
+    refused = _load(server, "emulated")
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert "version 3" in error and "weights.bin" in error and "served now: version 1" in error
+    assert _versions(server) == ["1"]
+    assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 200
+    index = httpx.post(f"{server.url}/v2/repository/index").json()
+    assert {(e["name"], e["version"], e["state"]) for e in index} >= {("emulated", "3", "UNAVAILABLE"),
+                                                                     ("emulated", "1", "READY")}
+
+
+def test_tritonclient_unloads_and_loads_and_a_restarted_worker_keeps_a_model_unloaded(served):
+    server, _ = served
+    client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
+    try:
+        client.unload_model("emulated")
+        assert not client.is_model_ready("emulated")
+        assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 404
+        os.kill(server.worker_pids()[0], signal.SIGKILL)
+        eventually(lambda: "sluice_worker_restarts_total 1.0" in (metrics := httpx.get(f"{server.url}/metrics").text)
+                   and "sluice_workers_ready 1.0" in metrics, "the worker restarted", timeout_s=60)
+        time.sleep(1)  # the restarted worker loaded the whole repository, and was told to unload it again
+        assert not client.is_model_ready("emulated")
+        client.load_model("emulated")
+        assert client.is_model_ready("emulated")
+        rows = triton.InferInput("INPUT0", [1, 4], "FP32")
+        rows.set_data_from_numpy(np.array([[1, 2, 3, 4]], dtype=np.float32))
+        assert client.infer("emulated", [rows]).as_numpy("OUTPUT0").tolist() == [10.0]
+        with pytest.raises(InferenceServerException, match="not in the model repository"):
+            client.load_model("no-such-model")
+        with pytest.raises(InferenceServerException, match="parameters"):
+            client.load_model("emulated", config='{"max_batch_size": 8}')
+    finally:
+        client.close()
+
+
+def test_a_generative_model_new_to_the_repository_is_loaded_and_unloaded(served):
+    server, repo = served
+    write_tiny_lm_model(repo, "tiny")
+    assert _load(server, "tiny").json() == {"name": "tiny", "versions": ["1"]}
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    completion = sdk.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    assert completion.usage.completion_tokens == 4
+    assert _load(server, "tiny", "unload").json() == {"name": "tiny", "versions": []}
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    eventually(lambda: "unloaded tiny v1" in server.log(), "the engine freed")
+    assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 200
