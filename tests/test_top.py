@@ -48,6 +48,7 @@ class _Server:
         self.busy = Counter("sluice_device_busy_seconds", "", ["worker"], registry=r)
         self.depth = Gauge("sluice_queue_depth", "", ["model", "version"], registry=r)
         self.lookups = Counter("sluice_cache_lookups", "", ["model", "result"], registry=r)
+        self.share = Gauge("sluice_traffic_share", "", ["model", "version"], registry=r)
         self.admitted = Counter("sluice_tenant_admitted", "", ["tenant", "class"], registry=r)
         self.rejected = Counter("sluice_tenant_rejected", "", ["tenant", "class", "reason"], registry=r)
         self.device = Counter("sluice_tenant_device_seconds", "", ["tenant", "class"], registry=r)
@@ -77,6 +78,7 @@ def test_a_view_is_what_happened_between_the_two_scrapes():
     server.depth.labels("emulated", "1").set(3)
     server.lookups.labels("emulated", "hit").inc(10)
     server.lookups.labels("emulated", "miss").inc(30)
+    server.share.labels("emulated", "1").set(0.9)
     server.admitted.labels("a", "standard").inc(30)
     server.admitted.labels("b", "batch").inc(10)
     server.rejected.labels("b", "batch", "overloaded").inc(4)
@@ -94,7 +96,7 @@ def test_a_view_is_what_happened_between_the_two_scrapes():
     assert (row.ok_per_s, row.refused_per_s, row.failed_per_s, row.expired_per_s) == (20.0, 4.0, 1.0, 0.0)
     assert 10 < row.p50_ms < 20 and 10 < row.p99_ms <= 20  # every answer took 15 ms: bucket (10, 20]
     assert row.batches_per_s == 1.0 and row.mean_batch == 10.0 and row.batch_ms == pytest.approx(12.0)
-    assert row.queued == 3 and row.cache_hit == 0.25
+    assert row.queued == 3 and row.cache_hit == 0.25 and row.traffic_share == 0.9
     by_tenant = {(t.tenant, t.priority_class): t for t in now.tenants}
     assert by_tenant["a", "standard"].admitted_per_s == 15.0 and by_tenant["a", "standard"].refused_per_s == {}
     assert by_tenant["b", "batch"].refused_per_s == {"overloaded": 2.0}

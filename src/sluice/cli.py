@@ -121,11 +121,14 @@ def main() -> None:
 @_grpc_option
 @_tls_options
 @_routing_option
+@click.option("--poll-repository", "poll_repository_s", type=click.FloatRange(min=0.1), default=None,
+              metavar="SECONDS", help="Look for changes in the model repository this often and load the models "
+                                      "that changed. Default: only on `sluice models load`.")
 def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None, device: str,
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
           limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
           grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
-          ssl_ca_certs: Path | None, prefix_affinity: bool) -> None:
+          ssl_ca_certs: Path | None, prefix_affinity: bool, poll_repository_s: float | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     _no_grpc_fork_handlers()
@@ -143,7 +146,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
-                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity)
+                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
+                         poll_repository_s=poll_repository_s)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:

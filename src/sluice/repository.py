@@ -101,6 +101,22 @@ def demo_repository() -> Path:
     return Path(__file__).parent / "demo_models"
 
 
+def fingerprints(root: Path) -> dict[str, int]:
+    """Each model folder's fingerprint: it changes when a file in it (its `model.toml`, a version
+    folder's files) is added, removed or modified. Two of them tell which models to load again."""
+    found: dict[str, int] = {}
+    if not root.is_dir():
+        return found
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        entries = []
+        for path in sorted(model_dir.rglob("*")):
+            with contextlib.suppress(OSError):  # removed while we looked: the next look sees it gone
+                stat = path.stat()
+                entries.append((str(path.relative_to(model_dir)), stat.st_mtime_ns, stat.st_size))
+        found[model_dir.name] = hash(tuple(entries))
+    return found
+
+
 def scan_repository(root: Path) -> Repository:
     """Read every `model.toml` and list the versions. Does not hash weights (see `verify`)."""
     if not root.is_dir():

@@ -31,7 +31,7 @@ from sluice.api import ApiConfig, batches, build_app, kserve_grpc
 from sluice.api.http_protocol import stamping_protocol
 from sluice.api.tls import TlsConfig
 from sluice.clock import Clock, MonotonicClock, WallClock
-from sluice.errors import ConfigError
+from sluice.errors import ConfigError, SluiceError
 from sluice.gateway import Gateway
 from sluice.gateway.cache import CacheConfig, MemoryStore, ResultCache
 from sluice.gateway.gateway import GatewayConfig
@@ -46,7 +46,7 @@ from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import JobStore
 from sluice.metrics import GatewayMetrics
 from sluice.registry import RegistryWatcher
-from sluice.repository import scan_repository
+from sluice.repository import fingerprints, scan_repository
 from sluice.runtime import settle_garbage_collector
 from sluice.tracing import Tracing
 from sluice.tracing import from_environment as tracing_from_environment
@@ -91,6 +91,9 @@ class ServeConfig:
     """Serve HTTP and gRPC over TLS (and ask clients for certificates if it names CAs)."""
     prefix_affinity: bool = True
     """Send a generation to the worker that has its prompt's prefix cached (`gateway.router`)."""
+    poll_repository_s: float | None = None
+    """Look for changes in the model repository this often and load the models that changed
+    (`Gateway.sync_model`); None: only when an admin asks."""
 
 
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
@@ -203,11 +206,15 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         await supervisor.start()
         settle_garbage_collector()
         announcer = asyncio.create_task(_announce(config, server, gateway, devices, console, grpc_url))
+        poller = None if config.poll_repository_s is None or not specs else asyncio.create_task(
+            _poll_repository(config.models_dir, config.poll_repository_s, gateway))
         await executor.start(asgi_app)  # the full app, middleware included
         try:
             yield
         finally:
             announcer.cancel()
+            if poller is not None:
+                poller.cancel()
             if grpc_server is not None:  # calls in progress finish; new ones are refused
                 await grpc_server.stop(config.graceful_timeout_s)
             if registry is not None:
@@ -243,6 +250,30 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     finally:
         if grpc_server is not None:
             await grpc_server.stop(0)
+
+
+async def _poll_repository(root: Path, interval_s: float, gateway: Gateway) -> None:
+    """Every `interval_s`, load again each model whose folder changed (`--poll-repository`),
+    except one an admin unloaded. A load that fails (no worker yet) is tried at the next look."""
+    seen = await asyncio.to_thread(fingerprints, root)
+    while True:
+        await asyncio.sleep(interval_s)
+        now = await asyncio.to_thread(fingerprints, root)
+        for name in sorted(set(seen) | set(now)):
+            if seen.get(name) == now.get(name) or name in gateway.unloaded:
+                continue
+            try:
+                synced = await gateway.sync_model(name)
+            except SluiceError as exc:
+                log.warning("model %s changed in the repository but could not be loaded yet: %s", name, exc.message)
+                continue
+            log.warning("model %s changed in the repository: serving version(s) %s%s", name,
+                        ", ".join(synced.versions) or "none",
+                        "".join(f"; version {version} refused: {why}" for version, why in synced.refused))
+            if name in now:
+                seen[name] = now[name]
+            else:
+                seen.pop(name, None)
 
 
 async def _flush_traces(tracing: Tracing) -> None:

@@ -4,7 +4,8 @@ Each refresh compares two scrapes `interval` seconds apart (counters: their incr
 interval, as Prometheus' `rate()`; a counter that went down was reset by a restart and counts
 from zero):
 
-    models      answers per second by outcome; p50 / p99 of the successful ones' latency (from the
+    models      the version's share of the model's unversioned traffic (its split or canary, now);
+                answers per second by outcome; p50 / p99 of the successful ones' latency (from the
                 `sluice_request_duration_seconds` buckets, interpolated as `histogram_quantile`);
                 batches per second, their mean size (Δ sum / Δ count of `sluice_batch_size`) and
                 mean device time; what is queued now; the result cache's hit rate
@@ -97,6 +98,8 @@ class ModelRow:
     queued: float
     queued_work_ms: float
     cache_hit: float | None
+    traffic_share: float | None = None
+    """The share of the model's requests that name no version that go to this one (its split or canary)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,7 @@ def _models(span: _Interval) -> list[ModelRow]:
     queued = span.after.grouped("sluice_queue_depth", keys)
     queued_s = span.after.grouped("sluice_queued_work_seconds", keys)
     lookups = span.increase("sluice_cache_lookups_total", ("model", "result"))
+    shares = span.after.grouped("sluice_traffic_share", keys)
     rows = []
     for key in sorted({key[:2] for key in answers} | set(batches) | set(queued)):
         model, version = key
@@ -180,7 +184,7 @@ def _models(span: _Interval) -> list[ModelRow]:
             _answered(answers, key, "expired"), _answered(answers, key, *_FAILED), _answered(answers, key, "invalid"),
             _ms(p50), _ms(p99), batches.get(key, 0.0), mean_batch.get(key), _ms(batch_s.get(key)),
             queued.get(key, 0.0), queued_s.get(key, 0.0) * 1000,
-            lookups.get((model, "hit"), 0.0) / served if served > 0 else None,
+            lookups.get((model, "hit"), 0.0) / served if served > 0 else None, shares.get(key),
         ))
     return rows
 
@@ -255,9 +259,10 @@ def render(url: str, current: View) -> RenderableType:
     parts: list[RenderableType] = [
         Text(f"{url}  ·  over the last {current.seconds:.1f} s  ·  workers ready: {ready}"
              + (f"  ·  device busy {busy}" if busy else "")),
-        _table("models", ["model", "ok\n/s", "refused\n/s", "expired\n/s", "failed\n/s", "invalid\n/s", "p50\nms",
-                          "p99\nms", "batches\n/s", "mean\nbatch", "batch\nms", "queued", "queued\nms", "cache\nhits"],
-               ([f"{m.model} v{m.version}", _number(m.ok_per_s), _number(m.refused_per_s),
+        _table("models", ["model", "traffic", "ok\n/s", "refused\n/s", "expired\n/s", "failed\n/s", "invalid\n/s",
+                          "p50\nms", "p99\nms", "batches\n/s", "mean\nbatch", "batch\nms", "queued", "queued\nms",
+                          "cache\nhits"],
+               ([f"{m.model} v{m.version}", _percent(m.traffic_share), _number(m.ok_per_s), _number(m.refused_per_s),
                  _number(m.expired_per_s), _number(m.failed_per_s), _number(m.invalid_per_s), _number(m.p50_ms),
                  _number(m.p99_ms), _number(m.batches_per_s), _number(m.mean_batch), _number(m.batch_ms),
                  _number(m.queued, 0), _number(m.queued_work_ms), _percent(m.cache_hit)] for m in current.models)),

@@ -146,3 +146,17 @@ def test_a_generative_model_new_to_the_repository_is_loaded_and_unloaded(served)
         sdk.completions.create(model="tiny", prompt="hello", max_tokens=4)
     eventually(lambda: "unloaded tiny v1" in server.log(), "the engine freed")
     assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 200
+
+
+def test_a_polled_repository_is_followed_without_being_asked(make_server, tmp_path):
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2.0, beta_ms=0.1)
+    server = make_server(repo, "--poll-repository", "0.3")
+    _add_version(repo, "2")
+    eventually(lambda: _versions(server) == ["1", "2"], "version 2 loaded on its own")
+    shutil.rmtree(repo / "emulated" / "1")
+    eventually(lambda: _versions(server) == ["2"], "version 1 unloaded on its own")
+    assert "model emulated changed in the repository: serving version(s) 2" in server.log()
+    _load(server, "emulated", "unload")
+    _add_version(repo, "3")  # an unloaded model stays unloaded, whatever its folder does
+    time.sleep(1.5)
+    assert httpx.get(f"{server.url}/v2/models/emulated").status_code == 404
