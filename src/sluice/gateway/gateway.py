@@ -384,10 +384,13 @@ class Gateway:
 
     def is_ready(self) -> bool:
         """Every model that could load is served by a ready worker. Models refused at load are not
-        waited for (unlike Triton's strict readiness): requests for them answer why (404)."""
+        waited for (unlike Triton's strict readiness): requests for them answer why (404). With
+        every model unloaded by an admin, a ready worker suffices: the server stays reachable
+        behind a readiness probe, to be asked to load one again."""
         if self.is_draining:
             return False
-        return bool(self.models()) and not self.loading_models()
+        serves = bool(self.models()) or bool(self.unloaded and self.ready_workers())  # nothing left by choice
+        return serves and not self.loading_models()
 
     # -- inference -----------------------------------------------------------------------------
 
