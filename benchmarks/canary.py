@@ -1,4 +1,5 @@
-"""Canaries under load: how fast a bad version is withdrawn, and what it costs the callers.
+"""Canaries under load: how fast a bad version is withdrawn, and what it costs the callers; and a
+whole deployment of a new version under load.
 
 For each case, starts `sluice serve` on a copy of the demo `emulated` model with two versions
 (`[routing] traffic = { 1 = 100 }`; version 2's `version.toml` makes it broken, flaky, slow or
@@ -9,6 +10,11 @@ and how, and what each version answered (from `sluice_requests_total`).
 
     python benchmarks/canary.py                              # all cases, 400 req/s
     python benchmarks/canary.py --cases broken,flaky --duration 20
+
+The `deploy` case starts with version 1 alone in the repository; after `--lead` s it copies
+version 2 in and loads it (`POST /v2/repository/models/emulated/load`), runs the canary, and
+once version 2 is promoted removes version 1's folder and loads again: what a deployment is,
+with the load running throughout.
 
 The device is the emulator (8 ms + 0.5 ms per item, 1,333 items/s): the figures are about the
 control loop (evidence needed, time to decide), not any real model.
@@ -36,6 +42,7 @@ CASES = {
     "flaky": "[params]\nerror_rate = 0.05\n",    # 5% of requests fail
     "slow": "[params]\nalpha_ms = 24.0\n",        # 3x the fixed cost of a batch
     "healthy": "",
+    "deploy": "",  # healthy, and not in the repository when the server starts
 }
 
 
@@ -45,6 +52,8 @@ def _start(work: Path, port: int, case: str) -> subprocess.Popen[bytes]:
     (model / "model.toml").write_text((model / "model.toml").read_text() + "\n[routing]\ntraffic = { 1 = 100 }\n")
     shutil.copytree(model / "1", model / "2")
     (model / "2" / "version.toml").write_text(CASES[case])
+    if case == "deploy":
+        shutil.move(model / "2", work / "staged-2")
     return start_server(work / "models", port, work / "server.log")
 
 
@@ -70,10 +79,15 @@ def run_case(case: str, args: argparse.Namespace, work: Path) -> dict[str, objec
             bench.start()
             time.sleep(args.lead)
             started = time.monotonic()
+            timeline: list[tuple[float, str, float]] = []
+            if case == "deploy":
+                shutil.copytree(work / "staged-2", work / "models" / "emulated" / "2")
+                client.post("/v2/repository/models/emulated/load", timeout=120).raise_for_status()
+                timeline.append((round(time.monotonic() - started, 2), "version 2 loaded", 0.0))
             answer = client.post("/admin/models/emulated/canary", json={
                 "version": "2", "step_seconds": args.step_seconds, "min_requests": args.min_requests})
             answer.raise_for_status()
-            timeline, ended_s, canary = [], None, answer.json()["canary"]
+            ended_s, canary = None, answer.json()["canary"]
             while bench.is_alive():
                 canary = client.get("/admin/models/emulated").json()["canary"]
                 step = (canary["status"], canary["share_percent"])
@@ -81,6 +95,10 @@ def run_case(case: str, args: argparse.Namespace, work: Path) -> dict[str, objec
                     timeline.append((round(time.monotonic() - started, 2), *step))
                 if canary["status"] != "running" and ended_s is None:
                     ended_s = time.monotonic() - started
+                    if case == "deploy" and canary["status"] == "promoted":  # the old version goes
+                        shutil.rmtree(work / "models" / "emulated" / "1")
+                        client.post("/v2/repository/models/emulated/load", timeout=120).raise_for_status()
+                        timeline.append((round(time.monotonic() - started, 2), "version 1 unloaded", 100.0))
                 time.sleep(0.1)
             bench.join()
             outcomes = _outcomes(client)
@@ -115,7 +133,8 @@ def main() -> None:
         results.append(run_case(case, args, work))
         r = results[-1]
         print(f"{case}: {r['status']} after {r['decided_after_s']} s; version 2 answered {r['v2']}; "
-              f"version 1 {r['v1']}; client p50/p99 {r['client']['p50_ms']:.1f}/{r['client']['p99_ms']:.1f} ms")
+              f"version 1 {r['v1']}; client p50/p99 {r['client']['p50_ms']:.1f}/{r['client']['p99_ms']:.1f} ms, "
+              f"statuses {r['client']['statuses']}")
         print(f"  timeline {r['timeline']}")
         print(f"  {r['reason']}")
     if args.out is not None:
