@@ -116,6 +116,8 @@ def test_tritonclient_unloads_and_loads_and_a_restarted_worker_keeps_a_model_unl
         client.unload_model("emulated")
         assert not client.is_model_ready("emulated")
         assert client.is_server_ready()  # nothing to serve, by choice: still reachable to load it again
+        assert client.get_model_repository_index() == [
+            {"name": "emulated", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
         assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 404
         os.kill(server.worker_pids()[0], signal.SIGKILL)
         eventually(lambda: "sluice_worker_restarts_total 1.0" in (metrics := httpx.get(f"{server.url}/metrics").text)

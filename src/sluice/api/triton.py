@@ -96,8 +96,8 @@ def statistics_of(gateway: Gateway, tenant: str, name: str | None, version: str 
 
 def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list[dict[str, str]]:
     """Triton's repository index: each model version the tenant may use, `READY` when a ready
-    worker serves it, `UNAVAILABLE` (with the reason) when it failed to load or its workers are
-    being restarted, `LOADING` while the repository's version has no worker yet."""
+    worker serves it, `UNAVAILABLE` (with the reason) when it failed to load, was unloaded, or its
+    workers are being restarted, `LOADING` while the repository's version has no worker yet."""
     caller = gateway.tenancy.tenant(tenant)
     ready = gateway.models()
     states: dict[tuple[str, str], tuple[str, str]] = {}
@@ -109,6 +109,9 @@ def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list
                 else ("UNAVAILABLE", "its worker is being restarted")
     for refused in gateway.refused():
         states[(refused.name, refused.version)] = ("UNAVAILABLE", refused.reason)
+    for model, had in gateway.unloaded.items():
+        for version in had:
+            states.setdefault((model, version), ("UNAVAILABLE", "unloaded"))
     index = []
     for (model, version), (state, reason) in sorted(states.items(), key=lambda kv: (kv[0][0], version_order(kv[0][1]))):
         if caller.may_use(model) and (state == "READY" or not ready_only):

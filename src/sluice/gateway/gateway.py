@@ -114,8 +114,9 @@ class Gateway:
         self._affinity = router.PrefixAffinity()
         self._ejections = router.Ejections()
         self.is_draining = False
-        self.unloaded: set[str] = set()
-        """Models unloaded through this gateway (`sync_model`), that a restarted worker must not serve."""
+        self.unloaded: dict[str, list[str]] = {}
+        """Models unloaded through this gateway (`sync_model`), that a restarted worker must not
+        serve, with the versions they had."""
         self._next_sync_id = 0
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
@@ -201,7 +202,7 @@ class Gateway:
         """A worker's readiness or models changed. One that serves a model unloaded through this
         gateway (it restarted, and loaded its whole repository) is told to unload it again."""
         self._invalidate()
-        for name in {info.name for info in connection.known_models} & self.unloaded:
+        for name in {info.name for info in connection.known_models} & self.unloaded.keys():
             connection.sync_model(self._new_sync_id(), name, unload=True)
 
     def _new_sync_id(self) -> int:
@@ -214,9 +215,11 @@ class Gateway:
         warmed up while the others keep serving. An unloaded model stays unloaded on workers that
         restart, until it is loaded again through this gateway."""
         if unload:
-            self.unloaded.add(name)
+            had = {version for model, version in self.expected_versions if model == name}
+            had |= set(self.models(include_recovering=True).get(name, {}))
+            self.unloaded[name] = sorted(had | set(self.unloaded.get(name, ())), key=version_order)
         else:
-            self.unloaded.discard(name)
+            self.unloaded.pop(name, None)
         sync_id = self._new_sync_id()
         asked = {worker_id: future for worker_id, connection in self._connections.items()
                  if (future := connection.sync_model(sync_id, name, unload=unload)) is not None}
