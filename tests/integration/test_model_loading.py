@@ -118,7 +118,8 @@ def test_tritonclient_unloads_and_loads_and_a_restarted_worker_keeps_a_model_unl
         assert client.is_server_ready()  # nothing to serve, by choice: still reachable to load it again
         assert client.get_model_repository_index() == [
             {"name": "emulated", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
-        assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 404
+        unloaded = httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW)
+        assert unloaded.status_code == 404 and "model 'emulated' is unloaded" in unloaded.json()["error"]
         os.kill(server.worker_pids()[0], signal.SIGKILL)
         eventually(lambda: "sluice_worker_restarts_total 1.0" in (metrics := httpx.get(f"{server.url}/metrics").text)
                    and "sluice_workers_ready 1.0" in metrics, "the worker restarted", timeout_s=60)

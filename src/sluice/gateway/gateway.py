@@ -290,6 +290,9 @@ class Gateway:
         if not versions:
             if name in self.expected_models:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
+            if name in self.unloaded:
+                raise ModelNotFound(f"model {name!r} is unloaded (an admin may load it again: "
+                                    f"POST /v2/repository/models/{name}/load)")
             raise ModelNotFound(f"model {name!r} does not exist")
         if (name, version) in self.expected_versions:
             raise ModelNotReady(f"model {name!r} version {version!r} has no ready worker yet", retry_after_s=1.0)
