@@ -4,6 +4,9 @@
 request hanging: the worker answers every request it accepted, a worker that dies resolves its
 in-flight requests at once (re-dispatched if they had not started and the deadline allows), and
 a last-resort timer covers a worker that goes silent.
+
+`sync_model()` loads and unloads models on the workers while they serve (`api.triton`'s
+repository extension, `sluice models load|unload`).
 """
 
 from __future__ import annotations

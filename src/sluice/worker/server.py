@@ -42,8 +42,6 @@ log = logging.getLogger("sluice.worker")
 
 STATE_INTERVAL_S = 0.05
 
-
-
 RETIRE_AFTER_S = 0.5
 """A version taken off (`SyncModel`) still takes the requests sent before the gateways heard it
 was (its report goes out at once, so within a few ms); it is freed once idle and this long after."""
