@@ -5,6 +5,10 @@ runs batches on a dedicated device thread, so the event loop never blocks.
                                                                       │ device free
     ◀──Started── ◀── scheduler.next_batch ◀───────────────────────────┘
     ◀──Result──── gather per request ◀── device thread: runner.run_batch
+
+Models can change while it serves (`SyncModel`, `_sync`): new versions are loaded and warmed up
+on a thread and then registered; versions taken off stop being reported at once and are freed
+once they have answered what they hold.
 """
 
 from __future__ import annotations
