@@ -132,6 +132,8 @@ def test_tritonclient_unloads_and_loads_and_a_restarted_worker_keeps_a_model_unl
         assert client.infer("emulated", [rows]).as_numpy("OUTPUT0").tolist() == [10.0]
         with pytest.raises(InferenceServerException, match="not in the model repository"):
             client.load_model("no-such-model")
+        with pytest.raises(InferenceServerException, match="nothing to unload"):
+            client.unload_model("no-such-model")
         with pytest.raises(InferenceServerException, match="parameters"):
             client.load_model("emulated", config='{"max_batch_size": 8}')
     finally:

@@ -129,6 +129,9 @@ async def load_model_of(gateway: Gateway, name: str, *, unload: bool = False,
         raise InvalidInput(f"sluice loads model {name!r} from its repository folder: a configuration or files in "
                            f"the request's parameters ({', '.join(overrides)}) are not supported",
                            param="parameters")
+    known = gateway.models(include_recovering=True).keys() | gateway.expected_models | gateway.unloaded.keys()
+    if unload and name not in known:
+        raise ModelNotFound(f"model {name!r} is not served: there is nothing to unload")
     synced = await gateway.sync_model(name, unload=unload)
     served = f"; served now: version{'s' if len(synced.versions) > 1 else ''} {', '.join(synced.versions)}" \
         if synced.versions else ""
