@@ -205,3 +205,22 @@ def test_a_bad_routing_table_refuses_the_model(tmp_path, routing, fragment):
     _version(_model(tmp_path, extra=f"[routing]\n{routing}\n"), "1", {"w.bin": "x"})
     repo = scan_repository(tmp_path)
     assert not repo.versions and fragment in repo.refused[0].reason
+
+
+def test_loading_settings_default_to_loading_at_start_and_never_unloading(tmp_path):
+    _version(_model(tmp_path, "eager"), "1", {"w.bin": "x"})
+    _version(_model(tmp_path, "lazy", extra="[loading]\non_demand = true\n"), "1", {"w.bin": "x"})
+    _version(_model(tmp_path, "short", extra="[loading]\nidle_unload_s = 30\n"), "1", {"w.bin": "x"})
+    loading = {v.name: (v.loading.on_demand, v.loading.idle_unload_s) for v in scan_repository(tmp_path).versions}
+    assert loading == {"eager": (False, 0.0), "lazy": (True, 600.0), "short": (False, 30.0)}
+
+
+@pytest.mark.parametrize(("loading", "fragment"), [
+    ("on_demand = 1", "on_demand must be true or false"),
+    ("idle_unload_s = -1", "idle_unload_s must be a number of seconds >= 0"),
+    ("idle_unload_s = 'soon'", "idle_unload_s must be a number of seconds >= 0"),
+    ("preload = true", "[loading] has no setting 'preload'")])
+def test_a_bad_loading_table_refuses_the_version(tmp_path, loading, fragment):
+    _version(_model(tmp_path, extra=f"[loading]\n{loading}\n"), "1", {"w.bin": "x"})
+    repo = scan_repository(tmp_path)
+    assert not repo.versions and fragment in repo.refused[0].reason

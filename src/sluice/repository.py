@@ -50,6 +50,15 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadingConfig:
+    on_demand: bool = False
+    """Not loaded when the worker starts: its first request loads it (and is answered 503 with
+    `Retry-After` meanwhile, as every request until it is ready)."""
+    idle_unload_s: float = 0.0
+    """Unloaded after this long without a request, to be loaded again on demand (0: never)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelVersion:
     name: str
     version: str
@@ -71,6 +80,8 @@ class ModelVersion:
     are never served for another (new weights under the same version number, changed params)."""
     routing: wire.Routing | None = None
     """The model's `[routing]`: how requests that name no version are split among its versions."""
+    loading: LoadingConfig = field(default_factory=lambda: LoadingConfig())
+    """`[loading]`: when the version is loaded and unloaded."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -251,8 +262,10 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
         generator=weights.get("generate"),
         upstream=_table(config, "upstream", config_path),
         is_cached=is_cached,
-        revision=_revision({k: v for k, v in config.items() if k != "routing"}, version_dir / MANIFEST),
+        revision=_revision({k: v for k, v in config.items() if k not in ("routing", "loading")},
+                           version_dir / MANIFEST),
         routing=routing,
+        loading=_loading(_table(config, "loading", config_path), config_path),
     )
 
 
@@ -290,6 +303,21 @@ def _routing(raw: dict[str, Any], config_path: Path) -> wire.Routing | None:
     if not any(weight > 0 for weight in traffic.values()):
         raise ConfigError(f"{config_path}: [routing] traffic: at least one version needs a weight above 0")
     return wire.Routing({version: float(weight) for version, weight in traffic.items()}, sticky)
+
+
+def _loading(raw: dict[str, Any], config_path: Path) -> LoadingConfig:
+    """`[loading]`: `on_demand` (default false) and `idle_unload_s` (default 600 for a model loaded
+    on demand, else 0: never)."""
+    for key in raw:
+        if key not in ("on_demand", "idle_unload_s"):
+            raise ConfigError(f"{config_path}: [loading] has no setting {key!r} (it has on_demand, idle_unload_s)")
+    on_demand = raw.get("on_demand", False)
+    if not isinstance(on_demand, bool):
+        raise ConfigError(f"{config_path}: [loading] on_demand must be true or false, got {on_demand!r}")
+    idle_s = raw.get("idle_unload_s", 600.0 if on_demand else 0.0)
+    if not _is_number(idle_s) or idle_s < 0:
+        raise ConfigError(f"{config_path}: [loading] idle_unload_s must be a number of seconds >= 0, got {idle_s!r}")
+    return LoadingConfig(on_demand, float(idle_s))
 
 
 def _cache_enabled(raw: dict[str, Any], kind: str, config_path: Path) -> bool:

@@ -178,7 +178,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         addresses = list(config.remote_workers)
         specs: list[WorkerSpec] = []
     else:
-        gateway.expected_versions = {(v.name, v.version) for v in scan_repository(config.models_dir).versions}
+        gateway.expected_versions = {(v.name, v.version) for v in scan_repository(config.models_dir).versions
+                                     if not v.loading.on_demand}
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
         specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)))

@@ -422,6 +422,9 @@ class WorkerState(msgspec.Struct, tag="state"):
     seen_request_id: int = 0
     """The highest `Submit.request_id` the worker had received from the gateway this copy is sent
     to when it built the report: what that gateway sent later is not counted in it (0: unknown)."""
+    dormant: list[tuple[str, str]] = []
+    """(model, version) it loads on demand (`[loading] on_demand`) and has not loaded, or has
+    unloaded after they were idle: a `SyncModel` loads them."""
 
 
 class BatchCount(msgspec.Struct, frozen=True):
@@ -441,7 +444,6 @@ class BatchStats(msgspec.Struct, tag="batch_stats"):
     worker_id: str
     incarnation: str
     counts: list[BatchCount]
-
 
 
 class SyncModel(msgspec.Struct, tag="sync_model"):

@@ -166,3 +166,34 @@ def test_a_polled_repository_is_followed_without_being_asked(make_server, tmp_pa
     _add_version(repo, "3")  # an unloaded model stays unloaded, whatever its folder does
     time.sleep(1.5)
     assert httpx.get(f"{server.url}/v2/models/emulated").status_code == 404
+
+
+def test_a_model_loaded_on_demand_loads_at_its_first_request_and_goes_when_idle(make_server, tmp_path):
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2.0, beta_ms=0.1)
+    write_emulated_model(repo, "lazy", alpha_ms=2.0, beta_ms=0.1)
+    toml = repo / "lazy" / "model.toml"
+    toml.write_text(toml.read_text() + "[loading]\non_demand = true\nidle_unload_s = 1.5\n")
+    server = make_server(repo)  # ready without it
+
+    def lazy_state() -> tuple[str, str]:
+        (entry,) = [e for e in httpx.post(f"{server.url}/v2/repository/index").json() if e["name"] == "lazy"]
+        return entry["state"], entry["reason"]
+
+    assert lazy_state() == ("UNAVAILABLE", "loaded on demand, by its first inference request")
+    assert "lazy" in [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    assert httpx.get(f"{server.url}/v2/models/lazy/ready").status_code == 503  # a probe loads nothing
+    time.sleep(0.5)
+    assert lazy_state()[0] == "UNAVAILABLE"
+
+    first = httpx.post(f"{server.url}/v2/models/lazy/infer", json=ROW)
+    assert first.status_code == 503 and "being loaded on demand" in first.json()["error"]
+    assert 1 <= int(first.headers["retry-after"]) <= 30
+    eventually(lambda: httpx.post(f"{server.url}/v2/models/lazy/infer", json=ROW).status_code == 200,
+               "the model loaded on demand")
+    assert lazy_state() == ("READY", "")
+
+    eventually(lambda: lazy_state()[0] == "UNAVAILABLE", "the model unloaded after 1.5 s without a request")
+    assert "taking lazy v1 off after 2 s without a request" in server.log()
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=5)
+    assert sdk.embeddings.create(model="lazy", input="hi").data  # the SDK waits out the 503s of the load
+    assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 200

@@ -46,7 +46,7 @@ class _IdleDevice:
 
 def test_a_batch_formed_as_admission_releases_the_lock_has_the_requests_input(tmp_path: Path) -> None:
     write_emulated_model(tmp_path / "models")
-    models, _ = load_models(WorkerConfig("w", "inproc://w", tmp_path / "models"))
+    models, _, _ = load_models(WorkerConfig("w", "inproc://w", tmp_path / "models"))
     server = WorkerServer("w", models, [], MonotonicClock(), WorkerMetrics("w"))
     lock = _FormsABatchOnRelease(server)
     server._lock = lock  # type: ignore[assignment]

@@ -80,7 +80,7 @@ def test_the_worker_answers_before_it_records_the_batch(tmp_path):
     from tests.conftest import write_emulated_model
 
     write_emulated_model(tmp_path / "models")
-    models, _ = load_models(WorkerConfig("w", "inproc://w", tmp_path / "models"))
+    models, _, _ = load_models(WorkerConfig("w", "inproc://w", tmp_path / "models"))
     server = WorkerServer("w", models, [], MonotonicClock(), WorkerMetrics("w"))
     events: list[str] = []
 

@@ -199,7 +199,7 @@ def model_ready_of(gateway: Gateway, tenant: str, name: str, version: str | None
     """The version that answers for `name` (and `version`) if a ready worker serves it, None if
     none does yet; 404 for an unknown model, 403 for one the tenant may not use."""
     try:
-        info = gateway.resolve(name, version, by_split=False)
+        info = gateway.resolve(name, version, by_split=False, on_demand=False)  # a probe loads nothing
     except ModelNotReady:
         return None
     gateway.tenancy.authorize(gateway.tenancy.tenant(tenant), info.name)

@@ -54,7 +54,8 @@ class EmbeddingsRequest(msgspec.Struct):
 def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def list_models(request: Request) -> Response:
         tenant = gateway.tenancy.tenant(request_tenant(request))
-        models = gateway.models()
+        models: dict[str, Mapping[str, wire.ModelInfo]] = {name: {} for name, _ in gateway.dormant_versions()}
+        models.update(gateway.models())  # and those loaded on demand by their first request
         data = [_model_card(name, models[name]) for name in sorted(gateway.tenancy.visible(tenant, models))]
         return json_response({"object": "list", "data": data})
 

@@ -87,7 +87,7 @@ def statistics_of(gateway: Gateway, tenant: str, name: str | None, version: str 
         keys = {(model, v) for model in gateway.tenancy.visible(caller, served) for v in served[model]}
         keys |= {key for key in gateway.statistics.versions() if caller.may_use(key[0])}
     else:
-        info = gateway.resolve(name, version, by_split=False)
+        info = gateway.resolve(name, version, by_split=False, on_demand=False)  # monitoring loads nothing
         gateway.tenancy.authorize(caller, info.name)
         keys = {(info.name, info.version)} if version is not None else {(name, v) for v in served.get(name, {})}
     ordered = sorted(keys, key=lambda key: (key[0], version_order(key[1])))
@@ -112,6 +112,8 @@ def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list
     for model, had in gateway.unloaded.items():
         for version in had:
             states.setdefault((model, version), ("UNAVAILABLE", "unloaded"))
+    for model, version in gateway.dormant_versions():
+        states.setdefault((model, version), ("UNAVAILABLE", "loaded on demand, by its first inference request"))
     index = []
     for (model, version), (state, reason) in sorted(states.items(), key=lambda kv: (kv[0][0], version_order(kv[0][1]))):
         if caller.may_use(model) and (state == "READY" or not ready_only):

@@ -51,6 +51,8 @@ class WorkerConnection:
                                           self._on_disconnect)
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
+        self.dormant: list[tuple[str, str]] = []
+        """(model, version) the worker loads on demand and has not loaded (`WorkerState.dormant`)."""
         self._served: dict[tuple[str, str], wire.ModelInfo] = {}
         self.state_at = 0.0
         self._unreported = _Unreported()
@@ -298,8 +300,9 @@ class WorkerConnection:
             if message.incarnation == self._lost_incarnation:
                 return  # a late report from a process that has since died
             self.is_lost = False
-            models_changed = message.models != self.known_models
+            models_changed = message.models != self.known_models or message.dormant != self.dormant
             self.known_models = message.models
+            self.dormant = message.dormant
             if models_changed:
                 self._served = {(info.name, info.version): info for info in message.models}
             self.state = message

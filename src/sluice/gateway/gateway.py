@@ -121,6 +121,9 @@ class Gateway:
         """Models unloaded through this gateway (`sync_model`), that a restarted worker must not
         serve, with the versions they had."""
         self._next_sync_id = 0
+        self._on_demand_loads: dict[str, asyncio.Task[None]] = {}
+        self._load_seconds: dict[str, float] = {}
+        """How long each model's last load on demand took: the `Retry-After` of the next."""
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
         503 ("not ready yet"), not a 404."""
@@ -208,6 +211,41 @@ class Gateway:
         for name in {info.name for info in connection.known_models} & self.unloaded.keys():
             connection.sync_model(self._new_sync_id(), name, unload=True)
 
+    def _load_on_demand(self, name: str, version: str | None, *, start: bool) -> None:
+        """If a worker loads `name` (`version`, if given) on demand and none serves it, have the
+        least busy such worker load it (`start`; once, whatever the number of requests meanwhile),
+        and raise the 503 that tells the caller when to try again."""
+        offers = self._indexed().dormant
+        keys = [key for key in offers if key[0] == name and (version is None or key[1] == version)]
+        if not keys:
+            return
+        if not start and name not in self._on_demand_loads:
+            raise ModelNotReady(f"model {name!r} is not loaded: its first inference request loads it",
+                                retry_after_s=1.0)
+        if name not in self._on_demand_loads:
+            workers = sorted({c for key in keys for c in offers[key]}, key=lambda c: c.num_in_flight)
+            task = asyncio.get_running_loop().create_task(self._load_one(name, workers[0]))
+            self._on_demand_loads[name] = task
+            task.add_done_callback(lambda _: self._on_demand_loads.pop(name, None))
+        expected_s = self._load_seconds.get(name, 2.0)
+        raise ModelNotReady(f"model {name!r} is being loaded on demand; try again in {expected_s:.0f} s",
+                            retry_after_s=max(1.0, min(expected_s, 30.0)))
+
+    async def _load_one(self, name: str, connection: WorkerConnection) -> None:
+        started = self._clock.now()
+        future = connection.sync_model(self._new_sync_id(), name)
+        if future is None:
+            return
+        try:
+            synced = await asyncio.wait_for(future, timeout=600.0)
+        except (TimeoutError, asyncio.CancelledError):
+            log.warning("worker %s did not finish loading model %s on demand", connection.worker_id, name)
+            return
+        self._load_seconds[name] = self._clock.now() - started
+        self._invalidate()
+        log.info("model %s loaded on demand on worker %s in %.1f s: versions %s", name, connection.worker_id,
+                 self._load_seconds[name], ", ".join(synced.versions) or "none")
+
     def _new_sync_id(self) -> int:
         self._next_sync_id += 1
         return self._next_sync_id
@@ -276,9 +314,11 @@ class Gateway:
         return ModelRefused(f"model {name!r} failed to load and is not served: {why}")
 
     def resolve(self, name: str, version: str | None, route_key: str | None = None, *,
-                by_split: bool = True) -> wire.ModelInfo:
+                by_split: bool = True, on_demand: bool = True) -> wire.ModelInfo:
         """The model version a request goes to: the one it names, else the one the model's traffic
-        split gives its `route_key` (`gateway.traffic`), else the newest (also without `by_split`)."""
+        split gives its `route_key` (`gateway.traffic`), else the newest (also without `by_split`).
+        One that a worker loads on demand and none serves is loaded now (`on_demand`; not for a
+        readiness check), and the request answered 503 with when to try again."""
         versions = self.models(include_recovering=True).get(name)
         if versions and version is None:
             split = self.split(name) if by_split else None
@@ -290,6 +330,8 @@ class Gateway:
         refusal = self.refusal(name, version)
         if refusal is not None:
             raise refusal
+        if (not versions or (version is not None and version not in versions)) and name not in self.unloaded:
+            self._load_on_demand(name, version, start=on_demand)  # raises ModelNotReady if it loads on demand
         if not versions:
             if name in self.expected_models:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
@@ -386,10 +428,16 @@ class Gateway:
             log.warning("cannot share model %s's traffic change with the other gateways: %s", name, exc)
 
     def loading_models(self) -> set[str]:
-        """Expected models that no ready worker serves yet and that were not refused at load."""
+        """Expected models that no ready worker serves yet, that were not refused at load and that
+        are not left to be loaded on demand (unloaded after they were idle)."""
         ready = self.models()
         refused = {r.name for r in self.refused()}
-        return {name for name in self.expected_models if name not in ready and name not in refused}
+        dormant = {name for name, _ in self._indexed().dormant}
+        return {name for name in self.expected_models if name not in ready and name not in refused | dormant}
+
+    def dormant_versions(self) -> set[tuple[str, str]]:
+        """(model, version) that a ready worker loads on demand and none serves."""
+        return set(self._indexed().dormant)
 
     def is_ready(self) -> bool:
         """Every model that could load is served by a ready worker. Models refused at load are not
@@ -800,13 +848,19 @@ class _ModelIndex:
     replicas: dict[tuple[str, str], tuple[WorkerConnection, ...]]
     declared: dict[str, Split]
     """Each model's `[routing]` split, as its newest served version reports it."""
+    dormant: dict[tuple[str, str], tuple[WorkerConnection, ...]]
+    """The ready workers that load each model version on demand and have not loaded it."""
 
     @classmethod
     def build(cls, connections: Iterable[WorkerConnection]) -> _ModelIndex:
         ready: dict[str, dict[str, wire.ModelInfo]] = {}
         with_recovering: dict[str, dict[str, wire.ModelInfo]] = {}
         replicas: dict[tuple[str, str], list[WorkerConnection]] = {}
+        dormant: dict[tuple[str, str], list[WorkerConnection]] = {}
         for connection in connections:
+            if connection.is_ready:
+                for name, version in connection.dormant:
+                    dormant.setdefault((name, version), []).append(connection)
             if not (connection.is_ready or connection.is_lost):
                 continue
             for info in connection.known_models:
@@ -822,7 +876,8 @@ class _ModelIndex:
                     declared[name] = Split.of(routing.traffic, routing.sticky)
             except ValueError as exc:  # the repository checks it; a worker of another release might not
                 log.error("model %s declares an unusable traffic split, ignored: %s", name, exc)
-        return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()}, declared)
+        return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()}, declared,
+                   {key: tuple(value) for key, value in dormant.items()})
 
 
 def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,

@@ -45,15 +45,22 @@ class WorkerConfig:
     """The address gateways reach this worker at (default: `address`)."""
 
 
-def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel]]:
-    """Every model version of the repository this worker serves, loaded, and those it refused."""
+def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel],
+                                               list[ModelVersion]]:
+    """Every model version of the repository this worker serves, loaded, those it refused, and
+    those it loads on demand (`[loading] on_demand`), not loaded yet."""
     repository = scan_repository(config.models_dir)
     refused = [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused]
     models: dict[tuple[str, str], LoadedModel] = {}
+    dormant: list[ModelVersion] = []
     for version in repository.versions:
-        if not config.model_names or version.name in config.model_names:
+        if config.model_names and version.name not in config.model_names:
+            continue
+        if version.loading.on_demand:
+            dormant.append(version)
+        else:
             _load_into(models, refused, version, config)
-    return models, refused
+    return models, refused, dormant
 
 
 def model_loader(config: WorkerConfig) -> ModelLoader:
@@ -99,9 +106,9 @@ def _load_into(models: dict[tuple[str, str], LoadedModel], refused: list[wire.Re
 
 
 async def run_worker(config: WorkerConfig) -> None:
-    models, refused = load_models(config)
+    models, refused, dormant = load_models(config)
     server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id),
-                          model_loader(config))
+                          model_loader(config), dormant)
     settle_garbage_collector()
     registration = None if config.registry is None else WorkerRegistration(
         config.registry, config.worker_id, config.advertise or config.address)

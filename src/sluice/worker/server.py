@@ -109,8 +109,10 @@ class WorkerServer:
         clock: Clock,
         metrics: WorkerMetrics,
         loader: ModelLoader | None = None,
+        dormant: Sequence[ModelVersion] = (),
     ) -> None:
-        """`loader`: how to load a model again while serving (`SyncModel`); None: models are fixed."""
+        """`loader`: how to load a model again while serving (`SyncModel`); None: models are fixed.
+        `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`)."""
         self.worker_id = worker_id
         self._generators: dict[ModelKey, GenerativeRunner] = {}
         self._upstreams: dict[ModelKey, OpenAIUpstreamRunner] = {}
@@ -121,6 +123,11 @@ class WorkerServer:
         self._loader = loader
         self._retiring: dict[ModelKey, tuple[wire.ModelInfo, float]] = {}
         """Versions taken off: their info, and the earliest time they may be freed."""
+        self._dormant: dict[ModelKey, ModelVersion] = {version.key: version for version in dormant}
+        """Versions loaded on demand (a `SyncModel` from a gateway that got a request for one)."""
+        self._versions: dict[ModelKey, ModelVersion] = {}
+        self._last_used: dict[ModelKey, float] = {}
+        """When each loaded version last got a request (or was loaded): for `[loading] idle_unload_s`."""
         self._sync_lock = asyncio.Lock()  # one `SyncModel` at a time
         self._tasks: set[asyncio.Task[None]] = set()
         self._tenant_weights: dict[str, float] | None = None
@@ -203,6 +210,9 @@ class WorkerServer:
                 self._runners[key] = runner
             self._typical_cost[key] = float(ref)
         self._infos[key] = msgspec.structs.replace(runner.info, routing=model.version.routing)
+        self._versions[key] = model.version
+        self._last_used[key] = self._clock.now()
+        self._dormant.pop(key, None)
 
     async def _attach(self, key: ModelKey) -> None:
         """Start the loop of a generative or upstream model version registered while not serving."""
@@ -254,6 +264,9 @@ class WorkerServer:
         present = set(found.versions)
         for key in [key for key in self._retiring if key[0] == name and key[1] in present]:
             self._infos[key] = self._retiring.pop(key)[0]  # back before it was freed
+            self._last_used[key] = self._clock.now()
+        for key in [key for key in self._dormant if key[0] == name]:
+            del self._dormant[key]  # loaded below, gone from the repository, or unloaded
         for key in [key for key in self._infos if key[0] == name and key[1] not in present]:
             self._retiring[key] = (self._infos.pop(key), self._clock.now() + RETIRE_AFTER_S)
             log.info("taking %s v%s off: it is freed once it has answered what it holds", *key)
@@ -263,6 +276,18 @@ class WorkerServer:
         served = {version for model, version in self._infos if model == name}
         self._refused = [r for r in self._refused if r.name != name] + \
                         [r for r in found.refused if r.version not in served]
+
+    def _unload_idle(self) -> None:
+        """Take off the versions idle for longer than their `[loading] idle_unload_s`; they are
+        loaded again on demand."""
+        now = self._clock.now()
+        for key, version in list(self._versions.items()):
+            idle_s = version.loading.idle_unload_s
+            if idle_s and key in self._infos and now - self._last_used.get(key, now) > idle_s \
+                    and not self._holds_work(key):
+                self._retiring[key] = (self._infos.pop(key), now + RETIRE_AFTER_S)
+                self._dormant[key] = version
+                log.info("taking %s v%s off after %.0f s without a request: it loads again on demand", *key, idle_s)
 
     def _free_retired(self) -> None:
         """Free the versions taken off that have answered everything they held."""
@@ -302,6 +327,8 @@ class WorkerServer:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         self._typical_cost.pop(key, None)
+        self._versions.pop(key, None)
+        self._last_used.pop(key, None)
         log.info("unloaded %s v%s", *key)
 
     def drain(self) -> None:
@@ -349,6 +376,8 @@ class WorkerServer:
         if message.request_id > self._gateways.get(identity, 0):
             self._gateways[identity] = message.request_id
         key = (message.model, message.version)
+        if key in self._last_used:
+            self._last_used[key] = self._clock.now()
         runner = self._runners.get(key)
         generation_loop = self._generation_loops.get(key)
         upstream = self._upstream_loops.get(key)
@@ -604,6 +633,7 @@ class WorkerServer:
             drain_rate=drain_rate,
             waits=waits,
             upstreams=[upstream.load() for upstream in self._upstream_loops.values()],
+            dormant=sorted(self._dormant),
         )
 
     def _send_batch_stats(self) -> None:
@@ -633,6 +663,7 @@ class WorkerServer:
             await asyncio.sleep(STATE_INTERVAL_S)
             for upstream in self._upstream_loops.values():
                 upstream.expire()
+            self._unload_idle()
             if self._retiring:
                 self._free_retired()
             self._broadcast_state()
