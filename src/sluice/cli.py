@@ -54,6 +54,14 @@ def _grpc_option(command: F) -> F:
                              "Default: HTTP only.")(command)
 
 
+def _memory_option(command: F) -> F:
+    """The memory that models loaded on demand may take, shared by `serve` and `worker`."""
+    return click.option("--model-memory-mb", type=click.IntRange(min=1), default=None, metavar="MB",
+                        help="Memory the models may take on each worker (their weights and KV caches): "
+                             "to load a model on demand, the least recently used idle ones that load on "
+                             "demand again are unloaded first. Default: no bound.")(command)
+
+
 def _routing_option(command: F) -> F:
     """Prefix affinity for generations, shared by `serve` and `gateway`."""
     return click.option("--prefix-affinity/--no-prefix-affinity", default=True, show_default=True,
@@ -121,6 +129,7 @@ def main() -> None:
 @_grpc_option
 @_tls_options
 @_routing_option
+@_memory_option
 @click.option("--poll-repository", "poll_repository_s", type=click.FloatRange(min=0.1), default=None,
               metavar="SECONDS", help="Look for changes in the model repository this often and load the models "
                                       "that changed. Default: only on `sluice models load`.")
@@ -128,7 +137,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
           limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
           grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
-          ssl_ca_certs: Path | None, prefix_affinity: bool, poll_repository_s: float | None) -> None:
+          ssl_ca_certs: Path | None, prefix_affinity: bool, model_memory_mb: int | None,
+          poll_repository_s: float | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     _no_grpc_fork_handlers()
@@ -147,7 +157,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
                          tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
-                         poll_repository_s=poll_repository_s)
+                         poll_repository_s=poll_repository_s, model_memory_mb=model_memory_mb)
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -215,8 +225,9 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
 @click.option("--share", default="0/1", show_default=True, callback=lambda ctx, param, value: _share(value),
               help="I/N: this is worker I of N sharing each external upstream's concurrency limit "
                    "(openai-upstream, http-single); it takes its part. `sluice serve` sets it.")
+@_memory_option
 def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None,
-           registry: str | None, advertise: str | None, share: tuple[int, int]) -> None:
+           registry: str | None, advertise: str | None, share: tuple[int, int], model_memory_mb: int | None) -> None:
     """Run one worker process (started for you by `sluice serve`)."""
     from sluice import logs
 
@@ -231,7 +242,8 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
     try:
         worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share,
                                  registry=_redis_url(registry, "--registry"),
-                                 advertise=_advertised(address, advertise, registry)))
+                                 advertise=_advertised(address, advertise, registry),
+                                 memory_budget_mb=model_memory_mb))
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc
 

@@ -112,6 +112,19 @@ def demo_repository() -> Path:
     return Path(__file__).parent / "demo_models"
 
 
+def footprint_bytes(version: ModelVersion) -> int:
+    """About what a version takes in memory once loaded: its weight files, and a generative
+    model's KV cache (`[params] kv_cache_mb`). What a worker's model memory budget counts."""
+    size = 0
+    if version.kind not in WEIGHTLESS_KINDS and version.weights_dir.is_dir():
+        for path in version.weights_dir.rglob("*"):
+            with contextlib.suppress(OSError):
+                if path.is_file():
+                    size += path.stat().st_size
+    kv_mb = version.params.get("kv_cache_mb", 0) if version.kind == "generative" else 0
+    return size + (int(float(kv_mb) * 1024 * 1024) if _is_number(kv_mb) else 0)
+
+
 def fingerprints(root: Path) -> dict[str, int]:
     """Each model folder's fingerprint: it changes when a file in it (its `model.toml`, a version
     folder's files) is added, removed or modified. Two of them tell which models to load again."""

@@ -91,6 +91,8 @@ class ServeConfig:
     """Serve HTTP and gRPC over TLS (and ask clients for certificates if it names CAs)."""
     prefix_affinity: bool = True
     """Send a generation to the worker that has its prompt's prefix cached (`gateway.router`)."""
+    model_memory_mb: int | None = None
+    """What the models may take on each worker (`sluice worker --model-memory-mb`); None: no bound."""
     poll_repository_s: float | None = None
     """Look for changes in the model repository this often and load the models that changed
     (`Gateway.sync_model`); None: only when an admin asks."""
@@ -182,7 +184,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                                      if not v.loading.on_demand}
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
-        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)))
+        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)), config.model_memory_mb)
                  for i, d in enumerate(devices)]
     store = await _open_job_store(config, run_dir)
     executor = JobExecutor(store, config.jobs)

@@ -197,3 +197,30 @@ def test_a_model_loaded_on_demand_loads_at_its_first_request_and_goes_when_idle(
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=5)
     assert sdk.embeddings.create(model="lazy", input="hi").data  # the SDK waits out the 503s of the load
     assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 200
+
+
+def test_within_a_memory_budget_the_least_recently_used_idle_model_makes_room(make_server, tmp_path):
+    from sluice.repository import MANIFEST, write_manifest
+
+    repo = tmp_path / "models"
+    for name in ("a", "b", "c"):  # 0.9 MiB of "weights" each: two fit in 2 MiB, three do not
+        write_emulated_model(repo, name, alpha_ms=2.0, beta_ms=0.1)
+        (repo / name / "1" / "w.bin").write_bytes(bytes(900 * 1024))
+        write_manifest(repo / name / "1", repo / name / "1" / MANIFEST)
+        toml = repo / name / "model.toml"
+        toml.write_text(toml.read_text() + "[loading]\non_demand = true\n")
+    server = make_server(write_emulated_model(repo, alpha_ms=2.0, beta_ms=0.1), "--model-memory-mb", "2")
+
+    def infer(name: str) -> int:
+        return httpx.post(f"{server.url}/v2/models/{name}/infer", json=ROW).status_code
+
+    def states() -> dict[str, str]:
+        return {e["name"]: e["state"] for e in httpx.post(f"{server.url}/v2/repository/index").json()}
+
+    for name in ("a", "b", "c"):
+        assert infer(name) == 503  # loading on demand
+        eventually(lambda name=name: infer(name) == 200, f"{name} loaded")
+    assert states() == {"a": "UNAVAILABLE", "b": "READY", "c": "READY", "emulated": "READY"}
+    assert "unloading a v1, the least recently used, to make room for c" in server.log()
+    eventually(lambda: infer("a") == 200, "a loaded again, in b's place")
+    assert states() == {"a": "READY", "b": "UNAVAILABLE", "c": "READY", "emulated": "READY"}

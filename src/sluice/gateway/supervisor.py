@@ -30,6 +30,8 @@ class WorkerSpec:
     share: tuple[int, int] = (0, 1)
     """(index, count), `sluice worker --share I/N`: which of the workers this is, for external
     upstreams' limits."""
+    memory_mb: int | None = None
+    """`sluice worker --model-memory-mb`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,8 @@ class Supervisor:
             "--id", spec.worker_id, "--bind", spec.address,
             "--models", str(spec.models_dir), "--device", spec.device, "--share", "{}/{}".format(*spec.share),
         ]
+        if spec.memory_mb is not None:
+            command += ["--model-memory-mb", str(spec.memory_mb)]
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_WORKER_")}  # not for these
         env = {**inherited, **self._config.env}
         return await asyncio.create_subprocess_exec(*command, env=env)

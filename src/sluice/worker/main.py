@@ -43,6 +43,8 @@ class WorkerConfig:
     """A Redis URL: announce `advertise` there for gateways to find (`sluice.registry`)."""
     advertise: str | None = None
     """The address gateways reach this worker at (default: `address`)."""
+    memory_budget_mb: int | None = None
+    """What its models may take (`WorkerServer`'s `memory_budget_bytes`); None: no bound."""
 
 
 def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel],
@@ -108,7 +110,8 @@ def _load_into(models: dict[tuple[str, str], LoadedModel], refused: list[wire.Re
 async def run_worker(config: WorkerConfig) -> None:
     models, refused, dormant = load_models(config)
     server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id),
-                          model_loader(config), dormant)
+                          model_loader(config), dormant,
+                          None if config.memory_budget_mb is None else config.memory_budget_mb * 1024 * 1024)
     settle_garbage_collector()
     registration = None if config.registry is None else WorkerRegistration(
         config.registry, config.worker_id, config.advertise or config.address)

@@ -35,7 +35,7 @@ from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
 from sluice.priority import Priority
-from sluice.repository import ModelVersion
+from sluice.repository import ModelVersion, footprint_bytes
 from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectReason, Scheduler
 from sluice.scheduler.batcher import ModelKey
 from sluice.worker.device import DeviceThread
@@ -110,9 +110,13 @@ class WorkerServer:
         metrics: WorkerMetrics,
         loader: ModelLoader | None = None,
         dormant: Sequence[ModelVersion] = (),
+        memory_budget_bytes: int | None = None,
     ) -> None:
         """`loader`: how to load a model again while serving (`SyncModel`); None: models are fixed.
-        `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`)."""
+        `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`).
+        `memory_budget_bytes`: what the models it loads on demand may take with the others
+        (`repository.footprint_bytes`); to load one, the least recently used idle ones that can be
+        loaded again on demand are unloaded first. None: no bound."""
         self.worker_id = worker_id
         self._generators: dict[ModelKey, GenerativeRunner] = {}
         self._upstreams: dict[ModelKey, OpenAIUpstreamRunner] = {}
@@ -126,6 +130,8 @@ class WorkerServer:
         self._dormant: dict[ModelKey, ModelVersion] = {version.key: version for version in dormant}
         """Versions loaded on demand (a `SyncModel` from a gateway that got a request for one)."""
         self._versions: dict[ModelKey, ModelVersion] = {}
+        self._footprints: dict[ModelKey, int] = {}
+        self._memory_budget = memory_budget_bytes
         self._last_used: dict[ModelKey, float] = {}
         """When each loaded version last got a request (or was loaded): for `[loading] idle_unload_s`."""
         self._sync_lock = asyncio.Lock()  # one `SyncModel` at a time
@@ -211,6 +217,7 @@ class WorkerServer:
             self._typical_cost[key] = float(ref)
         self._infos[key] = msgspec.structs.replace(runner.info, routing=model.version.routing)
         self._versions[key] = model.version
+        self._footprints[key] = footprint_bytes(model.version)
         self._last_used[key] = self._clock.now()
         self._dormant.pop(key, None)
 
@@ -243,7 +250,9 @@ class WorkerServer:
                 held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
                 found: RepositoryModel = RepositoryModel([], {}, [])
                 timings: dict[ModelKey, list[tuple[int, float]]] = {}
-                if not message.unload:
+                if not message.unload and not await self._make_room(name):
+                    log.warning("not loading %s: the models in use hold the memory it needs", name)
+                elif not message.unload:
                     found, timings = await asyncio.to_thread(self._load, name, held)
                 self._take(name, found, timings)
                 for key in found.loaded:
@@ -276,6 +285,38 @@ class WorkerServer:
         served = {version for model, version in self._infos if model == name}
         self._refused = [r for r in self._refused if r.name != name] + \
                         [r for r in found.refused if r.version not in served]
+
+    async def _make_room(self, name: str) -> bool:
+        """Within the memory budget, make room for `name`'s versions loaded on demand: unload the
+        least recently used idle versions of other models that load on demand again, and wait until
+        they are freed. False if the budget cannot hold them even so."""
+        wanted = [version for key, version in self._dormant.items() if key[0] == name]
+        if self._memory_budget is None or not wanted:
+            return True
+        needed = sum(footprint_bytes(version) for version in wanted)
+        held = sum(self._footprints.values())  # retiring versions too, until they are freed
+        evicted = []
+        for key in sorted(self._infos, key=lambda k: self._last_used.get(k, 0.0)):
+            if held + needed <= self._memory_budget:
+                break
+            version = self._versions.get(key)
+            if key[0] != name and version is not None and not self._holds_work(key) \
+                    and (version.loading.on_demand or version.loading.idle_unload_s):
+                held -= self._footprints.get(key, 0)
+                evicted.append(key)
+        if held + needed > self._memory_budget:
+            return False
+        for key in evicted:
+            self._retiring[key] = (self._infos.pop(key), self._clock.now() + RETIRE_AFTER_S)
+            self._dormant[key] = self._versions[key]
+            log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
+        if evicted:
+            self._broadcast_state()
+            for _ in range(200):  # freed at the next state tick once they hold no work
+                if not any(key in self._retiring for key in evicted):
+                    break
+                await asyncio.sleep(0.025)
+        return True
 
     def _unload_idle(self) -> None:
         """Take off the versions idle for longer than their `[loading] idle_unload_s`; they are
@@ -328,6 +369,7 @@ class WorkerServer:
                 task.add_done_callback(self._tasks.discard)
         self._typical_cost.pop(key, None)
         self._versions.pop(key, None)
+        self._footprints.pop(key, None)
         self._last_used.pop(key, None)
         log.info("unloaded %s v%s", *key)
 
