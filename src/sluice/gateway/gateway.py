@@ -121,9 +121,10 @@ class Gateway:
         """Models unloaded through this gateway (`sync_model`), that a restarted worker must not
         serve, with the versions they had."""
         self._next_sync_id = 0
-        self._on_demand_loads: dict[str, asyncio.Task[None]] = {}
+        self._on_demand_loads: dict[str, tuple[asyncio.Task[None], float]] = {}
+        """Each model being loaded on demand: the load, and when it started."""
         self._load_seconds: dict[str, float] = {}
-        """How long each model's last load on demand took: the `Retry-After` of the next."""
+        """How long each model's loads on demand take (a moving average): the `Retry-After` of the next."""
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
         503 ("not ready yet"), not a 404."""
@@ -225,11 +226,13 @@ class Gateway:
         if name not in self._on_demand_loads:
             workers = sorted({c for key in keys for c in offers[key]}, key=lambda c: c.num_in_flight)
             task = asyncio.get_running_loop().create_task(self._load_one(name, workers[0]))
-            self._on_demand_loads[name] = task
+            self._on_demand_loads[name] = (task, self._clock.now())
             task.add_done_callback(lambda _: self._on_demand_loads.pop(name, None))
-        expected_s = self._load_seconds.get(name, 2.0)
-        raise ModelNotReady(f"model {name!r} is being loaded on demand; try again in {expected_s:.0f} s",
-                            retry_after_s=max(1.0, min(expected_s, 30.0)))
+        # what is left of the time loads of this model have taken (of 2 s before the first)
+        left_s = self._load_seconds.get(name, 2.0) - (self._clock.now() - self._on_demand_loads[name][1])
+        retry_s = max(0.25, min(left_s, 30.0))
+        raise ModelNotReady(f"model {name!r} is being loaded on demand; try again in {retry_s:.1f} s",
+                            retry_after_s=retry_s)
 
     async def _load_one(self, name: str, connection: WorkerConnection) -> None:
         started = self._clock.now()
@@ -241,10 +244,11 @@ class Gateway:
         except (TimeoutError, asyncio.CancelledError):
             log.warning("worker %s did not finish loading model %s on demand", connection.worker_id, name)
             return
-        self._load_seconds[name] = self._clock.now() - started
+        took_s = self._clock.now() - started
+        self._load_seconds[name] = 0.5 * (self._load_seconds.get(name, took_s) + took_s)
         self._invalidate()
         log.info("model %s loaded on demand on worker %s in %.1f s: versions %s", name, connection.worker_id,
-                 self._load_seconds[name], ", ".join(synced.versions) or "none")
+                 took_s, ", ".join(synced.versions) or "none")
 
     def _new_sync_id(self) -> int:
         self._next_sync_id += 1
