@@ -182,6 +182,8 @@ class Gateway:
         await connection.aclose()
 
     async def aclose(self) -> None:
+        for task, _ in list(self._on_demand_loads.values()):
+            task.cancel()
         for connection in self._connections.values():
             await connection.aclose()
 
@@ -239,11 +241,11 @@ class Gateway:
         future = connection.sync_model(self._new_sync_id(), name)
         if future is None:
             return
-        try:
-            synced = await asyncio.wait_for(future, timeout=600.0)
-        except (TimeoutError, asyncio.CancelledError):
+        await asyncio.wait({future}, timeout=600.0)
+        if not future.done() or future.cancelled():  # too slow, or the worker died meanwhile
             log.warning("worker %s did not finish loading model %s on demand", connection.worker_id, name)
             return
+        synced = future.result()
         took_s = self._clock.now() - started
         self._load_seconds[name] = 0.5 * (self._load_seconds.get(name, took_s) + took_s)
         self._invalidate()
