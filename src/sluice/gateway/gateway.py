@@ -776,8 +776,7 @@ class Gateway:
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         ready = [router.Candidate(c.worker_id, c.predicted_wait_for(info.name, info.version))
                  for c in replicas if c.is_ready and not (avoid and c.worker_id in avoid)]
-        candidates = ready if self._ejections.is_clear else \
-            self._ejections.healthy(ready, info.name, info.version, self._clock.now())
+        candidates = self._ejections.healthy(ready, info.name, info.version, self._clock.now())
         by_id = {c.worker_id: c for c in replicas}
         prompt = None
         if self._config.prefix_affinity and len(candidates) > 1:

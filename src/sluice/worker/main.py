@@ -22,7 +22,7 @@ from sluice.engines.base import Share
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
 from sluice.registry import WorkerRegistration
-from sluice.repository import ModelVersion, scan_repository, verify
+from sluice.repository import ModelVersion, footprint_bytes, scan_repository, verify
 from sluice.runtime import settle_garbage_collector
 from sluice.worker.server import LoadedModel, ModelLoader, RepositoryModel, WorkerServer
 
@@ -51,16 +51,11 @@ def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel
                                                list[ModelVersion]]:
     """Every model version of the repository this worker serves, loaded, those it refused, and
     those it loads on demand (`[loading] on_demand`), not loaded yet."""
-    repository = scan_repository(config.models_dir)
-    refused = [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused]
+    versions, refused = _scan(config)
     models: dict[tuple[str, str], LoadedModel] = {}
-    dormant: list[ModelVersion] = []
-    for version in repository.versions:
-        if config.model_names and version.name not in config.model_names:
-            continue
-        if version.loading.on_demand:
-            dormant.append(version)
-        else:
+    dormant = [version for version in versions if version.loading.on_demand]
+    for version in versions:
+        if not version.loading.on_demand:
             _load_into(models, refused, version, config)
     return models, refused, dormant
 
@@ -71,17 +66,25 @@ def model_loader(config: WorkerConfig) -> ModelLoader:
 
     def load(name: str, skip: set[tuple[str, str]]) -> RepositoryModel:
         if config.model_names and name not in config.model_names:
-            return RepositoryModel([], {}, [])
-        repository = scan_repository(config.models_dir)
-        refused = [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused if r.name == name]
+            return RepositoryModel([], {}, [])  # not this worker's model
+        present, refused = _scan(config, name)
         models: dict[tuple[str, str], LoadedModel] = {}
-        present = [version for version in repository.versions if version.name == name]
         for version in present:
             if version.key not in skip:
                 _load_into(models, refused, version, config)
         return RepositoryModel([version.version for version in present], models, refused)
 
     return load
+
+
+def _scan(config: WorkerConfig, name: str | None = None) -> tuple[list[ModelVersion], list[wire.RefusedModel]]:
+    """The repository's versions this worker serves and the refused ones (of model `name` only,
+    if given)."""
+    repository = scan_repository(config.models_dir)
+    served = [version for version in repository.versions if name in (None, version.name)
+              and (not config.model_names or version.name in config.model_names)]
+    return served, [wire.RefusedModel(r.name, r.version, r.reason) for r in repository.refused
+                    if name in (None, r.name)]
 
 
 def _load_into(models: dict[tuple[str, str], LoadedModel], refused: list[wire.RefusedModel], version: ModelVersion,
@@ -103,7 +106,7 @@ def _load_into(models: dict[tuple[str, str], LoadedModel], refused: list[wire.Re
         reason = f"loading failed: {type(exc).__name__}: {exc}"
         refused.append(wire.RefusedModel(version.name, version.version, reason))
         return
-    models[version.key] = LoadedModel(version, runner)
+    models[version.key] = LoadedModel(version, runner, footprint_bytes(version))
     log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, config.device)
 
 

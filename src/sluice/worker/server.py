@@ -55,6 +55,8 @@ was (its report goes out at once, so within a few ms); it is freed once idle and
 class LoadedModel:
     version: ModelVersion
     runner: Runner | GenerativeRunner | OpenAIUpstreamRunner
+    footprint_bytes: int = 0
+    """What it takes in memory (`repository.footprint_bytes`), found where it was loaded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +219,7 @@ class WorkerServer:
             self._typical_cost[key] = float(ref)
         self._infos[key] = msgspec.structs.replace(runner.info, routing=model.version.routing)
         self._versions[key] = model.version
-        self._footprints[key] = footprint_bytes(model.version)
+        self._footprints[key] = model.footprint_bytes
         self._last_used[key] = self._clock.now()
         self._dormant.pop(key, None)
 
@@ -277,7 +279,7 @@ class WorkerServer:
         for key in [key for key in self._dormant if key[0] == name]:
             del self._dormant[key]  # loaded below, gone from the repository, or unloaded
         for key in [key for key in self._infos if key[0] == name and key[1] not in present]:
-            self._retiring[key] = (self._infos.pop(key), self._clock.now() + RETIRE_AFTER_S)
+            self._retire(key)
             log.info("taking %s v%s off: it is freed once it has answered what it holds", *key)
         for key, model in found.loaded.items():
             self._register(key, model, timings[key])
@@ -293,7 +295,7 @@ class WorkerServer:
         wanted = [version for key, version in self._dormant.items() if key[0] == name]
         if self._memory_budget is None or not wanted:
             return True
-        needed = sum(footprint_bytes(version) for version in wanted)
+        needed = await asyncio.to_thread(lambda: sum(footprint_bytes(version) for version in wanted))  # reads files
         held = sum(self._footprints.values())  # retiring versions too, until they are freed
         evicted = []
         for key in sorted(self._infos, key=lambda k: self._last_used.get(k, 0.0)):
@@ -307,8 +309,7 @@ class WorkerServer:
         if held + needed > self._memory_budget:
             return False
         for key in evicted:
-            self._retiring[key] = (self._infos.pop(key), self._clock.now() + RETIRE_AFTER_S)
-            self._dormant[key] = self._versions[key]
+            self._retire(key, dormant=True)
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
         if evicted:
             self._broadcast_state()
@@ -326,9 +327,15 @@ class WorkerServer:
             idle_s = version.loading.idle_unload_s
             if idle_s and key in self._infos and now - self._last_used.get(key, now) > idle_s \
                     and not self._holds_work(key):
-                self._retiring[key] = (self._infos.pop(key), now + RETIRE_AFTER_S)
-                self._dormant[key] = version
+                self._retire(key, dormant=True)
                 log.info("taking %s v%s off after %.0f s without a request: it loads again on demand", *key, idle_s)
+
+    def _retire(self, key: ModelKey, *, dormant: bool = False) -> None:
+        """Stop reporting a served version; it is freed once it holds no work (`_free_retired`).
+        `dormant`: it is loaded again on demand."""
+        self._retiring[key] = (self._infos.pop(key), self._clock.now() + RETIRE_AFTER_S)
+        if dormant:
+            self._dormant[key] = self._versions[key]
 
     def _free_retired(self) -> None:
         """Free the versions taken off that have answered everything they held."""
