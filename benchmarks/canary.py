@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 from serving import start_server
 
+from sluice.exposition import Scrape
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_EMULATED = REPO / "src" / "sluice" / "demo_models" / "emulated"
 CASES = {
@@ -57,14 +59,9 @@ def _start(work: Path, port: int, case: str) -> subprocess.Popen[bytes]:
     return start_server(work / "models", port, work / "server.log")
 
 
-def _outcomes(client: httpx.Client) -> dict[tuple[str, str], float]:
-    counts: dict[tuple[str, str], float] = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("sluice_requests_total{"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
-            key = (labels["version"].strip('"'), labels["outcome"].strip('"'))
-            counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
+def _outcomes(client: httpx.Client) -> dict[tuple[str, ...], float]:
+    """(version, outcome) -> requests answered so."""
+    return Scrape.parse(client.get("/metrics").text, 0.0).grouped("sluice_requests_total", ("version", "outcome"))
 
 
 def run_case(case: str, args: argparse.Namespace, work: Path) -> dict[str, object]:

@@ -26,12 +26,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import start_server
 
 from sluice.engines.generative.tiny import make_tiny_lm
+from sluice.exposition import Scrape
 from sluice.repository import MANIFEST, write_manifest
 
 
@@ -88,13 +88,8 @@ async def _load(url: str, rate: float, duration_s: float, conversations: int, se
 
 
 def _routed(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "sluice_prefix_routed_requests_total":
-                found[sample.labels["by"]] = found.get(sample.labels["by"], 0.0) + sample.value
-    return found
+    scrape = Scrape.parse(httpx.get(f"{url}/metrics").text, 0.0)
+    return {by: count for (by,), count in scrape.grouped("sluice_prefix_routed_requests_total", ("by",)).items()}
 
 
 def main() -> None:

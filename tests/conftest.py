@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.exposition import Scrape
 from sluice.repository import demo_repository
 
 
@@ -223,9 +223,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def metric_total(server: ServerProcess, name: str, **labels: str) -> float:
     """The sum of a metric's samples on `server`'s /metrics whose labels include `labels`."""
-    text = httpx.get(f"{server.url}/metrics").text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
+    return sum(Scrape.parse(httpx.get(f"{server.url}/metrics").text, 0.0).grouped(name, (), **labels).values())
 
 
 # A real PostgreSQL, started once per session from a temporary folder on a free loopback port with

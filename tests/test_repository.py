@@ -146,14 +146,6 @@ def test_new_weights_under_the_same_version_number_get_a_new_cache_revision(tmp_
     assert len({before, new_weights, new_params}) == 3
 
 
-@pytest.mark.parametrize(("cache", "fragment"), [
-    ("enabled = 1", "enabled must be true or false"), ("size_mb = 3", "[cache] has no setting 'size_mb'")])
-def test_a_bad_cache_table_refuses_the_version(tmp_path, cache, fragment):
-    _version(_model(tmp_path, extra=f"[cache]\n{cache}\n"), "1", {"w.bin": "x"})
-    repo = scan_repository(tmp_path)
-    assert not repo.versions and fragment in repo.refused[0].reason
-
-
 def test_a_version_toml_overrides_the_models_settings_for_that_version_only(tmp_path):
     model = _model(tmp_path, extra="[params]\nalpha_ms = 8.0\nbeta_ms = 0.5\n")
     _version(model, "1", {"w.bin": "a"})
@@ -192,21 +184,6 @@ def test_routing_declares_a_split_that_does_not_change_the_cache_revision(tmp_pa
     assert after.routing.sticky is False and after.cache_revision == before.cache_revision
 
 
-@pytest.mark.parametrize(("routing", "fragment"), [
-    ("traffic = { latest = 100 }", "'latest' is not a version number"),
-    ("traffic = { 1 = -1 }", "weight must be a number >= 0"),
-    ("traffic = { 1 = 0 }", "at least one version needs a weight above 0"),
-    ("traffic = { 1 = inf }", "weight must be a number >= 0"),
-    ("traffic = { 1 = 1, 2 = nan }", "weight must be a number >= 0"),
-    ("traffic = 100", "traffic must be a table"),
-    ("sticky = 'yes'\ntraffic = { 1 = 1 }", "sticky must be true or false"),
-    ("weights = { 1 = 1 }", "[routing] has no setting 'weights'")])
-def test_a_bad_routing_table_refuses_the_model(tmp_path, routing, fragment):
-    _version(_model(tmp_path, extra=f"[routing]\n{routing}\n"), "1", {"w.bin": "x"})
-    repo = scan_repository(tmp_path)
-    assert not repo.versions and fragment in repo.refused[0].reason
-
-
 def test_loading_settings_default_to_loading_at_start_and_never_unloading(tmp_path):
     _version(_model(tmp_path, "eager"), "1", {"w.bin": "x"})
     _version(_model(tmp_path, "lazy", extra="[loading]\non_demand = true\n"), "1", {"w.bin": "x"})
@@ -215,12 +192,22 @@ def test_loading_settings_default_to_loading_at_start_and_never_unloading(tmp_pa
     assert loading == {"eager": (False, 0.0), "lazy": (True, 600.0), "short": (False, 30.0)}
 
 
-@pytest.mark.parametrize(("loading", "fragment"), [
-    ("on_demand = 1", "on_demand must be true or false"),
-    ("idle_unload_s = -1", "idle_unload_s must be a number of seconds >= 0"),
-    ("idle_unload_s = 'soon'", "idle_unload_s must be a number of seconds >= 0"),
-    ("preload = true", "[loading] has no setting 'preload'")])
-def test_a_bad_loading_table_refuses_the_version(tmp_path, loading, fragment):
-    _version(_model(tmp_path, extra=f"[loading]\n{loading}\n"), "1", {"w.bin": "x"})
+@pytest.mark.parametrize(("table", "body", "fragment"), [
+    ("cache", "enabled = 1", "enabled must be true or false"),
+    ("cache", "size_mb = 3", "[cache] has no setting 'size_mb'"),
+    ("routing", "traffic = { latest = 100 }", "'latest' is not a version number"),
+    ("routing", "traffic = { 1 = -1 }", "weight must be a number >= 0"),
+    ("routing", "traffic = { 1 = 0 }", "at least one version needs a weight above 0"),
+    ("routing", "traffic = { 1 = inf }", "weight must be a number >= 0"),
+    ("routing", "traffic = { 1 = 1, 2 = nan }", "weight must be a number >= 0"),
+    ("routing", "traffic = 100", "traffic must be a table"),
+    ("routing", "sticky = 'yes'\ntraffic = { 1 = 1 }", "sticky must be true or false"),
+    ("routing", "weights = { 1 = 1 }", "[routing] has no setting 'weights'"),
+    ("loading", "on_demand = 1", "on_demand must be true or false"),
+    ("loading", "idle_unload_s = -1", "idle_unload_s must be a number of seconds >= 0"),
+    ("loading", "idle_unload_s = 'soon'", "idle_unload_s must be a number of seconds >= 0"),
+    ("loading", "preload = true", "[loading] has no setting 'preload'")])
+def test_a_bad_cache_routing_or_loading_table_refuses_the_model(tmp_path, table, body, fragment):
+    _version(_model(tmp_path, extra=f"[{table}]\n{body}\n"), "1", {"w.bin": "x"})
     repo = scan_repository(tmp_path)
     assert not repo.versions and fragment in repo.refused[0].reason

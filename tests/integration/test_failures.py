@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.exposition import Scrape
 from tests.conftest import write_emulated_model
 
 BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]}
@@ -172,11 +172,10 @@ def test_a_replica_whose_device_fails_is_retried_around_then_ejected(tmp_path):
                     for _ in range(60)]
         assert statuses == [200] * 60
         metrics = httpx.get(f"{url}/metrics").text
-    retried = sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-                  if s.name == "sluice_retried_requests_total")
+    scrape = Scrape.parse(metrics, 0.0)
+    retried = sum(scrape.grouped("sluice_retried_requests_total", ()).values())
     assert 5 <= retried <= 10, retried  # the failures that ejected it (and, if the run outlasted 5 s, a few more)
-    ejected = {s.labels["worker"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-               if s.name == "sluice_replica_ejected"}
+    ejected = {worker: value for (worker,), value in scrape.grouped("sluice_replica_ejected", ("worker",)).items()}
     assert list(ejected) == ["0"], ejected  # the broken worker (the gateway's first), and only it, failed
 
 
