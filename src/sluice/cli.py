@@ -387,36 +387,20 @@ def models_rollback(name: str, url: str, admin_key: str | None) -> None:
 def top(url: str, key: str | None, interval_s: float, once: bool, as_json: bool, ca_certs: Path | None) -> None:
     """Watch a running server: per model answers/s, latency, batch sizes, queues; generation;
     tenants; how busy each worker's device is. Read from its /metrics."""
-    import json
     import ssl
 
-    from rich.console import Console
-    from rich.live import Live
-
-    from sluice.top import TopError, render, watch
+    from sluice.top import TopError, print_once, watch_live
 
     if as_json and not once:
         raise click.UsageError("--json needs --once")
-    views = watch(url, key, interval_s, ssl.create_default_context(cafile=ca_certs) if ca_certs else None)
-    if once:
-        current = next(views)
-        if isinstance(current, TopError):
-            raise click.ClickException(str(current))
-        if as_json:
-            click.echo(json.dumps(current.as_json(), indent=2))
-        else:
-            console = Console()
-            if not console.is_terminal:  # a file or a pipe: no terminal's width to fit, keep columns whole
-                console.width = 200
-            console.print(render(url, current))
+    tls = ssl.create_default_context(cafile=ca_certs) if ca_certs else None
+    if not once:
+        watch_live(url, key, interval_s, tls)
         return
-    with Live(f"reading {url}/metrics every {interval_s:g} s ...", auto_refresh=False) as live:
-        try:
-            for current in views:
-                live.update(f"{current} (retrying)" if isinstance(current, TopError) else render(url, current),
-                            refresh=True)
-        except KeyboardInterrupt:
-            pass
+    try:
+        print_once(url, key, interval_s, tls, as_json=as_json)
+    except TopError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.group()

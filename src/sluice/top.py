@@ -16,11 +16,12 @@ from zero):
     workers     ready; each one's device busy over the interval
 
 Parsing (`sluice.exposition`) and arithmetic (`view`) are pure, `render` lays a `View` out with rich,
-and only `fetch` and `watch` do I/O.
+and `fetch`, `watch`, `print_once` and `watch_live` do the I/O.
 """
 
 from __future__ import annotations
 
+import json
 import ssl
 import time
 import urllib.error
@@ -30,7 +31,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -314,6 +316,34 @@ def fetch(url: str, key: str | None, tls: ssl.SSLContext | None = None, timeout_
         return Scrape.parse(text, taken_at_s)
     except ValueError as exc:
         raise TopError(f"{url}/metrics is not a Prometheus exposition: {exc}") from None
+
+
+def print_once(url: str, key: str | None, interval_s: float, tls: ssl.SSLContext | None = None, *,
+               as_json: bool = False) -> None:
+    """One view (two scrapes `interval_s` apart) on stdout, as tables or JSON; `TopError` if the
+    server could not be read."""
+    current = next(watch(url, key, interval_s, tls))
+    if isinstance(current, TopError):
+        raise current
+    if as_json:
+        print(json.dumps(current.as_json(), indent=2))
+        return
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: no terminal's width to fit, keep columns whole
+        console.width = 200
+    console.print(render(url, current))
+
+
+def watch_live(url: str, key: str | None, interval_s: float, tls: ssl.SSLContext | None = None) -> None:
+    """A view every `interval_s`, redrawn in place until interrupted (an error is shown, and
+    reading goes on)."""
+    with Live(f"reading {url}/metrics every {interval_s:g} s ...", auto_refresh=False) as live:
+        try:
+            for current in watch(url, key, interval_s, tls):
+                live.update(f"{current} (retrying)" if isinstance(current, TopError) else render(url, current),
+                            refresh=True)
+        except KeyboardInterrupt:
+            pass
 
 
 def watch(url: str, key: str | None, interval_s: float, tls: ssl.SSLContext | None = None) -> Iterator[View | TopError]:

@@ -28,6 +28,7 @@ the call's `parameters` are refused: what a worker serves is always what its rep
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -162,18 +163,20 @@ def routes(gateway: Gateway) -> list[Route]:
         options = decode_json(body, _IndexRequest) if body.strip() else _IndexRequest()
         return json_response(repository_index_of(gateway, request_tenant(request), options.ready))
 
-    async def load(request: Request) -> Response:
-        body = await read_body(request, 64 * 1024)
-        options = decode_json(body, _LoadRequest) if body.strip() else _LoadRequest()
-        unload = request.url.path.endswith("/unload")
-        return json_response(await load_model_of(gateway, request.path_params["name"], unload=unload,
-                                                 parameters=options.parameters))
+    def loader(*, unload: bool) -> Callable[[Request], Awaitable[Response]]:
+        async def load(request: Request) -> Response:
+            body = await read_body(request, 64 * 1024)
+            options = decode_json(body, _LoadRequest) if body.strip() else _LoadRequest()
+            return json_response(await load_model_of(gateway, request.path_params["name"], unload=unload,
+                                                     parameters=options.parameters))
+
+        return load
 
     table = [
         Route("/v2/models/stats", stats, methods=["GET"]),  # before /v2/models/{name}
         Route("/v2/repository/index", index, methods=["POST"]),
-        Route("/v2/repository/models/{name}/load", load, methods=["POST"]),
-        Route("/v2/repository/models/{name}/unload", load, methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", loader(unload=False), methods=["POST"]),
+        Route("/v2/repository/models/{name}/unload", loader(unload=True), methods=["POST"]),
     ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         table += [Route(prefix + "/config", config, methods=["GET"]),
