@@ -87,6 +87,12 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
+def wait_workers_ready(url: str, count: int, timeout_s: float = 60.0) -> None:
+    """Until the server at `url` has `count` workers connected and ready (`sluice_workers_ready`)."""
+    eventually(lambda: f"sluice_workers_ready {float(count)}" in httpx.get(f"{url}/metrics").text,
+               f"{count} workers ready", timeout_s)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from sluice.exposition import Scrape
-from tests.conftest import write_emulated_model
+from tests.conftest import wait_workers_ready, write_emulated_model
 
 BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]}
 
@@ -27,15 +27,6 @@ async def _fire(url: str, count: int, spacing_s: float, timeout_s: float = 30.0)
             return await client.post(f"{url}/v2/models/emulated/infer", json=BODY)
 
         return await asyncio.gather(*(one(i) for i in range(count)))
-
-
-def _wait_workers_ready(url: str, count: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if f"sluice_workers_ready {float(count)}" in httpx.get(f"{url}/metrics").text:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{count} workers did not become ready")
 
 
 async def _kill_later(pid: int, delay_s: float) -> None:
@@ -60,7 +51,7 @@ def _fire_while_killing(
 def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(make_server, tmp_path):
     repo = write_emulated_model(tmp_path / "models", slo_ms=5000, alpha_ms=20, beta_ms=1)
     server = make_server(repo, "--workers", "2")
-    _wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2)
     responses = _fire_while_killing(server.url, server.worker_pids()[0], 0.5, 300, 0.005)
     statuses = [r.status_code for r in responses]
     assert len(responses) == 300, "every request got an answer"
@@ -70,7 +61,7 @@ def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(ma
         if response.status_code == 503:
             assert "died" in response.json()["error"], response.text
             assert "retry-after" in response.headers
-    _wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2)
     assert len(server.worker_pids()) == 2, "the supervisor restarted the killed worker"
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "sluice_worker_restarts_total 1.0" in metrics
@@ -143,7 +134,7 @@ def _cluster(*repos: Path) -> Iterator[str]:
                 if httpx.get(f"{url}/v2/health/ready").status_code == 200:
                     break
             time.sleep(0.1)
-        _wait_workers_ready(url, len(repos))
+        wait_workers_ready(url, len(repos))
         yield url
     finally:
         for process in processes:  # the gateway first
@@ -233,7 +224,7 @@ def test_kill_9_worker_mid_stream_ends_the_running_streams_and_reruns_the_waitin
     ended = sorted(outcomes.values())
     assert ended[:2] == [("finished", 300)] * 2, outcomes
     assert all("died while executing" in what and count >= 2 for what, count in ended[2:]), outcomes
-    _wait_workers_ready(server.url, 1)
+    wait_workers_ready(server.url, 1)
 
 
 def test_sigterm_while_streaming_finishes_every_stream_then_exits(make_server, tmp_path):

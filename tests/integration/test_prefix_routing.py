@@ -7,15 +7,14 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import metric_total, write_tiny_lm_model
-from tests.integration.test_failures import _wait_workers_ready
+from tests.conftest import metric_total, wait_workers_ready, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
 
 def test_conversations_return_to_the_worker_that_has_their_prefix_cached(make_server, tmp_path):
     server = make_server(write_tiny_lm_model(tmp_path / "models"), "--workers", "2")
-    _wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2)
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
                         default_headers={"Cache-Control": "no-cache"})
     systems = [f"System prompt number {i}: " + "answer briefly, politely and in plain words. " * 6 for i in range(6)]
@@ -35,7 +34,7 @@ def test_conversations_return_to_the_worker_that_has_their_prefix_cached(make_se
 
 def test_without_prefix_affinity_generations_route_by_load_alone(make_server, tmp_path):
     server = make_server(write_tiny_lm_model(tmp_path / "models"), "--workers", "2", "--no-prefix-affinity")
-    _wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2)
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     for _ in range(4):
         sdk.completions.create(model="tiny", prompt="A shared start, long enough for several blocks. " * 4,

@@ -90,6 +90,12 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
     return run
 
 
+@pytest.fixture(params=["llama", "gpt2"])
+def model_dir(request: pytest.FixtureRequest, llama_dir: Path, gpt2_dir: Path) -> Path:
+    """Each architecture the engine implements, in turn."""
+    return llama_dir if request.param == "llama" else gpt2_dir
+
+
 def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
 
@@ -109,3 +115,45 @@ def prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (count,), generator=g).tolist()
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_batch(engine: LLMEngine, model_dir: Path, hf_greedy: Callable[[Path, list[int], int], list[int]],
+                batch: list[list[int]], max_tokens: list[int], join_every: int = 1,
+                salt: Callable[[int], str] = lambda i: "") -> dict[str, list[int]]:
+    """Requests join one every `join_every` steps; every output must equal the single-request reference."""
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(batch))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % join_every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, greedy(max_tokens[i]), salt=salt(i))
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    for i, prompt in enumerate(batch):
+        assert tokens[f"r{i}"] == hf_greedy(model_dir, prompt, max_tokens[i]), f"request {i}"
+    return tokens
+
+
+def check_batched_prefix_hits_and_preemptions(make_engine: Callable[[int], LLMEngine], model_dir: Path,
+                                              hf_greedy: Callable[[Path, list[int], int], list[int]],
+                                              longest_prompt: int = 60) -> tuple[LLMEngine, LLMEngine]:
+    """The engine's main promise in one go, for an engine made some other way (on CUDA, with
+    decode graphs): 8 requests of 3 to `longest_prompt` tokens joining two steps apart, then 5
+    sharing a 40-token prefix (cache hits), then 6 in 12 blocks of KV (preemptions), each output
+    equal to `transformers'`. `make_engine(num_kv_blocks)`; returns the engine of 256 blocks and
+    the one of 12."""
+    engine = make_engine(256)
+    check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, longest_prompt), [5 + 3 * i for i in range(8)],
+                join_every=2)
+    assert engine.stats().kv_cache_usage == 0.0
+    shared = prompts(3, 1, 40, 40)[0]
+    hits_before = engine.stats().prefix_cache_hit_tokens
+    check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
+                join_every=4)
+    assert engine.stats().prefix_cache_hit_tokens - hits_before >= 4 * 40 - 8
+    tight = make_engine(12)
+    check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
+    assert tight.stats().num_preemptions_total > 0
+    return engine, tight

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from sluice.engines.generative import EngineConfig, LLMEngine
-from tests.engines.generative.conftest import greedy, prompts, run_to_completion
-
-
-@pytest.fixture(params=["llama", "gpt2"])
-def model_dir(request, llama_dir, gpt2_dir):
-    return llama_dir if request.param == "llama" else gpt2_dir
+from tests.engines.generative.conftest import check_batch, greedy, prompts, run_to_completion
 
 
 def test_single_request_matches_transformers(model_dir, hf_greedy):
@@ -20,28 +13,10 @@ def test_single_request_matches_transformers(model_dir, hf_greedy):
     assert run_to_completion(engine)["a"] == hf_greedy(model_dir, prompt, 24)
 
 
-def _check_batch(engine: LLMEngine, model_dir, hf_greedy, batch: list[list[int]], max_tokens: list[int],
-                 join_every: int = 1, salt=lambda i: "") -> dict[str, list[int]]:
-    """Requests join one every `join_every` steps; every output must equal the single-request reference."""
-    tokens: dict[str, list[int]] = {}
-    pending = list(enumerate(batch))
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % join_every == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, greedy(max_tokens[i]), salt=salt(i))
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        step += 1
-    for i, prompt in enumerate(batch):
-        assert tokens[f"r{i}"] == hf_greedy(model_dir, prompt, max_tokens[i]), f"request {i}"
-    return tokens
-
-
 def test_batched_requests_joining_at_different_steps(model_dir, hf_greedy):
     engine = LLMEngine(model_dir, EngineConfig(block_size=8, num_kv_blocks=256))
     batch = prompts(1, 8, 3, 60)
-    _check_batch(engine, model_dir, hf_greedy, batch, [5 + 3 * i for i in range(8)], join_every=2)
+    check_batch(engine, model_dir, hf_greedy, batch, [5 + 3 * i for i in range(8)], join_every=2)
     assert engine.stats().kv_cache_usage == 0.0
 
 
@@ -85,7 +60,7 @@ def test_chunked_prefill_with_small_token_budget(model_dir, hf_greedy):
     config = EngineConfig(block_size=8, num_kv_blocks=256, max_num_batched_tokens=24, long_prefill_token_threshold=16)
     engine = LLMEngine(model_dir, config)
     batch = prompts(2, 4, 40, 90)
-    _check_batch(engine, model_dir, hf_greedy, batch, [12] * 4, join_every=3)
+    check_batch(engine, model_dir, hf_greedy, batch, [12] * 4, join_every=3)
     assert engine.stats().last_step.num_batched_tokens <= 24
 
 
@@ -94,7 +69,7 @@ def test_prefix_cache_hits_do_not_change_output(model_dir, hf_greedy):
     shared = prompts(3, 1, 40, 40)[0]
     tails = prompts(4, 4, 1, 12)
     batch = [shared + t for t in tails] + [shared]  # the last one is entirely a cached prefix
-    _check_batch(engine, model_dir, hf_greedy, batch, [10] * 5, join_every=4)
+    check_batch(engine, model_dir, hf_greedy, batch, [10] * 5, join_every=4)
     stats = engine.stats()
     assert stats.prefix_cache_hit_tokens >= 4 * 40 - 8  # every later request reused the shared blocks
 
@@ -103,7 +78,7 @@ def test_preemption_by_recompute_keeps_output_exact(model_dir, hf_greedy):
     # 12 blocks of 8 = 96 tokens of KV for 6 requests needing ~50 each: they must be preempted
     engine = LLMEngine(model_dir, EngineConfig(block_size=8, num_kv_blocks=12))
     batch = prompts(5, 6, 10, 30)
-    _check_batch(engine, model_dir, hf_greedy, batch, [30] * 6, join_every=1)
+    check_batch(engine, model_dir, hf_greedy, batch, [30] * 6, join_every=1)
     stats = engine.stats()
     assert stats.num_preemptions_total > 0
     assert stats.kv_cache_usage == 0.0
@@ -113,7 +88,7 @@ def test_llama3_rope_scaling_matches_transformers(llama3_rope_dir, hf_greedy):
     engine = LLMEngine(llama3_rope_dir, EngineConfig(block_size=8, num_kv_blocks=256))
     assert engine.spec.rope_scaling is not None
     batch = prompts(6, 3, 20, 140)  # positions past the original 64-token context
-    _check_batch(engine, llama3_rope_dir, hf_greedy, batch, [24] * 3, join_every=2)
+    check_batch(engine, llama3_rope_dir, hf_greedy, batch, [24] * 3, join_every=2)
 
 
 def test_sliding_window_attention_matches_transformers(windowed_dir, hf_greedy):
@@ -123,5 +98,5 @@ def test_sliding_window_attention_matches_transformers(windowed_dir, hf_greedy):
     assert engine.spec.sliding_window == 16 and engine.max_model_len == 512
     assert engine.spec.windowed_layers == ({0, 1} if "mistral" in windowed_dir.name else {1})
     batch = prompts(8, 4, 20, 60)
-    _check_batch(engine, windowed_dir, hf_greedy, [*batch, batch[0] + batch[1][:9]], [30] * 5, join_every=2)
+    check_batch(engine, windowed_dir, hf_greedy, [*batch, batch[0] + batch[1][:9]], [30] * 5, join_every=2)
     assert engine.stats().prefix_cache_hit_tokens > 0

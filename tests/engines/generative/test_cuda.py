@@ -8,16 +8,10 @@ import pytest
 import torch
 
 from sluice.engines.generative import EngineConfig, LLMEngine
-from tests.engines.generative.conftest import prompts
-from tests.engines.generative.test_correctness import _check_batch
+from tests.engines.generative.conftest import check_batch, check_batched_prefix_hits_and_preemptions, prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(params=["llama", "gpt2"])
-def model_dir(request, llama_dir, gpt2_dir):
-    return llama_dir if request.param == "llama" else gpt2_dir
 
 
 def _engine(model_dir, **config: int | bool) -> LLMEngine:
@@ -26,22 +20,12 @@ def _engine(model_dir, **config: int | bool) -> LLMEngine:
     return engine
 
 
-def test_batched_requests_on_cuda_match_transformers(model_dir, hf_greedy):
+def test_batched_requests_prefix_hits_and_preemptions_on_cuda_match_transformers(model_dir, hf_greedy):
     """Every step eager (the default replays pure decode steps from CUDA graphs: below)."""
-    engine = _engine(model_dir, num_kv_blocks=256, cuda_graphs=False)
-    _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 60), [5 + 3 * i for i in range(8)], join_every=2)
-    assert engine.stats().kv_cache_usage == 0.0
+    def eager(blocks: int) -> LLMEngine:
+        return _engine(model_dir, num_kv_blocks=blocks, cuda_graphs=False)
 
-
-def test_prefix_hits_and_preemptions_on_cuda_keep_output_exact(model_dir, hf_greedy):
-    engine = _engine(model_dir, num_kv_blocks=256, cuda_graphs=False)
-    shared = prompts(3, 1, 40, 40)[0]
-    _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
-                 join_every=4)
-    assert engine.stats().prefix_cache_hit_tokens >= 4 * 40 - 8
-    tight = _engine(model_dir, num_kv_blocks=12, cuda_graphs=False)
-    _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
-    assert tight.stats().num_preemptions_total > 0
+    check_batched_prefix_hits_and_preemptions(eager, model_dir, hf_greedy)
 
 
 def test_logprobs_penalties_and_prompt_logprobs_on_cuda_match_transformers(model_dir):
@@ -96,25 +80,22 @@ def test_gpu_memory_utilization_sizes_the_cache_from_what_the_device_has(model_d
     engine = LLMEngine(model_dir, EngineConfig(block_size=8, device="cuda", gpu_memory_utilization=share))
     cache_bytes = engine.num_blocks * engine._runner.cache.bytes_per_block(engine.spec, 8, torch.float32)
     assert (256 << 20) < cache_bytes <= (512 << 20), cache_bytes  # the rest: weights and the probe's activations
-    _check_batch(engine, model_dir, hf_greedy, prompts(1, 4, 3, 60), [12] * 4, join_every=2)
+    check_batch(engine, model_dir, hf_greedy, prompts(1, 4, 3, 60), [12] * 4, join_every=2)
 
 
 def test_decode_steps_replayed_from_cuda_graphs_match_transformers(model_dir, hf_greedy):
     """Pure decode steps replay graphs captured at load (padded to a bucket: padding rows, longer
     block tables, the scratch block): the output equals transformers', batched, through prefix
     hits and preemptions."""
-    engine = _engine(model_dir, num_kv_blocks=256, max_num_seqs=16)  # graphs: the default
-    graphs = engine._runner._graphs
-    assert graphs is not None and graphs.graphs and all(g._graph is not None for g in graphs.graphs)
-    _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 120), [5 + 3 * i for i in range(8)], join_every=2)
-    shared = prompts(3, 1, 40, 40)[0]
-    _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
-                 join_every=4)
-    assert sum(g.num_runs for g in graphs.graphs) > 20
-    tight = _engine(model_dir, num_kv_blocks=12, max_num_seqs=16)
-    _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
-    assert tight.stats().num_preemptions_total > 0
-    assert tight._runner._graphs is not None and sum(g.num_runs for g in tight._runner._graphs.graphs) > 0
+    def graphed(blocks: int) -> LLMEngine:
+        return _engine(model_dir, num_kv_blocks=blocks, max_num_seqs=16)  # graphs: the default
+
+    engine, tight = check_batched_prefix_hits_and_preemptions(graphed, model_dir, hf_greedy, longest_prompt=120)
+    for each in (engine, tight):
+        graphs = each._runner._graphs
+        assert graphs is not None and graphs.graphs and all(g._graph is not None for g in graphs.graphs)
+    assert sum(g.num_runs for g in engine._runner._graphs.graphs) > 20  # type: ignore[union-attr]
+    assert sum(g.num_runs for g in tight._runner._graphs.graphs) > 0  # type: ignore[union-attr]
 
 
 def test_cuda_graphs_on_a_numbered_device(llama_dir, hf_greedy):
@@ -122,5 +103,5 @@ def test_cuda_graphs_on_a_numbered_device(llama_dir, hf_greedy):
     engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=64, max_num_seqs=4, device="cuda:0"))
     graphs = engine._runner._graphs
     assert graphs is not None and all(g._graph is not None for g in graphs.graphs)
-    _check_batch(engine, llama_dir, hf_greedy, prompts(7, 3, 5, 40), [12] * 3, join_every=1)
+    check_batch(engine, llama_dir, hf_greedy, prompts(7, 3, 5, 40), [12] * 3, join_every=1)
     assert sum(g.num_runs for g in graphs.graphs) > 0

@@ -7,18 +7,10 @@ replayed graphs on a GPU."""
 
 from __future__ import annotations
 
-import pytest
-
 from sluice.engines.generative import EngineConfig, LLMEngine
 from sluice.engines.generative.graphs import DecodeGraphs
 from sluice.engines.generative.scheduler import ScheduledChunk
-from tests.engines.generative.conftest import prompts
-from tests.engines.generative.test_correctness import _check_batch
-
-
-@pytest.fixture(params=["llama", "gpt2"])
-def model_dir(request, llama_dir, gpt2_dir):
-    return llama_dir if request.param == "llama" else gpt2_dir
+from tests.engines.generative.conftest import check_batched_prefix_hits_and_preemptions
 
 
 def _graphed(model_dir, num_kv_blocks: int) -> LLMEngine:
@@ -33,24 +25,12 @@ def _runs(engine: LLMEngine) -> int:
     return sum(g.num_runs for g in graphs.graphs)
 
 
-def test_padded_decode_steps_match_transformers(model_dir, hf_greedy):
+def test_padded_decode_steps_match_transformers_through_prefix_hits_and_preemptions(model_dir, hf_greedy):
     """Batches of 1-8 sequences padded to 1, 2, 4, 8 rows; contexts from 4 to ~150 tokens padded to
     128 or 256 slots."""
-    engine = _graphed(model_dir, 256)
-    _check_batch(engine, model_dir, hf_greedy, prompts(1, 8, 3, 120), [5 + 3 * i for i in range(8)], join_every=2)
-    assert _runs(engine) > 10  # most steps were pure decodes
-    assert engine.stats().kv_cache_usage == 0.0
-
-
-def test_padded_decode_steps_keep_prefix_hits_and_preemptions_exact(model_dir, hf_greedy):
-    engine = _graphed(model_dir, 256)
-    shared = prompts(3, 1, 40, 40)[0]
-    _check_batch(engine, model_dir, hf_greedy, [shared + t for t in prompts(4, 4, 1, 12)] + [shared], [10] * 5,
-                 join_every=4)
-    assert engine.stats().prefix_cache_hit_tokens >= 4 * 40 - 8
-    tight = _graphed(model_dir, 12)
-    _check_batch(tight, model_dir, hf_greedy, prompts(5, 6, 10, 30), [30] * 6, join_every=1)
-    assert tight.stats().num_preemptions_total > 0 and _runs(tight) > 0
+    engine, tight = check_batched_prefix_hits_and_preemptions(lambda blocks: _graphed(model_dir, blocks), model_dir,
+                                                              hf_greedy, longest_prompt=120)
+    assert _runs(engine) > 10 and _runs(tight) > 0  # most steps were pure decodes
 
 
 def _decode(start: int, blocks: int = 40) -> ScheduledChunk:
