@@ -211,3 +211,31 @@ def test_a_bad_cache_routing_or_loading_table_refuses_the_model(tmp_path, table,
     _version(_model(tmp_path, extra=f"[{table}]\n{body}\n"), "1", {"w.bin": "x"})
     repo = scan_repository(tmp_path)
     assert not repo.versions and fragment in repo.refused[0].reason
+
+
+_TEXT_IN = '[[inputs]]\nname = "text"\ndatatype = "BYTES"\n'
+_SCORE_OUT = '[[outputs]]\nname = "score"\ndatatype = "FP32"\ndims = [3, -1]\n'
+
+
+def test_a_python_models_tensors_are_read_with_the_batch_dimension_first(tmp_path):
+    _version(_model(tmp_path, kind="python", extra=_TEXT_IN + _SCORE_OUT), "1", {"model.py": ""})
+    version = scan_repository(tmp_path).versions[0]
+    assert [(s.name, s.datatype, s.shape) for s in version.inputs] == [("text", "BYTES", (-1,))]
+    assert [(s.name, s.datatype, s.shape) for s in version.outputs] == [("score", "FP32", (-1, 3, -1))]
+    assert not version.is_cached  # the user's code may not answer alike twice: caching is asked for
+
+
+@pytest.mark.parametrize(("kind", "extra", "fragment"), [
+    ("python", _SCORE_OUT, "a python model needs [[inputs]] tables"),
+    ("python", _TEXT_IN, "a python model needs [[outputs]] tables"),
+    ("python", _TEXT_IN + _SCORE_OUT.replace("FP32", "FLOAT"), "datatype must be one of BOOL"),
+    ("python", _TEXT_IN + _SCORE_OUT.replace("[3, -1]", "[0]"), "dims must be a list of sizes"),
+    ("python", _TEXT_IN + _TEXT_IN + _SCORE_OUT, "not used twice; got 'text'"),
+    ("python", _TEXT_IN + 'shape = [1]\n' + _SCORE_OUT, "has no setting 'shape'"),
+    ("onnx", _TEXT_IN, "[[inputs]] is for python models (the ONNX graph declares them)"),
+    ("emulated", _SCORE_OUT, "[[outputs]] is for python models (the emulated runner's are fixed)"),
+])
+def test_bad_tensor_declarations_refuse_the_model(tmp_path, kind, extra, fragment):
+    _version(_model(tmp_path, kind=kind, extra=extra), "1", {"model.py": ""})
+    repo = scan_repository(tmp_path)
+    assert not repo.versions and fragment in repo.refused[0].reason, repo.refused

@@ -32,12 +32,16 @@ from sluice.errors import ConfigError
 
 MANIFEST = "SHA256SUMS"
 VERSION_CONFIG = "version.toml"
-RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative", "openai-upstream")
+RUNNER_KINDS = ("emulated", "embedding", "http-single", "generative", "openai-upstream", "onnx", "python")
 WEIGHTLESS_KINDS = ("http-single", "openai-upstream")
 """Runner kinds that load no files: a version folder without a SHA256SUMS manifest is fine."""
-UNCACHED_KINDS = ("http-single", "openai-upstream")
+UNCACHED_KINDS = ("http-single", "openai-upstream", "python")
 """Runner kinds whose results are not cached unless their `model.toml` says `[cache] enabled = true`:
-sluice cannot know that an external service answers the same input the same way."""
+sluice cannot know that an external service, or a user's own code, answers the same input the
+same way."""
+TENSOR_DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+                    "FP16", "FP32", "FP64", "BYTES")
+"""The KServe datatypes a model's declared inputs and outputs may have (`[[inputs]]`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,10 @@ class ModelVersion:
     """The model's `[routing]`: how requests that name no version are split among its versions."""
     loading: LoadingConfig = field(default_factory=lambda: LoadingConfig())
     """`[loading]`: when the version is loaded and unloaded."""
+    inputs: tuple[wire.TensorSpec, ...] = ()
+    """`[[inputs]]`: the named tensors a `python` model takes, the batch dimension first (-1)."""
+    outputs: tuple[wire.TensorSpec, ...] = ()
+    """`[[outputs]]`: the named tensors a `python` model gives."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -262,6 +270,8 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
     if not isinstance(platform, str):
         raise ConfigError(f"{config_path}: platform must be a string, got {platform!r}")
     is_cached = _cache_enabled(_table(config, "cache", config_path), kind, config_path)
+    inputs = _tensor_specs(config, "inputs", kind, config_path)
+    outputs = _tensor_specs(config, "outputs", kind, config_path)
     return ModelVersion(
         name=name,
         version=version_dir.name,
@@ -279,7 +289,39 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
                            version_dir / MANIFEST),
         routing=routing,
         loading=_loading(_table(config, "loading", config_path), config_path),
+        inputs=inputs,
+        outputs=outputs,
     )
+
+
+def _tensor_specs(config: dict[str, Any], key: str, kind: str, config_path: Path) -> tuple[wire.TensorSpec, ...]:
+    """`[[inputs]]` or `[[outputs]]`: a `python` model's tensors, each with a `name`, a
+    `datatype` (KServe's: FP32, INT64, BYTES, ...) and the `dims` of one item (without the batch
+    dimension; -1 for a variable one), as Triton's model configuration has them."""
+    raw = config.get(key)
+    if kind != "python":
+        if raw is not None:
+            source = "the ONNX graph declares them" if kind == "onnx" else f"the {kind} runner's are fixed"
+            raise ConfigError(f"{config_path}: [[{key}]] is for python models ({source})")
+        return ()
+    if not isinstance(raw, list) or not raw or not all(isinstance(entry, dict) for entry in raw):
+        raise ConfigError(f"{config_path}: a python model needs [[{key}]] tables, each with name, datatype and dims")
+    specs: list[wire.TensorSpec] = []
+    for number, entry in enumerate(raw, start=1):
+        where = f"{config_path}: [[{key}]] number {number}"
+        unknown = sorted(set(entry) - {"name", "datatype", "dims"})
+        if unknown:
+            raise ConfigError(f"{where} has no setting {unknown[0]!r} (it has name, datatype, dims)")
+        name, datatype, dims = entry.get("name"), entry.get("datatype"), entry.get("dims", [])
+        if not isinstance(name, str) or not name or any(spec.name == name for spec in specs):
+            raise ConfigError(f"{where}: name must be a non-empty string, not used twice; got {name!r}")
+        if datatype not in TENSOR_DATATYPES:
+            raise ConfigError(f"{where} ({name}): datatype must be one of {', '.join(TENSOR_DATATYPES)}, "
+                              f"got {datatype!r}")
+        if not isinstance(dims, list) or not all(_is_int(d) and (d >= 1 or d == -1) for d in dims):
+            raise ConfigError(f"{where} ({name}): dims must be a list of sizes (-1: variable), got {dims!r}")
+        specs.append(wire.TensorSpec(name, datatype, (-1, *dims)))
+    return tuple(specs)
 
 
 def _merge(config: dict[str, Any], own: dict[str, Any], own_path: Path) -> dict[str, Any]:

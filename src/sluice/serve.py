@@ -387,7 +387,7 @@ def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[st
     text_model = next((n for n, v in models.items() if any(i.kind == "embedding" for i in v.values())),
                       next((n for n, v in models.items() if any(i.accepts_text for i in v.values())), None))
     tensor = next((i for v in models.values() for i in v.values()
-                   if i.accepts_tensor and i.inputs[0].datatype == "FP32"), None)
+                   if i.accepts_tensor and not i.named_io and i.inputs[0].datatype == "FP32"), None)
     lines = ["Try:"]
     if text_model:
         lines.append(escape(f"  curl {url}/v1/embeddings -H 'Content-Type: application/json' "

@@ -34,6 +34,45 @@ class TensorPayload(msgspec.Struct, frozen=True, tag="tensor"):
     data: bytes
 
 
+class NamedTensor(msgspec.Struct, frozen=True, array_like=True):
+    """One named input or output of a model that takes several (`TensorsPayload`)."""
+
+    name: str
+    datatype: str  # KServe datatype name, e.g. "FP32", "INT64", "BYTES"
+    shape: tuple[int, ...]  # the items (rows) first
+    data: bytes
+    """Numbers: the elements' little-endian bytes, row-major; BYTES: each element as a 4-byte
+    little-endian length and its bytes (the KServe binary encoding)."""
+
+
+class TensorsPayload(msgspec.Struct, frozen=True, tag="tensors"):
+    """Named tensors that share their first dimension, the items of a request: what the `onnx`
+    and `python` runners take and give (`ModelInfo.named_io`)."""
+
+    tensors: list[NamedTensor]
+
+
+def encode_bytes_elements(values: list[bytes]) -> bytes:
+    """BYTES elements as KServe's binary encoding: each a 4-byte little-endian length, then itself."""
+    return b"".join(len(value).to_bytes(4, "little") + value for value in values)
+
+
+def decode_bytes_elements(raw: bytes) -> list[bytes]:
+    """The elements of `encode_bytes_elements`' encoding; ValueError if it is cut short."""
+    values = []
+    offset = 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise ValueError("truncated BYTES element length")
+        length = int.from_bytes(raw[offset:offset + 4], "little")
+        offset += 4
+        if offset + length > len(raw):
+            raise ValueError("truncated BYTES element")
+        values.append(raw[offset:offset + length])
+        offset += length
+    return values
+
+
 class TextPayload(msgspec.Struct, frozen=True, tag="text"):
     """One item per string."""
 
@@ -217,7 +256,8 @@ class TokenizeResult(msgspec.Struct, frozen=True, tag="tokenized"):
     tokenizer: TokenizerInfo
 
 
-Payload = TensorPayload | TextPayload | GeneratePayload | GenerationResult | TokenizePayload | TokenizeResult
+Payload = (TensorPayload | TensorsPayload | TextPayload | GeneratePayload | GenerationResult | TokenizePayload
+           | TokenizeResult)
 
 
 def num_items(payload: Payload) -> int:
@@ -226,6 +266,8 @@ def num_items(payload: Payload) -> int:
         return len(payload.texts)
     if isinstance(payload, TensorPayload):
         return payload.shape[0] if payload.shape else 1
+    if isinstance(payload, TensorsPayload):
+        return payload.tensors[0].shape[0] if payload.tensors and payload.tensors[0].shape else 1
     return 1
 
 
@@ -362,6 +404,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     tool_call_parser: str = ""
     """Generative models: how the model writes tool calls in its text ("hermes"), for
     `tool_choice: "auto"`; "": not known, so "auto" is refused."""
+    named_io: bool = False
+    """The model takes and gives named tensors (`TensorsPayload`), each input and output in
+    `inputs` and `outputs`, rather than one input tensor (or texts) and one output."""
 
 
 class RefusedModel(msgspec.Struct, frozen=True):

@@ -42,6 +42,8 @@ from sluice.api.tensors import (
     NUMPY_TO_KSERVE,
     InferRequestBody,
     Tensor,
+    decode_bytes_elements,
+    encode_bytes_elements,
     parse_request,
     render_outputs,
 )
@@ -167,17 +169,25 @@ def infer_terms(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[st
 def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
     """Requested outputs must be the model's, checked before inference so no device time is spent
     on a request whose answer cannot be rendered."""
-    unknown = [name for name in names if name != info.outputs[0].name]
+    known = [spec.name for spec in info.outputs]
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {info.outputs[0].name!r})")
+        has = ", ".join(repr(name) for name in known)
+        raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {has})")
 
 
-def output_of(info: wire.ModelInfo, payload: wire.Payload) -> Tensor:
-    """A model's answer as its output."""
+def outputs_of(info: wire.ModelInfo, payload: wire.Payload, names: list[str] | None = None) -> list[Tensor]:
+    """A model's answer as its outputs: those named, in that order (`names`, checked by
+    `check_outputs`), or all of them."""
+    if isinstance(payload, wire.TensorsPayload):
+        found = {t.name: t for t in payload.tensors}
+        chosen = [found[name] for name in names or found if name in found]
+        return [Tensor(t.name, t.datatype, t.shape, decode_bytes_elements(t.data) if t.datatype == "BYTES" else t.data)
+                for t in chosen]
     if not isinstance(payload, wire.TensorPayload):
         raise TypeError("models return tensors")
     spec = info.outputs[0]
-    return Tensor(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)
+    return [Tensor(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)]
 
 
 def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
@@ -250,16 +260,14 @@ def _parse_timeout(parameters: dict[str, Any], max_timeout_s: float) -> float | 
 
 
 def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
+    if info.named_io:
+        return _to_tensors(info, tensors)
     expected = info.inputs[0]
     if len(tensors) != 1 or tensors[0].name != expected.name:
         names = [t.name for t in tensors]
         raise InvalidInput(f"model {info.name} takes one input named {expected.name!r}, got {names}")
     tensor = tensors[0]
-    if tensor.datatype != expected.datatype:
-        raise InvalidInput(f"input {tensor.name!r} must be {expected.datatype}, got {tensor.datatype}")
-    if not _fits(tensor.shape, expected):
-        raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
-                           f"got {list(tensor.shape)}")
+    _check_input(tensor, expected)
     if isinstance(tensor.data, list):  # BYTES
         try:
             texts = [v.decode() for v in tensor.data]
@@ -267,6 +275,44 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
             raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
         return wire.TextPayload(check_texts(texts, f"input {tensor.name!r}", param=tensor.name))
     return wire.TensorPayload(NUMPY_NAMES[tensor.datatype], tensor.shape, tensor.data)
+
+
+def _to_tensors(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.TensorsPayload:
+    """Every input the model declares, each once, of its datatype and shape, all with the same
+    number of rows (the request's items)."""
+    specs = {spec.name: spec for spec in info.inputs}
+    given = {t.name: t for t in tensors}
+    unknown = [t.name for t in tensors if t.name not in specs]
+    if unknown:
+        raise InvalidInput(f"model {info.name} has no input named {unknown[0]!r} (it has "
+                           f"{', '.join(repr(name) for name in specs)})", param=unknown[0])
+    if len(given) != len(tensors):
+        repeated = next(t.name for t in tensors if sum(u.name == t.name for u in tensors) > 1)
+        raise InvalidInput(f"input {repeated!r} is given more than once", param=repeated)
+    missing = [name for name in specs if name not in given]
+    if missing:
+        raise InvalidInput(f"model {info.name} needs input {missing[0]!r} (it takes "
+                           f"{', '.join(repr(name) for name in specs)})", param=missing[0])
+    named = []
+    for name, spec in specs.items():
+        tensor = given[name]
+        _check_input(tensor, spec)
+        data = encode_bytes_elements(tensor.data) if isinstance(tensor.data, list) else tensor.data
+        named.append(wire.NamedTensor(name, tensor.datatype, tensor.shape, data))
+    rows = {t.shape[0] for t in named}
+    if len(rows) > 1:
+        counts = ", ".join(f"{t.name!r} {t.shape[0]}" for t in named)
+        raise InvalidInput(f"inputs must have the same first (batch) dimension, got {counts}")
+    return wire.TensorsPayload(named)
+
+
+def _check_input(tensor: Tensor, expected: wire.TensorSpec) -> None:
+    if tensor.datatype != expected.datatype:
+        raise InvalidInput(f"input {tensor.name!r} must be {expected.datatype}, got {tensor.datatype}",
+                           param=tensor.name)
+    if not _fits(tensor.shape, expected):
+        raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
+                           f"got {list(tensor.shape)}", param=tensor.name)
 
 
 def _fits(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:
@@ -282,14 +328,15 @@ def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]
     """The outputs to send as binary (each one the model's: `check_outputs`). With no `outputs`
     listed, `binary_data_output` applies to all (what tritonclient sends by default)."""
     if not request.outputs:
-        return {info.outputs[0].name} if request.parameters.get("binary_data_output") is True else set()
+        return {spec.name for spec in info.outputs} if request.parameters.get("binary_data_output") is True else set()
     check_outputs(info, [o.name for o in request.outputs])
     return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
 
 
 def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Payload, binary: set[str],
             headers: dict[str, str] | None) -> Response:
-    entries, raw = render_outputs([output_of(info, payload)], binary)
+    names = [o.name for o in request.outputs] if request.outputs else None
+    entries, raw = render_outputs(outputs_of(info, payload, names), binary)
     body: dict[str, Any] = {"model_name": info.name, "model_version": info.version, "outputs": entries}
     if request.id is not None:
         body["id"] = request.id

@@ -54,9 +54,15 @@ from sluice.api.kserve import (
     infer_terms,
     model_metadata_of,
     model_ready_of,
-    output_of,
+    outputs_of,
 )
-from sluice.api.tensors import InputTensor, Tensor, render_outputs, tensor_from_raw, tensor_from_values
+from sluice.api.tensors import (
+    InputTensor,
+    Tensor,
+    raw_bytes,
+    tensor_from_raw,
+    tensor_from_values,
+)
 from sluice.api.tls import TlsConfig
 from sluice.api.triton import load_model_of, model_config_of, repository_index_of, statistics_of
 from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, SluiceError
@@ -307,7 +313,8 @@ class KServeGrpc:
         key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
-        return _response(info, request.id, result.payload), result.headers or {}
+        names = [o.name for o in request.outputs] or None
+        return _response(info, request.id, result.payload, names), result.headers or {}
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:
@@ -351,13 +358,15 @@ def _tensors(request: Any) -> list[Tensor]:
     return tensors
 
 
-def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload) -> Message:
-    """The answer with its output raw (`raw_output_contents`), where tritonclient reads it."""
-    (entry,), raw = render_outputs([output_of(info, payload)], {info.outputs[0].name})
-    output = _InferResponse.InferOutputTensor(  # type: ignore[attr-defined]
-        name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
-    return _InferResponse(model_name=info.name, model_version=info.version, id=request_id, outputs=[output],
-                          raw_output_contents=[raw])
+def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload, names: list[str] | None) -> Message:
+    """The answer with its outputs (those asked for, else all) raw (`raw_output_contents`),
+    where tritonclient reads them."""
+    outputs = outputs_of(info, payload, names)
+    return _InferResponse(
+        model_name=info.name, model_version=info.version, id=request_id,
+        outputs=[_InferResponse.InferOutputTensor(  # type: ignore[attr-defined]
+            name=output.name, datatype=output.datatype, shape=output.shape) for output in outputs],
+        raw_output_contents=[raw_bytes(output) for output in outputs])
 
 
 def _metadata(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:

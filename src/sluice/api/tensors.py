@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import array
 import math
-import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sluice import wire
 from sluice.api.common import unreadable_json
 from sluice.errors import InvalidInput
 
@@ -304,22 +304,13 @@ def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
 
 
 def decode_bytes_elements(raw: bytes) -> list[bytes]:
-    values = []
-    offset = 0
-    while offset < len(raw):
-        if offset + 4 > len(raw):
-            raise InvalidInput("truncated BYTES element length")
-        (length,) = struct.unpack_from("<I", raw, offset)
-        offset += 4
-        if offset + length > len(raw):
-            raise InvalidInput("truncated BYTES element")
-        values.append(raw[offset : offset + length])
-        offset += length
-    return values
+    try:
+        return wire.decode_bytes_elements(raw)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
 
 
-def encode_bytes_elements(values: list[bytes]) -> bytes:
-    return b"".join(struct.pack("<I", len(v)) + v for v in values)
+encode_bytes_elements = wire.encode_bytes_elements
 
 
 def _flatten(data: Any) -> list[Any]:
@@ -340,20 +331,27 @@ def _flatten(data: Any) -> list[Any]:
 
 def render_outputs(outputs: list[Tensor], binary_names: set[str]) -> tuple[list[dict[str, Any]], bytes]:
     """JSON output entries, and the raw bytes of the outputs asked for in binary (in order).
-    Outputs are numeric: models answer with tensors of numbers."""
+    BYTES elements go into JSON as text (undecodable bytes replaced: ask for such an output in
+    binary to get them as they are)."""
     entries = []
     raw_parts = []
     for output in outputs:
-        if isinstance(output.data, list):
-            raise TypeError(f"output {output.name!r} is BYTES; outputs are numeric")
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
         if output.name in binary_names:
-            entry["parameters"] = {"binary_data_size": len(output.data)}
-            raw_parts.append(output.data)
+            raw = raw_bytes(output)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            raw_parts.append(raw)
+        elif isinstance(output.data, list):
+            entry["data"] = [value.decode("utf-8", "replace") for value in output.data]
         else:
             entry["data"] = unpack_values(output.datatype, output.data)
         entries.append(entry)
     return entries, b"".join(raw_parts)
+
+
+def raw_bytes(tensor: Tensor) -> bytes:
+    """A tensor's elements as the binary extension and gRPC's raw contents carry them."""
+    return encode_bytes_elements(tensor.data) if isinstance(tensor.data, list) else tensor.data
 
 
 def unpack_values(datatype: str, data: bytes) -> list[Any]:

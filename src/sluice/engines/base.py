@@ -37,6 +37,11 @@ class ItemFailure:
     succeed. A request whose every failed item is transient is answered 503, not 422."""
 
 
+ItemOutput = Any
+"""One item's result, as a runner's `run_batch` gives it and its `pack` takes it back: an array,
+or for a model of several outputs (`named_tensors`) a row of each."""
+
+
 def fp32_rows(payload: wire.Payload, max_len: int | None = None) -> np.ndarray:
     """A request's FP32 [batch, length] tensor as an array of rows (rows of 1 to `max_len`
     elements); `InvalidInput` for anything else."""
@@ -65,11 +70,11 @@ class Runner(Protocol):
         """Split a request into items. Raises `InvalidInput` if the request as a whole is malformed."""
         ...
 
-    def run_batch(self, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
+    def run_batch(self, items: Sequence[PreparedItem]) -> list[ItemOutput | ItemFailure]:
         """Execute on the device. Called from the device thread only."""
         ...
 
-    def pack(self, outputs: Sequence[np.ndarray]) -> wire.Payload:
+    def pack(self, outputs: Sequence[ItemOutput]) -> wire.Payload:
         """Assemble a request's item outputs into its response payload."""
         ...
 
@@ -110,6 +115,14 @@ def load_runner(version: ModelVersion, device: str, share: Share = (0, 1)) -> Ru
         from sluice.engines.http_single import HttpSingleRunner
 
         return HttpSingleRunner(version, device, share)
+    if version.kind == "onnx":
+        from sluice.engines.onnx_runtime import OnnxRunner
+
+        return OnnxRunner(version, device)
+    if version.kind == "python":
+        from sluice.engines.python_model import PythonModelRunner
+
+        return PythonModelRunner(version, device)
     raise ConfigError(f"unknown runner kind {version.kind!r}")
 
 

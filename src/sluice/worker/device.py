@@ -28,16 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
-from sluice.engines.base import ItemFailure, PreparedItem, Runner
+from sluice.engines.base import ItemFailure, ItemOutput, PreparedItem, Runner
 from sluice.scheduler import Batch, Decision, Scheduler
 
 log = logging.getLogger("sluice.worker")
 
-BatchOutput = tuple[list[np.ndarray | ItemFailure], float]  # outputs in item order, device seconds
+BatchOutput = tuple[list[ItemOutput | ItemFailure], float]  # outputs in item order, device seconds
 Lookup = Callable[[Batch], list[PreparedItem | None]]
-OnDone = Callable[[Batch, list[np.ndarray | ItemFailure], float, Decision | None], None]
+OnDone = Callable[[Batch, list[ItemOutput | ItemFailure], float, Decision | None], None]
 """(batch, outputs, device seconds, the next batch's decision, or None: the batch is not yet
 recorded as done and the loop calls `Scheduler.batch_done` itself)"""
 
@@ -88,7 +86,7 @@ class DeviceThread:
         try:
             live = [item for item in prepared if item is not None]
             results = iter(run_isolating(self._runners[batch.model], live) if live else [])
-            outputs: list[np.ndarray | ItemFailure] = [
+            outputs: list[ItemOutput | ItemFailure] = [
                 next(results) if item is not None else ItemFailure("cancelled") for item in prepared
             ]
         except Exception as exc:  # a runner bug, not the input: fail this batch, keep serving
@@ -97,7 +95,7 @@ class DeviceThread:
         return outputs, time.perf_counter() - started
 
 
-def run_isolating(runner: Runner, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
+def run_isolating(runner: Runner, items: Sequence[PreparedItem]) -> list[ItemOutput | ItemFailure]:
     """Run a batch; if the model raises, bisect so that only the poisoned item fails."""
     try:
         outputs = runner.run_batch(items)

@@ -24,11 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 
 from sluice import transport, wire
 from sluice.clock import Clock
-from sluice.engines.base import ItemFailure, PreparedItem, Runner
+from sluice.engines.base import ItemFailure, ItemOutput, PreparedItem, Runner
 from sluice.engines.generative.engine import EngineStats, RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner
 from sluice.engines.openai_upstream import OpenAIUpstreamRunner
@@ -93,7 +92,7 @@ class _Pending:
     gateway_request_id: int
     key: ModelKey
     items: list[PreparedItem]
-    outputs: list[np.ndarray | None]
+    outputs: list[ItemOutput | None]
     errors: list[wire.ItemError] = field(default_factory=list)
     num_left: int = 0
     queue_s: float = 0.0
@@ -556,7 +555,7 @@ class WorkerServer:
         for identity, ids in started.items():
             self._reply(identity, wire.Started(ids))
 
-    def _on_batch_done(self, batch: Batch, outputs: list[np.ndarray | ItemFailure], exec_s: float,
+    def _on_batch_done(self, batch: Batch, outputs: list[ItemOutput | ItemFailure], exec_s: float,
                        next_decision: Decision | None) -> None:
         """Loop thread: a batch finished. `next_decision`: the batch the device thread started
         next, or None when it found nothing queued and left the batch for this thread to record,
@@ -611,10 +610,16 @@ class WorkerServer:
                                  device_s=pending.device_s)
         else:
             runner = self._runners[pending.key]
-            payload = runner.pack([o for o in pending.outputs if o is not None])
-            result = wire.Result(pending.gateway_request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
+            error: wire.ItemError | None = None
+            try:
+                payload = runner.pack([o for o in pending.outputs if o is not None])
+            except Exception as exc:  # a model's outputs that do not fit together: fail it, never hang it
+                log.warning("%s v%s: request's outputs could not be assembled: %s", *pending.key, exc)
+                payload, error = None, wire.ItemError(-1, f"model error: {exc}")
+            result = wire.Result(pending.gateway_request_id, wire.Outcome.OK if error is None else wire.Outcome.FAILED,
+                                 payload=payload, errors=[error] if error else [], num_tokens=num_tokens,
                                  queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size,
-                                 device_s=pending.device_s)
+                                 device_s=pending.device_s, message=error.message if error else "")
         self._reply(pending.identity, result)
 
     def _expire(self, internal_id: int) -> None:

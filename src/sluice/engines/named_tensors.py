@@ -1,0 +1,187 @@
+"""What the runners of a user's own model share (`onnx`, `python`): named input and output
+tensors, and batching by rows.
+
+A request's tensors share their first dimension: each row across them is one item, queued and
+batched on its own, so rows of many requests run together. A batch is split into groups of
+items whose rows have the same shapes (a model sees tensors, not ragged lists: nothing is
+padded, as in Triton without ragged batching), each group one call of the model with the rows
+stacked. The model answers each output with one row per item; a request's answer stacks its
+items' rows again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sluice import wire
+from sluice.engines.base import ItemFailure, PreparedItem
+from sluice.errors import InvalidInput
+from sluice.repository import ModelVersion
+
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+"""KServe datatype -> numpy dtype, little-endian as the wire carries them (BYTES: object arrays of
+`bytes`)."""
+WARMUP_BATCHES = (1, 4, 16)
+WARMUP_REPEATS = 3
+
+Row = tuple[np.ndarray, ...]
+"""One item: its row of each input (or output), in the model's declared order."""
+
+
+class NamedTensorRunner:
+    """Subclasses load the model, set `info` (`named_io_info`) and implement `infer`."""
+
+    info: wire.ModelInfo
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Run the model on stacked rows (each input's first dimension the items); return each
+        output with as many rows. Called from the device thread only."""
+        raise NotImplementedError
+
+    def prior(self) -> tuple[float, float, float]:
+        return 0.002, 0.000001, 1.0  # refined by warm-up, then by every batch
+
+    def warmup(self) -> list[tuple[int, float]]:
+        return []
+
+    def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
+        if not isinstance(payload, wire.TensorsPayload):
+            raise InvalidInput(f"model {self.info.name!r} takes named tensors "
+                               f"({', '.join(spec.name for spec in self.info.inputs)})")
+        arrays = [_array(tensor) for tensor in payload.tensors]
+        order = {spec.name: i for i, spec in enumerate(self.info.inputs)}
+        arrays = [arrays[i] for i in sorted(range(len(arrays)), key=lambda i: order[payload.tensors[i].name])]
+        cost = max(1, *(int(np.prod(array.shape[1:], dtype=np.int64)) for array in arrays))
+        return [PreparedItem(cost=cost, data=tuple(array[row, ...] for array in arrays))
+                for row in range(arrays[0].shape[0])]
+
+    def run_batch(self, items: Sequence[PreparedItem]) -> list[Any | ItemFailure]:
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for index, item in enumerate(items):
+            groups.setdefault(tuple(row.shape for row in item.data), []).append(index)
+        outputs: list[Row | ItemFailure] = [ItemFailure("not run")] * len(items)
+        for indices in groups.values():
+            for index, row in zip(indices, self._run_group([items[i].data for i in indices]), strict=True):
+                outputs[index] = row
+        return outputs
+
+    def pack(self, outputs: Sequence[Row]) -> wire.Payload:
+        tensors = []
+        for position, spec in enumerate(self.info.outputs):
+            rows = [output[position] for output in outputs]
+            if not rows:
+                tensors.append(wire.NamedTensor(spec.name, spec.datatype, (0,), b""))
+                continue
+            if any(row.shape != rows[0].shape for row in rows):
+                shapes = sorted({str(list(row.shape)) for row in rows})
+                raise ValueError(f"output {spec.name!r} has rows of different shapes ({', '.join(shapes)}) "
+                                 "within one request")
+            stacked = np.stack(rows)
+            tensors.append(wire.NamedTensor(spec.name, spec.datatype, stacked.shape, _bytes(stacked, spec.datatype)))
+        return wire.TensorsPayload(tensors)
+
+    def close(self) -> None:
+        pass
+
+    def timed_warmup(self, make_row: Row) -> list[tuple[int, float]]:
+        """Time batches of `make_row` repeated (sizes `WARMUP_BATCHES` up to the model's max
+        batch); the first, untimed call absorbs one-off start-up costs."""
+        cost = max(1, *(int(np.prod(row.shape, dtype=np.int64)) for row in make_row))
+        self._run_group([make_row])
+        observations = []
+        for size in WARMUP_BATCHES:
+            if size > self.info.max_batch_size:
+                break
+            for _ in range(WARMUP_REPEATS):
+                started = time.perf_counter()
+                self._run_group([make_row] * size)
+                observations.append((size * cost, time.perf_counter() - started))
+        return observations
+
+    def _run_group(self, rows: list[Row]) -> list[Row]:
+        """Items whose rows have the same shapes, as one call of the model."""
+        inputs = {spec.name: np.stack([row[i] for row in rows]) for i, spec in enumerate(self.info.inputs)}
+        answered = self.infer(inputs)
+        if not isinstance(answered, dict):
+            raise TypeError(f"the model returned {type(answered).__name__}, not a dict of output name -> array")
+        columns = []
+        for spec in self.info.outputs:
+            if spec.name not in answered:
+                raise KeyError(f"the model gave no output {spec.name!r} (it gave {', '.join(map(repr, answered))})")
+            column = _as_declared(answered[spec.name], spec)
+            if column.ndim == 0 or column.shape[0] != len(rows):
+                raise ValueError(f"output {spec.name!r} has shape {list(column.shape)}: its first dimension "
+                                 f"must be the batch's {len(rows)} items")
+            columns.append(column)
+        return [tuple(column[i, ...] for column in columns) for i in range(len(rows))]
+
+
+def named_io_info(version: ModelVersion, inputs: Sequence[wire.TensorSpec],
+                  outputs: Sequence[wire.TensorSpec]) -> wire.ModelInfo:
+    return wire.ModelInfo(
+        name=version.name,
+        version=version.version,
+        kind=version.kind,
+        platform=version.platform,
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        max_batch_size=version.batching.max_batch_size,
+        slo_s=version.slo_s,
+        accepts_text=False,
+        accepts_tensor=True,
+        cache_revision=version.cache_revision,
+        named_io=True,
+    )
+
+
+def zeros_row(specs: Sequence[wire.TensorSpec]) -> Row:
+    """One item of zeros (empty strings for BYTES), each variable dimension 1: for warm-up."""
+    row = []
+    for spec in specs:
+        shape = tuple(1 if d < 0 else d for d in spec.shape[1:])
+        row.append(np.full(shape, b"", dtype=object) if spec.datatype == "BYTES"
+                   else np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype]))
+    return tuple(row)
+
+
+def _array(tensor: wire.NamedTensor) -> np.ndarray:
+    if tensor.datatype == "BYTES":
+        values = wire.decode_bytes_elements(tensor.data)
+        array = np.empty(len(values), dtype=object)
+        array[:] = values
+        return array.reshape(tensor.shape)
+    return np.frombuffer(tensor.data, dtype=NUMPY_DTYPES[tensor.datatype].newbyteorder("<")).reshape(tensor.shape)
+
+
+def _as_declared(value: Any, spec: wire.TensorSpec) -> np.ndarray:
+    """A model's output as an array of its declared datatype (BYTES: `bytes` elements, `str`
+    encoded as UTF-8)."""
+    if spec.datatype != "BYTES":
+        array = np.asarray(value)
+        is_float = spec.datatype.startswith("FP")
+        if array.dtype.kind not in "biuf" or (array.dtype.kind == "f" and not is_float):
+            raise TypeError(f"output {spec.name!r} is {array.dtype}, which is not {spec.datatype}")
+        return array.astype(NUMPY_DTYPES[spec.datatype], copy=False)
+    array = np.asarray(value, dtype=object)
+    flat = array.reshape(-1)
+    for i, element in enumerate(flat):
+        if isinstance(element, str):
+            flat[i] = element.encode()
+        elif not isinstance(element, bytes):
+            raise TypeError(f"output {spec.name!r} (BYTES) holds {type(element).__name__}, not bytes or str")
+    return array
+
+
+def _bytes(array: np.ndarray, datatype: str) -> bytes:
+    if datatype == "BYTES":
+        return wire.encode_bytes_elements(list(array.reshape(-1)))
+    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()

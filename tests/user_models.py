@@ -1,0 +1,120 @@
+"""Users' own models for tests: a small ONNX graph and a `model.py`, written into a repository
+with their SHA256SUMS as a user would (`sluice models manifest`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from sluice.repository import MANIFEST, write_manifest
+
+SCORER_WEIGHTS = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+"""The ONNX scorer's `scores = features @ SCORER_WEIGHTS + offset`."""
+
+
+def write_onnx_scorer(repo: Path, name: str = "scorer", max_batch_size: int = 32, extra: str = "") -> Path:
+    """An ONNX model of three inputs and three outputs:
+
+        features FP32 [N, 4], offset FP32 [N, 1]  -> scores FP32 [N, 3] = features @ W + offset
+                                                  -> best INT64 [N]     = argmax(scores)
+        ids INT64 [N, L] (L variable)              -> total INT64 [N]    = sum(ids)
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["features", "W"], ["product"]),
+         helper.make_node("Add", ["product", "offset"], ["scores"]),
+         helper.make_node("ArgMax", ["scores"], ["best"], axis=1, keepdims=0),
+         helper.make_node("ReduceSum", ["ids", "axes"], ["total"], keepdims=0)],
+        "scorer",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("offset", TensorProto.FLOAT, ["batch", 1]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "length"])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 3]),
+         helper.make_tensor_value_info("best", TensorProto.INT64, ["batch"]),
+         helper.make_tensor_value_info("total", TensorProto.INT64, ["batch"])],
+        initializer=[numpy_helper.from_array(SCORER_WEIGHTS, "W"),
+                     numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(version / "model.onnx"))
+    write_manifest(version, version / MANIFEST)
+    (repo / name / "model.toml").write_text(
+        f'kind = "onnx"\n[batching]\nmax_batch_size = {max_batch_size}\n[slo]\ndefault_ms = 30000\n'
+        f"[params]\nnum_threads = 1\n{extra}")
+    return repo
+
+
+LABELLER = '''
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, path, device, params):
+        self.suffix = params.get("suffix", "!")
+        self.delay_s = params.get("delay_ms", 0) / 1000
+        self.warmed = False
+
+    def warmup(self):
+        self.warmed = True
+
+    def predict(self, inputs):
+        texts, x = inputs["text"], inputs["x"]
+        if any(t == b"boom" for t in texts):
+            raise ValueError("cannot label boom")
+        time.sleep(self.delay_s)  # a call's fixed cost, as a device's
+        return {
+            "label": [t.decode().upper() + self.suffix for t in texts],
+            "score": x.sum(axis=1),
+            "batch": np.full(len(texts), len(texts), dtype=np.int64),
+            "warmed": np.full(len(texts), self.warmed),
+        }
+'''
+
+
+def write_python_labeller(repo: Path, name: str = "labeller", code: str = LABELLER, params: str = 'suffix = "!"',
+                          max_batch_size: int = 32) -> Path:
+    """A `python` model: `text` BYTES and `x` FP32 [2] per item -> `label` (the text upper-cased
+    with a suffix), `score` (x summed), `batch` (the size of the call it ran in), `warmed`
+    (whether its warmup ran). A text "boom" raises; `delay_ms` in `params` makes each call take
+    that long."""
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (version / "model.py").write_text(code)
+    write_manifest(version, version / MANIFEST)
+    (repo / name / "model.toml").write_text(f'''kind = "python"
+[batching]
+max_batch_size = {max_batch_size}
+[slo]
+default_ms = 30000
+[params]
+{params}
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+[[inputs]]
+name = "x"
+datatype = "FP32"
+dims = [2]
+[[outputs]]
+name = "label"
+datatype = "BYTES"
+[[outputs]]
+name = "score"
+datatype = "FP32"
+[[outputs]]
+name = "batch"
+datatype = "INT64"
+[[outputs]]
+name = "warmed"
+datatype = "BOOL"
+''')
+    return repo
