@@ -12,6 +12,7 @@ from sluice.bench.workloads import (
     InputSpec,
     build_workload,
     input_spec_from_metadata,
+    input_specs_from_metadata,
     sentences,
 )
 
@@ -71,3 +72,25 @@ def test_unusable_metadata_and_settings_are_rejected() -> None:
         build_workload(Endpoint.KSERVE, "http://h", "m", 4, None)
     with pytest.raises(ValueError, match="positive"):
         build_workload(Endpoint.EMBEDDINGS, "http://h", "m", 4, 0)
+
+
+def test_bodies_for_a_model_of_several_inputs_follow_each_inputs_metadata() -> None:
+    metadata = {"name": "m", "inputs": [{"name": "ids", "datatype": "INT64", "shape": [-1, -1]},
+                                        {"name": "features", "datatype": "FP32", "shape": [-1, 4]},
+                                        {"name": "text", "datatype": "BYTES", "shape": [-1]}]}
+    workload = build_workload(Endpoint.KSERVE, "http://h", "m", 8, None, input_specs_from_metadata(metadata))
+    ids, features, text = json.loads(workload.body(3))["inputs"]
+    assert (ids["shape"], ids["data"]) == ([1, 8], [1] * 8)
+    assert features["shape"] == [1, 4] and features["data"][0] == 3  # the request's index: bodies differ
+    assert text["shape"] == [1] and isinstance(text["data"][0], str)
+    assert len({workload.body(i) for i in range(500)}) == 500
+    assert "Cache-Control" not in workload.headers
+
+
+def test_integer_only_inputs_skip_the_cache_by_header() -> None:
+    specs = (InputSpec("input_ids", "INT64"), InputSpec("attention_mask", "INT64"))
+    workload = build_workload(Endpoint.KSERVE, "http://h", "bert", 16, None, specs)
+    assert workload.headers["Cache-Control"] == "no-cache"
+    body = json.loads(workload.body(9))
+    assert [t["shape"] for t in body["inputs"]] == [[1, 16], [1, 16]]
+    assert workload.body(1) == workload.body(2)

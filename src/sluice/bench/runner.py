@@ -26,7 +26,7 @@ from sluice.bench.loadgen import LoadConfig, LoadGenerator, auth_headers, new_se
 from sluice.bench.promstats import scrape
 from sluice.bench.selftest import run_self_test
 from sluice.bench.stats import MAX_LAG_P99_MS, RateResult, select_goodput, summarize
-from sluice.bench.workloads import Endpoint, Workload, build_workload, input_spec_from_metadata
+from sluice.bench.workloads import Endpoint, InputSpec, Workload, build_workload, input_specs_from_metadata
 
 
 class BenchError(Exception):
@@ -113,12 +113,14 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
     async with new_session(config.request_timeout_s, config.max_connections, auth_headers(config.api_key)) as session:
         metadata = await _model_metadata(session, config)
         model_platform = None if metadata is None else metadata.get("platform")
-        spec = None
+        spec: InputSpec | tuple[InputSpec, ...] | None = None
         if config.endpoint is Endpoint.KSERVE:
             if metadata is None:
                 raise BenchError(f"model {config.model!r} has no KServe metadata at {config.url}")
             try:
-                spec = input_spec_from_metadata(metadata)
+                specs = input_specs_from_metadata(metadata)
+                single = len(specs) == 1 and (specs[0].datatype == "BYTES" or specs[0].shape == (-1, -1))
+                spec = specs[0] if single else specs
             except ValueError as exc:
                 raise BenchError(str(exc)) from exc
         def new_workload() -> Workload:  # one per rate: no rate resends an earlier one's bodies

@@ -11,7 +11,8 @@ server.
 
     kserve      POST {url}/v2/models/{model}/infer
                 {"inputs": [{"name": <from metadata>, "shape": [1, L], "datatype": "FP32", "data": [...]}]}
-                (a BYTES input gets one sentence instead: shape [1], data ["..."])
+                (a BYTES input gets one sentence instead: shape [1], data ["..."]; a model of
+                several inputs gets each as its metadata describes it: `named_templates`)
     embeddings  POST {url}/v1/embeddings   {"model": m, "input": "<sentence>"}
 
 Sentences are built in code from a few word lists, so runs need no downloads and are repeatable.
@@ -52,10 +53,12 @@ class Endpoint(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
-    """The first input of a KServe model, as its metadata describes it."""
+    """An input of a KServe model, as its metadata describes it."""
 
     name: str
     datatype: str
+    shape: tuple[int, ...] = (-1, -1)
+    """The batch dimension first; -1: variable (a body gives it the run's input length)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +67,10 @@ class BodyTemplate:
 
     prefix: bytes
     suffix: bytes
+    has_slot: bool = True
 
     def render(self, index: int) -> bytes:
-        return self.prefix + str(index).encode() + self.suffix
+        return self.prefix + str(index).encode() + self.suffix if self.has_slot else self.prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,52 @@ def input_spec_from_metadata(metadata: dict[str, Any]) -> InputSpec:
         return InputSpec(name=str(first["name"]), datatype=str(first["datatype"]))
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"model metadata has no usable inputs[0]: {metadata!r}") from exc
+
+
+def input_specs_from_metadata(metadata: dict[str, Any]) -> tuple[InputSpec, ...]:
+    """Every input of a model (a model of several named inputs: the `onnx` and `python` kinds)."""
+    try:
+        return tuple(InputSpec(str(entry["name"]), str(entry["datatype"]), tuple(int(d) for d in entry["shape"]))
+                     for entry in metadata["inputs"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"model metadata has no usable inputs: {metadata!r}") from exc
+
+
+def named_templates(specs: tuple[InputSpec, ...], input_len: int, num_bodies: int = NUM_BODIES,
+                    seed: int = 0, run_mark: int = 0) -> tuple[tuple[BodyTemplate, ...], bool]:
+    """Bodies for a model of several inputs: one row each, its variable dimensions `input_len`
+    long; numbers random for floating-point inputs and 1 for integer ones (token ids, masks),
+    sentences for BYTES. The slot and the run's mark go into the first floating-point or BYTES
+    input; the second value says whether there is none (integer inputs only), so that the
+    bodies repeat and the cache must be skipped by header instead."""
+    if input_len < 1:
+        raise ValueError(f"input length must be at least 1, got {input_len}")
+    rng = np.random.default_rng(seed)
+    texts = sentences(num_bodies)
+    slotted = next((spec.name for spec in specs if spec.datatype == "BYTES" or spec.datatype.startswith("FP")), None)
+    docs = []
+    for number in range(num_bodies):
+        inputs = []
+        for spec in specs:
+            shape = [1, *(input_len if d < 0 else d for d in spec.shape[1:])]
+            count = int(np.prod(shape))
+            data: list[Any]
+            if spec.datatype == "BYTES":
+                data = [_tagged(texts[number], run_mark) if spec.name == slotted else texts[number]] * count
+            elif spec.datatype.startswith("FP"):
+                data = rng.random(count).round(4).tolist()
+                if spec.name == slotted:
+                    data[0] = _SLOT
+                    if count > 1:
+                        data[1] = run_mark / 2**20
+            else:
+                data = [True] * count if spec.datatype == "BOOL" else [1] * count
+            inputs.append({"name": spec.name, "shape": shape, "datatype": spec.datatype, "data": data})
+        docs.append({"inputs": inputs})
+    if slotted is None:
+        return tuple(_template(doc, None) for doc in docs[:1]), True
+    is_text = next(spec for spec in specs if spec.name == slotted).datatype == "BYTES"
+    return tuple(_template(doc, _SLOT if is_text else f'"{_SLOT}"') for doc in docs), False
 
 
 def kserve_templates(spec: InputSpec, input_len: int, num_bodies: int = NUM_BODIES,
@@ -130,13 +180,16 @@ def _tagged(text: str, run_mark: int) -> str:
     return f"{text} (run {run_mark}, request {_SLOT})"
 
 
-def _template(doc: dict[str, Any], marker: str) -> BodyTemplate:
+def _template(doc: dict[str, Any], marker: str | None) -> BodyTemplate:
+    """`doc` encoded, split around `marker` (None: a body without a slot, the same each time)."""
+    if marker is None:
+        return BodyTemplate(msgspec.json.encode(doc), b"", has_slot=False)
     prefix, suffix = msgspec.json.encode(doc).split(marker.encode())
     return BodyTemplate(prefix, suffix)
 
 
 def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int, timeout_ms: float | None,
-                   spec: InputSpec | None = None, seed: int = 0,
+                   spec: InputSpec | tuple[InputSpec, ...] | None = None, seed: int = 0,
                    extra_headers: Mapping[str, str] | None = None, run_mark: int | None = None) -> Workload:
     """The workload for one endpoint. KServe needs the model's `spec` (see `input_spec_from_metadata`).
 
@@ -153,6 +206,13 @@ def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int
     if endpoint is Endpoint.KSERVE:
         if spec is None:
             raise ValueError("a kserve workload needs the model's input spec")
+        if isinstance(spec, tuple):
+            templates, repeats = named_templates(spec, input_len, seed=seed, run_mark=run_mark)
+            if repeats:  # integer inputs only: no slot to make bodies distinct
+                headers["Cache-Control"] = "no-cache"
+            names = ", ".join(f"{s.name} {s.datatype}" for s in spec)
+            return Workload(f"{base_url}/v2/models/{model}/infer", headers, templates,
+                            f"kserve {model} ({names}), variable dimensions {input_len}")
         shape = "" if spec.datatype == "BYTES" else f" [1, {input_len}]"
         templates = kserve_templates(spec, input_len, seed=seed, run_mark=run_mark)
         return Workload(f"{base_url}/v2/models/{model}/infer", headers, templates,
