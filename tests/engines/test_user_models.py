@@ -180,3 +180,31 @@ def test_two_versions_of_a_python_model_keep_their_own_code(tmp_path: Path):
         labels[version] = wire.decode_bytes_elements(answer.tensors[0].data)
         runner.close()
     assert labels == {"1": [b"AB!"], "2": [b"ab!"]}
+
+
+def test_model_py_imports_its_folders_other_files_relatively(tmp_path: Path):
+    code = LABELLER.replace("import numpy as np\n", "import numpy as np\n\nfrom .suffixes import SUFFIX\n", 1)
+    code = code.replace('params.get("suffix", "!")', "SUFFIX")
+    repo = write_python_labeller(tmp_path / "models", code=code, params="")
+    version = repo / "labeller" / "1"
+    (version / "suffixes.py").write_text('SUFFIX = "?"\n')
+    write_manifest(version, version / MANIFEST)
+    version_info = _version(repo, "labeller")
+    runner = load_runner(version_info, "cpu")
+    payload = wire.TensorsPayload([_tensor("text", np.array([b"q"], dtype=object), "BYTES"),
+                                   _tensor("x", np.zeros((1, 2), np.float32), "FP32")])
+    answer = runner.pack(runner.run_batch(runner.prepare(payload)))
+    assert wire.decode_bytes_elements(answer.tensors[0].data) == [b"Q?"]
+    import sys
+
+    package = f"sluice_model_labeller_1_{version_info.revision}"
+    assert {name for name in sys.modules if name.startswith(package)} == \
+        {package, f"{package}.model", f"{package}.suffixes"}
+    runner.close()
+    assert not [name for name in sys.modules if name.startswith(package)]
+
+
+def test_a_request_of_no_rows_gets_empty_outputs_of_the_declared_shape(scorer):
+    payload, _, _ = _scorer_request(0, 3)
+    answer = scorer.pack(scorer.run_batch(scorer.prepare(payload)))
+    assert [(t.name, t.shape) for t in answer.tensors] == [("scores", (0, 3)), ("best", (0,)), ("total", (0,))]

@@ -287,3 +287,81 @@ def structured_requests(draw) -> tuple[str, dict]:
 @given(request=structured_requests())
 def test_structured_output_and_tool_near_misses_are_never_5xx(generation_http, request):
     _assert_generated(generation_http, *request)
+
+
+_NAMED_INPUTS = {
+    "scorer": [("features", "FP32", [4]), ("offset", "FP32", [1]), ("ids", "INT64", [-1])],
+    "labeller": [("text", "BYTES", []), ("x", "FP32", [2])],
+}
+"""The users' models of `tests/user_models.py`: each input's name, datatype and dims per row."""
+
+
+@st.composite
+def named_requests(draw) -> tuple[str, dict, bytes, int]:
+    """(model, JSON header, binary tail, header-length error) for a model of several inputs:
+    inputs dropped, repeated or reordered, rows disagreeing, besides `v2_requests`' junk."""
+    model = draw(st.sampled_from(sorted(_NAMED_INPUTS)))
+    rows, length = draw(st.integers(0, 3)), draw(st.integers(1, 4))
+    is_binary = draw(st.booleans())
+    entries, tail = [], b""
+    for name, datatype, dims in _NAMED_INPUTS[model]:
+        shape = [rows + draw(nudge), *(length if d < 0 else d for d in dims)]
+        count = max(0, math.prod(max(d, 0) for d in shape) + draw(nudge))
+        if datatype == "BYTES":
+            values: list = draw(st.lists(st.text(max_size=6), min_size=count, max_size=count))
+            raw = b"".join(struct.pack("<I", len(v.encode())) + v.encode() for v in values)
+        elif datatype == "INT64":
+            values = draw(st.lists(st.integers(-(2**40), 2**40), min_size=count, max_size=count))
+            raw = np.asarray(values, dtype="<i8").tobytes()
+        else:
+            values = draw(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                                   min_size=count, max_size=count))
+            raw = np.asarray(values, dtype="<f4").tobytes()
+        entry: dict = {"name": name, "shape": shape, "datatype": datatype}
+        if is_binary:
+            entry["parameters"] = {"binary_data_size": len(raw) + draw(nudge)}
+            tail += raw
+        else:
+            entry["data"] = values
+        _mutate(draw, entry, ["name", "shape", "datatype", "data", "parameters"])
+        entries.append(entry)
+    edit = draw(st.sampled_from(["none", "none", "drop", "repeat", "reverse"]))
+    if edit == "drop" and entries:
+        entries.pop(draw(st.integers(0, len(entries) - 1)))
+    elif edit == "repeat":
+        entries.append(entries[0])
+    elif edit == "reverse":
+        entries.reverse()
+    body: dict = {"inputs": entries}
+    if draw(st.booleans()):
+        names = ["scores", "best", "total"] if model == "scorer" else ["label", "score", "batch", "warmed"]
+        body["outputs"] = [{"name": draw(st.sampled_from([*names, "nope"])),
+                            "parameters": {"binary_data": draw(st.booleans())}}]
+    _mutate(draw, body, ["inputs", "parameters", "outputs", "id"])
+    return model, body, tail, draw(nudge) if is_binary else 0
+
+
+@pytest.fixture(scope="module")
+def named_http(tmp_path_factory: pytest.TempPathFactory):
+    from tests.conftest import start_server
+    from tests.user_models import write_onnx_scorer, write_python_labeller
+
+    repo = tmp_path_factory.mktemp("repo")
+    write_onnx_scorer(repo)
+    write_python_labeller(repo)
+    server = start_server(repo, tmp_path_factory.mktemp("log"))
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+    server.stop()
+
+
+@SETTINGS
+@given(request=named_requests())
+def test_near_misses_for_models_of_several_inputs_are_never_5xx(named_http, request):
+    model, body, raw, cut = request
+    header = _encode(body)
+    headers = {"Inference-Header-Content-Length": str(len(header) + cut)} if raw or cut else {}
+    response = named_http.post(f"/v2/models/{model}/infer", content=header + raw, headers=headers)
+    _assert_answered(response, _may_time_out(body))
+    if response.status_code != 200:
+        assert isinstance(response.json()["error"], str)

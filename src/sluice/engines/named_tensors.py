@@ -78,8 +78,9 @@ class NamedTensorRunner:
         tensors = []
         for position, spec in enumerate(self.info.outputs):
             rows = [output[position] for output in outputs]
-            if not rows:
-                tensors.append(wire.NamedTensor(spec.name, spec.datatype, (0,), b""))
+            if not rows:  # a request of no rows: each output empty, its fixed dimensions kept
+                tensors.append(wire.NamedTensor(spec.name, spec.datatype, (0, *(max(d, 0) for d in spec.shape[1:])),
+                                                b""))
                 continue
             if any(row.shape != rows[0].shape for row in rows):
                 shapes = sorted({str(list(row.shape)) for row in rows})

@@ -12,7 +12,9 @@
         def warmup(self) -> None: ...   # optional: run once after loading, before serving
         def close(self) -> None: ...    # optional: release what it holds
 
-Its inputs and outputs are declared in `model.toml` (`[[inputs]]`, `[[outputs]]`). `predict`
+Its inputs and outputs are declared in `model.toml` (`[[inputs]]`, `[[outputs]]`). The version
+folder is imported as a package of its own, so `model.py` reaches the folder's other files with
+relative imports (`from .features import encode`). `predict`
 runs on the worker's device thread, one batch at a time. An exception fails the batch, and the
 worker then runs its items apart so that only the ones that raise fail. `model.py` is listed in
 the version's `SHA256SUMS` like any weight file, so code that changed is refused, not run.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -40,13 +43,19 @@ class PythonModelRunner(NamedTensorRunner):
         where = f"{version.name} v{version.version}"
         if not path.is_file():
             raise ConfigError(f"{where}: no {path.name} in {version.weights_dir}")
-        # a module name of its own per version: two versions' model.py never share a module
-        module_name = "sluice_model_" + re.sub(r"\W", "_", f"{version.name}_{version.version}_{version.revision}")
-        spec = importlib.util.spec_from_file_location(module_name, path)
+        # The version folder is a package of its own (a name per version and revision), and
+        # model.py its module `model`: relative imports (`from .helpers import f`) reach the
+        # folder's other files, and two versions' files never share a module.
+        package = "sluice_model_" + re.sub(r"\W", "_", f"{version.name}_{version.version}_{version.revision}")
+        spec = importlib.util.spec_from_file_location(f"{package}.{path.stem}", path)
         if spec is None or spec.loader is None:
             raise ConfigError(f"{where}: {path.name} cannot be imported")
+        folder = types.ModuleType(package)
+        folder.__path__ = [str(path.parent)]
+        sys.modules[package] = folder
         module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
+        sys.modules[spec.name] = module
+        self._package = package
         try:
             spec.loader.exec_module(module)
             model_class = getattr(module, class_name, None)
@@ -54,15 +63,14 @@ class PythonModelRunner(NamedTensorRunner):
                 raise ConfigError(f"{where}: {path.name} defines no class {class_name!r}")
             self._model: Any = model_class(version.weights_dir, device, params)
         except ConfigError:
-            sys.modules.pop(module_name, None)
+            self._forget_modules()
             raise
         except Exception as exc:  # the user's code failed to load: refuse this version alone
-            sys.modules.pop(module_name, None)
+            self._forget_modules()
             raise ConfigError(f"{where}: loading {path.name} failed: {type(exc).__name__}: {exc}") from exc
         if not callable(getattr(self._model, "predict", None)):
-            sys.modules.pop(module_name, None)
+            self._forget_modules()
             raise ConfigError(f"{where}: {class_name} has no predict(inputs) method")
-        self._module_name = module_name
         self.device = device
         self.info = named_io_info(version, version.inputs, version.outputs)
 
@@ -81,4 +89,9 @@ class PythonModelRunner(NamedTensorRunner):
         if callable(close):
             close()
         self._model = None
-        sys.modules.pop(self._module_name, None)
+        self._forget_modules()
+
+    def _forget_modules(self) -> None:
+        """Drop the version's modules (model.py and what it imported from its folder)."""
+        for name in [name for name in sys.modules if name == self._package or name.startswith(self._package + ".")]:
+            del sys.modules[name]
