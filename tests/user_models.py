@@ -19,6 +19,7 @@ def write_onnx_scorer(repo: Path, name: str = "scorer", max_batch_size: int = 32
         features FP32 [N, 4], offset FP32 [N, 1]  -> scores FP32 [N, 3] = features @ W + offset
                                                   -> best INT64 [N]     = argmax(scores)
         ids INT64 [N, L] (L variable)              -> total INT64 [N]    = sum(ids)
+                                                  -> doubled INT64 [N, L] = 2 * ids
     """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -27,14 +28,16 @@ def write_onnx_scorer(repo: Path, name: str = "scorer", max_batch_size: int = 32
         [helper.make_node("MatMul", ["features", "W"], ["product"]),
          helper.make_node("Add", ["product", "offset"], ["scores"]),
          helper.make_node("ArgMax", ["scores"], ["best"], axis=1, keepdims=0),
-         helper.make_node("ReduceSum", ["ids", "axes"], ["total"], keepdims=0)],
+         helper.make_node("ReduceSum", ["ids", "axes"], ["total"], keepdims=0),
+         helper.make_node("Add", ["ids", "ids"], ["doubled"])],
         "scorer",
         [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 4]),
          helper.make_tensor_value_info("offset", TensorProto.FLOAT, ["batch", 1]),
          helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "length"])],
         [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 3]),
          helper.make_tensor_value_info("best", TensorProto.INT64, ["batch"]),
-         helper.make_tensor_value_info("total", TensorProto.INT64, ["batch"])],
+         helper.make_tensor_value_info("total", TensorProto.INT64, ["batch"]),
+         helper.make_tensor_value_info("doubled", TensorProto.INT64, ["batch", "length"])],
         initializer=[numpy_helper.from_array(SCORER_WEIGHTS, "W"),
                      numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")],
     )

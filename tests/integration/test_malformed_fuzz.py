@@ -340,7 +340,7 @@ def named_requests(draw) -> tuple[str, dict, bytes, int]:
         entries.reverse()
     body: dict = {"inputs": entries}
     if draw(st.booleans()):
-        names = ["scores", "best", "total"] if model == "scorer" else ["label", "score", "batch", "warmed"]
+        names = ["scores", "best", "total", "doubled"] if model == "scorer" else ["label", "score", "batch", "warmed"]
         body["outputs"] = [{"name": draw(st.sampled_from([*names, "nope"])),
                             "parameters": {"binary_data": draw(st.booleans())}}]
     _mutate(draw, body, ["inputs", "parameters", "outputs", "id"])

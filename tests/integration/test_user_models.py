@@ -69,7 +69,7 @@ def test_metadata_comes_from_the_onnx_graph_and_the_model_toml(client):
     assert scorer["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 4]},
                                 {"name": "offset", "datatype": "FP32", "shape": [-1, 1]},
                                 {"name": "ids", "datatype": "INT64", "shape": [-1, -1]}]
-    assert [o["name"] for o in scorer["outputs"]] == ["scores", "best", "total"]
+    assert [o["name"] for o in scorer["outputs"]] == ["scores", "best", "total", "doubled"]
     labeller = client.get_model_metadata("labeller")
     assert labeller["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]},
                                   {"name": "x", "datatype": "FP32", "shape": [-1, 2]}]

@@ -33,8 +33,8 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
 @click.option("--endpoint", type=click.Choice(_ENDPOINTS + _GENERATIVE_ENDPOINTS), default="kserve", show_default=True,
               help="completions/chat: streaming generation (SSE), reported with vLLM's TTFT/TPOT/ITL metrics.")
 @click.option("--model", default="emulated", show_default=True)
-@click.option("--input-len", type=click.IntRange(1), default=16, show_default=True,
-              help="Elements per request for tensor inputs.")
+@click.option("--input-len", default="16", show_default=True,
+              help="Length of a tensor input's variable dimension: N, or LOW:HIGH drawn per body.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Offered load in requests per second (Poisson arrivals).")
 @click.option("--rates", default=None, help="A sweep: comma-separated rates, e.g. 200,400,800.")
@@ -78,7 +78,7 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
               help="completions/chat: TTFT target for goodput.")
 @click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="completions/chat: TPOT target for goodput.")
-def bench(url: str, api_key: str | None, metrics_key: str | None, endpoint: str, model: str, input_len: int,
+def bench(url: str, api_key: str | None, metrics_key: str | None, endpoint: str, model: str, input_len: str,
           rate: float | None, rates: str | None, duration_s: float, warmup_s: float, timeout_ms: float | None,
           slo_ms: float, out_path: Path | None, plot_path: Path | None, seed: int, request_timeout_s: float,
           max_connections: int, max_lag_ms: float, self_test: bool, concurrency: int, scenario: str | None,
@@ -110,12 +110,17 @@ def bench(url: str, api_key: str | None, metrics_key: str | None, endpoint: str,
         return
 
     from sluice.bench import runner
-    from sluice.bench.workloads import Endpoint
+    from sluice.bench.workloads import Endpoint, parse_length
 
     if self_test:
         runner.self_test(console, concurrency, duration_s, rates_per_s, out_path, max_lag_ms)
         return
-    bench_config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, input_len, rates_per_s,
+    try:
+        lengths = parse_length(input_len)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--input-len") from exc
+    length = lengths.low if lengths.low == lengths.high else lengths
+    bench_config = runner.BenchConfig(url.rstrip("/"), Endpoint(endpoint), model, length, rates_per_s,
                                       duration_s, warmup_s, timeout_ms, slo_ms, seed, request_timeout_s,
                                       max_connections, max_lag_ms, api_key, metrics_key)
     try:

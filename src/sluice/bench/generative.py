@@ -32,39 +32,13 @@ import numpy as np
 
 from sluice.bench.genstats import GenSample
 from sluice.bench.loadgen import poisson_schedule
-from sluice.bench.workloads import sentences
+from sluice.bench.workloads import LengthRange, parse_length, sentences
 
 __all__ = ["Calibration", "GenRequest", "GenWorkload", "LengthRange", "calibrate", "parse_length", "run_rate"]
 
 _START_DELAY_S = 0.05
 _PROBE_WORDS = (16, 48, 96, 160, 240)
 _WORDS = tuple(sorted({w.strip(".,").lower() for s in sentences(336) for w in s.split()}))
-
-
-@dataclass(frozen=True, slots=True)
-class LengthRange:
-    """Token counts drawn uniformly from [low, high] (inclusive); low == high is a fixed length."""
-
-    low: int
-    high: int
-
-    def draw(self, rng: random.Random) -> int:
-        return rng.randint(self.low, self.high)
-
-    def __str__(self) -> str:
-        return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
-
-
-def parse_length(text: str) -> LengthRange:
-    """`"64"` or `"32:256"` -> a LengthRange; ValueError for anything else."""
-    parts = text.split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        raise ValueError(f"not a length or a low:high range: {text!r}") from None
-    if len(parts) > 2 or low < 1 or high < low:
-        raise ValueError(f"not a length or a low:high range with 1 <= low <= high: {text!r}")
-    return LengthRange(low, high)
 
 
 @dataclass(frozen=True, slots=True)

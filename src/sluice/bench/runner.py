@@ -26,7 +26,14 @@ from sluice.bench.loadgen import LoadConfig, LoadGenerator, auth_headers, new_se
 from sluice.bench.promstats import scrape
 from sluice.bench.selftest import run_self_test
 from sluice.bench.stats import MAX_LAG_P99_MS, RateResult, select_goodput, summarize
-from sluice.bench.workloads import Endpoint, InputSpec, Workload, build_workload, input_specs_from_metadata
+from sluice.bench.workloads import (
+    Endpoint,
+    InputSpec,
+    LengthRange,
+    Workload,
+    build_workload,
+    input_specs_from_metadata,
+)
 
 
 class BenchError(Exception):
@@ -38,7 +45,7 @@ class BenchConfig:
     url: str
     endpoint: Endpoint
     model: str
-    input_len: int
+    input_len: int | LengthRange
     rates_per_s: tuple[float, ...]
     duration_s: float
     warmup_s: float
@@ -101,6 +108,7 @@ def self_test(console: Console, concurrency: int, duration_s: float, rates_per_s
 
 def config_document(config: BenchConfig, model_platform: str | None) -> dict[str, Any]:
     document: dict[str, Any] = msgspec.to_builtins(config)
+    document["input_len"] = config.input_len if isinstance(config.input_len, int) else str(config.input_len)
     document["api_key"] = "(set)" if config.api_key else None
     document["metrics_key"] = "(set)" if config.metrics_key else None
     document.update(model_platform=model_platform, is_emulated=model_platform == "sluice_emulated",

@@ -21,6 +21,7 @@ Sentences are built in code from a few word lists, so runs need no downloads and
 from __future__ import annotations
 
 import itertools
+import random
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,6 +50,42 @@ class Endpoint(StrEnum):
     """Open Inference Protocol v2 tensor inference."""
     EMBEDDINGS = "embeddings"
     """OpenAI-compatible `/v1/embeddings`."""
+
+
+@dataclass(frozen=True, slots=True)
+class LengthRange:
+    """Token counts drawn uniformly from [low, high] (inclusive); low == high is a fixed length."""
+
+    low: int
+    high: int
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+    def __str__(self) -> str:
+        return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
+
+
+def parse_length(text: str) -> LengthRange:
+    """`"64"` or `"32:256"` -> a LengthRange; ValueError for anything else."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        raise ValueError(f"not a length or a low:high range: {text!r}") from None
+    if len(parts) > 2 or low < 1 or high < low:
+        raise ValueError(f"not a length or a low:high range with 1 <= low <= high: {text!r}")
+    return LengthRange(low, high)
+
+
+def lengths_of(input_len: int | LengthRange, count: int, seed: int) -> list[int]:
+    """`count` lengths: `input_len` each, or drawn uniformly from its range (repeatably)."""
+    if isinstance(input_len, int):
+        if input_len < 1:
+            raise ValueError(f"input length must be at least 1, got {input_len}")
+        return [input_len] * count
+    rng = random.Random(seed)
+    return [input_len.draw(rng) for _ in range(count)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +149,14 @@ def input_specs_from_metadata(metadata: dict[str, Any]) -> tuple[InputSpec, ...]
         raise ValueError(f"model metadata has no usable inputs: {metadata!r}") from exc
 
 
-def named_templates(specs: tuple[InputSpec, ...], input_len: int, num_bodies: int = NUM_BODIES,
+def named_templates(specs: tuple[InputSpec, ...], input_len: int | LengthRange, num_bodies: int = NUM_BODIES,
                     seed: int = 0, run_mark: int = 0) -> tuple[tuple[BodyTemplate, ...], bool]:
     """Bodies for a model of several inputs: one row each, its variable dimensions `input_len`
     long; numbers random for floating-point inputs and 1 for integer ones (token ids, masks),
     sentences for BYTES. The slot and the run's mark go into the first floating-point or BYTES
     input; the second value says whether there is none (integer inputs only), so that the
     bodies repeat and the cache must be skipped by header instead."""
-    if input_len < 1:
-        raise ValueError(f"input length must be at least 1, got {input_len}")
+    lengths = lengths_of(input_len, num_bodies, seed)
     rng = np.random.default_rng(seed)
     texts = sentences(num_bodies)
     slotted = next((spec.name for spec in specs if spec.datatype == "BYTES" or spec.datatype.startswith("FP")), None)
@@ -128,7 +164,7 @@ def named_templates(specs: tuple[InputSpec, ...], input_len: int, num_bodies: in
     for number in range(num_bodies):
         inputs = []
         for spec in specs:
-            shape = [1, *(input_len if d < 0 else d for d in spec.shape[1:])]
+            shape = [1, *(lengths[number] if d < 0 else d for d in spec.shape[1:])]
             count = int(np.prod(shape))
             data: list[Any]
             if spec.datatype == "BYTES":
@@ -144,26 +180,25 @@ def named_templates(specs: tuple[InputSpec, ...], input_len: int, num_bodies: in
             inputs.append({"name": spec.name, "shape": shape, "datatype": spec.datatype, "data": data})
         docs.append({"inputs": inputs})
     if slotted is None:
-        return tuple(_template(doc, None) for doc in docs[:1]), True
+        return tuple(_template(doc, None) for doc in docs), True
     is_text = next(spec for spec in specs if spec.name == slotted).datatype == "BYTES"
     return tuple(_template(doc, _SLOT if is_text else f'"{_SLOT}"') for doc in docs), False
 
 
-def kserve_templates(spec: InputSpec, input_len: int, num_bodies: int = NUM_BODIES,
+def kserve_templates(spec: InputSpec, input_len: int | LengthRange, num_bodies: int = NUM_BODIES,
                      seed: int = 0, run_mark: int = 0) -> tuple[BodyTemplate, ...]:
     """Bodies for a KServe input; `run_mark` (below 2**20) tells this run's bodies from another's."""
     if spec.datatype == "BYTES":
         docs = [{"inputs": [{"name": spec.name, "shape": [1], "datatype": "BYTES",
                              "data": [_tagged(text, run_mark)]}]} for text in sentences(num_bodies)]
         return tuple(_template(doc, _SLOT) for doc in docs)
-    if input_len < 1:
-        raise ValueError(f"input length must be at least 1, got {input_len}")
+    lengths = lengths_of(input_len, num_bodies, seed)
     rng = np.random.default_rng(seed)
-    rows = rng.random((num_bodies, input_len)).round(4).tolist()
-    if input_len > 1:  # (a one-value tensor holds only the index)
-        for row in rows:
+    rows = [rng.random(length).round(4).tolist() for length in lengths]
+    for row in rows:
+        if len(row) > 1:  # (a one-value tensor holds only the index)
             row[1] = run_mark / 2**20  # exact in FP32: 20 bits of fraction
-    docs = [{"inputs": [{"name": spec.name, "shape": [1, input_len], "datatype": spec.datatype,
+    docs = [{"inputs": [{"name": spec.name, "shape": [1, len(row)], "datatype": spec.datatype,
                          "data": [_SLOT, *row[1:]]}]} for row in rows]
     return tuple(_template(doc, f'"{_SLOT}"') for doc in docs)
 
@@ -188,7 +223,8 @@ def _template(doc: dict[str, Any], marker: str | None) -> BodyTemplate:
     return BodyTemplate(prefix, suffix)
 
 
-def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int, timeout_ms: float | None,
+def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int | LengthRange,
+                   timeout_ms: float | None,
                    spec: InputSpec | tuple[InputSpec, ...] | None = None, seed: int = 0,
                    extra_headers: Mapping[str, str] | None = None, run_mark: int | None = None) -> Workload:
     """The workload for one endpoint. KServe needs the model's `spec` (see `input_spec_from_metadata`).

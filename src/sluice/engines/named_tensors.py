@@ -3,9 +3,12 @@ tensors, and batching by rows.
 
 A request's tensors share their first dimension: each row across them is one item, queued and
 batched on its own, so rows of many requests run together. A batch is split into groups of
-items whose rows have the same shapes (a model sees tensors, not ragged lists: nothing is
-padded, as in Triton without ragged batching), each group one call of the model with the rows
-stacked. The model answers each output with one row per item; a request's answer stacks its
+items whose rows have the same shapes, each group one call of the model with the rows stacked
+(a model sees tensors, not ragged lists). Inputs named in `[params.pad]` are padded instead:
+rows that differ only in their variable dimensions run in one call, padded with the given value
+to the longest (a transformer's `input_ids = 0` and `attention_mask = 0`), and an output's
+variable dimension as long as the padded length (per-token logits) is cut back to each row's
+own length. The model answers each output with one row per item; a request's answer stacks its
 items' rows again.
 """
 
@@ -19,7 +22,7 @@ import numpy as np
 
 from sluice import wire
 from sluice.engines.base import ItemFailure, PreparedItem
-from sluice.errors import InvalidInput
+from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
 NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
@@ -38,9 +41,33 @@ Row = tuple[np.ndarray, ...]
 
 
 class NamedTensorRunner:
-    """Subclasses load the model, set `info` (`named_io_info`) and implement `infer`."""
+    """Subclasses load the model, set `info` (`named_io_info`), call `read_padding` and implement
+    `infer`."""
 
     info: wire.ModelInfo
+    _pad: dict[int, Any] = {}  # (read_padding sets each runner's own)
+    """Input position -> the value its rows are padded with; empty: nothing is padded."""
+
+    def read_padding(self, version: ModelVersion) -> None:
+        """`[params.pad]`: input name = pad value (a number; a string for a BYTES input), for
+        inputs with a variable dimension besides the batch's."""
+        raw = version.params.get("pad", {})
+        where = f"{version.name} v{version.version}: [params.pad]"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where} must be a table of input name = pad value, got {raw!r}")
+        positions = {spec.name: i for i, spec in enumerate(self.info.inputs)}
+        pad = {}
+        for name, value in raw.items():
+            if name not in positions:
+                raise ConfigError(f"{where}: the model has no input {name!r} (it has {', '.join(positions)})")
+            spec = self.info.inputs[positions[name]]
+            if -1 not in spec.shape[1:]:
+                raise ConfigError(f"{where}: input {name!r} has no variable dimension to pad ({list(spec.shape)})")
+            is_text = spec.datatype == "BYTES"
+            if isinstance(value, bool) or not isinstance(value, str if is_text else int | float):
+                raise ConfigError(f"{where}: {name} must be {'a string' if is_text else 'a number'}, got {value!r}")
+            pad[positions[name]] = value.encode() if isinstance(value, str) else value
+        self._pad = pad
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         """Run the model on stacked rows (each input's first dimension the items); return each
@@ -65,9 +92,10 @@ class NamedTensorRunner:
                 for row in range(arrays[0].shape[0])]
 
     def run_batch(self, items: Sequence[PreparedItem]) -> list[Any | ItemFailure]:
-        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
-        for index, item in enumerate(items):
-            groups.setdefault(tuple(row.shape for row in item.data), []).append(index)
+        groups: dict[tuple[tuple[int, ...] | int, ...], list[int]] = {}
+        for index, item in enumerate(items):  # padded inputs group by rank, the others by shape
+            key = tuple(row.ndim if i in self._pad else row.shape for i, row in enumerate(item.data))
+            groups.setdefault(key, []).append(index)
         outputs: list[Row | ItemFailure] = [ItemFailure("not run")] * len(items)
         for indices in groups.values():
             for index, row in zip(indices, self._run_group([items[i].data for i in indices]), strict=True):
@@ -109,8 +137,8 @@ class NamedTensorRunner:
         return observations
 
     def _run_group(self, rows: list[Row]) -> list[Row]:
-        """Items whose rows have the same shapes, as one call of the model."""
-        inputs = {spec.name: np.stack([row[i] for row in rows]) for i, spec in enumerate(self.info.inputs)}
+        """Items whose rows have the same shapes (but for padded inputs), as one call of the model."""
+        inputs = {spec.name: self._stack([row[i] for row in rows], i) for i, spec in enumerate(self.info.inputs)}
         answered = self.infer(inputs)
         if not isinstance(answered, dict):
             raise TypeError(f"the model returned {type(answered).__name__}, not a dict of output name -> array")
@@ -123,7 +151,36 @@ class NamedTensorRunner:
                 raise ValueError(f"output {spec.name!r} has shape {list(column.shape)}: its first dimension "
                                  f"must be the batch's {len(rows)} items")
             columns.append(column)
-        return [tuple(column[i, ...] for column in columns) for i in range(len(rows))]
+        answers = [tuple(column[i, ...] for column in columns) for i in range(len(rows))]
+        return self._unpad(rows, answers) if self._pad else answers
+
+    def _stack(self, rows: list[np.ndarray], position: int) -> np.ndarray:
+        if position not in self._pad or all(row.shape == rows[0].shape for row in rows):
+            return np.stack(rows)
+        longest = np.max([row.shape for row in rows], axis=0)
+        value = self._pad[position]
+        return np.stack([np.pad(row, [(0, int(n) - d) for d, n in zip(row.shape, longest, strict=True)],
+                                constant_values=value) for row in rows])
+
+    def _unpad(self, rows: list[Row], answers: list[Row]) -> list[Row]:
+        """Each output's variable dimensions as long as the padded length (the first padded
+        input's first variable dimension) cut back to the row's own length."""
+        first = min(self._pad)
+        axis = self.info.inputs[first].shape[1:].index(-1)
+        lengths = [row[first].shape[axis] for row in rows]
+        padded = max(lengths)
+        trimmed = []
+        for length, answer in zip(lengths, answers, strict=True):
+            if length == padded:
+                trimmed.append(answer)
+                continue
+            cut = []
+            for spec, value in zip(self.info.outputs, answer, strict=True):
+                index = tuple(slice(0, length) if declared == -1 and size == padded else slice(None)
+                              for declared, size in zip(spec.shape[1:], value.shape, strict=False))
+                cut.append(value[index])
+            trimmed.append(tuple(cut))
+        return trimmed
 
 
 def named_io_info(version: ModelVersion, inputs: Sequence[wire.TensorSpec],

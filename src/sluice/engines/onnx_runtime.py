@@ -65,6 +65,7 @@ class OnnxRunner(NamedTensorRunner):
         self.info = named_io_info(version, [_spec(v, version, "input") for v in self._session.get_inputs()],
                                   [_spec(v, version, "output") for v in self._session.get_outputs()])
         self._output_names = [spec.name for spec in self.info.outputs]
+        self.read_padding(version)
         self._strings = {spec.name for spec in self.info.inputs if spec.datatype == "BYTES"}
 
     def warmup(self) -> list[tuple[int, float]]:

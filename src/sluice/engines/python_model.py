@@ -73,6 +73,7 @@ class PythonModelRunner(NamedTensorRunner):
             raise ConfigError(f"{where}: {class_name} has no predict(inputs) method")
         self.device = device
         self.info = named_io_info(version, version.inputs, version.outputs)
+        self.read_padding(version)
 
     def warmup(self) -> list[tuple[int, float]]:
         warmup = getattr(self._model, "warmup", None)
