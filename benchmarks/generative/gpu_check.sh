@@ -19,6 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="src:.:${PYTHONPATH:-}"
 
 $py -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -W ignore::UserWarning -W ignore::FutureWarning \
     tests/engines/generative/test_cuda.py tests/engines/test_embedding_cuda.py tests/engines/generative/test_graphs.py \
+    tests/engines/test_user_models_cuda.py \
     2>&1 | tail -15 | tee "$out/gpu-tests.log"
 step() {
   $py benchmarks/generative/step_profile.py --device cuda --dtype bfloat16 --model 1b --seqs "$1" --profile-steps 3 "${@:2}" \

@@ -247,3 +247,13 @@ def test_bad_padding_is_refused(tmp_path: Path, pad, error):
     repo = write_onnx_scorer(tmp_path / "models", extra=f"[params.pad]\n{pad}\n")
     with pytest.raises(ConfigError, match=error):
         load_runner(_version(repo, "scorer"), "cpu")
+
+
+def test_an_onnx_model_on_cuda_without_the_cuda_provider_is_refused_with_what_to_install(tmp_path: Path):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    repo = write_onnx_scorer(tmp_path / "models")
+    with pytest.raises(ConfigError, match="install onnxruntime-gpu"):
+        load_runner(_version(repo, "scorer"), "cuda:0")
