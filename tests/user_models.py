@@ -121,3 +121,14 @@ name = "warmed"
 datatype = "BOOL"
 ''')
     return repo
+
+
+def write_onnx_embedding(repo: Path, name: str = "minilm-onnx") -> Path:
+    """The demo's all-MiniLM-L6-v2 as Hugging Face repositories ship an ONNX export: the
+    tokenizer and configuration files beside `onnx/model.onnx`, whose output is the last hidden
+    states [batch, tokens, 384] (the runner pools them); served as `kind = "embedding"` with
+    `backend = "onnx"` (`benchmarks/user_models/export_minilm.py --layout hidden`)."""
+    from benchmarks.user_models.export_minilm import export_minilm
+
+    export_minilm(repo, name, layout="hidden", slo_ms=30000)
+    return repo

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# A user's own ONNX model through sluice: all-MiniLM-L6-v2 exported to ONNX (mean pooling and
-# normalisation in the graph) and served by the `onnx` runner, one request = one sentence of 16
-# token ids (input_ids and attention_mask, INT64 [1, 16]) through KServe v2. Goodput at p99 <=
-# 500 ms with batching (max batch 32) against the same server with max batch 1; then sentences
-# of 8 to 24 tokens, with rows of different lengths padded into one call ([params.pad]) or not.
+# ONNX models through sluice, all-MiniLM-L6-v2 exported by export_minilm.py:
+# - batching, nobatch, padded, unpadded: a user's own model, the `onnx` runner (mean pooling
+#   and normalisation in the graph), one request = one sentence of token ids (input_ids and
+#   attention_mask, INT64 [1, L]) through KServe v2. Goodput at p99 <= 500 ms with batching (max
+#   batch 32) against max batch 1 (L = 16); then L from 8 to 24, rows of different lengths padded
+#   into one call ([params.pad]) or not.
+# - onnx-embeddings, torch-embeddings: the embedding runner through /v1/embeddings, one sentence
+#   per request, on the model's ONNX export (`--layout hidden`, `backend = "onnx"`, THREADS
+#   intra-op threads, default 2) and on PyTorch (the demo's minilm: torch's default, 2 threads
+#   here); env RATES overrides their rates.
 #
-# Usage: benchmarks/user_models/run.sh [batching] [nobatch] [padded] [unpadded]   (default: all)
+# Usage: benchmarks/user_models/run.sh [STEP...]   (default: all six, in the order above)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT_DIR:-benchmarks/results}
@@ -20,6 +25,8 @@ trap 'rm -rf "$repo"' EXIT
 "$python" benchmarks/user_models/export_minilm.py "$repo" --max-batch-size 32 --num-threads 1 2>/dev/null
 bench() { "$sluice" bench --url "http://127.0.0.1:$port" --endpoint kserve --model minilm-onnx \
                           --duration 15 --slo-ms 500 "$@"; }
+embeddings() { "$sluice" bench --url "http://127.0.0.1:$port" --endpoint embeddings --model minilm --duration 15 \
+                               --slo-ms 500 --rates "${RATES:-100,150,200,250,300,350}" "$@"; }
 settings() {  # settings MAX_BATCH PAD(0/1)
   sed -i -e "s/max_batch_size = .*/max_batch_size = $1/" -e '/^\[params.pad\]/,$d' "$repo/minilm-onnx/model.toml"
   [ "$2" = 1 ] && printf '[params.pad]\ninput_ids = 0\nattention_mask = 0\n' >> "$repo/minilm-onnx/model.toml"
@@ -41,6 +48,18 @@ step_padded() {
   bench --input-len 8:24 --rates 50,100,150,200,250,300 --out "$out/minilm-onnx-padded.json"
   stop
 }
+step_onnx-embeddings() {
+  "$python" benchmarks/user_models/export_minilm.py "$repo/embeddings" --layout hidden --name minilm \
+      --num-threads "${THREADS:-2}" 2>/dev/null
+  serve "$repo/embeddings" embeddings-onnx
+  embeddings --out "$out/minilm-embeddings-onnx.json"
+  stop
+}
+step_torch-embeddings() {
+  serve src/sluice/demo_models embeddings-torch
+  embeddings --out "$out/minilm-embeddings-torch.json"
+  stop
+}
 step_unpadded() {
   settings 32 0; serve "$repo" onnx-unpadded
   bench --input-len 8:24 --rates 50,100,150,200,250,300 --out "$out/minilm-onnx-unpadded.json"
@@ -48,5 +67,5 @@ step_unpadded() {
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(batching nobatch padded unpadded)
+[ ${#steps[@]} -eq 0 ] && steps=(batching nobatch padded unpadded onnx-embeddings torch-embeddings)
 for step in "${steps[@]}"; do "step_$step"; done

@@ -134,3 +134,43 @@ def test_bad_num_threads_is_a_config_error(version: ModelVersion, params: dict[s
 def test_unknown_device_is_a_config_error(version: ModelVersion) -> None:
     with pytest.raises(ConfigError, match="device"):
         EmbeddingRunner(version, "tpu")
+
+
+@pytest.fixture(scope="module")
+def onnx_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddingRunner]:
+    from tests.user_models import write_onnx_embedding
+
+    repo = write_onnx_embedding(tmp_path_factory.mktemp("models"))
+    loaded = load_runner(scan_repository(repo).versions[0], "cpu")
+    assert isinstance(loaded, EmbeddingRunner)
+    yield loaded
+    loaded.close()
+
+
+def test_the_onnx_backend_gives_the_torch_backends_vectors(onnx_runner: EmbeddingRunner,
+                                                          runner: EmbeddingRunner) -> None:
+    """minilm's ONNX export (last hidden states, pooled by the runner) on ONNX Runtime: the same
+    vectors as PyTorch's, batched with padding or alone, and the same interface."""
+    assert onnx_runner.info.outputs == runner.info.outputs and onnx_runner.dims == 384
+    batched = embed(onnx_runner, SENTENCES)
+    np.testing.assert_allclose(batched, embed(runner, SENTENCES), atol=1e-5)
+    alone = np.concatenate([embed(onnx_runner, [text]) for text in SENTENCES])
+    np.testing.assert_allclose(batched, alone, atol=1e-5)
+    assert [cost for cost, _ in onnx_runner.warmup()][:1] == [16]
+
+
+@pytest.mark.parametrize(("params", "error"), [
+    ({"backend": "tensorflow"}, "backend must be 'torch' or 'onnx'"),
+    ({"backend": "onnx"}, "no ONNX file .*model.onnx"),
+])
+def test_bad_backend_settings_are_config_errors(version: ModelVersion, params: dict[str, object], error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_runner(dataclasses.replace(version, params={**version.params, **params}), "cpu")
+
+
+def test_an_onnx_graph_that_is_not_an_encoder_is_refused(version: ModelVersion, tmp_path) -> None:
+    from tests.user_models import write_onnx_scorer
+
+    scorer = write_onnx_scorer(tmp_path / "models") / "scorer" / "1" / "model.onnx"
+    with pytest.raises(ConfigError, match="takes features, offset, ids; it must take input_ids"):
+        load_runner(dataclasses.replace(version, params={"backend": "onnx", "file": str(scorer)}), "cpu")

@@ -1,10 +1,12 @@
 """A user's own models through a real server: an ONNX graph (`kind = "onnx"`) and a `model.py`
 (`kind = "python"`), each with several named inputs and outputs, driven by `tritonclient` over
 HTTP (JSON and binary) and gRPC; rows of concurrent requests batched together; bad input and a
-failing model answered with clear errors."""
+failing model answered with clear errors. And an embedding model's ONNX export (`kind =
+"embedding"`, `backend = "onnx"`) through the `openai` SDK."""
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ServerProcess, free_port, metric_total, start_server
-from tests.user_models import SCORER_WEIGHTS, write_onnx_scorer, write_python_labeller
+from tests.user_models import SCORER_WEIGHTS, write_onnx_embedding, write_onnx_scorer, write_python_labeller
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     repo = folder / "models"
     write_onnx_scorer(repo)
     write_python_labeller(repo, params='suffix = "!"\ndelay_ms = 10')
+    write_onnx_embedding(repo)
     grpc_port = free_port()
     started = start_server(repo, folder, "--grpc-port", str(grpc_port))
     yield started, grpc_port
@@ -223,3 +226,19 @@ def test_a_changed_model_py_is_refused_and_others_serve(tmp_path: Path):
         np.testing.assert_array_equal(result.as_numpy("total"), ids.sum(axis=1))
     finally:
         started.stop()
+
+
+def test_an_onnx_embedding_model_through_the_openai_sdk(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server[0].url}/v1", api_key="unused", max_retries=0)
+    texts = ["A man is playing a guitar.", "A man plays the guitar.", "The stock market fell today."]
+    answer = client.embeddings.create(model="minilm-onnx", input=texts)
+    vectors = np.array([item.embedding for item in answer.data])
+    assert vectors.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert vectors[0] @ vectors[1] > 0.8 > vectors[0] @ vectors[2]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens > 10
+    packed = client.embeddings.create(model="minilm-onnx", input=texts[0], encoding_format="base64")
+    raw = base64.b64decode(packed.data[0].embedding)  # asked for by name, the SDK leaves it encoded
+    np.testing.assert_allclose(np.frombuffer(raw, np.float32), vectors[0], atol=1e-6)

@@ -1,8 +1,9 @@
-"""A sentence-embedding runner: a BERT-style encoder on PyTorch, CPU or CUDA.
+"""A sentence-embedding runner: a BERT-style encoder on PyTorch or ONNX Runtime, CPU or CUDA.
 
 Loads a sentence-transformers folder (all-MiniLM-L6-v2 in the demo repository) from local files
-only: the encoder through `transformers.AutoModel`, the fast tokenizer from `tokenizer.json`
-through `tokenizers`. An item is one string; its cost is its token count, [CLS] and [SEP]
+only: the encoder through `transformers.AutoModel` (or, with `backend = "onnx"`, the folder's
+ONNX export, `onnx/model.onnx` as Hugging Face repositories ship it), the fast tokenizer from
+`tokenizer.json` through `tokenizers`. An item is one string; its cost is its token count, [CLS] and [SEP]
 included, after truncation to `max_seq_len`. A batch is padded on the right to its longest item:
 
     ids   [CLS] t1 t2 t3 [SEP] [PAD] [PAD]      padded cost = n_items x longest
@@ -14,7 +15,13 @@ sentence-transformers computes it, so padding never changes an item's vector bey
 Parameters (`[params]` in model.toml):
 
     max_seq_len   tokens kept per input (default: sentence_bert_config.json, else 256)
-    num_threads   torch intra-op threads, on CPU only (default: torch's choice)
+    num_threads   intra-op threads, on CPU only (default: the backend's choice)
+    backend       "torch" (default) or "onnx": the encoder's ONNX export run by ONNX Runtime.
+                  Its inputs are `input_ids`, `attention_mask` and optionally `token_type_ids`;
+                  its first output the last hidden states [batch, tokens, dims] (pooled here) or
+                  the sentence embeddings [batch, dims]. `spin` and `optimization` as for the
+                  `onnx` runner.
+    file          the ONNX file (default: onnx/model.onnx, else model.onnx)
 
 This is the only module that imports torch and transformers; only the worker imports it.
 """
@@ -53,12 +60,27 @@ class EmbeddingRunner:
     def __init__(self, version: ModelVersion, device: str) -> None:
         self.device = _torch_device(device, version.name)
         weights_dir = version.weights_dir
-        self._apply_num_threads(version)
-        model = _load_model(weights_dir, version.name).to(self.device).eval()
-        self._model: Any = model
-        config = model.config
-        self.dims = int(config.hidden_size)
-        self.max_seq_len = _max_seq_len(version, weights_dir, int(config.max_position_embeddings))
+        backend = version.params.get("backend", "torch")
+        self._model: Any = None
+        self._session: _OnnxEncoder | None = None
+        if backend == "torch":
+            self._apply_num_threads(version)
+            model = _load_model(weights_dir, version.name).to(self.device).eval()
+            self._model = model
+            self.dims = int(model.config.hidden_size)
+            max_positions = int(model.config.max_position_embeddings)
+        elif backend == "onnx":
+            self._session = _OnnxEncoder(version, device)
+            config = _read_json(weights_dir / "config.json", version.name)
+            dims = self._session.dims or config.get("hidden_size")
+            if not isinstance(dims, int):
+                raise ConfigError(f"{version.name}: the ONNX graph's output has no fixed width and config.json "
+                                  "no hidden_size: the embeddings' dimension is unknown")
+            self.dims = dims
+            max_positions = int(config.get("max_position_embeddings", 512))
+        else:
+            raise ConfigError(f"{version.name}: backend must be 'torch' or 'onnx', got {backend!r}")
+        self.max_seq_len = _max_seq_len(version, weights_dir, max_positions)
         self._tokenizer, self._pad_id = _load_tokenizer(weights_dir, self.max_seq_len, version.name)
         _check_pooling(weights_dir, version.name)
         self.info = wire.ModelInfo(
@@ -104,11 +126,13 @@ class EmbeddingRunner:
         ]
 
     def run_batch(self, items: Sequence[PreparedItem]) -> list[np.ndarray | ItemFailure]:
-        if self._model is None:
+        if self._model is None and self._session is None:
             raise RuntimeError(f"runner for {self.info.name!r} is closed")
         if not items:
             return []
         ids, mask = self._pad(items)
+        if self._session is not None:
+            return [_row_or_failure(row) for row in self._session.embed(ids, mask)]
         with torch.inference_mode():
             input_ids = torch.from_numpy(ids).to(self.device)
             attention_mask = torch.from_numpy(mask).to(self.device)
@@ -128,6 +152,7 @@ class EmbeddingRunner:
     def close(self) -> None:
         """Release the weights; on CUDA, hand the cached memory back to the device."""
         self._model = None
+        self._session = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -147,6 +172,44 @@ class EmbeddingRunner:
             ids[row, : len(item.data)] = item.data
             mask[row, : len(item.data)] = 1
         return ids, mask
+
+
+class _OnnxEncoder:
+    """The encoder's ONNX export on ONNX Runtime: token ids and mask in, unit vectors out."""
+
+    def __init__(self, version: ModelVersion, device: str) -> None:
+        from sluice.engines.onnx_runtime import onnx_session
+
+        name = version.params.get("file")
+        if name is None:
+            name = "onnx/model.onnx" if (version.weights_dir / "onnx" / "model.onnx").is_file() else "model.onnx"
+        self._session = onnx_session(version, version.weights_dir / str(name), device)
+        inputs = {value.name: value for value in self._session.get_inputs()}
+        known = ("input_ids", "attention_mask", "token_type_ids")
+        unknown = [name for name in inputs if name not in known]
+        if unknown or "input_ids" not in inputs:
+            raise ConfigError(f"{version.name}: the ONNX encoder takes {', '.join(inputs)}; it must take input_ids "
+                              f"and may take attention_mask and token_type_ids")
+        self._int32 = {name for name, value in inputs.items() if value.type == "tensor(int32)"}
+        self._inputs = list(inputs)
+        output = self._session.get_outputs()[0]
+        if len(output.shape) not in (2, 3):
+            raise ConfigError(f"{version.name}: the ONNX encoder's first output {output.name!r} has shape "
+                              f"{output.shape}: expected [batch, tokens, dims] or [batch, dims]")
+        self._output = output.name
+        last = output.shape[-1]
+        self.dims = last if isinstance(last, int) and last > 0 else None
+
+    def embed(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        given = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        feed = {name: given[name].astype(np.int32) if name in self._int32 else given[name] for name in self._inputs}
+        (hidden,) = self._session.run([self._output], feed)
+        hidden = np.asarray(hidden, dtype=np.float32)
+        if hidden.ndim == 3:  # last hidden states: the mean over the mask, as sentence-transformers pools
+            weights = mask[:, :, None].astype(np.float32)
+            hidden = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+        norms = np.maximum(np.linalg.norm(hidden, axis=1, keepdims=True), 1e-12)
+        return hidden / norms
 
 
 def _torch_device(device: str, model_name: str) -> torch.device:

@@ -11,6 +11,7 @@ spin-wait; default false, so an idle model leaves the cores to the rest of the s
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,34 +34,8 @@ _OPTIMIZATION = ("all", "extended", "basic", "none")
 
 class OnnxRunner(NamedTensorRunner):
     def __init__(self, version: ModelVersion, device: str) -> None:
-        import onnxruntime  # type: ignore[import-untyped]
-
-        params = version.params
-        path = version.weights_dir / str(params.get("file", "model.onnx"))
-        if not path.is_file():
-            raise ConfigError(f"{version.name} v{version.version}: no {path.name} in {version.weights_dir}")
-        options = onnxruntime.SessionOptions()
-        num_threads = params.get("num_threads")
-        if num_threads is not None:
-            if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-                raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
-            options.intra_op_num_threads = num_threads
-        if not params.get("spin", False):
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        level = params.get("optimization", "all")
-        if level not in _OPTIMIZATION:
-            raise ConfigError(f"{version.name}: optimization must be one of {', '.join(_OPTIMIZATION)}, got {level!r}")
-        options.graph_optimization_level = {
-            "all": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL,
-            "extended": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "basic": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "none": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        }[level]
-        try:
-            self._session: Any = onnxruntime.InferenceSession(str(path), options, providers=_providers(device))
-        except Exception as exc:  # onnxruntime raises its own types for a file it cannot load
-            raise ConfigError(f"{version.name} v{version.version}: ONNX Runtime cannot load {path.name}: {exc}") \
-                from exc
+        self._session: Any = onnx_session(version, version.weights_dir / str(version.params.get("file", "model.onnx")),
+                                          device)
         self.device = device
         self.info = named_io_info(version, [_spec(v, version, "input") for v in self._session.get_inputs()],
                                   [_spec(v, version, "output") for v in self._session.get_outputs()])
@@ -85,6 +60,37 @@ class OnnxRunner(NamedTensorRunner):
 
     def close(self) -> None:
         self._session = None
+
+
+def onnx_session(version: ModelVersion, path: Path, device: str) -> Any:
+    """An ONNX Runtime session of `path` on `device`, with the version's `[params]` settings
+    (`num_threads`, `spin`, `optimization`); a ConfigError naming what is wrong."""
+    import onnxruntime  # type: ignore[import-untyped]
+
+    params = version.params
+    if not path.is_file():
+        raise ConfigError(f"{version.name} v{version.version}: no ONNX file {path}")
+    options = onnxruntime.SessionOptions()
+    num_threads = params.get("num_threads")
+    if num_threads is not None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
+        options.intra_op_num_threads = num_threads
+    if not params.get("spin", False):
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    level = params.get("optimization", "all")
+    if level not in _OPTIMIZATION:
+        raise ConfigError(f"{version.name}: optimization must be one of {', '.join(_OPTIMIZATION)}, got {level!r}")
+    options.graph_optimization_level = {
+        "all": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "basic": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "none": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    }[level]
+    try:
+        return onnxruntime.InferenceSession(str(path), options, providers=_providers(device))
+    except Exception as exc:  # onnxruntime raises its own types for a file it cannot load
+        raise ConfigError(f"{version.name} v{version.version}: ONNX Runtime cannot load {path.name}: {exc}") from exc
 
 
 def _providers(device: str) -> list[Any]:
