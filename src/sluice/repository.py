@@ -39,8 +39,7 @@ UNCACHED_KINDS = ("http-single", "openai-upstream", "python")
 """Runner kinds whose results are not cached unless their `model.toml` says `[cache] enabled = true`:
 sluice cannot know that an external service, or a user's own code, answers the same input the
 same way."""
-TENSOR_DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-                    "FP16", "FP32", "FP64", "BYTES")
+TENSOR_DATATYPES = (*wire.DATATYPES, "BYTES")
 """The KServe datatypes a model's declared inputs and outputs may have (`[[inputs]]`)."""
 
 

@@ -24,6 +24,16 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
+
+DATATYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+"""KServe's numeric datatypes and their numpy dtypes (tensors travel little-endian); BYTES, the
+other datatype, has none: its elements are byte strings (`encode_bytes_elements`)."""
 
 
 class TensorPayload(msgspec.Struct, frozen=True, tag="tensor"):

@@ -23,20 +23,7 @@ from sluice import wire
 from sluice.api.common import unreadable_json
 from sluice.errors import InvalidInput
 
-DATATYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
+DATATYPES = wire.DATATYPES
 NUMPY_TO_KSERVE = {str(v): k for k, v in DATATYPES.items()}
 NUMPY_NAMES = {k: v.name for k, v in DATATYPES.items()}
 """KServe datatype -> the numpy dtype name a `wire.TensorPayload` carries."""

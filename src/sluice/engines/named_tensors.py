@@ -25,14 +25,6 @@ from sluice.engines.base import ItemFailure, PreparedItem
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
-NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
-}
-"""KServe datatype -> numpy dtype, little-endian as the wire carries them (BYTES: object arrays of
-`bytes`)."""
 WARMUP_BATCHES = (1, 4, 16)
 WARMUP_REPEATS = 3
 
@@ -207,7 +199,7 @@ def zeros_row(specs: Sequence[wire.TensorSpec]) -> Row:
     for spec in specs:
         shape = tuple(1 if d < 0 else d for d in spec.shape[1:])
         row.append(np.full(shape, b"", dtype=object) if spec.datatype == "BYTES"
-                   else np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype]))
+                   else np.zeros(shape, dtype=wire.DATATYPES[spec.datatype]))
     return tuple(row)
 
 
@@ -217,7 +209,7 @@ def _array(tensor: wire.NamedTensor) -> np.ndarray:
         array = np.empty(len(values), dtype=object)
         array[:] = values
         return array.reshape(tensor.shape)
-    return np.frombuffer(tensor.data, dtype=NUMPY_DTYPES[tensor.datatype].newbyteorder("<")).reshape(tensor.shape)
+    return np.frombuffer(tensor.data, dtype=wire.DATATYPES[tensor.datatype].newbyteorder("<")).reshape(tensor.shape)
 
 
 def _as_declared(value: Any, spec: wire.TensorSpec) -> np.ndarray:
@@ -228,7 +220,7 @@ def _as_declared(value: Any, spec: wire.TensorSpec) -> np.ndarray:
         is_float = spec.datatype.startswith("FP")
         if array.dtype.kind not in "biuf" or (array.dtype.kind == "f" and not is_float):
             raise TypeError(f"output {spec.name!r} is {array.dtype}, which is not {spec.datatype}")
-        return array.astype(NUMPY_DTYPES[spec.datatype], copy=False)
+        return array.astype(wire.DATATYPES[spec.datatype], copy=False)
     array = np.asarray(value, dtype=object)
     flat = array.reshape(-1)
     for i, element in enumerate(flat):
@@ -242,4 +234,4 @@ def _as_declared(value: Any, spec: wire.TensorSpec) -> np.ndarray:
 def _bytes(array: np.ndarray, datatype: str) -> bytes:
     if datatype == "BYTES":
         return wire.encode_bytes_elements(list(array.reshape(-1)))
-    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
+    return np.ascontiguousarray(array, dtype=wire.DATATYPES[datatype].newbyteorder("<")).tobytes()

@@ -5,7 +5,8 @@ outputs, names, datatypes and shapes come from the graph; each must have a varia
 dimension, the batch (export with `dynamic_axes` / `dynamic_shapes`). Settings (`[params]`):
 `num_threads` (intra-op threads; default ONNX Runtime's), `spin` (let idle intra-op threads
 spin-wait; default false, so an idle model leaves the cores to the rest of the server),
-`optimization` (`all`, `extended`, `basic` or `none`; default `all`).
+`optimization` (`all`, `extended`, `basic` or `none`; default `all`), `pad` (inputs whose rows
+of different lengths share a call, padded: `named_tensors`).
 """
 
 from __future__ import annotations

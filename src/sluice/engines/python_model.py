@@ -14,9 +14,9 @@
 
 Its inputs and outputs are declared in `model.toml` (`[[inputs]]`, `[[outputs]]`). The version
 folder is imported as a package of its own, so `model.py` reaches the folder's other files with
-relative imports (`from .features import encode`). `predict`
-runs on the worker's device thread, one batch at a time. An exception fails the batch, and the
-worker then runs its items apart so that only the ones that raise fail. `model.py` is listed in
+relative imports (`from .features import encode`). `predict` runs on the worker's device thread,
+one batch at a time. An exception fails the batch, and the worker then runs its items apart so
+that only the ones that raise fail. `model.py` is listed in
 the version's `SHA256SUMS` like any weight file, so code that changed is refused, not run.
 """
 
