@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -383,6 +385,18 @@ def _describe_cache(gateway: Gateway) -> str:
            "'Cache-Control: no-cache' skips it)"
 
 
+def _one_row(info: wire.ModelInfo) -> str:
+    """A KServe body of one row for a model of named inputs: zeros (a word for BYTES), each
+    variable dimension 2 long."""
+    inputs = []
+    for spec in info.inputs:
+        shape = [1, *(2 if d < 0 else d for d in spec.shape[1:])]
+        value: object = "hello" if spec.datatype == "BYTES" else False if spec.datatype == "BOOL" else 0
+        inputs.append({"name": spec.name, "shape": shape, "datatype": spec.datatype,
+                       "data": [value] * math.prod(shape)})
+    return json.dumps({"inputs": inputs})
+
+
 def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[str]:
     text_model = next((n for n, v in models.items() if any(i.kind == "embedding" for i in v.values())),
                       next((n for n, v in models.items() if any(i.accepts_text for i in v.values())), None))
@@ -392,10 +406,13 @@ def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[st
     if text_model:
         lines.append(escape(f"  curl {url}/v1/embeddings -H 'Content-Type: application/json' "
                             f"-d '{{\"model\": \"{text_model}\", \"input\": \"hello world\"}}'"))
+    named = next((i for v in models.values() for i in v.values() if i.named_io), None)
     if tensor:
         lines.append(escape(f"  curl {url}/v2/models/{tensor.name}/infer -d '{{\"inputs\": [{{\"name\": "
                             f"\"{tensor.inputs[0].name}\", \"shape\": [1, 4], \"datatype\": \"FP32\", "
                             f"\"data\": [1, 2, 3, 4]}}]}}'"))
+    elif named:
+        lines.append(escape(f"  curl {url}/v2/models/{named.name}/infer -d '{_one_row(named)}'"))
     lines.append(f"  curl {url}/metrics")
     lines.append(f"  sluice top --url {url}        # batches, queues and latency, live")
     return lines

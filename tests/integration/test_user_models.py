@@ -242,3 +242,12 @@ def test_an_onnx_embedding_model_through_the_openai_sdk(server):
     packed = client.embeddings.create(model="minilm-onnx", input=texts[0], encoding_format="base64")
     raw = base64.b64decode(packed.data[0].embedding)  # asked for by name, the SDK leaves it encoded
     np.testing.assert_allclose(np.frombuffer(raw, np.float32), vectors[0], atol=1e-6)
+
+
+def test_the_banner_shows_a_request_that_works(server):
+    """With no model of one FP32 input, `sluice serve` prints a curl line for a model of named
+    inputs; its body is answered."""
+    line = next(line for line in server[0].log().splitlines() if "/infer -d '" in line)
+    url, body = line.split("curl ", 1)[1].split(" -d ", 1)
+    response = httpx.post(url, content=body.strip().strip("'"), timeout=60)
+    assert response.status_code == 200, response.text
