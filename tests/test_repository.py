@@ -125,13 +125,15 @@ def test_a_broken_model_toml_refuses_that_model_naming_file_and_field(tmp_path, 
 
 
 def test_result_caching_is_on_for_local_runners_off_for_external_ones_and_settable(tmp_path):
+    tensors = _TEXT_IN + _SCORE_OUT
     for name, kind, extra in [("local", "emulated", ""), ("external", "http-single", ""),
                               ("off", "emulated", "[cache]\nenabled = false\n"),
-                              ("on", "http-single", "[cache]\nenabled = true\n")]:
+                              ("on", "http-single", "[cache]\nenabled = true\n"), ("graph", "onnx", ""),
+                              ("code", "python", tensors), ("code-on", "python", "[cache]\nenabled = true\n" + tensors)]:
         _version(_model(tmp_path, name, kind, extra), "1", {"w.bin": name})
     versions = {v.name: v for v in scan_repository(tmp_path).versions}
     assert {name: bool(v.cache_revision) for name, v in versions.items()} == {
-        "local": True, "external": False, "off": False, "on": True}
+        "local": True, "external": False, "off": False, "on": True, "graph": True, "code": False, "code-on": True}
 
 
 def test_new_weights_under_the_same_version_number_get_a_new_cache_revision(tmp_path):
