@@ -129,7 +129,8 @@ def test_result_caching_is_on_for_local_runners_off_for_external_ones_and_settab
     for name, kind, extra in [("local", "emulated", ""), ("external", "http-single", ""),
                               ("off", "emulated", "[cache]\nenabled = false\n"),
                               ("on", "http-single", "[cache]\nenabled = true\n"), ("graph", "onnx", ""),
-                              ("code", "python", tensors), ("code-on", "python", "[cache]\nenabled = true\n" + tensors)]:
+                              ("code", "python", tensors),
+                              ("code-on", "python", "[cache]\nenabled = true\n" + tensors)]:
         _version(_model(tmp_path, name, kind, extra), "1", {"w.bin": name})
     versions = {v.name: v for v in scan_repository(tmp_path).versions}
     assert {name: bool(v.cache_revision) for name, v in versions.items()} == {
