@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("command", [["ruff", "check", "src", "tests", "benchmarks"], ["mypy", "src"]],
+@pytest.mark.parametrize("command", [["ruff", "check", "src", "tests", "benchmarks", "examples"], ["mypy", "src"]],
                          ids=["ruff", "mypy"])
 def test_the_source_passes(command: list[str]) -> None:
     run = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=600)
