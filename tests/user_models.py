@@ -54,6 +54,22 @@ def write_onnx_scorer(repo: Path, name: str = "scorer", max_batch_size: int = 32
     return repo
 
 
+def write_onnx_fixed_rows(repo: Path, rows: int, name: str = "fixed") -> Path:
+    """An ONNX graph exported for a fixed number of rows: `y = relu(x)`, x and y FP32 [rows, 4]."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], name,
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 4])])
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(version / "model.onnx"))
+    write_manifest(version, version / MANIFEST)
+    (repo / name / "model.toml").write_text('kind = "onnx"\n[slo]\ndefault_ms = 30000\n')
+    return repo
+
+
 LABELLER = '''
 import time
 

@@ -14,7 +14,13 @@ from sluice.engines.named_tensors import NamedTensorRunner
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import MANIFEST, ModelVersion, scan_repository, write_manifest
 from sluice.worker.device import run_isolating
-from tests.user_models import LABELLER, SCORER_WEIGHTS, write_onnx_scorer, write_python_labeller
+from tests.user_models import (
+    LABELLER,
+    SCORER_WEIGHTS,
+    write_onnx_fixed_rows,
+    write_onnx_scorer,
+    write_python_labeller,
+)
 
 
 def _version(repo: Path, name: str) -> ModelVersion:
@@ -91,20 +97,24 @@ def test_a_tensor_payload_is_refused_with_the_inputs_named(scorer):
         scorer.prepare(wire.TensorPayload("float32", (1, 4), bytes(16)))
 
 
-def test_onnx_model_without_a_variable_batch_dimension_is_refused(tmp_path: Path):
-    import onnx
-    from onnx import TensorProto, helper
+def _fixed_batch_graph(repo: Path, rows: int) -> ModelVersion:
+    return _version(write_onnx_fixed_rows(repo, rows), "fixed")
 
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "fixed",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
-    version = tmp_path / "models" / "fixed" / "1"
-    version.mkdir(parents=True)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(version / "model.onnx"))
-    write_manifest(version, version / MANIFEST)
-    (version.parent / "model.toml").write_text('kind = "onnx"\n')
-    with pytest.raises(ConfigError, match="input 'x' has shape \\[1, 4\\]: its first dimension must be variable"):
-        load_runner(_version(tmp_path / "models", "fixed"), "cpu")
+
+def test_a_graph_exported_for_one_row_runs_one_row_per_call(tmp_path: Path):
+    runner = load_runner(_fixed_batch_graph(tmp_path / "models", 1), "cpu")
+    assert isinstance(runner, NamedTensorRunner) and runner.one_row_per_call
+    assert runner.info.inputs[0].shape == (1, 4)  # requests give the shape as it is (the API checks it)
+    rows = [np.array([[i, -i, 2 * i, -1]], np.float32) for i in range(3)]
+    items = [item for row in rows for item in runner.prepare(wire.TensorsPayload([_tensor("x", row, "FP32")]))]
+    for row, output in zip(rows, runner.run_batch(items), strict=True):  # a batch of 3 runs as 3 calls
+        answer = runner.pack([output])
+        np.testing.assert_array_equal(np.frombuffer(answer.tensors[0].data, np.float32), np.maximum(row, 0).ravel())
+
+
+def test_a_graph_with_another_fixed_batch_dimension_is_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match="input 'x' has shape \\[2, 4\\]: its first dimension must be variable"):
+        load_runner(_fixed_batch_graph(tmp_path / "models", 2), "cpu")
 
 
 def test_a_file_onnx_runtime_cannot_read_is_refused(tmp_path: Path):

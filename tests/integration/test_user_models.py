@@ -19,7 +19,13 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ServerProcess, free_port, metric_total, start_server
-from tests.user_models import SCORER_WEIGHTS, write_onnx_embedding, write_onnx_scorer, write_python_labeller
+from tests.user_models import (
+    SCORER_WEIGHTS,
+    write_onnx_embedding,
+    write_onnx_fixed_rows,
+    write_onnx_scorer,
+    write_python_labeller,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     write_onnx_scorer(repo)
     write_python_labeller(repo, params='suffix = "!"\ndelay_ms = 10')
     write_onnx_embedding(repo)
+    write_onnx_fixed_rows(repo, 1)
     grpc_port = free_port()
     started = start_server(repo, folder, "--grpc-port", str(grpc_port))
     yield started, grpc_port
@@ -251,3 +258,13 @@ def test_the_banner_shows_a_request_that_works(server):
     url, body = line.split("curl ", 1)[1].split(" -d ", 1)
     response = httpx.post(url, content=body.strip().strip("'"), timeout=60)
     assert response.status_code == 200, response.text
+
+
+def test_a_graph_exported_for_one_row_takes_one_row_per_request(server):
+    one = httpx.post(f"{server[0].url}/v2/models/fixed/infer", timeout=30, json={
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, -2, 3, -4]}]})
+    assert one.status_code == 200, one.text
+    assert one.json()["outputs"][0]["data"] == [1, 0, 3, 0]
+    two = httpx.post(f"{server[0].url}/v2/models/fixed/infer", timeout=30, json={
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 4], "data": [0] * 8}]})
+    assert two.status_code == 400 and "must have shape like [1, 4]" in two.json()["error"]

@@ -37,6 +37,8 @@ class NamedTensorRunner:
     `infer`."""
 
     info: wire.ModelInfo
+    one_row_per_call = False
+    """The model takes one row at a time (an ONNX graph exported with batch dimension 1)."""
     _pad: dict[int, Any] = {}  # (read_padding sets each runner's own)
     """Input position -> the value its rows are padded with; empty: nothing is padded."""
 
@@ -87,7 +89,7 @@ class NamedTensorRunner:
         groups: dict[tuple[tuple[int, ...] | int, ...], list[int]] = {}
         for index, item in enumerate(items):  # padded inputs group by rank, the others by shape
             key = tuple(row.ndim if i in self._pad else row.shape for i, row in enumerate(item.data))
-            groups.setdefault(key, []).append(index)
+            groups.setdefault((index, *key) if self.one_row_per_call else key, []).append(index)
         outputs: list[Row | ItemFailure] = [ItemFailure("not run")] * len(items)
         for indices in groups.values():
             for index, row in zip(indices, self._run_group([items[i].data for i in indices]), strict=True):

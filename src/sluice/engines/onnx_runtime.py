@@ -2,7 +2,8 @@
 
 The version folder holds `model.onnx` (another name with `[params] file`). Its inputs and
 outputs, names, datatypes and shapes come from the graph; each must have a variable first
-dimension, the batch (export with `dynamic_axes` / `dynamic_shapes`). Settings (`[params]`):
+dimension, the batch (export with `dynamic_axes` / `dynamic_shapes`), or 1: a graph exported
+for one row is served one row per call (requests give its shapes as they are). Settings (`[params]`):
 `num_threads` (intra-op threads; default ONNX Runtime's), `spin` (let idle intra-op threads
 spin-wait; default false, so an idle model leaves the cores to the rest of the server),
 `optimization` (`all`, `extended`, `basic` or `none`; default `all`), `pad` (inputs whose rows
@@ -41,6 +42,9 @@ class OnnxRunner(NamedTensorRunner):
         self.info = named_io_info(version, [_spec(v, version, "input") for v in self._session.get_inputs()],
                                   [_spec(v, version, "output") for v in self._session.get_outputs()])
         self._output_names = [spec.name for spec in self.info.outputs]
+        # a graph exported for one row ([1, ...]): served one row per call, as Triton serves a
+        # model with max_batch_size 0 (each request gives the shape as it is, batch dimension 1)
+        self.one_row_per_call = any(spec.shape[0] == 1 for spec in self.info.inputs)
         self.read_padding(version)
         self._strings = {spec.name for spec in self.info.inputs if spec.datatype == "BYTES"}
 
@@ -112,8 +116,8 @@ def _spec(value: Any, version: ModelVersion, role: str) -> wire.TensorSpec:
         raise ConfigError(f"{version.name} v{version.version}: {role} {value.name!r} is {value.type}, "
                           f"which sluice does not serve (it serves {', '.join(_DATATYPES)})")
     shape = [d if isinstance(d, int) and d >= 0 else -1 for d in value.shape]
-    if not shape or shape[0] != -1:
+    if not shape or shape[0] not in (-1, 1):
         raise ConfigError(f"{version.name} v{version.version}: {role} {value.name!r} has shape {value.shape}: "
-                          "its first dimension must be variable (the batch); export the model with a dynamic "
-                          "batch axis")
+                          "its first dimension must be variable (the batch) or 1 (one row per call); export "
+                          "the model with a dynamic batch axis")
     return wire.TensorSpec(value.name, datatype, tuple(shape))
