@@ -45,6 +45,8 @@ log = logging.getLogger("sluice.worker")
 
 STATE_INTERVAL_S = 0.05
 
+EVICTION_WAIT_S = 5.0
+"""How long a load on demand waits for the versions it evicted to be freed (they finish what they hold)."""
 RETIRE_AFTER_S = 0.5
 """A version taken off (`SyncModel`) still takes the requests sent before the gateways heard it
 was (its report goes out at once, so within a few ms); it is freed once idle and this long after."""
@@ -136,6 +138,8 @@ class WorkerServer:
         self._last_used: dict[ModelKey, float] = {}
         """When each loaded version last got a request (or was loaded): for `[loading] idle_unload_s`."""
         self._sync_lock = asyncio.Lock()  # one `SyncModel` at a time
+        self._freed = asyncio.Event()
+        """Set for a moment each time a version taken off is freed."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._tenant_weights: dict[str, float] | None = None
         self._clock = clock
@@ -312,10 +316,12 @@ class WorkerServer:
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
         if evicted:
             self._broadcast_state()
-            for _ in range(200):  # freed at the next state tick once they hold no work
-                if not any(key in self._retiring for key in evicted):
-                    break
-                await asyncio.sleep(0.025)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + EVICTION_WAIT_S
+            # freed at a state tick once they hold no work (`_free_retired` sets `_freed`)
+            while any(key in self._retiring for key in evicted) and (left_s := deadline - loop.time()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), left_s)
         return True
 
     def _unload_idle(self) -> None:
@@ -343,6 +349,8 @@ class WorkerServer:
             if now >= not_before and not self._holds_work(key):
                 del self._retiring[key]
                 self._free(key)
+                self._freed.set()  # wakes those waiting (`_make_room`) ...
+                self._freed.clear()  # ... and the next wait waits for the next
 
     def _holds_work(self, key: ModelKey) -> bool:
         if key in self._runners:
@@ -602,24 +610,18 @@ class WorkerServer:
         del self._pending[internal_id]
         self._by_gateway_id.pop((pending.identity, pending.gateway_request_id), None)
         num_tokens = sum(item.num_tokens for item in pending.items)
-        if pending.errors:
-            errors = sorted(pending.errors, key=_index)
-            result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED, errors=errors,
-                                 num_tokens=num_tokens, queue_s=pending.queue_s, exec_s=pending.exec_s,
-                                 batch_size=pending.batch_size, message=pending.errors[0].message,
-                                 device_s=pending.device_s)
-        else:
-            runner = self._runners[pending.key]
-            error: wire.ItemError | None = None
+        payload = None
+        if not pending.errors:
             try:
-                payload = runner.pack([o for o in pending.outputs if o is not None])
+                payload = self._runners[pending.key].pack([o for o in pending.outputs if o is not None])
             except Exception as exc:  # a model's outputs that do not fit together: fail it, never hang it
                 log.warning("%s v%s: request's outputs could not be assembled: %s", *pending.key, exc)
-                payload, error = None, wire.ItemError(-1, f"model error: {exc}")
-            result = wire.Result(pending.gateway_request_id, wire.Outcome.OK if error is None else wire.Outcome.FAILED,
-                                 payload=payload, errors=[error] if error else [], num_tokens=num_tokens,
-                                 queue_s=pending.queue_s, exec_s=pending.exec_s, batch_size=pending.batch_size,
-                                 device_s=pending.device_s, message=error.message if error else "")
+                pending.errors.append(wire.ItemError(-1, f"model error: {exc}"))
+        errors = sorted(pending.errors, key=_index)
+        result = wire.Result(pending.gateway_request_id, wire.Outcome.FAILED if errors else wire.Outcome.OK,
+                             payload=payload, errors=errors, num_tokens=num_tokens, queue_s=pending.queue_s,
+                             exec_s=pending.exec_s, batch_size=pending.batch_size, device_s=pending.device_s,
+                             message=pending.errors[0].message if errors else "")
         self._reply(pending.identity, result)
 
     def _expire(self, internal_id: int) -> None:
