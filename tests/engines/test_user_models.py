@@ -267,3 +267,15 @@ def test_an_onnx_model_on_cuda_without_the_cuda_provider_is_refused_with_what_to
     repo = write_onnx_scorer(tmp_path / "models")
     with pytest.raises(ConfigError, match="install onnxruntime-gpu"):
         load_runner(_version(repo, "scorer"), "cuda:0")
+
+
+@pytest.mark.parametrize(("setting", "error"), [
+    ("num_threads = 0", "num_threads must be a positive integer"),
+    ('optimization = "max"', "optimization must be one of all, extended, basic, none"),
+])
+def test_bad_onnx_runtime_settings_are_refused(tmp_path: Path, setting, error):
+    repo = write_onnx_scorer(tmp_path / "models")
+    toml = repo / "scorer" / "model.toml"
+    toml.write_text(toml.read_text().replace("num_threads = 1", setting))
+    with pytest.raises(ConfigError, match=error):
+        load_runner(_version(repo, "scorer"), "cpu")

@@ -42,6 +42,16 @@ ItemOutput = Any
 or for a model of several outputs (`named_tensors`) a row of each."""
 
 
+def num_threads_of(version: ModelVersion) -> int | None:
+    """`[params] num_threads`: a runner's intra-op threads on the CPU (None: the library's choice);
+    a ConfigError for anything but a positive integer."""
+    num_threads = version.params.get("num_threads")
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
+    return num_threads
+
+
 def fp32_rows(payload: wire.Payload, max_len: int | None = None) -> np.ndarray:
     """A request's FP32 [batch, length] tensor as an array of rows (rows of 1 to `max_len`
     elements); `InvalidInput` for anything else."""

@@ -3,8 +3,8 @@
 Loads a sentence-transformers folder (all-MiniLM-L6-v2 in the demo repository) from local files
 only: the encoder through `transformers.AutoModel` (or, with `backend = "onnx"`, the folder's
 ONNX export, `onnx/model.onnx` as Hugging Face repositories ship it), the fast tokenizer from
-`tokenizer.json` through `tokenizers`. An item is one string; its cost is its token count, [CLS] and [SEP]
-included, after truncation to `max_seq_len`. A batch is padded on the right to its longest item:
+`tokenizer.json` through `tokenizers`. An item is one string; its cost is its token count,
+[CLS] and [SEP] included, after truncation to `max_seq_len`. A batch is padded on the right to its longest item:
 
     ids   [CLS] t1 t2 t3 [SEP] [PAD] [PAD]      padded cost = n_items x longest
     mask    1   1  1  1    1     0     0         pads are neither attended to nor pooled
@@ -40,7 +40,7 @@ import torch
 import transformers
 
 from sluice import wire
-from sluice.engines.base import ItemFailure, PreparedItem, stack_rows
+from sluice.engines.base import ItemFailure, PreparedItem, num_threads_of, stack_rows
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
@@ -157,12 +157,9 @@ class EmbeddingRunner:
             torch.cuda.empty_cache()
 
     def _apply_num_threads(self, version: ModelVersion) -> None:
-        num_threads = version.params.get("num_threads")
-        if num_threads is None or self.device.type != "cpu":
-            return
-        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-            raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
-        torch.set_num_threads(num_threads)
+        num_threads = num_threads_of(version)
+        if num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
 
     def _pad(self, items: Sequence[PreparedItem]) -> tuple[np.ndarray, np.ndarray]:
         longest = max(len(item.data) for item in items)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from sluice import wire
+from sluice.engines.base import num_threads_of
 from sluice.engines.named_tensors import NamedTensorRunner, named_io_info, zeros_row
 from sluice.errors import ConfigError
 from sluice.repository import ModelVersion
@@ -76,10 +77,8 @@ def onnx_session(version: ModelVersion, path: Path, device: str) -> Any:
     if not path.is_file():
         raise ConfigError(f"{version.name} v{version.version}: no ONNX file {path}")
     options = onnxruntime.SessionOptions()
-    num_threads = params.get("num_threads")
+    num_threads = num_threads_of(version)
     if num_threads is not None:
-        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-            raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
         options.intra_op_num_threads = num_threads
     if not params.get("spin", False):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -35,6 +35,7 @@ import torch
 from llguidance import LLMatcher
 
 from sluice import wire
+from sluice.engines.base import num_threads_of
 from sluice.engines.generative.config import EngineConfig
 from sluice.engines.generative.engine import LLMEngine, context_length_message
 from sluice.engines.generative.sequence import SamplingParams
@@ -80,7 +81,7 @@ class GenerativeRunner:
         if parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"{version.name} v{version.version}: [params]: tool_call_parser must be one of "
                               f"{', '.join(repr(p) for p in TOOL_CALL_PARSERS if p)}, got {parser!r}")
-        _apply_num_threads(version, params.get("num_threads"), device)
+        _apply_num_threads(version, device)
         try:
             self.engine = LLMEngine(version.weights_dir, config)
         except ValueError as exc:
@@ -215,13 +216,11 @@ class GenerativeRunner:
         pass
 
 
-def _apply_num_threads(version: ModelVersion, num_threads: object, device: str) -> None:
+def _apply_num_threads(version: ModelVersion, device: str) -> None:
     """torch's intra-op threads on CPU; process-wide, so the worker's other CPU models share it."""
-    if num_threads is None or not device.startswith("cpu"):
-        return
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ConfigError(f"{version.name}: num_threads must be a positive integer, got {num_threads!r}")
-    torch.set_num_threads(num_threads)
+    num_threads = num_threads_of(version)
+    if num_threads is not None and device.startswith("cpu"):
+        torch.set_num_threads(num_threads)
 
 
 def _template_message(message: wire.ChatMessage) -> dict[str, Any]:
