@@ -17,13 +17,13 @@ import aiohttp
 import numpy as np
 
 from sluice.bench.loadgen import LoadConfig, LoadGenerator
-from sluice.bench.workloads import Endpoint, build_workload, input_spec_from_metadata
+from sluice.bench.workloads import Endpoint, build_workload, input_specs_from_metadata
 
 
 async def run(url: str, rate: float, duration_s: float) -> None:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/v2/models/emulated") as response:
         metadata = await response.json()
-    workload = build_workload(Endpoint.KSERVE, url, "emulated", 16, None, input_spec_from_metadata(metadata))
+    workload = build_workload(Endpoint.KSERVE, url, "emulated", 16, None, input_specs_from_metadata(metadata))
     samples = await LoadGenerator(workload, 30.0, 2000).run(LoadConfig(rate, duration_s, 2.0))
     sent, latency_ms, status = samples.sent_s, samples.latency_s * 1000, samples.status
     ok, refused = status == 200, status == 503

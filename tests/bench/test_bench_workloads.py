@@ -12,7 +12,6 @@ from sluice.bench.workloads import (
     InputSpec,
     LengthRange,
     build_workload,
-    input_spec_from_metadata,
     input_specs_from_metadata,
     sentences,
 )
@@ -20,7 +19,7 @@ from sluice.bench.workloads import (
 
 def test_kserve_fp32_bodies_follow_the_model_metadata() -> None:
     metadata = {"name": "m", "inputs": [{"name": "IN", "datatype": "FP32", "shape": [-1, -1]}]}
-    workload = build_workload(Endpoint.KSERVE, "http://h:1/", "m", 16, 250, input_spec_from_metadata(metadata))
+    workload = build_workload(Endpoint.KSERVE, "http://h:1/", "m", 16, 250, input_specs_from_metadata(metadata))
     assert workload.url == "http://h:1/v2/models/m/infer"
     assert workload.headers == {"Content-Type": "application/json", TIMEOUT_HEADER: "250"}
     tensor = json.loads(workload.body(5))["inputs"][0]
@@ -68,7 +67,7 @@ def test_sentences_are_varied_and_repeatable() -> None:
 
 def test_unusable_metadata_and_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="inputs"):
-        input_spec_from_metadata({"name": "m", "inputs": []})
+        input_specs_from_metadata({"name": "m", "inputs": []})
     with pytest.raises(ValueError, match="spec"):
         build_workload(Endpoint.KSERVE, "http://h", "m", 4, None)
     with pytest.raises(ValueError, match="positive"):

@@ -126,9 +126,7 @@ async def _run_rates(config: BenchConfig, console: Console) -> tuple[list[RateRe
             if metadata is None:
                 raise BenchError(f"model {config.model!r} has no KServe metadata at {config.url}")
             try:
-                specs = input_specs_from_metadata(metadata)
-                single = len(specs) == 1 and (specs[0].datatype == "BYTES" or specs[0].shape == (-1, -1))
-                spec = specs[0] if single else specs
+                spec = input_specs_from_metadata(metadata)
             except ValueError as exc:
                 raise BenchError(str(exc)) from exc
         def new_workload() -> Workload:  # one per rate: no rate resends an earlier one's bodies

@@ -12,7 +12,7 @@ server.
     kserve      POST {url}/v2/models/{model}/infer
                 {"inputs": [{"name": <from metadata>, "shape": [1, L], "datatype": "FP32", "data": [...]}]}
                 (a BYTES input gets one sentence instead: shape [1], data ["..."]; a model of
-                several inputs gets each as its metadata describes it: `named_templates`)
+                several inputs gets each as its metadata describes it: `kserve_templates`)
     embeddings  POST {url}/v1/embeddings   {"model": m, "input": "<sentence>"}
 
 Sentences are built in code from a few word lists, so runs need no downloads and are repeatable.
@@ -94,8 +94,13 @@ class InputSpec:
 
     name: str
     datatype: str
-    shape: tuple[int, ...] = (-1, -1)
-    """The batch dimension first; -1: variable (a body gives it the run's input length)."""
+    shape: tuple[int, ...] | None = None
+    """The batch dimension first; -1: variable (a body gives it the run's input length). None:
+    not known, taken as `[-1, -1]` for numbers (the emulator's rows) and `[-1]` for BYTES (texts)."""
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.shape or ((-1,) if self.datatype == "BYTES" else (-1, -1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,31 +136,26 @@ def sentences(count: int) -> list[str]:
     return [" ".join(pool[(i * stride) % len(pool)]) for i in range(count)]
 
 
-def input_spec_from_metadata(metadata: dict[str, Any]) -> InputSpec:
-    """The first input's name and datatype from a KServe model metadata document."""
-    try:
-        first = metadata["inputs"][0]
-        return InputSpec(name=str(first["name"]), datatype=str(first["datatype"]))
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"model metadata has no usable inputs[0]: {metadata!r}") from exc
-
-
 def input_specs_from_metadata(metadata: dict[str, Any]) -> tuple[InputSpec, ...]:
-    """Every input of a model (a model of several named inputs: the `onnx` and `python` kinds)."""
+    """Every input of a KServe model (several for the `onnx` and `python` kinds), as its metadata
+    describes it."""
     try:
-        return tuple(InputSpec(str(entry["name"]), str(entry["datatype"]), tuple(int(d) for d in entry["shape"]))
-                     for entry in metadata["inputs"])
+        specs = tuple(InputSpec(str(entry["name"]), str(entry["datatype"]), tuple(int(d) for d in entry["shape"]))
+                      for entry in metadata["inputs"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"model metadata has no usable inputs: {metadata!r}") from exc
+    if not specs:
+        raise ValueError(f"model metadata has no usable inputs: {metadata!r}")
+    return specs
 
 
-def named_templates(specs: tuple[InputSpec, ...], input_len: int | LengthRange, num_bodies: int = NUM_BODIES,
-                    seed: int = 0, run_mark: int = 0) -> tuple[tuple[BodyTemplate, ...], bool]:
-    """Bodies for a model of several inputs: one row each, its variable dimensions `input_len`
-    long; numbers random for floating-point inputs and 1 for integer ones (token ids, masks),
-    sentences for BYTES. The slot and the run's mark go into the first floating-point or BYTES
-    input; the second value says whether there is none (integer inputs only), so that the
-    bodies repeat and the cache must be skipped by header instead."""
+def kserve_templates(specs: tuple[InputSpec, ...], input_len: int | LengthRange, num_bodies: int = NUM_BODIES,
+                     seed: int = 0, run_mark: int = 0) -> tuple[tuple[BodyTemplate, ...], bool]:
+    """Bodies for a model's inputs: one row each, its variable dimensions `input_len` long;
+    numbers random for floating-point inputs and 1 for integer ones (token ids, masks), a
+    sentence for BYTES. The slot and the run's mark (below 2**20) go into the first
+    floating-point or BYTES input; the second value says whether there is none (integer inputs
+    only), so that the bodies repeat and the cache must be skipped by header instead."""
     lengths = lengths_of(input_len, num_bodies, seed)
     rng = np.random.default_rng(seed)
     texts = sentences(num_bodies)
@@ -164,7 +164,7 @@ def named_templates(specs: tuple[InputSpec, ...], input_len: int | LengthRange, 
     for number in range(num_bodies):
         inputs = []
         for spec in specs:
-            shape = [1, *(lengths[number] if d < 0 else d for d in spec.shape[1:])]
+            shape = [1, *(lengths[number] if d < 0 else d for d in spec.dims[1:])]
             count = int(np.prod(shape))
             data: list[Any]
             if spec.datatype == "BYTES":
@@ -173,8 +173,8 @@ def named_templates(specs: tuple[InputSpec, ...], input_len: int | LengthRange, 
                 data = rng.random(count).round(4).tolist()
                 if spec.name == slotted:
                     data[0] = _SLOT
-                    if count > 1:
-                        data[1] = run_mark / 2**20
+                    if count > 1:  # (a one-value tensor holds only the index)
+                        data[1] = run_mark / 2**20  # exact in FP32: 20 bits of fraction
             else:
                 data = [True] * count if spec.datatype == "BOOL" else [1] * count
             inputs.append({"name": spec.name, "shape": shape, "datatype": spec.datatype, "data": data})
@@ -183,24 +183,6 @@ def named_templates(specs: tuple[InputSpec, ...], input_len: int | LengthRange, 
         return tuple(_template(doc, None) for doc in docs), True
     is_text = next(spec for spec in specs if spec.name == slotted).datatype == "BYTES"
     return tuple(_template(doc, _SLOT if is_text else f'"{_SLOT}"') for doc in docs), False
-
-
-def kserve_templates(spec: InputSpec, input_len: int | LengthRange, num_bodies: int = NUM_BODIES,
-                     seed: int = 0, run_mark: int = 0) -> tuple[BodyTemplate, ...]:
-    """Bodies for a KServe input; `run_mark` (below 2**20) tells this run's bodies from another's."""
-    if spec.datatype == "BYTES":
-        docs = [{"inputs": [{"name": spec.name, "shape": [1], "datatype": "BYTES",
-                             "data": [_tagged(text, run_mark)]}]} for text in sentences(num_bodies)]
-        return tuple(_template(doc, _SLOT) for doc in docs)
-    lengths = lengths_of(input_len, num_bodies, seed)
-    rng = np.random.default_rng(seed)
-    rows = [rng.random(length).round(4).tolist() for length in lengths]
-    for row in rows:
-        if len(row) > 1:  # (a one-value tensor holds only the index)
-            row[1] = run_mark / 2**20  # exact in FP32: 20 bits of fraction
-    docs = [{"inputs": [{"name": spec.name, "shape": [1, len(row)], "datatype": spec.datatype,
-                         "data": [_SLOT, *row[1:]]}]} for row in rows]
-    return tuple(_template(doc, f'"{_SLOT}"') for doc in docs)
 
 
 def embeddings_templates(model: str, num_bodies: int = NUM_BODIES, run_mark: int = 0) -> tuple[BodyTemplate, ...]:
@@ -227,7 +209,7 @@ def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int
                    timeout_ms: float | None,
                    spec: InputSpec | tuple[InputSpec, ...] | None = None, seed: int = 0,
                    extra_headers: Mapping[str, str] | None = None, run_mark: int | None = None) -> Workload:
-    """The workload for one endpoint. KServe needs the model's `spec` (see `input_spec_from_metadata`).
+    """The workload for one endpoint. KServe needs the model's inputs (`input_specs_from_metadata`).
 
     `extra_headers` go on every request (an API key, a priority class). `run_mark` (below
     2**20; drawn at random when not given) makes the bodies differ from another run's.
@@ -242,16 +224,14 @@ def build_workload(endpoint: Endpoint, base_url: str, model: str, input_len: int
     if endpoint is Endpoint.KSERVE:
         if spec is None:
             raise ValueError("a kserve workload needs the model's input spec")
-        if isinstance(spec, tuple):
-            templates, repeats = named_templates(spec, input_len, seed=seed, run_mark=run_mark)
-            if repeats:  # integer inputs only: no slot to make bodies distinct
-                headers["Cache-Control"] = "no-cache"
-            names = ", ".join(f"{s.name} {s.datatype}" for s in spec)
-            return Workload(f"{base_url}/v2/models/{model}/infer", headers, templates,
-                            f"kserve {model} ({names}), variable dimensions {input_len}")
-        shape = "" if spec.datatype == "BYTES" else f" [1, {input_len}]"
-        templates = kserve_templates(spec, input_len, seed=seed, run_mark=run_mark)
+        specs = spec if isinstance(spec, tuple) else (spec,)
+        templates, repeats = kserve_templates(specs, input_len, seed=seed, run_mark=run_mark)
+        if repeats:  # integer inputs only: no slot to make bodies distinct
+            headers["Cache-Control"] = "no-cache"
+        shapes = ", ".join(f"{s.name} {s.datatype} {[1, *('L' if d < 0 else d for d in s.dims[1:])]}"
+                           for s in specs).replace("'", "")
+        varies = any(d < 0 for s in specs for d in s.dims[1:])
         return Workload(f"{base_url}/v2/models/{model}/infer", headers, templates,
-                        f"kserve {model} {spec.name} {spec.datatype}{shape}")
+                        f"kserve {model} {shapes}" + (f", L = {input_len}" if varies else ""))
     return Workload(f"{base_url}/v1/embeddings", headers, embeddings_templates(model, run_mark=run_mark),
                     f"embeddings {model}")
