@@ -1,5 +1,5 @@
 """The source passes its static checks, as CI runs them: ruff (lint, import order) over the
-source, tests and benchmarks, and mypy (types) over the source."""
+source, tests, benchmarks, examples and deploy/'s scripts, and mypy (types) over the source."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("command", [["ruff", "check", "src", "tests", "benchmarks", "examples"], ["mypy", "src"]],
-                         ids=["ruff", "mypy"])
+LINTED = ["src", "tests", "benchmarks", "examples", "deploy"]
+
+
+@pytest.mark.parametrize("command", [["ruff", "check", *LINTED], ["mypy", "src"]], ids=["ruff", "mypy"])
 def test_the_source_passes(command: list[str]) -> None:
     run = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
