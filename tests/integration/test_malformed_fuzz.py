@@ -222,6 +222,49 @@ def _assert_generated(http: httpx.Client, path: str, body: dict) -> None:
 
 
 @st.composite
+def responses_requests(draw) -> dict:
+    """A Responses request: input as text or items (messages with text parts, a function call and
+    its output), tools, a text format, sampling fields, some of them junk."""
+    body: dict = {"model": draw(st.sampled_from(["tiny", "tiny", "tiny", "nope"])),
+                  "max_output_tokens": draw(st.integers(1, 4)), "temperature": draw(st.sampled_from([0, 0.7]))}
+    text = st.text(min_size=1, max_size=20)
+    if draw(st.booleans()):
+        body["input"] = draw(text)
+    else:
+        part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "input_image"]), "text": text})
+        message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+                                         "content": text | st.lists(part, max_size=2)})
+        call = st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"),
+                                      "name": st.sampled_from(["f", "g"]), "arguments": st.just("{}")})
+        output = st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("call_1"),
+                                        "output": text})
+        body["input"] = draw(st.lists(message | call | output, min_size=0, max_size=4))
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}
+    for key, values in (("instructions", text), ("stream", st.booleans()), ("tools", st.just([tool])),
+                        ("tool_choice", st.sampled_from(["none", "required", {"type": "function", "name": "f"}])),
+                        ("text", st.sampled_from([{"format": {"type": "json_object"}},
+                                                  {"format": {"type": "json_schema", "name": "t",
+                                                              "schema": {"type": "boolean"}}}]))):
+        if draw(st.booleans()):
+            body[key] = draw(values)
+    _mutate(draw, body, ["model", "input", "instructions", "max_output_tokens", "temperature", "tools",
+                         "tool_choice", "text", "metadata", "store", "previous_response_id", "top_p"])
+    return body
+
+
+@SETTINGS
+@given(body=responses_requests())
+def test_responses_near_misses_are_never_5xx(generation_http, body):
+    """Answered in OpenAI's shape, never 5xx; a stream that started ends with the response's end."""
+    response = generation_http.post("/v1/responses", content=_encode(body))
+    _assert_answered_openai(response)
+    if response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream"):
+        last = response.text.rstrip("\n").rsplit("\n", 2)
+        assert last[-2] in ("event: response.completed", "event: response.incomplete"), response.text[-300:]
+
+
+@st.composite
 def tokenizer_requests(draw) -> tuple[str, dict]:
     """(path, body): a /tokenize or /detokenize request, some of its fields junk."""
     body: dict = {}

@@ -28,7 +28,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
-from sluice.api import admin, completions, kserve, openai, tokenize, triton
+from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
 from sluice.api.common import HotRoute, check_body_size, request_id
 from sluice.api.errors import error_response, protocol_of
@@ -225,6 +225,7 @@ def build_app(
     routes = [
         *openai.routes(gateway, config.body_limit_bytes),
         *completions.routes(gateway, config.body_limit_bytes),
+        *responses.routes(gateway, config.body_limit_bytes),
         *tokenize.routes(gateway, config.body_limit_bytes),
         *triton.routes(gateway),  # before kserve's: /v2/models/stats is not a model's metadata
         *kserve.routes(gateway, config.body_limit_bytes),

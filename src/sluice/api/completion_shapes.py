@@ -59,7 +59,7 @@ class ResponseShape:
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
         if self.is_chat and self.tools is not None:
-            content, calls = self._answer(choice.text)
+            content, calls = self.answer(choice.text)
             message = {"role": "assistant", "content": content}
             return {"index": index, "message": {**message, "tool_calls": calls} if calls else message,
                     "logprobs": None, "finish_reason": self._finish_reason(choice.finish_reason, calls)}
@@ -112,7 +112,7 @@ class ResponseShape:
             if self.tools.named is not None:
                 calls: list[dict[str, Any]] | None = [] if self._call_ids[index] is not None else None
             else:  # what was held back, read as content and calls now that it is whole
-                content, calls = self._answer(self._held[index] + self._calls_text[index] + choice.text)
+                content, calls = self.answer(self._held[index] + self._calls_text[index] + choice.text)
                 if content:
                     chunks.append(self._chunk({"index": index, "delta": {"content": content}, "logprobs": None,
                                                "finish_reason": None}))
@@ -124,7 +124,7 @@ class ResponseShape:
             chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
         return [chunk for chunk in chunks if chunk is not None]
 
-    def _answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """A whole answer as (content, tool calls): the calls asked for (content None), or the text
         if it is not whole calls (cut by max_tokens); with `auto`, the calls found and the rest."""
         assert self.tools is not None

@@ -99,13 +99,13 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
                           first.n, tools)
     if not first.stream:
-        results = await _unless_disconnected(request, streams, _each(streams, _final))
+        results = await unless_disconnected(request, streams, _each(streams, final_result))
         answers = [result.payload for result in results if isinstance(result.payload, wire.GenerationResult)]
         assert len(answers) == len(results)
         return Response(msgspec.json.encode(shape.whole(answers)), media_type="application/json",
                         headers=with_version(info, results[0].headers))
     # errors before the first byte become HTTP statuses
-    firsts = await _unless_disconnected(request, streams, _each(streams, anext))
+    firsts = await unless_disconnected(request, streams, _each(streams, anext))
     return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams), media_type="text/event-stream",
                              headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
                                                          **(limit_headers or {})}))
@@ -132,7 +132,7 @@ async def _each(streams: list[Events], first: Callable[[Events], Awaitable[T]]) 
         raise
 
 
-async def _unless_disconnected(request: Request, streams: list[Events], waiting: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, streams: list[Events], waiting: Awaitable[T]) -> T:
     """What `waiting` (on `streams`) gives, unless the client disconnects first: then the
     generations are withdrawn from their workers (blocks freed within a step) and nobody is answered."""
     work = asyncio.ensure_future(waiting)
@@ -158,7 +158,7 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _final(events: Events) -> InferResult:
+async def final_result(events: Events) -> InferResult:
     async for event in events:
         if isinstance(event, InferResult):
             return event

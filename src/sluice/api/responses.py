@@ -1,0 +1,510 @@
+"""OpenAI's Responses API for generative models: `POST /v1/responses`.
+
+    body ─▶ ResponsesRequest ─▶ the chat request it means ─▶ GeneratePayload ─▶ gateway.generate
+         ─▶ a `response` object (stream: false), or its typed events (stream: true)
+
+A Responses request is read as the chat request it means: `instructions` is a system message,
+`input` (a string, or items: messages, `function_call`s and their `function_call_output`s) the
+messages, function `tools` and `tool_choice` the chat's, `text.format` its `response_format`,
+`max_output_tokens` its `max_completion_tokens`. So sampling, structured outputs, tool calls, the
+context checks and the tenant's limits are the chat endpoint's (`api.completion_params`), and the
+answer is the chat answer in the Responses shape: a `message` item holding the `output_text`,
+and a `function_call` item per call.
+
+Streamed, it is Responses' events, each an SSE `event:` line and a `data:` line with its `type`
+and `sequence_number` (no `[DONE]`): `response.created`, `response.in_progress`; per item
+`response.output_item.added`, for a message `response.content_part.added`,
+`response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`, for a
+call `response.function_call_arguments.delta`/`.done`, then `response.output_item.done`; and
+`response.completed`, or `response.incomplete` when `max_output_tokens` cut the answer. An error
+found before the first byte is an HTTP status in OpenAI's envelope; after it, an `error` event.
+A client that disconnects withdraws its sequence, as on the chat endpoint.
+
+Stateless: responses are not stored (every response says `store: false`), so a conversation
+travels in `input`, as OpenAI's clients send it with `store: false`; `previous_response_id`,
+`conversation` and `GET /v1/responses/{id}` are refused saying so. What cannot be served is
+refused with a 400 rather than ignored: image, file and audio inputs, built-in tools (web search,
+file search, ...), `background`, `reasoning` effort, `truncation: "auto"`, `include`d extras.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from sluice import wire
+from sluice.api.common import (
+    arrival,
+    caller,
+    decode_json,
+    header_timeout_s,
+    read_body,
+    requested_priority,
+    resolve_openai,
+    with_version,
+)
+from sluice.api.completion_params import (
+    ChatMessageIn,
+    ChatRequest,
+    JsonSchemaFormat,
+    ResponseFormat,
+    ToolCallFunctionIn,
+    ToolCallIn,
+    chat_tools,
+    estimate_tokens,
+    to_payloads,
+)
+from sluice.api.completion_shapes import ResponseShape
+from sluice.api.completions import Events, final_result, unless_disconnected
+from sluice.api.errors import error_body
+from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
+from sluice.errors import InvalidInput, NotFound, SluiceError
+from sluice.gateway import Gateway
+
+log = logging.getLogger("sluice.api")
+
+MAX_METADATA_KEYS = 16
+NOT_STORED = ("responses are not stored by this server (each is answered with store: false): send the "
+              "conversation's items in 'input' instead")
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+"""The chat request's fields that errors name, as the Responses request calls them."""
+
+
+class TextFormat(msgspec.Struct):
+    type: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextOptions(msgspec.Struct):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # accepted: prefix caching needs no key here
+    service_tier: str | None = None
+    priority: str | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
+    async def create(request: Request) -> Response:
+        return await _serve(gateway, request, body_limit_bytes)
+
+    async def stored(request: Request) -> Response:
+        raise NotFound(f"no response {request.path_params['response_id'][:80]!r}: {NOT_STORED}")
+
+    return [
+        Route("/v1/responses", create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/{action}", stored, methods=["GET", "POST"]),
+    ]
+
+
+async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int) -> Response:
+    arrived_at = arrival(request, gateway.now())
+    timeout_s = header_timeout_s(request, gateway.max_timeout_s)
+    body = await read_body(request, body_limit_bytes)
+    parsed = decode_json(body, ResponsesRequest)
+    _refuse_unsupported(parsed)
+    info = resolve_openai(gateway, parsed.model, request, parsed.user)
+    if info.kind not in ("generative", "openai-upstream"):
+        raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
+                           f"/v2/models/{parsed.model}/infer", param="model")
+    chat = chat_request_of(parsed)
+    try:
+        [payload] = to_payloads(chat, info)
+        plan = chat_tools(chat, info)[2]
+    except InvalidInput as exc:
+        raise _as_responses_error(exc) from exc
+    priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
+    limit_headers: dict[str, str] | None = {} if payload.stream else None
+    stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
+                              caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing),
+                              limit_headers=limit_headers)
+    shape = ResponsesShape(parsed, info.name, payload, plan)
+    if not payload.stream:
+        result = await unless_disconnected(request, [stream], final_result(stream))
+        assert isinstance(result.payload, wire.GenerationResult)
+        return Response(msgspec.json.encode(shape.whole(result.payload)), media_type="application/json",
+                        headers=with_version(info, result.headers))
+    first = await unless_disconnected(request, [stream], anext(stream))  # errors before the first byte: a status
+    return StreamingResponse(_events(shape, first, stream), media_type="text/event-stream",
+                             headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
+                                                         **(limit_headers or {})}))
+
+
+def _refuse_unsupported(request: ResponsesRequest) -> None:
+    refused: list[tuple[bool, str, str]] = [
+        (request.previous_response_id is not None, "previous_response_id", NOT_STORED),
+        (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
+                                                           "the conversation's items in 'input' instead"),
+        (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
+        (bool(request.background), "background", "background responses are not supported (they need stored "
+                                                 "responses); use the Batch API for work that can wait"),
+        (request.reasoning is not None and any(v is not None for v in request.reasoning.values()), "reasoning",
+         "reasoning options are not supported: the models served here do not reason separately"),
+        (request.truncation not in (None, "disabled"), "truncation",
+         "only truncation 'disabled' is supported: an input too long for the context is refused"),
+        (bool(request.include), "include", "no extra output can be included (log-probabilities, reasoning, "
+                                           "search results)"),
+        (request.top_logprobs not in (None, 0), "top_logprobs", "log-probabilities are not reported by this "
+                                                                 "endpoint; use /v1/chat/completions"),
+        (request.max_tool_calls is not None, "max_tool_calls", "max_tool_calls is not supported; "
+                                                               "parallel_tool_calls false allows one call"),
+        (request.text is not None and request.text.verbosity not in (None, "medium"), "text.verbosity",
+         "only verbosity 'medium' is supported"),
+    ]
+    for is_refused, param, message in refused:
+        if is_refused:
+            raise InvalidInput(message, param=param)
+    metadata = request.metadata or {}
+    if len(metadata) > MAX_METADATA_KEYS or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise InvalidInput(f"'metadata' takes up to {MAX_METADATA_KEYS} pairs, keys of up to 64 characters and "
+                           "values of up to 512", param="metadata")
+
+
+def chat_request_of(request: ResponsesRequest) -> ChatRequest:
+    """The chat request a Responses request means (see the module's docstring)."""
+    messages = [ChatMessageIn("system", request.instructions)] if request.instructions else []
+    messages += _messages(request.input)
+    return ChatRequest(
+        model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
+        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+        seed=request.seed, repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        stream=request.stream, user=request.user, service_tier=request.service_tier, priority=request.priority,
+        tools=[_tool(tool) for tool in request.tools] if request.tools else None,
+        tool_choice=_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
+        response_format=_response_format(request.text.format if request.text else None),
+    )
+
+
+def _messages(given: str | list[Any]) -> list[ChatMessageIn]:
+    if isinstance(given, str):
+        return [ChatMessageIn("user", given)]
+    messages: list[ChatMessageIn] = []
+    for item in given:
+        if not isinstance(item, dict):
+            raise InvalidInput("each 'input' item must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidInput(f"an input message's role must be user, system, developer or assistant, got "
+                                   f"{str(role)[:40]!r}", param="input")
+            messages.append(ChatMessageIn(role, _text(item.get("content"), "an input message's 'content'")))
+        elif kind == "function_call":
+            call = ToolCallIn(_string(item, "call_id"), ToolCallFunctionIn(_string(item, "name"),
+                                                                            _string(item, "arguments")))
+            if messages and messages[-1].role == "assistant":  # one assistant turn: its text and its calls
+                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            else:
+                messages.append(ChatMessageIn("assistant", None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            messages.append(ChatMessageIn("tool", _text(item.get("output"), "a function_call_output's 'output'"),
+                                          tool_call_id=_string(item, "call_id")))
+        elif kind == "reasoning":
+            continue  # an earlier response's reasoning, passed back: the models served here write none
+        else:
+            raise InvalidInput(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call "
+                               "and function_call_output are)", param="input")
+    if not messages:
+        raise InvalidInput("'input' must not be empty", param="input")
+    return messages
+
+
+def _text(content: Any, what: str) -> str:
+    """A message's or a call output's text: a string, or text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidInput(f"{what} may only hold text (input_text) parts, got {str(kind)[:40]!r}: "
+                                   "image, file and audio inputs are not supported", param="input")
+            if not isinstance(part.get("text"), str):
+                raise InvalidInput(f"a text part of {what} needs its 'text'", param="input")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidInput(f"{what} must be a string or a list of text parts", param="input")
+
+
+def _string(item: dict[str, Any], key: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidInput(f"a {item.get('type')} input item needs its '{key}' (a string)", param="input")
+    return value
+
+
+def _tool(tool: Any) -> ToolDef:
+    """A Responses function tool (`{"type": "function", "name", "parameters", ...}`) as the chat's."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise InvalidInput(f"only function tools are supported, got {str(kind)[:40]!r}", param="tools")
+    name, description, parameters = tool.get("name"), tool.get("description"), tool.get("parameters")
+    if not isinstance(name, str) or not isinstance(description, str | None) or not isinstance(parameters, dict | None):
+        raise InvalidInput("a function tool needs a 'name' (a string), and its 'description' is a string and its "
+                           "'parameters' a JSON schema", param="tools")
+    strict = tool.get("strict")
+    return ToolDef("function", FunctionDef(name, description, parameters, strict if isinstance(strict, bool) else None))
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | NamedToolChoice | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return NamedToolChoice("function", ChosenFunction(choice["name"]))
+    raise InvalidInput("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+                       param="tool_choice")
+
+
+def _response_format(given: TextFormat | None) -> ResponseFormat | None:
+    if given is None:
+        return None
+    if given.type == "json_schema":
+        if given.schema is None:
+            raise InvalidInput("a 'json_schema' text format needs its 'schema'", param="text.format")
+        return ResponseFormat("json_schema", JsonSchemaFormat(given.name, given.schema, given.strict,
+                                                               given.description))
+    return ResponseFormat(given.type)  # "text", "json_object"; others refused as the chat refuses them
+
+
+def _as_responses_error(exc: InvalidInput) -> InvalidInput:
+    """A chat request's error, naming the Responses request's fields."""
+    message = exc.message
+    for chat_name, name in CHAT_PARAMS.items():
+        message = message.replace(f"'{chat_name}'", f"'{name}'").replace(f"reduce {chat_name}", f"reduce {name}")
+    message = message.replace("for the messages", "for the input")
+    return InvalidInput(message, param=CHAT_PARAMS.get(exc.param or "", exc.param))
+
+
+class ResponsesShape:
+    """A Responses request's `response` object, and its stream of events."""
+
+    def __init__(self, request: ResponsesRequest, model: str, payload: wire.GeneratePayload,
+                 plan: ToolPlan | None) -> None:
+        self.request = request
+        self.model = model
+        self.payload = payload
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.chat = ResponseShape(True, model, tools=plan)
+        """The chat answer's shape: what reads tool calls out of the text, whole or as it streams."""
+        self.output: list[dict[str, Any]] = []
+        """A stream's items so far."""
+        self._open: dict[str, Any] | None = None  # the item the stream is adding to
+        self._sequence = 0
+
+    def response(self, status: str, usage: dict[str, Any] | None = None,
+                 incomplete: str | None = None) -> dict[str, Any]:
+        request = self.request
+        text_format: dict[str, Any] = {"type": "text"}
+        if request.text is not None and request.text.format is not None:
+            given = msgspec.structs.asdict(request.text.format)
+            text_format = {key: value for key, value in given.items() if value is not None}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": None if incomplete is None else {"reason": incomplete},
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "max_tool_calls": None, "model": self.model, "output": self.output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
+            "temperature": self.payload.temperature, "text": {"format": text_format, "verbosity": "medium"},
+            "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
+            "tools": request.tools or [], "top_logprobs": 0, "top_p": self.payload.top_p, "truncation": "disabled",
+            "usage": usage, "user": request.user, "metadata": request.metadata or {},
+        }
+
+    def whole(self, result: wire.GenerationResult) -> dict[str, Any]:
+        """The unstreamed response."""
+        content, calls = self.chat.answer(result.text) if self.chat.tools is not None else (result.text, None)
+        is_cut = result.finish_reason == "length"
+        if content or not calls:
+            self.output.append(_message(content or "", "incomplete" if is_cut else "completed"))
+        self.output += [_function_call(call, "completed") for call in calls or []]
+        return self._final(result)
+
+    def _final(self, result: wire.GenerationResult) -> dict[str, Any]:
+        is_cut = result.finish_reason == "length"
+        return self.response("incomplete" if is_cut else "completed", _usage(result),
+                             "max_output_tokens" if is_cut else None)
+
+    # -- streaming --
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = msgspec.json.encode({"type": kind, "sequence_number": self._sequence, **fields})
+        self._sequence += 1
+        return f"event: {kind}\ndata: ".encode() + data + b"\n\n"
+
+    def start(self) -> list[bytes]:
+        return [self.event("response.created", response=self.response("in_progress")),
+                self.event("response.in_progress", response=self.response("in_progress"))]
+
+    def chunk(self, chat_chunk: dict[str, Any] | None) -> list[bytes]:
+        """The events of one chat chunk of the answer (text, tool calls, the finish)."""
+        if chat_chunk is None:
+            return []
+        choice = chat_chunk["choices"][0]
+        delta, events = choice["delta"], []
+        if delta.get("content"):
+            events += self._text_delta(delta["content"])
+        for call in delta.get("tool_calls") or []:
+            events += self._call_delta(call)
+        if choice["finish_reason"] is not None:
+            events += self._close("incomplete" if choice["finish_reason"] == "length" else "completed")
+        return events
+
+    def _text_delta(self, text: str) -> list[bytes]:
+        events = []
+        if self._open is None or self._open["type"] != "message":
+            events += self._close("completed") + self._open_message()
+        assert self._open is not None
+        self._open["content"][0]["text"] += text
+        events.append(self.event("response.output_text.delta", item_id=self._open["id"],
+                                 output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _open_message(self) -> list[bytes]:
+        item = _message("", "in_progress")
+        return [*self._add(item), self.event("response.content_part.added", item_id=item["id"],
+                                             output_index=len(self.output) - 1, content_index=0,
+                                             part=_text_part(""))]
+
+    def _call_delta(self, call: dict[str, Any]) -> list[bytes]:
+        events = []
+        function = call.get("function", {})
+        if "id" in call:  # a new call
+            events += self._close("completed")
+            events += self._add(_function_call({"id": call["id"], "function": {"name": function.get("name", ""),
+                                                                                "arguments": ""}}, "in_progress"))
+        assert self._open is not None and self._open["type"] == "function_call"
+        if function.get("arguments"):
+            self._open["arguments"] += function["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                     output_index=len(self.output) - 1, delta=function["arguments"]))
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        self.output.append(item)
+        self._open = item
+        announced = {**item, "content": []} if item["type"] == "message" else item
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=announced)]
+
+    def _close(self, status: str) -> list[bytes]:
+        """The open item's end (none open: nothing)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index, events = len(self.output) - 1, []
+        item["status"] = status
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            events += [self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=text, logprobs=[]),
+                       self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=_text_part(text))]
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=index, name=item["name"], arguments=item["arguments"]))
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def finish(self, result: wire.GenerationResult) -> list[bytes]:
+        events = [event for chunk in self.chat.finish_chunks(0, result) for event in self.chunk(chunk)]
+        final_status = "incomplete" if result.finish_reason == "length" else "completed"
+        if not self.output:  # nothing was generated: still one (empty) message
+            events += self._open_message() + self._close(final_status)
+        final = self._final(result)
+        return [*events, self.event(f"response.{final['status']}", response=final)]
+
+
+async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: Events) -> AsyncIterator[bytes]:
+    try:
+        for event in shape.start():
+            yield event
+        item: Any = first
+        while item is not None:
+            if isinstance(item, wire.TokenChunk):
+                for event in shape.chunk(shape.chat.delta(item.text, None)) if item.text else []:
+                    yield event
+            else:
+                assert isinstance(item.payload, wire.GenerationResult)
+                for event in shape.finish(item.payload):
+                    yield event
+                return
+            item = await anext(stream, None)
+        raise RuntimeError("a generation ended without a result")
+    except SluiceError as exc:  # after the first byte: an error event ends the stream
+        yield shape.event("error", **error_body(exc)["error"])
+    except Exception as exc:  # a bug: the client still gets an error event and a clean end
+        log.exception("internal error while streaming %s", shape.id)
+        yield shape.event("error", **error_body(exc)["error"])
+    finally:
+        await stream.aclose()  # withdraws the sequence if we stopped early (client gone)
+
+
+def _message(text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def _usage(result: wire.GenerationResult) -> dict[str, Any]:
+    return {"input_tokens": result.num_prompt_tokens,
+            "input_tokens_details": {"cached_tokens": result.num_cached_tokens},
+            "output_tokens": result.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": result.num_prompt_tokens + result.num_output_tokens}

@@ -1,0 +1,174 @@
+"""OpenAI's Responses API (`/v1/responses`) through the real `openai` SDK against a random-weight
+model: it answers what the chat endpoint answers for the same conversation (greedy, token for
+token), streamed as Responses' typed events that the SDK's stream helper assembles; function
+tools, structured text formats, conversations carried in `input`; what cannot be served is a 400
+naming the field; a stream the client drops frees its sequence."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import eventually, metric_total
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+CITY = {"type": "json_schema", "name": "city", "strict": True,
+        "schema": {"type": "object", "properties": {"name": {"enum": ["Paris", "Oslo"]},
+                                                    "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+                   "required": ["name", "rank"], "additionalProperties": False}}
+
+
+@pytest.fixture
+def sdk(tiny_lm_client: openai.OpenAI) -> Iterator[openai.OpenAI]:
+    yield tiny_lm_client
+
+
+def _chat_text(sdk: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[str, int, str]:
+    answer = sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0)
+    return answer.choices[0].message.content or "", answer.usage.prompt_tokens, answer.choices[0].finish_reason
+
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation(sdk):
+    response = sdk.responses.create(model="tiny", instructions="Answer briefly.", input="Where is Oslo?",
+                                    max_output_tokens=12, temperature=0, metadata={"ticket": "42"})
+    text, prompt_tokens, finish = _chat_text(sdk, [{"role": "system", "content": "Answer briefly."},
+                                                   {"role": "user", "content": "Where is Oslo?"}], 12)
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == "tiny"
+    assert response.output_text == text and text
+    assert finish == "length" and response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert response.usage.input_tokens == prompt_tokens and response.usage.output_tokens == 12
+    assert response.usage.total_tokens == prompt_tokens + 12
+    assert response.metadata == {"ticket": "42"} and response.store is False and response.max_output_tokens == 12
+
+
+def test_a_stream_is_responses_events_that_add_up_to_the_whole_answer(sdk):
+    whole = sdk.responses.create(model="tiny", input="Where is Oslo?", max_output_tokens=10, temperature=0)
+    events = list(sdk.responses.create(model="tiny", input="Where is Oslo?", max_output_tokens=10, temperature=0,
+                                       stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    kinds = [event.type for event in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    assert deltas >= 2, "the text came as it was generated, not whole at the end"
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.status == "incomplete" and final.output_text == text and final.usage.output_tokens == 10
+    assert events[-2].item.id == final.output[0].id == events[2].item.id
+
+
+def test_a_structured_text_format_completes_and_the_stream_helper_assembles_it(sdk):
+    with sdk.responses.stream(model="tiny", input="A city", text={"format": CITY}, max_output_tokens=60,
+                              temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and final.status == "completed"
+    value = json.loads(final.output_text)
+    assert value["name"] in ("Paris", "Oslo") and 1 <= value["rank"] <= 9
+    assert final.text.format.type == "json_schema" and final.text.format.name == "city"
+
+
+def test_a_named_function_is_called_whole_and_streamed(sdk):
+    response = sdk.responses.create(model="tiny", input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    assert response.status == "completed"
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    arguments = json.loads(call.arguments)
+    assert arguments["city"] in ("Paris", "Oslo", "Lima") and arguments["unit"] in ("C", "F")
+    with sdk.responses.stream(model="tiny", input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+                              tool_choice={"type": "function", "name": "get_weather"},
+                              max_output_tokens=60) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    [done] = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert "".join(deltas) == done.arguments == final.output[0].arguments == call.arguments
+    assert final.output[0].name == "get_weather"
+
+
+def test_required_tools_and_a_conversation_carried_in_input(sdk):
+    response = sdk.responses.create(model="tiny", input="Weather?", tools=[WEATHER], tool_choice="required",
+                                    max_output_tokens=100, temperature=0)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(item.name == "get_weather" for item in calls)
+    call = calls[0]
+    followed = sdk.responses.create(
+        model="tiny", tools=[WEATHER], tool_choice="none", max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "12 C and rain"}])
+    chat = sdk.chat.completions.create(
+        model="tiny", max_tokens=8, temperature=0, tools=[{"type": "function", "function": {
+            k: v for k, v in WEATHER.items() if k != "type"}}], tool_choice="none",
+        messages=[{"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                   "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "12 C and rain"}])
+    assert followed.output_text == chat.choices[0].message.content
+    assert followed.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"max_output_tokens": 5000}, "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(sdk, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model="tiny", **{"input": "Hi", **fields})
+    assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_responses_are_not_stored_and_other_models_are_refused(sdk, tiny_lm_server):
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.responses.retrieve("resp_123")
+    assert "not stored" in missing.value.body["message"]
+    response = httpx.post(f"{tiny_lm_server.url}/v1/responses", json={"model": "nope", "input": "Hi"})
+    assert response.status_code == 404 and "nope" in response.json()["error"]["message"]
+    response = httpx.post(f"{tiny_lm_server.url}/v1/responses", content=b"{not json")
+    assert response.status_code == 400 and "error" in response.json()
+
+
+def test_a_dropped_stream_frees_its_sequence(sdk, tiny_lm_server):
+    cancelled = metric_total(tiny_lm_server, "sluice_requests_total", model="tiny", outcome="cancelled")
+    with httpx.stream("POST", f"{tiny_lm_server.url}/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "Tell me a long story", "max_output_tokens": 900, "stream": True}) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: ") and "output_text.delta" in line:
+                eventually(lambda: metric_total(tiny_lm_server, "vllm:num_requests_running", model_name="tiny") == 1,
+                           "the stream's sequence to be reported running", timeout_s=10)
+                break
+    eventually(lambda: metric_total(tiny_lm_server, "vllm:num_requests_running", model_name="tiny") == 0,
+               "the dropped stream's sequence to leave the engine")
+    assert metric_total(tiny_lm_server, "sluice_requests_total", model="tiny", outcome="cancelled") == cancelled + 1
