@@ -90,6 +90,17 @@ def test_streamed_completion_equals_the_unary_answer(via_front, direct):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_a_response_through_the_front_is_the_upstreams_chat_answer(via_front, direct):
+    theirs = direct.chat.completions.create(model=UPSTREAM_MODEL, max_tokens=10, temperature=0, messages=[
+        {"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say something"}])
+    ask = dict(instructions="Be brief", input="Say something", max_output_tokens=10, temperature=0)
+    mine = via_front.responses.create(model="proxy", **ask)
+    assert mine.output_text == theirs.choices[0].message.content and mine.status == "incomplete"
+    assert (mine.usage.input_tokens, mine.usage.output_tokens) == (theirs.usage.prompt_tokens, 10)
+    streamed = via_front.responses.create(model="proxy", stream=True, **ask)
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == mine.output_text
+
+
 def test_chat_goes_through_the_upstreams_chat_template_unary_and_streamed(via_front, direct):
     ask = dict(messages=[{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say something"}],
                max_tokens=10, temperature=0)
