@@ -83,7 +83,11 @@ class PermissionDenied(SluiceError):
 
 
 class NotFound(SluiceError):
-    """The route or resource does not exist."""
+    """The route or resource does not exist. `param` names the field that named it, when one did."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(NotFound):

@@ -238,7 +238,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     asgi_app = build_app(gateway, config.api, lifespan,
-                          extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes))
+                          extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes),
+                          responses_store=store)
     server = _Server(uvicorn.Config(
         asgi_app, host=config.host, port=config.port, loop="uvloop",
         http=stamping_protocol(clock, asgi_app.answer_early),

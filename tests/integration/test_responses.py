@@ -1,8 +1,9 @@
 """OpenAI's Responses API (`/v1/responses`) through the real `openai` SDK against a random-weight
 model: it answers what the chat endpoint answers for the same conversation (greedy, token for
 token), streamed as Responses' typed events that the SDK's stream helper assembles; function
-tools, structured text formats, conversations carried in `input`; what cannot be served is a 400
-naming the field; a stream the client drops frees its sequence."""
+tools, structured text formats, conversations carried in `input` or continued from a stored
+response (read, listed and deleted through the SDK); what cannot be served is a 400 naming the
+field; a stream the client drops frees its sequence."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(sdk):
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert response.usage.input_tokens == prompt_tokens and response.usage.output_tokens == 12
     assert response.usage.total_tokens == prompt_tokens + 12
-    assert response.metadata == {"ticket": "42"} and response.store is False and response.max_output_tokens == 12
+    assert response.metadata == {"ticket": "42"} and response.max_output_tokens == 12
 
 
 def test_a_stream_is_responses_events_that_add_up_to_the_whole_answer(sdk):
@@ -126,7 +127,6 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input"),
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
@@ -150,10 +150,48 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(sdk, fields, param):
     assert refused.value.body["param"] == param, refused.value.body
 
 
-def test_responses_are_not_stored_and_other_models_are_refused(sdk, tiny_lm_server):
-    with pytest.raises(openai.NotFoundError) as missing:
+def test_a_stored_response_continues_its_conversation_and_can_be_read_and_deleted(sdk):
+    first = sdk.responses.create(model="tiny", input="Where is Oslo?", max_output_tokens=6, temperature=0)
+    assert first.store is True
+    assert sdk.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = sdk.responses.create(model="tiny", previous_response_id=first.id, input="And Lima?",
+                                  max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id
+    text, prompt_tokens, _ = _chat_text(sdk, [{"role": "user", "content": "Where is Oslo?"},
+                                              {"role": "assistant", "content": first.output_text},
+                                              {"role": "user", "content": "And Lima?"}], 6)
+    assert second.output_text == text and second.usage.input_tokens == prompt_tokens
+    items = sdk.responses.input_items.list(second.id, order="asc")
+    assert [(item.role, item.content[0].text if isinstance(item.content, list) else item.content)
+            for item in items.data] == [("user", "Where is Oslo?"), ("assistant", first.output_text),
+                                        ("user", "And Lima?")]
+    newest = sdk.responses.input_items.list(second.id, limit=1)
+    assert [item.id for item in newest.data] == [items.data[-1].id] and newest.has_more
+    assert sdk.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        sdk.responses.create(model="tiny", previous_response_id=first.id, input="Hi", max_output_tokens=2)
+    assert gone.value.body["param"] == "previous_response_id"
+    assert sdk.responses.retrieve(second.id).output_text == second.output_text  # its own copy of the history
+
+
+def test_a_streamed_response_is_stored_before_it_is_done_and_store_false_keeps_nothing(sdk):
+    events = list(sdk.responses.create(model="tiny", input="Where is Oslo?", max_output_tokens=6, temperature=0,
+                                       stream=True))
+    final = events[-1].response
+    assert final.store is True and sdk.responses.retrieve(final.id).output_text == final.output_text
+    unstored = sdk.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(unstored.id)
+
+
+def test_unknown_responses_and_models(sdk, tiny_lm_server):
+    with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve("resp_123")
-    assert "not stored" in missing.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.delete("resp_123")
     response = httpx.post(f"{tiny_lm_server.url}/v1/responses", json={"model": "nope", "input": "Hi"})
     assert response.status_code == 404 and "nope" in response.json()["error"]["message"]
     response = httpx.post(f"{tiny_lm_server.url}/v1/responses", content=b"{not json")

@@ -329,3 +329,19 @@ def test_a_stream_carries_the_tenants_rate_limit_headers(server):
     assert headers["x-ratelimit-limit-requests"] == "100"
     assert int(headers["x-ratelimit-remaining-requests"]) == 99
     assert headers["x-ratelimit-limit-tokens"] == "5000"
+
+
+def test_a_stored_response_is_its_tenants_alone(server):
+    with sdk(server, KEYS["alpha"]) as alpha, sdk(server, KEYS["stream"]) as other:
+        mine = alpha.responses.create(model="tiny-lm", input="Hi", max_output_tokens=2)
+        assert alpha.responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.input_items.list(mine.id)
+        with pytest.raises(openai.NotFoundError) as refused:
+            other.responses.create(model="tiny-lm", input="Hi", previous_response_id=mine.id, max_output_tokens=2)
+        assert refused.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(mine.id)
+        assert alpha.responses.retrieve(mine.id).output_text == mine.output_text

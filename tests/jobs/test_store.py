@@ -290,3 +290,17 @@ async def test_output_files_are_written_and_read_in_parts(store: JobStore, monke
     assert await store.file_part("other", final.output_file_id, 1) is None  # scoped to its owner
     assert await store.delete_file("acme", final.output_file_id)
     assert await store.file_part("acme", final.output_file_id, 1) is None
+
+
+async def test_stored_responses_are_the_owners_and_go_when_deleted_or_old(store: JobStore):
+    await store.put_response("acme", "resp_1", NOW, b'{"id": "resp_1"}', b'[{"role": "user"}]')
+    await store.put_response("acme", "resp_2", NOW + 100, b'{"id": "resp_2"}', b"[]")
+    found = await store.get_response("acme", "resp_1")
+    assert found is not None and (found.body, found.input_items) == (b'{"id": "resp_1"}', b'[{"role": "user"}]')
+    assert await store.get_response("other", "resp_1") is None, "another tenant cannot read it"
+    assert not await store.delete_response("other", "resp_1")
+    assert await store.delete_response("acme", "resp_1")
+    assert await store.get_response("acme", "resp_1") is None and not await store.delete_response("acme", "resp_1")
+    await store.put_response("acme", "resp_3", NOW - 100, b"{}", b"[]")
+    assert await store.delete_responses_before(NOW) == 1
+    assert await store.get_response("acme", "resp_3") is None and await store.get_response("acme", "resp_2")

@@ -35,6 +35,7 @@ from sluice.api.errors import error_response, protocol_of
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 from sluice.gateway.tenancy import Tenancy
+from sluice.jobs.store import JobStore
 
 log = logging.getLogger("sluice.api")
 
@@ -219,13 +220,15 @@ def build_app(
     config: ApiConfig | None = None,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[Any]] | None = None,
     extra_routes: Sequence[BaseRoute] = (),
+    responses_store: JobStore | None = None,
 ) -> SluiceApp:
-    """`extra_routes`: optional services mounted beside the inference APIs (e.g. `api.batches`)."""
+    """`extra_routes`: optional services mounted beside the inference APIs (e.g. `api.batches`).
+    `responses_store`: where the Responses API keeps responses (None: it keeps none)."""
     config = config or ApiConfig()
     routes = [
         *openai.routes(gateway, config.body_limit_bytes),
         *completions.routes(gateway, config.body_limit_bytes),
-        *responses.routes(gateway, config.body_limit_bytes),
+        *responses.routes(gateway, config.body_limit_bytes, responses_store),
         *tokenize.routes(gateway, config.body_limit_bytes),
         *triton.routes(gateway),  # before kserve's: /v2/models/stats is not a model's metadata
         *kserve.routes(gateway, config.body_limit_bytes),

@@ -20,19 +20,24 @@ call `response.function_call_arguments.delta`/`.done`, then `response.output_ite
 found before the first byte is an HTTP status in OpenAI's envelope; after it, an `error` event.
 A client that disconnects withdraws its sequence, as on the chat endpoint.
 
-Stateless: responses are not stored (every response says `store: false`), so a conversation
-travels in `input`, as OpenAI's clients send it with `store: false`; `previous_response_id`,
-`conversation` and `GET /v1/responses/{id}` are refused saying so. What cannot be served is
-refused with a 400 rather than ignored: image, file and audio inputs, built-in tools (web search,
-file search, ...), `background`, `reasoning` effort, `truncation: "auto"`, `include`d extras.
+Stored, unless the request says `store: false`: each finished response is kept in the job store
+(SQLite embedded, PostgreSQL shared by a cluster's gateways) with the conversation's items it
+answered, for its tenant only, for `retention_s` (30 days, as OpenAI keeps them). A request with
+`previous_response_id` continues that conversation (its items, then that response's output, then
+the new `input`; instructions are not carried over, as at OpenAI); `GET /v1/responses/{id}`,
+`DELETE` and `GET .../input_items` read and forget them. What cannot be served is refused with a
+400 rather than ignored: image, file and audio inputs, built-in tools (web search, file search,
+...), `conversation` objects, `background`, `reasoning` effort, `truncation: "auto"`, `include`d
+extras.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -47,6 +52,7 @@ from sluice.api.common import (
     decode_json,
     header_timeout_s,
     read_body,
+    request_tenant,
     requested_priority,
     resolve_openai,
     with_version,
@@ -68,12 +74,17 @@ from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
+from sluice.jobs.store import JobStore, StoredResponse
 
 log = logging.getLogger("sluice.api")
 
 MAX_METADATA_KEYS = 16
-NOT_STORED = ("responses are not stored by this server (each is answered with store: false): send the "
-              "conversation's items in 'input' instead")
+RETENTION_S = 30 * 86_400
+"""How long a stored response is kept (OpenAI keeps them 30 days)."""
+PURGE_EVERY_S = 3600
+MAX_ITEMS_PAGE = 100
+NOT_STORED = ("responses are not stored by this server (it has no job store): send the conversation's items in "
+              "'input' instead")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 """The chat request's fields that errors name, as the Responses request calls them."""
@@ -129,21 +140,109 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream_options: dict[str, Any] | None = None
 
 
-def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
-    async def create(request: Request) -> Response:
-        return await _serve(gateway, request, body_limit_bytes)
+def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = None,
+           retention_s: int = RETENTION_S) -> list[Route]:
+    """`store`: where responses are kept (None: nowhere, every answer says `store: false`)."""
+    responses = Responses(store, retention_s)
 
-    async def stored(request: Request) -> Response:
-        raise NotFound(f"no response {request.path_params['response_id'][:80]!r}: {NOT_STORED}")
+    async def create(request: Request) -> Response:
+        return await _serve(gateway, request, body_limit_bytes, responses)
+
+    async def retrieve(request: Request) -> Response:
+        found = await responses.get(request)
+        return Response(found.body, media_type="application/json")
+
+    async def delete(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if responses.store is None or not await responses.store.delete_response(request_tenant(request), response_id):
+            raise responses.not_found(response_id)
+        return _json({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(request: Request) -> Response:
+        items = json.loads((await responses.get(request)).input_items)
+        return _json(_page(items, request.query_params))
+
+    async def cancel(request: Request) -> Response:
+        await responses.get(request)
+        raise InvalidInput("only background responses can be cancelled, and this server runs none: this one has "
+                           "finished", param="response_id")
 
     return [
         Route("/v1/responses", create, methods=["POST"]),
-        Route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/{action}", stored, methods=["GET", "POST"]),
+        Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
     ]
 
 
-async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int) -> Response:
+class Responses:
+    """Stored responses: kept, found, and forgotten once their retention is over."""
+
+    def __init__(self, store: JobStore | None, retention_s: int) -> None:
+        self.store = store
+        self.retention_s = retention_s
+        self._purged_at = 0.0
+
+    def not_found(self, response_id: str) -> NotFound:
+        return NotFound(f"no response {response_id[:80]!r}" + ("" if self.store is not None else f": {NOT_STORED}"))
+
+    async def get(self, request: Request) -> StoredResponse:
+        response_id = request.path_params["response_id"]
+        found = None if self.store is None else await self.store.get_response(request_tenant(request), response_id)
+        if found is None:
+            raise self.not_found(response_id)
+        return found
+
+    async def history(self, owner: str, response_id: str) -> list[Any]:
+        """The conversation `response_id` answered, and its answer, as input items."""
+        if self.store is None:
+            raise InvalidInput(NOT_STORED, param="previous_response_id")
+        found = await self.store.get_response(owner, response_id)
+        if found is None:
+            raise NotFound(f"no previous response {response_id[:80]!r} (it was deleted, is older than "
+                           f"{self.retention_s // 86_400} days, was not stored, or is another tenant's)",
+                           param="previous_response_id")
+        return [*json.loads(found.input_items), *json.loads(found.body)["output"]]
+
+    async def keep(self, owner: str, response: dict[str, Any], items: list[Any]) -> None:
+        assert self.store is not None
+        now = time.time()
+        await self.store.put_response(owner, response["id"], response["created_at"], msgspec.json.encode(response),
+                                      msgspec.json.encode(items))
+        if now - self._purged_at > PURGE_EVERY_S:
+            self._purged_at = now
+            await self.store.delete_responses_before(int(now) - self.retention_s)
+
+
+def _page(items: list[Any], query: Any) -> dict[str, Any]:
+    """A page of a response's input items: `order` (desc, the default, or asc), `after` (an item's id), `limit`."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidInput("'order' must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_ITEMS_PAGE:
+        raise InvalidInput(f"'limit' must be an integer from 1 to {MAX_ITEMS_PAGE}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise InvalidInput(f"no input item {after[:80]!r} in this response", param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
+
+
+def _json(content: Any) -> Response:
+    return Response(msgspec.json.encode(content), media_type="application/json")
+
+
+async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, responses: Responses) -> Response:
     arrived_at = arrival(request, gateway.now())
     timeout_s = header_timeout_s(request, gateway.max_timeout_s)
     body = await read_body(request, body_limit_bytes)
@@ -153,7 +252,11 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int) -> R
     if info.kind not in ("generative", "openai-upstream"):
         raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
                            f"/v2/models/{parsed.model}/infer", param="model")
-    chat = chat_request_of(parsed)
+    owner = request_tenant(request)
+    items = _items(parsed.input)
+    if parsed.previous_response_id is not None:
+        items = [*await responses.history(owner, parsed.previous_response_id), *items]
+    chat = chat_request_of(parsed, items)
     try:
         [payload] = to_payloads(chat, info)
         plan = chat_tools(chat, info)[2]
@@ -164,21 +267,28 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int) -> R
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                               caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing),
                               limit_headers=limit_headers)
-    shape = ResponsesShape(parsed, info.name, payload, plan)
+    is_stored = responses.store is not None and parsed.store is not False
+    shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
+
+    async def keep(response: dict[str, Any]) -> None:
+        if is_stored:
+            await responses.keep(owner, response, items)
+
     if not payload.stream:
         result = await unless_disconnected(request, [stream], final_result(stream))
         assert isinstance(result.payload, wire.GenerationResult)
-        return Response(msgspec.json.encode(shape.whole(result.payload)), media_type="application/json",
+        answer = shape.whole(result.payload)
+        await keep(answer)
+        return Response(msgspec.json.encode(answer), media_type="application/json",
                         headers=with_version(info, result.headers))
     first = await unless_disconnected(request, [stream], anext(stream))  # errors before the first byte: a status
-    return StreamingResponse(_events(shape, first, stream), media_type="text/event-stream",
+    return StreamingResponse(_events(shape, first, stream, keep), media_type="text/event-stream",
                              headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
                                                          **(limit_headers or {})}))
 
 
 def _refuse_unsupported(request: ResponsesRequest) -> None:
     refused: list[tuple[bool, str, str]] = [
-        (request.previous_response_id is not None, "previous_response_id", NOT_STORED),
         (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
                                                            "the conversation's items in 'input' instead"),
         (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
@@ -206,10 +316,19 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
                            "values of up to 512", param="metadata")
 
 
-def chat_request_of(request: ResponsesRequest) -> ChatRequest:
-    """The chat request a Responses request means (see the module's docstring)."""
+def _items(given: str | list[Any]) -> list[Any]:
+    """A request's `input` as items (a string is one user message), each with an id (for `input_items`)."""
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": given, "id": f"msg_{uuid.uuid4().hex}"}]
+    return [{**item, "id": item.get("id") or f"msg_{uuid.uuid4().hex}"} if isinstance(item, dict) else item
+            for item in given]
+
+
+def chat_request_of(request: ResponsesRequest, items: list[Any]) -> ChatRequest:
+    """The chat request a Responses request means (see the module's docstring), given the
+    conversation's items (its predecessors' and its `input`)."""
     messages = [ChatMessageIn("system", request.instructions)] if request.instructions else []
-    messages += _messages(request.input)
+    messages += _messages(items)
     return ChatRequest(
         model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
         temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
@@ -222,9 +341,7 @@ def chat_request_of(request: ResponsesRequest) -> ChatRequest:
     )
 
 
-def _messages(given: str | list[Any]) -> list[ChatMessageIn]:
-    if isinstance(given, str):
-        return [ChatMessageIn("user", given)]
+def _messages(given: list[Any]) -> list[ChatMessageIn]:
     messages: list[ChatMessageIn] = []
     for item in given:
         if not isinstance(item, dict):
@@ -327,8 +444,9 @@ class ResponsesShape:
     """A Responses request's `response` object, and its stream of events."""
 
     def __init__(self, request: ResponsesRequest, model: str, payload: wire.GeneratePayload,
-                 plan: ToolPlan | None) -> None:
+                 plan: ToolPlan | None, is_stored: bool = False) -> None:
         self.request = request
+        self.is_stored = is_stored
         self.model = model
         self.payload = payload
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -353,8 +471,9 @@ class ResponsesShape:
             "incomplete_details": None if incomplete is None else {"reason": incomplete},
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "max_tool_calls": None, "model": self.model, "output": self.output,
-            "parallel_tool_calls": request.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": self.is_stored,
             "temperature": self.payload.temperature, "text": {"format": text_format, "verbosity": "medium"},
             "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
             "tools": request.tools or [], "top_logprobs": 0, "top_p": self.payload.top_p, "truncation": "disabled",
@@ -455,16 +574,17 @@ class ResponsesShape:
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
-    def finish(self, result: wire.GenerationResult) -> list[bytes]:
+    def finish(self, result: wire.GenerationResult) -> tuple[list[bytes], dict[str, Any]]:
+        """The stream's last events but the final one, and the final response."""
         events = [event for chunk in self.chat.finish_chunks(0, result) for event in self.chunk(chunk)]
         final_status = "incomplete" if result.finish_reason == "length" else "completed"
         if not self.output:  # nothing was generated: still one (empty) message
             events += self._open_message() + self._close(final_status)
-        final = self._final(result)
-        return [*events, self.event(f"response.{final['status']}", response=final)]
+        return events, self._final(result)
 
 
-async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: Events) -> AsyncIterator[bytes]:
+async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: Events,
+                  keep: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[bytes]:
     try:
         for event in shape.start():
             yield event
@@ -475,8 +595,11 @@ async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: E
                     yield event
             else:
                 assert isinstance(item.payload, wire.GenerationResult)
-                for event in shape.finish(item.payload):
+                events, final = shape.finish(item.payload)
+                for event in events:
                     yield event
+                await keep(final)  # stored before the client hears that it is done
+                yield shape.event(f"response.{final['status']}", response=final)
                 return
             item = await anext(stream, None)
         raise RuntimeError("a generation ended without a result")

@@ -27,6 +27,7 @@ from sluice.jobs.store import (
     NewBatch,
     NewItem,
     ResultLine,
+    StoredResponse,
 )
 
 _BATCH_BY_ID = f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = %s"
@@ -111,6 +112,28 @@ class PostgresJobStore:
                 return False
             await conn.execute("DELETE FROM file_parts WHERE file_id = %s", (file_id,))
             return True
+
+    # -- stored responses ------------------------------------------------------------------------
+
+    async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
+                           input_items: bytes) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute("INSERT INTO responses (id, owner, created_at, body, input_items) "
+                               "VALUES (%s, %s, %s, %s, %s)", (response_id, owner, created_at, body, input_items))
+
+    async def get_response(self, owner: str, response_id: str) -> StoredResponse | None:
+        row = await self._one("SELECT body, input_items FROM responses WHERE id = %s AND owner = %s",
+                              (response_id, owner))
+        return None if row is None else StoredResponse(bytes(row[0]), bytes(row[1]))
+
+    async def delete_response(self, owner: str, response_id: str) -> bool:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
+            return cur.rowcount > 0
+
+    async def delete_responses_before(self, created_at: int) -> int:
+        async with self._pool.connection() as conn:
+            return (await conn.execute("DELETE FROM responses WHERE created_at < %s", (created_at,))).rowcount
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:

@@ -87,6 +87,14 @@ CREATE TABLE IF NOT EXISTS file_parts (
     data {blob} NOT NULL,
     PRIMARY KEY (file_id, part)
 );
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created_at {int} NOT NULL,
+    body {blob} NOT NULL,
+    input_items {blob} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
 """
 
 UNIQUE_SEQ = "CREATE UNIQUE INDEX IF NOT EXISTS batches_by_seq ON batches (seq)"

@@ -34,6 +34,7 @@ from sluice.jobs.store import (
     NewBatch,
     NewItem,
     ResultLine,
+    StoredResponse,
 )
 
 T = TypeVar("T")
@@ -152,6 +153,37 @@ class SqliteJobStore:
                 return False
             db.execute("DELETE FROM file_parts WHERE file_id = ?", (file_id,))
             return True
+
+        return await self._txn(delete)
+
+    # -- stored responses ------------------------------------------------------------------------
+
+    async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
+                           input_items: bytes) -> None:
+        def put(db: sqlite3.Connection) -> None:
+            db.execute("INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (?, ?, ?, ?, ?)",
+                       (response_id, owner, created_at, body, input_items))
+
+        await self._txn(put)
+
+    async def get_response(self, owner: str, response_id: str) -> StoredResponse | None:
+        def get() -> StoredResponse | None:
+            assert self._db is not None
+            row = self._db.execute("SELECT body, input_items FROM responses WHERE id = ? AND owner = ?",
+                                   (response_id, owner)).fetchone()
+            return None if row is None else StoredResponse(bytes(row[0]), bytes(row[1]))
+
+        return await self._call(get)
+
+    async def delete_response(self, owner: str, response_id: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            return db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount > 0
+
+        return await self._txn(delete)
+
+    async def delete_responses_before(self, created_at: int) -> int:
+        def delete(db: sqlite3.Connection) -> int:
+            return db.execute("DELETE FROM responses WHERE created_at < ?", (created_at,)).rowcount
 
         return await self._txn(delete)
 

@@ -190,6 +190,16 @@ class ResultLine:
     is_error: bool
 
 
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A Responses API answer kept for `previous_response_id` and retrieval (`api.responses`)."""
+
+    body: bytes
+    """The response object (JSON)."""
+    input_items: bytes
+    """The conversation's items it answered (JSON list): its predecessors' and its own input."""
+
+
 LeftoverLine = Callable[[str], bytes]
 """The error line for an item that never ran (batch cancelled or expired), from its custom_id."""
 
@@ -291,6 +301,17 @@ class JobStore(Protocol):
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
         """Recorded lines (output and error) of the items after `after_idx`, in input order, up to
         the first item that has none yet: never a hole, so a reader may count lines as positions."""
+        ...
+
+    async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
+                           input_items: bytes) -> None: ...
+
+    async def get_response(self, owner: str, response_id: str) -> StoredResponse | None: ...
+
+    async def delete_response(self, owner: str, response_id: str) -> bool: ...
+
+    async def delete_responses_before(self, created_at: int) -> int:
+        """Forget responses created before `created_at` (their retention is over); how many."""
         ...
 
     async def aclose(self) -> None: ...
