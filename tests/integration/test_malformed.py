@@ -378,7 +378,7 @@ def test_body_over_the_limit_is_413(http):
     v2_error(http.post(INFER, content=chunks()), 413, "limit")
 
 
-@pytest.mark.parametrize("path", ["/v1/nope", "/v1/responses", "/v2/nope", "/nope", "/v2/models"])
+@pytest.mark.parametrize("path", ["/v1/nope", "/v1/assistants", "/v2/nope", "/nope", "/v2/models"])
 def test_unknown_route_is_404_json(http, path):
     response = http.post(path, json={})
     if path.startswith("/v2"):
