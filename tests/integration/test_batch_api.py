@@ -241,3 +241,25 @@ def test_a_job_past_its_window_expires_keeping_what_finished(make_server, emulat
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert f'sluice_batch_items_total{{outcome="expired"}} {float(len(expired))}' in metrics
         assert 'sluice_batch_jobs_total{status="expired"} 1.0' in metrics
+
+
+def test_a_batch_of_responses_answers_what_each_request_would(make_server, tmp_path: Path):
+    from tests.conftest import write_tiny_lm_model
+
+    server = make_server(write_tiny_lm_model(tmp_path / "repo", "tiny"), "--data-dir", str(tmp_path / "data"))
+    asks = [{"model": "tiny", "input": f"Question {i}", "max_output_tokens": 4, "temperature": 0, "store": False}
+            for i in range(3)]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        uploaded = client.files.create(file=("in.jsonl", jsonl([
+            {"custom_id": f"q-{i}", "method": "POST", "url": "/v1/responses", "body": ask}
+            for i, ask in enumerate(asks)])), purpose="batch")
+        batch = wait_until_final(client, client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h").id)
+        assert batch.status == "completed" and batch.request_counts.completed == 3
+        rows = {row["custom_id"]: row["response"] for row in output_rows(client, batch.output_file_id)}
+        for i, ask in enumerate(asks):
+            answer = rows[f"q-{i}"]
+            assert answer["status_code"] == 200 and answer["body"]["object"] == "response"
+            direct = client.responses.create(**ask)
+            assert answer["body"]["output"][0]["content"][0]["text"] == direct.output_text
+            assert answer["body"]["usage"]["output_tokens"] == 4

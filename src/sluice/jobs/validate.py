@@ -23,7 +23,7 @@ from sluice.jobs.store import NewItem
 
 __all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelLookup", "ServedModels", "Valid", "parse_input"]
 
-ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v2/infer")
+ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v2/infer")
 MAX_ITEMS = 200_000
 MAX_ERRORS = 100
 _KSERVE_URL = re.compile(r"^/v2/models/([^/?#]+)(/versions/[^/?#]+)?/infer$")
