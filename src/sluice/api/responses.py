@@ -292,8 +292,8 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
                                                            "the conversation's items in 'input' instead"),
         (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
-        (bool(request.background), "background", "background responses are not supported (they need stored "
-                                                 "responses); use the Batch API for work that can wait"),
+        (bool(request.background), "background", "background responses are not supported: use the Batch API "
+                                                 "(endpoint /v1/responses) for work that can wait"),
         (request.reasoning is not None and any(v is not None for v in request.reasoning.values()), "reasoning",
          "reasoning options are not supported: the models served here do not reason separately"),
         (request.truncation not in (None, "disabled"), "truncation",
