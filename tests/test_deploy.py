@@ -31,7 +31,9 @@ from tests.conftest import free_port, start_redis, stop_all, write_emulated_mode
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
-VARIANTS = ["base", "keda", "gpu"]
+VARIANTS = ["base", "keda", "gpu", "monitoring"]
+CUSTOM_RESOURCES = ("keda.sh/", "monitoring.coreos.com/")
+"""API groups of the operators' CRDs, which the Kubernetes schemas do not know: checked by their own tests."""
 KUBERNETES_VERSION = "1.30.0"
 SUPPORTED_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches"}
 
@@ -73,8 +75,8 @@ def containers(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def test_manifests_are_valid_kubernetes_objects(variant: str) -> None:
     documents = render(KUBERNETES / variant)
     for document in documents:
-        if document["apiVersion"].startswith("keda.sh/"):
-            continue  # a CRD: checked by test_workers_autoscale_on_demand_that_sluice_exports
+        if document["apiVersion"].startswith(CUSTOM_RESOURCES):
+            continue  # a CRD: checked by test_workers_autoscale_on_demand_that_sluice_exports and the next
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
     names = [(d["kind"], d["metadata"]["name"]) for d in documents]
     assert len(names) == len(set(names)), names
@@ -83,6 +85,27 @@ def test_manifests_are_valid_kubernetes_objects(variant: str) -> None:
                                check=True).stdout
         key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
         assert sorted(yaml.safe_load_all(built), key=key) == sorted(documents, key=key)
+
+
+def test_the_monitoring_overlay_scrapes_every_pod_and_installs_the_alerts_and_dashboard() -> None:
+    documents = render(KUBERNETES / "monitoring")
+    pods = {name: d["spec"]["template"] for name, d in workloads(documents).items()}
+    scraped = set()
+    for monitor in by_kind(documents, "PodMonitor").values():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        [(name, pod)] = [(name, pod) for name, pod in pods.items()
+                         if monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()]
+        ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+            assert str(ports[endpoint["port"]]) == pod["metadata"]["annotations"]["prometheus.io/port"]
+        scraped.add(name)
+    assert scraped == {"sluice-gateway", "sluice-worker"}, "every pod that serves /metrics, and not Redis"
+    [rule] = by_kind(documents, "PrometheusRule").values()
+    assert rule["spec"] == yaml.safe_load((DEPLOY / "monitoring" / "alerts.yaml").read_text())
+    [dashboard] = by_kind(documents, "ConfigMap").values()
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["sluice-dashboard.json"] == (DEPLOY / "monitoring" / "sluice-dashboard.json").read_text()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

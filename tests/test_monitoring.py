@@ -72,9 +72,12 @@ def _promtool() -> str:
     return binary
 
 
-def test_the_dashboard_is_what_its_generator_writes():
-    assert (MONITORING / "sluice-dashboard.json").read_text() == _generator().render(), (
-        "sluice-dashboard.json is out of date: run python deploy/monitoring/dashboard.py")
+def test_the_generated_files_are_what_the_generator_writes():
+    outputs = _generator().outputs()
+    assert {path.name for path in outputs} == {"sluice-dashboard.json", "grafana-dashboard.yaml",
+                                               "prometheus-rule.yaml"}
+    for path, text in outputs.items():
+        assert path.read_text() == text, f"{path} is out of date: run python deploy/monitoring/dashboard.py"
 
 
 def test_the_dashboard_is_laid_out_on_grafanas_grid():

@@ -1,10 +1,13 @@
-"""Writes sluice's Grafana dashboard (`sluice-dashboard.json` beside this file) from the panel list below.
+"""Writes sluice's Grafana dashboard (`sluice-dashboard.json` beside this file) from the panel list
+below, and the Kubernetes objects that install it and `alerts.yaml` with the Prometheus Operator
+and Grafana's dashboard sidecar (`deploy/kubernetes/monitoring/`).
 
-    python deploy/monitoring/dashboard.py            # rewrite the JSON after changing a panel
+    python deploy/monitoring/dashboard.py            # after changing a panel or an alert
 
-Edit the panels here, not the JSON: `tests/test_monitoring.py` checks that the two agree, that every
-metric a query names is one sluice exports, and, with a real Prometheus scraping a real server,
-that every query runs and that those of the serving path return data.
+Edit the panels here and the alerts in alerts.yaml, not the generated files: `tests/test_monitoring.py`
+checks that they agree, that every metric a query names is one sluice exports, and, with a real
+Prometheus scraping a real server, that every query runs and that those of the serving path
+return data.
 
 Queries use three Grafana variables: `$datasource` (a Prometheus data source), `$model` and
 `$tenant` (multi-valued, "All" = `.*`), and Grafana's `$__rate_interval`.
@@ -18,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 PATH = Path(__file__).with_name("sluice-dashboard.json")
+ALERTS = Path(__file__).with_name("alerts.yaml")
+KUBERNETES = Path(__file__).parents[1] / "kubernetes" / "monitoring"
+GENERATED = "# Written by deploy/monitoring/dashboard.py from {source}: edit that and rerun it.\n"
+PART_OF = {"app.kubernetes.io/part-of": "sluice"}
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 M = 'model=~"$model"'
@@ -225,6 +234,33 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
+def dashboard_config_map() -> str:
+    """The dashboard as a ConfigMap that Grafana's sidecar (the kube-prometheus-stack chart's) loads."""
+    config_map = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "sluice-grafana-dashboard", "labels": {"grafana_dashboard": "1", **PART_OF}},
+        "data": {"sluice-dashboard.json": render()},
+    }
+    return GENERATED.format(source="its panels") + yaml.safe_dump(config_map, sort_keys=False, width=120)
+
+
+def prometheus_rule() -> str:
+    """alerts.yaml as the Prometheus Operator's PrometheusRule."""
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+        "metadata": {"name": "sluice-alerts", "labels": PART_OF},
+        "spec": yaml.safe_load(ALERTS.read_text()),
+    }
+    return GENERATED.format(source="deploy/monitoring/alerts.yaml") + yaml.safe_dump(rule, sort_keys=False,
+                                                                                        width=120)
+
+
+def outputs() -> dict[Path, str]:
+    return {PATH: render(), KUBERNETES / "grafana-dashboard.yaml": dashboard_config_map(),
+            KUBERNETES / "prometheus-rule.yaml": prometheus_rule()}
+
+
 if __name__ == "__main__":
-    PATH.write_text(render())
-    sys.stdout.write(f"wrote {PATH}\n")
+    for path, text in outputs().items():
+        path.write_text(text)
+        sys.stdout.write(f"wrote {path}\n")
