@@ -74,6 +74,23 @@ def test_a_stream_is_responses_events_that_add_up_to_the_whole_answer(sdk):
     assert events[-2].item.id == final.output[0].id == events[2].item.id
 
 
+def test_log_probabilities_are_the_chat_endpoints_unary_and_streamed(sdk):
+    ask = dict(model="tiny", input="Where is Oslo?", max_output_tokens=5, temperature=0, top_logprobs=2,
+               include=["message.output_text.logprobs"])
+    response = sdk.responses.create(**ask)
+    chat = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Where is Oslo?"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    [part] = response.output[0].content
+    expected = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+                for e in chat.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in part.logprobs] == expected
+    assert len(expected) == 5 and response.top_logprobs == 2
+    events = list(sdk.responses.create(stream=True, **ask))
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(token, logprob) for token, logprob, _ in expected]
+    assert len(events[-1].response.output[0].content[0].logprobs) == 5
+
+
 def test_a_structured_text_format_completes_and_the_stream_helper_assembles_it(sdk):
     with sdk.responses.stream(model="tiny", input="A city", text={"format": CITY}, max_output_tokens=60,
                               temperature=0) as stream:
@@ -141,7 +158,9 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "tools": [WEATHER], "tool_choice": "required"}, "include"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(sdk, fields, param):

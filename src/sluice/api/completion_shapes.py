@@ -178,6 +178,10 @@ class ResponseShape:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
         return {**self._head(name), "choices": [], "usage": usage(payloads)}
 
+    def logprobs_of(self, reported: list[wire.TokenLogprob]) -> dict[str, Any] | None:
+        """Tokens' log-probabilities in the endpoint's shape (None when they were not asked for)."""
+        return self._logprobs(reported)
+
     def _logprobs(self, reported: list[wire.TokenLogprob], prompt: wire.EchoedPrompt | None = None,
                   index: int = 0) -> dict[str, Any] | None:
         """A choice's `logprobs` in the endpoint's own shape; None when they were not asked for.

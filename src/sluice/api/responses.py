@@ -25,10 +25,12 @@ Stored, unless the request says `store: false`: each finished response is kept i
 answered, for its tenant only, for `retention_s` (30 days, as OpenAI keeps them). A request with
 `previous_response_id` continues that conversation (its items, then that response's output, then
 the new `input`; instructions are not carried over, as at OpenAI); `GET /v1/responses/{id}`,
-`DELETE` and `GET .../input_items` read and forget them. What cannot be served is refused with a
-400 rather than ignored: image, file and audio inputs, built-in tools (web search, file search,
-...), `conversation` objects, `background`, `reasoning` effort, `truncation: "auto"`, `include`d
-extras.
+`DELETE` and `GET .../input_items` read and forget them. `include:
+["message.output_text.logprobs"]` (with `top_logprobs: k`) puts the tokens' log-probabilities in
+the output text and its deltas, as chat's `logprobs` reports them. What cannot be served is
+refused with a 400 rather than ignored: image, file and audio inputs, built-in tools (web search,
+file search, ...), `conversation` objects, `background`, `reasoning` effort, `truncation: "auto"`,
+other `include`d extras.
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ MAX_ITEMS_PAGE = 100
 NOT_STORED = ("responses are not stored by this server (it has no job store): send the conversation's items in "
               "'input' instead")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
-CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+               "logprobs": "include"}
 """The chat request's fields that errors name, as the Responses request calls them."""
 
 
@@ -298,10 +302,8 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
          "reasoning options are not supported: the models served here do not reason separately"),
         (request.truncation not in (None, "disabled"), "truncation",
          "only truncation 'disabled' is supported: an input too long for the context is refused"),
-        (bool(request.include), "include", "no extra output can be included (log-probabilities, reasoning, "
-                                           "search results)"),
-        (request.top_logprobs not in (None, 0), "top_logprobs", "log-probabilities are not reported by this "
-                                                                 "endpoint; use /v1/chat/completions"),
+        (any(extra != LOGPROBS_INCLUDE for extra in request.include or []), "include",
+         f"only {LOGPROBS_INCLUDE!r} can be included (reasoning, search results and images are not served here)"),
         (request.max_tool_calls is not None, "max_tool_calls", "max_tool_calls is not supported; "
                                                                "parallel_tool_calls false allows one call"),
         (request.text is not None and request.text.verbosity not in (None, "medium"), "text.verbosity",
@@ -329,8 +331,10 @@ def chat_request_of(request: ResponsesRequest, items: list[Any]) -> ChatRequest:
     conversation's items (its predecessors' and its `input`)."""
     messages = [ChatMessageIn("system", request.instructions)] if request.instructions else []
     messages += _messages(items)
+    wants_logprobs = LOGPROBS_INCLUDE in (request.include or []) or request.top_logprobs is not None
     return ChatRequest(
         model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
+        logprobs=True if wants_logprobs else None, top_logprobs=request.top_logprobs,
         temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
         seed=request.seed, repetition_penalty=request.repetition_penalty,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
@@ -451,7 +455,7 @@ class ResponsesShape:
         self.payload = payload
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
-        self.chat = ResponseShape(True, model, tools=plan)
+        self.chat = ResponseShape(True, model, logprobs=payload.logprobs, tools=plan)
         """The chat answer's shape: what reads tool calls out of the text, whole or as it streams."""
         self.output: list[dict[str, Any]] = []
         """A stream's items so far."""
@@ -476,7 +480,8 @@ class ResponsesShape:
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": self.is_stored,
             "temperature": self.payload.temperature, "text": {"format": text_format, "verbosity": "medium"},
             "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
-            "tools": request.tools or [], "top_logprobs": 0, "top_p": self.payload.top_p, "truncation": "disabled",
+            "tools": request.tools or [], "top_logprobs": self.payload.logprobs or 0, "top_p": self.payload.top_p,
+            "truncation": "disabled",
             "usage": usage, "user": request.user, "metadata": request.metadata or {},
         }
 
@@ -485,9 +490,16 @@ class ResponsesShape:
         content, calls = self.chat.answer(result.text) if self.chat.tools is not None else (result.text, None)
         is_cut = result.finish_reason == "length"
         if content or not calls:
-            self.output.append(_message(content or "", "incomplete" if is_cut else "completed"))
+            message = _message(content or "", "incomplete" if is_cut else "completed")
+            message["content"][0]["logprobs"] = self._logprobs(result.logprobs)
+            self.output.append(message)
         self.output += [_function_call(call, "completed") for call in calls or []]
         return self._final(result)
+
+    def _logprobs(self, reported: list[wire.TokenLogprob] | None) -> list[dict[str, Any]]:
+        """Tokens' log-probabilities as an output_text part carries them (chat's `logprobs.content`)."""
+        shaped = self.chat.logprobs_of(reported or [])
+        return [] if shaped is None else list(shaped["content"])
 
     def _final(self, result: wire.GenerationResult) -> dict[str, Any]:
         is_cut = result.finish_reason == "length"
@@ -512,21 +524,23 @@ class ResponsesShape:
         choice = chat_chunk["choices"][0]
         delta, events = choice["delta"], []
         if delta.get("content"):
-            events += self._text_delta(delta["content"])
+            events += self._text_delta(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
         for call in delta.get("tool_calls") or []:
             events += self._call_delta(call)
         if choice["finish_reason"] is not None:
             events += self._close("incomplete" if choice["finish_reason"] == "length" else "completed")
         return events
 
-    def _text_delta(self, text: str) -> list[bytes]:
+    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         events = []
         if self._open is None or self._open["type"] != "message":
             events += self._close("completed") + self._open_message()
         assert self._open is not None
-        self._open["content"][0]["text"] += text
+        part = self._open["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
         events.append(self.event("response.output_text.delta", item_id=self._open["id"],
-                                 output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[]))
+                                 output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=logprobs))
         return events
 
     def _open_message(self) -> list[bytes]:
@@ -564,10 +578,11 @@ class ResponsesShape:
         item["status"] = status
         if item["type"] == "message":
             text = item["content"][0]["text"]
+            part = item["content"][0]
             events += [self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=text, logprobs=[]),
+                                  content_index=0, text=text, logprobs=part["logprobs"]),
                        self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=_text_part(text))]
+                                  content_index=0, part=part)]
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=index, name=item["name"], arguments=item["arguments"]))
@@ -591,7 +606,7 @@ async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: E
         item: Any = first
         while item is not None:
             if isinstance(item, wire.TokenChunk):
-                for event in shape.chunk(shape.chat.delta(item.text, None)) if item.text else []:
+                for event in shape.chunk(shape.chat.delta(item.text, None, item.logprobs)) if item.text else []:
                     yield event
             else:
                 assert isinstance(item.payload, wire.GenerationResult)
