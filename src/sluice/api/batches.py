@@ -28,7 +28,16 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive
 
-from sluice.api.common import decode_json, json_response, parse_count, read_body, request_tenant
+from sluice.api.common import (
+    decode_json,
+    json_response,
+    list_response,
+    page_limit,
+    page_order,
+    parse_count,
+    read_body,
+    request_tenant,
+)
 from sluice.errors import IdempotencyKeyReused, InvalidInput, NotFound, PayloadTooLarge
 from sluice.jobs.rows import new_file_id
 from sluice.jobs.store import BatchJob, FileObject, JobStore, NewBatch
@@ -91,17 +100,12 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         """OpenAI's `GET /v1/files`: `purpose`, `limit` (1 to 10,000, default 10,000), `order`
         (`desc`, the default, or `asc` by creation), `after` (a file id of this tenant)."""
         owner, query = request_tenant(request), request.query_params
-        limit = parse_count(query.get("limit", "10000"))
-        if limit is None or not 1 <= limit <= 10_000:
-            raise InvalidInput("'limit' must be an integer in [1, 10000]", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise InvalidInput("'order' must be 'asc' or 'desc'", param="order")
+        limit, order = page_limit(query, 10_000, 10_000), page_order(query)
         after = query.get("after")
         if after is not None and await store.get_file(owner, after) is None:
             raise InvalidInput(f"'after' names no file of yours: {after[:100]!r}", param="after")
         page = await store.list_files(owner, query.get("purpose"), after, limit + 1, ascending=order == "asc")
-        return _list([_file_json(f) for f in page[:limit]], len(page) > limit)
+        return list_response([_file_json(f) for f in page[:limit]], len(page) > limit)
 
     async def get_file(request: Request) -> Response:
         return json_response(_file_json(await _file(store, request)))
@@ -149,14 +153,12 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         return json_response(batch_json(await _batch(store, request)))
 
     async def list_batches(request: Request) -> Response:
-        limit = parse_count(request.query_params.get("limit", "20"))
-        if limit is None or not 1 <= limit <= 100:
-            raise InvalidInput("'limit' must be an integer in [1, 100]", param="limit")
+        limit = page_limit(request.query_params, 20, 100)
         owner, after = request_tenant(request), request.query_params.get("after")
         if after is not None and await store.get_batch(owner, after) is None:
             raise InvalidInput(f"'after' names no batch of yours: {after[:100]!r}", param="after")
         page = await store.list_batches(owner, after, limit + 1)
-        return _list([batch_json(b) for b in page[:limit]], len(page) > limit)
+        return list_response([batch_json(b) for b in page[:limit]], len(page) > limit)
 
     async def cancel_batch(request: Request) -> Response:
         batch = await store.cancel_batch(request_tenant(request), request.path_params["batch_id"], int(time.time()))
@@ -287,9 +289,6 @@ def _key_reused(key: str, kind: str) -> IdempotencyKeyReused:
                                 "use a new key for a new request", param=_IDEMPOTENCY_HEADER)
 
 
-def _list(data: list[dict[str, Any]], has_more: bool) -> Response:
-    return json_response({"object": "list", "data": data, "has_more": has_more,
-                  "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -218,6 +218,28 @@ def json_response(content: Any, status: int = 200, headers: dict[str, str] | Non
     """`content` as a JSON answer (msgspec-encoded)."""
     return Response(msgspec.json.encode(content), status_code=status, media_type="application/json",
                     headers=headers)
+
+
+def page_limit(query: Mapping[str, str], default: int, most: int) -> int:
+    """A list endpoint's `limit` (OpenAI's list APIs): an integer in [1, most], `default` when not given."""
+    limit = parse_count(query.get("limit", str(default)))
+    if limit is None or not 1 <= limit <= most:
+        raise InvalidInput(f"'limit' must be an integer in [1, {most}]", param="limit")
+    return limit
+
+
+def page_order(query: Mapping[str, str]) -> str:
+    """A list endpoint's `order`: "desc" (the default: newest first) or "asc"."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidInput("'order' must be 'asc' or 'desc'", param="order")
+    return order
+
+
+def list_response(data: list[dict[str, Any]], has_more: bool) -> Response:
+    """OpenAI's list object: a page of `data` (each with an `id`), and whether more follow."""
+    return json_response({"object": "list", "data": data, "has_more": has_more,
+                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
 def decode_json(body: bytes, kind: type[T]) -> T:

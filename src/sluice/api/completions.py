@@ -78,10 +78,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     timeout_s = header_timeout_s(request, gateway.max_timeout_s)
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
-    info = resolve_openai(gateway, parsed.model, request, parsed.user)
-    if info.kind not in ("generative", "openai-upstream"):
-        raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
-                           f"/v2/models/{parsed.model}/infer", param="model")
+    info = resolve_generative(gateway, parsed.model, request, parsed.user)
     payloads = to_payloads(parsed, info)
     first = payloads[0]
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
@@ -107,8 +104,20 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     # errors before the first byte become HTTP statuses
     firsts = await unless_disconnected(request, streams, _each(streams, anext))
     return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams), media_type="text/event-stream",
-                             headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
-                                                         **(limit_headers or {})}))
+                             headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
+
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+"""A stream's headers: no cache, and no buffering by a proxy (nginx reads x-accel-buffering)."""
+
+
+def resolve_generative(gateway: Gateway, model: str, request: Request, user: str | None) -> wire.ModelInfo:
+    """The model version a generation request asks for (`api.common.resolve_openai`), which must generate text."""
+    info = resolve_openai(gateway, model, request, user)
+    if info.kind not in ("generative", "openai-upstream"):
+        raise InvalidInput(f"model {model!r} does not generate text; use /v1/embeddings or /v2/models/{model}/infer",
+                           param="model")
+    return info
 
 
 Events = AsyncGenerator[wire.TokenChunk | InferResult, None]

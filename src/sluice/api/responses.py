@@ -35,11 +35,10 @@ other `include`d extras.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -53,10 +52,13 @@ from sluice.api.common import (
     caller,
     decode_json,
     header_timeout_s,
+    json_response,
+    list_response,
+    page_limit,
+    page_order,
     read_body,
     request_tenant,
     requested_priority,
-    resolve_openai,
     with_version,
 )
 from sluice.api.completion_params import (
@@ -71,7 +73,7 @@ from sluice.api.completion_params import (
     to_payloads,
 )
 from sluice.api.completion_shapes import ResponseShape
-from sluice.api.completions import Events, final_result, unless_disconnected
+from sluice.api.completions import SSE_HEADERS, Events, final_result, resolve_generative, unless_disconnected
 from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -160,11 +162,11 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
         response_id = request.path_params["response_id"]
         if responses.store is None or not await responses.store.delete_response(request_tenant(request), response_id):
             raise responses.not_found(response_id)
-        return _json({"id": response_id, "object": "response", "deleted": True})
+        return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(request: Request) -> Response:
-        items = json.loads((await responses.get(request)).input_items)
-        return _json(_page(items, request.query_params))
+        items = msgspec.json.decode((await responses.get(request)).input_items)
+        return _page(items, request.query_params)
 
     async def cancel(request: Request) -> Response:
         await responses.get(request)
@@ -207,7 +209,7 @@ class Responses:
             raise NotFound(f"no previous response {response_id[:80]!r} (it was deleted, is older than "
                            f"{self.retention_s // 86_400} days, was not stored, or is another tenant's)",
                            param="previous_response_id")
-        return [*json.loads(found.input_items), *json.loads(found.body)["output"]]
+        return [*msgspec.json.decode(found.input_items), *msgspec.json.decode(found.body)["output"]]
 
     async def keep(self, owner: str, response: dict[str, Any], items: list[Any]) -> None:
         assert self.store is not None
@@ -219,17 +221,9 @@ class Responses:
             await self.store.delete_responses_before(int(now) - self.retention_s)
 
 
-def _page(items: list[Any], query: Any) -> dict[str, Any]:
+def _page(items: list[Any], query: Mapping[str, str]) -> Response:
     """A page of a response's input items: `order` (desc, the default, or asc), `after` (an item's id), `limit`."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidInput("'order' must be 'asc' or 'desc'", param="order")
-    try:
-        limit = int(query.get("limit", 20))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_ITEMS_PAGE:
-        raise InvalidInput(f"'limit' must be an integer from 1 to {MAX_ITEMS_PAGE}", param="limit")
+    limit, order = page_limit(query, 20, MAX_ITEMS_PAGE), page_order(query)
     ordered = items if order == "asc" else items[::-1]
     after = query.get("after")
     if after is not None:
@@ -237,13 +231,7 @@ def _page(items: list[Any], query: Any) -> dict[str, Any]:
         if after not in ids:
             raise InvalidInput(f"no input item {after[:80]!r} in this response", param="after")
         ordered = ordered[ids.index(after) + 1:]
-    page = ordered[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
-
-
-def _json(content: Any) -> Response:
-    return Response(msgspec.json.encode(content), media_type="application/json")
+    return list_response(ordered[:limit], len(ordered) > limit)
 
 
 async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, responses: Responses) -> Response:
@@ -252,10 +240,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     body = await read_body(request, body_limit_bytes)
     parsed = decode_json(body, ResponsesRequest)
     _refuse_unsupported(parsed)
-    info = resolve_openai(gateway, parsed.model, request, parsed.user)
-    if info.kind not in ("generative", "openai-upstream"):
-        raise InvalidInput(f"model {parsed.model!r} does not generate text; use /v1/embeddings or "
-                           f"/v2/models/{parsed.model}/infer", param="model")
+    info = resolve_generative(gateway, parsed.model, request, parsed.user)
     owner = request_tenant(request)
     items = _items(parsed.input)
     if parsed.previous_response_id is not None:
@@ -283,12 +268,10 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
         assert isinstance(result.payload, wire.GenerationResult)
         answer = shape.whole(result.payload)
         await keep(answer)
-        return Response(msgspec.json.encode(answer), media_type="application/json",
-                        headers=with_version(info, result.headers))
+        return json_response(answer, headers=with_version(info, result.headers))
     first = await unless_disconnected(request, [stream], anext(stream))  # errors before the first byte: a status
     return StreamingResponse(_events(shape, first, stream, keep), media_type="text/event-stream",
-                             headers=with_version(info, {"cache-control": "no-cache", "x-accel-buffering": "no",
-                                                         **(limit_headers or {})}))
+                             headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
 
 
 def _refuse_unsupported(request: ResponsesRequest) -> None:
