@@ -68,6 +68,14 @@ def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
             process.kill()
 
 
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
     """Wait until `condition()` holds (an HTTP error counts as not yet), or fail naming `what`."""
     deadline = time.monotonic() + timeout_s

@@ -42,6 +42,7 @@ from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.shared_traffic import SharedTraffic
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.gateway.tenancy import Tenancy
+from sluice.jobs.background import BackgroundResponses
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
 from sluice.jobs.postgres_store import PostgresJobStore
 from sluice.jobs.sqlite_store import SqliteJobStore
@@ -190,6 +191,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                  for i, d in enumerate(devices)]
     store = await _open_job_store(config, run_dir)
     executor = JobExecutor(store, config.jobs)
+    background = BackgroundResponses(store)
     supervisor = Supervisor(specs, on_exit=gateway.worker_lost,
                             on_restart=lambda worker_id: gateway_metrics.worker_restarted(),
                             config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
@@ -213,7 +215,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         announcer = asyncio.create_task(_announce(config, server, gateway, devices, console, grpc_url))
         poller = None if config.poll_repository_s is None or not specs else asyncio.create_task(
             _poll_repository(config.models_dir, config.poll_repository_s, gateway))
-        await executor.start(asgi_app)  # the full app, middleware included
+        await executor.start(asgi_app)  # the full app, middleware included (first: it frees a single server's leases)
+        await background.start(asgi_app)
         try:
             yield
         finally:
@@ -226,6 +229,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                 await registry.aclose()
             if gateway.shared_traffic is not None:
                 await gateway.shared_traffic.aclose()
+            await background.aclose()
             await executor.aclose()
             await store.aclose()
             gateway.is_draining = True
@@ -239,7 +243,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
 
     asgi_app = build_app(gateway, config.api, lifespan,
                           extra_routes=batches.routes(store, executor.notify, config.api.body_limit_bytes),
-                          responses_store=store)
+                          responses_store=store, background_responses=background)
     server = _Server(uvicorn.Config(
         asgi_app, host=config.host, port=config.port, loop="uvloop",
         http=stamping_protocol(clock, asgi_app.answer_early),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from tests.conftest import start_server, write_emulated_model
+from tests.conftest import is_alive, start_server, write_emulated_model
 from tests.integration.test_batch_api import embedding_lines, jsonl, output_rows, wait_until_final
 
 NUM_ITEMS = int(os.environ.get("SLUICE_CRASH_ITEMS", "2000"))
@@ -30,14 +30,6 @@ def _wait_for_progress(client: openai.OpenAI, batch_id: str, at_least: int, time
     raise AssertionError(f"batch {batch_id} made no progress")
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_kill_9_mid_job_then_restart_loses_and_duplicates_nothing(tmp_path: Path):
     repo = write_emulated_model(tmp_path / "models", slo_ms=2000, max_batch_size=8, alpha_ms=15)
     data_dir = str(tmp_path / "data")
@@ -55,9 +47,9 @@ def test_kill_9_mid_job_then_restart_loses_and_duplicates_nothing(tmp_path: Path
             server.process.kill()  # SIGKILL: no drain, no flush
             server.process.wait()
             deadline = time.monotonic() + 30
-            while any(_is_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            while any(is_alive(pid) for pid in workers) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert not any(_is_alive(pid) for pid in workers), "workers outlived their killed server"
+            assert not any(is_alive(pid) for pid in workers), "workers outlived their killed server"
             server = start_server(repo, tmp_path, "--data-dir", data_dir)
         with _client(server.url) as client:
             done = wait_until_final(client, batch_id, timeout_s=180 + NUM_ITEMS / 50)

@@ -2,19 +2,22 @@
 model: it answers what the chat endpoint answers for the same conversation (greedy, token for
 token), streamed as Responses' typed events that the SDK's stream helper assembles; function
 tools, structured text formats, conversations carried in `input` or continued from a stored
-response (read, listed and deleted through the SDK); what cannot be served is a 400 naming the
-field; a stream the client drops frees its sequence."""
+response (read, listed and deleted through the SDK); background responses, polled, cancelled, and
+finished after the server is killed mid-answer; what cannot be served is a 400 naming the field; a
+stream the client drops frees its sequence."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import eventually, metric_total
+from tests.conftest import eventually, is_alive, metric_total, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -156,7 +159,8 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"background": True}, "background"),
+    ({"background": True, "stream": True}, "stream"),
+    ({"background": True, "store": False}, "store"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
@@ -229,3 +233,78 @@ def test_a_dropped_stream_frees_its_sequence(sdk, tiny_lm_server):
     eventually(lambda: metric_total(tiny_lm_server, "vllm:num_requests_running", model_name="tiny") == 0,
                "the dropped stream's sequence to leave the engine")
     assert metric_total(tiny_lm_server, "sluice_requests_total", model="tiny", outcome="cancelled") == cancelled + 1
+
+
+def _polled(sdk: openai.OpenAI, response_id: str, timeout_s: float = 60) -> openai.types.responses.Response:
+    deadline = time.monotonic() + timeout_s
+    while (response := sdk.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_queued_then_polled_to_the_foreground_answer(sdk, tiny_lm_server):
+    ask = dict(model="tiny", instructions="Answer briefly.", input="Where is Oslo?", max_output_tokens=12,
+               temperature=0)
+    foreground = sdk.responses.create(**ask)
+    queued = sdk.responses.create(**ask, background=True, metadata={"job": "7"})
+    assert queued.status == "queued" and queued.background is True and queued.store is True
+    assert queued.output == [] and queued.usage is None
+    done = _polled(sdk, queued.id)
+    assert done.id == queued.id and done.background is True and done.error is None
+    assert done.status == foreground.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == 12
+    assert done.metadata == {"job": "7"} and done.instructions == "Answer briefly."
+    assert [item.content for item in sdk.responses.input_items.list(done.id).data] == ["Where is Oslo?"]
+    follow = sdk.responses.create(model="tiny", previous_response_id=done.id, input="And Lima?",
+                                  max_output_tokens=4, temperature=0)
+    assert follow.status == "incomplete" and follow.previous_response_id == done.id
+    assert sdk.responses.cancel(done.id).model_dump() == done.model_dump(), "ended: answered as it is"
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.cancel(foreground.id)
+    assert refused.value.body["param"] == "response_id"
+    streamed = httpx.get(f"{tiny_lm_server.url}/v1/responses/{done.id}", params={"stream": "true"})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
+def test_a_cancelled_background_response_frees_its_sequence_and_stays_cancelled(sdk, tiny_lm_server):
+    def running() -> float:
+        return metric_total(tiny_lm_server, "vllm:num_requests_running", model_name="tiny")
+
+    queued = sdk.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=900, background=True)
+    eventually(lambda: running() == 1, "the background response's sequence to run", timeout_s=10)
+    assert sdk.responses.retrieve(queued.id).status == "in_progress"
+    with pytest.raises(openai.BadRequestError) as unfinished:
+        sdk.responses.create(model="tiny", previous_response_id=queued.id, input="Hi", max_output_tokens=2)
+    assert unfinished.value.body["param"] == "previous_response_id"
+    cancelled = sdk.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.id == queued.id
+    eventually(lambda: running() == 0, "the cancelled response's sequence to leave the engine")
+    assert sdk.responses.cancel(queued.id).status == "cancelled"
+    time.sleep(0.3)
+    assert sdk.responses.retrieve(queued.id).status == "cancelled"
+
+
+def test_a_background_response_survives_kill_9_of_its_server(tmp_path: Path):
+    repo = write_tiny_lm_model(tmp_path / "models", "tiny")
+    data_dir = str(tmp_path / "data")
+    ask = dict(model="tiny", input="Tell me a story", max_output_tokens=300, temperature=0)
+    server = start_server(repo, tmp_path, "--data-dir", data_dir)
+    try:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
+            queued = sdk.responses.create(**ask, background=True)
+            eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name="tiny") == 1,
+                       "the background response to be generating", timeout_s=10)
+        workers = server.worker_pids()
+        server.process.kill()  # SIGKILL: no drain, nothing written
+        server.process.wait()
+        eventually(lambda: not any(is_alive(pid) for pid in workers), "the killed server's workers to exit")
+        server = start_server(repo, tmp_path, "--data-dir", data_dir)
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
+                           default_headers={"Cache-Control": "no-cache"}) as sdk:
+            done = _polled(sdk, queued.id, timeout_s=120)
+            foreground = sdk.responses.create(**ask)
+    finally:
+        server.stop()
+    assert done.status == "incomplete" and done.usage.output_tokens == 300
+    assert done.output_text == foreground.output_text

@@ -17,7 +17,7 @@ import pytest
 
 from sluice.gateway.keyfile import add_key
 from sluice.gateway.tenants import hash_key, new_key
-from tests.conftest import write_emulated_model, write_tiny_lm_model
+from tests.conftest import eventually, write_emulated_model, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -345,3 +345,20 @@ def test_a_stored_response_is_its_tenants_alone(server):
         with pytest.raises(openai.NotFoundError):
             other.responses.delete(mine.id)
         assert alpha.responses.retrieve(mine.id).output_text == mine.output_text
+
+        # a background response runs as its tenant, in the class it asked for, and is its tenant's alone
+        batch_class = 'sluice_tenant_admitted_total{class="batch",tenant="alpha"}'
+        before = _sample(scrape(server).text, batch_class)
+        queued = alpha.responses.create(model="tiny-lm", input="Hi", max_output_tokens=2, background=True,
+                                        service_tier="flex")
+        with pytest.raises(openai.NotFoundError):
+            other.responses.cancel(queued.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(queued.id)
+        eventually(lambda: alpha.responses.retrieve(queued.id).status == "incomplete", "the background response")
+        assert _sample(scrape(server).text, batch_class) == before + 1
+
+
+def _sample(exposition: str, series: str) -> float:
+    found = [line.split()[-1] for line in exposition.splitlines() if line.startswith(series + " ")]
+    return float(found[0]) if found else 0.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,6 @@ from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import BatchStatus, ItemOutcome, JobStore, NewBatch, NewItem
 
 NOW = 1_700_000_000
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JobStore]:
-    if request.param == "sqlite":
-        opened: JobStore = SqliteJobStore(tmp_path / "data")
-    else:
-        opened = await PostgresJobStore.connect(request.getfixturevalue("postgres_dsn"))
-    yield opened
-    await opened.aclose()
 
 
 def _new_batch(owner: str = "acme") -> NewBatch:
@@ -304,3 +293,49 @@ async def test_stored_responses_are_the_owners_and_go_when_deleted_or_old(store:
     await store.put_response("acme", "resp_3", NOW - 100, b"{}", b"[]")
     assert await store.delete_responses_before(NOW) == 1
     assert await store.get_response("acme", "resp_3") is None and await store.get_response("acme", "resp_2")
+
+
+async def test_a_background_response_runs_under_one_lease_until_answered_cancelled_or_taken_over(store: JobStore):
+    await store.put_response_run("acme", "resp_b", NOW, b'{"status": "queued"}', b"[]", b"req", "gw-1", NOW + 30)
+    assert (await store.get_response("acme", "resp_b")).body == b'{"status": "queued"}'  # type: ignore[union-attr]
+    assert await store.claim_response_runs("gw-2", NOW + 10, NOW + 40, 10) == [], "its lease is live"
+    assert await store.update_response_run("resp_b", "gw-1", b'{"status": "in_progress"}', is_final=False)
+    assert not await store.update_response_run("resp_b", "gw-2", b'{"status": "x"}', is_final=False)
+    assert await store.renew_response_runs("gw-1", ["resp_b", "resp_gone"], NOW + 60) == {"resp_b"}
+    assert await store.renew_response_runs("gw-2", ["resp_b"], NOW + 90) == set(), "not gw-2's"
+
+    # gw-1 stops renewing: once the lease has run out, another gateway takes the run over, once
+    [taken] = await store.claim_response_runs("gw-2", NOW + 61, NOW + 91, 10)
+    assert (taken.owner, taken.response_id, taken.request, taken.attempts) == ("acme", "resp_b", b"req", 2)
+    assert await store.claim_response_runs("gw-3", NOW + 61, NOW + 91, 10) == []
+    assert not await store.update_response_run("resp_b", "gw-1", b'{"status": "late"}', is_final=True)
+    assert await store.renew_response_runs("gw-1", ["resp_b"], NOW + 99) == set(), "gw-1 learns it lost it"
+    assert await store.update_response_run("resp_b", "gw-2", b'{"status": "completed"}', is_final=True)
+    assert (await store.get_response("acme", "resp_b")).body == b'{"status": "completed"}'  # type: ignore[union-attr]
+    assert not await store.cancel_response_run("acme", "resp_b", b'{"status": "cancelled"}'), "answered already"
+    assert await store.claim_response_runs("gw-3", NOW + 10_000, NOW + 10_030, 10) == []
+
+    # a cancel ends the run whoever holds it; the holder's answer is then not written
+    await store.put_response_run("acme", "resp_c", NOW, b'{"status": "queued"}', b"[]", b"req", "gw-1", NOW + 30)
+    assert not await store.cancel_response_run("other", "resp_c", b"{}"), "another tenant cannot cancel it"
+    assert await store.cancel_response_run("acme", "resp_c", b'{"status": "cancelled"}')
+    assert not await store.update_response_run("resp_c", "gw-1", b'{"status": "completed"}', is_final=True)
+    assert (await store.get_response("acme", "resp_c")).body == b'{"status": "cancelled"}'  # type: ignore[union-attr]
+    assert await store.renew_response_runs("gw-1", ["resp_c"], NOW + 60) == set()
+
+    # deleting a running response, or its retention ending, takes its run too
+    await store.put_response_run("acme", "resp_d", NOW, b"{}", b"[]", b"req", "gw-1", NOW + 30)
+    await store.put_response_run("acme", "resp_e", NOW - 100, b"{}", b"[]", b"req", "gw-1", NOW + 30)
+    assert await store.delete_response("acme", "resp_d")
+    assert await store.delete_responses_before(NOW) == 1
+    assert await store.claim_response_runs("gw-2", NOW + 10_000, NOW + 10_030, 10) == []
+
+
+async def test_a_single_server_store_frees_background_runs_at_startup(tmp_path: Path):
+    """SQLite has one server per data directory: at startup nobody else can hold a run's lease."""
+    store = SqliteJobStore(tmp_path / "data")
+    await store.put_response_run("acme", "resp_r", NOW, b"{}", b"[]", b"req", "gw-dead", 2e9)
+    await store.release_leases()
+    [taken] = await store.claim_response_runs("gw-new", NOW, NOW + 30, 10)
+    assert taken.response_id == "resp_r" and taken.attempts == 2
+    await store.aclose()

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,6 +36,9 @@ from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 from sluice.gateway.tenancy import Tenancy
 from sluice.jobs.store import JobStore
+
+if TYPE_CHECKING:
+    from sluice.jobs.background import BackgroundResponses
 
 log = logging.getLogger("sluice.api")
 
@@ -221,14 +224,16 @@ def build_app(
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[Any]] | None = None,
     extra_routes: Sequence[BaseRoute] = (),
     responses_store: JobStore | None = None,
+    background_responses: BackgroundResponses | None = None,
 ) -> SluiceApp:
     """`extra_routes`: optional services mounted beside the inference APIs (e.g. `api.batches`).
-    `responses_store`: where the Responses API keeps responses (None: it keeps none)."""
+    `responses_store`: where the Responses API keeps responses (None: it keeps none);
+    `background_responses`: what runs its background responses (None: they are refused)."""
     config = config or ApiConfig()
     routes = [
         *openai.routes(gateway, config.body_limit_bytes),
         *completions.routes(gateway, config.body_limit_bytes),
-        *responses.routes(gateway, config.body_limit_bytes, responses_store),
+        *responses.routes(gateway, config.body_limit_bytes, responses_store, background_responses),
         *tokenize.routes(gateway, config.body_limit_bytes),
         *triton.routes(gateway),  # before kserve's: /v2/models/stats is not a model's metadata
         *kserve.routes(gateway, config.body_limit_bytes),

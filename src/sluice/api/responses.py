@@ -27,10 +27,14 @@ answered, for its tenant only, for `retention_s` (30 days, as OpenAI keeps them)
 the new `input`; instructions are not carried over, as at OpenAI); `GET /v1/responses/{id}`,
 `DELETE` and `GET .../input_items` read and forget them. `include:
 ["message.output_text.logprobs"]` (with `top_logprobs: k`) puts the tokens' log-probabilities in
-the output text and its deltas, as chat's `logprobs` reports them. What cannot be served is
-refused with a 400 rather than ignored: image, file and audio inputs, built-in tools (web search,
-file search, ...), `conversation` objects, `background`, `reasoning` effort, `truncation: "auto"`,
-other `include`d extras.
+the output text and its deltas, as chat's `logprobs` reports them.
+
+Background (`background: true`): validated as any request, then stored `queued` with its run and
+answered at once; `jobs.background` runs it (the same request in the foreground, through the app)
+and writes its end, which `GET` polls; `POST .../cancel` ends it. Not streamed: `stream` with it
+is refused. What cannot be served is refused with a 400 rather than ignored: image, file and
+audio inputs, built-in tools (web search, file search, ...), `conversation` objects, `reasoning`
+effort, `truncation: "auto"`, other `include`d extras.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
@@ -48,6 +52,10 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import (
+    PRIORITY_HEADER,
+    ROUTE_KEY_HEADER,
+    TIMEOUT_HEADER,
+    VERSION_HEADER,
     arrival,
     caller,
     decode_json,
@@ -78,14 +86,16 @@ from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
-from sluice.jobs.store import JobStore, StoredResponse
+from sluice.jobs.store import RUNNING, JobStore, RunRequest, StoredResponse
+
+if TYPE_CHECKING:
+    from sluice.jobs.background import BackgroundResponses
 
 log = logging.getLogger("sluice.api")
 
 MAX_METADATA_KEYS = 16
 RETENTION_S = 30 * 86_400
 """How long a stored response is kept (OpenAI keeps them 30 days)."""
-PURGE_EVERY_S = 3600
 MAX_ITEMS_PAGE = 100
 NOT_STORED = ("responses are not stored by this server (it has no job store): send the conversation's items in "
               "'input' instead")
@@ -94,6 +104,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                "logprobs": "include"}
 """The chat request's fields that errors name, as the Responses request calls them."""
+PASSED_HEADERS = (PRIORITY_HEADER, TIMEOUT_HEADER, VERSION_HEADER, ROUTE_KEY_HEADER, "cache-control")
+"""A background request's headers that it runs with."""
 
 
 class TextFormat(msgspec.Struct):
@@ -147,14 +159,17 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
 
 def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = None,
-           retention_s: int = RETENTION_S) -> list[Route]:
-    """`store`: where responses are kept (None: nowhere, every answer says `store: false`)."""
-    responses = Responses(store, retention_s)
+           background: BackgroundResponses | None = None, retention_s: int = RETENTION_S) -> list[Route]:
+    """`store`: where responses are kept (None: nowhere, every answer says `store: false`);
+    `background`: what runs background responses (None: they are refused)."""
+    responses = Responses(store, background, retention_s, gateway.max_timeout_s)
 
     async def create(request: Request) -> Response:
         return await _serve(gateway, request, body_limit_bytes, responses)
 
     async def retrieve(request: Request) -> Response:
+        if request.query_params.get("stream", "false").lower() != "false":
+            raise InvalidInput("a stored response is not streamed again: poll it without 'stream'", param="stream")
         found = await responses.get(request)
         return Response(found.body, media_type="application/json")
 
@@ -162,6 +177,8 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
         response_id = request.path_params["response_id"]
         if responses.store is None or not await responses.store.delete_response(request_tenant(request), response_id):
             raise responses.not_found(response_id)
+        if responses.background is not None:
+            responses.background.stop(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(request: Request) -> Response:
@@ -169,9 +186,7 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
         return _page(items, request.query_params)
 
     async def cancel(request: Request) -> Response:
-        await responses.get(request)
-        raise InvalidInput("only background responses can be cancelled, and this server runs none: this one has "
-                           "finished", param="response_id")
+        return await responses.cancel(request)
 
     return [
         Route("/v1/responses", create, methods=["POST"]),
@@ -185,10 +200,13 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
 class Responses:
     """Stored responses: kept, found, and forgotten once their retention is over."""
 
-    def __init__(self, store: JobStore | None, retention_s: int) -> None:
+    def __init__(self, store: JobStore | None, background: BackgroundResponses | None, retention_s: int,
+                 background_timeout_s: float) -> None:
         self.store = store
+        self.background = background if store is not None else None
         self.retention_s = retention_s
-        self._purged_at = 0.0
+        self.background_timeout_s = background_timeout_s
+        """A background request's deadline when its client gave none (the gateway's longest)."""
 
     def not_found(self, response_id: str) -> NotFound:
         return NotFound(f"no response {response_id[:80]!r}" + ("" if self.store is not None else f": {NOT_STORED}"))
@@ -209,16 +227,52 @@ class Responses:
             raise NotFound(f"no previous response {response_id[:80]!r} (it was deleted, is older than "
                            f"{self.retention_s // 86_400} days, was not stored, or is another tenant's)",
                            param="previous_response_id")
-        return [*msgspec.json.decode(found.input_items), *msgspec.json.decode(found.body)["output"]]
+        previous = msgspec.json.decode(found.body)
+        if previous["status"] not in ("completed", "incomplete"):
+            raise InvalidInput(f"previous response {response_id[:80]!r} has no answer to continue from: it is "
+                               f"{previous['status']}", param="previous_response_id")
+        return [*msgspec.json.decode(found.input_items), *previous["output"]]
 
     async def keep(self, owner: str, response: dict[str, Any], items: list[Any]) -> None:
         assert self.store is not None
-        now = time.time()
         await self.store.put_response(owner, response["id"], response["created_at"], msgspec.json.encode(response),
                                       msgspec.json.encode(items))
-        if now - self._purged_at > PURGE_EVERY_S:
-            self._purged_at = now
-            await self.store.delete_responses_before(int(now) - self.retention_s)
+
+    async def cancel(self, request: Request) -> Response:
+        """End a background response that is queued or in progress (`cancelled`); one that has
+        ended already is answered as it is."""
+        found = await self.get(request)
+        response = msgspec.json.decode(found.body)
+        if not response.get("background"):
+            raise InvalidInput("only background responses can be cancelled: this one was answered when it was "
+                               "created", param="response_id")
+        if response["status"] in RUNNING:
+            assert self.store is not None and self.background is not None
+            cancelled = {**response, "status": "cancelled"}
+            if await self.store.cancel_response_run(request_tenant(request), response["id"],
+                                                    msgspec.json.encode(cancelled)):
+                self.background.stop(response["id"])
+                return json_response(cancelled)
+            found = await self.get(request)  # it ended meanwhile
+        return Response(found.body, media_type="application/json")
+
+    async def run_later(self, owner: str, shape: ResponsesShape, request: ResponsesRequest, items: list[Any],
+                        headers: Mapping[str, str]) -> Response:
+        """Store a background response, queued, and answer that; it runs in `self.background`."""
+        if self.background is None:
+            raise InvalidInput(NOT_STORED if self.store is None else "background responses are not run by this "
+                               "server", param="background")
+        if request.store is False:
+            raise InvalidInput("a background response must be stored: 'store' cannot be false", param="store")
+        foreground = msgspec.structs.replace(request, background=False, store=False, stream=False, input=items,
+                                             previous_response_id=None)
+        queued = shape.response("queued")
+        passed = [(name, headers[name]) for name in PASSED_HEADERS if name in headers]
+        if TIMEOUT_HEADER not in headers:  # a background response may take its time
+            passed.append((TIMEOUT_HEADER, str(int(self.background_timeout_s * 1000))))
+        await self.background.submit(owner, shape.id, shape.created_at, RunRequest(
+            msgspec.json.encode(foreground), passed, msgspec.json.encode(queued)), msgspec.json.encode(items))
+        return json_response(queued)
 
 
 def _page(items: list[Any], query: Mapping[str, str]) -> Response:
@@ -252,12 +306,14 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     except InvalidInput as exc:
         raise _as_responses_error(exc) from exc
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
+    is_stored = responses.store is not None and parsed.store is not False
+    shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
+    if parsed.background:
+        return await responses.run_later(owner, shape, parsed, items, request.headers)
     limit_headers: dict[str, str] | None = {} if payload.stream else None
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                               caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing),
                               limit_headers=limit_headers)
-    is_stored = responses.store is not None and parsed.store is not False
-    shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
 
     async def keep(response: dict[str, Any]) -> None:
         if is_stored:
@@ -279,8 +335,8 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
                                                            "the conversation's items in 'input' instead"),
         (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
-        (bool(request.background), "background", "background responses are not supported: use the Batch API "
-                                                 "(endpoint /v1/responses) for work that can wait"),
+        (bool(request.background) and bool(request.stream), "stream",
+         "a background response is not streamed here: create it without 'stream' and poll GET /v1/responses/{id}"),
         (request.reasoning is not None and any(v is not None for v in request.reasoning.values()), "reasoning",
          "reasoning options are not supported: the models served here do not reason separately"),
         (request.truncation not in (None, "disabled"), "truncation",
@@ -454,7 +510,7 @@ class ResponsesShape:
             text_format = {key: value for key, value in given.items() if value is not None}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
+            "background": bool(request.background), "error": None,
             "incomplete_details": None if incomplete is None else {"reason": incomplete},
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "max_tool_calls": None, "model": self.model, "output": self.output,

@@ -4,4 +4,5 @@
     sqlite_store.py   embedded backend (default)      postgres_store.py  shared backend
     validate.py       input file -> items, or line-numbered errors
     executor.py       claims items in leases, runs them through the app, records outcomes
+    background.py     background responses (`/v1/responses`, `background: true`): run, leased, taken over
 """

@@ -26,6 +26,7 @@ from sluice.jobs.store import (
     LeftoverLine,
     NewBatch,
     NewItem,
+    ResponseRun,
     ResultLine,
     StoredResponse,
 )
@@ -118,8 +119,47 @@ class PostgresJobStore:
     async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
                            input_items: bytes) -> None:
         async with self._pool.connection() as conn:
-            await conn.execute("INSERT INTO responses (id, owner, created_at, body, input_items) "
-                               "VALUES (%s, %s, %s, %s, %s)", (response_id, owner, created_at, body, input_items))
+            await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
+
+    async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
+                               request: bytes, token: str, lease_until: float) -> None:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
+            await conn.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
+                               "VALUES (%s, %s, %s, 1, %s, %s)", (response_id, owner, request, token, lease_until))
+
+    async def update_response_run(self, response_id: str, token: str, body: bytes, *, is_final: bool) -> bool:
+        async with self._pool.connection() as conn, conn.transaction():
+            held = await (await conn.execute("SELECT 1 FROM response_runs WHERE id = %s AND lease_token = %s "
+                                             "FOR UPDATE", (response_id, token))).fetchone()
+            if held is None:
+                return False
+            await conn.execute("UPDATE responses SET body = %s WHERE id = %s", (body, response_id))
+            if is_final:
+                await conn.execute("DELETE FROM response_runs WHERE id = %s", (response_id,))
+            return True
+
+    async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute("DELETE FROM response_runs WHERE id = %s AND owner = %s", (response_id, owner))
+            if cur.rowcount == 0:
+                return False
+            await conn.execute("UPDATE responses SET body = %s WHERE id = %s", (body, response_id))
+            return True
+
+    async def renew_response_runs(self, token: str, response_ids: Sequence[str], lease_until: float) -> set[str]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute("UPDATE response_runs SET lease_until = %s WHERE lease_token = %s "
+                                     "AND id = ANY(%s) RETURNING id", (lease_until, token, list(response_ids)))
+            return {row[0] for row in await cur.fetchall()}
+
+    async def claim_response_runs(self, token: str, now: float, lease_until: float, limit: int) -> list[ResponseRun]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE response_runs SET lease_token = %s, lease_until = %s, attempts = attempts + 1 WHERE id IN "
+                "(SELECT id FROM response_runs WHERE lease_until < %s ORDER BY lease_until LIMIT %s "
+                "FOR UPDATE SKIP LOCKED) RETURNING id, owner, request, attempts", (token, lease_until, now, limit))
+            return [ResponseRun(row[1], row[0], bytes(row[2]), int(row[3])) for row in await cur.fetchall()]
 
     async def get_response(self, owner: str, response_id: str) -> StoredResponse | None:
         row = await self._one("SELECT body, input_items FROM responses WHERE id = %s AND owner = %s",
@@ -127,12 +167,14 @@ class PostgresJobStore:
         return None if row is None else StoredResponse(bytes(row[0]), bytes(row[1]))
 
     async def delete_response(self, owner: str, response_id: str) -> bool:
-        async with self._pool.connection() as conn:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("DELETE FROM response_runs WHERE id = %s AND owner = %s", (response_id, owner))
             cur = await conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
             return cur.rowcount > 0
 
     async def delete_responses_before(self, created_at: int) -> int:
-        async with self._pool.connection() as conn:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(rows.FORGET_OLD_RUNS, (created_at,))
             return (await conn.execute("DELETE FROM responses WHERE created_at < %s", (created_at,))).rowcount
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,

@@ -95,7 +95,20 @@ CREATE TABLE IF NOT EXISTS responses (
     input_items {blob} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
+CREATE TABLE IF NOT EXISTS response_runs (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    request {blob} NOT NULL,
+    attempts {int} NOT NULL,
+    lease_token TEXT NOT NULL,
+    lease_until {real} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS response_runs_by_lease ON response_runs (lease_until);
 """
+
+PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (%s, %s, %s, %s, %s)"
+FORGET_OLD_RUNS = "DELETE FROM response_runs WHERE id IN (SELECT id FROM responses WHERE created_at < %s)"
+"""The runs of background responses past their retention (never answered: their gateways kept failing)."""
 
 UNIQUE_SEQ = "CREATE UNIQUE INDEX IF NOT EXISTS batches_by_seq ON batches (seq)"
 """Each batch has its own `seq` (the list order). Created by each backend once its `seq` values are

@@ -33,6 +33,7 @@ from sluice.jobs.store import (
     LeftoverLine,
     NewBatch,
     NewItem,
+    ResponseRun,
     ResultLine,
     StoredResponse,
 )
@@ -45,6 +46,8 @@ _BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id 
 _FILE_PART = ("SELECT p.data FROM file_parts p JOIN files f ON f.id = p.file_id WHERE p.file_id = ? AND f.owner = ? "
               "AND p.part = ?")
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = ? AND state = ? AND idx > ? ORDER BY idx LIMIT 1"
+_FORGET_OLD_RUNS = rows.FORGET_OLD_RUNS.replace("%s", "?")
+_PUT_RESPONSE = rows.PUT_RESPONSE.replace("%s", "?")
 _CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
                       "AND lease_until < ? ORDER BY idx LIMIT ?")
 
@@ -161,10 +164,61 @@ class SqliteJobStore:
     async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
                            input_items: bytes) -> None:
         def put(db: sqlite3.Connection) -> None:
-            db.execute("INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (?, ?, ?, ?, ?)",
-                       (response_id, owner, created_at, body, input_items))
+            db.execute(_PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
 
         await self._txn(put)
+
+    async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
+                               request: bytes, token: str, lease_until: float) -> None:
+        def put(db: sqlite3.Connection) -> None:
+            db.execute(_PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
+            db.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
+                       "VALUES (?, ?, ?, 1, ?, ?)", (response_id, owner, request, token, lease_until))
+
+        await self._txn(put)
+
+    async def update_response_run(self, response_id: str, token: str, body: bytes, *, is_final: bool) -> bool:
+        def update(db: sqlite3.Connection) -> bool:
+            held = db.execute("SELECT 1 FROM response_runs WHERE id = ? AND lease_token = ?",
+                              (response_id, token)).fetchone()
+            if held is None:
+                return False
+            db.execute("UPDATE responses SET body = ? WHERE id = ?", (body, response_id))
+            if is_final:
+                db.execute("DELETE FROM response_runs WHERE id = ?", (response_id,))
+            return True
+
+        return await self._txn(update)
+
+    async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
+        def cancel(db: sqlite3.Connection) -> bool:
+            if db.execute("DELETE FROM response_runs WHERE id = ? AND owner = ?", (response_id, owner)).rowcount == 0:
+                return False
+            db.execute("UPDATE responses SET body = ? WHERE id = ?", (body, response_id))
+            return True
+
+        return await self._txn(cancel)
+
+    async def renew_response_runs(self, token: str, response_ids: Sequence[str], lease_until: float) -> set[str]:
+        def renew(db: sqlite3.Connection) -> set[str]:
+            held = set()
+            for response_id in response_ids:
+                if db.execute("UPDATE response_runs SET lease_until = ? WHERE id = ? AND lease_token = ?",
+                              (lease_until, response_id, token)).rowcount:
+                    held.add(response_id)
+            return held
+
+        return await self._txn(renew)
+
+    async def claim_response_runs(self, token: str, now: float, lease_until: float, limit: int) -> list[ResponseRun]:
+        def claim(db: sqlite3.Connection) -> list[ResponseRun]:
+            found = db.execute("SELECT id, owner, request, attempts FROM response_runs WHERE lease_until < ? "
+                               "ORDER BY lease_until LIMIT ?", (now, limit)).fetchall()
+            db.executemany("UPDATE response_runs SET lease_token = ?, lease_until = ?, attempts = attempts + 1 "
+                           "WHERE id = ?", [(token, lease_until, row[0]) for row in found])
+            return [ResponseRun(row[1], row[0], bytes(row[2]), int(row[3]) + 1) for row in found]
+
+        return await self._txn(claim)
 
     async def get_response(self, owner: str, response_id: str) -> StoredResponse | None:
         def get() -> StoredResponse | None:
@@ -177,12 +231,14 @@ class SqliteJobStore:
 
     async def delete_response(self, owner: str, response_id: str) -> bool:
         def delete(db: sqlite3.Connection) -> bool:
+            db.execute("DELETE FROM response_runs WHERE id = ? AND owner = ?", (response_id, owner))
             return db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount > 0
 
         return await self._txn(delete)
 
     async def delete_responses_before(self, created_at: int) -> int:
         def delete(db: sqlite3.Connection) -> int:
+            db.execute(_FORGET_OLD_RUNS, (created_at,))
             return db.execute("DELETE FROM responses WHERE created_at < ?", (created_at,)).rowcount
 
         return await self._txn(delete)
@@ -316,6 +372,7 @@ class SqliteJobStore:
 
     async def release_leases(self) -> int:
         def release(db: sqlite3.Connection) -> int:
+            db.execute("UPDATE response_runs SET lease_until = 0")
             return db.execute("UPDATE items SET state = 'queued', lease_token = NULL WHERE state = 'leased'").rowcount
 
         return await self._txn(release)

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 __all__ = [
     "ACTIVE_STATUSES",
     "BatchJob",
@@ -200,6 +202,35 @@ class StoredResponse:
     """The conversation's items it answered (JSON list): its predecessors' and its own input."""
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseRun:
+    """A background response still to be answered (`jobs.background`): its response's row says
+    `queued` or `in_progress` until the gateway holding this run's lease writes its end."""
+
+    owner: str
+    response_id: str
+    request: bytes
+    """What to run: a `RunRequest`, encoded."""
+    attempts: int
+    """How many times a gateway has started it (a takeover after a crash is one more)."""
+
+
+RUNNING = ("queued", "in_progress")
+"""A background response's statuses before its end."""
+
+
+class RunRequest(msgspec.Struct):
+    """What a run needs, kept with it in the store so that any gateway can run it."""
+
+    body: bytes
+    """The request to POST to `/v1/responses`: the client's, in the foreground, unstored, unstreamed,
+    with the whole conversation in `input` (so a predecessor deleted meanwhile does not matter)."""
+    headers: list[tuple[str, str]]
+    """The client's headers that shape how it runs (priority class, timeout, version, cache)."""
+    response: bytes
+    """The response object as it was queued: its end is this with the answer's status, output and usage."""
+
+
 LeftoverLine = Callable[[str], bytes]
 """The error line for an item that never ran (batch cancelled or expired), from its custom_id."""
 
@@ -280,7 +311,8 @@ class JobStore(Protocol):
         ...
 
     async def release_leases(self) -> int:
-        """Return every leased item to the queue (single-owner stores, at startup)."""
+        """Return every leased item to the queue and every background response's run to be
+        claimed (single-owner stores, at startup); how many items."""
         ...
 
     async def num_live_leases(self, batch_id: str, now: float) -> int: ...
@@ -308,10 +340,37 @@ class JobStore(Protocol):
 
     async def get_response(self, owner: str, response_id: str) -> StoredResponse | None: ...
 
-    async def delete_response(self, owner: str, response_id: str) -> bool: ...
+    async def delete_response(self, owner: str, response_id: str) -> bool:
+        """Forget a response (and its run, if it is a background response not yet answered)."""
+        ...
 
     async def delete_responses_before(self, created_at: int) -> int:
         """Forget responses created before `created_at` (their retention is over); how many."""
+        ...
+
+    async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
+                               request: bytes, token: str, lease_until: float) -> None:
+        """Store a background response (`body` says queued) and its run, leased to `token`, at once."""
+        ...
+
+    async def update_response_run(self, response_id: str, token: str, body: bytes, *, is_final: bool) -> bool:
+        """Write a running response's new `body` if `token` still holds its run (else nothing, False);
+        `is_final`: the run ends with it (its row goes)."""
+        ...
+
+    async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
+        """End the owner's running response with `body` (cancelled) whoever holds it; False if it
+        has no run any more (answered, cancelled or deleted already)."""
+        ...
+
+    async def renew_response_runs(self, token: str, response_ids: Sequence[str], lease_until: float) -> set[str]:
+        """Extend the leases `token` holds on these runs; the ids it still holds (a run cancelled
+        or deleted meanwhile is not among them)."""
+        ...
+
+    async def claim_response_runs(self, token: str, now: float, lease_until: float, limit: int) -> list[ResponseRun]:
+        """Lease to `token` up to `limit` runs whose lease ran out before `now` (their gateway
+        stopped), counting one more attempt each."""
         ...
 
     async def aclose(self) -> None: ...

@@ -1,0 +1,175 @@
+"""Background responses' runner (`jobs.background`) on both real stores, with a stand-in app: a
+run's status goes queued → in_progress → its end; refusals that say to wait are waited out; a run
+left by a stopped gateway is taken over once its lease runs out; a cancelled run's work stops and
+its late answer is not written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import msgspec
+
+from sluice.jobs.background import BackgroundResponses, RunRequest
+from sluice.jobs.store import JobStore
+
+NOW = int(time.time())  # responses older than their retention (30 days) are purged
+QUEUED = {"id": "resp_1", "object": "response", "status": "queued", "background": True, "output": [],
+          "usage": None, "error": None, "incomplete_details": None, "metadata": {"k": "v"}}
+ANSWER = {"id": "resp_inner", "status": "completed", "output": [{"type": "message", "content": "hi"}],
+          "usage": {"output_tokens": 3}, "incomplete_details": None, "store": False}
+
+
+class App:
+    """Answers POST /v1/responses with `answers` in turn (status, body, headers), the last one
+    for good; `hold` keeps a call waiting until it is set (or the call is cancelled)."""
+
+    def __init__(self, *answers: tuple[int, dict[str, Any], dict[str, str]]) -> None:
+        self.answers = list(answers) or [(200, ANSWER, {})]
+        self.calls: list[dict[str, Any]] = []
+        self.hold: asyncio.Event | None = None
+        self.cancelled = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = (await receive())["body"]
+        self.calls.append({"body": json.loads(body), "tenant": scope["sluice.tenant"],
+                           "headers": dict((k.decode(), v.decode()) for k, v in scope["headers"])})
+        if self.hold is not None:
+            try:
+                await self.hold.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        status, answer, headers = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+
+def _request(response_id: str = "resp_1") -> RunRequest:
+    return RunRequest(b'{"model": "tiny", "input": "Hi", "background": false}', [("x-sluice-priority", "batch")],
+                      msgspec.json.encode({**QUEUED, "id": response_id}))
+
+
+async def _body(store: JobStore, response_id: str = "resp_1") -> dict[str, Any]:
+    found = await store.get_response("acme", response_id)
+    assert found is not None
+    return json.loads(found.body)
+
+
+async def _until(store: JobStore, status: str, response_id: str = "resp_1", timeout_s: float = 10) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while (body := await _body(store, response_id))["status"] != status:
+        assert time.monotonic() < deadline, f"still {body['status']}, never {status}"
+        await asyncio.sleep(0.01)
+    return body
+
+
+async def test_a_run_goes_queued_in_progress_then_ends_with_the_answer(store: JobStore):
+    app = App()
+    app.hold = asyncio.Event()
+    runner = BackgroundResponses(store)
+    await runner.start(app)
+    await runner.submit("acme", "resp_1", NOW, _request(), b'[{"role": "user"}]')
+    running = await _until(store, "in_progress")
+    assert running["metadata"] == {"k": "v"} and running["output"] == []
+    app.hold.set()
+    done = await _until(store, "completed")
+    assert done == {**QUEUED, "status": "completed", "output": ANSWER["output"], "usage": ANSWER["usage"]}
+    assert done["id"] == "resp_1" and done["background"] is True, "the queued object, not the inner one"
+    [made] = app.calls
+    assert made["tenant"] == "acme" and made["headers"]["x-sluice-priority"] == "batch"
+    assert made["body"] == {"model": "tiny", "input": "Hi", "background": False}
+    await runner.aclose()
+
+
+async def test_refusals_that_say_wait_are_waited_out_and_others_fail_the_response(store: JobStore):
+    busy = (503, {"error": {"message": "overloaded", "code": "overloaded"}}, {"retry-after-ms": "20"})
+    app = App(busy, busy, (200, ANSWER, {}))
+    runner = BackgroundResponses(store)
+    await runner.start(app)
+    await runner.submit("acme", "resp_1", NOW, _request(), b"[]")
+    assert (await _until(store, "completed"))["output"] == ANSWER["output"] and len(app.calls) == 3
+
+    bad = App((400, {"error": {"message": "'input' is too long", "code": "context_length_exceeded"}}, {}))
+    spent = App((429, {"error": {"message": "budget spent", "code": "budget_exhausted"}},
+                 {"retry-after": "1", "x-should-retry": "false"}))
+    for app, code, message in [(bad, "context_length_exceeded", "'input' is too long"),
+                               (spent, "budget_exhausted", "budget spent")]:
+        runner._app = app
+        response_id = f"resp_{code}"
+        await runner.submit("acme", response_id, NOW, _request(response_id), b"[]")
+        failed = await _until(store, "failed", response_id)
+        assert failed["error"] == {"code": code, "message": message} and len(app.calls) == 1
+    await runner.aclose()
+
+
+async def test_a_stopped_gateways_run_is_taken_over_once_its_lease_runs_out(store: JobStore):
+    stuck = App()
+    stuck.hold = asyncio.Event()
+    first = BackgroundResponses(store, lease_s=30)
+    await first.start(stuck)
+    await first.submit("acme", "resp_1", NOW, _request(), b"[]")
+    await _until(store, "in_progress")
+    await first.aclose()  # stops without an answer: the run stays, leased for 30 s
+    assert stuck.cancelled == 1
+
+    app = App()
+    now = time.time()
+    early = BackgroundResponses(store, lease_s=30, clock=lambda: now + 5)
+    await early.start(app)
+    await asyncio.sleep(0.2)
+    assert app.calls == [] and (await _body(store))["status"] == "in_progress", "the lease is still live"
+    await early.aclose()
+
+    later = BackgroundResponses(store, lease_s=30, clock=lambda: now + 31)
+    await later.start(app)
+    assert (await _until(store, "completed"))["output"] == ANSWER["output"] and len(app.calls) == 1
+    await later.aclose()
+
+
+async def test_a_run_started_too_often_ends_failed_without_running_again(store: JobStore):
+    await store.put_response_run("acme", "resp_1", NOW, msgspec.json.encode(QUEUED), b"[]",
+                                 msgspec.json.encode(_request()), "gw-dead", 0.0)
+    app = App()
+    runner = BackgroundResponses(store, max_attempts=1)  # this claim is its second start
+    await runner.start(app)
+    failed = await _until(store, "failed")
+    assert failed["error"]["code"] == "server_error" and app.calls == []
+    await runner.aclose()
+
+
+async def test_a_cancelled_run_stops_and_its_late_answer_is_not_written(store: JobStore):
+    app = App()
+    app.hold = asyncio.Event()
+    runner = BackgroundResponses(store, lease_s=0.3)  # renews every 0.1 s
+    await runner.start(app)
+    await runner.submit("acme", "resp_1", NOW, _request(), b"[]")
+    await _until(store, "in_progress")
+    # cancelled through another gateway: this one learns it at its next renewal and stops the work
+    assert await store.cancel_response_run("acme", "resp_1", msgspec.json.encode({**QUEUED, "status": "cancelled"}))
+    deadline = time.monotonic() + 5
+    while app.cancelled == 0:
+        assert time.monotonic() < deadline, "the cancelled run's work went on"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    assert (await _body(store))["status"] == "cancelled"
+    await runner.aclose()
+
+
+async def test_beyond_its_room_a_gateway_leaves_new_runs_queued_for_later(store: JobStore):
+    app = App()
+    app.hold = asyncio.Event()
+    runner = BackgroundResponses(store, max_running=1)
+    await runner.start(app)
+    await runner.submit("acme", "resp_1", NOW, _request("resp_1"), b"[]")
+    await runner.submit("acme", "resp_2", NOW, _request("resp_2"), b"[]")
+    await _until(store, "in_progress", "resp_1")
+    await asyncio.sleep(0.2)
+    assert (await _body(store, "resp_2"))["status"] == "queued" and len(app.calls) == 1
+    app.hold.set()
+    await _until(store, "completed", "resp_1")
+    await _until(store, "completed", "resp_2")
+    await runner.aclose()
