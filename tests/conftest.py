@@ -235,9 +235,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.wait(timeout=10)
 
 
-def metric_total(server: ServerProcess, name: str, **labels: str) -> float:
-    """The sum of a metric's samples on `server`'s /metrics whose labels include `labels`."""
-    return sum(Scrape.parse(httpx.get(f"{server.url}/metrics").text, 0.0).grouped(name, (), **labels).values())
+def metric_total(server: ServerProcess | str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on `server`'s /metrics (or a base url's) whose labels include `labels`."""
+    url = server if isinstance(server, str) else server.url
+    return sum(Scrape.parse(httpx.get(f"{url}/metrics").text, 0.0).grouped(name, (), **labels).values())
 
 
 # A real PostgreSQL, started once per session from a temporary folder on a free loopback port with

@@ -20,7 +20,15 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import eventually, free_port, stop_all, write_emulated_model, write_two_versions
+from tests.conftest import (
+    eventually,
+    free_port,
+    metric_total,
+    stop_all,
+    write_emulated_model,
+    write_tiny_lm_model,
+    write_two_versions,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -145,5 +153,43 @@ def test_gateways_share_traffic_splits_and_canaries(tmp_path: Path, redis_url: s
             processes[1].kill()  # gateway a dies while its canary runs
             follows(lambda: _state(client, b)["split_source"] == "rollback", "the orphaned canary's rollback")
             assert _versions_served(client, b) == {"1"}
+    finally:
+        stop_all(processes)
+
+
+def test_a_background_response_is_cancelled_through_the_other_gateway(tmp_path: Path, redis_url: str,
+                                                                      postgres_dsn: str) -> None:
+    """Gateway a runs it; b reads it while it runs and cancels it; a stops its generation at its
+    next lease renewal (every second), before it would have finished, and writes no answer."""
+    registry = redis_url.rsplit("/", 1)[0] + "/10"
+    redis.Redis.from_url(registry).flushdb()
+    repo = write_tiny_lm_model(tmp_path / "models", "tiny")
+    worker_metrics = free_port()
+    ports = [free_port(), free_port()]
+    a, b = (f"http://127.0.0.1:{port}" for port in ports)
+    processes = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind", f"tcp://127.0.0.1:{free_port()}",
+                                   "--models", str(repo), "--registry", registry,
+                                   "--metrics-port", str(worker_metrics)],
+                                  env={**os.environ, "SLUICE_CACHE_DIR": str(tmp_path / "cache")})]
+    processes += [subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
+                                    "--port", str(port), "--jobs-db", postgres_dsn]) for port in ports]
+
+    def running() -> float:
+        return metric_total(f"http://127.0.0.1:{worker_metrics}", "vllm:num_requests_running")
+
+    try:
+        eventually(lambda: _ready(a) and _ready(b), "the gateways", timeout_s=90)
+        first, second = (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) for url in (a, b))
+        queued = first.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=900,
+                                        background=True)
+        eventually(lambda: running() == 1, "the background response to be generating", timeout_s=20)
+        assert second.responses.retrieve(queued.id).status == "in_progress"
+        assert second.responses.cancel(queued.id).status == "cancelled"
+        eventually(lambda: running() == 0, "gateway a to stop the cancelled generation", timeout_s=20)
+        eventually(lambda: metric_total(a, "sluice_requests_total", model="tiny", outcome="cancelled") == 1,
+                   "gateway a to count the generation withdrawn")
+        assert metric_total(a, "sluice_requests_total", model="tiny", outcome="ok") == 0, "not finished"
+        time.sleep(0.5)
+        assert first.responses.retrieve(queued.id).status == "cancelled"
     finally:
         stop_all(processes)

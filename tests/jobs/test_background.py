@@ -144,7 +144,7 @@ async def test_a_run_started_too_often_ends_failed_without_running_again(store: 
 async def test_a_cancelled_run_stops_and_its_late_answer_is_not_written(store: JobStore):
     app = App()
     app.hold = asyncio.Event()
-    runner = BackgroundResponses(store, lease_s=0.3)  # renews every 0.1 s
+    runner = BackgroundResponses(store, check_s=0.1)
     await runner.start(app)
     await runner.submit("acme", "resp_1", NOW, _request(), b"[]")
     await _until(store, "in_progress")

@@ -3,7 +3,7 @@
     create ─▶ store: response (queued) + its run, leased to this gateway ─▶ 200 queued
     run:  in_progress ─▶ app(POST /v1/responses, the same request in the foreground) ─▶ its end:
           completed / incomplete / failed, written only while this gateway still holds the lease
-    every lease_s/3: renew the leases of the runs in progress here (a run gone: cancelled or
+    every check_s: renew the leases of the runs in progress here (a run gone: cancelled or
           deleted: stop it), claim runs whose lease ran out (their gateway stopped), purge
           responses past their retention
 
@@ -19,8 +19,8 @@
   again from its request (an embedded server, alone on its SQLite store, takes back every run at
   startup). A run started `max_attempts` times without an end ends `failed`.
 - Cancelling (`POST .../cancel`) or deleting a running response ends its run in the store
-  whichever gateway holds it; that gateway stops its work at its next renewal (at once when it is
-  this one), and an answer that arrives later is not written.
+  whichever gateway holds it; that gateway stops its work at its next renewal, within `check_s`
+  (at once when it is this one), and an answer that arrives later is not written.
 """
 
 from __future__ import annotations
@@ -48,11 +48,14 @@ RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 
 
 class BackgroundResponses:
-    def __init__(self, store: JobStore, *, lease_s: float = 30.0, max_running: int = 256, max_attempts: int = 3,
+    def __init__(self, store: JobStore, *, lease_s: float = 30.0, check_s: float = 1.0, max_running: int = 256,
+                 max_attempts: int = 3,
                  patience_s: float = 900.0, retention_s: int = 30 * 86_400, purge_every_s: float = 3600.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.lease_s = lease_s
+        self.check_s = min(check_s, lease_s / 3)
+        """How often the leases are renewed, and cancellations through other gateways noticed."""
         self.max_running = max_running
         """Runs in progress on this gateway at most; beyond it, a new one waits in the store, queued,
         for the first gateway with room."""
@@ -172,7 +175,7 @@ class BackgroundResponses:
                 log.exception("background responses: housekeeping failed")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.lease_s / 3)
+                await asyncio.wait_for(self._wake.wait(), self.check_s)
 
     async def _keep_leases(self) -> None:
         now = self._clock()
