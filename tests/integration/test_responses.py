@@ -159,7 +159,6 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"background": True, "stream": True}, "stream"),
     ({"background": True, "store": False}, "store"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
@@ -265,6 +264,39 @@ def test_a_background_response_is_queued_then_polled_to_the_foreground_answer(sd
     assert refused.value.body["param"] == "response_id"
     streamed = httpx.get(f"{tiny_lm_server.url}/v1/responses/{done.id}", params={"stream": "true"})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
+def test_a_streamed_background_response_goes_on_without_its_client_and_its_stream_resumes(sdk, tiny_lm_server):
+    ask = dict(model="tiny", input="Where is Oslo?", max_output_tokens=40, temperature=0)
+    foreground = sdk.responses.create(**ask)
+    with httpx.stream("POST", f"{tiny_lm_server.url}/v1/responses", json={**ask, "background": True, "stream": True},
+                      headers={"Cache-Control": "no-cache"}, timeout=60) as stream:
+        first = []
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                first.append(json.loads(line.removeprefix("data: ")))
+                if first[-1]["type"] == "response.output_text.delta":
+                    break  # the client goes away mid-answer
+    response_id = first[0]["response"]["id"]
+    assert [e["type"] for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0]["response"]["status"] == "queued" and first[0]["response"]["background"] is True
+    done = _polled(sdk, response_id)
+    assert done.status == "incomplete" and done.output_text == foreground.output_text, "it went on alone"
+
+    events = list(sdk.responses.retrieve(response_id, stream=True))  # the whole stream again, through the SDK
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events][:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.model_dump() == done.model_dump()
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == foreground.output_text
+    assert [e.model_dump() for e in events[:len(first)]] == [
+        e.model_dump() for e in sdk.responses.retrieve(response_id, stream=True, starting_after=-1)][:len(first)]
+    rest = list(sdk.responses.retrieve(response_id, stream=True, starting_after=len(first) - 1))
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[len(first):]]
+    unstreamed = sdk.responses.create(**ask, background=True)
+    _polled(sdk, unstreamed.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        list(sdk.responses.retrieve(unstreamed.id, stream=True))
+    assert refused.value.body["param"] == "stream"
 
 
 def test_a_cancelled_background_response_frees_its_sequence_and_stays_cancelled(sdk, tiny_lm_server):

@@ -26,10 +26,11 @@ class App:
     """Answers POST /v1/responses with `answers` in turn (status, body, headers), the last one
     for good; `hold` keeps a call waiting until it is set (or the call is cancelled)."""
 
-    def __init__(self, *answers: tuple[int, dict[str, Any], dict[str, str]]) -> None:
+    def __init__(self, *answers: tuple[int, Any, dict[str, str]]) -> None:
         self.answers = list(answers) or [(200, ANSWER, {})]
         self.calls: list[dict[str, Any]] = []
         self.hold: asyncio.Event | None = None
+        self.between: asyncio.Event | None = None
         self.cancelled = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -45,12 +46,20 @@ class App:
         status, answer, headers = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         await send({"type": "http.response.start", "status": status,
                     "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+        if isinstance(answer, list):  # a stream's events, one body message each
+            for i, (kind, fields) in enumerate(answer):
+                event = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': i, **fields})}\n\n"
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                if self.between is not None:
+                    await self.between.wait()
+            await send({"type": "http.response.body", "body": b""})
+            return
         await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
-def _request(response_id: str = "resp_1") -> RunRequest:
+def _request(response_id: str = "resp_1", stream: bool = False) -> RunRequest:
     return RunRequest(b'{"model": "tiny", "input": "Hi", "background": false}', [("x-sluice-priority", "batch")],
-                      msgspec.json.encode({**QUEUED, "id": response_id}))
+                      msgspec.json.encode({**QUEUED, "id": response_id}), stream)
 
 
 async def _body(store: JobStore, response_id: str = "resp_1") -> dict[str, Any]:
@@ -172,4 +181,80 @@ async def test_beyond_its_room_a_gateway_leaves_new_runs_queued_for_later(store:
     app.hold.set()
     await _until(store, "completed", "resp_1")
     await _until(store, "completed", "resp_2")
+    await runner.aclose()
+
+
+STREAM = [("response.created", {"response": {"id": "resp_inner", "status": "in_progress"}}),
+          ("response.in_progress", {"response": {"id": "resp_inner", "status": "in_progress"}}),
+          ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "delta": "Hel"}),
+          ("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "delta": "lo"}),
+          ("response.completed", {"response": ANSWER})]
+
+
+def _events(raw: list[bytes]) -> list[dict[str, Any]]:
+    events = []
+    for event in raw:
+        kind_line, data_line = event.decode().strip().split("\n")
+        event_data = json.loads(data_line.removeprefix("data: "))
+        assert kind_line == f"event: {event_data['type']}"
+        events.append(event_data)
+    return events
+
+
+async def _read(runner: BackgroundResponses, after: int = -1, response_id: str = "resp_1") -> list[dict[str, Any]]:
+    return _events([event async for event in runner.follow("acme", response_id, after)])
+
+
+async def test_a_streamed_run_is_followed_live_here_and_from_the_store_elsewhere(store: JobStore):
+    app = App((200, STREAM, {}))
+    app.between = asyncio.Event()
+    runner = BackgroundResponses(store)
+    await runner.start(app)
+    await runner.submit("acme", "resp_1", NOW, _request(stream=True), b"[]")
+    elsewhere = BackgroundResponses(store)  # another gateway's view: it does not run it
+    reading_here = asyncio.create_task(_read(runner))
+    reading_elsewhere = asyncio.create_task(_read(elsewhere))
+    await asyncio.sleep(0.3)
+    assert not reading_here.done() and not reading_elsewhere.done(), "readers wait for the stream's end"
+    app.between.set()
+    here, there = await asyncio.wait_for(asyncio.gather(reading_here, reading_elsewhere), 10)
+    assert here == there
+    assert [e["type"] for e in here] == ["response.created", "response.queued", "response.in_progress",
+                                         "response.output_text.delta", "response.output_text.delta",
+                                         "response.completed"]
+    assert [e["sequence_number"] for e in here] == list(range(6))
+    assert here[0]["response"]["status"] == "queued" and here[2]["response"]["status"] == "in_progress"
+    assert all(e["response"]["id"] == "resp_1" for e in here if "response" in e), "the background response's own"
+    assert here[-1]["response"] == await _body(store) == {**QUEUED, "status": "completed", "output": ANSWER["output"],
+                                                           "usage": ANSWER["usage"]}
+    assert await _read(runner, after=3) == here[4:], "resumed after an event: the rest"
+    assert await _read(elsewhere, after=5) == []
+    await runner.aclose()
+
+
+async def test_a_streamed_run_that_fails_mid_stream_ends_with_response_failed(store: JobStore):
+    broken = [*STREAM[:3], ("error", {"code": "server_error", "message": "worker lost"})]
+    runner = BackgroundResponses(store)
+    await runner.start(App((200, broken, {})))
+    await runner.submit("acme", "resp_1", NOW, _request(stream=True), b"[]")
+    events = await asyncio.wait_for(_read(runner), 10)
+    assert [e["type"] for e in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "worker lost"}
+    assert (await _body(store))["status"] == "failed"
+    await runner.aclose()
+
+
+async def test_a_cancelled_streamed_run_ends_its_readers(store: JobStore):
+    app = App((200, STREAM, {}))
+    app.between = asyncio.Event()
+    runner = BackgroundResponses(store, check_s=0.1)
+    await runner.start(app)
+    await runner.submit("acme", "resp_1", NOW, _request(stream=True), b"[]")
+    elsewhere = BackgroundResponses(store)
+    reading_here, reading_elsewhere = asyncio.create_task(_read(runner)), asyncio.create_task(_read(elsewhere))
+    await asyncio.sleep(0.3)
+    assert await store.cancel_response_run("acme", "resp_1", msgspec.json.encode({**QUEUED, "status": "cancelled"}))
+    here, there = await asyncio.wait_for(asyncio.gather(reading_here, reading_elsewhere), 10)
+    assert [e["type"] for e in here][:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert "response.completed" not in [e["type"] for e in here + there]
     await runner.aclose()

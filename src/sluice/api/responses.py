@@ -31,8 +31,9 @@ the output text and its deltas, as chat's `logprobs` reports them.
 
 Background (`background: true`): validated as any request, then stored `queued` with its run and
 answered at once; `jobs.background` runs it (the same request in the foreground, through the app)
-and writes its end, which `GET` polls; `POST .../cancel` ends it. Not streamed: `stream` with it
-is refused. What cannot be served is refused with a 400 rather than ignored: image, file and
+and writes its end, which `GET` polls; `POST .../cancel` ends it. With `stream`, the answer is its
+events as `jobs.background` keeps them, which `GET ...?stream=true&starting_after=N` reads again
+from any gateway. What cannot be served is refused with a 400 rather than ignored: image, file and
 audio inputs, built-in tools (web search, file search, ...), `conversation` objects, `reasoning`
 effort, `truncation: "auto"`, other `include`d extras.
 """
@@ -169,7 +170,7 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
 
     async def retrieve(request: Request) -> Response:
         if request.query_params.get("stream", "false").lower() != "false":
-            raise InvalidInput("a stored response is not streamed again: poll it without 'stream'", param="stream")
+            return await responses.resume(request)
         found = await responses.get(request)
         return Response(found.body, media_type="application/json")
 
@@ -264,15 +265,43 @@ class Responses:
                                "server", param="background")
         if request.store is False:
             raise InvalidInput("a background response must be stored: 'store' cannot be false", param="store")
-        foreground = msgspec.structs.replace(request, background=False, store=False, stream=False, input=items,
-                                             previous_response_id=None)
+        is_streamed = bool(request.stream)
+        foreground = msgspec.structs.replace(request, background=False, store=False, stream=is_streamed,
+                                             input=items, previous_response_id=None, stream_options=None)
         queued = shape.response("queued")
         passed = [(name, headers[name]) for name in PASSED_HEADERS if name in headers]
         if TIMEOUT_HEADER not in headers:  # a background response may take its time
             passed.append((TIMEOUT_HEADER, str(int(self.background_timeout_s * 1000))))
         await self.background.submit(owner, shape.id, shape.created_at, RunRequest(
-            msgspec.json.encode(foreground), passed, msgspec.json.encode(queued)), msgspec.json.encode(items))
-        return json_response(queued)
+            msgspec.json.encode(foreground), passed, msgspec.json.encode(queued), is_streamed),
+            msgspec.json.encode(items))
+        if not is_streamed:
+            return json_response(queued)
+        return StreamingResponse(self.background.follow(owner, shape.id, -1), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def resume(self, request: Request) -> Response:
+        """`GET /v1/responses/{id}?stream=true[&starting_after=N]`: a streamed background
+        response's events after sequence number N (all of them without it), then the rest as they come."""
+        raw = request.query_params.get("starting_after", "-1")
+        try:
+            after = int(raw)
+        except ValueError:
+            raise InvalidInput(f"'starting_after' must be an event's sequence number, got {raw[:40]!r}",
+                               param="starting_after") from None
+        response_id = request.path_params["response_id"]
+        owner = request_tenant(request)
+        found = await self.get(request)
+        if self.background is None or not await self.store_has_events(owner, response_id):
+            raise InvalidInput("only a background response created with 'stream' can be streamed again: this one "
+                               + ("was not in the background" if not msgspec.json.decode(found.body).get("background")
+                                  else "was created without 'stream'") + "; poll it without 'stream'", param="stream")
+        return StreamingResponse(self.background.follow(owner, response_id, max(after, -1)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def store_has_events(self, owner: str, response_id: str) -> bool:
+        assert self.store is not None
+        return bool(await self.store.response_events(owner, response_id, -1, 1))
 
 
 def _page(items: list[Any], query: Mapping[str, str]) -> Response:
@@ -335,8 +364,6 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
                                                            "the conversation's items in 'input' instead"),
         (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
-        (bool(request.background) and bool(request.stream), "stream",
-         "a background response is not streamed here: create it without 'stream' and poll GET /v1/responses/{id}"),
         (request.reasoning is not None and any(v is not None for v in request.reasoning.values()), "reasoning",
          "reasoning options are not supported: the models served here do not reason separately"),
         (request.truncation not in (None, "disabled"), "truncation",
@@ -548,9 +575,8 @@ class ResponsesShape:
     # -- streaming --
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        data = msgspec.json.encode({"type": kind, "sequence_number": self._sequence, **fields})
         self._sequence += 1
-        return f"event: {kind}\ndata: ".encode() + data + b"\n\n"
+        return sse_event(kind, self._sequence - 1, fields)
 
     def start(self) -> list[bytes]:
         return [self.event("response.created", response=self.response("in_progress")),
@@ -664,6 +690,12 @@ async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: E
         yield shape.event("error", **error_body(exc)["error"])
     finally:
         await stream.aclose()  # withdraws the sequence if we stopped early (client gone)
+
+
+def sse_event(kind: str, sequence_number: int, fields: Mapping[str, Any]) -> bytes:
+    """One of Responses' stream events: an SSE `event:` line and a `data:` line."""
+    data = msgspec.json.encode({"type": kind, "sequence_number": sequence_number, **fields})
+    return f"event: {kind}\ndata: ".encode() + data + b"\n\n"
 
 
 def _message(text: str, status: str) -> dict[str, Any]:

@@ -51,6 +51,17 @@ def retry_after_s(headers: dict[bytes, bytes]) -> float | None:
 
 async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
                scope_extras: dict[str, Any]) -> AppResponse:
+    chunks: list[bytes] = []
+    status_code, answer_headers = await call_streaming(app, method, url, body, headers, scope_extras,
+                                                       lambda status, chunk: chunks.append(chunk))
+    return app_response(status_code, answer_headers, b"".join(chunks))
+
+
+async def call_streaming(app: AsgiApp, method: str, url: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                         scope_extras: dict[str, Any], on_body: Callable[[int, bytes], Awaitable[None] | None]
+                         ) -> tuple[int, dict[bytes, bytes]]:
+    """`call`, handing each piece of the answer's body to `on_body(status, piece)` as the app sends
+    it (a stream's events as they come); returns the status and headers once the answer is complete."""
     path, _, query = url.partition("?")
     scope: dict[str, Any] = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
@@ -62,8 +73,8 @@ async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[t
     answer = early(scope, body) if early is not None else None
     if answer is not None:
         response = await answer if inspect.isawaitable(answer) else answer
-        return _app_response(response.status_code, {bytes(k).lower(): bytes(v) for k, v in response.raw_headers},
-                             bytes(response.body))
+        await _handed(on_body(response.status_code, bytes(response.body)))
+        return response.status_code, {bytes(k).lower(): bytes(v) for k, v in response.raw_headers}
     sent_body = False
 
     async def receive() -> Message:
@@ -75,21 +86,25 @@ async def call(app: AsgiApp, method: str, url: str, body: bytes, headers: list[t
 
     status_code = 500
     answer_headers: dict[bytes, bytes] = {}
-    chunks: list[bytes] = []
 
     async def send(message: Message) -> None:
         nonlocal status_code
         if message["type"] == "http.response.start":
             status_code = int(message["status"])
             answer_headers.update((bytes(k).lower(), bytes(v)) for k, v in message.get("headers", []))
-        elif message["type"] == "http.response.body":
-            chunks.append(bytes(message.get("body", b"")))
+        elif message["type"] == "http.response.body" and message.get("body"):
+            await _handed(on_body(status_code, bytes(message["body"])))
 
     await app(scope, receive, send)
-    return _app_response(status_code, answer_headers, b"".join(chunks))
+    return status_code, answer_headers
 
 
-def _app_response(status_code: int, headers: dict[bytes, bytes], body: bytes) -> AppResponse:
+async def _handed(result: Awaitable[None] | None) -> None:
+    if result is not None:
+        await result
+
+
+def app_response(status_code: int, headers: dict[bytes, bytes], body: bytes) -> AppResponse:
     request_id = headers.get(b"x-request-id", b"").decode("latin-1")
     if status_code < 400:
         return AppResponse(status_code, request_id, body)

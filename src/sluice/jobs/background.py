@@ -18,6 +18,12 @@
   gateway crashed or stopped), any gateway sharing the store takes the run over and starts it
   again from its request (an embedded server, alone on its SQLite store, takes back every run at
   startup). A run started `max_attempts` times without an end ends `failed`.
+- Streamed (`stream: true` as well): the run keeps the response's events, renumbered from the
+  foreground stream's and carrying the background response's object (`response.created` and
+  `response.queued` at creation, `response.in_progress`, ..., `response.completed`), in memory
+  while it runs and in the store every `FLUSH_EVERY_S`. `follow` reads them live on the gateway
+  that runs it and from the store elsewhere, so a client that dropped its stream resumes it
+  anywhere. A takeover starts the answer again: its events follow a second `response.in_progress`.
 - Cancelling (`POST .../cancel`) or deleting a running response ends its run in the store
   whichever gateway holds it; that gateway stops its work at its next renewal, within `check_s`
   (at once when it is this one), and an answer that arrives later is not written.
@@ -33,18 +39,64 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 
 from sluice.api.common import TENANT_SCOPE_KEY
-from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
-from sluice.jobs.store import JobStore, ResponseRun, RunRequest
+from sluice.api.responses import sse_event
+from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call_streaming
+from sluice.jobs.store import RUNNING, Event, JobStore, ResponseRun, RunRequest
 
 log = logging.getLogger("sluice.jobs")
 
 RETRIED_STATUSES = frozenset({429, 502, 503, 504})
+ENDS = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
+"""A streamed response's last event starts with one of these."""
+FLUSH_EVERY_S = 0.1
+"""A streamed run's events reach the store (for other gateways' readers) at least this often."""
+POLL_S = 0.1
+"""How often a reader of a run that is not here looks for its new events."""
+STATUS_CHECK_S = 0.5
+"""How often such a reader, seeing none, looks whether the response was cancelled or deleted."""
+
+
+class _Live:
+    """A streamed run's events while it runs here: what local readers follow, what is not yet stored."""
+
+    def __init__(self, next_seq: int) -> None:
+        self.first_seq = next_seq
+        self.events: list[Event] = []
+        self.pending: list[Event] = []
+        self.flushed_at = time.monotonic()
+        self.final: dict[str, Any] | None = None
+        self.is_done = False
+        self._changed = asyncio.Event()
+
+    def emit(self, kind: str, **fields: Any) -> list[Event]:
+        event = (self.first_seq + len(self.events), sse_event(kind, self.first_seq + len(self.events), fields))
+        self.events.append(event)
+        self.pending.append(event)
+        self._wake()
+        return [event]
+
+    def take_pending(self) -> list[Event]:
+        taken, self.pending = self.pending, []
+        self.flushed_at = time.monotonic()
+        return taken
+
+    def close(self) -> None:
+        self.is_done = True
+        self._wake()
+
+    async def changed(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
 
 class BackgroundResponses:
@@ -67,8 +119,10 @@ class BackgroundResponses:
         self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._app: AsgiApp | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._live: dict[str, _Live] = {}
         self._loop: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._admitting = asyncio.Lock()
         self._purged_at = 0.0
 
     async def start(self, app: AsgiApp) -> None:
@@ -89,14 +143,54 @@ class BackgroundResponses:
     async def submit(self, owner: str, response_id: str, created_at: int, request: RunRequest,
                      input_items: bytes) -> None:
         """Store a new background response (queued) and start it here if there is room."""
-        has_room = self._app is not None and len(self._running) < self.max_running
-        await self.store.put_response_run(owner, response_id, created_at, request.response, input_items,
-                                          msgspec.json.encode(request), self._token if has_room else "",
-                                          self._clock() + self.lease_s if has_room else 0.0)
-        if has_room:
-            self._start(ResponseRun(owner, response_id, msgspec.json.encode(request), 1))
-        else:
+        events: list[Event] = []
+        if request.stream:  # its stream opens with the response queued
+            queued = msgspec.json.decode(request.response)
+            events = [(0, sse_event("response.created", 0, {"response": queued})),
+                      (1, sse_event("response.queued", 1, {"response": queued}))]
+        async with self._admitting:  # what runs here stays within max_running
+            has_room = self._app is not None and len(self._running) < self.max_running
+            await self.store.put_response_run(owner, response_id, created_at, request.response, input_items,
+                                              msgspec.json.encode(request), self._token if has_room else "",
+                                              self._clock() + self.lease_s if has_room else 0.0, events)
+            if has_room:
+                self._start(ResponseRun(owner, response_id, msgspec.json.encode(request), 1, len(events) - 1))
+        if not has_room:
             self._wake.set()
+
+    async def follow(self, owner: str, response_id: str, after: int) -> AsyncIterator[bytes]:
+        """A streamed background response's events after sequence number `after`, as they come,
+        until its end (or its cancellation or deletion): live when it runs here, else from the store."""
+        checked_at = 0.0  # when the response was last seen running
+        while True:
+            live = self._live.get(response_id)
+            if live is not None and live.first_seq <= after + 1:
+                for seq, data in live.events[after + 1 - live.first_seq:]:
+                    yield data
+                    after = seq
+                if live.is_done:
+                    if live.events and live.events[-1][1].startswith(ENDS):
+                        return
+                    checked_at = 0.0  # it stopped here without an end: cancelled or deleted, the store says
+                    continue
+                await live.changed(1.0)
+                continue
+            found = await self.store.response_events(owner, response_id, after, 500)
+            for seq, data in found:
+                yield data
+                after = seq
+                if data.startswith(ENDS):
+                    return
+            if found:
+                continue
+            if time.monotonic() - checked_at >= STATUS_CHECK_S:  # an end without events: cancelled or deleted
+                stored = await self.store.get_response(owner, response_id)
+                if stored is None or msgspec.json.decode(stored.body)["status"] not in RUNNING:
+                    if not await self.store.response_events(owner, response_id, after, 1):
+                        return
+                    continue
+                checked_at = time.monotonic()
+            await (live.changed(POLL_S) if live is not None else asyncio.sleep(POLL_S))
 
     def stop(self, response_id: str) -> None:
         """Stop the work of a run that was cancelled or deleted, if it runs here."""
@@ -120,48 +214,70 @@ class BackgroundResponses:
     async def _run(self, run: ResponseRun) -> None:
         request = msgspec.json.decode(run.request, type=RunRequest)
         response = msgspec.json.decode(request.response)
-        if run.attempts > self.max_attempts:
-            log.warning("background response %s: ended failed after %d starts", run.response_id, run.attempts - 1)
-            await self._end(run, {**response, "status": "failed", "error": {
-                "code": "server_error", "message": f"the server stopped while answering it, {run.attempts - 1} times"}})
-            return
-        if not await self._write(run, {**response, "status": "in_progress"}, is_final=False):
-            return  # cancelled or deleted meanwhile, or another gateway has it
+        live = _Live(run.last_event + 1) if request.stream else None
+        if live is not None:
+            self._live[run.response_id] = live
         try:
-            answer = await self._answer(run, request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the app answers errors itself: this is a bug; the response fails, we go on
-            log.exception("background response %s raised", run.response_id)
-            answer = AppResponse(500, "", msgspec.json.encode(
-                {"error": {"message": f"internal error: {type(exc).__name__}", "code": None}}))
-        await self._end(run, ended(response, answer))
+            if run.attempts > self.max_attempts:
+                log.warning("background response %s: ended failed after %d starts", run.response_id,
+                            run.attempts - 1)
+                final = failed(response, "server_error",
+                               f"the server stopped while answering it, {run.attempts - 1} times")
+            else:
+                started = {**response, "status": "in_progress"}
+                if live is not None:
+                    live.emit("response.in_progress", response=started)
+                if not await self._write(run, started, live, is_final=False):
+                    return  # cancelled or deleted meanwhile, or another gateway has it
+                try:
+                    final = await self._answer(run, request, response, live)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the app answers errors itself: a bug; the response fails, we go on
+                    log.exception("background response %s raised", run.response_id)
+                    final = failed(response, "server_error", f"internal error: {type(exc).__name__}")
+            if live is not None and live.final is None:  # the stream has not said how it ended
+                live.emit("response.failed", response=final)
+            if not await self._write(run, final, live, is_final=True):
+                log.info("background response %s: its answer came after it was cancelled or taken over",
+                         run.response_id)
+        finally:
+            if live is not None:
+                live.close()
+                del self._live[run.response_id]
 
-    async def _answer(self, run: ResponseRun, request: RunRequest) -> AppResponse:
-        """The app's answer, asking again after a refusal that says to wait, for up to `patience_s`."""
+    async def _answer(self, run: ResponseRun, request: RunRequest, response: dict[str, Any],
+                      live: _Live | None) -> dict[str, Any]:
+        """The response's end from the app's answer, asking again after a refusal that says to wait,
+        for up to `patience_s`; streamed, its events go to `live` as they come."""
         assert self._app is not None
         headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in request.headers]
         give_up_at = time.monotonic() + self.patience_s
         for attempt in range(1_000_000):
-            answer = await call(self._app, "POST", "/v1/responses", request.body, headers,
-                                {TENANT_SCOPE_KEY: run.owner})
+            if live is None:
+                answer = await call(self._app, "POST", "/v1/responses", request.body, headers,
+                                    {TENANT_SCOPE_KEY: run.owner})
+            else:
+                feed = _Feed(self, run, response, live)
+                status, answer_headers = await call_streaming(self._app, "POST", "/v1/responses", request.body,
+                                                              headers, {TENANT_SCOPE_KEY: run.owner}, feed.take)
+                if status == 200:
+                    return live.final or failed(response, "server_error", "the answer's stream ended early")
+                answer = app_response(status, answer_headers, bytes(feed.raw))
             if answer.status_code not in RETRIED_STATUSES or not answer.should_retry:
-                return answer
+                return ended(response, answer)
             wait_s = answer.retry_after_s if answer.retry_after_s is not None else \
                 random.uniform(0, min(0.5 * 2 ** attempt, 30.0))  # full jitter
             if time.monotonic() + wait_s > give_up_at:
-                return answer
+                return ended(response, answer)
             await asyncio.sleep(max(wait_s, 0.05))
         raise AssertionError("unreachable")
 
-    async def _end(self, run: ResponseRun, response: dict[str, Any]) -> None:
-        if not await self._write(run, response, is_final=True):
-            log.info("background response %s: its answer came after it was cancelled or taken over",
-                     run.response_id)
-
-    async def _write(self, run: ResponseRun, response: dict[str, Any], *, is_final: bool) -> bool:
-        return await self.store.update_response_run(run.response_id, self._token, msgspec.json.encode(response),
-                                                    is_final=is_final)
+    async def _write(self, run: ResponseRun, response: dict[str, Any] | None, live: _Live | None, *,
+                     is_final: bool) -> bool:
+        body = None if response is None else msgspec.json.encode(response)
+        return await self.store.update_response_run(run.response_id, self._token, body, is_final=is_final,
+                                                    events=live.take_pending() if live is not None else ())
 
     # -- leases ----------------------------------------------------------------------------------
 
@@ -185,15 +301,57 @@ class BackgroundResponses:
             for response_id in running:
                 if response_id not in held:  # cancelled or deleted elsewhere (or taken over after a stall)
                     self.stop(response_id)
-        room = self.max_running - len(self._running)
-        if room > 0 and self._app is not None:
-            for run in await self.store.claim_response_runs(self._token, now, now + self.lease_s, room):
-                if run.attempts > 1:
-                    log.info("background response %s: taken over (start %d)", run.response_id, run.attempts)
-                self._start(run)
+        async with self._admitting:
+            room = self.max_running - len(self._running)
+            if room > 0 and self._app is not None:
+                for run in await self.store.claim_response_runs(self._token, now, now + self.lease_s, room):
+                    if run.attempts > 1:
+                        log.info("background response %s: taken over (start %d)", run.response_id, run.attempts)
+                    self._start(run)
         if now - self._purged_at >= self.purge_every_s:
             self._purged_at = now
             await self.store.delete_responses_before(int(now) - self.retention_s)
+
+
+class _Feed:
+    """A streamed run's answer as the app sends it: its events, renumbered into the background
+    response's stream and carrying its response object, to `live` (and the store, batched)."""
+
+    def __init__(self, runner: BackgroundResponses, run: ResponseRun, response: dict[str, Any], live: _Live) -> None:
+        self.runner = runner
+        self.run = run
+        self.response = response
+        self.live = live
+        self.raw = bytearray()
+
+    async def take(self, status: int, piece: bytes) -> None:
+        self.raw += piece
+        if status != 200:
+            return  # an error answer (JSON): read whole
+        *whole, rest = bytes(self.raw).split(b"\n\n")
+        self.raw = bytearray(rest)
+        for event in whole:
+            _, _, data = event.partition(b"data: ")
+            if data:
+                self._translate(msgspec.json.decode(data))
+        if time.monotonic() - self.live.flushed_at >= FLUSH_EVERY_S:
+            await self.runner._write(self.run, None, self.live, is_final=False)
+
+    def _translate(self, event: dict[str, Any]) -> None:
+        kind = event.pop("type")
+        event.pop("sequence_number", None)
+        if kind in ("response.created", "response.in_progress"):
+            return  # said already, of the background response
+        if kind in ("response.completed", "response.incomplete"):
+            self.live.final = ended(self.response, AppResponse(200, "", msgspec.json.encode(event["response"])))
+            self.live.emit(kind, response=self.live.final)
+        elif kind == "error":
+            self.live.emit(kind, **event)
+            self.live.final = failed(self.response, str(event.get("code") or "server_error"),
+                                     str(event.get("message") or "the answer failed"))
+            self.live.emit("response.failed", response=self.live.final)
+        else:
+            self.live.emit(kind, **event)
 
 
 def ended(response: dict[str, Any], answer: AppResponse) -> dict[str, Any]:
@@ -207,5 +365,8 @@ def ended(response: dict[str, Any], answer: AppResponse) -> dict[str, Any]:
     except (msgspec.DecodeError, AttributeError):
         error = {}
     code = error.get("code") or ("rate_limit_exceeded" if answer.status_code == 429 else "server_error")
-    message = error.get("message") or f"HTTP {answer.status_code}"
-    return {**response, "status": "failed", "error": {"code": str(code), "message": str(message)}}
+    return failed(response, str(code), str(error.get("message") or f"HTTP {answer.status_code}"))
+
+
+def failed(response: dict[str, Any], code: str, message: str) -> dict[str, Any]:
+    return {**response, "status": "failed", "error": {"code": code, "message": message}}

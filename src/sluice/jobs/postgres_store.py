@@ -20,6 +20,7 @@ from sluice.jobs.store import (
     BatchJob,
     BatchStatus,
     Claim,
+    Event,
     FileObject,
     Item,
     ItemOutcome,
@@ -122,22 +123,31 @@ class PostgresJobStore:
             await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
-                               request: bytes, token: str, lease_until: float) -> None:
+                               request: bytes, token: str, lease_until: float, events: Sequence[Event] = ()) -> None:
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
             await conn.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
                                "VALUES (%s, %s, %s, 1, %s, %s)", (response_id, owner, request, token, lease_until))
+            await _put_events(conn, response_id, events)
 
-    async def update_response_run(self, response_id: str, token: str, body: bytes, *, is_final: bool) -> bool:
+    async def update_response_run(self, response_id: str, token: str, body: bytes | None, *, is_final: bool,
+                                  events: Sequence[Event] = ()) -> bool:
         async with self._pool.connection() as conn, conn.transaction():
             held = await (await conn.execute("SELECT 1 FROM response_runs WHERE id = %s AND lease_token = %s "
                                              "FOR UPDATE", (response_id, token))).fetchone()
             if held is None:
                 return False
-            await conn.execute("UPDATE responses SET body = %s WHERE id = %s", (body, response_id))
+            await _put_events(conn, response_id, events)
+            if body is not None:
+                await conn.execute("UPDATE responses SET body = %s WHERE id = %s", (body, response_id))
             if is_final:
                 await conn.execute("DELETE FROM response_runs WHERE id = %s", (response_id,))
             return True
+
+    async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(rows.RESPONSE_EVENTS, (response_id, owner, after, limit))
+            return [(int(row[0]), bytes(row[1])) for row in await cur.fetchall()]
 
     async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
         async with self._pool.connection() as conn, conn.transaction():
@@ -158,8 +168,10 @@ class PostgresJobStore:
             cur = await conn.execute(
                 "UPDATE response_runs SET lease_token = %s, lease_until = %s, attempts = attempts + 1 WHERE id IN "
                 "(SELECT id FROM response_runs WHERE lease_until < %s ORDER BY lease_until LIMIT %s "
-                "FOR UPDATE SKIP LOCKED) RETURNING id, owner, request, attempts", (token, lease_until, now, limit))
-            return [ResponseRun(row[1], row[0], bytes(row[2]), int(row[3])) for row in await cur.fetchall()]
+                "FOR UPDATE SKIP LOCKED) RETURNING id, owner, request, attempts, (SELECT COALESCE(MAX(e.seq), -1) "
+                "FROM response_events e WHERE e.response_id = response_runs.id)", (token, lease_until, now, limit))
+            found = await cur.fetchall()
+            return [ResponseRun(row[1], row[0], bytes(row[2]), int(row[3]), int(row[4])) for row in found]
 
     async def get_response(self, owner: str, response_id: str) -> StoredResponse | None:
         row = await self._one("SELECT body, input_items FROM responses WHERE id = %s AND owner = %s",
@@ -168,13 +180,17 @@ class PostgresJobStore:
 
     async def delete_response(self, owner: str, response_id: str) -> bool:
         async with self._pool.connection() as conn, conn.transaction():
-            await conn.execute("DELETE FROM response_runs WHERE id = %s AND owner = %s", (response_id, owner))
             cur = await conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
-            return cur.rowcount > 0
+            if cur.rowcount == 0:
+                return False
+            await conn.execute("DELETE FROM response_runs WHERE id = %s", (response_id,))
+            await conn.execute("DELETE FROM response_events WHERE response_id = %s", (response_id,))
+            return True
 
     async def delete_responses_before(self, created_at: int) -> int:
         async with self._pool.connection() as conn, conn.transaction():
-            await conn.execute(rows.FORGET_OLD_RUNS, (created_at,))
+            for statement in rows.FORGET_OLD_RUNS:
+                await conn.execute(statement, (created_at,))
             return (await conn.execute("DELETE FROM responses WHERE created_at < %s", (created_at,))).rowcount
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
@@ -440,3 +456,10 @@ def _num_returned(cur: Any) -> int:
         count += cur.rowcount if cur.rowcount > 0 else 0
         if not cur.nextset():
             return count
+
+
+async def _put_events(conn: AsyncConnection[Any], response_id: str, events: Sequence[Event]) -> None:
+    if events:
+        async with conn.cursor() as cur:
+            await cur.executemany("INSERT INTO response_events (response_id, seq, data) VALUES (%s, %s, %s)",
+                                  [(response_id, seq, data) for seq, data in events])

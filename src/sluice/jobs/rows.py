@@ -104,11 +104,20 @@ CREATE TABLE IF NOT EXISTS response_runs (
     lease_until {real} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS response_runs_by_lease ON response_runs (lease_until);
+CREATE TABLE IF NOT EXISTS response_events (
+    response_id TEXT NOT NULL,
+    seq {int} NOT NULL,
+    data {blob} NOT NULL,
+    PRIMARY KEY (response_id, seq)
+);
 """
 
 PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (%s, %s, %s, %s, %s)"
-FORGET_OLD_RUNS = "DELETE FROM response_runs WHERE id IN (SELECT id FROM responses WHERE created_at < %s)"
-"""The runs of background responses past their retention (never answered: their gateways kept failing)."""
+FORGET_OLD_RUNS = ("DELETE FROM response_runs WHERE id IN (SELECT id FROM responses WHERE created_at < %s)",
+                   "DELETE FROM response_events WHERE response_id IN (SELECT id FROM responses WHERE created_at < %s)")
+"""The runs and streamed events of background responses past their retention."""
+RESPONSE_EVENTS = ("SELECT e.seq, e.data FROM response_events e JOIN responses r ON r.id = e.response_id "
+                   "WHERE e.response_id = %s AND r.owner = %s AND e.seq > %s ORDER BY e.seq LIMIT %s")
 
 UNIQUE_SEQ = "CREATE UNIQUE INDEX IF NOT EXISTS batches_by_seq ON batches (seq)"
 """Each batch has its own `seq` (the list order). Created by each backend once its `seq` values are

@@ -27,6 +27,7 @@ from sluice.jobs.store import (
     BatchJob,
     BatchStatus,
     Claim,
+    Event,
     FileObject,
     Item,
     ItemOutcome,
@@ -46,7 +47,9 @@ _BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id 
 _FILE_PART = ("SELECT p.data FROM file_parts p JOIN files f ON f.id = p.file_id WHERE p.file_id = ? AND f.owner = ? "
               "AND p.part = ?")
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = ? AND state = ? AND idx > ? ORDER BY idx LIMIT 1"
-_FORGET_OLD_RUNS = rows.FORGET_OLD_RUNS.replace("%s", "?")
+_FORGET_OLD_RUNS = [statement.replace("%s", "?") for statement in rows.FORGET_OLD_RUNS]
+_RESPONSE_EVENTS = rows.RESPONSE_EVENTS.replace("%s", "?")
+_PUT_EVENT = "INSERT INTO response_events (response_id, seq, data) VALUES (?, ?, ?)"
 _PUT_RESPONSE = rows.PUT_RESPONSE.replace("%s", "?")
 _CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
                       "AND lease_until < ? ORDER BY idx LIMIT ?")
@@ -169,26 +172,37 @@ class SqliteJobStore:
         await self._txn(put)
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
-                               request: bytes, token: str, lease_until: float) -> None:
+                               request: bytes, token: str, lease_until: float, events: Sequence[Event] = ()) -> None:
         def put(db: sqlite3.Connection) -> None:
             db.execute(_PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
             db.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
                        "VALUES (?, ?, ?, 1, ?, ?)", (response_id, owner, request, token, lease_until))
+            db.executemany(_PUT_EVENT, [(response_id, seq, data) for seq, data in events])
 
         await self._txn(put)
 
-    async def update_response_run(self, response_id: str, token: str, body: bytes, *, is_final: bool) -> bool:
+    async def update_response_run(self, response_id: str, token: str, body: bytes | None, *, is_final: bool,
+                                  events: Sequence[Event] = ()) -> bool:
         def update(db: sqlite3.Connection) -> bool:
             held = db.execute("SELECT 1 FROM response_runs WHERE id = ? AND lease_token = ?",
                               (response_id, token)).fetchone()
             if held is None:
                 return False
-            db.execute("UPDATE responses SET body = ? WHERE id = ?", (body, response_id))
+            db.executemany(_PUT_EVENT, [(response_id, seq, data) for seq, data in events])
+            if body is not None:
+                db.execute("UPDATE responses SET body = ? WHERE id = ?", (body, response_id))
             if is_final:
                 db.execute("DELETE FROM response_runs WHERE id = ?", (response_id,))
             return True
 
         return await self._txn(update)
+
+    async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
+        def read(db: sqlite3.Connection) -> list[Event]:
+            found = db.execute(_RESPONSE_EVENTS, (response_id, owner, after, limit))
+            return [(int(row[0]), bytes(row[1])) for row in found]
+
+        return await self._call(read, self._db)
 
     async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
         def cancel(db: sqlite3.Connection) -> bool:
@@ -212,11 +226,12 @@ class SqliteJobStore:
 
     async def claim_response_runs(self, token: str, now: float, lease_until: float, limit: int) -> list[ResponseRun]:
         def claim(db: sqlite3.Connection) -> list[ResponseRun]:
-            found = db.execute("SELECT id, owner, request, attempts FROM response_runs WHERE lease_until < ? "
-                               "ORDER BY lease_until LIMIT ?", (now, limit)).fetchall()
+            found = db.execute("SELECT id, owner, request, attempts, (SELECT COALESCE(MAX(seq), -1) FROM "
+                               "response_events e WHERE e.response_id = response_runs.id) FROM response_runs "
+                               "WHERE lease_until < ? ORDER BY lease_until LIMIT ?", (now, limit)).fetchall()
             db.executemany("UPDATE response_runs SET lease_token = ?, lease_until = ?, attempts = attempts + 1 "
                            "WHERE id = ?", [(token, lease_until, row[0]) for row in found])
-            return [ResponseRun(row[1], row[0], bytes(row[2]), int(row[3]) + 1) for row in found]
+            return [ResponseRun(row[1], row[0], bytes(row[2]), int(row[3]) + 1, int(row[4])) for row in found]
 
         return await self._txn(claim)
 
@@ -231,14 +246,18 @@ class SqliteJobStore:
 
     async def delete_response(self, owner: str, response_id: str) -> bool:
         def delete(db: sqlite3.Connection) -> bool:
-            db.execute("DELETE FROM response_runs WHERE id = ? AND owner = ?", (response_id, owner))
-            return db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount > 0
+            if db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount == 0:
+                return False
+            db.execute("DELETE FROM response_runs WHERE id = ?", (response_id,))
+            db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
+            return True
 
         return await self._txn(delete)
 
     async def delete_responses_before(self, created_at: int) -> int:
         def delete(db: sqlite3.Connection) -> int:
-            db.execute(_FORGET_OLD_RUNS, (created_at,))
+            for statement in _FORGET_OLD_RUNS:
+                db.execute(statement, (created_at,))
             return db.execute("DELETE FROM responses WHERE created_at < ?", (created_at,)).rowcount
 
         return await self._txn(delete)

@@ -213,6 +213,8 @@ class ResponseRun:
     """What to run: a `RunRequest`, encoded."""
     attempts: int
     """How many times a gateway has started it (a takeover after a crash is one more)."""
+    last_event: int = -1
+    """The sequence number of its stream's last stored event (-1: none)."""
 
 
 RUNNING = ("queued", "in_progress")
@@ -229,7 +231,12 @@ class RunRequest(msgspec.Struct):
     """The client's headers that shape how it runs (priority class, timeout, version, cache)."""
     response: bytes
     """The response object as it was queued: its end is this with the answer's status, output and usage."""
+    stream: bool = False
+    """Its events are kept, for the client that created it and those that resume its stream."""
 
+
+Event = tuple[int, bytes]
+"""A streamed background response's event: (sequence number, the SSE event's bytes)."""
 
 LeftoverLine = Callable[[str], bytes]
 """The error line for an item that never ran (batch cancelled or expired), from its custom_id."""
@@ -349,13 +356,19 @@ class JobStore(Protocol):
         ...
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
-                               request: bytes, token: str, lease_until: float) -> None:
-        """Store a background response (`body` says queued) and its run, leased to `token`, at once."""
+                               request: bytes, token: str, lease_until: float, events: Sequence[Event] = ()) -> None:
+        """Store a background response (`body` says queued), its run, leased to `token`, and the
+        first `events` of its stream, at once."""
         ...
 
-    async def update_response_run(self, response_id: str, token: str, body: bytes, *, is_final: bool) -> bool:
-        """Write a running response's new `body` if `token` still holds its run (else nothing, False);
-        `is_final`: the run ends with it (its row goes)."""
+    async def update_response_run(self, response_id: str, token: str, body: bytes | None, *, is_final: bool,
+                                  events: Sequence[Event] = ()) -> bool:
+        """Write a running response's new `body` (None: keep it) and more `events` of its stream
+        if `token` still holds its run (else nothing, False); `is_final`: the run ends with it."""
+        ...
+
+    async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
+        """The owner's background response's stream events after sequence number `after`, in order."""
         ...
 
     async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
