@@ -213,6 +213,20 @@ BATCH_ITEMS_PENDING = Gauge(
     "sharing it: aggregate with max) and running (on this gateway: aggregate with sum).",
     ["state"], multiprocess_mode="livesum",
 )
+BACKGROUND_RESPONSES = Counter(
+    "sluice_background_responses",
+    "Background responses (/v1/responses, background: true) that ended, by status: completed, incomplete, "
+    "failed (counted by the gateway that ran them), cancelled (by the gateway that cancelled them).",
+    ["status"],
+)
+BACKGROUND_RUNNING = Gauge(
+    "sluice_background_responses_running", "Background responses running on this gateway.",
+    multiprocess_mode="livesum",
+)
+BACKGROUND_TAKEOVERS = Counter(
+    "sluice_background_responses_taken_over",
+    "Background responses this gateway took over after the gateway running them stopped.",
+)
 BATCH_JOBS = Counter("sluice_batch_jobs", "Batch jobs that reached a final status, by status.", ["status"])
 BATCH_JOB_DURATION = Histogram(
     "sluice_batch_job_duration_seconds", "Batch job time from creation to its final status.", ["status"],
@@ -250,6 +264,19 @@ class JobMetrics:
     def job_done(self, status: str, seconds: float) -> None:
         _child(BATCH_JOBS, status).inc()
         _child(BATCH_JOB_DURATION, status).observe(max(seconds, 0.0))
+
+
+class BackgroundMetrics:
+    """The background responses' runner's recorder."""
+
+    def ended(self, status: str) -> None:
+        _child(BACKGROUND_RESPONSES, status).inc()
+
+    def running(self, count: int) -> None:
+        BACKGROUND_RUNNING.set(count)
+
+    def taken_over(self) -> None:
+        BACKGROUND_TAKEOVERS.inc()
 
 
 class EngineCounts(Protocol):

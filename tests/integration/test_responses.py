@@ -246,6 +246,7 @@ def test_a_background_response_is_queued_then_polled_to_the_foreground_answer(sd
     ask = dict(model="tiny", instructions="Answer briefly.", input="Where is Oslo?", max_output_tokens=12,
                temperature=0)
     foreground = sdk.responses.create(**ask)
+    ended = metric_total(tiny_lm_server, "sluice_background_responses_total", status="incomplete")
     queued = sdk.responses.create(**ask, background=True, metadata={"job": "7"})
     assert queued.status == "queued" and queued.background is True and queued.store is True
     assert queued.output == [] and queued.usage is None
@@ -254,6 +255,7 @@ def test_a_background_response_is_queued_then_polled_to_the_foreground_answer(sd
     assert done.status == foreground.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
     assert done.output_text == foreground.output_text and done.usage.output_tokens == 12
     assert done.metadata == {"job": "7"} and done.instructions == "Answer briefly."
+    assert metric_total(tiny_lm_server, "sluice_background_responses_total", status="incomplete") == ended + 1
     assert [item.content for item in sdk.responses.input_items.list(done.id).data] == ["Where is Oslo?"]
     follow = sdk.responses.create(model="tiny", previous_response_id=done.id, input="And Lima?",
                                   max_output_tokens=4, temperature=0)
@@ -312,6 +314,8 @@ def test_a_cancelled_background_response_frees_its_sequence_and_stays_cancelled(
     cancelled = sdk.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.id == queued.id
     eventually(lambda: running() == 0, "the cancelled response's sequence to leave the engine")
+    assert metric_total(tiny_lm_server, "sluice_background_responses_total", status="cancelled") >= 1
+    assert metric_total(tiny_lm_server, "sluice_background_responses_running") == 0
     assert sdk.responses.cancel(queued.id).status == "cancelled"
     time.sleep(0.3)
     assert sdk.responses.retrieve(queued.id).status == "cancelled"
@@ -336,6 +340,7 @@ def test_a_background_response_survives_kill_9_of_its_server(tmp_path: Path):
                            default_headers={"Cache-Control": "no-cache"}) as sdk:
             done = _polled(sdk, queued.id, timeout_s=120)
             foreground = sdk.responses.create(**ask)
+        assert metric_total(server, "sluice_background_responses_taken_over_total") == 1
     finally:
         server.stop()
     assert done.status == "incomplete" and done.usage.output_tokens == 300

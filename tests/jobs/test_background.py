@@ -181,7 +181,16 @@ async def test_beyond_its_room_a_gateway_leaves_new_runs_queued_for_later(store:
     app.hold.set()
     await _until(store, "completed", "resp_1")
     await _until(store, "completed", "resp_2")
+    assert len(app.calls) == 2
     await runner.aclose()
+    assert await store.claim_response_runs("gw-x", time.time() + 99, time.time() + 130, 9) == []
+
+
+async def test_a_run_left_for_lack_of_room_counts_its_first_start_when_claimed(store: JobStore):
+    await store.put_response_run("acme", "resp_1", NOW, msgspec.json.encode(QUEUED), b"[]",
+                                 msgspec.json.encode(_request()), "", 0.0)
+    [claimed] = await store.claim_response_runs("gw-1", time.time(), time.time() + 30, 9)
+    assert claimed.attempts == 1, "not a restart"
 
 
 STREAM = [("response.created", {"response": {"id": "resp_inner", "status": "in_progress"}}),

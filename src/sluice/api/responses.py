@@ -252,7 +252,7 @@ class Responses:
             cancelled = {**response, "status": "cancelled"}
             if await self.store.cancel_response_run(request_tenant(request), response["id"],
                                                     msgspec.json.encode(cancelled)):
-                self.background.stop(response["id"])
+                self.background.cancelled(response["id"])
                 return json_response(cancelled)
             found = await self.get(request)  # it ended meanwhile
         return Response(found.body, media_type="application/json")

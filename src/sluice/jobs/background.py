@@ -48,6 +48,7 @@ from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.api.responses import sse_event
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call_streaming
 from sluice.jobs.store import RUNNING, Event, JobStore, ResponseRun, RunRequest
+from sluice.metrics import BackgroundMetrics
 
 log = logging.getLogger("sluice.jobs")
 
@@ -103,7 +104,7 @@ class BackgroundResponses:
     def __init__(self, store: JobStore, *, lease_s: float = 30.0, check_s: float = 1.0, max_running: int = 256,
                  max_attempts: int = 3,
                  patience_s: float = 900.0, retention_s: int = 30 * 86_400, purge_every_s: float = 3600.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, metrics: BackgroundMetrics | None = None) -> None:
         self.store = store
         self.lease_s = lease_s
         self.check_s = min(check_s, lease_s / 3)
@@ -116,6 +117,7 @@ class BackgroundResponses:
         self.retention_s = retention_s
         self.purge_every_s = purge_every_s
         self._clock = clock
+        self._metrics = metrics or BackgroundMetrics()
         self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._app: AsgiApp | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -197,15 +199,23 @@ class BackgroundResponses:
         task = self._running.pop(response_id, None)
         if task is not None:
             task.cancel()
+            self._metrics.running(len(self._running))
+
+    def cancelled(self, response_id: str) -> None:
+        """A client cancelled this response (through this gateway): stop it if it runs here."""
+        self._metrics.ended("cancelled")
+        self.stop(response_id)
 
     def _start(self, run: ResponseRun) -> None:
         task = asyncio.create_task(self._run(run))
         self._running[run.response_id] = task
+        self._metrics.running(len(self._running))
         task.add_done_callback(lambda done: self._forget(run.response_id, done))
 
     def _forget(self, response_id: str, task: asyncio.Task[None]) -> None:
         if self._running.get(response_id) is task:
             del self._running[response_id]
+            self._metrics.running(len(self._running))
             if len(self._running) == self.max_running - 1:
                 self._wake.set()  # room for a run waiting in the store
 
@@ -238,7 +248,9 @@ class BackgroundResponses:
                     final = failed(response, "server_error", f"internal error: {type(exc).__name__}")
             if live is not None and live.final is None:  # the stream has not said how it ended
                 live.emit("response.failed", response=final)
-            if not await self._write(run, final, live, is_final=True):
+            if await self._write(run, final, live, is_final=True):
+                self._metrics.ended(final["status"])
+            else:
                 log.info("background response %s: its answer came after it was cancelled or taken over",
                          run.response_id)
         finally:
@@ -307,6 +319,7 @@ class BackgroundResponses:
                 for run in await self.store.claim_response_runs(self._token, now, now + self.lease_s, room):
                     if run.attempts > 1:
                         log.info("background response %s: taken over (start %d)", run.response_id, run.attempts)
+                        self._metrics.taken_over()
                     self._start(run)
         if now - self._purged_at >= self.purge_every_s:
             self._purged_at = now

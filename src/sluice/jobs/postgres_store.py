@@ -127,7 +127,8 @@ class PostgresJobStore:
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
             await conn.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
-                               "VALUES (%s, %s, %s, 1, %s, %s)", (response_id, owner, request, token, lease_until))
+                               "VALUES (%s, %s, %s, %s, %s, %s)",
+                               (response_id, owner, request, 1 if token else 0, token, lease_until))
             await _put_events(conn, response_id, events)
 
     async def update_response_run(self, response_id: str, token: str, body: bytes | None, *, is_final: bool,

@@ -176,7 +176,8 @@ class SqliteJobStore:
         def put(db: sqlite3.Connection) -> None:
             db.execute(_PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
             db.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
-                       "VALUES (?, ?, ?, 1, ?, ?)", (response_id, owner, request, token, lease_until))
+                       "VALUES (?, ?, ?, ?, ?, ?)",
+                       (response_id, owner, request, 1 if token else 0, token, lease_until))
             db.executemany(_PUT_EVENT, [(response_id, seq, data) for seq, data in events])
 
         await self._txn(put)

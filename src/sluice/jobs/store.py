@@ -357,8 +357,8 @@ class JobStore(Protocol):
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
                                request: bytes, token: str, lease_until: float, events: Sequence[Event] = ()) -> None:
-        """Store a background response (`body` says queued), its run, leased to `token`, and the
-        first `events` of its stream, at once."""
+        """Store a background response (`body` says queued), its run, leased to `token` (started: its
+        first attempt; "": left for any gateway to claim), and the first `events` of its stream, at once."""
         ...
 
     async def update_response_run(self, response_id: str, token: str, body: bytes | None, *, is_final: bool,
