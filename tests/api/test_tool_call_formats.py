@@ -22,6 +22,18 @@ W = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 T = '{"name": "get_time", "arguments": {}}'
 LLAMA_W = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
 
+
+def _ds(words: str) -> str:
+    return "<\uff5c" + words.replace(" ", "\u2581") + "\uff5c>"
+
+
+DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_CALLS_END = (_ds("tool calls begin"), _ds("tool call begin"), _ds("tool sep"),
+                                                   _ds("tool call end"), _ds("tool calls end"))
+DS_V3_W = f'{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Oslo"}}\n```{DS_END}'
+DS_V31_T = f"{DS_CALL}get_time{DS_SEP}{{}}{DS_END}"
+KIMI_W = '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+KIMI_T = "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+
 CASES = [
     ("hermes", f"Let me look.\n<tool_call>\n{W}\n</tool_call>", "Let me look.", [OSLO]),
     ("hermes", f"<tool_call>{W}</tool_call>\n<tool_call>{T}</tool_call>", "", [OSLO, TIME]),
@@ -51,6 +63,25 @@ CASES = [
     ("pythonic", '[get_weather(city=__import__("os").getcwd())]', None, []),  # not a literal: read, never run
     ("pythonic", "[1, 2, 3] are numbers", None, []),
     ("pythonic", "[" * 5000, None, []),
+    ("deepseek_v3", f"Let me look.{DS_CALLS}{DS_V3_W}{DS_CALLS_END}", "Let me look.", [OSLO]),
+    ("deepseek_v3", f"{DS_CALLS}{DS_V3_W}\n{DS_V31_T}{DS_CALLS_END}", "", [OSLO, TIME]),  # V3's and V3.1's
+    ("deepseek_v31", f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Oslo"}}{DS_END}{DS_CALLS_END}', "", [OSLO]),
+    ("deepseek_v31", f"{DS_V31_T}", "", [TIME]),  # the section's marker missing
+    ("deepseek_v3", f"{DS_CALLS}{DS_CALL}launch{DS_SEP}{{}}{DS_END}{DS_CALLS_END}", None, []),
+    ("deepseek_v3", f"{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{not json{DS_END}{DS_CALLS_END}", None, []),
+    ("deepseek_v3", "a <\uff5ctool", None, []),
+    ("kimi_k2", f"Sure.<|tool_calls_section_begin|>{KIMI_W}{KIMI_T}<|tool_calls_section_end|>", "Sure.",
+     [OSLO, TIME]),
+    ("kimi_k2", f"<|tool_calls_section_begin|>{KIMI_W.replace('get_weather', 'launch')}<|tool_calls_section_end|>",
+     None, []),
+    ("kimi_k2", "<|tool_calls_sec", None, []),
+    ("granite", f"<|tool_call|>[{W}, {T}]", "", [OSLO, TIME]),
+    ("granite", f"I will check. <|tool_call|>[{W}]", "I will check.", [OSLO]),
+    ("granite", "<|tool_call|>[1, 2]", None, []),
+    ("internlm", f'Checking.<|action_start|><|plugin|>\n{LLAMA_W}<|action_end|>', "Checking.", [OSLO]),
+    ("internlm", "<|action_start|><|plugin|>{}<|action_end|>", None, []),
+    ("phi4_mini_json", f"functools[{W}, {T}]", "", [OSLO, TIME]),
+    ("phi4_mini_json", "import functools is how you start", None, []),
 ]
 
 
@@ -95,7 +126,10 @@ def test_a_streamed_answer_reads_the_same_and_sends_plain_text_as_it_comes(parse
 FRAGMENTS = [W, T, LLAMA_W, "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "{", "}", "[",
              "]", " ", "\n", "a", ";", '"', ":", "get_weather", '{"city": "Oslo"}', "<tool", "[TOOL",
              f"[{W}]", f"[{W}, {T}]", f"<tool_call>{W}</tool_call>", f"{LLAMA_W}; ", 'get_weather(city="Oslo")',
-             "get_time()", ", ", '[get_weather(city="Oslo")]']
+             "get_time()", ", ", '[get_weather(city="Oslo")]', DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_CALLS_END,
+             DS_V3_W, DS_V31_T, "function", "```json", "```", KIMI_W, KIMI_T, "<|tool_calls_section_begin|>",
+             "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call|>", "<|action_start|><|plugin|>",
+             "<|action_end|>", "functools", "<|"]
 
 
 @settings(max_examples=500, deadline=None)
@@ -116,3 +150,18 @@ def test_any_text_reads_the_same_whole_or_streamed(parser, parts, piece):
         choice["message"].get("tool_calls") or [])
     streamed = "".join(d.get("content", "") for d in deltas)
     assert "".join(streamed.split()) == "".join((choice["message"]["content"] or "").split())
+
+
+@pytest.mark.parametrize(("parser", "reads"), [("hermes", False), ("deepseek_v3", True), ("kimi_k2", True),
+                                               ("granite", True), ("phi4_mini_json", False)])
+def test_formats_whose_markers_are_special_tokens_keep_them_in_the_text(parser, reads):
+    from sluice.api.completion_params import ChatRequest, to_payloads
+
+    info = wire.ModelInfo("m", "1", "generative", "p", (), (), 32, 60.0, True, False, max_model_len=512,
+                          tool_call_parser=parser)
+    request = msgspec.json.decode(msgspec.json.encode({
+        "model": "m", "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}),
+        type=ChatRequest)
+    [payload] = to_payloads(request, info)
+    assert payload.skip_special_tokens is not reads

@@ -184,6 +184,8 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
         tools, sampling["output_format"], plan = chat_tools(request, info)
+        if plan is not None and plan.reads_special_tokens:  # the calls' markers are special tokens
+            sampling["skip_special_tokens"] = False
         _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)

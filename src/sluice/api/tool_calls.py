@@ -24,6 +24,19 @@
     pythonic     the whole answer is a Python list of calls with literal keyword arguments,
                  `[get_weather(city="Oslo"), get_time()]` (Llama 3.2 and 4's format), read with
                  `ast` (parsed, never run)
+    deepseek_v3, deepseek_v31
+                 DeepSeek's special tokens: a tool-calls section, and in it per call
+                 `function`, separator, name and a ```json fence (V3, R1), or name, separator and
+                 the arguments (V3.1 and later); either is read under both names
+    kimi_k2      `<|tool_calls_section_begin|>`, per call `<|tool_call_begin|>functions.name:0`
+                 `<|tool_call_argument_begin|>{...}<|tool_call_end|>`, `<|tool_calls_section_end|>`
+    granite      `<|tool_call|>` then a JSON array of `{"name", "arguments"}` (Granite 3.x)
+    internlm     `<|action_start|><|plugin|>{"name", "parameters"}<|action_end|>` (InternLM 2/2.5)
+    phi4_mini_json
+                 `functools[...]`, a JSON array of calls (Phi-4-mini)
+The four whose markers are special tokens (DeepSeek's, Kimi's, Granite's, InternLM's) are read
+from text that keeps them: a request that may call tools in one of them is generated with
+`skip_special_tokens` off, as vLLM's parsers ask for it.
 
 Previous turns' `tool_calls` and `tool` messages go to the chat template as Hugging Face templates
 take them. Because the calls asked for are a structured output, an `openai-upstream` model serves
@@ -115,6 +128,9 @@ def _held_prefix(text: str, marker: str) -> int:
 class CallFormat:
     """How one model family writes tool calls in its text."""
 
+    reads_special_tokens = False
+    """Its markers are special tokens that the text must keep (`skip_special_tokens` off) to be read."""
+
     def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
         """A whole answer: the text outside the calls, and the calls (naming the request's tools)."""
         raise NotImplementedError
@@ -125,28 +141,121 @@ class CallFormat:
         raise NotImplementedError
 
 
-class _Hermes(CallFormat):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+class _Blocks(CallFormat):
+    """Calls in blocks that open with a marker and close with another (or at the end of the text:
+    `close` ""), anywhere in the text; a block holds one call object (`arrays`: or a JSON array
+    of them). A block that is not calls of the request's tools stays text."""
+
+    def __init__(self, open_marker: str, close: str = "", *, arrays: bool = False,
+                 reads_special_tokens: bool = False) -> None:
+        self.OPEN, self.CLOSE, self.arrays = open_marker, close, arrays
+        self.reads_special_tokens = reads_special_tokens
 
     def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
         content, calls, rest = [], [], text
         while (start := rest.find(self.OPEN)) >= 0:
             content.append(rest[:start])
-            end = rest.find(self.CLOSE, start)
+            end = rest.find(self.CLOSE, start + len(self.OPEN)) if self.CLOSE else -1
             block_end = len(rest) if end < 0 else end + len(self.CLOSE)
-            values = _json_values(rest[start + len(self.OPEN):end if end >= 0 else len(rest)])
-            call = _call(values[0], names) if values is not None and len(values) == 1 else None
-            if call is None:  # a block that is not a call of one of the tools stays text
+            found = self._calls(rest[start + len(self.OPEN):end if end >= 0 else len(rest)], names)
+            if found is None:  # a block that is not a call of one of the tools stays text
                 content.append(rest[start:block_end])
             else:
-                calls.append(call)
+                calls += found
             rest = rest[block_end:]
         content.append(rest)
         return "".join(content).strip() if calls else "".join(content), calls
 
+    def _calls(self, block: str, names: frozenset[str]) -> Calls | None:
+        values = _json_values(block)
+        if values is None or len(values) != 1:
+            return None
+        items = values[0] if self.arrays and isinstance(values[0], list) and values[0] else [values[0]]
+        calls = [_call(item, names) for item in items]
+        return None if None in calls else [call for call in calls if call is not None]
+
     def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
         start = text.find(self.OPEN)
         return (start, True) if start >= 0 else (len(text) - _held_prefix(text, self.OPEN), False)
+
+
+class _Sectioned(CallFormat):
+    """Calls in a section of special tokens: `section_open`, then per call `call_open` head `sep`
+    arguments `call_close`, then `section_close`; content may come before (and after) it. What
+    head and arguments mean is the family's (`_call_of`)."""
+
+    reads_special_tokens = True
+    SECTION_OPEN = SECTION_CLOSE = CALL_OPEN = CALL_CLOSE = SEP = ""
+
+    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+        start = self._start(text)
+        if start < 0:
+            return text, []
+        end = text.find(self.SECTION_CLOSE, start)
+        section = text[start:end if end >= 0 else len(text)]
+        calls = []
+        for block in section.split(self.CALL_OPEN)[1:]:
+            head, sep, arguments = block.split(self.CALL_CLOSE)[0].partition(self.SEP)
+            call = self._call_of(head, arguments, names) if sep else None
+            if call is None:  # not calls of the tools: all of it is text
+                return text, []
+            calls.append(call)
+        after = text[end + len(self.SECTION_CLOSE):] if end >= 0 else ""
+        return ((text[:start] + after).strip(), calls) if calls else (text, [])
+
+    def _call_of(self, head: str, arguments: str, names: frozenset[str]) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _start(self, text: str) -> int:
+        """Where the calls start: the section's marker, or the first call's when the section's is missing."""
+        starts = [at for at in (text.find(self.SECTION_OPEN), text.find(self.CALL_OPEN)) if at >= 0]
+        return min(starts, default=-1)
+
+    def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
+        start = self._start(text)
+        if start >= 0:
+            return start, True
+        return len(text) - max(_held_prefix(text, self.SECTION_OPEN), _held_prefix(text, self.CALL_OPEN)), False
+
+
+def _arguments(text: str) -> Any:
+    """Arguments written as JSON, perhaps in a Markdown code fence; None if they are not one value."""
+    text = text.strip()
+    if text.startswith("```"):
+        text = text.removeprefix("```").removeprefix("json").removesuffix("```")
+    values = _json_values(text)
+    return values[0] if values is not None and len(values) == 1 else None
+
+
+def _deepseek_marker(words: str) -> str:
+    """DeepSeek's special tokens: words joined by U+2581 between U+FF5C bars, `<\uff5ctool\u2581sep\uff5c>`."""
+    return "<\uff5c" + words.replace(" ", "\u2581") + "\uff5c>"
+
+
+class _DeepSeek(_Sectioned):
+    """DeepSeek V3 and R1: `function`, the separator, the name, then the arguments in a ```json
+    fence; V3.1 and later: the name, the separator, the arguments. Both are read either way."""
+
+    SECTION_OPEN, SECTION_CLOSE = _deepseek_marker("tool calls begin"), _deepseek_marker("tool calls end")
+    CALL_OPEN, CALL_CLOSE = _deepseek_marker("tool call begin"), _deepseek_marker("tool call end")
+    SEP = _deepseek_marker("tool sep")
+
+    def _call_of(self, head: str, arguments: str, names: frozenset[str]) -> dict[str, Any] | None:
+        name, newline, rest = arguments.partition("\n")
+        if head.strip() == "function" and newline and name.strip() in names:  # V3's type, then the name
+            return _call({"name": name.strip(), "arguments": _arguments(rest)}, names)
+        return _call({"name": head.strip(), "arguments": _arguments(arguments)}, names)
+
+
+class _KimiK2(_Sectioned):
+    """Kimi K2: `functions.name:index<|tool_call_argument_begin|>{...}` per call."""
+
+    SECTION_OPEN, SECTION_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL_OPEN, CALL_CLOSE, SEP = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+
+    def _call_of(self, head: str, arguments: str, names: frozenset[str]) -> dict[str, Any] | None:
+        name = head.strip().removeprefix("functions.").rpartition(":")
+        return _call({"name": name[0] or name[2], "arguments": _arguments(arguments)}, names)
 
 
 class _Llama3Json(CallFormat):
@@ -241,8 +350,18 @@ class _Pythonic(CallFormat):
         return 0, bool(head)
 
 
-CALL_FORMATS: dict[str, CallFormat] = {"hermes": _Hermes(), "llama3_json": _Llama3Json(), "mistral": _Mistral(),
-                                       "pythonic": _Pythonic()}
+CALL_FORMATS: dict[str, CallFormat] = {
+    "hermes": _Blocks("<tool_call>", "</tool_call>"),
+    "llama3_json": _Llama3Json(),
+    "mistral": _Mistral(),
+    "pythonic": _Pythonic(),
+    "deepseek_v3": _DeepSeek(),
+    "deepseek_v31": _DeepSeek(),
+    "kimi_k2": _KimiK2(),
+    "granite": _Blocks("<|tool_call|>", arrays=True, reads_special_tokens=True),
+    "internlm": _Blocks("<|action_start|><|plugin|>", "<|action_end|>", reads_special_tokens=True),
+    "phi4_mini_json": _Blocks("functools", arrays=True),
+}
 """The values of a model's `tool_call_parser` (the engine's runner checks the name at load)."""
 
 
@@ -263,6 +382,10 @@ class ToolPlan:
     def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
         """`auto`, streamed: see `CallFormat.begin`."""
         return CALL_FORMATS[self.parser].begin(text, at_start)
+
+    @property
+    def reads_special_tokens(self) -> bool:
+        return bool(self.parser) and CALL_FORMATS[self.parser].reads_special_tokens
 
     def calls(self, text: str) -> Calls | None:
         """The answer's `tool_calls`, or None if the text is not whole (cut by `max_tokens`)."""

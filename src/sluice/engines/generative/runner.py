@@ -13,7 +13,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     max_model_len = 1024            # cap on prompt + output tokens (default: the model's context)
     num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
-    tool_call_parser = "hermes"     # tool_choice "auto": how it writes calls: hermes, llama3_json, mistral, pythonic
+    tool_call_parser = "hermes"     # tool_choice "auto": how it writes calls (TOOL_CALL_PARSERS: hermes, mistral, ...)
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
     cuda_graphs = true              # CUDA: decode steps replay graphs captured at load (false: eager)
 
@@ -44,7 +44,8 @@ from sluice.repository import ModelVersion
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
 
-TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                     "granite", "internlm", "phi4_mini_json")
 """How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
 
 MAX_CHARS_PER_TOKEN = 32
