@@ -15,7 +15,9 @@ from sluice.api.completion_shapes import ResponseShape
 from sluice.api.tool_calls import CALL_FORMATS, ToolPlan
 from sluice.engines.generative.runner import TOOL_CALL_PARSERS
 
-NAMES = frozenset({"get_weather", "get_time"})
+NAMES = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                        "detail": {"type": "object"}}},
+         "get_time": {"type": "object"}}
 OSLO = ("get_weather", {"city": "Oslo"})
 TIME = ("get_time", {})
 W = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
@@ -32,6 +34,8 @@ DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_CALLS_END = (_ds("tool calls begin"), _ds(
 DS_V3_W = f'{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Oslo"}}\n```{DS_END}'
 DS_V31_T = f"{DS_CALL}get_time{DS_SEP}{{}}{DS_END}"
 KIMI_W = '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+QWEN_W = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+GLM_W = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
 KIMI_T = "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
 
 CASES = [
@@ -82,6 +86,18 @@ CASES = [
     ("internlm", "<|action_start|><|plugin|>{}<|action_end|>", None, []),
     ("phi4_mini_json", f"functools[{W}, {T}]", "", [OSLO, TIME]),
     ("phi4_mini_json", "import functools is how you start", None, []),
+    ("qwen3_coder", f"Let me check.\n{QWEN_W}", "Let me check.", [OSLO]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n"
+                    "</parameter>\n<parameter=detail>\n{'wind': True}\n</parameter>\n</function>\n</tool_call>", "",
+     [("get_weather", {"city": "42", "days": 3, "detail": {"wind": True}})]),  # typed by the tool's schema
+    ("qwen3_coder", "<tool_call><function=get_time></function></tool_call>", "", [TIME]),
+    ("qwen3_coder", QWEN_W.replace("get_weather", "launch"), None, []),
+    ("qwen3_coder", "<tool_call>just text</tool_call>", None, []),
+    ("glm45", f"{GLM_W}", "", [OSLO]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>detail</arg_key>"
+              '\n<arg_value>{"wind": true}</arg_value>\n</tool_call>', "",
+     [("get_weather", {"days": 2, "detail": {"wind": True}})]),
+    ("glm45", "<tool_call>launch\n</tool_call>", None, []),
 ]
 
 
@@ -129,7 +145,8 @@ FRAGMENTS = [W, T, LLAMA_W, "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARG
              "get_time()", ", ", '[get_weather(city="Oslo")]', DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_CALLS_END,
              DS_V3_W, DS_V31_T, "function", "```json", "```", KIMI_W, KIMI_T, "<|tool_calls_section_begin|>",
              "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call|>", "<|action_start|><|plugin|>",
-             "<|action_end|>", "functools", "<|"]
+             "<|action_end|>", "functools", "<|", QWEN_W, GLM_W, "<function=get_weather>", "<parameter=city>",
+             "</parameter>", "</function>", "<arg_key>city</arg_key>", "<arg_value>Oslo</arg_value>", "Oslo"]
 
 
 @settings(max_examples=500, deadline=None)

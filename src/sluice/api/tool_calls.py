@@ -34,6 +34,12 @@
     internlm     `<|action_start|><|plugin|>{"name", "parameters"}<|action_end|>` (InternLM 2/2.5)
     phi4_mini_json
                  `functools[...]`, a JSON array of calls (Phi-4-mini)
+    qwen3_coder  `<tool_call><function=name><parameter=key>value</parameter>...</function></tool_call>`
+                 (Qwen3-Coder), and
+    glm45        `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>...</tool_call>`
+                 (GLM-4.5/4.6): arguments written as text, each typed by the tool's parameters
+                 schema (a string stays one; a number, boolean, object or array is read as JSON
+                 or a Python literal; what fits neither stays the text)
 The four whose markers are special tokens (DeepSeek's, Kimi's, Granite's, InternLM's) are read
 from text that keeps them: a request that may call tools in one of them is generated with
 `skip_special_tokens` off, as vLLM's parsers ask for it.
@@ -51,7 +57,8 @@ import ast
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -87,9 +94,12 @@ class NamedToolChoice(msgspec.Struct):
 
 
 Calls = list[dict[str, Any]]
+Tools = Mapping[str, Any]
+"""The request's tools: each name, with its parameters' JSON schema (for formats that write
+arguments as text to be typed by it)."""
 
 
-def _call(item: Any, names: frozenset[str]) -> dict[str, Any] | None:
+def _call(item: Any, names: Tools) -> dict[str, Any] | None:
     """One written call, `{"name", "arguments"}` (or Llama's "parameters"; arguments as an object
     or as a string holding one), naming one of the request's tools; None for anything else."""
     if not isinstance(item, dict) or item.get("name") not in names:
@@ -131,7 +141,7 @@ class CallFormat:
     reads_special_tokens = False
     """Its markers are special tokens that the text must keep (`skip_special_tokens` off) to be read."""
 
-    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+    def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         """A whole answer: the text outside the calls, and the calls (naming the request's tools)."""
         raise NotImplementedError
 
@@ -151,7 +161,7 @@ class _Blocks(CallFormat):
         self.OPEN, self.CLOSE, self.arrays = open_marker, close, arrays
         self.reads_special_tokens = reads_special_tokens
 
-    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+    def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         content, calls, rest = [], [], text
         while (start := rest.find(self.OPEN)) >= 0:
             content.append(rest[:start])
@@ -166,7 +176,7 @@ class _Blocks(CallFormat):
         content.append(rest)
         return "".join(content).strip() if calls else "".join(content), calls
 
-    def _calls(self, block: str, names: frozenset[str]) -> Calls | None:
+    def _calls(self, block: str, names: Tools) -> Calls | None:
         values = _json_values(block)
         if values is None or len(values) != 1:
             return None
@@ -187,7 +197,7 @@ class _Sectioned(CallFormat):
     reads_special_tokens = True
     SECTION_OPEN = SECTION_CLOSE = CALL_OPEN = CALL_CLOSE = SEP = ""
 
-    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+    def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         start = self._start(text)
         if start < 0:
             return text, []
@@ -203,7 +213,7 @@ class _Sectioned(CallFormat):
         after = text[end + len(self.SECTION_CLOSE):] if end >= 0 else ""
         return ((text[:start] + after).strip(), calls) if calls else (text, [])
 
-    def _call_of(self, head: str, arguments: str, names: frozenset[str]) -> dict[str, Any] | None:
+    def _call_of(self, head: str, arguments: str, names: Tools) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _start(self, text: str) -> int:
@@ -240,7 +250,7 @@ class _DeepSeek(_Sectioned):
     CALL_OPEN, CALL_CLOSE = _deepseek_marker("tool call begin"), _deepseek_marker("tool call end")
     SEP = _deepseek_marker("tool sep")
 
-    def _call_of(self, head: str, arguments: str, names: frozenset[str]) -> dict[str, Any] | None:
+    def _call_of(self, head: str, arguments: str, names: Tools) -> dict[str, Any] | None:
         name, newline, rest = arguments.partition("\n")
         if head.strip() == "function" and newline and name.strip() in names:  # V3's type, then the name
             return _call({"name": name.strip(), "arguments": _arguments(rest)}, names)
@@ -253,7 +263,7 @@ class _KimiK2(_Sectioned):
     SECTION_OPEN, SECTION_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
     CALL_OPEN, CALL_CLOSE, SEP = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 
-    def _call_of(self, head: str, arguments: str, names: frozenset[str]) -> dict[str, Any] | None:
+    def _call_of(self, head: str, arguments: str, names: Tools) -> dict[str, Any] | None:
         name = head.strip().removeprefix("functions.").rpartition(":")
         return _call({"name": name[0] or name[2], "arguments": _arguments(arguments)}, names)
 
@@ -261,7 +271,7 @@ class _KimiK2(_Sectioned):
 class _Llama3Json(CallFormat):
     TAG = "<|python_tag|>"
 
-    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+    def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         body = text.strip().removeprefix(self.TAG)
         values = _json_values(body, ";") if body.lstrip().startswith("{") else None
         calls = [_call(value, names) for value in values or []]
@@ -279,7 +289,7 @@ class _Llama3Json(CallFormat):
 class _Mistral(CallFormat):
     MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
-    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+    def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         start = text.find(self.MARK)
         if start < 0:  # the marker is a special token, usually left out of the text: a bare array
             calls = self._calls(text, names, arrays_only=True)
@@ -287,7 +297,7 @@ class _Mistral(CallFormat):
         calls = self._calls(text[start:].replace(self.MARK, " "), names)
         return (text[:start].strip(), calls) if calls else (text, [])
 
-    def _calls(self, body: str, names: frozenset[str], arrays_only: bool = False) -> Calls:
+    def _calls(self, body: str, names: Tools, arrays_only: bool = False) -> Calls:
         values = _json_values(body)
         if values is not None and len(values) == 1 and isinstance(values[0], list):  # [{"name", "arguments"}...]
             calls = [_call(value, names) for value in values[0]]
@@ -321,7 +331,7 @@ class _Mistral(CallFormat):
 
 
 class _Pythonic(CallFormat):
-    def split(self, text: str, names: frozenset[str]) -> tuple[str, Calls]:
+    def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         head = text.strip()
         if not head.startswith("["):
             return text, []
@@ -335,7 +345,7 @@ class _Pythonic(CallFormat):
         return ("", [c for c in calls if c is not None]) if None not in calls else (text, [])
 
     @staticmethod
-    def _node_call(node: ast.expr, names: frozenset[str]) -> dict[str, Any] | None:
+    def _node_call(node: ast.expr, names: Tools) -> dict[str, Any] | None:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         if any(keyword.arg is None for keyword in node.keywords):  # **kwargs
@@ -350,6 +360,45 @@ class _Pythonic(CallFormat):
         return 0, bool(head)
 
 
+class _XmlArguments(_Blocks):
+    """Calls in `<tool_call>` blocks whose arguments are written one by one as text, each typed by
+    the tool's parameters schema (a string stays a string; a number, boolean, object or array is
+    read as JSON, else as a Python literal; what fits neither stays the text)."""
+
+    def __init__(self, call: re.Pattern[str], argument: re.Pattern[str]) -> None:
+        super().__init__("<tool_call>", "</tool_call>")
+        self.call, self.argument = call, argument
+
+    def _calls(self, block: str, names: Tools) -> Calls | None:
+        calls = []
+        for match in self.call.finditer(block):
+            name = match["name"].strip()
+            if name not in names:
+                return None
+            properties = (names[name] or {}).get("properties") or {}
+            arguments = {found["key"].strip(): _typed(found["value"], properties.get(found["key"].strip()))
+                         for found in self.argument.finditer(match["body"])}
+            calls.append(tool_call(name, json.dumps(arguments)))
+        return calls or None
+
+
+def _typed(text: str, schema: Any) -> Any:
+    """An argument written as text, as its schema types it."""
+    value = text.removeprefix("\n").removesuffix("\n")
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if "string" in kinds or not kinds - {None}:
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+        return value
+
+
 CALL_FORMATS: dict[str, CallFormat] = {
     "hermes": _Blocks("<tool_call>", "</tool_call>"),
     "llama3_json": _Llama3Json(),
@@ -361,6 +410,12 @@ CALL_FORMATS: dict[str, CallFormat] = {
     "granite": _Blocks("<|tool_call|>", arrays=True, reads_special_tokens=True),
     "internlm": _Blocks("<|action_start|><|plugin|>", "<|action_end|>", reads_special_tokens=True),
     "phi4_mini_json": _Blocks("functools", arrays=True),
+    "qwen3_coder": _XmlArguments(
+        re.compile(r"<function=(?P<name>[^>\n]+)>(?P<body>.*?)(?:</function>|$)", re.DOTALL),
+        re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)),
+    "glm45": _XmlArguments(
+        re.compile(r"\A\s*(?P<name>[^<\n]+)(?P<body>.*)", re.DOTALL),
+        re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.DOTALL)),
 }
 """The values of a model's `tool_call_parser` (the engine's runner checks the name at load)."""
 
@@ -373,7 +428,7 @@ class ToolPlan:
 
     named: str | None
     parser: str = ""
-    names: frozenset[str] = frozenset()
+    names: Tools = field(default_factory=dict)
 
     def split(self, text: str) -> tuple[str, Calls]:
         """`auto`: the text outside the calls, and the calls."""
@@ -418,7 +473,7 @@ def tool_terms(tools: list[ToolDef] | None, tool_choice: str | NamedToolChoice |
         return specs, output_format, None
     if tool_choice is None or tool_choice == "auto":
         if parser:
-            return specs, output_format, ToolPlan(None, parser, frozenset(schemas))
+            return specs, output_format, ToolPlan(None, parser, schemas)
         raise InvalidInput("tool_choice 'auto' needs to know how this model writes tool calls in its text (its "
                            "model.toml's tool_call_parser), and it names none: ask for 'required' or a named "
                            "function, or 'none'", param="tool_choice")

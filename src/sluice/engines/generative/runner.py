@@ -45,7 +45,7 @@ from sluice.repository import ModelVersion
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
 
 TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2",
-                     "granite", "internlm", "phi4_mini_json")
+                     "granite", "internlm", "phi4_mini_json", "qwen3_coder", "glm45")
 """How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
 
 MAX_CHARS_PER_TOKEN = 32
