@@ -251,11 +251,17 @@ def test_a_batch_of_responses_answers_what_each_request_would(make_server, tmp_p
             for i in range(3)]
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
         uploaded = client.files.create(file=("in.jsonl", jsonl([
-            {"custom_id": f"q-{i}", "method": "POST", "url": "/v1/responses", "body": ask}
-            for i, ask in enumerate(asks)])), purpose="batch")
+            *({"custom_id": f"q-{i}", "method": "POST", "url": "/v1/responses", "body": ask}
+              for i, ask in enumerate(asks)),
+            {"custom_id": "later", "method": "POST", "url": "/v1/responses", "body": {**asks[0], "background": True,
+                                                                                        "store": True}}])),
+            purpose="batch")
         batch = wait_until_final(client, client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h").id)
         assert batch.status == "completed" and batch.request_counts.completed == 3
+        [refused] = output_rows(client, batch.error_file_id)  # a batch item is in the background already
+        assert refused["custom_id"] == "later" and refused["response"]["status_code"] == 400
+        assert refused["response"]["body"]["error"]["param"] == "background"
         rows = {row["custom_id"]: row["response"] for row in output_rows(client, batch.output_file_id)}
         for i, ask in enumerate(asks):
             answer = rows[f"q-{i}"]

@@ -180,10 +180,13 @@ def test_a_background_response_is_cancelled_through_the_other_gateway(tmp_path: 
     try:
         eventually(lambda: _ready(a) and _ready(b), "the gateways", timeout_s=90)
         first, second = (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) for url in (a, b))
+        eventually(lambda: httpx.get(f"http://127.0.0.1:{worker_metrics}/metrics").status_code == 200,
+                   "the worker's metrics endpoint", timeout_s=30)
         queued = first.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=900,
-                                        background=True)
-        eventually(lambda: running() == 1, "the background response to be generating", timeout_s=20)
-        assert second.responses.retrieve(queued.id).status == "in_progress"
+                                        temperature=0, background=True)  # greedy: never an early end of text
+        eventually(lambda: second.responses.retrieve(queued.id).status == "in_progress",
+                   "gateway b to see the response in progress", timeout_s=30)
+        eventually(lambda: running() == 1, "the background response to be generating", timeout_s=30)
         assert second.responses.cancel(queued.id).status == "cancelled"
         eventually(lambda: running() == 0, "gateway a to stop the cancelled generation", timeout_s=20)
         eventually(lambda: metric_total(a, "sluice_requests_total", model="tiny", outcome="cancelled") == 1,

@@ -305,7 +305,8 @@ def test_a_cancelled_background_response_frees_its_sequence_and_stays_cancelled(
     def running() -> float:
         return metric_total(tiny_lm_server, "vllm:num_requests_running", model_name="tiny")
 
-    queued = sdk.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=900, background=True)
+    queued = sdk.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=900, temperature=0,
+                                  background=True)  # greedy: it runs its 900 tokens (no early end of text)
     eventually(lambda: running() == 1, "the background response's sequence to run", timeout_s=10)
     assert sdk.responses.retrieve(queued.id).status == "in_progress"
     with pytest.raises(openai.BadRequestError) as unfinished:

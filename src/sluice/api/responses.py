@@ -53,6 +53,7 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import (
+    BACKGROUND_SCOPE_KEY,
     PRIORITY_HEADER,
     ROUTE_KEY_HEADER,
     TIMEOUT_HEADER,
@@ -258,11 +259,14 @@ class Responses:
         return Response(found.body, media_type="application/json")
 
     async def run_later(self, owner: str, shape: ResponsesShape, request: ResponsesRequest, items: list[Any],
-                        headers: Mapping[str, str]) -> Response:
+                        headers: Mapping[str, str], is_batch_item: bool) -> Response:
         """Store a background response, queued, and answer that; it runs in `self.background`."""
         if self.background is None:
             raise InvalidInput(NOT_STORED if self.store is None else "background responses are not run by this "
                                "server", param="background")
+        if is_batch_item:
+            raise InvalidInput("a batch job's item runs in the background already: leave 'background' out",
+                               param="background")
         if request.store is False:
             raise InvalidInput("a background response must be stored: 'store' cannot be false", param="store")
         is_streamed = bool(request.stream)
@@ -338,7 +342,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     is_stored = responses.store is not None and parsed.store is not False
     shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
     if parsed.background:
-        return await responses.run_later(owner, shape, parsed, items, request.headers)
+        return await responses.run_later(owner, shape, parsed, items, request.headers,
+                                         request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
     limit_headers: dict[str, str] | None = {} if payload.stream else None
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                               caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing),

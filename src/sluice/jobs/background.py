@@ -75,12 +75,11 @@ class _Live:
         self.is_done = False
         self._changed = asyncio.Event()
 
-    def emit(self, kind: str, **fields: Any) -> list[Event]:
-        event = (self.first_seq + len(self.events), sse_event(kind, self.first_seq + len(self.events), fields))
-        self.events.append(event)
-        self.pending.append(event)
+    def emit(self, kind: str, **fields: Any) -> None:
+        seq = self.first_seq + len(self.events)
+        self.events.append((seq, sse_event(kind, seq, fields)))
+        self.pending.append(self.events[-1])
         self._wake()
-        return [event]
 
     def take_pending(self) -> list[Event]:
         taken, self.pending = self.pending, []
@@ -101,10 +100,12 @@ class _Live:
 
 
 class BackgroundResponses:
+    """Runs this gateway's background responses and takes over those other gateways left."""
+
     def __init__(self, store: JobStore, *, lease_s: float = 30.0, check_s: float = 1.0, max_running: int = 256,
-                 max_attempts: int = 3,
-                 patience_s: float = 900.0, retention_s: int = 30 * 86_400, purge_every_s: float = 3600.0,
-                 clock: Callable[[], float] = time.time, metrics: BackgroundMetrics | None = None) -> None:
+                 max_attempts: int = 3, patience_s: float = 900.0, retention_s: int = 30 * 86_400,
+                 purge_every_s: float = 3600.0, clock: Callable[[], float] = time.time,
+                 metrics: BackgroundMetrics | None = None) -> None:
         self.store = store
         self.lease_s = lease_s
         self.check_s = min(check_s, lease_s / 3)
