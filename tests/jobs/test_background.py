@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 
 from sluice.jobs.background import BackgroundResponses, RunRequest
 from sluice.jobs.store import JobStore
@@ -266,4 +267,25 @@ async def test_a_cancelled_streamed_run_ends_its_readers(store: JobStore):
     here, there = await asyncio.wait_for(asyncio.gather(reading_here, reading_elsewhere), 10)
     assert [e["type"] for e in here][:3] == ["response.created", "response.queued", "response.in_progress"]
     assert "response.completed" not in [e["type"] for e in here + there]
+    await runner.aclose()
+
+
+async def test_a_tenant_with_too_many_unanswered_background_responses_is_refused_more(store: JobStore):
+    from sluice.errors import RateLimited
+
+    app = App()
+    app.hold = asyncio.Event()
+    runner = BackgroundResponses(store, max_per_tenant=2)
+    await runner.start(app)
+    for response_id in ("resp_1", "resp_2"):
+        await runner.submit("acme", response_id, NOW, _request(response_id), b"[]")
+    with pytest.raises(RateLimited) as refused:
+        await runner.submit("acme", "resp_3", NOW, _request("resp_3"), b"[]")
+    assert refused.value.limit == "background" and refused.value.retry_after_s
+    await runner.submit("zeta", "resp_z", NOW, _request("resp_z"), b"[]")  # another tenant's count
+    app.hold.set()
+    await _until(store, "completed", "resp_1")
+    await _until(store, "completed", "resp_2")
+    await runner.submit("acme", "resp_3", NOW, _request("resp_3"), b"[]")  # answered ones leave room
+    await _until(store, "completed", "resp_3")
     await runner.aclose()

@@ -3,7 +3,8 @@
 OpenAI: `{"error": {"message", "type", "param", "code"}}`; KServe v2: `{"error": "..."}`.
 Overload and rate-limit answers carry `Retry-After` (whole seconds, at least 1) and `retry-after-ms`;
 rate-limit answers also OpenAI's `x-ratelimit-*` headers and a `code` naming the limit
-(`requests_limit_exceeded`, `tokens_limit_exceeded`, `concurrency_limit_exceeded`, or
+(`requests_limit_exceeded`, `tokens_limit_exceeded`, `concurrency_limit_exceeded`,
+`background_limit_exceeded` (too many unanswered background responses), or
 `insufficient_quota` with `x-should-retry: false` for a spent device-second budget).
 """
 

@@ -46,6 +46,7 @@ import msgspec
 
 from sluice.api.common import TENANT_SCOPE_KEY
 from sluice.api.responses import sse_event
+from sluice.errors import RateLimited
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call_streaming
 from sluice.jobs.store import RUNNING, Event, JobStore, ResponseRun, RunRequest
 from sluice.metrics import BackgroundMetrics
@@ -103,7 +104,8 @@ class BackgroundResponses:
     """Runs this gateway's background responses and takes over those other gateways left."""
 
     def __init__(self, store: JobStore, *, lease_s: float = 30.0, check_s: float = 1.0, max_running: int = 256,
-                 max_attempts: int = 3, patience_s: float = 900.0, retention_s: int = 30 * 86_400,
+                 max_per_tenant: int = 1000, max_attempts: int = 3, patience_s: float = 900.0,
+                 retention_s: int = 30 * 86_400,
                  purge_every_s: float = 3600.0, clock: Callable[[], float] = time.time,
                  metrics: BackgroundMetrics | None = None) -> None:
         self.store = store
@@ -113,6 +115,9 @@ class BackgroundResponses:
         self.max_running = max_running
         """Runs in progress on this gateway at most; beyond it, a new one waits in the store, queued,
         for the first gateway with room."""
+        self.max_per_tenant = max_per_tenant
+        """A tenant's unanswered background responses at most (across the gateways sharing the
+        store): one more is refused with a 429, so a flood of creates cannot grow the store."""
         self.max_attempts = max_attempts
         self.patience_s = patience_s
         self.retention_s = retention_s
@@ -145,7 +150,11 @@ class BackgroundResponses:
 
     async def submit(self, owner: str, response_id: str, created_at: int, request: RunRequest,
                      input_items: bytes) -> None:
-        """Store a new background response (queued) and start it here if there is room."""
+        """Store a new background response (queued) and start it here if there is room; a 429
+        (`RateLimited`) if the tenant has `max_per_tenant` unanswered already."""
+        if await self.store.num_response_runs(owner) >= self.max_per_tenant:
+            raise RateLimited(f"{self.max_per_tenant} background responses of this tenant are not answered yet: "
+                              "wait for some to end", "background", retry_after_s=5.0)
         events: list[Event] = []
         if request.stream:  # its stream opens with the response queued
             queued = msgspec.json.decode(request.response)

@@ -145,6 +145,10 @@ class PostgresJobStore:
                 await conn.execute("DELETE FROM response_runs WHERE id = %s", (response_id,))
             return True
 
+    async def num_response_runs(self, owner: str) -> int:
+        row = await self._one("SELECT COUNT(*) FROM response_runs WHERE owner = %s", (owner,))
+        return int(row[0])
+
     async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
         async with self._pool.connection() as conn:
             cur = await conn.execute(rows.RESPONSE_EVENTS, (response_id, owner, after, limit))

@@ -104,6 +104,7 @@ CREATE TABLE IF NOT EXISTS response_runs (
     lease_until {real} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS response_runs_by_lease ON response_runs (lease_until);
+CREATE INDEX IF NOT EXISTS response_runs_by_owner ON response_runs (owner);
 CREATE TABLE IF NOT EXISTS response_events (
     response_id TEXT NOT NULL,
     seq {int} NOT NULL,

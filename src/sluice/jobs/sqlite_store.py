@@ -198,6 +198,12 @@ class SqliteJobStore:
 
         return await self._txn(update)
 
+    async def num_response_runs(self, owner: str) -> int:
+        def count(db: sqlite3.Connection) -> int:
+            return int(db.execute("SELECT COUNT(*) FROM response_runs WHERE owner = ?", (owner,)).fetchone()[0])
+
+        return await self._call(count, self._db)
+
     async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
         def read(db: sqlite3.Connection) -> list[Event]:
             found = db.execute(_RESPONSE_EVENTS, (response_id, owner, after, limit))

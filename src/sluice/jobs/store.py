@@ -367,6 +367,10 @@ class JobStore(Protocol):
         if `token` still holds its run (else nothing, False); `is_final`: the run ends with it."""
         ...
 
+    async def num_response_runs(self, owner: str) -> int:
+        """How many of the owner's background responses are not answered yet (queued or running)."""
+        ...
+
     async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
         """The owner's background response's stream events after sequence number `after`, in order."""
         ...
