@@ -169,6 +169,11 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(f"sum by (outcome) (rate(sluice_batch_items_total[{RATE}]))", "{{outcome}}"),
                ('max(sluice_batch_items_pending{state="queued"})', "queued"),
                ('sum(sluice_batch_items_pending{state="running"})', "running")]),
+        Panel("Background responses", "Background responses (/v1/responses, background: true) ended per second, "
+              "by status; running now, and taken over from a gateway that stopped.",
+              [(f"sum by (status) (rate(sluice_background_responses_total[{RATE}]))", "{{status}}"),
+               ("sum(sluice_background_responses_running)", "running"),
+               (f"sum(increase(sluice_background_responses_taken_over_total[{RATE}]))", "taken over")]),
     ]),
 ]
 
