@@ -249,11 +249,12 @@ class Responses:
             raise InvalidInput("only background responses can be cancelled: this one was answered when it was "
                                "created", param="response_id")
         if response["status"] in RUNNING:
-            assert self.store is not None and self.background is not None
+            assert self.store is not None  # it was found in the store
             cancelled = {**response, "status": "cancelled"}
             if await self.store.cancel_response_run(request_tenant(request), response["id"],
                                                     msgspec.json.encode(cancelled)):
-                self.background.cancelled(response["id"])
+                if self.background is not None:  # else the gateway running it stops it at its next renewal
+                    self.background.cancelled(response["id"])
                 return json_response(cancelled)
             found = await self.get(request)  # it ended meanwhile
         return Response(found.body, media_type="application/json")
