@@ -223,7 +223,8 @@ def test_unknown_responses_and_models(sdk, tiny_lm_server):
 def test_a_dropped_stream_frees_its_sequence(sdk, tiny_lm_server):
     cancelled = metric_total(tiny_lm_server, "sluice_requests_total", model="tiny", outcome="cancelled")
     with httpx.stream("POST", f"{tiny_lm_server.url}/v1/responses", timeout=60, json={
-            "model": "tiny", "input": "Tell me a long story", "max_output_tokens": 900, "stream": True}) as stream:
+            "model": "tiny", "input": "Tell me a long story", "max_output_tokens": 900, "stream": True,
+            "temperature": 0}) as stream:  # greedy: a sampled random model may end its text at once
         for line in stream.iter_lines():
             if line.startswith("data: ") and "output_text.delta" in line:
                 eventually(lambda: metric_total(tiny_lm_server, "vllm:num_requests_running", model_name="tiny") == 1,
