@@ -27,10 +27,10 @@ class App:
     """Answers POST /v1/responses with `answers` in turn (status, body, headers), the last one
     for good; `hold` keeps a call waiting until it is set (or the call is cancelled)."""
 
-    def __init__(self, *answers: tuple[int, Any, dict[str, str]]) -> None:
+    def __init__(self, *answers: tuple[int, Any, dict[str, str]], held: bool = False) -> None:
         self.answers = list(answers) or [(200, ANSWER, {})]
         self.calls: list[dict[str, Any]] = []
-        self.hold: asyncio.Event | None = None
+        self.hold: asyncio.Event | None = asyncio.Event() if held else None
         self.between: asyncio.Event | None = None
         self.cancelled = 0
 
@@ -58,6 +58,13 @@ class App:
         await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
+async def _started(store: JobStore, app: App, **options: Any) -> BackgroundResponses:
+    """A gateway's runner, running through `app`."""
+    runner = BackgroundResponses(store, **options)
+    await runner.start(app)
+    return runner
+
+
 def _request(response_id: str = "resp_1", stream: bool = False) -> RunRequest:
     return RunRequest(b'{"model": "tiny", "input": "Hi", "background": false}', [("x-sluice-priority", "batch")],
                       msgspec.json.encode({**QUEUED, "id": response_id}), stream)
@@ -78,10 +85,8 @@ async def _until(store: JobStore, status: str, response_id: str = "resp_1", time
 
 
 async def test_a_run_goes_queued_in_progress_then_ends_with_the_answer(store: JobStore):
-    app = App()
-    app.hold = asyncio.Event()
-    runner = BackgroundResponses(store)
-    await runner.start(app)
+    app = App(held=True)
+    runner = await _started(store, app)
     await runner.submit("acme", "resp_1", NOW, _request(), b'[{"role": "user"}]')
     running = await _until(store, "in_progress")
     assert running["metadata"] == {"k": "v"} and running["output"] == []
@@ -98,8 +103,7 @@ async def test_a_run_goes_queued_in_progress_then_ends_with_the_answer(store: Jo
 async def test_refusals_that_say_wait_are_waited_out_and_others_fail_the_response(store: JobStore):
     busy = (503, {"error": {"message": "overloaded", "code": "overloaded"}}, {"retry-after-ms": "20"})
     app = App(busy, busy, (200, ANSWER, {}))
-    runner = BackgroundResponses(store)
-    await runner.start(app)
+    runner = await _started(store, app)
     await runner.submit("acme", "resp_1", NOW, _request(), b"[]")
     assert (await _until(store, "completed"))["output"] == ANSWER["output"] and len(app.calls) == 3
 
@@ -117,10 +121,8 @@ async def test_refusals_that_say_wait_are_waited_out_and_others_fail_the_respons
 
 
 async def test_a_stopped_gateways_run_is_taken_over_once_its_lease_runs_out(store: JobStore):
-    stuck = App()
-    stuck.hold = asyncio.Event()
-    first = BackgroundResponses(store, lease_s=30)
-    await first.start(stuck)
+    stuck = App(held=True)
+    first = await _started(store, stuck, lease_s=30)
     await first.submit("acme", "resp_1", NOW, _request(), b"[]")
     await _until(store, "in_progress")
     await first.aclose()  # stops without an answer: the run stays, leased for 30 s
@@ -128,14 +130,12 @@ async def test_a_stopped_gateways_run_is_taken_over_once_its_lease_runs_out(stor
 
     app = App()
     now = time.time()
-    early = BackgroundResponses(store, lease_s=30, clock=lambda: now + 5)
-    await early.start(app)
+    early = await _started(store, app, lease_s=30, clock=lambda: now + 5)
     await asyncio.sleep(0.2)
     assert app.calls == [] and (await _body(store))["status"] == "in_progress", "the lease is still live"
     await early.aclose()
 
-    later = BackgroundResponses(store, lease_s=30, clock=lambda: now + 31)
-    await later.start(app)
+    later = await _started(store, app, lease_s=30, clock=lambda: now + 31)
     assert (await _until(store, "completed"))["output"] == ANSWER["output"] and len(app.calls) == 1
     await later.aclose()
 
@@ -151,11 +151,9 @@ async def test_a_run_started_too_often_ends_failed_without_running_again(store: 
     await runner.aclose()
 
 
-async def test_a_cancelled_run_stops_and_its_late_answer_is_not_written(store: JobStore):
-    app = App()
-    app.hold = asyncio.Event()
-    runner = BackgroundResponses(store, check_s=0.1)
-    await runner.start(app)
+async def test_a_run_cancelled_elsewhere_stops_its_work_and_stays_cancelled(store: JobStore):
+    app = App(held=True)
+    runner = await _started(store, app, check_s=0.1)
     await runner.submit("acme", "resp_1", NOW, _request(), b"[]")
     await _until(store, "in_progress")
     # cancelled through another gateway: this one learns it at its next renewal and stops the work
@@ -170,15 +168,20 @@ async def test_a_cancelled_run_stops_and_its_late_answer_is_not_written(store: J
 
 
 async def test_beyond_its_room_a_gateway_leaves_new_runs_queued_for_later(store: JobStore):
-    app = App()
-    app.hold = asyncio.Event()
-    runner = BackgroundResponses(store, max_running=1)
-    await runner.start(app)
+    app = App(held=True)
+    runner = await _started(store, app, max_running=1)
     await runner.submit("acme", "resp_1", NOW, _request("resp_1"), b"[]")
     await runner.submit("acme", "resp_2", NOW, _request("resp_2"), b"[]")
-    await _until(store, "in_progress", "resp_1")
-    await asyncio.sleep(0.2)
-    assert (await _body(store, "resp_2"))["status"] == "queued" and len(app.calls) == 1
+
+    async def statuses() -> list[str]:
+        return sorted([(await _body(store, "resp_1"))["status"], (await _body(store, "resp_2"))["status"]])
+
+    deadline = time.monotonic() + 10
+    while await statuses() != ["in_progress", "queued"]:  # which one runs first is not promised
+        assert time.monotonic() < deadline, await statuses()
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    assert await statuses() == ["in_progress", "queued"] and len(app.calls) == 1, "one at a time"
     app.hold.set()
     await _until(store, "completed", "resp_1")
     await _until(store, "completed", "resp_2")
@@ -218,8 +221,7 @@ async def _read(runner: BackgroundResponses, after: int = -1, response_id: str =
 async def test_a_streamed_run_is_followed_live_here_and_from_the_store_elsewhere(store: JobStore):
     app = App((200, STREAM, {}))
     app.between = asyncio.Event()
-    runner = BackgroundResponses(store)
-    await runner.start(app)
+    runner = await _started(store, app)
     await runner.submit("acme", "resp_1", NOW, _request(stream=True), b"[]")
     elsewhere = BackgroundResponses(store)  # another gateway's view: it does not run it
     reading_here = asyncio.create_task(_read(runner))
@@ -257,8 +259,7 @@ async def test_a_streamed_run_that_fails_mid_stream_ends_with_response_failed(st
 async def test_a_cancelled_streamed_run_ends_its_readers(store: JobStore):
     app = App((200, STREAM, {}))
     app.between = asyncio.Event()
-    runner = BackgroundResponses(store, check_s=0.1)
-    await runner.start(app)
+    runner = await _started(store, app, check_s=0.1)
     await runner.submit("acme", "resp_1", NOW, _request(stream=True), b"[]")
     elsewhere = BackgroundResponses(store)
     reading_here, reading_elsewhere = asyncio.create_task(_read(runner)), asyncio.create_task(_read(elsewhere))
@@ -273,10 +274,8 @@ async def test_a_cancelled_streamed_run_ends_its_readers(store: JobStore):
 async def test_a_tenant_with_too_many_unanswered_background_responses_is_refused_more(store: JobStore):
     from sluice.errors import RateLimited
 
-    app = App()
-    app.hold = asyncio.Event()
-    runner = BackgroundResponses(store, max_per_tenant=2)
-    await runner.start(app)
+    app = App(held=True)
+    runner = await _started(store, app, max_per_tenant=2)
     for response_id in ("resp_1", "resp_2"):
         await runner.submit("acme", response_id, NOW, _request(response_id), b"[]")
     with pytest.raises(RateLimited) as refused:

@@ -297,16 +297,14 @@ class Responses:
         response_id = request.path_params["response_id"]
         owner = request_tenant(request)
         found = await self.get(request)
-        if self.background is None or not await self.store_has_events(owner, response_id):
-            raise InvalidInput("only a background response created with 'stream' can be streamed again: this one "
-                               + ("was not in the background" if not msgspec.json.decode(found.body).get("background")
-                                  else "was created without 'stream'") + "; poll it without 'stream'", param="stream")
+        assert self.store is not None  # it was found in the store
+        if self.background is None or not await self.store.response_events(owner, response_id, -1, 1):
+            how = ("was created without 'stream'" if msgspec.json.decode(found.body).get("background")
+                   else "was not in the background")
+            raise InvalidInput(f"only a background response created with 'stream' can be streamed again: this one "
+                               f"{how}; poll it without 'stream'", param="stream")
         return StreamingResponse(self.background.follow(owner, response_id, max(after, -1)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-
-    async def store_has_events(self, owner: str, response_id: str) -> bool:
-        assert self.store is not None
-        return bool(await self.store.response_events(owner, response_id, -1, 1))
 
 
 def _page(items: list[Any], query: Mapping[str, str]) -> Response:

@@ -130,7 +130,9 @@ class BackgroundResponses:
         self._live: dict[str, _Live] = {}
         self._loop: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        self._admitting = asyncio.Lock()
+        self._reserved = 0
+        """Room taken by runs being stored or claimed (not yet in `_running`): counted at once, so
+        that no store call holds the room of others while it waits."""
         self._purged_at = 0.0
 
     async def start(self, app: AsgiApp) -> None:
@@ -160,14 +162,18 @@ class BackgroundResponses:
             queued = msgspec.json.decode(request.response)
             events = [(0, sse_event("response.created", 0, {"response": queued})),
                       (1, sse_event("response.queued", 1, {"response": queued}))]
-        async with self._admitting:  # what runs here stays within max_running
-            has_room = self._app is not None and len(self._running) < self.max_running
-            await self.store.put_response_run(owner, response_id, created_at, request.response, input_items,
-                                              msgspec.json.encode(request), self._token if has_room else "",
+        encoded = msgspec.json.encode(request)
+        has_room = self._app is not None and self._room() > 0
+        self._reserved += has_room
+        try:
+            await self.store.put_response_run(owner, response_id, created_at, request.response, input_items, encoded,
+                                              self._token if has_room else "",
                                               self._clock() + self.lease_s if has_room else 0.0, events)
-            if has_room:
-                self._start(ResponseRun(owner, response_id, msgspec.json.encode(request), 1, len(events) - 1))
-        if not has_room:
+        finally:
+            self._reserved -= has_room
+        if has_room:
+            self._start(ResponseRun(owner, response_id, encoded, 1, len(events) - 1))
+        else:
             self._wake.set()
 
     async def follow(self, owner: str, response_id: str, after: int) -> AsyncIterator[bytes]:
@@ -204,6 +210,10 @@ class BackgroundResponses:
                 checked_at = time.monotonic()
             await (live.changed(POLL_S) if live is not None else asyncio.sleep(POLL_S))
 
+    def _room(self) -> int:
+        """How many more runs may start here (`max_running` at most, counting those on their way)."""
+        return self.max_running - len(self._running) - self._reserved
+
     def stop(self, response_id: str) -> None:
         """Stop the work of a run that was cancelled or deleted, if it runs here."""
         task = self._running.pop(response_id, None)
@@ -226,8 +236,8 @@ class BackgroundResponses:
         if self._running.get(response_id) is task:
             del self._running[response_id]
             self._metrics.running(len(self._running))
-            if len(self._running) == self.max_running - 1:
-                self._wake.set()  # room for a run waiting in the store
+            if self._room() == 1:
+                self._wake.set()  # there was no room: a run may be waiting in the store
 
     # -- a run -----------------------------------------------------------------------------------
 
@@ -305,13 +315,13 @@ class BackgroundResponses:
 
     async def _housekeep(self) -> None:
         while True:
+            self._wake.clear()  # before the round: a wake-up during it (a run left queued) starts the next one
             try:
                 await self._keep_leases()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the store is unreachable for now: the next round tries again
                 log.exception("background responses: housekeeping failed")
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.check_s)
 
@@ -323,14 +333,18 @@ class BackgroundResponses:
             for response_id in running:
                 if response_id not in held:  # cancelled or deleted elsewhere (or taken over after a stall)
                     self.stop(response_id)
-        async with self._admitting:
-            room = self.max_running - len(self._running)
-            if room > 0 and self._app is not None:
-                for run in await self.store.claim_response_runs(self._token, now, now + self.lease_s, room):
-                    if run.attempts > 1:
-                        log.info("background response %s: taken over (start %d)", run.response_id, run.attempts)
-                        self._metrics.taken_over()
-                    self._start(run)
+        room = self._room()
+        if room > 0 and self._app is not None:
+            self._reserved += room
+            try:
+                claimed = await self.store.claim_response_runs(self._token, now, now + self.lease_s, room)
+            finally:
+                self._reserved -= room
+            for run in claimed:
+                if run.attempts > 1:
+                    log.info("background response %s: taken over (start %d)", run.response_id, run.attempts)
+                    self._metrics.taken_over()
+                self._start(run)
         if now - self._purged_at >= self.purge_every_s:
             self._purged_at = now
             await self.store.delete_responses_before(int(now) - self.retention_s)
