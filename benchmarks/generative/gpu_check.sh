@@ -11,6 +11,8 @@
 #
 # Usage: benchmarks/generative/gpu_check.sh [OUT_DIR]   (env: PYTHON, default python3; RATE, default 60)
 set -uo pipefail
+# The test files are named folder by folder: pytest 9.1 (the H200 image's) does not give a file the
+# fixtures of its folder's conftest.py when another folder's file comes between them on the command line.
 cd "$(dirname "$0")/../.."
 out=${1:-benchmarks/results}
 py=${PYTHON:-python3}
@@ -18,8 +20,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="src:.:${PYTHONPATH:-}"
 
 $py -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -W ignore::UserWarning -W ignore::FutureWarning \
-    tests/engines/generative/test_cuda.py tests/engines/test_embedding_cuda.py tests/engines/generative/test_graphs.py \
-    tests/engines/test_user_models_cuda.py \
+    tests/engines/generative/test_cuda.py tests/engines/generative/test_graphs.py \
+    tests/engines/test_embedding_cuda.py tests/engines/test_user_models_cuda.py \
     2>&1 | tail -15 | tee "$out/gpu-tests.log"
 step() {
   $py benchmarks/generative/step_profile.py --device cuda --dtype bfloat16 --model 1b --seqs "$1" --profile-steps 3 "${@:2}" \
