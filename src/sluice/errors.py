@@ -128,6 +128,11 @@ class DeadlineExceeded(SluiceError):
     """The request's deadline passed before a result was ready."""
 
 
+class DeadlineUnreachable(DeadlineExceeded):
+    """Even alone on an idle device the request would finish after its deadline: the same request
+    sent again cannot succeed (answered 504 with `x-should-retry: false`)."""
+
+
 class RateLimited(SluiceError):
     """A tenant's limit is reached. `limit` names it (requests, tokens, concurrency, credits);
     `headers` are the rate-limit headers to send (OpenAI's `x-ratelimit-*`)."""

@@ -288,6 +288,9 @@ class Outcome(enum.StrEnum):
     """Not admitted: the queued work ahead would make it miss its deadline."""
     EXPIRED = "expired"
     """Admitted, but its deadline passed (or could no longer be met) before it ran."""
+    UNREACHABLE = "unreachable"
+    """Not admitted: alone on an idle device it would still finish after its deadline, so sending
+    it again as it is cannot succeed."""
     FAILED = "failed"
     """At least one item failed in the model; `errors` says which and why."""
     NOT_FOUND = "not_found"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import openai
 
 BODY = {"inputs": [{"name": "INPUT0", "shape": [2, 8], "datatype": "FP32", "data": [1.0] * 16}]}
 # Longer than the worker's state interval, so the gateway sees an idle device again: it counts
@@ -35,3 +36,24 @@ def test_deadline_shorter_than_execution_is_504_and_next_request_succeeds(make_s
         assert ok.json()["outputs"][0]["data"] == [8.0, 8.0]
         roomy = client.post("/v2/models/emulated/infer", json=BODY, headers={"X-Request-Timeout-Ms": "5000"})
         assert roomy.status_code == 200
+
+
+def test_a_request_of_many_batches_without_a_deadline_gets_the_slo_for_each_batch(make_server, emulated_repo):
+    """320 rows are 10 batches of 32 (240 ms of device time), far over the model's 90 ms SLO:
+    without a client deadline the request gets 10 SLOs and is answered, not refused."""
+    server = make_server(emulated_repo(slo_ms=90))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    texts = [f"text {i}" for i in range(320)]
+    answer = client.embeddings.create(model="emulated", input=texts)
+    assert [item.index for item in answer.data] == list(range(320))
+    rows = {"inputs": [{"name": "INPUT0", "shape": [320, 16], "datatype": "FP32", "data": [1.0] * 320 * 16}]}
+    with httpx.Client(base_url=server.url, timeout=30, headers={"Cache-Control": "no-store"}) as http:
+        ok = http.post("/v2/models/emulated/infer", json=rows)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["outputs"][0]["data"] == [16.0] * 320
+        # A deadline the client sets is its own: one shorter than the request's own batches is
+        # refused at once, and told not to retry (the openai SDK retries a 504 unless told).
+        short = http.post("/v2/models/emulated/infer", json=rows, headers={"X-Request-Timeout-Ms": "100"})
+        assert short.status_code == 504
+        assert short.headers["x-should-retry"] == "false"
+        assert "X-Request-Timeout-Ms" in short.json()["error"]

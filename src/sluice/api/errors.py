@@ -21,6 +21,7 @@ from sluice.errors import (
     BudgetExhausted,
     Conflict,
     DeadlineExceeded,
+    DeadlineUnreachable,
     IdempotencyKeyReused,
     InvalidInput,
     ItemFailed,
@@ -107,6 +108,8 @@ def error_headers(error: Exception) -> dict[str, str]:
     """What an error's answer says beside its body: when to retry (`Retry-After` in whole seconds,
     at least 1, and `retry-after-ms`) and, on a 429, which limit and OpenAI's `x-ratelimit-*`."""
     headers = {**error.headers, LIMIT_HEADER: error.limit} if isinstance(error, RateLimited) else {}
+    if isinstance(error, DeadlineUnreachable):
+        headers["x-should-retry"] = "false"  # the openai SDK would retry a 504 twice, in vain
     retry_after_s = getattr(error, "retry_after_s", None)
     if retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))

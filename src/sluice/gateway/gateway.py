@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import random
 import time
 import uuid
@@ -560,8 +561,12 @@ class Gateway:
         key if the caller computed it already (`cache_key`).
 
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
-        tokens are reserved from the estimate and settled with the worker's count."""
-        ticket = await self._admit(info, timeout_s, arrived_at, caller)
+        tokens are reserved from the estimate and settled with the worker's count.
+
+        Without a `timeout_s`, the deadline is the model's SLO for each batch the request fills
+        (`default_timeout_s`): 2,048 texts in batches of 32 get 64 times the SLO of one text."""
+        default_s = default_timeout_s(info, payload) if timeout_s is None else None
+        ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
         policy = (caller or _LOCAL_CALLER).cache
         async with ticket:
             key = key or self._cache_key(info, payload, ticket.tenant, policy)
@@ -646,7 +651,8 @@ class Gateway:
         raise RuntimeError("a generation ended without a result")
 
     async def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
-               caller: Caller | None) -> Ticket:
+               caller: Caller | None, default_s: float | None = None) -> Ticket:
+        """`default_s`: the deadline without a `timeout_s` (default: the model's SLO)."""
         started = self._clock.now() if arrived_at is None else arrived_at
         caller = caller or _LOCAL_CALLER
         if self.is_draining:
@@ -660,7 +666,7 @@ class Gateway:
             reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
         else:
             reservation = await caller.group.admit(self.tenancy, tenant, priority)
-        deadline = started + (timeout_s if timeout_s is not None else info.slo_s)
+        deadline = started + (timeout_s if timeout_s is not None else default_s or info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
                       deadline, self._tracing, caller.traceparent, observer=self._observe,
                       client_deadline=timeout_s is not None, group=caller.group, background=caller.background)
@@ -904,3 +910,9 @@ def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,
                 newcomer = wait.wait_s
     return state.work_ahead_s if newcomer is None else newcomer
 
+
+def default_timeout_s(info: wire.ModelInfo, payload: wire.Payload) -> float:
+    """A request's deadline when its client sets none: the model's SLO (the latency of one batch's
+    worth) for each batch its items fill at the model's max batch size. One text gets the SLO;
+    2,048 texts, which no device runs in one batch's time, get 64 of them instead of a 504."""
+    return info.slo_s * max(1, math.ceil(wire.num_items(payload) / max(info.max_batch_size, 1)))

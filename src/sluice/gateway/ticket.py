@@ -27,6 +27,7 @@ from sluice import wire
 from sluice.clock import Clock
 from sluice.errors import (
     DeadlineExceeded,
+    DeadlineUnreachable,
     DeviceFailed,
     InvalidInput,
     ItemFailed,
@@ -254,6 +255,8 @@ def interpret(info: wire.ModelInfo, result: wire.Result) -> InferResult:
             raise Overloaded(result.message or "overloaded", retry_after_s=result.retry_after_s)
         case wire.Outcome.EXPIRED:
             raise DeadlineExceeded(result.message or "deadline exceeded")
+        case wire.Outcome.UNREACHABLE:
+            raise DeadlineUnreachable(result.message or "the deadline cannot be met")
         case wire.Outcome.NOT_FOUND:
             raise ModelNotReady(result.message, retry_after_s=1.0)
         case wire.Outcome.DRAINING:  # (the gateway sends such a request elsewhere first)

@@ -748,9 +748,10 @@ class WorkerServer:
 def _rejection(request_id: int, rejected: Rejected, timeout_s: float) -> wire.Result:
     """`timeout_s`: what was left of the request's deadline when the gateway sent it."""
     if rejected.reason is RejectReason.DEADLINE_UNREACHABLE:
-        return wire.Result(request_id, wire.Outcome.EXPIRED,
+        return wire.Result(request_id, wire.Outcome.UNREACHABLE,
                            message=f"{timeout_s * 1000:.0f} ms of the request's deadline were left when it reached "
-                                   "the worker: less than running it takes, even on an idle device")
+                                   "the worker: less than running it takes, even on an idle device; send fewer "
+                                   "or shorter inputs, or a longer deadline (X-Request-Timeout-Ms)")
     return wire.Result(request_id, wire.Outcome.REJECTED, retry_after_s=rejected.retry_after_s,
                        message=f"worker {rejected.reason.value}: queued work would miss the deadline")
 
