@@ -166,6 +166,16 @@ def test_values_the_model_cannot_take_are_400_naming_the_field(server, body, par
         assert "maximum context length is 1024 tokens" in error["message"]
 
 
+def test_a_chat_that_cannot_fit_names_the_max_tokens_field_the_client_sent(client):
+    messages = [{"role": "user", "content": "Tell me " * 100}]
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens") as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=900)
+    assert refused.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=900)
+    assert refused.value.body["param"] == "max_tokens"
+
+
 def test_chat_messages_far_longer_than_the_context_are_400(server):
     response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]})

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -95,14 +95,16 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     tools = chat_tools(parsed, info)[2] if isinstance(parsed, ChatRequest) else None
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
                           first.n, tools)
+    # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
+    names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:
-        results = await unless_disconnected(request, streams, _each(streams, final_result))
+        results = await renamed(names, unless_disconnected(request, streams, _each(streams, final_result)))
         answers = [result.payload for result in results if isinstance(result.payload, wire.GenerationResult)]
         assert len(answers) == len(results)
         return Response(msgspec.json.encode(shape.whole(answers)), media_type="application/json",
                         headers=with_version(info, results[0].headers))
     # errors before the first byte become HTTP statuses
-    firsts = await unless_disconnected(request, streams, _each(streams, anext))
+    firsts = await renamed(names, unless_disconnected(request, streams, _each(streams, anext)))
     return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams), media_type="text/event-stream",
                              headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
 
@@ -165,6 +167,17 @@ async def _disconnect(request: Request) -> None:
     """Returns when the client has gone. The body has been read: the next message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def renamed(names: Mapping[str, str], waiting: Awaitable[T]) -> T:
+    """`waiting`'s result; an `InvalidInput` it raises naming a field in `names` names the
+    client's field instead (the worker knows the request by its payload's names)."""
+    try:
+        return await waiting
+    except InvalidInput as exc:
+        if exc.param is not None and exc.param in names:
+            raise InvalidInput(exc.message, param=names[exc.param]) from exc
+        raise
 
 
 async def final_result(events: Events) -> InferResult:

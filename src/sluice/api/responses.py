@@ -83,7 +83,14 @@ from sluice.api.completion_params import (
     to_payloads,
 )
 from sluice.api.completion_shapes import ResponseShape
-from sluice.api.completions import SSE_HEADERS, Events, final_result, resolve_generative, unless_disconnected
+from sluice.api.completions import (
+    SSE_HEADERS,
+    Events,
+    final_result,
+    renamed,
+    resolve_generative,
+    unless_disconnected,
+)
 from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -106,6 +113,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                "logprobs": "include"}
 """The chat request's fields that errors name, as the Responses request calls them."""
+RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+"""The fields that the model's own refusals name (a prompt too long for its context, a chat
+template that fails), as the Responses request calls them."""
 PASSED_HEADERS = (PRIORITY_HEADER, TIMEOUT_HEADER, VERSION_HEADER, ROUTE_KEY_HEADER, "cache-control")
 """A background request's headers that it runs with."""
 
@@ -353,12 +363,13 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
             await responses.keep(owner, response, items)
 
     if not payload.stream:
-        result = await unless_disconnected(request, [stream], final_result(stream))
+        result = await renamed(RESPONSES_PARAMS, unless_disconnected(request, [stream], final_result(stream)))
         assert isinstance(result.payload, wire.GenerationResult)
         answer = shape.whole(result.payload)
         await keep(answer)
         return json_response(answer, headers=with_version(info, result.headers))
-    first = await unless_disconnected(request, [stream], anext(stream))  # errors before the first byte: a status
+    # errors before the first byte: a status
+    first = await renamed(RESPONSES_PARAMS, unless_disconnected(request, [stream], anext(stream)))
     return StreamingResponse(_events(shape, first, stream, keep), media_type="text/event-stream",
                              headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
 
