@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -213,9 +214,11 @@ def test_cli_submit_waits_and_downloads(served, tmp_path: Path):
     batch_id = out.stdout.splitlines()[0]
     lines = (tmp_path / "out" / f"{batch_id}_output.jsonl").read_text().splitlines()
     assert len(lines) == 20
-    status = subprocess.run([sys.executable, "-m", "sluice", "batch", "status", batch_id, "--url", server.url],
-                            capture_output=True, text=True, timeout=60)
-    assert "completed  20 ok, 0 failed of 20" in status.stdout
+    # the server named in the environment, as every option can be (SLUICE_<COMMAND>_<OPTION>)
+    environment = {**os.environ, "SLUICE_BATCH_STATUS_URL": server.url}
+    status = subprocess.run([sys.executable, "-m", "sluice", "batch", "status", batch_id],
+                            capture_output=True, text=True, timeout=60, env=environment)
+    assert "completed  20 ok, 0 failed of 20" in status.stdout, status.stderr
 
 
 def test_a_job_past_its_window_expires_keeping_what_finished(make_server, emulated_repo, tmp_path: Path):

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,20 @@ class _Api:
         return result
 
 
-_url = click.option("--url", default="http://127.0.0.1:8000", show_default=True, envvar="SLUICE_URL",
-                    help="The sluice server.")
-_key = click.option("--api-key", default=None, envvar="SLUICE_API_KEY", help="Bearer key, when the server has tenants.")
+def _server(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """--url and --api-key, read from the environment as `SLUICE_BATCH_<COMMAND>_<OPTION>` like
+    every option (naming a variable turns click's own lookup off), else `SLUICE_URL`, and the key
+    from `SLUICE_API_KEY` or `OPENAI_API_KEY` as `sluice bench` reads it."""
+    prefix = f"SLUICE_BATCH_{command.upper()}_"
+
+    def decorate(function: Callable[..., None]) -> Callable[..., None]:
+        function = click.option("--api-key", default=None, show_envvar=True,
+                                envvar=[f"{prefix}API_KEY", "SLUICE_API_KEY", "OPENAI_API_KEY"],
+                                help="Bearer key, when the server has tenants.")(function)
+        return click.option("--url", default="http://127.0.0.1:8000", show_default=True, show_envvar=True,
+                            envvar=[f"{prefix}URL", "SLUICE_URL"], help="The sluice server.")(function)
+
+    return decorate
 
 
 @click.group()
@@ -67,14 +79,14 @@ def batch() -> None:
 
 @batch.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--endpoint", required=True, help="/v1/embeddings, /v1/completions, /v1/chat/completions or /v2/infer.")
+@click.option("--endpoint", required=True,
+              help="/v1/embeddings, /v1/completions, /v1/chat/completions, /v1/responses or /v2/infer.")
 @click.option("--window", "completion_window", default="24h", show_default=True,
               help="Completion window: hours, minutes or seconds (24h, 30m, 90s); past it the job expires.")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends, then download its files.")
 @click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Where --wait writes BATCH_output.jsonl / BATCH_errors.jsonl.")
-@_url
-@_key
+@_server("submit")
 def submit(file: Path, endpoint: str, completion_window: str, wait: bool, output_dir: Path, url: str,
            api_key: str | None) -> None:
     """Upload FILE and create a batch job from it."""
@@ -93,8 +105,7 @@ def submit(file: Path, endpoint: str, completion_window: str, wait: bool, output
 
 @batch.command()
 @click.argument("batch_id")
-@_url
-@_key
+@_server("status")
 def status(batch_id: str, url: str, api_key: str | None) -> None:
     """Show a batch job's status and counts."""
     job = _Api(url, api_key).json("GET", f"/v1/batches/{batch_id}")
