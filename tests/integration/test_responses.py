@@ -156,6 +156,7 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": "Tell me " * 100, "max_output_tokens": 900}, "max_output_tokens"),  # refused by the model itself
     ({"input": "Tell me " * 600}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "12 C"}]}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),

@@ -428,6 +428,7 @@ def chat_request_of(request: ResponsesRequest, items: list[Any]) -> ChatRequest:
 
 def _messages(given: list[Any]) -> list[ChatMessageIn]:
     messages: list[ChatMessageIn] = []
+    call_ids: set[str] = set()  # of the function calls so far: an output answers one of them
     for item in given:
         if not isinstance(item, dict):
             raise InvalidInput("each 'input' item must be an object", param="input")
@@ -441,13 +442,18 @@ def _messages(given: list[Any]) -> list[ChatMessageIn]:
         elif kind == "function_call":
             call = ToolCallIn(_string(item, "call_id"), ToolCallFunctionIn(_string(item, "name"),
                                                                             _string(item, "arguments")))
+            call_ids.add(call.id)
             if messages and messages[-1].role == "assistant":  # one assistant turn: its text and its calls
                 messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
             else:
                 messages.append(ChatMessageIn("assistant", None, tool_calls=[call]))
         elif kind == "function_call_output":
+            call_id = _string(item, "call_id")
+            if call_id not in call_ids:
+                raise InvalidInput(f"no function call found for the function_call_output with call_id "
+                                   f"{call_id[:64]!r}", param="input")
             messages.append(ChatMessageIn("tool", _text(item.get("output"), "a function_call_output's 'output'"),
-                                          tool_call_id=_string(item, "call_id")))
+                                          tool_call_id=call_id))
         elif kind == "reasoning":
             continue  # an earlier response's reasoning, passed back: the models served here write none
         else:
