@@ -91,3 +91,26 @@ def test_a_streamed_auto_answer_sends_content_until_a_call_begins_then_the_calls
     sent = [c for piece in ["a <t", "able>"] if (c := text_only.delta(piece, None)) is not None]
     sent += text_only.finish_chunks(0, _result(text="", finish_reason="stop"))
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in sent) == "a <table>"
+
+
+REQUIRED = ToolPlan(None)
+CUT = ('[{"name": "get_time", "arguments": {}}, {"name": "get_day", "arguments": {"x": false}}, '
+       '{"name": "get_time", "argum')
+
+
+def test_required_calls_cut_by_max_tokens_keep_those_written_whole_and_never_become_content():
+    (choice,) = ResponseShape(True, "m", tools=REQUIRED).whole([_result(text=CUT, finish_reason="length")])["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_time", "arguments": "{}"}, {"name": "get_day", "arguments": '{"x": false}'}]
+    (nothing,) = ResponseShape(True, "m", tools=REQUIRED).whole([_result(text='[{"na', finish_reason="length")])[
+        "choices"]
+    assert nothing["message"] == {"role": "assistant", "content": None}
+    streamed = ResponseShape(True, "m", tools=REQUIRED)
+    chunks = [c for piece in [CUT[:30], CUT[30:]] if (c := streamed.delta(piece, None)) is not None]
+    chunks += streamed.finish_chunks(0, _result(text="", finish_reason="length"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") for d in deltas)
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_day"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -125,14 +125,14 @@ class ResponseShape:
         return [chunk for chunk in chunks if chunk is not None]
 
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """A whole answer as (content, tool calls): the calls asked for (content None), or the text
-        if it is not whole calls (cut by max_tokens); with `auto`, the calls found and the rest."""
+        """A whole answer as (content, tool calls): the calls asked for, content None (cut by
+        max_tokens: those written whole, `ToolPlan.calls`); with `auto`, the calls found and the
+        rest."""
         assert self.tools is not None
         if self.tools.parser:
             content, found = self.tools.split(text)
             return (content or None, found) if found else (content, None)
-        calls = self.tools.calls(text)
-        return (text, None) if calls is None else (None, calls)
+        return None, self.tools.calls(text)
 
     def _call_delta(self, text: str, index: int) -> dict[str, Any] | None:
         assert self.tools is not None

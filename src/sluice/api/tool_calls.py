@@ -130,6 +130,31 @@ def _json_values(text: str, separators: str = "") -> list[Any] | None:
         values.append(value)
 
 
+def _array_items(text: str) -> list[Any]:
+    """The values of the JSON array that `text` is, or of as much of it as was written whole when
+    it was cut short (nothing if it is not an array)."""
+    decoder, at = json.JSONDecoder(), len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    values: list[Any] = []
+    at += 1
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text) or text[at] == "]":
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return values
+        values.append(value)
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text) or text[at] != ",":
+            return values
+        at += 1
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """How many of `text`'s last characters could be the start of `marker` (held back in a stream)."""
     return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
@@ -443,13 +468,14 @@ class ToolPlan:
         return bool(self.parser) and CALL_FORMATS[self.parser].reads_special_tokens
 
     def calls(self, text: str) -> Calls | None:
-        """The answer's `tool_calls`, or None if the text is not whole (cut by `max_tokens`)."""
+        """The answer's `tool_calls`: the named function's, its arguments as written (whole, or cut
+        by `max_tokens`), or `required`'s array of calls; of an array cut short, the calls written
+        whole before the cut (None if there are none)."""
         if self.named is not None:
             return [tool_call(self.named, text)]
-        try:
-            return [tool_call(item["name"], json.dumps(item["arguments"])) for item in json.loads(text)]
-        except (ValueError, TypeError, KeyError):  # cut short (max_tokens, a stop string): not calls
-            return None
+        calls = [tool_call(item["name"], json.dumps(item["arguments"])) for item in _array_items(text)
+                 if isinstance(item, dict) and isinstance(item.get("name"), str) and "arguments" in item]
+        return calls or None
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
