@@ -292,3 +292,36 @@ def test_a_stream_abandoned_before_its_first_token_leaves_the_queue(one_seq_serv
 def test_preemptions_are_exported_from_the_start(one_seq_server):
     eventually(lambda: 'sluice_preemptions_total{model="tiny"} 0.0' in httpx.get(f"{one_seq_server.url}/metrics").text,
               "sluice_preemptions is not exported before the first preemption")
+
+
+def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_endpoint_does(server, client):
+    """Triton's vLLM-backend convention, built from the model's own metadata: BYTES text_input in,
+    BYTES text_output out; sampling from the request's parameters or a sampling_parameters input."""
+    import numpy as np
+    import tritonclient.http as triton
+
+    http = triton.InferenceServerClient(server.url.removeprefix("http://"))
+    metadata = http.get_model_metadata(MODEL)
+    assert [i["name"] for i in metadata["inputs"]] == ["text_input"]
+    prompts = ["The weather today is", "Once upon a time"]
+    text = triton.InferInput("text_input", [2], "BYTES")
+    text.set_data_from_numpy(np.array([p.encode() for p in prompts], dtype=np.object_))
+    answer = http.infer(MODEL, [text], parameters={"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    got = [value.decode() for value in answer.as_numpy("text_output")]
+    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    assert got == expected
+    sampling = triton.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": 6, "temperature": 0,
+                                                        "ignore_eos": True}).encode()], dtype=np.object_))
+    json_out = http.infer(MODEL, [text, sampling],
+                          outputs=[triton.InferRequestedOutput("text_output", binary_data=False)])  # as JSON
+    assert list(json_out.as_numpy("text_output")) == expected  # JSON's BYTES come back as str
+
+    bad = httpx.post(f"{server.url}/v2/models/{MODEL}/infer", timeout=30, json={
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}],
+        "parameters": {"max_tokens": "many"}})
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]
+    wrong = httpx.post(f"{server.url}/v2/models/{MODEL}/infer", timeout=30, json={
+        "inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}]})
+    assert wrong.status_code == 400 and "text_input" in wrong.json()["error"]

@@ -54,6 +54,7 @@ from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
 from sluice.gateway import Gateway, InferResult
 from sluice.gateway.tenancy import RequestGroup
+from sluice.priority import Priority
 
 log = logging.getLogger("sluice.api")
 
@@ -83,13 +84,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     first = payloads[0]
     priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
-    # a batch of prompts is one request to the tenant's limits, however many generations it runs
-    group = RequestGroup(sum(map(estimate_tokens, payloads))) if len(payloads) > 1 else None
-    streams = [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                                caller=caller(request, priority, estimate_tokens(payload),
-                                              is_traced=gateway.is_tracing, group=group),
-                                limit_headers=limit_headers if p == 0 else None)
-               for p, payload in enumerate(payloads)]
+    streams = generations(gateway, request, info, payloads, timeout_s, arrived_at, priority, limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
     tools = chat_tools(parsed, info)[2] if isinstance(parsed, ChatRequest) else None
@@ -98,7 +93,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:
-        results = await renamed(names, unless_disconnected(request, streams, _each(streams, final_result)))
+        results = await renamed(names, unless_disconnected(request, streams, whole_generations(streams)))
         answers = [result.payload for result in results if isinstance(result.payload, wire.GenerationResult)]
         assert len(answers) == len(results)
         return Response(msgspec.json.encode(shape.whole(answers)), media_type="application/json",
@@ -124,6 +119,25 @@ def resolve_generative(gateway: Gateway, model: str, request: Request, user: str
 
 Events = AsyncGenerator[wire.TokenChunk | InferResult, None]
 """One prompt's generation through the gateway: its chunks (if streamed), then its result."""
+
+
+def generations(gateway: Gateway, request: Request, info: wire.ModelInfo, payloads: list[wire.GeneratePayload],
+                timeout_s: float | None, arrived_at: float, priority: Priority | None,
+                limit_headers: dict[str, str] | None = None) -> list[Events]:
+    """One generation through the gateway for each prompt's payload. `limit_headers`, if given,
+    receives the tenant's `x-ratelimit-*` headers once the first is admitted."""
+    # a batch of prompts is one request to the tenant's limits, however many generations it runs
+    group = RequestGroup(sum(map(estimate_tokens, payloads))) if len(payloads) > 1 else None
+    return [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
+                             caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing,
+                                           group=group),
+                             limit_headers=limit_headers if p == 0 else None)
+            for p, payload in enumerate(payloads)]
+
+
+async def whole_generations(streams: list[Events]) -> list[InferResult]:
+    """Every generation's result, its payload the whole answer (all withdrawn if one fails)."""
+    return await _each(streams, final_result)
 
 
 async def _each(streams: list[Events], first: Callable[[Events], Awaitable[T]]) -> list[T]:

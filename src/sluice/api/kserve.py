@@ -37,6 +37,7 @@ from sluice.api.common import (
     requested_priority,
     route_key,
 )
+from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text
 from sluice.api.tensors import (
     NUMPY_NAMES,
     NUMPY_TO_KSERVE,
@@ -103,6 +104,14 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         screened = screen(request, body, first)
         info, arrived_at = screened.info, screened.arrived_at
         parsed, tensors = parse_request(body, screened.header_length)
+        if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
+            timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
+                                                gateway.max_timeout_s)
+            binary = _binary_outputs(info, parsed)
+            payload, headers = await generate_text(gateway, request, info, parsed, tensors,
+                                                   screened.header_timeout if timeout_s is None else timeout_s,
+                                                   arrived_at, priority)
+            return _render(info, parsed, payload, binary, headers)
         terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
                             gateway.max_timeout_s)
         binary_outputs = _binary_outputs(info, parsed)
@@ -160,10 +169,16 @@ def infer_terms(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[st
     """An infer request's payload for `info`, its `timeout` and its class (the `priority`
     parameter with the `x-sluice-priority` header or metadata), checked alike for HTTP and gRPC."""
     payload = _to_payload(info, tensors)
-    timeout_s = _parse_timeout(parameters, max_timeout_s)
-    priority = priority_of(priority_header, ("priority", _triton_priority(parameters.get("priority"))))
+    timeout_s, priority = request_terms(parameters, priority_header, max_timeout_s)
     tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
     return InferTerms(payload, timeout_s, priority, tokens)
+
+
+def request_terms(parameters: dict[str, Any], priority_header: str | None,
+                  max_timeout_s: float) -> tuple[float | None, Priority | None]:
+    """An infer request's deadline (its `timeout` parameter, None if none) and class."""
+    timeout_s = _parse_timeout(parameters, max_timeout_s)
+    return timeout_s, priority_of(priority_header, ("priority", _triton_priority(parameters.get("priority"))))
 
 
 def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
