@@ -110,8 +110,9 @@ async def test_refusals_that_say_wait_are_waited_out_and_others_fail_the_respons
     bad = App((400, {"error": {"message": "'input' is too long", "code": "context_length_exceeded"}}, {}))
     spent = App((429, {"error": {"message": "budget spent", "code": "budget_exhausted"}},
                  {"retry-after": "1", "x-should-retry": "false"}))
-    for app, code, message in [(bad, "context_length_exceeded", "'input' is too long"),
-                               (spent, "budget_exhausted", "budget spent")]:
+    # error.code takes the values OpenAI's Responses API gives it; the message keeps ours
+    for app, code, message in [(bad, "invalid_prompt", "'input' is too long"),
+                               (spent, "rate_limit_exceeded", "budget spent")]:
         runner._app = app
         response_id = f"resp_{code}"
         await runner.submit("acme", response_id, NOW, _request(response_id), b"[]")

@@ -72,6 +72,18 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
 _INTERNAL = Status(500, "server_error", "internal_error")
 
 
+def response_error_code(code: str, http_status: int | None = None) -> str:
+    """A failed Responses object's `error.code`, one of the values OpenAI's API uses there, for
+    an error answered with this `code` (ours) and HTTP status: `rate_limit_exceeded` for a
+    tenant's limit, `invalid_prompt` for the client's input, else `server_error`."""
+    kinds = {status.code: status for _, status in _TABLE}
+    status = kinds.get(code)
+    http = http_status or (status.http if status else 500)
+    if http == 429 or code.endswith("_limit_exceeded"):
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if 400 <= http < 500 else "server_error"
+
+
 def status_of(error: Exception) -> Status:
     for kind, status in _TABLE:
         if isinstance(error, kind):

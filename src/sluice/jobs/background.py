@@ -45,6 +45,7 @@ from typing import Any
 import msgspec
 
 from sluice.api.common import TENANT_SCOPE_KEY
+from sluice.api.errors import response_error_code
 from sluice.api.responses import sse_event
 from sluice.errors import RateLimited
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call_streaming
@@ -384,7 +385,7 @@ class _Feed:
             self.live.emit(kind, response=self.live.final)
         elif kind == "error":
             self.live.emit(kind, **event)
-            self.live.final = failed(self.response, str(event.get("code") or "server_error"),
+            self.live.final = failed(self.response, response_error_code(str(event.get("code") or "server_error")),
                                      str(event.get("message") or "the answer failed"))
             self.live.emit("response.failed", response=self.live.final)
         else:
@@ -401,8 +402,8 @@ def ended(response: dict[str, Any], answer: AppResponse) -> dict[str, Any]:
         error = msgspec.json.decode(answer.body).get("error") or {}
     except (msgspec.DecodeError, AttributeError):
         error = {}
-    code = error.get("code") or ("rate_limit_exceeded" if answer.status_code == 429 else "server_error")
-    return failed(response, str(code), str(error.get("message") or f"HTTP {answer.status_code}"))
+    code = response_error_code(str(error.get("code") or ""), answer.status_code)
+    return failed(response, code, str(error.get("message") or f"HTTP {answer.status_code}"))
 
 
 def failed(response: dict[str, Any], code: str, message: str) -> dict[str, Any]:
