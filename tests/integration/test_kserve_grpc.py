@@ -287,9 +287,25 @@ def test_unknown_models_are_not_found(client, stub):
     with pytest.raises(InferenceServerException) as caught:
         client.infer("no-such-model", [fp32_input(rows(1))], headers=auth())
     assert caught.value.status() == "StatusCode.NOT_FOUND"
-    error = rpc_error(stub.ModelReady, service_pb2.ModelReadyRequest(name="emulated", version="9"),
-                      metadata=tuple(auth().items()))
-    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_model_ready_is_false_not_an_error_for_unknown_and_unloaded_models(client, stub):
+    """As Triton's gRPC and the HTTP `is_model_ready`: `ready: false`, status OK."""
+    assert not client.is_model_ready("no-such-model", headers=auth())
+    assert not client.is_model_ready("emulated", model_version="9", headers=auth())
+    assert not stub.ModelReady(service_pb2.ModelReadyRequest(name="emulated", version="9"),
+                               metadata=tuple(auth().items())).ready
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    client.unload_model("tight", headers=admin)
+    try:
+        assert not client.is_model_ready("tight", headers=auth())
+    finally:
+        client.load_model("tight", headers=admin)
+    assert client.is_model_ready("tight", headers=auth())
+    assert rpc_error(stub.ModelReady, service_pb2.ModelReadyRequest(name="no-such-model")).code() \
+        == grpc.StatusCode.UNAUTHENTICATED
+    error = rpc_error(stub.ModelReady, service_pb2.ModelReadyRequest(name="slow"), metadata=tuple(auth("beta").items()))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_the_timeout_parameter_and_the_calls_deadline_bound_the_request(client):

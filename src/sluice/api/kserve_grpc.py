@@ -1,7 +1,8 @@
 """KServe / Open Inference Protocol v2 over gRPC (`inference.GRPCInferenceService`), beside HTTP.
 
     ServerLive | ServerReady | ServerMetadata     no key needed
-    ModelReady | ModelMetadata                    `version` "" : the model as a whole
+    ModelReady | ModelMetadata                    `version` "" : the model as a whole; an unknown,
+                                                  unloaded or refused model is `ready: false`
     ModelConfig | ModelStatistics                 Triton's extensions (`api.triton`); statistics
                                                   with `name` "": every model
     RepositoryIndex                               the model versions and their state
@@ -65,7 +66,7 @@ from sluice.api.tensors import (
 )
 from sluice.api.tls import TlsConfig
 from sluice.api.triton import load_model_of, model_config_of, repository_index_of, statistics_of
-from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, SluiceError
+from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, SluiceError
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
 
@@ -174,7 +175,13 @@ class KServeGrpc:
                                                   extensions=list(SERVED_EXTENSIONS))
 
     async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        info = await self._about_model(request, context, model_ready_of)
+        def lookup(gateway: Gateway, tenant: str, name: str, version: str | None) -> wire.ModelInfo | None:
+            try:
+                return model_ready_of(gateway, tenant, name, version)
+            except NotFound:  # Triton answers `ready: false` here (the key's 401/403 still end the call)
+                return None
+
+        info = await self._about_model(request, context, lookup)
         return MESSAGES["ModelReadyResponse"](ready=info is not None)
 
     async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
