@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import metric_total
+
 INFER = "/v2/models/emulated/infer"
 EMBED = "/v1/embeddings"
 
@@ -448,3 +450,29 @@ async def test_nan_request_fails_alone_among_concurrent_good_ones(demo_server):
     for response, array in zip(good, rows, strict=True):
         np.testing.assert_allclose(response.json()["outputs"][0]["data"], array.sum(axis=1), rtol=1e-5)
     v2_error(bad, 422, "NaN")
+
+
+def test_refused_input_counts_as_invalid_in_metrics_and_statistics(http, demo_server):
+    """Whether the gateway or the worker finds the input wrong, the request is counted as
+    `invalid` (the client's input) and as a failed inference in the model's statistics."""
+    def counts(model: str) -> tuple[float, int]:
+        stats = http.get(f"/v2/models/{model}/stats").json()["model_stats"][0]
+        return (metric_total(demo_server, "sluice_requests_total", model=model, outcome="invalid"),
+                stats["inference_stats"]["fail"]["count"])
+
+    bad_bodies = [
+        {"inputs": [{"name": "WRONG", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]},
+        {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]}]},
+        {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}]},
+    ]
+    invalid, failed = counts("emulated")
+    for body in bad_bodies:
+        assert http.post(INFER, json=body).status_code == 400
+    assert http.post(INFER, content=b'{"inputs": [', headers={"content-type": "application/json"}).status_code == 400
+    assert http.post(INFER, json=bad_bodies[0], headers={"x-request-timeout-ms": "soon"}).status_code == 400
+    assert counts("emulated") == (invalid + 5, failed + 5)
+
+    invalid, failed = counts("minilm")
+    assert http.post(EMBED, json={"model": "minilm", "input": [""]}).status_code == 400
+    assert http.post(EMBED, json={"model": "minilm", "input": "hi", "dimensions": 7}).status_code == 400
+    assert counts("minilm") == (invalid + 2, failed + 2)

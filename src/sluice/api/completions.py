@@ -44,6 +44,7 @@ from sluice.api.common import (
     decode_json,
     header_timeout_s,
     read_body,
+    request_tenant,
     requested_priority,
     resolve_openai,
     with_version,
@@ -80,9 +81,10 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
-    payloads = to_payloads(parsed, info)
+    with gateway.reading(info, request_tenant(request), arrived_at):
+        payloads = to_payloads(parsed, info)
+        priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     first = payloads[0]
-    priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
     streams = generations(gateway, request, info, payloads, timeout_s, arrived_at, priority, limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)

@@ -37,7 +37,7 @@ from sluice.api.common import (
     requested_priority,
     route_key,
 )
-from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text
+from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_payloads
 from sluice.api.tensors import (
     NUMPY_NAMES,
     NUMPY_TO_KSERVE,
@@ -89,8 +89,9 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             arrived_at = arrival(request, gateway.now())
             name, version = _path(request)
             info = gateway.resolve(name, version, route_key(request))
-            header_timeout = header_timeout_s(request, gateway.max_timeout_s)
-            header_length = _header_length(request)
+            with gateway.reading(info, request_tenant(request), arrived_at):
+                header_timeout = header_timeout_s(request, gateway.max_timeout_s)
+                header_length = _header_length(request)
             policy = cache_policy(request.headers.get("cache-control"))
             early = caller(request, requested_priority(request), is_traced=gateway.is_tracing, cache=policy)
             raw = body if header_length is None else b"%d\0%b" % (header_length, body)
@@ -103,18 +104,22 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def infer(request: Request, body: bytes, first: _Screened | None) -> Response:
         screened = screen(request, body, first)
         info, arrived_at = screened.info, screened.arrived_at
-        parsed, tensors = parse_request(body, screened.header_length)
-        if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
-            timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
-                                                gateway.max_timeout_s)
-            binary = _binary_outputs(info, parsed)
-            payload, headers = await generate_text(gateway, request, info, parsed, tensors,
+        with gateway.reading(info, screened.early.tenant, arrived_at):
+            parsed, tensors = parse_request(body, screened.header_length)
+            if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
+                timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
+                                                    gateway.max_timeout_s)
+                binary = _binary_outputs(info, parsed)
+                payloads = text_payloads(info, tensors, parsed.parameters)
+        if info.kind in GENERATIVE_KINDS:
+            payload, headers = await generate_text(gateway, request, info, payloads,
                                                    screened.header_timeout if timeout_s is None else timeout_s,
                                                    arrived_at, priority)
             return _render(info, parsed, payload, binary, headers)
-        terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
-                            gateway.max_timeout_s)
-        binary_outputs = _binary_outputs(info, parsed)
+        with gateway.reading(info, screened.early.tenant, arrived_at):
+            terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
+                                gateway.max_timeout_s)
+            binary_outputs = _binary_outputs(info, parsed)
         who = caller(request, terms.priority, terms.tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
         timeout_s = terms.timeout_s
         if timeout_s is None:

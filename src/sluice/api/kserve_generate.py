@@ -23,7 +23,7 @@ from starlette.requests import Request
 from sluice import wire
 from sluice.api.completion_params import CompletionRequest, to_payloads
 from sluice.api.completions import generations, whole_generations
-from sluice.api.tensors import InferRequestBody, Tensor
+from sluice.api.tensors import Tensor
 from sluice.errors import InvalidInput
 from sluice.gateway import Gateway
 from sluice.priority import Priority
@@ -37,12 +37,16 @@ SAMPLING_NAMES = frozenset({"max_tokens", "temperature", "top_p", "min_p", "top_
 `priority`, ...) are KServe's own."""
 
 
-async def generate_text(gateway: Gateway, request: Request, info: wire.ModelInfo, parsed: InferRequestBody,
-                        tensors: list[Tensor], timeout_s: float | None, arrived_at: float,
+def text_payloads(info: wire.ModelInfo, tensors: list[Tensor],
+                  parameters: dict[str, Any]) -> list[wire.GeneratePayload]:
+    """An infer request's generations on generative model `info`, one per prompt, checked."""
+    return to_payloads(_completion_request(info, tensors, parameters), info)
+
+
+async def generate_text(gateway: Gateway, request: Request, info: wire.ModelInfo,
+                        payloads: list[wire.GeneratePayload], timeout_s: float | None, arrived_at: float,
                         priority: Priority | None) -> tuple[wire.TensorsPayload, dict[str, str] | None]:
-    """An infer request's answer on generative model `info` (see the module's docstring): its
-    `text_output`, and the headers of the answer."""
-    payloads = to_payloads(_completion_request(info, tensors, parsed.parameters), info)
+    """The answer to `text_payloads`: its `text_output`, and the headers of the answer."""
     results = await whole_generations(generations(gateway, request, info, payloads, timeout_s, arrived_at, priority))
     texts = [r.payload.text.encode() for r in results if isinstance(r.payload, wire.GenerationResult)]
     output = wire.NamedTensor(TEXT_OUTPUT, "BYTES", (len(texts),), wire.encode_bytes_elements(texts))

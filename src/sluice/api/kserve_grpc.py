@@ -310,9 +310,10 @@ class KServeGrpc:
         gateway = self._gateway
         tenant = inference_tenant(call.key, gateway.tenancy)
         info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER))
-        terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
-                            call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
-        check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
+        with gateway.reading(info, tenant, arrived_at):
+            terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
+                                call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
+            check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
         timeout_s = _deadline_s(terms.timeout_s, time_remaining_s, gateway.max_timeout_s)
         who = Caller(tenant, terms.priority, terms.tokens,
                      call.metadata.get("traceparent") if gateway.is_tracing else None,

@@ -72,16 +72,17 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         (this request's checks, run earlier by the HTTP protocol): the handler sends it right after."""
         if first is None:
             arrived_at = arrival(request, gateway.now())
-            timeout_s = header_timeout_s(request, gateway.max_timeout_s)
             parsed = decode_json(body, EmbeddingsRequest)
-            texts = _texts(parsed.input)
             info = resolve_openai(gateway, parsed.model, request, parsed.user)
-            if not info.accepts_text:
-                raise InvalidInput(f"model {parsed.model!r} does not take text; "
-                                   f"use /v2/models/{parsed.model}/infer", param="model")
-            _check_dimensions(info, parsed.dimensions, None)
-            priority = requested_priority(request, ("service_tier", parsed.service_tier),
-                                          ("priority", parsed.priority))
+            with gateway.reading(info, request_tenant(request), arrived_at):
+                timeout_s = header_timeout_s(request, gateway.max_timeout_s)
+                texts = _texts(parsed.input)
+                if not info.accepts_text:
+                    raise InvalidInput(f"model {parsed.model!r} does not take text; "
+                                       f"use /v2/models/{parsed.model}/infer", param="model")
+                _check_dimensions(info, parsed.dimensions, None)
+                priority = requested_priority(request, ("service_tier", parsed.service_tier),
+                                              ("priority", parsed.priority))
             who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
             payload = wire.TextPayload(texts)
             first = _Screened(arrived_at, timeout_s, parsed, info, who, payload, gateway.cache_key(info, payload, who))

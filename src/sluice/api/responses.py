@@ -338,16 +338,17 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     _refuse_unsupported(parsed)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
     owner = request_tenant(request)
-    items = _items(parsed.input)
-    if parsed.previous_response_id is not None:
-        items = [*await responses.history(owner, parsed.previous_response_id), *items]
-    chat = chat_request_of(parsed, items)
-    try:
-        [payload] = to_payloads(chat, info)
-        plan = chat_tools(chat, info)[2]
-    except InvalidInput as exc:
-        raise _as_responses_error(exc) from exc
-    priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
+    with gateway.reading(info, owner, arrived_at):
+        items = _items(parsed.input)
+        if parsed.previous_response_id is not None:
+            items = [*await responses.history(owner, parsed.previous_response_id), *items]
+        chat = chat_request_of(parsed, items)
+        try:
+            [payload] = to_payloads(chat, info)
+            plan = chat_tools(chat, info)[2]
+        except InvalidInput as exc:
+            raise _as_responses_error(exc) from exc
+        priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     is_stored = responses.store is not None and parsed.store is not False
     shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
     if parsed.background:

@@ -18,7 +18,8 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -496,6 +497,23 @@ class Gateway:
             return
         self._refused_early(info, tenant, priority, caller, arrived_at, now, "rejected")
         raise self._overloaded(connection, info, excess_s)
+
+    @contextmanager
+    def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float) -> Iterator[None]:
+        """Around the reading of a request to `info` (from `resolve`) before it is sent on with
+        `infer`: the tenant must be allowed the model first (its 403, not a 400 about its input),
+        and an `InvalidInput` raised inside (the client's malformed body, wrong input name, type or
+        shape) is counted as the outcome `invalid` and a failed inference in the model's
+        statistics, as a `Ticket` counts one the worker refuses. The one place for both
+        protocols and transports; `infer` is not called inside (its ticket counts its own)."""
+        self.tenancy.authorize(self.tenancy.tenant(tenant), info.name)
+        try:
+            yield
+        except InvalidInput:
+            duration_s = self._clock.now() - arrived_at
+            self._metrics.request_done(info.name, info.version, "invalid", duration_s)
+            self.statistics.failed(info.name, info.version, duration_s)
+            raise
 
     def _refused_early(self, info: wire.ModelInfo, tenant: str, priority: Priority, caller: Caller,
                        arrived_at: float, now: float, outcome: str) -> None:
