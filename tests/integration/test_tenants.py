@@ -17,7 +17,7 @@ import pytest
 
 from sluice.gateway.keyfile import add_key
 from sluice.gateway.tenants import hash_key, new_key
-from tests.conftest import eventually, write_emulated_model, write_tiny_lm_model
+from tests.conftest import eventually, free_port, write_emulated_model, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,12 @@ def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path):
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path, grpc_port: int):
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
@@ -94,7 +99,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path):
     write_emulated_model(repo, "slow", alpha_ms=30, beta_ms=0.0)
     write_emulated_model(repo, "crawl", alpha_ms=1500, beta_ms=0.0, slo_ms=20000)
     write_tiny_lm_model(repo, "tiny-lm")
-    started = start_server(repo, tmp_path_factory.mktemp("log"), "--tenants", str(tenants_file))
+    started = start_server(repo, tmp_path_factory.mktemp("log"), "--tenants", str(tenants_file),
+                           "--grpc-port", str(grpc_port))
     yield started
     started.stop()
 
@@ -135,6 +141,35 @@ def test_health_needs_no_key_and_metrics_a_metrics_or_admin_key(server):
         assert answer.status_code == 200 and "# HELP sluice_" in answer.text
     with sdk(server, METRICS_KEY) as client, pytest.raises(openai.AuthenticationError):
         client.embeddings.create(model="emulated", input="hi")  # a metrics key runs nothing
+
+
+def test_model_statistics_need_a_metrics_or_admin_key_like_metrics_on_http_and_grpc(server, grpc_port):
+    """They show every tenant's traffic: under `access = "keys"` a tenant's key may not read them."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def stats(path: str, key: str | None) -> httpx.Response:
+        return httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    for path in ("/v2/models/stats", "/v2/models/emulated/stats", "/v2/models/emulated/versions/1/stats"):
+        assert stats(path, None).status_code == 401
+        assert stats(path, KEYS["beta"]).status_code == 403
+        for key in (METRICS_KEY, ADMIN_KEY):
+            assert stats(path, key).status_code == 200
+    every = {s["name"] for s in stats("/v2/models/stats", METRICS_KEY).json()["model_stats"]}
+    assert {"emulated", "slow", "crawl"} <= every
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for name in ("", "emulated"):
+            request = service_pb2.ModelStatisticsRequest(name=name)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelStatistics(request)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelStatistics(request, metadata=(("authorization", f"Bearer {KEYS['beta']}"),))
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            answer = stub.ModelStatistics(request, metadata=(("authorization", f"Bearer {METRICS_KEY}"),))
+            assert {s.name for s in answer.model_stats} >= ({"emulated", "slow", "crawl"} if not name else {name})
 
 
 def test_sluice_bench_reads_protected_metrics_with_its_metrics_key(server):

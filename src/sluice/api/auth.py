@@ -4,7 +4,9 @@
                  │ no key / unknown key: 401    tenant key on /admin/*: 403
 
 Keys come from `Authorization: Bearer <key>` (what the `openai` SDK sends) or `api-key`.
-Health probes need no key; `/metrics` checks its own (`[metrics]` in the tenants file). Without
+Health probes need no key; `/metrics` checks its own (`[metrics]` in the tenants file), and under
+`[metrics] access = "keys"` so do the model statistics (`/v2/models[/{m}[/versions/{v}]]/stats`),
+which show every tenant's traffic: a metrics or admin key then reads them, for every model. Without
 a tenants file every request is the local tenant's and no key is asked for. A scope that already
 names a tenant was built in-process (a batch job's item, run for the job's owner) and is left as
 it is: clients cannot set scope keys.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sluice.api.common import TENANT_SCOPE_KEY
+from sluice.api.common import MONITOR_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.api.errors import error_response, protocol_of
 from sluice.errors import PermissionDenied, SluiceError
 from sluice.gateway.tenancy import Tenancy
@@ -50,6 +52,21 @@ def check_admin(key: str | None, tenancy: Tenancy) -> None:
     raise PermissionDenied("this needs an admin key")
 
 
+def statistics_reader(key: str | None, tenancy: Tenancy) -> str | None:
+    """Who reads the model statistics presenting `key`: under `[metrics] access = "keys"` only a
+    metrics or admin key may (else its 401/403, as `/metrics`), and it sees every model (None);
+    otherwise the key's tenant (`inference_tenant`), which sees the models it may use."""
+    if tenancy.guards_metrics:
+        tenancy.check_scrape(key, "model statistics")
+        return None
+    return inference_tenant(key, tenancy)
+
+
+def is_statistics_path(path: str) -> bool:
+    """`/v2/models/stats`, `/v2/models/{m}/stats` or `/v2/models/{m}/versions/{v}/stats` (`api.triton`)."""
+    return path.startswith("/v2/models/") and path.endswith("/stats")
+
+
 def inference_tenant(key: str | None, tenancy: Tenancy) -> str:
     """The tenant an inference call presenting `key` is served for ("" without a tenants file),
     or raises its 401 (no key, or an unknown one) or 403 (an admin key)."""
@@ -83,6 +100,10 @@ def authenticate(scope: Scope, tenancy: Tenancy) -> None:
         return
     key = presented_key(scope)
     is_admin_route = scope["path"].startswith(_ADMIN_PATHS)
+    if tenancy.guards_metrics and is_statistics_path(scope["path"]):
+        statistics_reader(key, tenancy)
+        scope[MONITOR_SCOPE_KEY] = True
+        return
     if tenancy.is_open:
         scope[TENANT_SCOPE_KEY] = ""
         scope[ADMIN_SCOPE_KEY] = True  # a server without tenants is a single user's

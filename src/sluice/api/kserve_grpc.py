@@ -4,7 +4,8 @@
     ModelReady | ModelMetadata                    `version` "" : the model as a whole; an unknown,
                                                   unloaded or refused model is `ready: false`
     ModelConfig | ModelStatistics                 Triton's extensions (`api.triton`); statistics
-                                                  with `name` "": every model
+                                                  with `name` "": every model; under `[metrics]
+                                                  access = "keys"` a metrics or admin key's only
     RepositoryIndex                               the model versions and their state
     RepositoryModelLoad | RepositoryModelUnload   refused: models load when workers start
     ModelInfer                                    one request; outputs in `raw_output_contents`
@@ -46,7 +47,7 @@ from google.protobuf.message import Message
 
 from sluice import __version__, wire
 from sluice.api.app import request_id_for
-from sluice.api.auth import check_admin, inference_tenant, key_of
+from sluice.api.auth import check_admin, inference_tenant, key_of, statistics_reader
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
 from sluice.api.errors import error_headers, status_of
 from sluice.api.kserve import (
@@ -196,10 +197,12 @@ class KServeGrpc:
         return json_format.ParseDict({"config": config}, MESSAGES["ModelConfigResponse"]())
 
     async def model_statistics(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        def lookup(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
-            return statistics_of(gateway, tenant, name or None, version)
-
-        statistics = await self._about_model(request, context, lookup)
+        call = _Call(context)  # under `[metrics] access = "keys"`, a metrics or admin key's (`statistics_reader`)
+        try:
+            statistics = statistics_of(self._gateway, statistics_reader(call.key, self._gateway.tenancy),
+                                       request.name or None, request.version or None)
+        except SluiceError as exc:
+            await _abort(context, exc, call.request_id)
         return json_format.ParseDict(statistics, MESSAGES["ModelStatisticsResponse"]())
 
     async def repository_index(self, request: Any, context: grpc.aio.ServicerContext) -> Message:

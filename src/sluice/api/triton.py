@@ -37,7 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import wire
-from sluice.api.common import decode_json, json_response, read_body, request_tenant
+from sluice.api.common import MONITOR_SCOPE_KEY, decode_json, json_response, read_body, request_tenant
 from sluice.errors import InvalidInput, ModelNotFound, Unavailable
 from sluice.gateway import Gateway
 from sluice.gateway.traffic import version_order
@@ -79,17 +79,19 @@ def model_config_of(gateway: Gateway, tenant: str, name: str, version: str | Non
     }
 
 
-def statistics_of(gateway: Gateway, tenant: str, name: str | None, version: str | None) -> dict[str, Any]:
+def statistics_of(gateway: Gateway, tenant: str | None, name: str | None, version: str | None) -> dict[str, Any]:
     """Triton's `ModelStatisticsResponse`: every version of every model the tenant may use
-    (`name` None), of one model, or one version (404 if the model or version is not served)."""
-    caller = gateway.tenancy.tenant(tenant)
+    (`name` None), of one model, or one version (404 if the model or version is not served).
+    `tenant` None: a metrics or admin key's reader (`auth.statistics_reader`), who sees every model."""
+    caller = None if tenant is None else gateway.tenancy.tenant(tenant)
     served = gateway.models(include_recovering=True)
     if name is None:
-        keys = {(model, v) for model in gateway.tenancy.visible(caller, served) for v in served[model]}
-        keys |= {key for key in gateway.statistics.versions() if caller.may_use(key[0])}
+        keys = {(model, v) for model in served if caller is None or caller.may_use(model) for v in served[model]}
+        keys |= {key for key in gateway.statistics.versions() if caller is None or caller.may_use(key[0])}
     else:
         info = gateway.resolve(name, version, by_split=False, on_demand=False)  # monitoring loads nothing
-        gateway.tenancy.authorize(caller, info.name)
+        if caller is not None:
+            gateway.tenancy.authorize(caller, info.name)
         keys = {(info.name, info.version)} if version is not None else {(name, v) for v in served.get(name, {})}
     ordered = sorted(keys, key=lambda key: (key[0], version_order(key[1])))
     return {"model_stats": [gateway.statistics.snapshot(model, v) for model, v in ordered]}
@@ -156,7 +158,8 @@ def routes(gateway: Gateway) -> list[Route]:
 
     async def stats(request: Request) -> Response:
         name, version = request.path_params.get("name"), request.path_params.get("version")
-        return json_response(statistics_of(gateway, request_tenant(request), name, version))
+        reader = None if request.scope.get(MONITOR_SCOPE_KEY) else request_tenant(request)
+        return json_response(statistics_of(gateway, reader, name, version))
 
     async def index(request: Request) -> Response:
         body = await read_body(request, 4096)

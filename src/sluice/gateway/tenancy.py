@@ -99,14 +99,20 @@ class Tenancy:
             raise Unauthenticated("the API key is not valid")
         return tenant
 
-    def check_scrape(self, key: str | None) -> None:
+    def check_scrape(self, key: str | None, what: str = "/metrics") -> None:
         """Refuse a request presenting `key` that may not read `/metrics` (the tenants file's
-        `[metrics]`): 403 for a tenant's key, 401 for none or an unknown one."""
+        `[metrics]`), or `what` else that shows every tenant's traffic: 403 for a tenant's key,
+        401 for none or an unknown one."""
         if self.directory.may_scrape(key):
             return
         if key and self.directory.tenant_for_key(key) is not None:
-            raise PermissionDenied("/metrics needs a metrics or admin key, not a tenant's")
-        raise Unauthenticated("/metrics needs a metrics or admin key: send 'Authorization: Bearer <key>'")
+            raise PermissionDenied(f"{what} needs a metrics or admin key, not a tenant's")
+        raise Unauthenticated(f"{what} needs a metrics or admin key: send 'Authorization: Bearer <key>'")
+
+    @property
+    def guards_metrics(self) -> bool:
+        """`[metrics] access = "keys"`: only metrics and admin keys read `/metrics` and the model statistics."""
+        return not self.directory.is_open and self.directory.metrics_hashes is not None
 
     def is_admin(self, key: str | None) -> bool:
         return bool(key) and not self.directory.is_open and self.directory.is_admin_key(key or "")
