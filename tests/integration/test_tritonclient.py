@@ -167,7 +167,7 @@ def test_one_microsecond_timeout_raises_504(client):
 def test_model_configuration_is_what_triton_clients_read(client):
     """Triton's example clients size their batches and inputs from `max_batch_size` and `dims`
     (which leave out the batch dimension)."""
-    assert {"model_configuration", "statistics"} <= set(client.get_server_metadata()["extensions"])
+    assert {"model_configuration", "statistics", "model_repository"} <= set(client.get_server_metadata()["extensions"])
     emulated = client.get_model_config("emulated")
     assert (emulated["name"], emulated["platform"], emulated["max_batch_size"]) == ("emulated", "sluice_emulated", 32)
     assert emulated["input"] == [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]

@@ -54,8 +54,10 @@ from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
 
 HEADER_LENGTH = "inference-header-content-length"
-SERVED_EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
-"""The protocol extensions `GET /v2` and gRPC `ServerMetadata` list (the last two: `api.triton`)."""
+SERVED_EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics")
+"""The protocol extensions `GET /v2` and gRPC `ServerMetadata` list (the last three: `api.triton`).
+Not Triton's `model_repository(unload_dependents)`: sluice has no ensembles, so there are no
+dependents to unload (the parameter is accepted and changes nothing)."""
 
 
 def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:

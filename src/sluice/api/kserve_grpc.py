@@ -7,7 +7,7 @@
                                                   with `name` "": every model; under `[metrics]
                                                   access = "keys"` a metrics or admin key's only
     RepositoryIndex                               the model versions and their state
-    RepositoryModelLoad | RepositoryModelUnload   refused: models load when workers start
+    RepositoryModelLoad | RepositoryModelUnload   (admin) `api.triton.load_model_of`, as over HTTP
     ModelInfer                                    one request; outputs in `raw_output_contents`
     ModelStreamInfer                              Triton's: many requests on one stream, each
                                                   answered (by `id`) as soon as it is done
