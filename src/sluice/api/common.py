@@ -143,8 +143,8 @@ def resolve_openai(gateway: Gateway, model: str, request: Request, user: str | N
     name, _, version = model.rpartition(":")
     if name and version.isdigit() and model not in gateway.models(include_recovering=True) \
             and model not in gateway.expected_models:
-        return gateway.resolve(name, version)
-    return gateway.resolve(model, None, route_key(request, user))
+        return gateway.resolve(name, version, tenant=request_tenant(request))
+    return gateway.resolve(model, None, route_key(request, user), tenant=request_tenant(request))
 
 
 def with_version(info: wire.ModelInfo, headers: dict[str, str] | None) -> dict[str, str]:

@@ -90,7 +90,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         if first is None:
             arrived_at = arrival(request, gateway.now())
             name, version = _path(request)
-            info = gateway.resolve(name, version, route_key(request))
+            info = gateway.resolve(name, version, route_key(request), tenant=request_tenant(request))
             with gateway.reading(info, request_tenant(request), arrived_at):
                 header_timeout = header_timeout_s(request, gateway.max_timeout_s)
                 header_length = _header_length(request)
@@ -215,8 +215,7 @@ def outputs_of(info: wire.ModelInfo, payload: wire.Payload, names: list[str] | N
 def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
     """A model's v2 metadata, for a tenant that may use it (else 403; an unknown model 404): all its
     versions when asked by name, else the one asked for. Shared by the HTTP and gRPC APIs."""
-    info = gateway.resolve(name, version, by_split=False)  # the same answer each time
-    gateway.tenancy.authorize(gateway.tenancy.tenant(tenant), info.name)
+    info = gateway.resolve(name, version, by_split=False, tenant=tenant)  # the same answer each time
     versions = gateway.models(include_recovering=True).get(name, {})
     return {
         "name": info.name,
@@ -229,12 +228,11 @@ def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | N
 
 def model_ready_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> wire.ModelInfo | None:
     """The version that answers for `name` (and `version`) if a ready worker serves it, None if
-    none does yet; 404 for an unknown model, 403 for one the tenant may not use."""
+    none does yet; 403 for a model the tenant may not use (first), 404 for an unknown one."""
     try:
-        info = gateway.resolve(name, version, by_split=False, on_demand=False)  # a probe loads nothing
+        info = gateway.resolve(name, version, by_split=False, on_demand=False, tenant=tenant)  # a probe loads nothing
     except ModelNotReady:
         return None
-    gateway.tenancy.authorize(gateway.tenancy.tenant(tenant), info.name)
     return info
 
 

@@ -312,7 +312,8 @@ class KServeGrpc:
                      time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
         gateway = self._gateway
         tenant = inference_tenant(call.key, gateway.tenancy)
-        info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER))
+        info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER),
+                               tenant=tenant)
         with gateway.reading(info, tenant, arrived_at):
             terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
                                 call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)

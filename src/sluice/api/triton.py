@@ -46,9 +46,8 @@ from sluice.gateway.traffic import version_order
 def model_config_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
     """A model version's configuration as Triton's `ModelConfig` (JSON field names), for a
     tenant that may use it; the newest version when none is named."""
-    info = gateway.resolve(name, version, by_split=False)
+    info = gateway.resolve(name, version, by_split=False, tenant=tenant)
     caller = gateway.tenancy.tenant(tenant)
-    gateway.tenancy.authorize(caller, info.name)
     batched = info.max_batch_size > 0
     parameters = {"sluice_kind": info.kind, "sluice_version": info.version, "sluice_slo_ms": f"{info.slo_s * 1000:g}"}
     if info.max_model_len:
@@ -89,9 +88,8 @@ def statistics_of(gateway: Gateway, tenant: str | None, name: str | None, versio
         keys = {(model, v) for model in served if caller is None or caller.may_use(model) for v in served[model]}
         keys |= {key for key in gateway.statistics.versions() if caller is None or caller.may_use(key[0])}
     else:
-        info = gateway.resolve(name, version, by_split=False, on_demand=False)  # monitoring loads nothing
-        if caller is not None:
-            gateway.tenancy.authorize(caller, info.name)
+        # monitoring loads nothing
+        info = gateway.resolve(name, version, by_split=False, on_demand=False, tenant=tenant)
         keys = {(info.name, info.version)} if version is not None else {(name, v) for v in served.get(name, {})}
     ordered = sorted(keys, key=lambda key: (key[0], version_order(key[1])))
     return {"model_stats": [gateway.statistics.snapshot(model, v) for model, v in ordered]}

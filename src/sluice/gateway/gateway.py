@@ -322,11 +322,15 @@ class Gateway:
         return ModelRefused(f"model {name!r} failed to load and is not served: {why}")
 
     def resolve(self, name: str, version: str | None, route_key: str | None = None, *,
-                by_split: bool = True, on_demand: bool = True) -> wire.ModelInfo:
+                by_split: bool = True, on_demand: bool = True, tenant: str | None = None) -> wire.ModelInfo:
         """The model version a request goes to: the one it names, else the one the model's traffic
         split gives its `route_key` (`gateway.traffic`), else the newest (also without `by_split`).
         One that a worker loads on demand and none serves is loaded now (`on_demand`; not for a
-        readiness check), and the request answered 503 with when to try again."""
+        readiness check), and the request answered 503 with when to try again. With `tenant`,
+        the tenant's permission for `name` comes first: a model it may not use is its 403, not a
+        503 while the workers start (nor a load on demand it would trigger)."""
+        if tenant is not None:
+            self.tenancy.authorize(self.tenancy.tenant(tenant), name)
         versions = self.models(include_recovering=True).get(name)
         if versions and version is None:
             split = self.split(name) if by_split else None
