@@ -98,10 +98,18 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
     return caught.value
 
 
-def test_health_needs_no_key_and_metadata_describes_the_models(client):
+def test_health_needs_no_key_and_metadata_describes_the_models(client, server):
+    import httpx
+
     assert client.is_server_live()
     assert client.is_server_ready()
-    assert "binary_tensor_data" in client.get_server_metadata().extensions
+    assert "binary_tensor_data" in client.get_server_metadata(headers=auth()).extensions
+    for headers, status, code in (({}, 401, "StatusCode.UNAUTHENTICATED"),
+                                  ({"authorization": f"Bearer {ADMIN_KEY}"}, 403, "StatusCode.PERMISSION_DENIED")):
+        assert httpx.get(f"{server[0].url}/v2", headers=headers).status_code == status  # as over HTTP
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_server_metadata(headers=headers)
+        assert caught.value.status() == code
     assert client.is_model_ready("emulated", headers=auth())
     assert client.is_model_ready("minilm", model_version="1", headers=auth())
     emulated = client.get_model_metadata("emulated", headers=auth())
@@ -196,7 +204,8 @@ def test_keys_are_required_and_models_are_scoped(client, stub):
 
 def test_tritons_configuration_statistics_and_index_over_grpc_for_the_callers_models(client, stub):
     """tritonclient.grpc decodes sluice's answers with Triton's own classes."""
-    assert {"model_configuration", "statistics", "model_repository"} <= set(client.get_server_metadata().extensions)
+    extensions = set(client.get_server_metadata(headers=auth()).extensions)
+    assert {"model_configuration", "statistics", "model_repository"} <= extensions
     config = client.get_model_config("slow", headers=auth()).config
     assert (config.name, config.max_batch_size, config.backend) == ("slow", 1, "emulated")
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("INPUT0", model_config_pb2.TYPE_FP32, [-1])]

@@ -1,6 +1,7 @@
 """KServe / Open Inference Protocol v2 over gRPC (`inference.GRPCInferenceService`), beside HTTP.
 
-    ServerLive | ServerReady | ServerMetadata     no key needed
+    ServerLive | ServerReady                      no key needed (health probes)
+    ServerMetadata                                a key, as `GET /v2` (none without a tenants file)
     ModelReady | ModelMetadata                    `version` "" : the model as a whole; an unknown,
                                                   unloaded or refused model is `ready: false`
     ModelConfig | ModelStatistics                 Triton's extensions (`api.triton`); statistics
@@ -172,6 +173,8 @@ class KServeGrpc:
         return MESSAGES["ServerReadyResponse"](ready=self._gateway.is_ready())
 
     async def server_metadata(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        """For a caller `GET /v2` would answer: a tenant's key under a tenants file."""
+        await self._as_tenant(context, lambda tenant: tenant)
         return MESSAGES["ServerMetadataResponse"](name="sluice", version=__version__,
                                                   extensions=list(SERVED_EXTENSIONS))
 
