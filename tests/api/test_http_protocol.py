@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from sluice.api.common import arrival
 from sluice.api.http_protocol import stamping_protocol
-from tests.conftest import free_port
+from tests.conftest import free_port, until
 
 
 class _StepClock:
@@ -203,6 +203,30 @@ def test_an_answer_made_later_is_written_whole_and_in_order() -> None:
         (200, b"later: one"), (503, b'{"error": "busy: two"}'), (200, b"three"), (200, b"later: four")]
     assert answers[0][1]["x-answer"] == "later" and answers[0][1]["content-length"] == "10"
     assert app.paths == ["/a"]
+
+
+def test_a_client_gone_before_its_answer_is_ready_withdraws_the_making_of_it() -> None:
+    """An early answer's task has no ASGI `receive` to learn of a disconnect from: the protocol
+    cancels it (as a one-shot inference, that withdraws the request from its worker)."""
+    outcomes: list[str] = []
+
+    async def never(body: bytes) -> Response:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            outcomes.append("cancelled")
+            raise
+        return Response(b"too late")
+
+    async def scenario() -> None:
+        async with _connected(_Recorder(), lambda scope, body: never(body)) as (_, _reader, writer, _):
+            writer.write(_post("/slow", b"x"))
+            await asyncio.sleep(0.1)
+            assert outcomes == []
+            writer.close()
+            await until(lambda: outcomes == ["cancelled"])
+
+    asyncio.run(scenario())
 
 
 def test_a_client_that_does_not_read_its_refusals_is_held_back_not_buffered() -> None:

@@ -110,6 +110,31 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
     assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in metrics
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Keep going", "max_tokens": 800, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Keep going"}], "max_tokens": 800,
+                              "ignore_eos": True}),
+])
+def test_a_client_that_disconnects_while_waiting_for_a_whole_answer_frees_its_sequence(server, path, body):
+    cancelled = metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
+
+    def ask_and_leave() -> None:  # gives up on the answer after 2 s: its connection is closed
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}{path}", json={"model": MODEL, "temperature": 0.8, **body},
+                       headers={"Cache-Control": "no-cache"}, timeout=httpx.Timeout(10, read=2))
+
+    with ThreadPoolExecutor(1) as pool:
+        asking = pool.submit(ask_and_leave)
+        eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 1,
+                   "the running sequence never showed in the gauge")
+        asking.result()
+    # within a step or so (the gauge is refreshed every 0.5 s), not when its 800 tokens are done
+    eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name=MODEL) == 0,
+               "the disconnected client's sequence kept running", timeout_s=2)
+    eventually(lambda: metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled") == cancelled + 1,
+               "the abandoned request was never accounted")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "n": 0}, "n"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +43,30 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+async def client_gone(request: Request) -> None:
+    """Returns when the client has gone. The body has been read: the next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, answer: Awaitable[T]) -> T:
+    """What `answer` gives, unless the client disconnects first: then `answer` is cancelled (which
+    withdraws its request from the worker) and nobody is answered."""
+    work = asyncio.ensure_future(answer)
+    watch = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if not work.cancelled():
+        return work.result()
+    raise InvalidInput("the client disconnected before the answer was ready")
+
+
 def check_body_size(size: int, limit_bytes: int) -> None:
     if size > limit_bytes:
         raise PayloadTooLarge(f"request body of {size} bytes is over the {limit_bytes}-byte limit")
@@ -63,7 +89,8 @@ class HotRoute(Route, Generic[S]):
     def __init__(self, path: str, screen: Callable[[Request, bytes], S],
                  respond: Callable[[Request, bytes, S | None], Awaitable[Response]], body_limit_bytes: int) -> None:
         async def endpoint(request: Request) -> Response:
-            return await respond(request, await read_body(request, body_limit_bytes), None)
+            body = await read_body(request, body_limit_bytes)
+            return await unless_gone(request, respond(request, body, None))
 
         super().__init__(path, endpoint, methods=["POST"])
         self.screen = screen

@@ -27,7 +27,6 @@ The request's fields and their checks are `api.completion_params`; the response 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -47,6 +46,7 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     resolve_openai,
+    unless_gone,
     with_version,
 )
 from sluice.api.completion_params import ChatRequest, CompletionRequest, chat_tools, estimate_tokens, to_payloads
@@ -162,27 +162,12 @@ async def _each(streams: list[Events], first: Callable[[Events], Awaitable[T]]) 
 async def unless_disconnected(request: Request, streams: list[Events], waiting: Awaitable[T]) -> T:
     """What `waiting` (on `streams`) gives, unless the client disconnects first: then the
     generations are withdrawn from their workers (blocks freed within a step) and nobody is answered."""
-    work = asyncio.ensure_future(waiting)
-    watch = asyncio.ensure_future(_disconnect(request))
     try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            for stream in streams:
-                await stream.aclose()  # withdraws the request (its cancellation may have done so already)
-    if not work.cancelled():
-        return work.result()
-    raise InvalidInput("the client disconnected before the answer was ready")
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client has gone. The body has been read: the next message is the disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        return await unless_gone(request, waiting)
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()  # withdraws what still runs (the wait's cancellation may have done so)
+        raise
 
 
 async def renamed(names: Mapping[str, str], waiting: Awaitable[T]) -> T:

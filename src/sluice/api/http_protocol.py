@@ -12,7 +12,8 @@ body is in, and first the application's `answer_early(scope, body)` is asked
 (`SluiceApp.answer_early`). A response it returns (a refusal) is written at once, from the
 parser's callback, and no task is made (unless the client has stopped reading: then it waits
 for the connection to drain, as any response does); an awaitable (the rest of a one-shot inference) becomes
-the request's task, which writes its response in one write; None starts the ASGI task as
+the request's task, which writes its response in one write (and is cancelled, withdrawing the
+request, if the client goes before it is written); None starts the ASGI task as
 uvicorn would, with the whole body waiting for it.
 
     data_received ─▶ parser ─▶ on_headers_complete ─▶ _start_asgi_task ─(small POST)─▶ held
@@ -24,6 +25,7 @@ uvicorn would, with the whole body waiting for it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -46,6 +48,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
 
     class SluiceHttpToolsProtocol(HttpToolsProtocol):
         _held: tuple[RequestResponseCycle, Any] | None = None
+        _answering: tuple[RequestResponseCycle, asyncio.Task[None]] | None = None
 
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
@@ -78,6 +81,15 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
                 task = self.loop.create_task(self._write_when_ready(cycle, answer))
                 task.add_done_callback(self.tasks.discard)
                 self.tasks.add(task)  # uvicorn's shutdown waits for the requests in self.tasks
+                self._answering = (cycle, task)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            """A client gone before its early answer was written withdraws the request: the task
+            making it is cancelled (uvicorn tells an ASGI task through `receive`; this one has none)."""
+            super().connection_lost(exc)
+            answering, self._answering = self._answering, None
+            if answering is not None and not answering[0].response_complete:
+                answering[1].cancel()
 
         async def _write_when_ready(self, cycle: RequestResponseCycle, answer: Response | Awaitable[Response]) -> None:
             """Write `answer` once it is made and the client has read what it was sent before: until

@@ -745,7 +745,9 @@ class Gateway:
                 result = await in_flight.future
             finally:  # also when the consumer stops early (the client went away)
                 timer.cancel()
-                if not in_flight.future.done():
+                # an unstreamed generation waits on the future itself, which its cancellation
+                # cancels (done, with no answer): that too is a request to withdraw
+                if not in_flight.future.done() or in_flight.future.cancelled():
                     connection.cancel(in_flight.submit.request_id)
             if in_flight.is_timed_out:
                 raise DeadlineExceeded("the worker did not answer before the deadline")
