@@ -4,6 +4,7 @@
      ├── ConfigError             configuration or model repository is invalid
      ├── InvalidInput            the client sent something malformed            -> 400
      │    ├── PayloadTooLarge    request body over the limit                     -> 413
+     │    ├── UnsupportedEncoding a Content-Encoding it does not decode          -> 415
      │    ├── ItemFailed         an input item was rejected by the model         -> 422
      │    └── UpstreamRefused    an upstream server refused the request          -> its 4xx
      ├── Unauthenticated         no API key, or one that matches no tenant       -> 401
@@ -59,6 +60,10 @@ class Conflict(InvalidInput):
 
 class PayloadTooLarge(InvalidInput):
     """The request body is larger than the configured limit."""
+
+
+class UnsupportedEncoding(InvalidInput):
+    """The request body is compressed with a `Content-Encoding` sluice does not decode (not gzip or deflate)."""
 
 
 class ItemFailed(InvalidInput):

@@ -7,8 +7,12 @@ output comes back binary.
 
 from __future__ import annotations
 
+import gzip
+import json
 import time
+import zlib
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
@@ -91,6 +95,48 @@ def test_versioned_path_with_timeout_in_microseconds(client):
     result = client.infer("emulated", [_input(rows)], model_version="1", timeout=5_000_000)
     assert result.get_response()["model_version"] == "1"
     np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows.sum(axis=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("num_rows, length", [(4, 16), (64, 512)])  # answered early; a body past the read buffer
+def test_a_compressed_request_body_is_decompressed(client, algorithm, num_rows, length):
+    rows = _rows(num_rows, length)
+    result = client.infer("emulated", [_input(rows)], headers=roomy(), request_compression_algorithm=algorithm)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows.sum(axis=1), rtol=1e-4)
+
+
+def _post(server, path: str, body: bytes, encoding: str) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", content=body, timeout=60,
+                      headers={"Content-Type": "application/json", "Content-Encoding": encoding, **roomy()})
+
+
+@pytest.mark.parametrize("path", ["/v2/models/emulated/infer", "/v1/embeddings"])
+def test_a_body_that_decompresses_past_the_limit_is_413_not_held_in_memory(demo_server, path):
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 KB on the wire, 64 MiB once decompressed
+    response = _post(demo_server, path, bomb, "gzip")
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert "limit" in (error if path.startswith("/v2") else error["message"])
+
+
+@pytest.mark.parametrize("path", ["/v2/models/emulated/infer", "/v1/embeddings"])
+def test_an_unknown_encoding_is_415_and_a_corrupt_body_400_in_the_routes_error_shape(demo_server, path):
+    body = json.dumps({"model": "minilm", "input": "hi"}).encode()
+    unknown = _post(demo_server, path, body, "br")
+    assert unknown.status_code == 415
+    corrupt = _post(demo_server, path, gzip.compress(body)[:-9], "gzip")
+    assert corrupt.status_code == 400
+    for response, word in ((unknown, "br"), (corrupt, "gzip")):
+        error = response.json()["error"]
+        assert word in (error if path.startswith("/v2") else error["message"])
+
+
+def test_a_compressed_openai_request_is_answered(demo_server):
+    body = json.dumps({"model": "minilm", "input": ["hello", "world"]}).encode()
+    for encoding, compressed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        response = _post(demo_server, "/v1/embeddings", compressed, encoding)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["data"]) == 2
 
 
 @pytest.mark.parametrize("binary_data", [True, False])

@@ -31,6 +31,7 @@ from sluice import metrics
 from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
 from sluice.api.common import HotRoute, check_body_size, request_id
+from sluice.api.encoding import decoded_body
 from sluice.api.errors import error_response, protocol_of
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
@@ -157,6 +158,7 @@ class SluiceApp:
         try:
             authenticate(scope, self._tenancy)
             check_body_size(len(body), route.body_limit_bytes)
+            body = decoded_body(body, request.headers.get("content-encoding"), route.body_limit_bytes)
             screened = route.screen(request, body)
         except SluiceError as exc:
             return error_response(exc, protocol_of(scope["path"]), rid)

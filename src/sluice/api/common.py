@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import wire
+from sluice.api.encoding import decoded_body
 from sluice.errors import InvalidInput, PayloadTooLarge
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import CachePolicy, cache_policy
@@ -26,7 +27,8 @@ S = TypeVar("S")
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The request body, refusing more than `limit_bytes` before reading it all."""
+    """The request body, refusing more than `limit_bytes` before reading it all, decompressed
+    (`Content-Encoding`: `api.encoding`) within the same limit."""
     declared = parse_count(request.headers.get("content-length", ""))
     if declared is not None:
         check_body_size(declared, limit_bytes)
@@ -40,7 +42,7 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
             chunks.append(chunk)
     except ClientDisconnect as exc:  # nobody will read the answer; this only keeps it out of the bug log
         raise InvalidInput("the client disconnected before sending the whole body") from exc
-    return b"".join(chunks)
+    return decoded_body(b"".join(chunks), request.headers.get("content-encoding"), limit_bytes)
 
 
 async def client_gone(request: Request) -> None:

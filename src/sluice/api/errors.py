@@ -36,6 +36,7 @@ from sluice.errors import (
     SluiceError,
     Unauthenticated,
     Unavailable,
+    UnsupportedEncoding,
     UpstreamRefused,
     WorkerLost,
 )
@@ -51,6 +52,7 @@ class Status:
 # Most specific first: the first matching row wins.
 _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (PayloadTooLarge, Status(413, "invalid_request_error", "payload_too_large")),
+    (UnsupportedEncoding, Status(415, "invalid_request_error", "unsupported_content_encoding")),
     (IdempotencyKeyReused, Status(409, "invalid_request_error", "idempotency_key_reused")),
     (Conflict, Status(409, "invalid_request_error", "conflict")),
     (ItemFailed, Status(422, "invalid_request_error", "item_failed")),
