@@ -171,6 +171,12 @@ def test_v2_unknown_model_or_version_is_404(http, path):
     v2_error(http.request(method, path, json={"inputs": [tensor()]}), 404, "nope" if "nope" in path else "'9'")
 
 
+@pytest.mark.parametrize("method, path", [("POST", f"{INFER}/"), ("GET", "/v2/models/emulated/"),
+                                          ("GET", "/v2/health/ready/")])
+def test_v2_a_path_with_a_trailing_slash_is_404_not_a_redirect(http, method, path):
+    v2_error(http.request(method, path, json={"inputs": [tensor()]}), 404, path)
+
+
 DEEP = b"[" * 3000 + b"1" + b"]" * 3000  # a 6 KB body nested past the interpreter's stack
 ONE_ROW = b'{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": [1]}'
 

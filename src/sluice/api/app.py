@@ -248,5 +248,8 @@ def build_app(
         exception_handlers={SluiceError: _on_sluice_error, HTTPException: _on_http_error, Exception: _on_bug},
         lifespan=lifespan,
     )
+    # no 307 to the path without its trailing slash (an empty body no client reads as an error,
+    # and a POST's body to send again): a path no route has is a 404 in the protocol's shape
+    app.router.redirect_slashes = False
     hot = HotRoutes(app, [route for route in routes if isinstance(route, HotRoute)])
     return SluiceApp(hot, gateway.tenancy)
