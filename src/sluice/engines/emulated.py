@@ -4,7 +4,9 @@ A batch of n items whose longest item has L elements occupies the device for
 `alpha + beta * n * L / ref_len` seconds (padding, as on a transformer), times an optional
 jitter factor; one batch at a time. Tensor items (FP32 rows) return their sum; text items
 return a small deterministic unit vector, so results can be checked. Items with NaN/Inf fail
-alone, and `error_rate` injects random per-item faults.
+alone, and `error_rate` injects random per-item faults. `prepare_ms_per_kchar` emulates a
+tokenizer: preparing a text request takes that long per 1,000 characters, slept without the GIL
+as a real tokenizer's batch encoding runs.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ class EmulatedRunner:
             self.error_rate = float(p.get("error_rate", 0.0))
             self.max_len = int(p.get("max_len", 4096))
             self.dims = int(p.get("dims", 16))
+            self.prepare_s_per_char = float(p.get("prepare_ms_per_kchar", 0.0)) / 1e6
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{version.name}: bad emulator parameter: {exc}") from exc
-        if self.ref_len < 1 or self.alpha_s < 0 or self.beta_s < 0 or not 0 <= self.error_rate <= 1:
+        if self.ref_len < 1 or self.alpha_s < 0 or self.beta_s < 0 or not 0 <= self.error_rate <= 1 \
+                or self.prepare_s_per_char < 0:
             raise ConfigError(f"{version.name}: emulator parameters out of range")
         self._rng = random.Random(int(p.get("seed", 0)))
         self.device = device
@@ -53,6 +57,8 @@ class EmulatedRunner:
 
     def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
         if isinstance(payload, wire.TextPayload):
+            if self.prepare_s_per_char:
+                time.sleep(self.prepare_s_per_char * sum(len(text) for text in payload.texts))
             return [_text_item(text, self.max_len) for text in payload.texts]
         array = fp32_rows(payload, self.max_len)
         return [PreparedItem(cost=array.shape[1], data=row) for row in array]

@@ -47,6 +47,12 @@ STATE_INTERVAL_S = 0.05
 
 EVICTION_WAIT_S = 5.0
 """How long a load on demand waits for the versions it evicted to be freed (they finish what they hold)."""
+OFF_LOOP_TEXT_CHARS = 16_384
+OFF_LOOP_TENSOR_BYTES = 1 << 20
+"""A request with more text or tensor data than these is prepared on a thread, not on the event
+loop, which must keep sending the reports that tell gateways this worker is alive: the demo
+embedding model tokenizes under 2 MB of text a second on a small CPU (2048 inputs of 4,000
+characters took 4.7 s). Smaller ones are prepared at once, sparing them the hop to a thread."""
 RETIRE_AFTER_S = 0.5
 """A version taken off (`SyncModel`) still takes the requests sent before the gateways heard it
 was (its report goes out at once, so within a few ms); it is freed once idle and this long after."""
@@ -152,6 +158,8 @@ class WorkerServer:
         self._upstream_loops: dict[ModelKey, UpstreamLoop] = {}
         self._generations = Generations(clock, self._reply, self._forget, self._metrics.refused_work)
         self._pending: dict[int, _Pending] = {}
+        self._preparing: dict[tuple[bytes, int], ModelKey] = {}
+        """Requests being prepared on a thread (`_prepare_off_loop`), by (gateway, its request id)."""
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
         self._gateways: dict[bytes, int] = {}
@@ -356,7 +364,8 @@ class WorkerServer:
         if key in self._runners:
             with self._lock:
                 queued = self._scheduler.queue_state(key)[0]
-            return queued > 0 or any(pending.key == key for pending in self._pending.values())
+            return queued > 0 or any(pending.key == key for pending in self._pending.values()) \
+                or key in self._preparing.values()
         if key in self._generators:
             return self._generations.holds(key)
         upstream = self._upstream_loops.get(key)
@@ -452,16 +461,59 @@ class WorkerServer:
             upstream.submit(identity, message)
             return
         assert runner is not None
+        deadline = self._clock.now() + message.timeout_s  # from arrival: preparing counts against it
+        if is_large(message.payload):
+            self._prepare_off_loop(identity, message, runner, deadline)
+            return
         try:
             items = runner.prepare(message.payload)
         except InvalidInput as exc:
-            self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
-                                              errors=[wire.ItemError(-1, exc.message)], message=exc.message))
+            self._refuse_input(identity, message.request_id, exc)
             return
+        self._admit(identity, message, items, deadline)
+
+    def _prepare_off_loop(self, identity: bytes, message: wire.Submit, runner: Runner, deadline: float) -> None:
+        """Prepare a large request on a thread (tokenizing 8 MB of text takes seconds, and the loop
+        sends the reports that tell gateways this worker is alive), then admit it. Until then it is
+        in `_preparing`: a Cancel withdraws it there, and draining waits for it."""
+        self._preparing[(identity, message.request_id)] = (message.model, message.version)
+
+        async def prepare() -> None:
+            try:
+                outcome: list[PreparedItem] | Exception = await asyncio.to_thread(runner.prepare, message.payload)
+            except Exception as exc:  # answered below, as the inline path would
+                outcome = exc
+            if self._preparing.pop((identity, message.request_id), None) is None:
+                self._check_drained()  # withdrawn meanwhile: nothing to answer
+                return
+            if isinstance(outcome, InvalidInput):
+                self._refuse_input(identity, message.request_id, outcome)
+            elif isinstance(outcome, Exception):
+                log.error("preparing request %d for %s failed", message.request_id, message.model, exc_info=outcome)
+                self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
+                                                  errors=[wire.ItemError(-1, f"model error: {outcome}")],
+                                                  message=f"model error: {outcome}"))
+            elif self._runners.get((message.model, message.version)) is not runner:
+                missing = f"model {message.model} v{message.version} was taken off this worker"
+                self._reply(identity, wire.Result(message.request_id, wire.Outcome.NOT_FOUND, message=missing))
+            else:
+                self._admit(identity, message, outcome, deadline)
+            self._check_drained()
+
+        task = asyncio.create_task(prepare())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _refuse_input(self, identity: bytes, request_id: int, exc: InvalidInput) -> None:
+        self._reply(identity, wire.Result(request_id, wire.Outcome.FAILED,
+                                          errors=[wire.ItemError(-1, exc.message)], message=exc.message))
+
+    def _admit(self, identity: bytes, message: wire.Submit, items: list[PreparedItem], deadline: float) -> None:
+        """Queue a prepared request in the scheduler, or answer why not."""
+        key = (message.model, message.version)
         if items:
             self._typical_cost[key] += 0.05 * (items[0].cost - self._typical_cost[key])
         internal_id = next(self._ids)
-        deadline = self._clock.now() + message.timeout_s
         pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
         with self._lock:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
@@ -505,6 +557,8 @@ class WorkerServer:
         for request_id in message.request_ids:
             if any(upstream.cancel(identity, request_id) for upstream in self._upstream_loops.values()):
                 continue
+            if self._preparing.pop((identity, request_id), None) is not None:
+                continue  # its preparation ends unanswered
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
             if internal_id is None or self._generations.cancel(internal_id):
                 continue
@@ -639,7 +693,7 @@ class WorkerServer:
         with self._lock:
             is_idle = self._scheduler.is_idle
         is_idle = is_idle and all(upstream.is_idle for upstream in self._upstream_loops.values())
-        if not self._pending and not self._generations and is_idle:
+        if not self._pending and not self._preparing and not self._generations and is_idle:
             self._drained.set()
 
     # -- messages out --------------------------------------------------------------------------
@@ -743,6 +797,17 @@ class WorkerServer:
                 for upstream in self._upstream_loops.values():
                     load = upstream.load()
                     self._metrics.upstream(load.model, load.num_running, load.num_waiting)
+
+
+def is_large(payload: wire.Payload) -> bool:
+    """Whether preparing it may take long enough to stall the event loop (`OFF_LOOP_TEXT_CHARS`)."""
+    if isinstance(payload, wire.TextPayload):
+        return sum(len(text) for text in payload.texts) > OFF_LOOP_TEXT_CHARS
+    if isinstance(payload, wire.TensorPayload):
+        return len(payload.data) > OFF_LOOP_TENSOR_BYTES
+    if isinstance(payload, wire.TensorsPayload):
+        return sum(len(tensor.data) for tensor in payload.tensors) > OFF_LOOP_TENSOR_BYTES
+    return False
 
 
 def _rejection(request_id: int, rejected: Rejected, timeout_s: float) -> wire.Result:
