@@ -109,6 +109,15 @@ class _Pending:
     device_s: float = 0.0  # its items' shares of their batches' device time, split by cost
 
 
+@dataclass(slots=True)
+class _Preparing:
+    """A request whose inputs are being prepared on a thread (`WorkerServer._prepare_off_loop`)."""
+
+    key: ModelKey
+    is_withdrawn: bool = False
+    """Cancelled meanwhile: dropped unanswered once prepared."""
+
+
 class WorkerServer:
     def __init__(
         self,
@@ -158,7 +167,7 @@ class WorkerServer:
         self._upstream_loops: dict[ModelKey, UpstreamLoop] = {}
         self._generations = Generations(clock, self._reply, self._forget, self._metrics.refused_work)
         self._pending: dict[int, _Pending] = {}
-        self._preparing: dict[tuple[bytes, int], ModelKey] = {}
+        self._preparing: dict[tuple[bytes, int], _Preparing] = {}
         """Requests being prepared on a thread (`_prepare_off_loop`), by (gateway, its request id)."""
         self._by_gateway_id: dict[tuple[bytes, int], int] = {}
         self._ids = itertools.count(1)
@@ -365,7 +374,7 @@ class WorkerServer:
             with self._lock:
                 queued = self._scheduler.queue_state(key)[0]
             return queued > 0 or any(pending.key == key for pending in self._pending.values()) \
-                or key in self._preparing.values()
+                or any(preparing.key == key for preparing in self._preparing.values())
         if key in self._generators:
             return self._generations.holds(key)
         upstream = self._upstream_loops.get(key)
@@ -474,19 +483,20 @@ class WorkerServer:
 
     def _prepare_off_loop(self, identity: bytes, message: wire.Submit, runner: Runner, deadline: float) -> None:
         """Prepare a large request on a thread (tokenizing 8 MB of text takes seconds, and the loop
-        sends the reports that tell gateways this worker is alive), then admit it. Until then it is
-        in `_preparing`: a Cancel withdraws it there, and draining waits for it."""
-        self._preparing[(identity, message.request_id)] = (message.model, message.version)
+        sends the reports that tell gateways this worker is alive), then admit it. Until its thread
+        is done it is in `_preparing`: a Cancel marks it withdrawn there, draining waits for it, and
+        its version is not freed under it."""
+        preparing = self._preparing[(identity, message.request_id)] = _Preparing((message.model, message.version))
 
         async def prepare() -> None:
             try:
                 outcome: list[PreparedItem] | Exception = await asyncio.to_thread(runner.prepare, message.payload)
             except Exception as exc:  # answered below, as the inline path would
                 outcome = exc
-            if self._preparing.pop((identity, message.request_id), None) is None:
-                self._check_drained()  # withdrawn meanwhile: nothing to answer
-                return
-            if isinstance(outcome, InvalidInput):
+            self._preparing.pop((identity, message.request_id), None)
+            if preparing.is_withdrawn:
+                pass  # cancelled meanwhile: nothing to answer
+            elif isinstance(outcome, InvalidInput):
                 self._refuse_input(identity, message.request_id, outcome)
             elif isinstance(outcome, Exception):
                 log.error("preparing request %d for %s failed", message.request_id, message.model, exc_info=outcome)
@@ -557,8 +567,10 @@ class WorkerServer:
         for request_id in message.request_ids:
             if any(upstream.cancel(identity, request_id) for upstream in self._upstream_loops.values()):
                 continue
-            if self._preparing.pop((identity, request_id), None) is not None:
-                continue  # its preparation ends unanswered
+            preparing = self._preparing.get((identity, request_id))
+            if preparing is not None:
+                preparing.is_withdrawn = True  # its preparation ends unanswered
+                continue
             internal_id = self._by_gateway_id.pop((identity, request_id), None)
             if internal_id is None or self._generations.cancel(internal_id):
                 continue
