@@ -1,7 +1,8 @@
 """The small protocol every runner follows, and the factory that picks one by `kind`.
 
 A runner's life: construct (loads weights onto the device) -> `warmup()` -> many
-`prepare()` (event loop: validate and cost each item) and `run_batch()` (device thread) ->
+`prepare()` (validate and cost each item: on the event loop, or for a large request on a worker
+thread, alongside other `prepare` calls and `run_batch`) and `run_batch()` (device thread) ->
 `close()`. `run_batch` returns one entry per item, in order: an output array, or an
 `ItemFailure` for an item the model could not process. An exception from `run_batch` means the
 whole batch failed; the worker then bisects the batch to isolate the poisoned item.
@@ -77,7 +78,8 @@ class Runner(Protocol):
         ...
 
     def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
-        """Split a request into items. Raises `InvalidInput` if the request as a whole is malformed."""
+        """Split a request into items. Raises `InvalidInput` if the request as a whole is malformed.
+        Must be safe to call from several threads at once (it may run while `run_batch` does)."""
         ...
 
     def run_batch(self, items: Sequence[PreparedItem]) -> list[ItemOutput | ItemFailure]:

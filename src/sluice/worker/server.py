@@ -6,6 +6,10 @@ runs batches on a dedicated device thread, so the event loop never blocks.
     ◀──Started── ◀── scheduler.next_batch ◀───────────────────────────┘
     ◀──Result──── gather per request ◀── device thread: runner.run_batch
 
+`runner.prepare` (tokenizing, unpacking) runs on the loop only for a small request; a large
+one's runs on a thread (`OFF_LOOP_TEXT_CHARS`), since the loop also sends the reports by which
+gateways know the worker is alive.
+
 Models can change while it serves (`SyncModel`, `_sync`): new versions are loaded and warmed up
 on a thread and then registered; versions taken off stop being reported at once and are freed
 once they have answered what they hold.
