@@ -202,7 +202,8 @@ class Generations:
             self._tokenize(identity, message.request_id, payload, loop.runner)
             return False
         if not isinstance(payload, wire.GeneratePayload):
-            error = InvalidInput(f"model {message.model} generates text: use /v1/completions or /v1/chat/completions")
+            error = InvalidInput(f"model {message.model} generates text: use /v1/completions, /v1/chat/completions or "
+                                 "KServe infer over HTTP with a text_input")
             self._refuse(identity, message.request_id, error)
             return False
         generation = _Generation(identity, message.request_id, loop, payload.stream, (message.model, message.version))

@@ -81,7 +81,8 @@ class UpstreamLoop:
     def submit(self, identity: bytes, message: wire.Submit) -> None:
         payload = message.payload
         if not isinstance(payload, wire.GeneratePayload):
-            error = f"model {message.model} generates text: use /v1/completions or /v1/chat/completions"
+            error = (f"model {message.model} generates text: use /v1/completions, /v1/chat/completions or KServe "
+                     "infer over HTTP with a text_input")
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.FAILED,
                                               errors=[wire.ItemError(-1, error)], message=error))
             return
