@@ -586,8 +586,10 @@ class Gateway:
         tokens are reserved from the estimate and settled with the worker's count.
 
         Without a `timeout_s`, the deadline is the model's SLO for each batch the request fills
-        (`default_timeout_s`): 2,048 texts in batches of 32 get 64 times the SLO of one text."""
-        default_s = default_timeout_s(info, payload) if timeout_s is None else None
+        (`default_timeout_s`), up to the longest a client may ask for: 2,048 texts in batches of
+        32 get 64 times the SLO of one text."""
+        default_s = None if timeout_s is not None else \
+            max(info.slo_s, min(default_timeout_s(info, payload), self._config.max_timeout_s))
         ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
         policy = (caller or _LOCAL_CALLER).cache
         async with ticket:
