@@ -116,43 +116,32 @@ def _call(item: Any, names: Tools) -> dict[str, Any] | None:
 def _json_values(text: str, separators: str = "") -> list[Any] | None:
     """The JSON values `text` holds one after another (separated by blanks or `separators`); None
     if it holds anything else."""
-    decoder, at = json.JSONDecoder(), 0
-    values: list[Any] = []
-    while True:
-        while at < len(text) and (text[at].isspace() or text[at] in separators):
-            at += 1
-        if at == len(text):
-            return values
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except (ValueError, RecursionError):
-            return None
-        values.append(value)
+    values, at = _leading_values(text, 0, separators)
+    return values if at == len(text) else None
 
 
 def _array_items(text: str) -> list[Any]:
     """The values of the JSON array that `text` is, or of as much of it as was written whole when
     it was cut short (nothing if it is not an array)."""
-    decoder, at = json.JSONDecoder(), len(text) - len(text.lstrip())
-    if not text.startswith("[", at):
-        return []
+    at = len(text) - len(text.lstrip())
+    return _leading_values(text, at + 1, ",")[0] if text.startswith("[", at) else []
+
+
+def _leading_values(text: str, at: int, separators: str) -> tuple[list[Any], int]:
+    """The JSON values from `at` on, one after another (separated by blanks or `separators`), up
+    to what is not one; and where that is (`len(text)`: all of it was)."""
+    decoder = json.JSONDecoder()
     values: list[Any] = []
-    at += 1
     while True:
-        while at < len(text) and text[at].isspace():
+        while at < len(text) and (text[at].isspace() or text[at] in separators):
             at += 1
-        if at == len(text) or text[at] == "]":
-            return values
+        if at == len(text):
+            return values, at
         try:
             value, at = decoder.raw_decode(text, at)
         except (ValueError, RecursionError):
-            return values
+            return values, at
         values.append(value)
-        while at < len(text) and text[at].isspace():
-            at += 1
-        if at == len(text) or text[at] != ",":
-            return values
-        at += 1
 
 
 def _held_prefix(text: str, marker: str) -> int:
