@@ -47,6 +47,7 @@ from sluice.api.tensors import (
     encode_bytes_elements,
     parse_request,
     render_outputs,
+    texts_of,
 )
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
@@ -106,19 +107,10 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     async def infer(request: Request, body: bytes, first: _Screened | None) -> Response:
         screened = screen(request, body, first)
         info, arrived_at = screened.info, screened.arrived_at
+        if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
+            return await _infer_text(request, body, screened)
         with gateway.reading(info, screened.early.tenant, arrived_at):
             parsed, tensors = parse_request(body, screened.header_length)
-            if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
-                timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
-                                                    gateway.max_timeout_s)
-                binary = _binary_outputs(info, parsed)
-                payloads = text_payloads(info, tensors, parsed.parameters)
-        if info.kind in GENERATIVE_KINDS:
-            payload, headers = await generate_text(gateway, request, info, payloads,
-                                                   screened.header_timeout if timeout_s is None else timeout_s,
-                                                   arrived_at, priority)
-            return _render(info, parsed, payload, binary, headers)
-        with gateway.reading(info, screened.early.tenant, arrived_at):
             terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
                                 gateway.max_timeout_s)
             binary_outputs = _binary_outputs(info, parsed)
@@ -131,6 +123,19 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who,
                                      key=screened.key)
         return _render(info, parsed, result.payload, binary_outputs, result.headers)
+
+    async def _infer_text(request: Request, body: bytes, screened: _Screened) -> Response:
+        info = screened.info
+        with gateway.reading(info, screened.early.tenant, screened.arrived_at):
+            parsed, tensors = parse_request(body, screened.header_length)
+            timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
+                                                gateway.max_timeout_s)
+            payloads = text_payloads(info, tensors, parsed.parameters)
+            binary_outputs = _binary_outputs(info, parsed)
+        payload, headers = await generate_text(gateway, request, info, payloads,
+                                               screened.header_timeout if timeout_s is None else timeout_s,
+                                               screened.arrived_at, priority)
+        return _render(info, parsed, payload, binary_outputs, headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
     table = [
@@ -289,11 +294,7 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
     tensor = tensors[0]
     _check_input(tensor, expected)
     if isinstance(tensor.data, list):  # BYTES
-        try:
-            texts = [v.decode() for v in tensor.data]
-        except UnicodeDecodeError as exc:
-            raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
-        return wire.TextPayload(check_texts(texts, f"input {tensor.name!r}", param=tensor.name))
+        return wire.TextPayload(check_texts(texts_of(tensor), f"input {tensor.name!r}", param=tensor.name))
     return wire.TensorPayload(NUMPY_NAMES[tensor.datatype], tensor.shape, tensor.data)
 
 

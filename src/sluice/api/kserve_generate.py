@@ -23,7 +23,7 @@ from starlette.requests import Request
 from sluice import wire
 from sluice.api.completion_params import CompletionRequest, to_payloads
 from sluice.api.completions import generations, whole_generations
-from sluice.api.tensors import Tensor
+from sluice.api.tensors import Tensor, texts_of
 from sluice.errors import InvalidInput
 from sluice.gateway import Gateway
 from sluice.priority import Priority
@@ -59,12 +59,12 @@ def _completion_request(info: wire.ModelInfo, tensors: list[Tensor], parameters:
     if TEXT_INPUT not in by_name or unknown or len(by_name) != len(tensors):
         raise InvalidInput(f"model {info.name} takes a BYTES input named {TEXT_INPUT!r} (and optionally "
                            f"{SAMPLING_INPUT!r}), got {[t.name for t in tensors]}")
-    prompts = _strings(by_name[TEXT_INPUT])
+    prompts = texts_of(by_name[TEXT_INPUT])
     if not prompts:
         raise InvalidInput(f"input {TEXT_INPUT!r} holds no prompt")
     fields = {name: value for name, value in parameters.items() if name in SAMPLING_NAMES}
     if SAMPLING_INPUT in by_name:
-        given = _strings(by_name[SAMPLING_INPUT])
+        given = texts_of(by_name[SAMPLING_INPUT])
         try:
             sampling = json.loads(given[0]) if len(given) == 1 else None
         except ValueError:
@@ -76,12 +76,3 @@ def _completion_request(info: wire.ModelInfo, tensors: list[Tensor], parameters:
         return msgspec.convert({**fields, "model": info.name, "prompt": prompts}, CompletionRequest)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"sampling parameters: {exc}") from exc
-
-
-def _strings(tensor: Tensor) -> list[str]:
-    if tensor.datatype != "BYTES" or not isinstance(tensor.data, list):
-        raise InvalidInput(f"input {tensor.name!r} must be BYTES, got {tensor.datatype}")
-    try:
-        return [value.decode() for value in tensor.data]
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc

@@ -290,6 +290,16 @@ def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
     return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), bytes(raw))
 
 
+def texts_of(tensor: Tensor) -> list[str]:
+    """A BYTES input's elements as text; a 400 for another datatype or bytes that are not UTF-8."""
+    if not isinstance(tensor.data, list):
+        raise InvalidInput(f"input {tensor.name!r} must be BYTES, got {tensor.datatype}")
+    try:
+        return [value.decode() for value in tensor.data]
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
+
+
 def decode_bytes_elements(raw: bytes) -> list[bytes]:
     try:
         return wire.decode_bytes_elements(raw)
