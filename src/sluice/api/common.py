@@ -238,6 +238,36 @@ def check_texts(texts: list[str], what: str, param: str | None = None) -> list[s
     return texts
 
 
+def texts_or_token_ids(value: str | list[Any], param: str, token_id_limit: int, max_items: int,
+                       items: str) -> list[str | list[int]]:
+    """Inputs as OpenAI's API takes them in a completion's `prompt` or an embeddings `input`: a
+    string, a list of token ids, or a list of either (a list of strings; a list of lists of token
+    ids), at most `max_items` of them (`items` names them in the message). None may be empty."""
+    if isinstance(value, str):
+        inputs: list[Any] = [value]
+    elif value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        inputs = [value]
+    elif value and (all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value)):
+        inputs = value
+    else:
+        raise InvalidInput(f"'{param}' must be a string, a list of token ids, or a list of either", param=param)
+    if len(inputs) > max_items:
+        raise InvalidInput(f"'{param}' holds {len(inputs)} {items}; one request takes at most {max_items}",
+                           param=param)
+    out: list[str | list[int]] = []
+    for one in inputs:
+        if not one:
+            raise InvalidInput(f"'{param}' must not be empty", param=param)
+        out.append(one if isinstance(one, str) else token_ids(one, param, token_id_limit))
+    return out
+
+
+def token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit for t in ids):
+        raise InvalidInput(f"'{param}' token ids must be integers in [0, {limit})", param=param)
+    return list(ids)
+
+
 def estimate_text_tokens(texts: list[str]) -> float:
     """A generous guess at a text's tokens before the model's tokenizer has seen it (a token per
     three characters, where English averages four, plus two special tokens), reserved against the

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from sluice import wire
-from sluice.api.common import estimate_text_tokens
+from sluice.api.common import estimate_text_tokens, texts_or_token_ids, token_ids
 from sluice.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
 
@@ -173,7 +173,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         n=n,
         seed=None if request.seed is None else _bounded_int(request.seed, "seed", *wire.SEED_RANGE),
         stop=_stops(request.stop),
-        stop_token_ids=_token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
+        stop_token_ids=token_ids(request.stop_token_ids or [], "stop_token_ids", token_id_limit),
         ignore_eos=bool(request.ignore_eos),
         skip_special_tokens=request.skip_special_tokens is not False,
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
@@ -194,7 +194,8 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
                                                                request.continue_final_message,
                                                                request.chat_template_kwargs, messages),
                                      **sampling)]  # type: ignore[arg-type]
-    prompts = _prompts(request.prompt, token_id_limit)
+    prompts = texts_or_token_ids(request.prompt, "prompt", token_id_limit, MAX_CHOICES_PER_REQUEST,
+                                 "prompts")
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
         raise InvalidInput(f"{len(prompts)} prompts x n = {n} choices is more than the "
                            f"{MAX_CHOICES_PER_REQUEST} one request may ask for", param="prompt")
@@ -212,28 +213,6 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
     return payloads
 
 
-def _prompts(prompt: str | list[Any], token_id_limit: int) -> list[str | list[int]]:
-    """A completion's prompts, as OpenAI's API takes them: a string, a list of token ids, or a
-    batch of either (a list of strings; a list of lists of token ids)."""
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompts = [prompt]
-    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        prompts = prompt
-    else:
-        raise InvalidInput("'prompt' must be a string, a list of token ids, or a list of either", param="prompt")
-    if len(prompts) > MAX_CHOICES_PER_REQUEST:
-        raise InvalidInput(f"'prompt' holds {len(prompts)} prompts; one request takes at most "
-                           f"{MAX_CHOICES_PER_REQUEST}", param="prompt")
-    out: list[str | list[int]] = []
-    for one in prompts:
-        if not one:
-            raise InvalidInput("'prompt' must not be empty", param="prompt")
-        out.append(one if isinstance(one, str) else _token_ids(one, "prompt", token_id_limit))
-    return out
-
-
 def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:
     """max_tokens, the field that gave it, and whether it is the default (the client sent none).
     0 only with `echo`: the prompt is scored, nothing generated."""
@@ -246,12 +225,6 @@ def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, boo
         return (16 if isinstance(request, CompletionRequest) else DEFAULT_CHAT_MAX_TOKENS), param, True
     is_echo = isinstance(request, CompletionRequest) and bool(request.echo)
     return _bounded_int(value, param, 0 if is_echo else 1, MAX_TOKENS_LIMIT), param, False
-
-
-def _token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit for t in ids):
-        raise InvalidInput(f"'{param}' token ids must be integers in [0, {limit})", param=param)
-    return list(ids)
 
 
 def _check_prompt_chars(num_chars: int, param: str, info: wire.ModelInfo) -> None:

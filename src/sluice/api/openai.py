@@ -1,6 +1,8 @@
 """OpenAI-compatible endpoints: `/v1/models` and `/v1/embeddings`.
 
-Embeddings accept a string or a list of strings, and `encoding_format` `float` or `base64`
+Embeddings accept a string or a list of strings, or, for a model that says it takes them
+(`ModelInfo.accepts_token_ids`: the embedding runner), a list of token ids or a list of such
+lists, ids of the model's own vocabulary; and `encoding_format` `float` or `base64`
 (little-endian float32, what the `openai` SDK asks for by default and decodes itself).
 """
 
@@ -32,8 +34,10 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     resolve_openai,
+    texts_or_token_ids,
     with_version,
 )
+from sluice.api.completion_params import TOKEN_ID_LIMIT
 from sluice.errors import InvalidInput, ModelNotFound
 from sluice.gateway import Caller, Gateway
 
@@ -76,15 +80,14 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             info = resolve_openai(gateway, parsed.model, request, parsed.user)
             with gateway.reading(info, request_tenant(request), arrived_at):
                 timeout_s = header_timeout_s(request, gateway.max_timeout_s)
-                texts = _texts(parsed.input)
                 if not info.accepts_text:
                     raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                        f"use /v2/models/{parsed.model}/infer", param="model")
+                payload, num_tokens = _inputs(parsed.input, info)
                 _check_dimensions(info, parsed.dimensions, None)
                 priority = requested_priority(request, ("service_tier", parsed.service_tier),
                                               ("priority", parsed.priority))
-            who = caller(request, priority, estimate_text_tokens(texts), is_traced=gateway.is_tracing)
-            payload = wire.TextPayload(texts)
+            who = caller(request, priority, num_tokens, is_traced=gateway.is_tracing)
             first = _Screened(arrived_at, timeout_s, parsed, info, who, payload, gateway.cache_key(info, payload, who))
         gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who, first.key)
         return first
@@ -120,7 +123,7 @@ class _Screened:
     parsed: EmbeddingsRequest
     info: wire.ModelInfo
     who: Caller
-    payload: wire.TextPayload
+    payload: wire.TextPayload | wire.TokensPayload
     key: bytes | None
     """The result-cache key (`Gateway.cache_key`); None: not cached."""
 
@@ -141,12 +144,21 @@ def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: in
                            f"{dimensions}", param="dimensions")
 
 
-def _texts(raw: str | list[Any]) -> list[str]:
-    texts = [raw] if isinstance(raw, str) else raw
-    if not all(isinstance(text, str) for text in texts[:MAX_TEXT_ITEMS + 1]):
-        raise InvalidInput("'input' must be a string or a list of strings "
-                           "(token arrays are not supported)", param="input")
-    return check_texts(texts, "'input'", param="input")
+def _inputs(raw: str | list[Any], info: wire.ModelInfo) -> tuple[wire.TextPayload | wire.TokensPayload, float]:
+    """The request's inputs, and the tokens they are expected to hold (reserved against the
+    tenant's tokens-per-minute limit: a guess for texts, the count for token ids)."""
+    if isinstance(raw, str) or all(isinstance(one, str) for one in raw[:MAX_TEXT_ITEMS + 1]):
+        texts = check_texts([raw] if isinstance(raw, str) else raw, "'input'", param="input")
+        return wire.TextPayload(texts), estimate_text_tokens(texts)
+    inputs = texts_or_token_ids(raw, "input", info.vocab_size or TOKEN_ID_LIMIT, MAX_TEXT_ITEMS, "inputs")
+    if not info.accepts_token_ids:
+        raise InvalidInput(f"model {info.name!r} takes 'input' as strings only, not token ids", param="input")
+    ids = [one for one in inputs if isinstance(one, list)]  # all of them: strings were taken above
+    longest = max(len(one) for one in ids)
+    if info.max_model_len and longest > info.max_model_len:
+        raise InvalidInput(f"an input has {longest} token ids; model {info.name!r} takes at most "
+                           f"{info.max_model_len}", param="input")
+    return wire.TokensPayload(ids), float(sum(len(one) for one in ids))
 
 
 def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:

@@ -4,7 +4,10 @@ Loads a sentence-transformers folder (all-MiniLM-L6-v2 in the demo repository) f
 only: the encoder through `transformers.AutoModel` (or, with `backend = "onnx"`, the folder's
 ONNX export, `onnx/model.onnx` as Hugging Face repositories ship it), the fast tokenizer from
 `tokenizer.json` through `tokenizers`. An item is one string; its cost is its token count,
-[CLS] and [SEP] included, after truncation to `max_seq_len`. A batch is padded on the right to its longest item:
+[CLS] and [SEP] included, after truncation to `max_seq_len`. An item may also come as token ids
+the client made with the model's own tokenizer (`wire.TokensPayload`): they run as they are,
+special tokens neither added nor cut, and more than `max_seq_len` of them are refused. A batch is
+padded on the right to its longest item:
 
     ids   [CLS] t1 t2 t3 [SEP] [PAD] [PAD]      padded cost = n_items x longest
     mask    1   1  1  1    1     0     0         pads are neither attended to nor pooled
@@ -69,6 +72,7 @@ class EmbeddingRunner:
             self._model = model
             self.dims = int(model.config.hidden_size)
             max_positions = int(model.config.max_position_embeddings)
+            self.vocab_size = int(model.config.vocab_size)
         elif backend == "onnx":
             self._session = _OnnxEncoder(version, device)
             config = _read_json(weights_dir / "config.json", version.name)
@@ -78,6 +82,7 @@ class EmbeddingRunner:
                                   "no hidden_size: the embeddings' dimension is unknown")
             self.dims = dims
             max_positions = int(config.get("max_position_embeddings", 512))
+            self.vocab_size = int(config.get("vocab_size", 0))
         else:
             raise ConfigError(f"{version.name}: backend must be 'torch' or 'onnx', got {backend!r}")
         self.max_seq_len = _max_seq_len(version, weights_dir, max_positions)
@@ -94,6 +99,9 @@ class EmbeddingRunner:
             slo_s=version.slo_s,
             accepts_text=True,
             accepts_tensor=False,
+            max_model_len=self.max_seq_len,
+            vocab_size=self.vocab_size,
+            accepts_token_ids=self.vocab_size > 0,
             cache_revision=version.cache_revision,
         )
 
@@ -115,6 +123,8 @@ class EmbeddingRunner:
         return observations
 
     def prepare(self, payload: wire.Payload) -> list[PreparedItem]:
+        if isinstance(payload, wire.TokensPayload):
+            return [self._token_item(ids) for ids in payload.token_ids]
         if not isinstance(payload, wire.TextPayload):
             got = f"a tensor ({payload.dtype} {list(payload.shape)})" if isinstance(payload, wire.TensorPayload) \
                 else "a generation request"
@@ -155,6 +165,15 @@ class EmbeddingRunner:
         self._session = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _token_item(self, ids: list[int]) -> PreparedItem:
+        """An input the client tokenized itself, run as it is (no special tokens added, none cut)."""
+        if not 1 <= len(ids) <= self.max_seq_len:
+            raise InvalidInput(f"an input of token ids must hold 1 to {self.max_seq_len} of them, got {len(ids)}")
+        array = np.asarray(ids, dtype=np.int64)
+        if self.vocab_size and (array.min() < 0 or array.max() >= self.vocab_size):
+            raise InvalidInput(f"token ids must be in [0, {self.vocab_size}) for model {self.info.name!r}")
+        return PreparedItem(cost=len(ids), data=array, num_tokens=len(ids))
 
     def _apply_num_threads(self, version: ModelVersion) -> None:
         num_threads = num_threads_of(version)
