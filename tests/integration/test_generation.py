@@ -6,13 +6,14 @@ and the tokenizer endpoints: test_generation_fields.py.)"""
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import eventually, metric_total, start_server, write_tiny_lm_model
+from tests.conftest import eventually, free_port, metric_total, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -350,3 +351,57 @@ def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_end
     wrong = httpx.post(f"{server.url}/v2/models/{MODEL}/infer", timeout=30, json={
         "inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}]})
     assert wrong.status_code == 400 and "text_input" in wrong.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-lm served with KServe's gRPC port open."""
+    port = free_port()
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), MODEL)
+    started = start_server(repo, tmp_path_factory.mktemp("log"), "--grpc-port", str(port))
+    yield started, port
+    started.stop()
+
+
+def test_kserve_grpc_infer_generates_as_http_does(grpc_server):
+    """`tritonclient.grpc` gets the answers `tritonclient.http` gets, unary and on a stream; a
+    sampling parameter of the wrong type is INVALID_ARGUMENT naming it."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+    import tritonclient.http as triton_http
+    from tritonclient.utils import InferenceServerException
+
+    server, port = grpc_server
+    prompts = ["The weather today is", "Once upon a time"]
+    parameters = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    def text_input(module):
+        text = module.InferInput("text_input", [2], "BYTES")
+        text.set_data_from_numpy(np.array([p.encode() for p in prompts], dtype=np.object_))
+        return text
+
+    http = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+    expected = list(http.infer(MODEL, [text_input(triton_http)], parameters=parameters).as_numpy("text_output"))
+    grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        answer = grpc_client.infer(MODEL, [text_input(triton_grpc)], parameters=parameters)
+        assert list(answer.as_numpy("text_output")) == expected and len(expected) == 2
+
+        streamed = []
+        done = threading.Event()
+
+        def collect(result, error):
+            streamed.append(error if error is not None else list(result.as_numpy("text_output")))
+            done.set()
+
+        grpc_client.start_stream(callback=collect)
+        grpc_client.async_stream_infer(MODEL, [text_input(triton_grpc)], parameters=parameters)
+        assert done.wait(60)
+        grpc_client.stop_stream()
+        assert streamed == [expected]
+
+        with pytest.raises(InferenceServerException) as caught:
+            grpc_client.infer(MODEL, [text_input(triton_grpc)], parameters={"max_tokens": "many"})
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "max_tokens" in caught.value.message()
+    finally:
+        grpc_client.close()

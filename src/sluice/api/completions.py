@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -53,9 +54,8 @@ from sluice.api.completion_params import ChatRequest, CompletionRequest, chat_to
 from sluice.api.completion_shapes import ResponseShape
 from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
-from sluice.gateway import Gateway, InferResult
+from sluice.gateway import Caller, Gateway, InferResult
 from sluice.gateway.tenancy import RequestGroup
-from sluice.priority import Priority
 
 log = logging.getLogger("sluice.api")
 
@@ -86,7 +86,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     first = payloads[0]
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
-    streams = generations(gateway, request, info, payloads, timeout_s, arrived_at, priority, limit_headers)
+    who = caller(request, priority, is_traced=gateway.is_tracing)
+    streams = generations(gateway, who, info, payloads, timeout_s, arrived_at, limit_headers)
     include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
     prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
     tools = chat_tools(parsed, info)[2] if isinstance(parsed, ChatRequest) else None
@@ -123,16 +124,16 @@ Events = AsyncGenerator[wire.TokenChunk | InferResult, None]
 """One prompt's generation through the gateway: its chunks (if streamed), then its result."""
 
 
-def generations(gateway: Gateway, request: Request, info: wire.ModelInfo, payloads: list[wire.GeneratePayload],
-                timeout_s: float | None, arrived_at: float, priority: Priority | None,
+def generations(gateway: Gateway, who: Caller, info: wire.ModelInfo, payloads: list[wire.GeneratePayload],
+                timeout_s: float | None, arrived_at: float,
                 limit_headers: dict[str, str] | None = None) -> list[Events]:
-    """One generation through the gateway for each prompt's payload. `limit_headers`, if given,
-    receives the tenant's `x-ratelimit-*` headers once the first is admitted."""
+    """One generation through the gateway for each prompt's payload, for `who` (each with its own
+    token estimate). `limit_headers`, if given, receives the tenant's `x-ratelimit-*` headers once
+    the first is admitted."""
     # a batch of prompts is one request to the tenant's limits, however many generations it runs
     group = RequestGroup(sum(map(estimate_tokens, payloads))) if len(payloads) > 1 else None
     return [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                             caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing,
-                                           group=group),
+                             caller=replace(who, estimated_tokens=estimate_tokens(payload), group=group),
                              limit_headers=limit_headers if p == 0 else None)
             for p, payload in enumerate(payloads)]
 

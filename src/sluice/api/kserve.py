@@ -132,9 +132,10 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                                                 gateway.max_timeout_s)
             payloads = text_payloads(info, tensors, parsed.parameters)
             binary_outputs = _binary_outputs(info, parsed)
-        payload, headers = await generate_text(gateway, request, info, payloads,
+        who = caller(request, priority, is_traced=gateway.is_tracing, cache=screened.early.cache)
+        payload, headers = await generate_text(gateway, who, info, payloads,
                                                screened.header_timeout if timeout_s is None else timeout_s,
-                                               screened.arrived_at, priority)
+                                               screened.arrived_at)
         return _render(info, parsed, payload, binary_outputs, headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]

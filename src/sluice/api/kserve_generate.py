@@ -10,7 +10,8 @@ backend takes it, from an optional BYTES `sampling_parameters` input holding a J
 names are the completions API's (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`,
 ...), checked the same way. Each prompt is one generation, run like a `/v1/completions` request
 of several prompts (one request to the tenant's limits). The answer is whole: a stream needs
-`/v1/completions` with `stream: true`."""
+`/v1/completions` with `stream: true`. The same over gRPC (`ModelInfer`, `ModelStreamInfer`),
+where each request's answer is whole too."""
 
 from __future__ import annotations
 
@@ -18,15 +19,13 @@ import json
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
 
 from sluice import wire
 from sluice.api.completion_params import CompletionRequest, to_payloads
 from sluice.api.completions import generations, whole_generations
 from sluice.api.tensors import Tensor, texts_of
 from sluice.errors import InvalidInput
-from sluice.gateway import Gateway
-from sluice.priority import Priority
+from sluice.gateway import Caller, Gateway
 
 GENERATIVE_KINDS = frozenset({"generative", "openai-upstream"})
 TEXT_INPUT, SAMPLING_INPUT, TEXT_OUTPUT = "text_input", "sampling_parameters", "text_output"
@@ -43,11 +42,12 @@ def text_payloads(info: wire.ModelInfo, tensors: list[Tensor],
     return to_payloads(_completion_request(info, tensors, parameters), info)
 
 
-async def generate_text(gateway: Gateway, request: Request, info: wire.ModelInfo,
-                        payloads: list[wire.GeneratePayload], timeout_s: float | None, arrived_at: float,
-                        priority: Priority | None) -> tuple[wire.TensorsPayload, dict[str, str] | None]:
-    """The answer to `text_payloads`: its `text_output`, and the headers of the answer."""
-    results = await whole_generations(generations(gateway, request, info, payloads, timeout_s, arrived_at, priority))
+async def generate_text(gateway: Gateway, who: Caller, info: wire.ModelInfo,
+                        payloads: list[wire.GeneratePayload], timeout_s: float | None,
+                        arrived_at: float) -> tuple[wire.TensorsPayload, dict[str, str] | None]:
+    """The answer to `text_payloads`, over HTTP or gRPC: its `text_output`, and the headers (or
+    trailing metadata) of the answer."""
+    results = await whole_generations(generations(gateway, who, info, payloads, timeout_s, arrived_at))
     texts = [r.payload.text.encode() for r in results if isinstance(r.payload, wire.GenerationResult)]
     output = wire.NamedTensor(TEXT_OUTPUT, "BYTES", (len(texts),), wire.encode_bytes_elements(texts))
     return wire.TensorsPayload([output]), results[0].headers

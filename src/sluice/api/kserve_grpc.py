@@ -58,7 +58,9 @@ from sluice.api.kserve import (
     model_metadata_of,
     model_ready_of,
     outputs_of,
+    request_terms,
 )
+from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_payloads
 from sluice.api.tensors import (
     InputTensor,
     Tensor,
@@ -71,6 +73,7 @@ from sluice.api.triton import load_model_of, model_config_of, repository_index_o
 from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, SluiceError
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
+from sluice.priority import Priority
 
 log = logging.getLogger("sluice.api.grpc")
 T = TypeVar("T")
@@ -317,19 +320,36 @@ class KServeGrpc:
         tenant = inference_tenant(call.key, gateway.tenancy)
         info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER),
                                tenant=tenant)
+        if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
+            return await self._generate(request, call, info, tenant, arrived_at, time_remaining_s)
         with gateway.reading(info, tenant, arrived_at):
             terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
                                 call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
         timeout_s = _deadline_s(terms.timeout_s, time_remaining_s, gateway.max_timeout_s)
-        who = Caller(tenant, terms.priority, terms.tokens,
-                     call.metadata.get("traceparent") if gateway.is_tracing else None,
-                     cache_policy(call.metadata.get("cache-control")))
+        who = self._caller(call, tenant, terms.priority, terms.tokens)
         key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
         names = [o.name for o in request.outputs] or None
         return _response(info, request.id, result.payload, names), result.headers or {}
+
+    async def _generate(self, request: Any, call: _Call, info: wire.ModelInfo, tenant: str, arrived_at: float,
+                        time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
+        gateway = self._gateway
+        with gateway.reading(info, tenant, arrived_at):
+            parameters = _parameters(request.parameters)
+            timeout_s, priority = request_terms(parameters, call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
+            payloads = text_payloads(info, _tensors(request), parameters)
+            check_outputs(info, [o.name for o in request.outputs])
+        payload, headers = await generate_text(gateway, self._caller(call, tenant, priority), info, payloads,
+                                               _deadline_s(timeout_s, time_remaining_s, gateway.max_timeout_s),
+                                               arrived_at)
+        return _response(info, request.id, payload, [o.name for o in request.outputs] or None), headers or {}
+
+    def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0) -> Caller:
+        return Caller(tenant, priority, tokens, call.metadata.get("traceparent") if self._gateway.is_tracing else None,
+                      cache_policy(call.metadata.get("cache-control")))
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:
