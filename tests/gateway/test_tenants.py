@@ -61,11 +61,25 @@ def test_metrics_are_open_unless_the_file_lists_metrics_keys(tmp_path: Path):
     ("[tenant.a]\n", "unknown section"),
     ("[admin]\n", "defines no tenants"),
     ("[tenants.a\n", "not valid TOML"),
+    ("[tenants.a]\nrequests_per_min = inf\n", "requests_per_min must be a number"),
+    ("[tenants.a]\ntokens_per_min = nan\n", "tokens_per_min must be a number"),
+    ("[tenants.a]\nmax_concurrent = inf\n", "max_concurrent must be a whole number"),
+    ("[tenants.a]\nmax_concurrent = 1.5\n", "max_concurrent must be a whole number"),
+    ("[tenants.a]\ncredit_period_s = nan\n", "credit_period_s must be a number"),
+    ("[tenants.a]\ncredits_device_s = 1e400\n", "credits_device_s must be a number"),
+    ("[tenants.a]\nweight = inf\n", "weight must be a number"),
 ])
 def test_a_bad_tenants_file_is_refused_with_the_reason(tmp_path: Path, body: str, message: str):
     path = tmp_path / "tenants.toml"
     path.write_text(body)
     with pytest.raises(ConfigError, match=message):
+        load_tenants(path)
+
+
+def test_a_tenants_file_that_is_not_utf8_is_refused_with_the_reason(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_bytes(b"[tenants.a]\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
         load_tenants(path)
 
 

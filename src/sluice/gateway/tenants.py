@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import tomllib
 from collections.abc import Mapping
@@ -144,6 +145,8 @@ def load_tenants(path: Path) -> TenantDirectory:
         raw = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     unknown = set(raw) - {"admin", "metrics", "tenants"}
@@ -199,7 +202,7 @@ def _tenant(name: str, body: dict[str, Any], path: Path) -> Tenant:
         priority=Priority.STANDARD if parsed is None else parsed,
         requests_per_min=_number(body, "requests_per_min", 0.0, where),
         tokens_per_min=_number(body, "tokens_per_min", 0.0, where),
-        max_concurrent=int(_number(body, "max_concurrent", 0, where)),
+        max_concurrent=int(_number(body, "max_concurrent", 0, where, integer=True)),
         credits_device_s=_number(body, "credits_device_s", 0.0, where),
         credit_period_s=_number(body, "credit_period_s", 86_400.0, where, minimum=1.0),
         models=None if models is None else frozenset(models),
@@ -213,10 +216,16 @@ def _table(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _number(body: dict[str, Any], key: str, default: float, where: str, minimum: float = 0.0) -> float:
+def _number(body: dict[str, Any], key: str, default: float, where: str, minimum: float = 0.0,
+            integer: bool = False) -> float:
+    """A finite number >= `minimum` (TOML also has inf and nan: a limit of either would fail every
+    request the limit is checked on); with `integer`, a whole one."""
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise ConfigError(f"{where}: {key} must be a number >= {minimum:g}, got {value!r}")
+    kind = "a whole number" if integer else "a number"
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value < minimum or (integer and value != int(value))):
+        unlimited = " (0: unlimited)" if minimum == 0 else ""
+        raise ConfigError(f"{where}: {key} must be {kind} >= {minimum:g}{unlimited}, got {value!r}")
     return float(value)
 
 
