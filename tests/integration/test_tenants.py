@@ -222,6 +222,19 @@ def test_a_model_the_tenant_may_not_use_is_403_and_not_listed(server):
         assert client.embeddings.create(model="emulated", input="hi").data
 
 
+def test_a_restricted_tenant_cannot_tell_a_forbidden_model_from_a_missing_one(server):
+    with sdk(server, KEYS["beta"]) as client:
+        for name in ("slow", "no-such-model"):  # one the server has, one it does not
+            with pytest.raises(openai.PermissionDeniedError) as retrieved:
+                client.models.retrieve(name)
+            with pytest.raises(openai.PermissionDeniedError) as used:
+                client.embeddings.create(model=name, input="hi")
+            assert retrieved.value.body == used.value.body  # type: ignore[comparison-overlap]
+            assert retrieved.value.body["code"] == "model_not_permitted"  # type: ignore[index]
+    with sdk(server, KEYS["alpha"]) as client, pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")  # a tenant that may use every model learns it is missing
+
+
 def test_requests_limit_answers_429_with_openai_headers_and_the_sdk_waits_it_out(server):
     first = embed(server, "tiny")
     assert first.headers["x-ratelimit-limit-requests"] == "60"

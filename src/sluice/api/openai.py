@@ -65,10 +65,12 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
+        # permission first, as every other route: a 404 for an unknown model against a 403 for
+        # one it may not use would tell a tenant which models the server has
+        gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         models = gateway.models()
         if name not in models:
             raise gateway.refusal(name, None) or ModelNotFound(f"the model {name!r} does not exist")
-        gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         return json_response(_model_card(name, models[name]))
 
     def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
