@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
-KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single")}
+KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single",
+                                  "emoji")}
 ADMIN_KEY = new_key()
 METRICS_KEY = new_key()
 
@@ -75,6 +76,11 @@ tokens_per_min = 5000
 [tenants.single]
 api_keys = ["{hash_key(KEYS['single'])}"]
 max_concurrent = 1
+
+[tenants.emoji]
+api_keys = ["{hash_key(KEYS['emoji'])}"]
+tokens_per_min = 1000
+models = ["tiny-lm"]
 """
 
 
@@ -274,22 +280,23 @@ def test_a_one_request_tenant_can_send_its_next_request_the_moment_it_has_an_ans
 
 
 def test_tokens_limit_refuses_without_consuming_a_request(server):
-    with pytest.raises(openai.RateLimitError) as caught:  # ~168 tokens estimated: over a whole minute's 100
+    with pytest.raises(openai.RateLimitError) as caught:  # 504 tokens reserved: over a whole minute's 100
         embed(server, "tokens", text="word " * 100, retries=2)
     assert caught.value.body["code"] == "tokens_limit_exceeded"  # type: ignore[index]
     assert "request too large" in caught.value.body["message"]  # type: ignore[index]
     assert caught.value.response.headers["x-should-retry"] == "false"  # so the SDK did not retry
-    embed(server, "tokens", text="a " * 98)  # estimated 67 tokens, settled at the real 98
+    embed(server, "tokens", text="a " * 46)  # 96 tokens reserved, settled at the real 46
     with pytest.raises(openai.RateLimitError) as caught:
-        embed(server, "tokens", text="a few more words")
+        embed(server, "tokens", text="b " * 40)  # 84 reserved: more than the 54 (and refill) left
     assert caught.value.body["code"] == "tokens_limit_exceeded"  # type: ignore[index]
-    assert int(caught.value.response.headers["x-ratelimit-remaining-tokens"]) < 7  # the request's estimate
+    assert "request too large" not in caught.value.body["message"]  # type: ignore[index]
+    assert 50 <= int(caught.value.response.headers["x-ratelimit-remaining-tokens"]) < 84
 
 
 def test_concurrent_requests_cannot_overshoot_the_tokens_limit(server):
-    """LiteLLM #18730: ten requests at once, each estimated at almost a third of the minute's
-    tokens, on a model slow enough that none completes (and settles) before the last arrives."""
-    text = "x" * 540  # estimated 182 tokens each; 600 per minute admit three
+    """LiteLLM #18730: ten requests at once, each reserving a third of the minute's tokens, on a
+    model slow enough that none completes (and settles) before the last arrives."""
+    text = "x" * 196  # 200 tokens reserved each (a token per byte, 4 special); 600 per minute admit three
 
     def attempt(_: int) -> int:
         try:
@@ -302,6 +309,28 @@ def test_concurrent_requests_cannot_overshoot_the_tokens_limit(server):
         outcomes = list(pool.map(attempt, range(10)))
     assert outcomes.count(200) == 3
     assert outcomes.count(429) == 7
+
+
+def test_prompts_of_many_tokens_per_character_cannot_overshoot_the_tokens_limit(server):
+    """Emoji (and digits, punctuation, CJK) take a token per byte or character, not one per three
+    characters: twenty such prompts at once must not be admitted on a guess that undercounts them."""
+    started = time.monotonic()
+
+    def attempt(i: int) -> int:
+        with sdk(server, KEYS["emoji"]) as client:
+            try:
+                completion = client.completions.create(model="tiny-lm", prompt="\N{GRINNING FACE}" * 50 + str(i),
+                                                       max_tokens=1, extra_headers={"Cache-Control": "no-cache"})
+            except openai.RateLimitError:
+                return 0
+            assert completion.usage is not None
+            return completion.usage.total_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        used = list(pool.map(attempt, range(20)))
+    assert any(used) and 0 in used
+    refilled = (time.monotonic() - started) * 1000 / 60
+    assert sum(used) <= 1000 + refilled, used
 
 
 def test_a_spent_budget_is_429_insufficient_quota_and_not_retried(server):

@@ -268,11 +268,19 @@ def token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
     return list(ids)
 
 
+TEXT_SPECIAL_TOKENS = 4
+"""Tokens a tokenizer may add to a text besides its bytes' (begin and end markers, a leading space's)."""
+
+
 def estimate_text_tokens(texts: list[str]) -> float:
-    """A generous guess at a text's tokens before the model's tokenizer has seen it (a token per
-    three characters, where English averages four, plus two special tokens), reserved against the
-    tenant's tokens-per-minute limit and settled with the real count afterwards."""
-    return float(sum(len(text) // 3 + 2 for text in texts))
+    """A bound on a text's tokens before the model's tokenizer has seen it, reserved against the
+    tenant's tokens-per-minute limit and settled with the real count afterwards: a token per UTF-8
+    byte plus a few special tokens, since no tokenizer makes more than one token of a byte
+    (byte-level BPE, WordPiece, SentencePiece with byte fallback). A guess per characters would not
+    bound it: digits, punctuation, emoji or CJK text take a token per character or byte, so
+    concurrent requests admitted on a guess could overshoot the limit many times over."""
+    return float(sum((len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
+                     + TEXT_SPECIAL_TOKENS for text in texts))
 
 
 def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

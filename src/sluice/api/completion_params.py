@@ -480,15 +480,27 @@ def _bounded_int(value: int, name: str, low: int, high: int) -> int:
     return value
 
 
-def estimate_tokens(payload: wire.GeneratePayload) -> float:
-    """Reserved against the tenant's tokens-per-minute limit: the prompt's estimate plus every
-    token the request may generate; settled with the real counts when it ends."""
+MESSAGE_TEMPLATE_TOKENS = 8
+"""Tokens a chat template may write around each message (its role's markers), beyond its text's."""
+TEMPLATE_TOKENS = 32
+"""Tokens a chat template may write once (a default system line, the generation prompt)."""
+
+
+def estimate_tokens(payload: wire.GeneratePayload, max_model_len: int = 0) -> float:
+    """Reserved against the tenant's tokens-per-minute limit: a bound on the prompt's tokens
+    (`estimate_text_tokens`, with room for the chat template's) plus every token the request may
+    generate, and no more than its sequences can hold (`max_model_len`, 0: not known); settled
+    with the real counts when it ends."""
     if payload.prompt_token_ids is not None:
         prompt = float(len(payload.prompt_token_ids))
     elif payload.messages is not None:
-        prompt = estimate_text_tokens([m.content for m in payload.messages]) + 4 * len(payload.messages)
-        if payload.tools:
-            prompt += estimate_text_tokens([f"{t.name} {t.description} {t.parameters}" for t in payload.tools])
+        texts = [text for m in payload.messages
+                 for text in (m.role, m.content, *(f"{c.name} {c.arguments}" for c in m.tool_calls))]
+        texts += [f"{t.name} {t.description} {t.parameters}" for t in payload.tools or ()]
+        prompt = estimate_text_tokens(texts) + MESSAGE_TEMPLATE_TOKENS * len(payload.messages) + TEMPLATE_TOKENS
     else:
         prompt = estimate_text_tokens([payload.prompt or ""])
-    return prompt + payload.n * payload.max_tokens
+    if payload.truncate_prompt_tokens:
+        prompt = min(prompt, float(payload.truncate_prompt_tokens))
+    total = prompt + payload.n * payload.max_tokens
+    return min(total, float(payload.n * max_model_len)) if max_model_len > 0 else total

@@ -131,9 +131,10 @@ def generations(gateway: Gateway, who: Caller, info: wire.ModelInfo, payloads: l
     token estimate). `limit_headers`, if given, receives the tenant's `x-ratelimit-*` headers once
     the first is admitted."""
     # a batch of prompts is one request to the tenant's limits, however many generations it runs
-    group = RequestGroup(sum(map(estimate_tokens, payloads))) if len(payloads) > 1 else None
+    estimates = [estimate_tokens(payload, info.max_model_len) for payload in payloads]
+    group = RequestGroup(sum(estimates)) if len(payloads) > 1 else None
     return [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                             caller=replace(who, estimated_tokens=estimate_tokens(payload), group=group),
+                             caller=replace(who, estimated_tokens=estimates[p], group=group),
                              limit_headers=limit_headers if p == 0 else None)
             for p, payload in enumerate(payloads)]
 

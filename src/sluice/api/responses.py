@@ -356,7 +356,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
                                          request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
     limit_headers: dict[str, str] | None = {} if payload.stream else None
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                              caller=caller(request, priority, estimate_tokens(payload), is_traced=gateway.is_tracing),
+                              caller=caller(request, priority, estimate_tokens(payload, info.max_model_len),
+                                            is_traced=gateway.is_tracing),
                               limit_headers=limit_headers)
 
     async def keep(response: dict[str, Any]) -> None:
