@@ -8,7 +8,8 @@
      │    ├── ItemFailed         an input item was rejected by the model         -> 422
      │    └── UpstreamRefused    an upstream server refused the request          -> its 4xx
      ├── Unauthenticated         no API key, or one that matches no tenant       -> 401
-     ├── PermissionDenied        the tenant may not use this model or route      -> 403
+     ├── PermissionDenied        the key may not use this route                  -> 403
+     │    └── ModelNotPermitted  the tenant may not use this model
      ├── NotFound                no such route or resource                       -> 404
      │    └── ModelNotFound      no such model or version
      │         └── ModelRefused  it is in the repository but failed to load (final)
@@ -84,7 +85,11 @@ class Unauthenticated(SluiceError):
 
 
 class PermissionDenied(SluiceError):
-    """The tenant is known but may not use this model (or route)."""
+    """The key is known but may not use this route (an admin's, a tenant's on an admin route)."""
+
+
+class ModelNotPermitted(PermissionDenied):
+    """The tenant is known but may not use this model."""
 
 
 class NotFound(SluiceError):

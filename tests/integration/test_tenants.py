@@ -377,6 +377,20 @@ def test_admin_scope_is_separate_from_tenant_keys(server):
         client.embeddings.create(model="emulated", input="hi")
 
 
+def test_a_403_that_is_not_about_a_model_does_not_say_model_not_permitted(server):
+    """The error code names the refusal: an admin key running inference, or a tenant's key on an
+    admin route, is not a model the tenant may not use."""
+    with sdk(server, ADMIN_KEY) as client, pytest.raises(openai.PermissionDeniedError) as admin_infers:
+        client.embeddings.create(model="emulated", input="hi")
+    assert admin_infers.value.body["code"] == "permission_denied"  # type: ignore[index]
+    tenant_admins = httpx.post(f"{server.url}/admin/reload", headers={"Authorization": f"Bearer {KEYS['alpha']}"})
+    assert tenant_admins.status_code == 403
+    assert tenant_admins.json()["error"]["code"] == "permission_denied"
+    with sdk(server, KEYS["beta"]) as client, pytest.raises(openai.PermissionDeniedError) as forbidden:
+        client.embeddings.create(model="slow", input="hi")
+    assert forbidden.value.body["code"] == "model_not_permitted"  # type: ignore[index]
+
+
 def test_sighup_reloads_keys_without_dropping_requests_in_flight(server, tenants_file: Path):
     new = add_key(tenants_file, "gamma")
     with sdk(server, new) as client, pytest.raises(openai.AuthenticationError):

@@ -26,6 +26,7 @@ from sluice.errors import (
     InvalidInput,
     ItemFailed,
     ModelNotFound,
+    ModelNotPermitted,
     ModelNotReady,
     ModelRefused,
     NotFound,
@@ -59,7 +60,8 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (UpstreamRefused, Status(400, "invalid_request_error", "upstream_refused")),  # with the upstream's status
     (InvalidInput, Status(400, "invalid_request_error", "invalid_request")),
     (Unauthenticated, Status(401, "invalid_request_error", "invalid_api_key")),
-    (PermissionDenied, Status(403, "invalid_request_error", "model_not_permitted")),
+    (ModelNotPermitted, Status(403, "invalid_request_error", "model_not_permitted")),
+    (PermissionDenied, Status(403, "invalid_request_error", "permission_denied")),
     (BudgetExhausted, Status(429, "insufficient_quota", "insufficient_quota")),
     (RateLimited, Status(429, "rate_limit_exceeded", "rate_limit_exceeded")),
     (ModelRefused, Status(404, "invalid_request_error", "model_load_failed")),

@@ -22,7 +22,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from sluice.clock import Clock
-from sluice.errors import BudgetExhausted, PermissionDenied, RateLimited, Unauthenticated
+from sluice.errors import BudgetExhausted, ModelNotPermitted, PermissionDenied, RateLimited, Unauthenticated
 from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration
 from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.tenants import LOCAL_TENANT, Tenant, TenantDirectory, load_tenants
@@ -126,7 +126,7 @@ class Tenancy:
 
     def authorize(self, tenant: Tenant, model: str) -> None:
         if not tenant.may_use(model):
-            raise PermissionDenied(f"this API key may not use the model {model!r}")
+            raise ModelNotPermitted(f"this API key may not use the model {model!r}")
 
     def visible(self, tenant: Tenant, models: Iterable[str]) -> list[str]:
         return [name for name in models if tenant.may_use(name)]
