@@ -31,10 +31,12 @@ class Priority(enum.IntEnum):
         return self.name.lower()
 
 
-# OpenAI's service_tier values mapped onto our classes ("auto"/"default" keep the tenant's class)
+# OpenAI's service_tier values mapped onto our classes ("auto"/"default" keep the tenant's class;
+# "priority" and "scale", OpenAI's faster tiers, ask for the most a tenant may have)
 _ALIASES = {
     "interactive": Priority.INTERACTIVE,
     "priority": Priority.INTERACTIVE,
+    "scale": Priority.INTERACTIVE,
     "standard": Priority.STANDARD,
     "batch": Priority.BATCH,
     "flex": Priority.BATCH,
