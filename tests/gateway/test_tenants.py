@@ -83,6 +83,25 @@ def test_a_tenants_file_that_is_not_utf8_is_refused_with_the_reason(tmp_path: Pa
         load_tenants(path)
 
 
+def test_keys_create_keeps_the_files_permissions(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.acme]\n")
+    path.chmod(0o644)  # read by a server that runs as another user
+    add_key(path, "acme")
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_keys_create_names_the_tenants_file_in_its_errors(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.acme]\n")
+    with pytest.raises(ConfigError) as caught:
+        add_key(path, "bad name")
+    assert caught.value.message.startswith(f"{path}: [tenants.bad name]: a tenant name is")
+    assert path.read_text() == "[tenants.acme]\n"
+    with pytest.raises(ConfigError, match="cannot write tenants file"):
+        add_key(tmp_path / "no-such-folder" / "tenants.toml", "acme")
+
+
 def test_keys_create_admin_on_a_new_file_says_the_server_needs_a_tenant_too(tmp_path: Path):
     from click.testing import CliRunner
 

@@ -8,6 +8,7 @@ it is replaced (atomically), so a running server's SIGHUP never reads a half-wri
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -44,12 +45,23 @@ def add_key(path: Path, tenant: str | None, *, metrics: bool = False) -> str:
 
 
 def _replace(path: Path, text: str, needs_tenant: bool) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent.resolve(), prefix=f".{path.name}.", suffix=".tmp")
+    """Write `text` to `path` through a file beside it, renamed over it: keeping `path`'s
+    permissions (a temporary file is created readable by its owner alone, which would lock out a
+    server that runs as another user and reads the file on SIGHUP)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent.resolve(), prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise ConfigError(f"cannot write tenants file {path}: {exc.strerror}") from exc
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         if needs_tenant:
-            load_tenants(Path(tmp))  # refuse to write a file the server would not load
+            try:  # refuse to write a file the server would not load
+                load_tenants(Path(tmp))
+            except ConfigError as exc:
+                raise ConfigError(exc.message.replace(tmp, str(path))) from None
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
