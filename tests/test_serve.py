@@ -125,3 +125,28 @@ def test_port_0_is_served_on_a_free_port_that_the_banner_names(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def test_the_banners_examples_send_a_key_when_the_server_asks_for_one():
+    """Under a tenants file a keyless curl is a 401: the examples take the key from the
+    environment (never holding one), and /metrics' from its own when it needs one."""
+    from sluice import wire
+    from sluice.serve import _examples
+
+    spec = wire.TensorSpec("INPUT0", "FP32", (-1, -1))
+    info = wire.ModelInfo(name="emulated", version="1", kind="emulated", platform="sluice_emulated", inputs=(spec,),
+                          outputs=(wire.TensorSpec("OUTPUT0", "FP32", (-1,)),), max_batch_size=32, slo_s=0.09,
+                          accepts_text=True, accepts_tensor=True)
+    models = {"emulated": {"1": info}}
+    url = "http://127.0.0.1:8000"
+    open_lines = _examples(url, models)
+    assert not any("Authorization" in line or "--key" in line for line in open_lines)
+    keyed = _examples(url, models, needs_key=True, metrics_need_key=True)
+    curls = [line for line in keyed if line.startswith("  curl ")]
+    assert len(curls) == 3
+    for line in curls[:2]:  # the inference examples
+        assert '-H "Authorization: Bearer $SLUICE_API_KEY"' in line, line
+    assert curls[2] == f'  curl {url}/metrics -H "Authorization: Bearer $SLUICE_METRICS_KEY"'
+    assert any(line.startswith(f'  sluice top --url {url} --key "$SLUICE_METRICS_KEY"') for line in keyed)
+    tenant_only = _examples(url, models, needs_key=True)
+    assert f"  curl {url}/metrics" in tenant_only  # /metrics is open unless [metrics] access = "keys"

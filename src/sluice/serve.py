@@ -375,7 +375,7 @@ def _banner(url: str, gateway: Gateway, devices: list[str], grpc_url: str | None
         lines.append(f"  tenants: {len(tenancy.directory.tenants)} from {escape(str(tenancy.directory.path))} "
                      "(send 'Authorization: Bearer <key>'; SIGHUP reloads the file)")
     lines.append(f"  result cache: {_describe_cache(gateway)}")
-    return lines + _examples(url, models)
+    return lines + _examples(url, models, needs_key=not tenancy.is_open, metrics_need_key=tenancy.guards_metrics)
 
 
 def _describe_cache(gateway: Gateway) -> str:
@@ -402,22 +402,28 @@ def _one_row(info: wire.ModelInfo) -> str:
     return json.dumps({"inputs": inputs})
 
 
-def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]]) -> list[str]:
+def _examples(url: str, models: dict[str, dict[str, wire.ModelInfo]], *, needs_key: bool = False,
+              metrics_need_key: bool = False) -> list[str]:
+    """Commands to try the server with; under a tenants file they send a key (from the
+    environment: the banner never holds one), as the server will ask for it."""
+    key = ' -H "Authorization: Bearer $SLUICE_API_KEY"' if needs_key else ""
+    metrics_key = ' -H "Authorization: Bearer $SLUICE_METRICS_KEY"' if metrics_need_key else ""
     text_model = next((n for n, v in models.items() if any(i.kind == "embedding" for i in v.values())),
                       next((n for n, v in models.items() if any(i.accepts_text for i in v.values())), None))
     tensor = next((i for v in models.values() for i in v.values()
                    if i.accepts_tensor and not i.named_io and i.inputs[0].datatype == "FP32"), None)
     lines = ["Try:"]
     if text_model:
-        lines.append(escape(f"  curl {url}/v1/embeddings -H 'Content-Type: application/json' "
+        lines.append(escape(f"  curl {url}/v1/embeddings{key} -H 'Content-Type: application/json' "
                             f"-d '{{\"model\": \"{text_model}\", \"input\": \"hello world\"}}'"))
     named = next((i for v in models.values() for i in v.values() if i.named_io), None)
     if tensor:
-        lines.append(escape(f"  curl {url}/v2/models/{tensor.name}/infer -d '{{\"inputs\": [{{\"name\": "
+        lines.append(escape(f"  curl {url}/v2/models/{tensor.name}/infer{key} -d '{{\"inputs\": [{{\"name\": "
                             f"\"{tensor.inputs[0].name}\", \"shape\": [1, 4], \"datatype\": \"FP32\", "
                             f"\"data\": [1, 2, 3, 4]}}]}}'"))
     elif named:
-        lines.append(escape(f"  curl {url}/v2/models/{named.name}/infer -d '{_one_row(named)}'"))
-    lines.append(f"  curl {url}/metrics")
-    lines.append(f"  sluice top --url {url}        # batches, queues and latency, live")
+        lines.append(escape(f"  curl {url}/v2/models/{named.name}/infer{key} -d '{_one_row(named)}'"))
+    lines.append(escape(f"  curl {url}/metrics{metrics_key}"))
+    top_key = ' --key "$SLUICE_METRICS_KEY"' if metrics_need_key else ""
+    lines.append(escape(f"  sluice top --url {url}{top_key}        # batches, queues and latency, live"))
     return lines
