@@ -413,8 +413,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     accepts_text: bool
     accepts_tensor: bool
     max_model_len: int = 0
-    """Generative models: prompt + output tokens it can hold; embedding models: tokens of one input
-    (0: not known), for checks at the API."""
+    """Generative models: prompt + output tokens it can hold; embedding models: the tokens it keeps
+    of an input (0: not known). For checks at the API, and a bound on what a request can use."""
     vocab_size: int = 0
     """Token ids must be below this (0: not known)."""
     accepts_token_ids: bool = False

@@ -63,6 +63,7 @@ def test_info_describes_a_text_to_384_dims_model(runner: EmbeddingRunner) -> Non
     assert info.outputs == (wire.TensorSpec("embedding", "FP32", (-1, 384)),)
     assert info.max_batch_size == 32
     assert info.slo_s == pytest.approx(0.5)
+    assert info.max_model_len == 256  # what it keeps of an input: the bound a tokens limit reserves
 
 
 def test_embeddings_match_sentence_transformers(runner: EmbeddingRunner, version: ModelVersion) -> None:

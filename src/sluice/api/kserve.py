@@ -183,7 +183,7 @@ def infer_terms(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[st
     parameter with the `x-sluice-priority` header or metadata), checked alike for HTTP and gRPC."""
     payload = _to_payload(info, tensors)
     timeout_s, priority = request_terms(parameters, priority_header, max_timeout_s)
-    tokens = estimate_text_tokens(payload.texts) if isinstance(payload, wire.TextPayload) else 0.0
+    tokens = estimate_text_tokens(payload.texts, info.max_model_len) if isinstance(payload, wire.TextPayload) else 0.0
     return InferTerms(payload, timeout_s, priority, tokens)
 
 

@@ -151,7 +151,7 @@ def _inputs(raw: str | list[Any], info: wire.ModelInfo) -> tuple[wire.TextPayloa
     tenant's tokens-per-minute limit: a guess for texts, the count for token ids)."""
     if isinstance(raw, str) or all(isinstance(one, str) for one in raw[:MAX_TEXT_ITEMS + 1]):
         texts = check_texts([raw] if isinstance(raw, str) else raw, "'input'", param="input")
-        return wire.TextPayload(texts), estimate_text_tokens(texts)
+        return wire.TextPayload(texts), estimate_text_tokens(texts, info.max_model_len)
     inputs = texts_or_token_ids(raw, "input", info.vocab_size or TOKEN_ID_LIMIT, MAX_TEXT_ITEMS, "inputs")
     if not info.accepts_token_ids:
         raise InvalidInput(f"model {info.name!r} takes 'input' as strings only, not token ids", param="input")
@@ -172,7 +172,8 @@ def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:
 
 def _model_card(name: str, versions: Mapping[str, wire.ModelInfo]) -> dict[str, Any]:
     """OpenAI's model object; a generative model's also says its context (`max_model_len`, as vLLM's
-    does, the smallest of its ready versions': what every request to it may use)."""
+    does, the smallest of its ready versions': what every request to it may use), an embedding
+    model's the tokens it keeps of an input."""
     card: dict[str, Any] = {"id": name, "object": "model", "created": _STARTED, "owned_by": "sluice"}
     contexts = [info.max_model_len for info in versions.values() if info.max_model_len]
     if contexts:

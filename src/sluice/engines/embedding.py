@@ -99,7 +99,7 @@ class EmbeddingRunner:
             slo_s=version.slo_s,
             accepts_text=True,
             accepts_tensor=False,
-            max_model_len=self.max_seq_len,
+            max_model_len=self.max_seq_len,  # what it keeps of an input: a bound on its tokens
             vocab_size=self.vocab_size,
             accepts_token_ids=self.vocab_size > 0,
             cache_revision=version.cache_revision,
