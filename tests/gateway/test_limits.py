@@ -34,8 +34,8 @@ class _Shared:
     def configure(self, tenants: Iterable[Tenant]) -> None:
         """Nothing to do: the shared limiter takes each tenant's limits with every call."""
 
-    def admit(self, tenant: Tenant, tokens: float) -> Reservation | Refusal:
-        return self._runner.run(self._limiter.admit(tenant, tokens))
+    def admit(self, tenant: Tenant, tokens: float, likely: float | None = None) -> Reservation | Refusal:
+        return self._runner.run(self._limiter.admit(tenant, tokens, likely))
 
     def settle(self, reservation: Reservation, tokens: float, device_s: float, **kwargs: Any) -> None:
         self._runner.run(self._limiter.settle(reservation, tokens, device_s, **kwargs))
@@ -112,6 +112,28 @@ def test_settling_twice_counts_once(limiter):
     lim.settle(reservation, 0, device_s=1.0)
     assert lim.usage(tenant).device_s == pytest.approx(1.0)
     assert isinstance(lim.admit(tenant, 0), Reservation)
+
+
+def test_a_bound_above_a_minutes_tokens_waits_for_a_full_bucket_and_settles_its_real_count(limiter):
+    """A long English prompt: its bound (a token per byte) is over the minute's 60 tokens, its
+    likely count (20) is not. It is not refused for good: it reserves the whole minute, so it waits
+    while anything else holds tokens, and its real count is settled afterwards."""
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, tokens_per_min=60)
+    held = lim.admit(tenant, 10)
+    assert isinstance(held, Reservation)
+    waiting = lim.admit(tenant, 90, 20)
+    assert isinstance(waiting, Refusal) and not waiting.too_large and waiting.limit == "tokens"
+    lim.settle(held, 10, device_s=0.0)
+    clock.advance(10.0)  # the bucket refills to its minute's 60
+    reservation = lim.admit(tenant, 90, 20)
+    assert isinstance(reservation, Reservation)
+    assert {s.name: s.remaining for s in reservation.statuses}["tokens"] == 0
+    lim.settle(reservation, 25, device_s=0.0)
+    after = lim.admit(tenant, 35)
+    assert isinstance(after, Reservation), "the 35 tokens it did not use came back"
+    refusal = lim.admit(tenant, 300, 61)
+    assert isinstance(refusal, Refusal) and refusal.too_large, "likely over a minute's tokens: refused for good"
 
 
 def test_a_request_larger_than_a_minutes_tokens_is_refused_for_good_and_takes_nothing(limiter):

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
 KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single",
-                                  "emoji")}
+                                  "emoji", "prose")}
 ADMIN_KEY = new_key()
 METRICS_KEY = new_key()
 
@@ -81,6 +81,11 @@ max_concurrent = 1
 api_keys = ["{hash_key(KEYS['emoji'])}"]
 tokens_per_min = 1000
 models = ["tiny-lm"]
+
+[tenants.prose]
+api_keys = ["{hash_key(KEYS['prose'])}"]
+tokens_per_min = 100
+models = ["emulated"]
 """
 
 
@@ -291,6 +296,17 @@ def test_tokens_limit_refuses_without_consuming_a_request(server):
     assert caught.value.body["code"] == "tokens_limit_exceeded"  # type: ignore[index]
     assert "request too large" not in caught.value.body["message"]  # type: ignore[index]
     assert 50 <= int(caught.value.response.headers["x-ratelimit-remaining-tokens"]) < 84
+
+
+def test_a_text_whose_bound_exceeds_the_minute_but_whose_likely_count_fits_is_served(server):
+    """200 characters of prose: bound 204 tokens (a token per byte), likely ~68, against 100 a
+    minute. It waits for a full bucket rather than being refused for good; 500 characters (likely
+    ~168) are too large."""
+    answer = embed(server, "prose", text="word " * 40)
+    assert answer.http_response.status_code == 200
+    with pytest.raises(openai.RateLimitError) as caught:
+        embed(server, "prose", text="word " * 100)
+    assert "request too large" in caught.value.body["message"]  # type: ignore[index]
 
 
 def test_concurrent_requests_cannot_overshoot_the_tokens_limit(server):

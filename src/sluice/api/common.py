@@ -205,7 +205,8 @@ def priority_of(header: str | None, *body_values: tuple[str, Any]) -> Priority |
 
 
 def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0, *,
-           is_traced: bool = False, cache: CachePolicy | None = None, group: RequestGroup | None = None) -> Caller:
+           is_traced: bool = False, cache: CachePolicy | None = None, group: RequestGroup | None = None,
+           likely_tokens: float | None = None) -> Caller:
     """`is_traced`: the server exports traces, so the client's `traceparent` is read (a header
     lookup that misses costs more than the rest of this, on every request). `cache`: the request's
     `Cache-Control` policy if the caller read it already (else it is read here). `group`: the
@@ -215,7 +216,7 @@ def caller(request: Request, priority: Priority | None, estimated_tokens: float 
     if cache is None:
         cache = cache_policy(headers.get("cache-control"))
     return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache, group,
-                  request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
+                  request.scope.get(BACKGROUND_SCOPE_KEY, False) is True, likely_tokens)
 
 
 MAX_TEXT_ITEMS = 2048
@@ -285,6 +286,14 @@ def estimate_text_tokens(texts: list[str], max_tokens_per_text: int = 0) -> floa
     bound = max_tokens_per_text if max_tokens_per_text > 0 else math.inf
     return float(sum(min((len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
                          + TEXT_SPECIAL_TOKENS, bound) for text in texts))
+
+
+def likely_text_tokens(texts: list[str], max_tokens_per_text: int = 0) -> float:
+    """A guess at a text's tokens (a token per three characters, where English averages four, plus
+    two special tokens), which decides whether a request is too large for its tenant's limit at
+    all: the bound (`estimate_text_tokens`) would refuse for good long texts that fit."""
+    bound = max_tokens_per_text if max_tokens_per_text > 0 else math.inf
+    return float(sum(min(len(text) // 3 + 2, bound) for text in texts))
 
 
 def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

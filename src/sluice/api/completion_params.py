@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from sluice import wire
-from sluice.api.common import estimate_text_tokens, texts_or_token_ids, token_ids
+from sluice.api.common import estimate_text_tokens, likely_text_tokens, texts_or_token_ids, token_ids
 from sluice.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
 
@@ -486,20 +486,22 @@ TEMPLATE_TOKENS = 32
 """Tokens a chat template may write once (a default system line, the generation prompt)."""
 
 
-def estimate_tokens(payload: wire.GeneratePayload, max_model_len: int = 0) -> float:
+def estimate_tokens(payload: wire.GeneratePayload, max_model_len: int = 0, *, likely: bool = False) -> float:
     """Reserved against the tenant's tokens-per-minute limit: a bound on the prompt's tokens
     (`estimate_text_tokens`, with room for the chat template's) plus every token the request may
     generate, and no more than its sequences can hold (`max_model_len`, 0: not known); settled
-    with the real counts when it ends."""
+    with the real counts when it ends. `likely`: the prompt's likely tokens instead of a bound
+    (`likely_text_tokens`), which judge whether it is too large for the limit at all."""
+    count = likely_text_tokens if likely else estimate_text_tokens
     if payload.prompt_token_ids is not None:
         prompt = float(len(payload.prompt_token_ids))
     elif payload.messages is not None:
         texts = [text for m in payload.messages
                  for text in (m.role, m.content, *(f"{c.name} {c.arguments}" for c in m.tool_calls))]
         texts += [f"{t.name} {t.description} {t.parameters}" for t in payload.tools or ()]
-        prompt = estimate_text_tokens(texts) + MESSAGE_TEMPLATE_TOKENS * len(payload.messages) + TEMPLATE_TOKENS
+        prompt = count(texts) + MESSAGE_TEMPLATE_TOKENS * len(payload.messages) + TEMPLATE_TOKENS
     else:
-        prompt = estimate_text_tokens([payload.prompt or ""])
+        prompt = count([payload.prompt or ""])
     if payload.truncate_prompt_tokens:
         prompt = min(prompt, float(payload.truncate_prompt_tokens))
     total = prompt + payload.n * payload.max_tokens

@@ -132,9 +132,10 @@ def generations(gateway: Gateway, who: Caller, info: wire.ModelInfo, payloads: l
     the first is admitted."""
     # a batch of prompts is one request to the tenant's limits, however many generations it runs
     estimates = [estimate_tokens(payload, info.max_model_len) for payload in payloads]
-    group = RequestGroup(sum(estimates)) if len(payloads) > 1 else None
+    likely = [estimate_tokens(payload, info.max_model_len, likely=True) for payload in payloads]
+    group = RequestGroup(sum(estimates), sum(likely)) if len(payloads) > 1 else None
     return [gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
-                             caller=replace(who, estimated_tokens=estimates[p], group=group),
+                             caller=replace(who, estimated_tokens=estimates[p], likely_tokens=likely[p], group=group),
                              limit_headers=limit_headers if p == 0 else None)
             for p, payload in enumerate(payloads)]
 

@@ -31,6 +31,7 @@ from sluice.api.common import (
     estimate_text_tokens,
     header_timeout_s,
     json_response,
+    likely_text_tokens,
     parse_count,
     priority_of,
     request_tenant,
@@ -114,7 +115,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
                                 gateway.max_timeout_s)
             binary_outputs = _binary_outputs(info, parsed)
-        who = caller(request, terms.priority, terms.tokens, is_traced=gateway.is_tracing, cache=screened.early.cache)
+        who = caller(request, terms.priority, terms.tokens, is_traced=gateway.is_tracing, cache=screened.early.cache,
+                     likely_tokens=terms.likely_tokens)
         timeout_s = terms.timeout_s
         if timeout_s is None:
             timeout_s = screened.header_timeout
@@ -174,7 +176,9 @@ class InferTerms:
     """From the `timeout` parameter (microseconds); None if it has none."""
     priority: Priority | None
     tokens: float
-    """The estimate reserved against the tenant's tokens-per-minute limit."""
+    """The bound reserved against the tenant's tokens-per-minute limit."""
+    likely_tokens: float
+    """A guess at them (`Caller.likely_tokens`)."""
 
 
 def infer_terms(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[str, Any], priority_header: str | None,
@@ -183,8 +187,10 @@ def infer_terms(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[st
     parameter with the `x-sluice-priority` header or metadata), checked alike for HTTP and gRPC."""
     payload = _to_payload(info, tensors)
     timeout_s, priority = request_terms(parameters, priority_header, max_timeout_s)
-    tokens = estimate_text_tokens(payload.texts, info.max_model_len) if isinstance(payload, wire.TextPayload) else 0.0
-    return InferTerms(payload, timeout_s, priority, tokens)
+    texts = payload.texts if isinstance(payload, wire.TextPayload) else []
+    tokens = estimate_text_tokens(texts, info.max_model_len)
+    likely = likely_text_tokens(texts, info.max_model_len)
+    return InferTerms(payload, timeout_s, priority, tokens, likely)
 
 
 def request_terms(parameters: dict[str, Any], priority_header: str | None,

@@ -327,7 +327,7 @@ class KServeGrpc:
                                 call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
         timeout_s = _deadline_s(terms.timeout_s, time_remaining_s, gateway.max_timeout_s)
-        who = self._caller(call, tenant, terms.priority, terms.tokens)
+        who = self._caller(call, tenant, terms.priority, terms.tokens, terms.likely_tokens)
         key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
@@ -347,9 +347,10 @@ class KServeGrpc:
                                                arrived_at)
         return _response(info, request.id, payload, [o.name for o in request.outputs] or None), headers or {}
 
-    def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0) -> Caller:
+    def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0,
+                likely_tokens: float | None = None) -> Caller:
         return Caller(tenant, priority, tokens, call.metadata.get("traceparent") if self._gateway.is_tracing else None,
-                      cache_policy(call.metadata.get("cache-control")))
+                      cache_policy(call.metadata.get("cache-control")), likely_tokens=likely_tokens)
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:

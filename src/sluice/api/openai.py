@@ -31,6 +31,7 @@ from sluice.api.common import (
     estimate_text_tokens,
     header_timeout_s,
     json_response,
+    likely_text_tokens,
     request_tenant,
     requested_priority,
     resolve_openai,
@@ -85,11 +86,11 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                 if not info.accepts_text:
                     raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                        f"use /v2/models/{parsed.model}/infer", param="model")
-                payload, num_tokens = _inputs(parsed.input, info)
+                payload, num_tokens, likely_tokens = _inputs(parsed.input, info)
                 _check_dimensions(info, parsed.dimensions, None)
                 priority = requested_priority(request, ("service_tier", parsed.service_tier),
                                               ("priority", parsed.priority))
-            who = caller(request, priority, num_tokens, is_traced=gateway.is_tracing)
+            who = caller(request, priority, num_tokens, is_traced=gateway.is_tracing, likely_tokens=likely_tokens)
             first = _Screened(arrived_at, timeout_s, parsed, info, who, payload, gateway.cache_key(info, payload, who))
         gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who, first.key)
         return first
@@ -146,12 +147,14 @@ def _check_dimensions(info: wire.ModelInfo, dimensions: int | None, produced: in
                            f"{dimensions}", param="dimensions")
 
 
-def _inputs(raw: str | list[Any], info: wire.ModelInfo) -> tuple[wire.TextPayload | wire.TokensPayload, float]:
-    """The request's inputs, and the tokens they are expected to hold (reserved against the
-    tenant's tokens-per-minute limit: a guess for texts, the count for token ids)."""
+def _inputs(raw: str | list[Any],
+            info: wire.ModelInfo) -> tuple[wire.TextPayload | wire.TokensPayload, float, float | None]:
+    """The request's inputs, a bound on their tokens and a guess at them (`Caller`: for token
+    ids, their count and None)."""
     if isinstance(raw, str) or all(isinstance(one, str) for one in raw[:MAX_TEXT_ITEMS + 1]):
         texts = check_texts([raw] if isinstance(raw, str) else raw, "'input'", param="input")
-        return wire.TextPayload(texts), estimate_text_tokens(texts, info.max_model_len)
+        return (wire.TextPayload(texts), estimate_text_tokens(texts, info.max_model_len),
+                likely_text_tokens(texts, info.max_model_len))
     inputs = texts_or_token_ids(raw, "input", info.vocab_size or TOKEN_ID_LIMIT, MAX_TEXT_ITEMS, "inputs")
     if not info.accepts_token_ids:
         raise InvalidInput(f"model {info.name!r} takes 'input' as strings only, not token ids", param="input")
@@ -160,7 +163,7 @@ def _inputs(raw: str | list[Any], info: wire.ModelInfo) -> tuple[wire.TextPayloa
     if info.max_model_len and longest > info.max_model_len:
         raise InvalidInput(f"an input has {longest} token ids; model {info.name!r} takes at most "
                            f"{info.max_model_len}", param="input")
-    return wire.TokensPayload(ids), float(sum(len(one) for one in ids))
+    return wire.TokensPayload(ids), float(sum(len(one) for one in ids)), None
 
 
 def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:

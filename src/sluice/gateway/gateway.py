@@ -89,7 +89,8 @@ class Caller:
     priority: Priority | None = None
     """The class the request asked for; it can only lower the tenant's default."""
     estimated_tokens: float = 0.0
-    """Reserved against the tenant's tokens-per-minute limit until the real count is known."""
+    """A bound on the request's tokens, reserved against the tenant's tokens-per-minute limit until
+    the real count is known."""
     traceparent: str | None = None
     """The caller's W3C trace context, if it sent one: the request's span joins that trace."""
     cache: CachePolicy = CachePolicy.USE
@@ -100,6 +101,9 @@ class Caller:
     background: bool = False
     """A batch job's item (the job executor's, never a client's say): it yields to online work
     on the device (`sluice.scheduler.backlog`)."""
+    likely_tokens: float | None = None
+    """A guess at its tokens (`estimated_tokens` is a bound): a request likely to need more than a
+    minute's worth is refused for good. None: the bound is the guess."""
 
 
 class Gateway:
@@ -687,7 +691,7 @@ class Gateway:
         self.tenancy.authorize(tenant, info.name)
         priority = effective_priority(tenant.priority, caller.priority)
         if caller.group is None:
-            reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens)
+            reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens, caller.likely_tokens)
         else:
             reservation = await caller.group.admit(self.tenancy, tenant, priority)
         deadline = started + (timeout_s if timeout_s is not None else default_s or info.slo_s)

@@ -9,9 +9,13 @@ Pure policy over an injected clock. Rules:
   nothing from the others;
 - tokens are reserved at admission from an estimate and settled with the real count when the
   request completes, so concurrent requests cannot overshoot a tokens-per-minute limit between
-  admission and completion (they would, if counted only afterwards);
-- a bucket holds at most one minute's worth, refilled continuously; a request larger than a whole
-  minute's tokens is refused outright (`too_large`: no wait would let it through), as OpenAI does;
+  admission and completion (they would, if counted only afterwards). The estimate is a bound (the
+  API's: a token per byte of text), so that the reservations of requests in flight cover what they
+  can use; it reserves at most a minute's tokens, so a request whose bound is larger waits for a
+  full bucket and settles its real count afterwards (taking the bucket below zero if it used more);
+- a bucket holds at most one minute's worth, refilled continuously; a request *likely* larger than
+  a whole minute's tokens (a second, closer guess; the bound when none is given) is refused
+  outright (`too_large`: no wait would let it through), as OpenAI does;
 - credits are device-seconds per period (fixed windows on the limiter's clock: `sluice serve`
   gives it the wall clock, so a daily budget resets at 00:00 UTC), charged with the
   device time the tenant's requests actually used; a request is admitted while the period's use is
@@ -28,7 +32,7 @@ from sluice.clock import Clock
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["LimitStatus", "Refusal", "Reservation", "TenantLimiter", "TokenBucket", "Usage", "format_duration",
-           "too_large"]
+           "likely_count", "reserved_tokens", "too_large"]
 
 
 class TokenBucket:
@@ -130,7 +134,10 @@ class TenantLimiter:
             states[tenant.name] = _new_state(tenant, self._states.get(tenant.name), now)
         self._states = states
 
-    def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+    def admit(self, tenant: Tenant, estimated_tokens: float,
+              likely_tokens: float | None = None) -> Reservation | Refusal:
+        """`estimated_tokens`: a bound on what the request can use (reserved up to a minute's worth);
+        `likely_tokens`: what it likely uses (judges `too_large`; None: the bound)."""
         now = self._clock.now()
         state = self._states.get(tenant.name)
         if state is None:  # not in the configured set (a caller's own Tenant): limits start fresh
@@ -139,15 +146,19 @@ class TenantLimiter:
             if bucket is not None:
                 bucket.refill(now)
         self._roll_period(state, now)
-        refusal = self._check(state, estimated_tokens, now)
+        statuses = _statuses(state)
+        if (refusal := too_large(tenant, likely_count(estimated_tokens, likely_tokens), statuses)) is not None:
+            return refusal
+        reserved = reserved_tokens(tenant, estimated_tokens)
+        refusal = self._check(state, reserved, now)
         if refusal is not None:
             return refusal
         if state.requests is not None:
             state.requests.adjust(-1)
         if state.tokens is not None:
-            state.tokens.adjust(-estimated_tokens)
+            state.tokens.adjust(-reserved)
         state.num_in_flight += 1
-        return Reservation(tenant.name, estimated_tokens, _statuses(state), admitted_at=now)
+        return Reservation(tenant.name, reserved, _statuses(state), admitted_at=now)
 
     def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
                refund_request: bool = False) -> None:
@@ -179,8 +190,6 @@ class TenantLimiter:
 
     def _check(self, state: _TenantState, tokens: float, now: float) -> Refusal | None:
         tenant = state.tenant
-        if (refusal := too_large(tenant, tokens, _statuses(state))) is not None:
-            return refusal
         if tenant.max_concurrent and state.num_in_flight >= tenant.max_concurrent:
             return Refusal("concurrency", next_slot_s(state.request_s, state.num_in_flight), False, _statuses(state))
         if tenant.credits_device_s and state.used_device_s >= tenant.credits_device_s:
@@ -217,6 +226,16 @@ def next_slot_s(mean_request_s: float | None, num_in_flight: int) -> float:
     if mean_request_s is None:
         return 1.0
     return max(mean_request_s / (num_in_flight + 1), 0.001)
+
+
+def reserved_tokens(tenant: Tenant, estimated_tokens: float) -> float:
+    """What a request reserves of its tenant's tokens: its bound, at most a minute's worth."""
+    return min(estimated_tokens, tenant.tokens_per_min) if tenant.tokens_per_min > 0 else estimated_tokens
+
+
+def likely_count(estimated_tokens: float, likely_tokens: float | None) -> float:
+    """The tokens a request likely uses, which judge `too_large`: its guess, never above its bound."""
+    return estimated_tokens if likely_tokens is None else min(likely_tokens, estimated_tokens)
 
 
 def too_large(tenant: Tenant, tokens: float, statuses: tuple[LimitStatus, ...] = ()) -> Refusal | None:

@@ -42,7 +42,16 @@ from redis.exceptions import RedisError
 
 from sluice.circuit import CircuitBreaker, CircuitConfig
 from sluice.clock import Clock, WallClock
-from sluice.gateway.limits import REQUEST_S_WEIGHT, LimitStatus, Refusal, Reservation, Usage, too_large
+from sluice.gateway.limits import (
+    REQUEST_S_WEIGHT,
+    LimitStatus,
+    Refusal,
+    Reservation,
+    Usage,
+    likely_count,
+    reserved_tokens,
+    too_large,
+)
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["SharedLimiter"]
@@ -189,9 +198,12 @@ class SharedLimiter:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def admit(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
-        if (refusal := too_large(tenant, estimated_tokens)) is not None:
+    async def admit(self, tenant: Tenant, estimated_tokens: float,
+                    likely_tokens: float | None = None) -> Reservation | Refusal:
+        """As `TenantLimiter.admit`, the limits held in Redis for every gateway."""
+        if (refusal := too_large(tenant, likely_count(estimated_tokens, likely_tokens))) is not None:
             return refusal
+        estimated_tokens = reserved_tokens(tenant, estimated_tokens)
         if self._unsettled:
             await self._flush_unsettled()  # frees the slots they hold before this request counts them
         now = self._clock.now()

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from sluice.clock import Clock
 from sluice.errors import BudgetExhausted, ModelNotPermitted, PermissionDenied, RateLimited, Unauthenticated
-from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration
+from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration, likely_count
 from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.tenants import LOCAL_TENANT, Tenant, TenantDirectory, load_tenants
 from sluice.metrics import GatewayMetrics
@@ -133,11 +133,14 @@ class Tenancy:
 
     # -- limits --------------------------------------------------------------------------------
 
-    async def admit(self, tenant: Tenant, priority: Priority, estimated_tokens: float) -> Reservation:
-        outcome = await self._admit_limits(tenant, estimated_tokens)
+    async def admit(self, tenant: Tenant, priority: Priority, estimated_tokens: float,
+                    likely_tokens: float | None = None) -> Reservation:
+        """`estimated_tokens` bounds what the request can use, `likely_tokens` guesses it
+        (`TenantLimiter.admit`)."""
+        outcome = await self._admit_limits(tenant, estimated_tokens, likely_tokens)
         if isinstance(outcome, Refusal):
             self._metrics.tenant_rejected(tenant.name, priority.label, outcome.limit)
-            raise _refusal_error(tenant, outcome, estimated_tokens)
+            raise _refusal_error(tenant, outcome, likely_count(estimated_tokens, likely_tokens))
         self._metrics.tenant_admitted(tenant.name, priority.label)
         return outcome
 
@@ -184,16 +187,17 @@ class Tenancy:
         if self._shared is not None:
             await self._shared.aclose()
 
-    async def _admit_limits(self, tenant: Tenant, estimated_tokens: float) -> Reservation | Refusal:
+    async def _admit_limits(self, tenant: Tenant, estimated_tokens: float,
+                            likely_tokens: float | None) -> Reservation | Refusal:
         """Shared limits when a Redis is configured (and a tenants file defines tenants); this
         gateway's own when not, or while Redis cannot be reached: limits then hold per gateway
         rather than refusing every request."""
         if self._shared is not None and not self.is_open:
             try:
-                return await self._shared.admit(tenant, estimated_tokens)
+                return await self._shared.admit(tenant, estimated_tokens, likely_tokens)
             except RedisError as exc:
                 self._shared_failed(exc)
-        return self.limiter.admit(tenant, estimated_tokens)
+        return self.limiter.admit(tenant, estimated_tokens, likely_tokens)
 
     def _shared_failed(self, exc: Exception) -> None:
         self._metrics.shared_limits_error()
@@ -210,8 +214,9 @@ class RequestGroup:
     with what they all used. A part admitted after the others have all ended (one answered from
     the cache before another started) is admitted anew."""
 
-    def __init__(self, estimated_tokens: float) -> None:
+    def __init__(self, estimated_tokens: float, likely_tokens: float | None = None) -> None:
         self.estimated_tokens = estimated_tokens
+        self.likely_tokens = likely_tokens
         self._admission: asyncio.Future[Reservation] | None = None
         self._num_members = 0
         self._used = (0.0, 0.0)
@@ -224,7 +229,7 @@ class RequestGroup:
             if self._admission is None:
                 admission = self._admission = asyncio.get_running_loop().create_future()
                 try:
-                    reservation = await tenancy.admit(tenant, priority, self.estimated_tokens)
+                    reservation = await tenancy.admit(tenant, priority, self.estimated_tokens, self.likely_tokens)
                 except BaseException as exc:
                     self._admission = None
                     if isinstance(exc, asyncio.CancelledError):
