@@ -469,3 +469,11 @@ def test_a_stored_response_is_its_tenants_alone(server):
 def _sample(exposition: str, series: str) -> float:
     found = [line.split()[-1] for line in exposition.splitlines() if line.startswith(series + " ")]
     return float(found[0]) if found else 0.0
+
+
+def test_without_a_tenants_file_the_one_tenant_is_named_as_the_metrics_name_it(demo_server):
+    listing = httpx.get(f"{demo_server.url}/admin/tenants", timeout=30)
+    assert listing.status_code == 200, listing.text
+    assert [t["name"] for t in listing.json()["data"]] == ["local"]
+    reloaded = httpx.post(f"{demo_server.url}/admin/reload", timeout=30)
+    assert reloaded.json() == {"reloaded": False, "tenants": ["local"]}

@@ -36,6 +36,7 @@ from sluice.api.common import decode_json, json_response, read_body
 from sluice.errors import ConfigError, Conflict, InvalidInput, ModelNotFound, PermissionDenied, Unavailable
 from sluice.gateway import Gateway
 from sluice.gateway.traffic import CanaryEvent, CanaryPlan, Split, version_order
+from sluice.metrics import tenant_label
 
 _BODY_LIMIT = 64 * 1024
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -73,7 +74,8 @@ def routes(gateway: Gateway) -> list[Route]:
             directory = gateway.tenancy.reload()
         except ConfigError as exc:
             raise InvalidInput(f"the tenants file was not reloaded (the old one stays): {exc.message}") from exc
-        return json_response({"reloaded": directory.path is not None, "tenants": sorted(directory.tenants)})
+        return json_response({"reloaded": directory.path is not None,
+                              "tenants": sorted(tenant_label(name) for name in directory.tenants)})
 
     async def list_models(request: Request) -> Response:
         check(request)

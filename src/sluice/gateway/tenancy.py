@@ -26,7 +26,7 @@ from sluice.errors import BudgetExhausted, ModelNotPermitted, PermissionDenied, 
 from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration, likely_count
 from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.tenants import LOCAL_TENANT, Tenant, TenantDirectory, load_tenants
-from sluice.metrics import GatewayMetrics
+from sluice.metrics import GatewayMetrics, tenant_label
 from sluice.priority import Priority
 
 log = logging.getLogger("sluice.tenancy")
@@ -37,6 +37,7 @@ __all__ = ["RequestGroup", "Tenancy", "TenantUsage", "rate_limit_headers"]
 @dataclass(frozen=True, slots=True)
 class TenantUsage:
     name: str
+    """As `/metrics` labels it ("local": the one tenant without a tenants file)."""
     weight: float
     priority: str
     device_s: float
@@ -178,7 +179,7 @@ class Tenancy:
             limits = {"requests_per_min": t.requests_per_min, "tokens_per_min": t.tokens_per_min,
                       "max_concurrent": t.max_concurrent, "credits_device_s": t.credits_device_s,
                       "credit_period_s": t.credit_period_s}
-            usage.append(TenantUsage(t.name, t.weight, t.priority.label, used.device_s,
+            usage.append(TenantUsage(tenant_label(t.name), t.weight, t.priority.label, used.device_s,
                                      None if t.models is None else sorted(t.models), limits,
                                      used.period_device_s, used.in_flight))
         return usage
