@@ -223,6 +223,23 @@ def test_reload_keeps_what_was_used_whether_or_not_a_limit_changed(limiter):
     assert isinstance(refusal, Refusal) and refusal.retry_after_s == pytest.approx(300.0)
 
 
+def test_a_tenant_taken_out_by_a_reload_and_put_back_gets_no_fresh_limits(limiter):
+    clock = VirtualClock()
+    lim, tenant = limiter(clock, requests_per_min=2, max_concurrent=2)
+    held = lim.admit(tenant, 0)
+    lim.admit(tenant, 0)
+    other = Tenant(name="other")
+    lim.configure([other])
+    lim.settle(held, 0, device_s=0.0)  # a request in flight across the reload ends meanwhile
+    lim.configure([other, tenant])
+    refusal = lim.admit(tenant, 0)
+    assert isinstance(refusal, Refusal) and refusal.limit == "requests", "its bucket was not refilled"
+    clock.advance(30.0)  # one request's worth refills
+    assert isinstance(lim.admit(tenant, 0), Reservation)
+    refusal = lim.admit(tenant, 0)
+    assert isinstance(refusal, Refusal)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 5), st.integers(1, 300), st.booleans()), min_size=1, max_size=60))
 def test_tokens_admitted_never_exceed_the_bucket_plus_refill(events: list[tuple[float, int, bool]]):

@@ -124,14 +124,20 @@ class TenantLimiter:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._states: dict[str, _TenantState] = {}
+        self._removed: dict[str, _TenantState] = {}
+        """Tenants a reload took out (bounded by the names the files have ever had)."""
 
     def configure(self, tenants: Iterable[Tenant]) -> None:
         """Apply a (re)loaded tenants file. Tenants whose limits did not change keep their state;
-        a changed limit keeps what was used of the old one; in-flight counts and credit use carry over."""
+        a changed limit keeps what was used of the old one; in-flight counts and credit use carry
+        over. A tenant the file no longer names keeps its state aside (its requests in flight
+        settle there), so taking it out and putting it back refills nothing either."""
         now = self._clock.now()
         states: dict[str, _TenantState] = {}
         for tenant in tenants:
-            states[tenant.name] = _new_state(tenant, self._states.get(tenant.name), now)
+            old = self._states.get(tenant.name) or self._removed.pop(tenant.name, None)
+            states[tenant.name] = _new_state(tenant, old, now)
+        self._removed.update((name, state) for name, state in self._states.items() if name not in states)
         self._states = states
 
     def admit(self, tenant: Tenant, estimated_tokens: float,
@@ -167,7 +173,7 @@ class TenantLimiter:
         if reservation.is_settled:
             return
         reservation.is_settled = True
-        state = self._states.get(reservation.tenant)
+        state = self._states.get(reservation.tenant) or self._removed.get(reservation.tenant)
         if state is None:
             return
         state.num_in_flight = max(0, state.num_in_flight - 1)
