@@ -166,6 +166,42 @@ async def test_500_and_502_are_retried_as_transient(tmp_path: Path):
     await store.aclose()
 
 
+async def test_503s_while_the_models_load_wait_instead_of_using_attempts(tmp_path: Path):
+    """A job resumed by a restart meets its models still loading: 503 `model_not_ready` until they
+    are up, and the server not ready meanwhile. Those answers are waits, not attempts: the items
+    complete once the models are up instead of going to the error file as dead letters."""
+    class Loading(ScriptedApp):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_unready_answers = 0  # the items' first 10 calls find the models loading
+
+        async def __call__(self, scope, receive, send) -> None:
+            is_loading = self.calls.total() >= 1 and self.num_unready_answers < 10
+            if scope["method"] == "GET" and scope["path"] == "/v2/health/ready" and is_loading:
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b'{"ready": false}'})
+                return
+            if await answered_model_query(scope, send):
+                return
+            text = json.loads((await receive())["body"])["input"]
+            self.calls[text] += 1
+            status, body = 200, b'{"usage": {"prompt_tokens": 1}}'
+            if text != "first" and self.num_unready_answers < 10:
+                self.num_unready_answers += 1
+                status, body = 503, b'{"error": {"code": "model_not_ready", "message": "loading"}}'
+            await send({"type": "http.response.start", "status": status, "headers": [(b"retry-after-ms", b"1")]})
+            await send({"type": "http.response.body", "body": body})
+
+    app = Loading()
+    config = ExecutorConfig(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02, poll_interval_s=0.001,
+                            flush_interval_s=0.005, max_in_flight=1, claim_size=1)
+    store, batch_id = await _run_job(tmp_path, ["first", "a", "b"], app, config)
+    batch = await store.get_batch(None, batch_id)
+    assert batch is not None and (batch.num_completed, batch.num_failed) == (3, 0)
+    assert app.num_unready_answers == 10 and app.calls["a"] + app.calls["b"] == 12
+    await store.aclose()
+
+
 class LimitedApp:
     """A tenant's limits in front of the app, refusing with sluice's own error answers (429,
     `retry-after-ms`, `x-sluice-limit`, in `protocol`'s error shape): at most `max_concurrent`

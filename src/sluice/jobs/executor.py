@@ -17,6 +17,10 @@
   after an exponential backoff with full jitter (at least the answer's Retry-After), until
   `max_attempts`; then its last answer goes to the error file (dead letter). Other non-2xx
   answers are final at once.
+- A 503 while the server is not ready (`GET /v2/health/ready`: its models still loading after a
+  restart, a dead worker being replaced, a drain) is a wait, not an attempt: the item comes back
+  after the answer's Retry-After with its attempts untouched, so a job resumed by a restart is
+  not written off as dead letters while the models load.
 - Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
   enough that the worker's queue never runs dry (the device is what the job waits for), started
   `launch_slice` at a time so online requests interleave with a claim's burst.
@@ -128,6 +132,8 @@ class JobExecutor:
         self._tasks: dict[asyncio.Task[None], tuple[str, str, str]] = {}
         """Each running item's task -> (lease token, batch id, owner)."""
         self._loops: list[asyncio.Task[None]] = []
+        self._readiness: tuple[float, bool] = (float("-inf"), True)
+        """(monotonic time until which it holds, whether the server was ready when last asked)."""
         self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
                          (b"x-request-timeout-ms", str(self._config.item_timeout_ms).encode())]
 
@@ -239,9 +245,10 @@ class JobExecutor:
             line = lines.error_only_line(item.custom_id, "internal_error", f"{type(exc).__name__}")
             self._finish(token, ItemOutcome(item.batch_id, item.idx, line, True, attempts=item.attempts + 1))
             return
-        self._finish(token, self._outcome(item, owner, answer))
+        is_unready = answer.status_code == 503 and not await self._is_ready(owner)
+        self._finish(token, self._outcome(item, owner, answer, is_unready))
 
-    def _outcome(self, item: Item, owner: str, answer: AppResponse) -> ItemOutcome:
+    def _outcome(self, item: Item, owner: str, answer: AppResponse, is_unready: bool = False) -> ItemOutcome:
         now = self._clock()
         input_tokens, output_tokens = lines.read_usage(answer.body)
         refusal = _limit_refusal(answer)
@@ -249,6 +256,9 @@ class JobExecutor:
             self._pacer.refused(owner, refusal, now)
             return ItemOutcome(item.batch_id, item.idx, retry_at=now + refusal.retry_after_s, attempts=item.attempts)
         self._pacer.answered(owner)
+        if is_unready:  # the models are loading (a restart): wait for them, attempts untouched
+            wait_s = max(answer.retry_after_s or 1.0, MIN_REFUSAL_WAIT_S)
+            return ItemOutcome(item.batch_id, item.idx, retry_at=now + wait_s, attempts=item.attempts)
         status = answer.status_code
         attempts = item.attempts + 1
         is_transient = status in TRANSIENT_STATUSES and answer.should_retry  # e.g. a request too large: final
@@ -274,6 +284,16 @@ class JobExecutor:
         except (msgspec.DecodeError, msgspec.ValidationError):
             names = None
         return ServedModels(names or frozenset(), names is not None and ready.status_code == 200)
+
+    async def _is_ready(self, owner: str) -> bool:
+        """Whether the server is ready (`GET /v2/health/ready`), asked at most once a poll interval."""
+        assert self._app is not None
+        until, is_ready = self._readiness
+        if time.monotonic() >= until:
+            answer = await call(self._app, "GET", "/v2/health/ready", b"", [], {TENANT_SCOPE_KEY: owner})
+            is_ready = answer.status_code == 200
+            self._readiness = (time.monotonic() + self._config.poll_interval_s, is_ready)
+        return is_ready
 
     def _finish(self, token: str, outcome: ItemOutcome) -> None:
         self._outcomes.setdefault(token, []).append(outcome)
