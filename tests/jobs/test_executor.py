@@ -12,7 +12,7 @@ import pytest
 from starlette.responses import Response
 
 from sluice.api.errors import error_response
-from sluice.errors import BudgetExhausted, RateLimited
+from sluice.errors import BudgetExhausted, Overloaded, RateLimited
 from sluice.jobs.executor import ExecutorConfig, JobExecutor, backoff_s
 from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import BatchStatus, NewBatch
@@ -206,17 +206,21 @@ class LimitedApp:
     """A tenant's limits in front of the app, refusing with sluice's own error answers (429,
     `retry-after-ms`, `x-sluice-limit`, in `protocol`'s error shape): at most `max_concurrent`
     items at once (each takes `work_s`), and a bucket of `burst` requests refilled at `per_s`.
-    `budget_refusals` first calls are refused as a spent budget."""
+    `budget_refusals` first calls are refused as a spent budget. `capacity`: more items at once are
+    refused as the server's overload (503, `x-sluice-limit: capacity`), whoever sends them."""
 
     def __init__(self, max_concurrent: int = 0, burst: float = 0, per_s: float = 0, budget_refusals: int = 0,
-                 work_s: float = 0.002, protocol: str = "openai") -> None:
+                 work_s: float = 0.002, protocol: str = "openai", capacity: int = 0) -> None:
         self.max_concurrent, self.per_s, self.work_s, self.protocol = max_concurrent, per_s, work_s, protocol
+        self.capacity = capacity
         self.level, self.at = burst, time.monotonic()
         self.budget_refusals = budget_refusals
         self.num_in_flight = self.num_refused = self.num_answered = 0
         self.called_at: list[float] = []
 
-    def _refusal(self) -> RateLimited | None:
+    def _refusal(self) -> RateLimited | Overloaded | None:
+        if self.capacity and self.num_in_flight >= self.capacity:
+            return Overloaded("the work queued ahead would make this request miss its deadline", retry_after_s=0.01)
         if self.budget_refusals:
             self.budget_refusals -= 1
             return BudgetExhausted("spent", "credits", 0.05, {"x-should-retry": "false"})
@@ -268,6 +272,20 @@ async def test_a_concurrency_limit_paces_the_job_instead_of_failing_it(tmp_path:
     gaps = [b - a for a, b in zip(app.called_at, app.called_at[1:], strict=False)]
     # the tenant is not paused for a refusal's 1 s Retry-After (paused: ~15 such gaps in this job)
     assert sum(gap > 0.9 for gap in gaps) <= 3
+    await store.aclose()
+
+
+@pytest.mark.parametrize("protocol", ["openai", "kserve"])
+async def test_the_servers_overload_paces_the_job_instead_of_failing_it(tmp_path: Path, protocol: str):
+    """A job deeper than its model gets through in an item's time (1,024 items in flight on a slow
+    model) is answered 503 `overloaded` for some: those wait and the job is paced, none is written
+    off as a dead letter."""
+    app = LimitedApp(capacity=3, protocol=protocol)
+    store, batch_id = await _run_job(tmp_path, [f"t{i}" for i in range(60)], app, PACED, timeout_s=30)
+    batch = await store.get_batch(None, batch_id)
+    assert batch is not None and batch.status is BatchStatus.COMPLETED
+    assert (batch.num_completed, batch.num_failed) == (60, 0)
+    assert app.num_answered == 60 and 0 < app.num_refused < 2 * 60
     await store.aclose()
 
 

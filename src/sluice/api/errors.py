@@ -112,7 +112,9 @@ def error_body(error: Exception, protocol: str = "openai") -> dict[str, Any]:
 
 LIMIT_HEADER = "x-sluice-limit"
 """On a 429: which of the tenant's limits refused it (requests, tokens, concurrency, credits), in
-both protocols (a KServe error body has no code to say it)."""
+both protocols (a KServe error body has no code to say it); on an overload's 503, `capacity`: the
+work queued ahead, not a fault (a batch job's executor paces its items to it)."""
+CAPACITY_LIMIT = "capacity"
 
 
 def protocol_of(path: str) -> str:
@@ -122,8 +124,11 @@ def protocol_of(path: str) -> str:
 
 def error_headers(error: Exception) -> dict[str, str]:
     """What an error's answer says beside its body: when to retry (`Retry-After` in whole seconds,
-    at least 1, and `retry-after-ms`) and, on a 429, which limit and OpenAI's `x-ratelimit-*`."""
+    at least 1, and `retry-after-ms`) and, on a 429, which limit and OpenAI's `x-ratelimit-*`
+    (on an overload's 503, the limit `capacity`)."""
     headers = {**error.headers, LIMIT_HEADER: error.limit} if isinstance(error, RateLimited) else {}
+    if isinstance(error, Overloaded):
+        headers[LIMIT_HEADER] = CAPACITY_LIMIT
     if isinstance(error, DeadlineUnreachable):
         headers["x-should-retry"] = "false"  # the openai SDK would retry a 504 twice, in vain
     retry_after_s = getattr(error, "retry_after_s", None)

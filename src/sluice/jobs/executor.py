@@ -10,7 +10,8 @@
   batches' spare room while it is active (`sluice.scheduler.backlog`).
 - A tenant limit's 429 (one with `retry-after-ms` / `Retry-After`) is a wait, not a failure: the
   item returns to the queue for that long with its attempts untouched, and `TenantPacer` slows the
-  tenant's launches down (see `pacing.py`). An exhausted credit budget (`x-should-retry: false`)
+  tenant's launches down (see `pacing.py`). So is an overload's 503 (`x-sluice-limit: capacity`),
+  paced as a concurrency limit. An exhausted credit budget (`x-should-retry: false`)
   is the same wait, until the budget's period resets; if the batch's window ends first, its
   waiting items are written off as `batch_expired`.
 - 500/502/503/504 (and a 429 without a Retry-After) are transient: the item returns to the queue
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import msgspec
 
 from sluice.api.common import BACKGROUND_SCOPE_KEY, TENANT_SCOPE_KEY
+from sluice.api.errors import CAPACITY_LIMIT
 from sluice.jobs import lines
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
@@ -360,7 +362,11 @@ class JobExecutor:
 
 
 def _limit_refusal(answer: AppResponse) -> Refusal | None:
-    """A tenant limit's 429 says when to come back; one without a Retry-After is an ordinary transient failure."""
-    if answer.status_code != 429 or answer.retry_after_s is None:
+    """A tenant limit's 429 says when to come back; one without a Retry-After is an ordinary transient
+    failure. So does an overload's 503 (`x-sluice-limit: capacity`: the work queued ahead of the
+    item would make it miss its deadline), paced as a concurrency limit: the job's own depth of
+    items in flight, or online traffic, is more than the model gets through in an item's time."""
+    is_overload = answer.status_code == 503 and answer.limit == CAPACITY_LIMIT
+    if not (answer.status_code == 429 or is_overload) or answer.retry_after_s is None:
         return None
-    return Refusal(max(answer.retry_after_s, MIN_REFUSAL_WAIT_S), answer.limit == "concurrency")
+    return Refusal(max(answer.retry_after_s, MIN_REFUSAL_WAIT_S), is_overload or answer.limit == "concurrency")
