@@ -55,6 +55,20 @@ def test_bodies_that_would_fail_item_by_item_fail_the_file_at_validation():
     assert "'nope' does not exist or you do not have access to it" in str(parsed.errors[4]["message"])
 
 
+def test_a_streamed_body_fails_the_file_at_validation():
+    """`"stream": true` used to run: its answer went into the output file as one JSON string of
+    Server-Sent Events, where a client reading `response.body` expects the JSON object."""
+    good = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    content = _file(("ok", good), ("unstreamed", {**good, "stream": False}), ("streamed", {**good, "stream": True}),
+                    ("with-usage", {**good, "stream": True, "stream_options": {"include_usage": True}}))
+    parsed = parse_input(content, "/v1/chat/completions", {"tiny"})
+    assert isinstance(parsed, Invalid)
+    assert [(e["line"], e["code"], e["param"]) for e in parsed.errors] == [
+        (3, "invalid_body", "body.stream"), (4, "invalid_body", "body.stream")]
+    assert isinstance(parse_input(_file(("a", {"model": "tiny", "prompt": "x", "stream": True}), url="/v1/completions"),
+                                  "/v1/completions"), Invalid)
+
+
 def test_kserve_lines_name_a_served_model_and_carry_inputs():
     content = _file(("ok", {"inputs": []}), ("no-inputs", {}), url="/v2/models/m/infer") + _file(
         ("unknown", {"inputs": []}), url="/v2/models/nope/infer")

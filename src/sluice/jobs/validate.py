@@ -4,8 +4,9 @@ Each line is `{"custom_id": str, "method": "POST", "url": str, "body": {...}}`. 
 the batch's endpoint; for the KServe endpoint `/v2/infer`, any `/v2/models/<model>/infer` (or
 `.../versions/<v>/infer`) url. `custom_id`s must be non-empty and unique in the file. The body
 must be an object naming its model (`"model"`, a string; KServe: the url's model, and an
-`"inputs"` list), and with `models` given, a model the tenant may use on this server: a file that
-would fail item by item fails here, whole, before any item runs. The body's other fields are left
+`"inputs"` list), not asking to be streamed (an item's answer is one JSON body in the output
+file, not Server-Sent Events), and with `models` given, a model the tenant may use on this server:
+a file that would fail item by item fails here, whole, before any item runs. The body's other fields are left
 to the endpoint. A body is kept as the raw bytes it was sent with (never re-encoded), and the
 file is parsed once, here.
 """
@@ -38,6 +39,7 @@ class _Line(msgspec.Struct, forbid_unknown_fields=False):
 
 class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=False):
     model: Any = None
+    stream: Any = None
 
 
 class _KServeBody(msgspec.Struct, forbid_unknown_fields=False):
@@ -153,6 +155,9 @@ class _Checker:
             if not isinstance(decoded.model, str) or not decoded.model:
                 return "invalid_model", "body's 'model' must be a non-empty string", "body.model"
             model = decoded.model
+            if decoded.stream is True:
+                return ("invalid_body", "a batch item is answered whole, in the output file: 'stream' must be false "
+                        "or left out", "body.stream")
         if self._models is not None and model not in self._models:
             return ("model_not_found", f"the model {model[:100]!r} does not exist or you do not have access to it",
                     "url" if url_model is not None else "body.model")
