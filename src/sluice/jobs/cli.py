@@ -18,24 +18,54 @@ from typing import Any
 import click
 
 _FINAL = {"completed", "failed", "cancelled", "expired"}
+_TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+PATIENCE_S = 300.0
+"""How long a call keeps trying while the server is unreachable or answers 429/502/503/504 (it is
+restarting: the job goes on there), before the command gives up. Every call may be repeated: the
+submit's upload and create carry an idempotency key, the rest are reads. A server never reached
+(a wrong --url) is an error at once."""
 
 
 class _Api:
-    def __init__(self, url: str, api_key: str | None) -> None:
+    def __init__(self, url: str, api_key: str | None, patience_s: float = PATIENCE_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.base = url.rstrip("/")
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.patience_s = patience_s
+        self._sleep = sleep
+        self._has_answered = False
 
     def call(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> bytes:
+        deadline = time.monotonic() + self.patience_s
+        for attempt in range(1_000_000):
+            try:
+                return self._call_once(method, path, body, headers)
+            except _Transient as exc:
+                if not self._has_answered:
+                    raise click.ClickException(exc.message) from None
+                wait_s = exc.retry_after_s if exc.retry_after_s is not None else min(0.5 * 2 ** attempt, 5.0)
+                if time.monotonic() + wait_s > deadline:
+                    raise click.ClickException(exc.message) from None
+                self._sleep(wait_s)
+        raise AssertionError("unreachable")
+
+    def _call_once(self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None) -> bytes:
         request = urllib.request.Request(f"{self.base}{path}", data=body, method=method,
                                          headers={**self.headers, **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
+                self._has_answered = True
                 return bytes(response.read())
         except urllib.error.HTTPError as exc:
+            self._has_answered = True
             detail = exc.read().decode(errors="replace")
-            raise click.ClickException(f"{method} {path}: HTTP {exc.code}: {detail[:500]}") from exc
-        except urllib.error.URLError as exc:
-            raise click.ClickException(f"cannot reach {self.base}: {exc.reason}") from exc
+            message = f"{method} {path}: HTTP {exc.code}: {detail[:500]}"
+            if exc.code in _TRANSIENT_STATUSES:
+                raise _Transient(message, _retry_after_s(exc.headers.get("retry-after"))) from exc
+            raise click.ClickException(message) from exc
+        except (urllib.error.URLError, ConnectionError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            raise _Transient(f"cannot reach {self.base}: {reason}", None) from exc
 
     def json(self, method: str, path: str, payload: dict[str, Any] | None = None,
              headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -70,6 +100,20 @@ def _server(command: str) -> Callable[[Callable[..., None]], Callable[..., None]
                             envvar=[f"{prefix}URL", "SLUICE_URL"], help="The sluice server.")(function)
 
     return decorate
+
+
+class _Transient(Exception):
+    def __init__(self, message: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.message, self.retry_after_s = message, retry_after_s
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), 60.0) if seconds is not None else None
 
 
 @click.group()
