@@ -24,6 +24,15 @@ def test_kserve_endpoint_accepts_any_model_url():
     assert isinstance(parse_input(line.replace(b"/infer", b"/ready"), "/v2/infer"), Invalid)
 
 
+def test_a_leading_utf8_byte_order_mark_is_not_part_of_the_first_line():
+    """Seen: a file saved with a BOM (Notepad, Excel's "CSV UTF-8") failed at line 1 with
+    'invalid_json: JSON is malformed: invalid character (byte 0)'."""
+    content = ('\ufeff{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m"}}\n'
+               '{"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m"}}\n').encode()
+    parsed = parse_input(content, "/v1/embeddings", {"m"})
+    assert isinstance(parsed, Valid) and [i.custom_id for i in parsed.items] == ["a", "b"]
+
+
 def test_errors_carry_line_numbers():
     content = (b'{"custom_id": "a", "method": "GET", "url": "/v1/embeddings", "body": {}}\n'
                b'{"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": [1]}\n'

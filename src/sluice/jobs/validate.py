@@ -27,6 +27,7 @@ __all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelLookup", "ServedModels", "
 ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v2/infer")
 MAX_ITEMS = 200_000
 MAX_ERRORS = 100
+_UTF8_BOM = b"\xef\xbb\xbf"
 _KSERVE_URL = re.compile(r"^/v2/models/([^/?#]+)(/versions/[^/?#]+)?/infer$")
 
 
@@ -78,6 +79,7 @@ def parse_input(content: bytes, endpoint: str, models: Collection[str] | None = 
     errors: list[dict[str, object]] = []
     checker = _Checker(endpoint, models)
     line_no = 0
+    content = content.removeprefix(_UTF8_BOM)  # as editors on Windows save a file: not part of line 1
     for line_no, raw in enumerate(content.splitlines(), start=1):
         if not raw.strip():
             continue
