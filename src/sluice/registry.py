@@ -11,8 +11,10 @@ A worker registers once its models are loaded and deletes its key when it starts
 (SIGTERM), so gateways stop sending it work before it goes; a worker that dies without that
 drops out when its key expires. Gateways read the registry every second: a new address is
 connected to, one whose key is gone is disconnected (requests it had not started are sent to
-another worker). Redis being unreachable changes nothing: workers keep serving, and gateways
-keep the workers they know until Redis answers again.
+another worker) — unless the gateway still hears it serving (connected, reporting, not
+draining): then it was the registry that lost the key (Redis restarted without its data, or was
+flushed), not the worker, which registers again within TTL / 5. Redis being unreachable changes
+nothing: workers keep serving, and gateways keep the workers they know until Redis answers again.
 """
 
 from __future__ import annotations
@@ -99,12 +101,16 @@ async def registered_workers(client: aioredis.Redis) -> dict[str, str]:
 
 class RegistryWatcher:
     """A gateway's view of the registry: calls `add(worker_id, address)` for each new worker and
-    `remove(worker_id)` for each one whose entry is gone."""
+    `remove(worker_id)` for each one whose entry is gone, unless `serving(worker_id)` says the
+    gateway still hears that worker serve (the registry lost the entry, not the worker)."""
 
     def __init__(self, url: str, add: Callable[[str, str], Coroutine[Any, Any, None]],
-                 remove: Callable[[str], Coroutine[Any, Any, None]], poll_s: float = 1.0) -> None:
+                 remove: Callable[[str], Coroutine[Any, Any, None]], poll_s: float = 1.0,
+                 serving: Callable[[str], bool] = lambda worker_id: False) -> None:
         self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self._add, self._remove = add, remove
+        self._add, self._remove, self._serving = add, remove, serving
+        self._unlisted: set[str] = set()
+        """Addresses of workers kept although the registry does not list them (logged once)."""
         self._poll_s = poll_s
         self.workers: dict[str, str] = {}
         """Address -> the worker id given to the gateway."""
@@ -128,11 +134,19 @@ class RegistryWatcher:
             log.warning("cannot read the worker registry; keeping the %d workers known: %s", len(self.workers), exc)
             return
         for address in [a for a in self.workers if a not in registered]:
+            if self._serving(self.workers[address]):
+                if address not in self._unlisted:
+                    self._unlisted.add(address)
+                    log.warning("worker %s is missing from the registry but still serving: keeping it "
+                                "(Redis lost its entry; it registers again)", self.workers[address])
+                continue
+            self._unlisted.discard(address)
             worker_id = self.workers.pop(address)
             log.warning("worker %s left the registry", worker_id)
             removal = asyncio.create_task(self._remove(worker_id))  # a draining worker first finishes its work
             self._removals.add(removal)
             removal.add_done_callback(self._removals.discard)
+        self._unlisted.intersection_update(a for a in self.workers if a not in registered)
         for address, worker_id in registered.items():
             if address not in self.workers:
                 self.workers[address] = name = f"{worker_id}@{address}"

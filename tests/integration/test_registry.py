@@ -83,3 +83,37 @@ def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, r
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
     finally:
         stop_all(processes)
+
+
+def test_a_worker_the_registry_forgets_while_it_serves_keeps_serving(tmp_path: Path, redis_url: str) -> None:
+    """Redis restarted without its data (or flushed) forgets every worker until each registers
+    again (within 2 s): the gateway keeps a worker it still hears serving, where it used to drop
+    it and answer 404 "model does not exist" meanwhile. The worker's entry is written here by hand
+    (the worker itself does not register), so that it stays gone as long as the test wants; once
+    the worker drains, the gateway lets it go."""
+    registry = redis_url.rsplit("/", 1)[0] + "/11"
+    client = redis.Redis.from_url(registry)
+    client.flushdb()
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    worker = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--id", "a", "--bind", address,
+                               "--models", str(repo)])
+    processes = [worker, subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
+                                           "--port", str(port)])]
+    try:
+        client.set(PREFIX + address, "a")
+        eventually(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200, "the gateway to be ready",
+                   timeout_s=60.0)
+        client.flushdb()  # what a Redis restarted without persistence holds
+        for _ in range(12):  # the gateway reads the registry every second
+            time.sleep(0.25)
+            assert _workers_ready(url) == 1
+            response = httpx.post(f"{url}/v2/models/emulated/infer", json=BODY)
+            assert response.status_code == 200, response.text
+        worker.send_signal(signal.SIGTERM)  # draining and gone from the registry: it leaves
+        assert worker.wait(timeout=30) == 0
+        eventually(lambda: _workers_ready(url) == 0, "the gateway to drop the worker that drained", timeout_s=30.0)
+    finally:
+        stop_all(processes)

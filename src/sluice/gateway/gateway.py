@@ -166,6 +166,13 @@ class Gateway:
         if lost:
             log.warning("worker %s lost with %d requests in flight", worker_id, len(lost))
 
+    def is_serving(self, worker_id: str) -> bool:
+        """The worker is connected, reports within `STALE_AFTER_S` and is not draining: it is still
+        there, whatever the registry says (`registry.RegistryWatcher`)."""
+        connection = self._connections.get(worker_id)
+        return (connection is not None and connection.is_alive() and connection.state is not None
+                and not connection.state.is_draining)
+
     async def remove_worker(self, worker_id: str) -> None:
         """Stop using a worker for good (it left the registry). It is sent nothing new from now
         on; while it still reports (a draining worker, whose report saying so may not have
