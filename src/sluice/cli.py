@@ -225,9 +225,13 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
 @click.option("--share", default="0/1", show_default=True, callback=lambda ctx, param, value: _share(value),
               help="I/N: this is worker I of N sharing each external upstream's concurrency limit "
                    "(openai-upstream, http-single); it takes its part. `sluice serve` sets it.")
+@click.option("--exit-with-parent", is_flag=True, hidden=True,
+              help="Drain and exit when the parent process dies (`sluice serve` sets it for its workers; a "
+                   "worker started on its own outlives the shell or script that started it).")
 @_memory_option
 def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None,
-           registry: str | None, advertise: str | None, share: tuple[int, int], model_memory_mb: int | None) -> None:
+           registry: str | None, advertise: str | None, share: tuple[int, int], exit_with_parent: bool,
+           model_memory_mb: int | None) -> None:
     """Run one worker process (started for you by `sluice serve`)."""
     from sluice import logs
 
@@ -243,7 +247,7 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
         worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share,
                                  registry=_redis_url(registry, "--registry"),
                                  advertise=_advertised(address, advertise, registry),
-                                 memory_budget_mb=model_memory_mb))
+                                 memory_budget_mb=model_memory_mb, exit_with_parent=exit_with_parent))
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc
 

@@ -239,3 +239,63 @@ def test_sigterm_while_streaming_finishes_every_stream_then_exits(make_server, t
         thread.join(timeout=90)
     assert sorted(outcomes.values()) == [("finished", 120)] * 3, outcomes
     assert server.process.wait(timeout=60) == 0
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_worker_started_on_its_own_outlives_the_process_that_started_it(tmp_path):
+    """`sluice worker` started from a script that then exits (`sluice worker ... &` in a start
+    script, `nohup` over ssh) keeps serving: it used to be SIGTERMed by the kernel the moment its
+    parent exited (the death signal meant for `sluice serve`'s workers), and drained away without
+    a word. It still drains on SIGTERM and exits 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    port, http_port = free_port(), free_port()
+    command = [sys.executable, "-m", "sluice", "worker", "--bind", f"tcp://127.0.0.1:{port}",
+              "--models", str(write_emulated_model(tmp_path / "models", alpha_ms=1))]
+    launch = (  # the worker, then, once it listens (its start-up done), the launcher exits
+        "import socket, subprocess, sys, time\n"
+        f"worker = subprocess.Popen({command!r}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "deadline = time.monotonic() + 60\n"
+        "while time.monotonic() < deadline:\n"
+        "    try:\n"
+        f"        socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+        "        break\n"
+        "    except OSError:\n"
+        "        time.sleep(0.1)\n"
+        "print(worker.pid)\n")
+    launcher = subprocess.run([sys.executable, "-c", launch], capture_output=True, text=True, check=True, timeout=90)
+    pid = int(launcher.stdout)  # its parent has exited
+    gateway = subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--worker", f"tcp://127.0.0.1:{port}",
+                                "--port", str(http_port)])
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert _running(pid), "the worker exited with the process that started it"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the gateway did not become ready"
+            time.sleep(0.1)
+        assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
+        assert _running(pid)
+        os.kill(pid, signal.SIGTERM)  # drains and exits
+        deadline = time.monotonic() + 30
+        while _running(pid):
+            assert time.monotonic() < deadline, "the worker did not exit on SIGTERM"
+            time.sleep(0.1)
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=30)
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -109,6 +109,7 @@ class Supervisor:
             sys.executable, "-m", "sluice", "worker",
             "--id", spec.worker_id, "--bind", spec.address,
             "--models", str(spec.models_dir), "--device", spec.device, "--share", "{}/{}".format(*spec.share),
+            "--exit-with-parent",
         ]
         if spec.memory_mb is not None:
             command += ["--model-memory-mb", str(spec.memory_mb)]

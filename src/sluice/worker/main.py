@@ -45,6 +45,9 @@ class WorkerConfig:
     """The address gateways reach this worker at (default: `address`)."""
     memory_budget_mb: int | None = None
     """What its models may take (`WorkerServer`'s `memory_budget_bytes`); None: no bound."""
+    exit_with_parent: bool = False
+    """Drain when the parent process dies (`exit_with_parent`): for the workers `sluice serve`
+    supervises, not for one started on its own, which outlives the shell that started it."""
 
 
 def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel],
@@ -150,6 +153,7 @@ def exit_with_parent() -> None:
 def main(config: WorkerConfig) -> None:
     import uvloop
 
-    exit_with_parent()
+    if config.exit_with_parent:
+        exit_with_parent()
     log.info("worker %s starting (pid %d)", config.worker_id, os.getpid())
     uvloop.run(run_worker(config))
