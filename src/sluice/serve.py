@@ -101,6 +101,24 @@ class ServeConfig:
     (`Gateway.sync_model`); None: only when an admin asks."""
 
 
+async def _check_registry(config: ServeConfig) -> None:
+    """The worker registry answers: a gateway that cannot read it at start is a configuration
+    error, said as one (as the shared limits' and cache's Redis are). Once running, it rides out
+    the registry's outages (`registry.RegistryWatcher`)."""
+    if config.registry is None:
+        return
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(config.registry, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        raise ConfigError(f"cannot reach the worker registry at {_redacted(config.registry)}: {exc}") from exc
+    finally:
+        with contextlib.suppress(RedisError, OSError):
+            await client.aclose()
+
+
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
     if config.limits_redis is None:
         return None
@@ -109,7 +127,8 @@ async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
         await limiter.ping()
     except RedisError as exc:
         await limiter.aclose()
-        raise ConfigError(f"cannot reach the Redis for shared limits at {config.limits_redis}: {exc}") from exc
+        raise ConfigError(f"cannot reach the Redis for shared limits at {_redacted(config.limits_redis)}: {exc}"
+                          ) from exc
     return limiter
 
 
@@ -122,7 +141,8 @@ async def _result_cache(config: CacheConfig, clock: Clock, metrics: GatewayMetri
             await shared.ping()
         except RedisError as exc:
             await shared.aclose()
-            raise ConfigError(f"cannot reach the Redis for the result cache at {config.redis_url}: {exc}") from exc
+            raise ConfigError(f"cannot reach the Redis for the result cache at {_redacted(config.redis_url)}: "
+                              f"{exc}") from exc
     if local is None and shared is None:
         return None
     return ResultCache(local, shared)
@@ -153,6 +173,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
     if config.tls is not None:
         config.tls.check()
+    await _check_registry(config)
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
     clock = MonotonicClock()

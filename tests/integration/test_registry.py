@@ -5,6 +5,7 @@ without failing a request."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -117,3 +118,16 @@ def test_a_worker_the_registry_forgets_while_it_serves_keeps_serving(tmp_path: P
         eventually(lambda: _workers_ready(url) == 0, "the gateway to drop the worker that drained", timeout_s=30.0)
     finally:
         stop_all(processes)
+
+
+def test_a_gateway_whose_registry_cannot_be_reached_at_start_says_so() -> None:
+    """Like the Redis of shared limits: an error naming the registry (its password left out) and
+    exit status 1, where it used to be a traceback, "Application startup failed" and status 3."""
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"redis://:secret@127.0.0.1:{closed.getsockname()[1]}/0"
+        done = subprocess.run([sys.executable, "-m", "sluice", "gateway", "--registry", url, "--port", "0"],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "Error: cannot reach the worker registry at redis://:***@127.0.0.1:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "secret" not in done.stderr, done.stderr
