@@ -143,3 +143,26 @@ async def test_a_corrupt_stream_is_dropped_and_others_keep_working(tmp_path: Pat
     await good.aclose()
     assert echo.listener is not None
     await echo.listener.aclose()
+
+
+async def test_a_unix_socket_another_listener_holds_is_not_taken_over(tmp_path: Path) -> None:
+    """Two workers given one ipc:// address: the second used to unlink the first's socket file and
+    listen in its place, leaving the first running but unreachable. It is refused instead; a
+    socket file left by a process that died is still taken."""
+    address = f"ipc://{tmp_path}/w.sock"
+    first = await Listener.start(address, lambda identity, frame: None)
+    with pytest.raises(OSError, match="another process is listening there"):
+        await Listener.start(address, lambda identity, frame: None)
+    answers: list[bytes] = []
+    channel = Channel(address, b"gw", answers.append)
+    channel.start()
+    await until(lambda: first.send(b"gw", b"still reachable"))
+    await until(lambda: answers == [b"still reachable"])
+    await channel.aclose()
+    await first.aclose()
+
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound, never listening, then gone
+    stale.bind(f"{tmp_path}/stale.sock")
+    stale.close()
+    again = await Listener.start(f"ipc://{tmp_path}/stale.sock", lambda identity, frame: None)
+    await again.aclose()

@@ -165,7 +165,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 
 
 @main.command()
-@click.option("--worker", "workers", multiple=True,
+@click.option("--worker", "workers", multiple=True, callback=lambda ctx, param, value: _addresses(value, "--worker"),
               help="A worker's address, e.g. tcp://10.0.0.5:7000 (repeat for each worker).")
 @click.option("--registry", default=None, metavar="redis://...",
               help="Also use the workers registered in this Redis (`sluice worker --registry`), as they "
@@ -214,13 +214,14 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
 
 @main.command()
 @click.option("--id", "worker_id", default="0", show_default=True)
-@click.option("--bind", "address", required=True, help="Address to listen on for gateways, e.g. tcp://0.0.0.0:7000 or ipc:///run/sluice/w0.sock.")
+@click.option("--bind", "address", required=True, callback=lambda ctx, param, value: _addresses(value, "--bind"),
+              help="Address to listen on for gateways, e.g. tcp://0.0.0.0:7000 or ipc:///run/sluice/w0.sock.")
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--metrics-port", type=int, default=None, help="Serve this worker's /metrics on this port.")
 @click.option("--registry", default=None, metavar="redis://...",
               help="Announce this worker in this Redis, where `sluice gateway --registry` finds it.")
-@click.option("--advertise", default=None,
+@click.option("--advertise", default=None, callback=lambda ctx, param, value: _addresses(value, "--advertise"),
               help="The address gateways reach this worker at, as registered (default: --bind's).")
 @click.option("--share", default="0/1", show_default=True, callback=lambda ctx, param, value: _share(value),
               help="I/N: this is worker I of N sharing each external upstream's concurrency limit "
@@ -450,6 +451,20 @@ def _advertised(bind: str, advertise: str | None, registry: str | None) -> str |
         raise click.UsageError(f"--bind {bind} listens on every interface: give --advertise with the address "
                                "gateways should use, e.g. tcp://10.0.0.5:7000")
     return None
+
+
+def _addresses(value: str | tuple[str, ...] | None, option: str) -> Any:
+    """A worker's address (or each of several) as the transport reads it: a usage error, not a
+    traceback at start-up."""
+    from sluice.transport import Address
+
+    addresses: tuple[str, ...] = (value,) if isinstance(value, str) else value or ()
+    for address in addresses:
+        try:
+            Address.parse(address)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint=option) from None
+    return value
 
 
 def _share(value: str) -> tuple[int, int]:

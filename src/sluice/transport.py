@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -62,6 +63,16 @@ class Address:
             if colon and host and port.isdigit() and 0 < int(port) < 65536:
                 return cls(host="0.0.0.0" if host == "*" else host.strip("[]"), port=int(port))
         raise ValueError(f"address must be ipc:///path or tcp://host:port, got {address!r}")
+
+
+def _is_listening(path: str) -> bool:
+    """A process accepts connections on the Unix socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:  # no file, not a socket, or a file left by a process that died
+            return False
+    return True
 
 
 def _header(length: int) -> bytes:
@@ -128,6 +139,8 @@ class Listener:
         target = Address.parse(address)
         loop = asyncio.get_running_loop()
         if target.path is not None:
+            if _is_listening(target.path):  # not ours to take: that process would stop being reachable
+                raise OSError(errno.EADDRINUSE, "another process is listening there")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(target.path)  # a socket file left by a process that died
             listener._server = await loop.create_unix_server(listener._accept, target.path)

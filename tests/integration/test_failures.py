@@ -299,3 +299,29 @@ def test_a_worker_started_on_its_own_outlives_the_process_that_started_it(tmp_pa
         gateway.wait(timeout=30)
         if _running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_or_gateway_given_an_address_it_cannot_use_says_so(tmp_path):
+    """A second worker on a taken address, and an address written without its scheme (to the
+    worker or to the gateway): one line naming the address and a non-zero exit status, where
+    each used to be a Python traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    repo = str(write_emulated_model(tmp_path / "models", alpha_ms=1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run([sys.executable, "-m", "sluice", "worker", "--bind", address, "--models", repo],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"Error: cannot listen on {address}:" in done.stderr and "address already in use" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    for command in (["worker", "--bind", "127.0.0.1:7000", "--models", repo],
+                    ["gateway", "--worker", "127.0.0.1:7000", "--port", "0"]):
+        done = subprocess.run([sys.executable, "-m", "sluice", *command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "address must be ipc:///path or tcp://host:port, got '127.0.0.1:7000'" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr

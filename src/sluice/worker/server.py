@@ -35,7 +35,7 @@ from sluice.engines.base import ItemFailure, ItemOutput, PreparedItem, Runner
 from sluice.engines.generative.engine import EngineStats, RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner
 from sluice.engines.openai_upstream import OpenAIUpstreamRunner
-from sluice.errors import InvalidInput
+from sluice.errors import ConfigError, InvalidInput
 from sluice.metrics import WorkerMetrics
 from sluice.priority import Priority
 from sluice.repository import ModelVersion, footprint_bytes
@@ -199,7 +199,11 @@ class WorkerServer:
                                     self._on_batch_done, asyncio.get_running_loop())
         for key in [*self._generators, *self._upstreams]:
             await self._attach(key)
-        self._listener = await transport.Listener.start(address, self._on_frame)
+        try:
+            self._listener = await transport.Listener.start(address, self._on_frame)
+        except OSError as exc:  # another worker has it, or no such interface here
+            self._device.stop()
+            raise ConfigError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
         log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
         on_listening()
         ticker = asyncio.create_task(self._state_loop())
