@@ -235,3 +235,63 @@ def test_a_request_refused_before_it_is_sent_counts_the_work_of_all_its_items() 
         assert refused_s == pytest.approx(4 * 0.01)  # the report's 10 ms per item
 
     asyncio.run(scenario())
+
+
+def test_a_worker_restarted_at_its_address_before_its_silence_shows_loses_what_the_old_one_had(
+        tmp_path: Path) -> None:
+    """A worker killed and started again at the same address within STALE_AFTER_S (a fast
+    restart by systemd, or a proxy in front of it): the new process's report comes before the
+    old one's silence counts, and the requests the old one had used to wait for their deadlines
+    (then 504). They are lost as soon as another incarnation reports: one it had started (503 at
+    the gateway), one it had not (sent again). A request sent to the new process is kept, and so
+    is everything after a reconnection to the same process."""
+    async def scenario() -> None:
+        address = f"ipc://{tmp_path}/w.sock"
+        peers: list[bytes] = []
+        old = await Listener.start(address, lambda identity, frame: peers.append(identity))
+        connection = WorkerConnection("w", address, "g")
+        await connection.start()
+        async with asyncio.timeout(5):
+            while not peers:
+                await asyncio.sleep(0.01)
+        old.send(peers[-1], wire.encode_many([msgspec.structs.replace(_state(0.0), incarnation="one")]))
+        async with asyncio.timeout(5):
+            while connection.state is None:
+                await asyncio.sleep(0.01)
+        started, waiting = connection.submit(_submit(1, "a")), connection.submit(_submit(2, "a"))
+        assert started is not None and waiting is not None
+        old.send(peers[-1], wire.encode_many([wire.Started([1])]))
+        async with asyncio.timeout(5):
+            while not started.is_started:
+                await asyncio.sleep(0.01)
+
+        async def replace(listener: Listener) -> Listener:
+            """Close `listener`; another takes the address, and is returned once the gateway has
+            reconnected to it."""
+            await listener.aclose()
+            known = len(peers)
+            new = await Listener.start(address, lambda identity, frame: peers.append(identity))
+            async with asyncio.timeout(1.5):  # within STALE_AFTER_S of the last report
+                while len(peers) == known or not connection._channel.is_connected:
+                    await asyncio.sleep(0.01)
+            return new
+
+        same = await replace(old)  # a blip: the same process answers again
+        blip_request = connection.submit(_submit(3, "a"))
+        same.send(peers[-1], wire.encode_many([msgspec.structs.replace(_state(0.0), incarnation="one")]))
+        await asyncio.sleep(0.2)
+        assert not started.future.done() and not waiting.future.done()
+
+        new = await replace(same)
+        fresh = connection.submit(_submit(4, "a"))
+        assert fresh is not None and blip_request is not None
+        new.send(peers[-1], wire.encode_many([msgspec.structs.replace(_state(0.0), incarnation="two")]))
+        assert await asyncio.wait_for(started.future, 1.0) is None and started.is_started
+        assert await asyncio.wait_for(waiting.future, 1.0) is None and not waiting.is_started
+        assert await asyncio.wait_for(blip_request.future, 1.0) is None  # sent to "one" too
+        assert not fresh.future.done()  # sent to "two", which has it
+        assert connection.num_in_flight == 1 and connection.is_ready
+        await connection.aclose()
+        await new.aclose()
+
+    asyncio.run(scenario())

@@ -47,7 +47,7 @@ class WorkerConnection:
         self.worker_id = worker_id
         self.address = address
         self._gateway_id = gateway_id
-        self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._introduce,
+        self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._on_connect,
                                           self._on_disconnect)
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
@@ -66,6 +66,9 @@ class WorkerConnection:
         self.is_ready = False
         self._is_leaving = False
         self._lost_incarnation: str | None = None
+        self._sent_before_connect: set[int] = set()
+        """Requests in flight when the connection was last (re)established: sent to the process that
+        listened before, which a report from another incarnation shows to be gone."""
         self._weights: dict[str, float] | None = None
         self._syncs: dict[int, asyncio.Future[wire.ModelSynced]] = {}
         self.on_change: Callable[[], None] = lambda: None
@@ -88,6 +91,26 @@ class WorkerConnection:
         reports say, while it answers what it has."""
         self._is_leaving = True
         self.mark_draining()
+
+    def _on_connect(self) -> None:
+        self._sent_before_connect = set(self._in_flight)
+        self._introduce()
+
+    def _lose_previous_incarnation(self, previous: str) -> None:
+        """Another process answers at the worker's address (it restarted there faster than its
+        reports are missed): what was sent to the one before will never be answered. Those
+        requests are resolved as lost now (the gateway sends those that had not started
+        elsewhere), not left until their deadlines."""
+        self._lost_incarnation = previous
+        lost = [self._in_flight.pop(request_id) for request_id in self._sent_before_connect
+                if request_id in self._in_flight]
+        self._sent_before_connect = set()
+        for in_flight in lost:
+            self._unreported.discard(in_flight.submit.request_id)
+            in_flight.resolve(None)
+        if lost:
+            log.warning("worker %s restarted at %s with %d requests in flight; they are lost to it",
+                        self.worker_id, self.address, len(lost))
 
     def _on_disconnect(self) -> None:
         """A draining worker that closes the connection has answered everything it took and is
@@ -299,6 +322,9 @@ class WorkerConnection:
         elif isinstance(message, wire.WorkerState):
             if message.incarnation == self._lost_incarnation:
                 return  # a late report from a process that has since died
+            if self.state is not None and message.incarnation != self.state.incarnation:
+                self._lose_previous_incarnation(self.state.incarnation)
+            self._sent_before_connect = set()  # the same process, or the rest: sent to this one
             self.is_lost = False
             models_changed = message.models != self.known_models or message.dormant != self.dormant
             self.known_models = message.models
