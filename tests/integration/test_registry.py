@@ -131,3 +131,43 @@ def test_a_gateway_whose_registry_cannot_be_reached_at_start_says_so() -> None:
     assert done.returncode == 1, done.stderr
     assert "Error: cannot reach the worker registry at redis://:***@127.0.0.1:" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "secret" not in done.stderr, done.stderr
+
+
+def _index_states(url: str) -> dict[str, str]:
+    return {entry["name"]: entry.get("state", "") for entry in httpx.post(f"{url}/v2/repository/index", json={}).json()}
+
+
+def test_a_model_without_a_worker_for_now_is_503_not_404(tmp_path: Path, redis_url: str) -> None:
+    """A gateway started before any worker, and one whose only worker left (a rolling restart):
+    the model is 503 with Retry-After (which the openai SDK retries), where it was 404 "model does
+    not exist" (which it does not)."""
+    registry = redis_url.rsplit("/", 1)[0] + "/12"
+    redis.Redis.from_url(registry).flushdb()
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    processes = [subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
+                                   "--port", str(port)])]
+    try:
+        eventually(lambda: httpx.get(f"{url}/v2/health/live").status_code == 200, "the gateway to listen",
+                   timeout_s=60.0)
+        before = httpx.post(f"{url}/v2/models/emulated/infer", json=BODY)
+        assert before.status_code == 503 and before.headers["retry-after"] == "1", before.text
+        worker = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind",
+                                   f"tcp://127.0.0.1:{free_port()}", "--models", str(repo), "--registry", registry])
+        processes.append(worker)
+        eventually(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200, "the worker to join",
+                   timeout_s=60.0)
+        assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
+        missing = httpx.post(f"{url}/v2/models/nonesuch/infer", json=BODY)
+        assert missing.status_code == 404, missing.text  # a model no worker ever served is still unknown
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+        # the gateway has dropped the worker: the model is no longer one a connection knows
+        eventually(lambda: _index_states(url).get("emulated") in (None, "LOADING"), "the worker to be dropped",
+                   timeout_s=30.0)
+        after = httpx.post(f"{url}/v2/models/emulated/infer", json=BODY)
+        assert after.status_code == 503 and "retry-after" in after.headers, after.text
+        assert _index_states(url) == {"emulated": "LOADING"}
+    finally:
+        stop_all(processes)

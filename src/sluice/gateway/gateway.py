@@ -188,6 +188,8 @@ class Gateway:
         if self._connections.get(worker_id) is not connection:
             return
         del self._connections[worker_id]
+        # what it served exists, with no worker for now (a rolling restart): 503 "try again", not 404
+        self.expected_versions |= {(info.name, info.version) for info in connection.known_models}
         lost = connection.mark_lost()
         if lost:
             log.warning("worker %s removed with %d requests in flight", worker_id, len(lost))
@@ -361,6 +363,10 @@ class Gateway:
             if name in self.unloaded:
                 raise ModelNotFound(f"model {name!r} is unloaded (an admin may load it again: "
                                     f"POST /v2/repository/models/{name}/load)")
+            if not self.expected_versions and not any(c.state is not None or c.known_models or c.dormant
+                                                      for c in self._connections.values()):
+                raise ModelNotReady(f"no worker has said what it serves yet, so model {name!r} is not known "
+                                    "yet", retry_after_s=1.0)
             raise ModelNotFound(f"model {name!r} does not exist")
         if (name, version) in self.expected_versions:
             raise ModelNotReady(f"model {name!r} version {version!r} has no ready worker yet", retry_after_s=1.0)
