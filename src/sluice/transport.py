@@ -188,7 +188,8 @@ class Channel:
 
     def __init__(self, address: str, identity: bytes, on_frame: OnFrame,
                  on_connect: Callable[[], None] = lambda: None,
-                 on_disconnect: Callable[[], None] = lambda: None) -> None:
+                 on_disconnect: Callable[[], None] = lambda: None,
+                 on_refused: Callable[[], None] = lambda: None) -> None:
         self._address = Address.parse(address)
         self._identity = identity
         self._on_frame = on_frame
@@ -196,6 +197,9 @@ class Channel:
         """Called after each (re)connection, once the identity is sent."""
         self._on_disconnect = on_disconnect
         """Called when an established connection is lost (after every frame it delivered)."""
+        self._on_refused = on_refused
+        """Called when the first try to connect again after that is refused: no process listens
+        at the address any more (the peer died), as opposed to a link that broke."""
         self._protocol: _FramedProtocol | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -222,6 +226,7 @@ class Channel:
     async def _keep_connected(self) -> None:
         loop = asyncio.get_running_loop()
         backoff_s = RECONNECT_MIN_S
+        was_connected = False
         while True:
             lost: asyncio.Future[None] = loop.create_future()
 
@@ -231,7 +236,10 @@ class Channel:
 
             try:
                 protocol = await self._connect(lambda: _FramedProtocol(self._on_frame, on_lost))
-            except OSError:
+            except OSError as exc:
+                if was_connected and isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
+                    self._on_refused()
+                was_connected = False
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, RECONNECT_MAX_S)
                 continue
@@ -241,6 +249,7 @@ class Channel:
             self._on_connect()
             await lost
             self._protocol = None
+            was_connected = True
             self._on_disconnect()
             await asyncio.sleep(RECONNECT_MIN_S)
 

@@ -4,6 +4,7 @@ tenant and class, which early admission adds to the worker's reported wait."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -293,5 +294,36 @@ def test_a_worker_restarted_at_its_address_before_its_silence_shows_loses_what_t
         assert connection.num_in_flight == 1 and connection.is_ready
         await connection.aclose()
         await new.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_requests_on_a_worker_that_died_are_freed_once_its_address_refuses_connections() -> None:
+    """A worker on another host killed with SIGKILL (not draining): its connection closes, and
+    nothing listens at its address any more. What it had is lost at once (its started request
+    503, the other sent elsewhere), where it waited STALE_AFTER_S (2 s) of silence first, past
+    the deadlines of most requests."""
+    async def scenario() -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        peers: list[bytes] = []
+        listener = await Listener.start(address, lambda identity, frame: peers.append(identity))
+        connection = WorkerConnection("w", address, "g")
+        await connection.start()
+        async with asyncio.timeout(5):
+            while not peers:
+                await asyncio.sleep(0.01)
+        started, waiting = connection.submit(_submit(1, "a")), connection.submit(_submit(2, "a"))
+        assert started is not None and waiting is not None
+        listener.send(peers[0], wire.encode_many([_state(0.0), wire.Started([1])]))
+        async with asyncio.timeout(5):
+            while not started.is_started:
+                await asyncio.sleep(0.01)
+        await listener.aclose()  # the process is gone, and its port with it
+        assert await asyncio.wait_for(started.future, 1.0) is None and started.is_started
+        assert await asyncio.wait_for(waiting.future, 1.0) is None and not waiting.is_started
+        assert not connection.is_ready and connection.num_in_flight == 0
+        await connection.aclose()
 
     asyncio.run(scenario())

@@ -48,7 +48,7 @@ class WorkerConnection:
         self.address = address
         self._gateway_id = gateway_id
         self._channel = transport.Channel(address, gateway_id.encode(), self._on_frame, self._on_connect,
-                                          self._on_disconnect)
+                                          self._on_disconnect, self._on_refused)
         self.state: wire.WorkerState | None = None
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.dormant: list[tuple[str, str]] = []
@@ -121,6 +121,16 @@ class WorkerConnection:
             if lost:
                 log.info("draining worker %s closed with %d requests it had not taken; sending them elsewhere",
                          self.worker_id, len(lost))
+
+    def _on_refused(self) -> None:
+        """Nothing listens at the worker's address just after its connection closed: the process
+        died (SIGKILL, a crash). What it had is lost now, not after its reports have been missing
+        for STALE_AFTER_S: requests it had not started go to another worker, streams end."""
+        if self.state is None and not self._in_flight:
+            return
+        lost = self.mark_lost()
+        log.warning("worker %s is gone (its address refuses connections) with %d requests in flight",
+                    self.worker_id, len(lost))
 
     def is_alive(self) -> bool:
         """Connected and reporting: it can still answer what it has."""
