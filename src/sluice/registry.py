@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -106,9 +106,11 @@ class RegistryWatcher:
 
     def __init__(self, url: str, add: Callable[[str, str], Coroutine[Any, Any, None]],
                  remove: Callable[[str], Coroutine[Any, Any, None]], poll_s: float = 1.0,
-                 serving: Callable[[str], bool] = lambda worker_id: False) -> None:
+                 serving: Callable[[str], bool] = lambda worker_id: False, named: Collection[str] = ()) -> None:
         self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._add, self._remove, self._serving = add, remove, serving
+        self._named = frozenset(named)
+        """Addresses the gateway was given (`--worker`) and connects to already: never a second time."""
         self._unlisted: set[str] = set()
         """Addresses of workers kept although the registry does not list them (logged once)."""
         self._poll_s = poll_s
@@ -148,6 +150,8 @@ class RegistryWatcher:
             removal.add_done_callback(self._removals.discard)
         self._unlisted.intersection_update(a for a in self.workers if a not in registered)
         for address, worker_id in registered.items():
+            if address in self._named:
+                continue
             if address not in self.workers:
                 self.workers[address] = name = f"{worker_id}@{address}"
                 log.info("worker %s joined from the registry", name)

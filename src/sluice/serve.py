@@ -218,7 +218,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                             config=SupervisorConfig(stop_timeout_s=config.graceful_timeout_s))
 
     registry = None if config.registry is None else RegistryWatcher(
-        config.registry, gateway.add_worker, gateway.remove_worker, serving=gateway.is_serving)
+        config.registry, gateway.add_worker, gateway.remove_worker, serving=gateway.is_serving,
+        named=config.remote_workers)
     if config.registry is not None:  # the gateways of a cluster share their traffic splits and canaries
         gateway.shared_traffic = SharedTraffic(config.registry, f"{socket.gethostname()}:{os.getpid()}",
                                                gateway.traffic, gateway.canary_event)

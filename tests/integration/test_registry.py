@@ -171,3 +171,32 @@ def test_a_model_without_a_worker_for_now_is_503_not_404(tmp_path: Path, redis_u
         assert _index_states(url) == {"emulated": "LOADING"}
     finally:
         stop_all(processes)
+
+
+def test_a_worker_named_with_worker_and_found_in_the_registry_is_connected_once(tmp_path: Path,
+                                                                                redis_url: str) -> None:
+    """`sluice gateway --worker ADDR --registry ...` where ADDR also registers (a cluster moving
+    from named workers to the registry): one worker, where the gateway connected to it twice and
+    counted, routed and reported it as two (`sluice_workers_ready` 2, Triton's instance count 2)."""
+    registry = redis_url.rsplit("/", 1)[0] + "/13"
+    redis.Redis.from_url(registry).flushdb()
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    processes = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--id", "a", "--bind", address,
+                                   "--models", str(repo), "--registry", registry])]
+    try:
+        eventually(lambda: redis.Redis.from_url(registry).get(PREFIX + address) is not None,
+                   "the worker to register", timeout_s=60.0)
+        processes.append(subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--worker", address,
+                                           "--registry", registry, "--port", str(port)]))
+        eventually(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200, "the gateway to be ready",
+                   timeout_s=60.0)
+        time.sleep(1.5)  # the registry is read at start and every second after
+        assert _workers_ready(url) == 1
+        config = httpx.get(f"{url}/v2/models/emulated/config").json()
+        assert config["instance_group"][0]["count"] == 1, config
+        assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
+    finally:
+        stop_all(processes)
