@@ -166,3 +166,19 @@ async def test_a_unix_socket_another_listener_holds_is_not_taken_over(tmp_path: 
     stale.close()
     again = await Listener.start(f"ipc://{tmp_path}/stale.sock", lambda identity, frame: None)
     await again.aclose()
+
+
+async def test_a_peer_that_cannot_be_reached_for_long_is_logged_once(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """`sluice gateway --worker` with a wrong address (or one whose worker is gone) retried in
+    silence: nothing in the gateway's log said why the worker never became ready."""
+    monkeypatch.setattr(transport, "UNREACHABLE_LOG_S", 0.3, raising=False)
+    address = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+    channel = Channel(address, b"gw", lambda frame: None)
+    with caplog.at_level("WARNING", logger="sluice.transport"):
+        channel.start()
+        await until(lambda: any(address in r.getMessage() for r in caplog.records), timeout_s=5.0)
+        await asyncio.sleep(1.5)  # still failing: not logged again
+    await channel.aclose()
+    messages = [r.getMessage() for r in caplog.records if address in r.getMessage()]
+    assert len(messages) == 1 and messages[0].startswith(f"cannot connect to {address} for "), messages

@@ -41,6 +41,9 @@ MAX_FRAME_BYTES = 1 << 30
 _HEADER = 4
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
+UNREACHABLE_LOG_S = 10.0
+"""A peer not reached for this long is logged (once until it is reached): a wrong address, or
+one whose process is gone, is visible in the gateway's log, not only as a worker never ready."""
 
 OnPeerFrame = Callable[[bytes, bytes], None]
 """(peer identity, frame body)"""
@@ -191,6 +194,7 @@ class Channel:
                  on_disconnect: Callable[[], None] = lambda: None,
                  on_refused: Callable[[], None] = lambda: None) -> None:
         self._address = Address.parse(address)
+        self._address_text = address
         self._identity = identity
         self._on_frame = on_frame
         self._on_connect = on_connect
@@ -227,6 +231,8 @@ class Channel:
         loop = asyncio.get_running_loop()
         backoff_s = RECONNECT_MIN_S
         was_connected = False
+        failing_since: float | None = None
+        is_logged = False
         while True:
             lost: asyncio.Future[None] = loop.create_future()
 
@@ -240,9 +246,18 @@ class Channel:
                 if was_connected and isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
                     self._on_refused()
                 was_connected = False
+                now = loop.time()
+                failing_since = now if failing_since is None else failing_since
+                if not is_logged and now - failing_since >= UNREACHABLE_LOG_S:
+                    is_logged = True
+                    log.warning("cannot connect to %s for %.0f s (still trying; a worker listens once its models "
+                                "are loaded): %s", self._address_text, now - failing_since, exc)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, RECONNECT_MAX_S)
                 continue
+            if is_logged:
+                log.warning("connected to %s", self._address_text)
+            failing_since, is_logged = None, False
             protocol.send(self._identity)
             self._protocol = protocol
             backoff_s = RECONNECT_MIN_S
