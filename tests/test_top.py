@@ -106,6 +106,29 @@ def test_a_view_is_what_happened_between_the_two_scrapes():
     assert 100 < generation.ttft_p50_ms < 1000
 
 
+def test_a_clusters_gateway_shows_no_batches_or_queues_rather_than_zeros():
+    """A cluster's gateway exports no worker's series (each worker has them on its own metrics
+    port): its batches and queues are unknown there, shown as "-" with a line saying where they
+    are, where they read 0.0 batches/s and 0 queued while the workers batched 400 requests a second."""
+    from rich.console import Console
+
+    from sluice.top import render
+
+    server = _Server()
+    before = server.scrape(0.0)
+    server.requests.labels("emulated", "1", "ok").inc(800)
+    now = view(before, server.scrape(2.0))
+    (row,) = now.models
+    assert row.ok_per_s == 400.0
+    assert (row.batches_per_s, row.queued, row.queued_work_ms) == (None, None, None)
+    console = Console(width=200, record=True)
+    console.print(render("http://gateway", now))
+    text = console.export_text()
+    assert "no worker series here" in text and "--metrics-port" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("emulated v1")]
+    assert line.split()[-6:-1] == ["-"] * 5, text  # batches/s, mean batch, batch ms, queued, queued ms
+
+
 def test_a_restarted_server_counts_from_zero_not_backwards():
     server = _Server()
     server.requests.labels("emulated", "1", "ok").inc(500)

@@ -94,11 +94,13 @@ class ModelRow:
     """The client's input was refused (4xx)."""
     p50_ms: float | None
     p99_ms: float | None
-    batches_per_s: float
+    batches_per_s: float | None
+    """None (also `queued` and `queued_work_ms`): the server exports no worker's series (a
+    cluster's gateway: each worker has them on its own `--metrics-port`)."""
     mean_batch: float | None
     batch_ms: float | None
-    queued: float
-    queued_work_ms: float
+    queued: float | None
+    queued_work_ms: float | None
     cache_hit: float | None
     traffic_share: float | None = None
     """The share of the model's requests that name no version that go to this one (its split or canary)."""
@@ -176,6 +178,7 @@ def _models(span: _Interval) -> list[ModelRow]:
     queued_s = span.after.grouped("sluice_queued_work_seconds", keys)
     lookups = span.increase("sluice_cache_lookups_total", ("model", "result"))
     shares = span.after.grouped("sluice_traffic_share", keys)
+    has_workers = _has_worker_series(span.after)
     rows = []
     for key in sorted({key[:2] for key in answers} | set(batches) | set(queued)):
         model, version = key
@@ -184,11 +187,19 @@ def _models(span: _Interval) -> list[ModelRow]:
         rows.append(ModelRow(
             model, version, _answered(answers, key, "ok"), _answered(answers, key, "rejected"),
             _answered(answers, key, "expired"), _answered(answers, key, *_FAILED), _answered(answers, key, "invalid"),
-            _ms(p50), _ms(p99), batches.get(key, 0.0), mean_batch.get(key), _ms(batch_s.get(key)),
-            queued.get(key, 0.0), queued_s.get(key, 0.0) * 1000,
+            _ms(p50), _ms(p99), batches.get(key, 0.0) if has_workers else None, mean_batch.get(key),
+            _ms(batch_s.get(key)), queued.get(key, 0.0) if has_workers else None,
+            queued_s.get(key, 0.0) * 1000 if has_workers else None,
             lookups.get((model, "hit"), 0.0) / served if served > 0 else None, shares.get(key),
         ))
     return rows
+
+
+def _has_worker_series(scrape: Scrape) -> bool:
+    """The scrape has what workers export (`sluice serve`'s gateway merges its workers' series; a
+    cluster's gateway does not)."""
+    return any(name in scrape.samples for name in ("sluice_queue_depth", "sluice_batch_size_count",
+                                                   "sluice_device_busy_seconds_total"))
 
 
 def _answered(rates: dict[tuple[str, ...], float], key: tuple[str, ...], *outcomes: str) -> float:
@@ -269,6 +280,9 @@ def render(url: str, current: View) -> RenderableType:
                  _number(m.p99_ms), _number(m.batches_per_s), _number(m.mean_batch), _number(m.batch_ms),
                  _number(m.queued, 0), _number(m.queued_work_ms), _percent(m.cache_hit)] for m in current.models)),
     ]
+    if current.models and all(m.batches_per_s is None for m in current.models):
+        parts.append(Text("no worker series here (a cluster's gateway): batches, queues and devices are on each "
+                          "worker's --metrics-port, which `sluice top --url` reads too"))
     if current.generation:
         parts.append(_table(
             "generation", ["model", "running", "waiting", "KV\ncache", "prompt\ntok/s", "output\ntok/s",
