@@ -48,3 +48,29 @@ def test_unrecorded_versions_read_as_zeros():
     stats = statistics.snapshot("m", "2")
     assert (stats["name"], stats["version"], stats["execution_count"], stats["batch_stats"]) == ("m", "2", 0, [])
     assert statistics.versions() == []
+
+
+def test_two_workers_started_with_the_same_id_are_counted_apart() -> None:
+    """Two `sluice worker`s left at the default `--id 0` behind one gateway: each report looked
+    like a restart of the other, so every report's whole cumulative count was added again
+    (Triton's execution_count grew without end while nothing ran)."""
+    import asyncio
+
+    from sluice.gateway.gateway import Gateway
+    from sluice.metrics import GatewayMetrics
+
+    async def scenario() -> dict:
+        gateway = Gateway(VirtualClock(), GatewayMetrics())
+        for name in ("0@tcp://10.0.0.1:7000", "0@tcp://10.0.0.2:7000"):  # nothing listens: never connected
+            await gateway.add_worker(name, "ipc:///nonexistent/sluice-statistics-test.sock")
+        first, second = gateway._connections.values()
+        for _ in range(3):  # the same cumulative reports, every half second
+            first._on_message(_report("0", "a", (4, 2, 0.020)))
+            second._on_message(_report("0", "b", (4, 1, 0.010)))
+        await gateway.aclose()
+        return gateway.statistics.snapshot("m", "1")
+
+    stats = asyncio.run(scenario())
+    assert stats["execution_count"] == 3
+    assert [(b["batch_size"], b["compute_infer"]) for b in stats["batch_stats"]] == \
+        [(4, {"count": 3, "ns": 30_000_000})]

@@ -148,7 +148,7 @@ class Gateway:
     async def add_worker(self, worker_id: str, address: str) -> None:
         connection = WorkerConnection(worker_id, address, self.gateway_id)
         connection.on_change = functools.partial(self._worker_changed, connection)
-        connection.on_batch_stats = self.statistics.executions
+        connection.on_batch_stats = functools.partial(self.statistics.executions, source=worker_id)
         self._connections[worker_id] = connection
         await connection.start()
         connection.set_weights(self.tenancy.weights())

@@ -97,10 +97,13 @@ class InferenceStatistics:
         stats.queue.add(ran.queue_s)
         stats.compute_infer.add(ran.exec_s)
 
-    def executions(self, report: wire.BatchStats) -> None:
+    def executions(self, report: wire.BatchStats, source: str | None = None) -> None:
         """A worker's cumulative batch counts: what is new since its previous report is added (all
-        of it, from a new incarnation of the worker: a restart counts from zero)."""
-        incarnation, previous = self._reported.get(report.worker_id, ("", {}))
+        of it, from a new incarnation of the worker: a restart counts from zero). `source` names
+        the worker as the gateway knows it (its connection); the report's own `worker_id` is
+        `sluice worker --id`, which two workers may share (its default, 0)."""
+        source = report.worker_id if source is None else source
+        incarnation, previous = self._reported.get(source, ("", {}))
         if incarnation != report.incarnation:
             previous = {}
         latest = {}
@@ -111,7 +114,7 @@ class InferenceStatistics:
             if count.count > seen_count:
                 batches = self._stats(count.model, count.version).batches
                 batches.setdefault(count.batch_size, _Duration()).add(count.exec_s - seen_s, count.count - seen_count)
-        self._reported[report.worker_id] = (report.incarnation, latest)
+        self._reported[source] = (report.incarnation, latest)
 
     def versions(self) -> list[tuple[str, str]]:
         """The (model, version) pairs with any request recorded, sorted."""
