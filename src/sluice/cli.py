@@ -218,7 +218,8 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
               help="Address to listen on for gateways, e.g. tcp://0.0.0.0:7000 or ipc:///run/sluice/w0.sock.")
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--metrics-port", type=int, default=None, help="Serve this worker's /metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve this worker's /metrics on this port.")
 @click.option("--registry", default=None, metavar="redis://...",
               help="Announce this worker in this Redis, where `sluice gateway --registry` finds it.")
 @click.option("--advertise", default=None, callback=lambda ctx, param, value: _addresses(value, "--advertise"),
@@ -240,7 +241,10 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port)
+        try:
+            start_http_server(metrics_port)
+        except OSError as exc:
+            raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror or exc}") from None
     from sluice.worker.main import WorkerConfig
     from sluice.worker.main import main as worker_main
 

@@ -302,12 +302,14 @@ def test_a_worker_started_on_its_own_outlives_the_process_that_started_it(tmp_pa
 
 
 def test_a_worker_or_gateway_given_an_address_it_cannot_use_says_so(tmp_path):
-    """A second worker on a taken address, and an address written without its scheme (to the
-    worker or to the gateway): one line naming the address and a non-zero exit status, where
-    each used to be a Python traceback."""
+    """A second worker on a taken address, a metrics port another process has, an address written
+    without its scheme (to the worker or to the gateway), a port out of range: one line naming
+    the problem and a non-zero exit status, where each used to be a Python traceback."""
     import socket
     import subprocess
     import sys
+
+    from tests.conftest import free_port
 
     repo = str(write_emulated_model(tmp_path / "models", alpha_ms=1))
     with socket.socket() as taken:
@@ -316,12 +318,18 @@ def test_a_worker_or_gateway_given_an_address_it_cannot_use_says_so(tmp_path):
         address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         done = subprocess.run([sys.executable, "-m", "sluice", "worker", "--bind", address, "--models", repo],
                               capture_output=True, text=True, timeout=120)
+        metrics = subprocess.run([sys.executable, "-m", "sluice", "worker", "--bind", f"tcp://127.0.0.1:{free_port()}",
+                                  "--models", repo, "--metrics-port", str(taken.getsockname()[1])],
+                                 capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert f"Error: cannot listen on {address}:" in done.stderr and "address already in use" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+    assert metrics.returncode == 1, metrics.stderr
+    assert "Error: cannot serve metrics on port" in metrics.stderr and "Traceback" not in metrics.stderr, metrics.stderr
     for command in (["worker", "--bind", "127.0.0.1:7000", "--models", repo],
+                    ["worker", "--bind", "tcp://127.0.0.1:7000", "--models", repo, "--metrics-port", "99999"],
                     ["gateway", "--worker", "127.0.0.1:7000", "--port", "0"]):
         done = subprocess.run([sys.executable, "-m", "sluice", *command], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
-        assert "address must be ipc:///path or tcp://host:port, got '127.0.0.1:7000'" in done.stderr, done.stderr
+        assert "Invalid value for " in done.stderr and "--" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
