@@ -224,3 +224,20 @@ def test_within_a_memory_budget_the_least_recently_used_idle_model_makes_room(ma
     assert "unloading a v1, the least recently used, to make room for c" in server.log()
     eventually(lambda: infer("a") == 200, "a loaded again, in b's place")
     assert states() == {"a": "READY", "b": "UNAVAILABLE", "c": "READY", "emulated": "READY"}
+
+
+def test_a_load_that_finds_the_model_toml_broken_keeps_the_versions_it_serves(served):
+    server, repo = served
+    toml = repo / "emulated" / "model.toml"
+    good = toml.read_text()
+    toml.write_text(good + "kind = \n")  # a typo saved before `sluice models load`
+    refused = _load(server, "emulated")
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert "model.toml: not valid TOML" in error and "served now: version 1" in error
+    assert _versions(server) == ["1"]  # not taken off as if its folder had gone
+    assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=ROW).status_code == 200
+    toml.write_text(good)
+    _add_version(repo, "2")
+    assert _load(server, "emulated").json() == {"name": "emulated", "versions": ["1", "2"]}
+

@@ -71,11 +71,14 @@ def model_loader(config: WorkerConfig) -> ModelLoader:
         if config.model_names and name not in config.model_names:
             return RepositoryModel([], {}, [])  # not this worker's model
         present, refused = _scan(config, name)
+        # a version whose settings cannot be read now is still in the folder: one already held is
+        # kept as it is (its files are not read again), not taken off as if it had been removed
+        folders = [version.version for version in present] + [r.version for r in refused if r.version != "-"]
         models: dict[tuple[str, str], LoadedModel] = {}
         for version in present:
             if version.key not in skip:
                 _load_into(models, refused, version, config)
-        return RepositoryModel([version.version for version in present], models, refused)
+        return RepositoryModel(folders, models, refused)
 
     return load
 

@@ -275,10 +275,10 @@ class WorkerServer:
         """Bring `message.model` in line with the repository (`wire.SyncModel`): its new versions are
         loaded and warmed up on a thread while everything else keeps serving."""
         name = message.model
+        found: RepositoryModel = RepositoryModel([], {}, [])
         async with self._sync_lock:
             if self._loader is not None and not self._is_draining:
                 held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
-                found: RepositoryModel = RepositoryModel([], {}, [])
                 timings: dict[ModelKey, list[tuple[int, float]]] = {}
                 if not message.unload and not await self._make_room(name):
                     log.warning("not loading %s: the models in use hold the memory it needs", name)
@@ -289,8 +289,9 @@ class WorkerServer:
                     await self._attach(key)
                 self._broadcast_state()  # gateways route to what was added, and not to what was taken off
             versions = [version for model, version in self._infos if model == name]
-            self._reply(identity, wire.ModelSynced(message.sync_id, name, versions,
-                                                   [r for r in self._refused if r.name == name]))
+            refused = [r for r in self._refused if r.name == name]
+            refused += [r for r in found.refused if r not in refused]  # a served version's settings now broken too
+            self._reply(identity, wire.ModelSynced(message.sync_id, name, versions, refused))
 
     def _load(self, name: str, held: set[ModelKey]) -> tuple[RepositoryModel, dict[ModelKey, list[tuple[int, float]]]]:
         """Thread: the model's versions in the repository, those not held loaded and warmed up."""
