@@ -42,6 +42,7 @@ from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.shared_traffic import SharedTraffic
 from sluice.gateway.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from sluice.gateway.tenancy import Tenancy
+from sluice.gateway.traffic import version_order
 from sluice.jobs.background import BackgroundResponses
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
 from sluice.jobs.postgres_store import PostgresJobStore
@@ -359,8 +360,9 @@ def _redacted(url: str) -> str:
 
 
 def _is_loaded(gateway: Gateway) -> bool:
-    """Every expected model is ready or refused, and some worker has reported."""
-    return not gateway.loading_models() and bool(gateway.models() or gateway.refused())
+    """Every expected model is ready or refused, and some worker has reported (it may serve none:
+    an empty repository, or models loaded on demand)."""
+    return not gateway.loading_models() and bool(gateway.models() or gateway.refused() or gateway.ready_workers())
 
 
 def _url(config: ServeConfig, server: uvicorn.Server) -> str:
@@ -388,6 +390,10 @@ def _banner(url: str, gateway: Gateway, devices: list[str], grpc_url: str | None
                          f"max batch {info.max_batch_size}, SLO {info.slo_s * 1000:g} ms)")
     for refused in gateway.refused():
         lines.append(f"  [red]refused[/red]: {escape(refused.name)} v{refused.version}: {escape(refused.reason)}")
+    for name, version in sorted(gateway.dormant_versions(), key=lambda key: (key[0], version_order(key[1]))):
+        lines.append(f"  on demand: [green]{escape(name)}[/green] v{version} (loaded by its first request)")
+    if not models and not gateway.refused() and not gateway.dormant_versions() and not gateway.loading_models():
+        lines.append("  [yellow]no models[/yellow]: the repository has none (add one, then `sluice models load NAME`)")
     for name in sorted(gateway.loading_models()):
         lines.append(f"  [yellow]not ready[/yellow]: {escape(name)} (still loading)")
     tenancy = gateway.tenancy

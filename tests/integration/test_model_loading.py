@@ -22,7 +22,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import ServerProcess, eventually, write_emulated_model, write_tiny_lm_model
+from tests.conftest import ServerProcess, eventually, start_server, write_emulated_model, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +188,7 @@ def test_a_model_loaded_on_demand_loads_at_its_first_request_and_goes_when_idle(
     first = httpx.post(f"{server.url}/v2/models/lazy/infer", json=ROW)
     assert first.status_code == 503 and "being loaded on demand" in first.json()["error"]
     assert 0.25 <= int(first.headers["retry-after-ms"]) / 1000 <= 30 and int(first.headers["retry-after"]) >= 1
-    eventually(lambda: httpx.post(f"{server.url}/v2/models/lazy/infer", json=ROW).status_code == 200,
+    eventually(lambda server=server: httpx.post(f"{server.url}/v2/models/lazy/infer", json=ROW).status_code == 200,
                "the model loaded on demand")
     assert lazy_state() == ("READY", "")
 
@@ -240,4 +240,26 @@ def test_a_load_that_finds_the_model_toml_broken_keeps_the_versions_it_serves(se
     toml.write_text(good)
     _add_version(repo, "2")
     assert _load(server, "emulated").json() == {"name": "emulated", "versions": ["1", "2"]}
+
+
+def test_a_repository_of_models_loaded_on_demand_or_of_none_is_ready(tmp_path):
+    repo = write_emulated_model(tmp_path / "models", "lazy", alpha_ms=2.0, beta_ms=0.1)
+    toml = repo / "lazy" / "model.toml"
+    toml.write_text(toml.read_text() + "[loading]\non_demand = true\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for models, line in ((repo, "  on demand: lazy v1 (loaded by its first request)"), (empty, "  no models: ")):
+        server = start_server(models, tmp_path, ready_timeout_s=30)  # a readiness probe lets traffic through
+        try:
+            eventually(lambda server=server: "listening on" in server.log(), "the banner")
+            assert line in server.log()
+            if models == repo:
+                assert httpx.post(f"{server.url}/v2/models/lazy/infer", json=ROW).status_code == 503  # loads it
+                lazy = f"{server.url}/v2/models/lazy/infer"
+                eventually(lambda lazy=lazy: httpx.post(lazy, json=ROW).status_code == 200, "loaded on demand")
+            else:
+                write_emulated_model(models, alpha_ms=2.0, beta_ms=0.1)
+                assert _load(server, "emulated").json() == {"name": "emulated", "versions": ["1"]}
+        finally:
+            server.stop()
 

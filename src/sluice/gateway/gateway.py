@@ -471,11 +471,13 @@ class Gateway:
     def is_ready(self) -> bool:
         """Every model that could load is served by a ready worker. Models refused at load are not
         waited for (unlike Triton's strict readiness): requests for them answer why (404). With
-        every model unloaded by an admin, a ready worker suffices: the server stays reachable
-        behind a readiness probe, to be asked to load one again."""
+        every model unloaded by an admin, left to be loaded on demand, or none in the repository, a
+        ready worker suffices: the server stays reachable behind a readiness probe, for the requests
+        that load a model on demand or an admin's call to load one. Not while every model was refused."""
         if self.is_draining:
             return False
-        serves = bool(self.models()) or bool(self.unloaded and self.ready_workers())  # nothing left by choice
+        serves = bool(self.models()) or (bool(self.ready_workers()) and bool(
+            self.unloaded or self.dormant_versions() or not self.refused()))
         return serves and not self.loading_models()
 
     # -- inference -----------------------------------------------------------------------------
