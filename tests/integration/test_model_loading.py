@@ -263,3 +263,27 @@ def test_a_repository_of_models_loaded_on_demand_or_of_none_is_ready(tmp_path):
         finally:
             server.stop()
 
+
+
+def test_a_model_loaded_on_demand_that_the_memory_budget_cannot_hold_stays_listed_and_says_why(make_server,
+                                                                                                tmp_path):
+    from sluice.repository import MANIFEST, write_manifest
+
+    repo = write_emulated_model(tmp_path / "models", "big", alpha_ms=2.0, beta_ms=0.1)
+    (repo / "big" / "1" / "w.bin").write_bytes(bytes(2 * 1024 * 1024))  # 2 MiB under a 1 MiB budget
+    write_manifest(repo / "big" / "1", repo / "big" / "1" / MANIFEST)
+    toml = repo / "big" / "model.toml"
+    toml.write_text(toml.read_text() + "[loading]\non_demand = true\n")
+    server = make_server(write_emulated_model(repo, alpha_ms=2.0, beta_ms=0.1), "--model-memory-mb", "1")
+
+    def infer() -> httpx.Response:
+        return httpx.post(f"{server.url}/v2/models/big/infer", json=ROW)
+
+    assert infer().status_code == 503
+    eventually(lambda: "the last try did not load it" in infer().text, "the first try over")
+    again = infer()  # still there, to be tried again: not a 404 "does not exist"
+    assert again.status_code == 503 and "more than the worker's model memory budget of 1.0 MB" in again.text
+    refused = _load(server, "big")  # an admin's load says why too
+    assert refused.status_code == 400 and "model memory budget" in refused.json()["error"]
+    assert [e["state"] for e in httpx.post(f"{server.url}/v2/repository/index").json() if e["name"] == "big"] \
+        == ["UNAVAILABLE"]

@@ -131,6 +131,8 @@ class Gateway:
         """Each model being loaded on demand: the load, and when it started."""
         self._load_seconds: dict[str, float] = {}
         """How long each model's loads on demand take (a moving average): the `Retry-After` of the next."""
+        self._on_demand_refusals: dict[str, str] = {}
+        """Why the last load on demand of each model loaded nothing (its worker's memory budget)."""
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
         503 ("not ready yet"), not a 404."""
@@ -248,8 +250,9 @@ class Gateway:
         # what is left of the time loads of this model have taken (of 2 s before the first)
         left_s = self._load_seconds.get(name, 2.0) - (self._clock.now() - self._on_demand_loads[name][1])
         retry_s = max(0.25, min(left_s, 30.0))
-        raise ModelNotReady(f"model {name!r} is being loaded on demand; try again in {retry_s:.1f} s",
-                            retry_after_s=retry_s)
+        last = self._on_demand_refusals.get(name)
+        raise ModelNotReady(f"model {name!r} is being loaded on demand; try again in {retry_s:.1f} s"
+                            + (f" (the last try did not load it: {last})" if last else ""), retry_after_s=retry_s)
 
     async def _load_one(self, name: str, connection: WorkerConnection) -> None:
         started = self._clock.now()
@@ -261,6 +264,12 @@ class Gateway:
             log.warning("worker %s did not finish loading model %s on demand", connection.worker_id, name)
             return
         synced = future.result()
+        if synced.refused and not synced.versions:  # e.g. no room in the worker's model memory budget
+            self._on_demand_refusals[name] = "; ".join(dict.fromkeys(r.reason for r in synced.refused))
+            log.warning("model %s was not loaded on demand on worker %s: %s", name, connection.worker_id,
+                        self._on_demand_refusals[name])
+            return
+        self._on_demand_refusals.pop(name, None)
         took_s = self._clock.now() - started
         self._load_seconds[name] = 0.5 * (self._load_seconds.get(name, took_s) + took_s)
         self._invalidate()

@@ -280,11 +280,15 @@ class WorkerServer:
             if self._loader is not None and not self._is_draining:
                 held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
                 timings: dict[ModelKey, list[tuple[int, float]]] = {}
-                if not message.unload and not await self._make_room(name):
-                    log.warning("not loading %s: the models in use hold the memory it needs", name)
-                elif not message.unload:
-                    found, timings = await asyncio.to_thread(self._load, name, held)
-                self._take(name, found, timings)
+                no_room = None if message.unload else await self._make_room(name)
+                if no_room is not None:  # it stays to be loaded on demand: the next request tries again
+                    log.warning("not loading %s: %s", name, no_room)
+                    found = RepositoryModel([], {}, [wire.RefusedModel(name, version, no_room)
+                                                     for model, version in self._dormant if model == name])
+                else:
+                    if not message.unload:
+                        found, timings = await asyncio.to_thread(self._load, name, held)
+                    self._take(name, found, timings)
                 for key in found.loaded:
                     await self._attach(key)
                 self._broadcast_state()  # gateways route to what was added, and not to what was taken off
@@ -317,13 +321,13 @@ class WorkerServer:
         self._refused = [r for r in self._refused if r.name != name] + \
                         [r for r in found.refused if r.version not in served]
 
-    async def _make_room(self, name: str) -> bool:
+    async def _make_room(self, name: str) -> str | None:
         """Within the memory budget, make room for `name`'s versions loaded on demand: unload the
         least recently used idle versions of other models that load on demand again, and wait until
-        they are freed. False if the budget cannot hold them even so."""
+        they are freed. None once there is room; else why the budget cannot hold them even so."""
         wanted = [version for key, version in self._dormant.items() if key[0] == name]
         if self._memory_budget is None or not wanted:
-            return True
+            return None
         needed = await asyncio.to_thread(lambda: sum(footprint_bytes(version) for version in wanted))  # reads files
         held = sum(self._footprints.values())  # retiring versions too, until they are freed
         evicted = []
@@ -336,7 +340,12 @@ class WorkerServer:
                 held -= self._footprints.get(key, 0)
                 evicted.append(key)
         if held + needed > self._memory_budget:
-            return False
+            mb = 1024 * 1024
+            if needed > self._memory_budget:
+                return f"its versions take about {needed / mb:.1f} MB, more than the worker's model memory " \
+                       f"budget of {self._memory_budget / mb:.1f} MB"
+            return f"its versions take about {needed / mb:.1f} MB and the models in use hold " \
+                   f"{held / mb:.1f} MB of the worker's {self._memory_budget / mb:.1f} MB budget"
         for key in evicted:
             self._retire(key, dormant=True)
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
@@ -348,7 +357,7 @@ class WorkerServer:
             while any(key in self._retiring for key in evicted) and (left_s := deadline - loop.time()) > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), left_s)
-        return True
+        return None
 
     def _unload_idle(self) -> None:
         """Take off the versions idle for longer than their `[loading] idle_unload_s`; they are
