@@ -109,6 +109,14 @@ def test_server_serves_the_good_version_and_reports_the_refused_one(make_server,
         ('kind = "emulated"\nparams = [1]\n', ["model.toml", "[params]"]),
         ('kind = "emulated"\nplatform = 3\n', ["model.toml", "platform"]),
         ('kind = "embedding"\n[weights]\npackage = "no_such.pkg"\n', ["model.toml", "no_such.pkg"]),
+        # a misspelt setting is a mistake named, not a default silently used
+        ('kind = "emulated"\n[batchng]\nmax_batch_size = 4\n', ["model.toml", "no setting 'batchng'"]),
+        ('kind = "emulated"\nkidn = "onnx"\n', ["model.toml", "no setting 'kidn'"]),
+        ('kind = "emulated"\n[slo]\ndefault_msec = 5\n', ["model.toml", "[slo] has no setting 'default_msec'"]),
+        ('kind = "embedding"\n[weights]\npackag = "x"\n', ["model.toml", "[weights] has no setting 'packag'"]),
+        # an SLO that is no number of milliseconds made every request a 500
+        ('kind = "emulated"\n[slo]\ndefault_ms = nan\n', ["model.toml", "default_ms", "nan"]),
+        ('kind = "emulated"\n[slo]\ndefault_ms = inf\n', ["model.toml", "default_ms", "inf"]),
     ],
 )
 def test_a_broken_model_toml_refuses_that_model_naming_file_and_field(tmp_path, config, fragments):
@@ -209,6 +217,7 @@ def test_loading_settings_default_to_loading_at_start_and_never_unloading(tmp_pa
     ("loading", "on_demand = 1", "on_demand must be true or false"),
     ("loading", "idle_unload_s = -1", "idle_unload_s must be a number of seconds >= 0"),
     ("loading", "idle_unload_s = 'soon'", "idle_unload_s must be a number of seconds >= 0"),
+    ("loading", "idle_unload_s = nan", "idle_unload_s must be a number of seconds >= 0"),
     ("loading", "preload = true", "[loading] has no setting 'preload'")])
 def test_a_bad_cache_routing_or_loading_table_refuses_the_model(tmp_path, table, body, fragment):
     _version(_model(tmp_path, extra=f"[{table}]\n{body}\n"), "1", {"w.bin": "x"})
@@ -242,3 +251,23 @@ def test_bad_tensor_declarations_refuse_the_model(tmp_path, kind, extra, fragmen
     _version(_model(tmp_path, kind=kind, extra=extra), "1", {"model.py": ""})
     repo = scan_repository(tmp_path)
     assert not repo.versions and fragment in repo.refused[0].reason, repo.refused
+
+
+def test_a_version_folder_not_named_by_a_plain_number_is_refused_naming_it_and_the_others_load(tmp_path):
+    model = _model(tmp_path)
+    for version in ("1", "01", "\u00b2", "v2", "latest"):  # "²".isdigit(), but int("²") raised: no server started
+        _version(model, version, {})
+    (model / ".ipynb_checkpoints").mkdir()  # hidden folders are not versions, nor mistakes
+    repo = scan_repository(tmp_path)
+    assert [v.version for v in repo.versions] == ["1"]
+    refused = {r.version: r.reason for r in repo.refused}
+    assert sorted(refused) == sorted(["01", "\u00b2", "v2", "latest"])
+    assert all("not a version folder" in reason and str(model) in reason for reason in refused.values())
+
+
+def test_a_manifest_that_is_not_text_is_refused_naming_it(tmp_path):
+    folder = _version(_model(tmp_path), "1", {"w.bin": "x"})
+    (folder / "SHA256SUMS").write_bytes(b"\xff\xfe\x00")
+    [version] = scan_repository(tmp_path).versions
+    with pytest.raises(ConfigError, match="SHA256SUMS: not a SHA256SUMS manifest \\(not UTF-8 text"):
+        verify(version)

@@ -158,7 +158,11 @@ def scan_repository(root: Path) -> Repository:
         config_path = model_dir / "model.toml"
         if not config_path.is_file():
             continue
-        version_dirs = sorted((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=_num)
+        folders = [p for p in model_dir.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))]
+        version_dirs = sorted((p for p in folders if _is_version_name(p.name)), key=_num)
+        refused += [RefusedVersion(model_dir.name, p.name, f"{p}: not a version folder: versions are folders named "
+                                   "by a number without leading zeros (1/, 2/, ...)")
+                    for p in sorted(folders) if not _is_version_name(p.name)]
         try:
             config = _read_config(config_path)
         except ConfigError as exc:  # this model's versions are refused; the other models still load
@@ -192,7 +196,12 @@ def verify(version: ModelVersion) -> None:
         if version.kind in WEIGHTLESS_KINDS:
             return
         raise ConfigError(f"{version.name} v{version.version}: missing {MANIFEST} manifest")
-    listed = parse_manifest(version.manifest_path.read_text(), version.manifest_path)
+    try:
+        text = version.manifest_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{version.manifest_path}: not a {MANIFEST} manifest (not UTF-8 text: {exc.reason} "
+                          f"at byte {exc.start})") from exc
+    listed = parse_manifest(text, version.manifest_path)
     for rel_path, expected in listed.items():
         path = version.weights_dir / rel_path
         if not path.is_file():
@@ -249,21 +258,45 @@ def _num(path: Path) -> int:
     return int(path.name)
 
 
+def _is_version_name(name: str) -> bool:
+    """A version folder's name: a number in ASCII digits, without leading zeros ("1", not "01" or "¹")."""
+    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+
+
+MODEL_SETTINGS = ("kind", "platform", "batching", "slo", "cache", "weights", "loading", "params", "routing",
+                  "upstream", "inputs", "outputs")
+"""What a `model.toml` (or a `version.toml`) may set: anything else is a mistake, not ignored."""
+
+
+def _check_settings(config: dict[str, Any], config_path: Path) -> None:
+    unknown = sorted(set(config) - set(MODEL_SETTINGS))
+    if unknown:
+        raise ConfigError(f"{config_path}: no setting {unknown[0]!r} (it may set {', '.join(MODEL_SETTINGS)})")
+    for table, known in (("slo", ("default_ms",)), ("weights", ("package", "subdir", "generate"))):
+        value = config.get(table)
+        extra = sorted(set(value) - set(known)) if isinstance(value, dict) else []
+        if extra:
+            raise ConfigError(f"{config_path}: [{table}] has no setting {extra[0]!r} (it has {', '.join(known)})")
+
+
 def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_path: Path) -> ModelVersion:
     """One version's settings from its model's `model.toml` and its own `version.toml`, if any; a
     ConfigError naming the file and the field for anything of the wrong type or out of range."""
+    _check_settings(config, config_path)
     routing = _routing(_table(config, "routing", config_path), config_path)
     own_path = version_dir / VERSION_CONFIG
     if own_path.is_file():
+        own = _read_config(own_path)
+        _check_settings(own, own_path)
         config_path = own_path  # errors name the file with the setting that wins
-        config = _merge(config, _read_config(own_path), own_path)
+        config = _merge(config, own, own_path)
     kind = config.get("kind")
     if kind not in RUNNER_KINDS:
         raise ConfigError(f"{config_path}: kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
     params, weights = _table(config, "params", config_path), _table(config, "weights", config_path)
     batching = _batching(_table(config, "batching", config_path), kind, params, config_path)
     slo_ms = _table(config, "slo", config_path).get("default_ms", 1000)
-    if not _is_number(slo_ms) or slo_ms <= 0:
+    if not _is_number(slo_ms) or not math.isfinite(slo_ms) or slo_ms <= 0:
         raise ConfigError(f"{config_path}: [slo] default_ms must be a positive number, got {slo_ms!r}")
     platform = config.get("platform", f"sluice_{kind}")
     if not isinstance(platform, str):
@@ -369,7 +402,7 @@ def _loading(raw: dict[str, Any], config_path: Path) -> LoadingConfig:
     if not isinstance(on_demand, bool):
         raise ConfigError(f"{config_path}: [loading] on_demand must be true or false, got {on_demand!r}")
     idle_s = raw.get("idle_unload_s", 600.0 if on_demand else 0.0)
-    if not _is_number(idle_s) or idle_s < 0:
+    if not _is_number(idle_s) or not math.isfinite(idle_s) or idle_s < 0:
         raise ConfigError(f"{config_path}: [loading] idle_unload_s must be a number of seconds >= 0, got {idle_s!r}")
     return LoadingConfig(on_demand, float(idle_s))
 
