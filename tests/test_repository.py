@@ -211,6 +211,7 @@ def test_loading_settings_default_to_loading_at_start_and_never_unloading(tmp_pa
     ("routing", "traffic = { 1 = 0 }", "at least one version needs a weight above 0"),
     ("routing", "traffic = { 1 = inf }", "weight must be a number >= 0"),
     ("routing", "traffic = { 1 = 1, 2 = nan }", "weight must be a number >= 0"),
+    ("routing", "traffic = { 1 = 1e308, 2 = 1e308 }", "the weights add up to more than a number can hold"),
     ("routing", "traffic = 100", "traffic must be a table"),
     ("routing", "sticky = 'yes'\ntraffic = { 1 = 1 }", "sticky must be true or false"),
     ("routing", "weights = { 1 = 1 }", "[routing] has no setting 'weights'"),

@@ -389,6 +389,8 @@ def _routing(raw: dict[str, Any], config_path: Path) -> wire.Routing | None:
                               f"number >= 0, got {weight!r}")
     if not any(weight > 0 for weight in traffic.values()):
         raise ConfigError(f"{config_path}: [routing] traffic: at least one version needs a weight above 0")
+    if not math.isfinite(sum(traffic.values())):
+        raise ConfigError(f"{config_path}: [routing] traffic: the weights add up to more than a number can hold")
     return wire.Routing({version: float(weight) for version, weight in traffic.items()}, sticky)
 
 

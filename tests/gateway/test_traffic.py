@@ -55,7 +55,8 @@ def test_versions_not_served_are_skipped_and_their_share_spread() -> None:
     assert Split.of({"4": 100}).choose(SERVED, "k", random.Random(0)) is None
 
 
-@pytest.mark.parametrize("weights", [{}, {"1": 0}, {"1": -5, "2": 10}, {"1": float("nan")}, {"1": True}])
+@pytest.mark.parametrize("weights", [{}, {"1": 0}, {"1": -5, "2": 10}, {"1": float("nan")}, {"1": True},
+                                     {"1": 1e308, "2": 1e308}])  # was taken: 0% each, every request to one
 def test_bad_weights_are_refused(weights: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Split.of(weights)

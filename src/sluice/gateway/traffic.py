@@ -80,7 +80,7 @@ class Split:
     @classmethod
     def of(cls, weights: Mapping[str, float], sticky: bool = True) -> Split:
         """From version -> weight (any positive scale, e.g. percent). Raises ValueError for a
-        negative or non-finite weight, or no positive one."""
+        negative or non-finite weight, no positive one, or weights whose sum is not finite."""
         for version, weight in weights.items():
             if not isinstance(weight, int | float) or isinstance(weight, bool) or not math.isfinite(weight) \
                     or weight < 0:
@@ -89,6 +89,8 @@ class Split:
                                                          reverse=True) if w > 0)
         if not shares:
             raise ValueError("at least one version needs a weight above 0")
+        if not math.isfinite(sum(w for _, w in shares)):  # each finite, their sum not: every share would be 0
+            raise ValueError("the weights add up to more than a number can hold: give them as percentages")
         return cls(shares, sticky)
 
     def live(self, served: Container[str]) -> list[tuple[str, float]]:
