@@ -287,3 +287,56 @@ def test_a_model_loaded_on_demand_that_the_memory_budget_cannot_hold_stays_liste
     assert refused.status_code == 400 and "model memory budget" in refused.json()["error"]
     assert [e["state"] for e in httpx.post(f"{server.url}/v2/repository/index").json() if e["name"] == "big"] \
         == ["UNAVAILABLE"]
+
+
+
+def test_a_version_asked_for_while_its_load_runs_is_not_ready_yet_rather_than_missing(served, tmp_path):
+    from sluice.repository import MANIFEST, write_manifest
+
+    server, repo = served
+    model = repo / "gated"
+    model.mkdir()
+    (model / "model.toml").write_text('kind = "python"\n[[inputs]]\nname = "x"\ndatatype = "FP32"\n'
+                                      '[[outputs]]\nname = "y"\ndatatype = "FP32"\n')
+
+    def add_version(version: str) -> None:  # it loads until the test creates its gate file
+        (model / version).mkdir()
+        (model / version / "model.py").write_text(
+            "import time\nfrom pathlib import Path\n\nclass Model:\n"
+            "    def __init__(self, path, device, params):\n"
+            "        while not Path(params['gate']).exists():\n"
+            "            time.sleep(0.02)\n\n"
+            "    def predict(self, inputs):\n        return {'y': inputs['x']}\n")
+        (model / version / "version.toml").write_text(f"[params]\ngate = '{tmp_path / ('gate' + version)}'\n")
+        write_manifest(model / version, model / version / MANIFEST)
+
+    answers: list[httpx.Response] = []
+
+    def load() -> threading.Thread:
+        thread = threading.Thread(target=lambda: answers.append(_load(server, "gated")))
+        thread.start()
+        return thread
+
+    def status(path: str) -> int:
+        return httpx.get(f"{server.url}/v2/models/gated{path}").status_code
+
+    add_version("1")
+    loading = load()  # a model new to the repository
+    eventually(lambda: status("") == 503, "503 while the model loads")
+    assert "model 'gated' is being loaded" in httpx.get(f"{server.url}/v2/models/gated").json()["error"]
+    (tmp_path / "gate1").touch()
+    loading.join()
+    assert answers.pop().json() == {"name": "gated", "versions": ["1"]}
+
+    add_version("2")
+    loading = load()  # a version new to a model that serves
+    eventually(lambda: status("/versions/2/ready") == 503, "503 while the version loads")
+    answer = httpx.post(f"{server.url}/v2/models/gated/versions/2/infer",
+                        json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]})
+    assert answer.status_code == 503 and "version '2' is not ready" in answer.json()["error"]
+    assert answer.headers["retry-after"] == "1"
+    assert status("/versions/1/ready") == 200  # the version served goes on
+    (tmp_path / "gate2").touch()
+    loading.join()
+    assert answers.pop().json() == {"name": "gated", "versions": ["1", "2"]}
+    assert status("/versions/2/ready") == 200 and status("/versions/3") == 404

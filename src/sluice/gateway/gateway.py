@@ -131,6 +131,8 @@ class Gateway:
         """Each model being loaded on demand: the load, and when it started."""
         self._load_seconds: dict[str, float] = {}
         """How long each model's loads on demand take (a moving average): the `Retry-After` of the next."""
+        self._syncing: dict[str, int] = {}
+        """Models an admin's load is bringing in line with the repository now (`sync_model`): how many loads."""
         self._on_demand_refusals: dict[str, str] = {}
         """Why the last load on demand of each model loaded nothing (its worker's memory budget)."""
         self.expected_versions: set[tuple[str, str]] = set()
@@ -296,7 +298,13 @@ class Gateway:
                  if (future := connection.sync_model(sync_id, name, unload=unload)) is not None}
         if not asked:
             raise Unavailable("no worker is connected to load or unload models on", retry_after_s=1.0)
-        await asyncio.wait(asked.values(), timeout=timeout_s)
+        if not unload:
+            self._syncing[name] = self._syncing.get(name, 0) + 1
+        try:
+            await asyncio.wait(asked.values(), timeout=timeout_s)
+        finally:
+            if not unload and (left := self._syncing.pop(name) - 1):
+                self._syncing[name] = left
         answers = {worker_id: future.result() for worker_id, future in asked.items()
                    if future.done() and not future.cancelled()}
         versions = sorted({v for answer in answers.values() for v in answer.versions}, key=version_order)
@@ -366,9 +374,13 @@ class Gateway:
             raise refusal
         if (not versions or (version is not None and version not in versions)) and name not in self.unloaded:
             self._load_on_demand(name, version, start=on_demand)  # raises ModelNotReady if it loads on demand
+        which = "" if version is None else f": version {version!r} is not ready (yet, if the repository has it)"
+        being_loaded = ModelNotReady(f"model {name!r} is being loaded{which}", retry_after_s=1.0)
         if not versions:
             if name in self.expected_models:
                 raise ModelNotReady(f"model {name!r} has no ready worker yet", retry_after_s=1.0)
+            if name in self._syncing:
+                raise being_loaded
             if name in self.unloaded:
                 raise ModelNotFound(f"model {name!r} is unloaded (an admin may load it again: "
                                     f"POST /v2/repository/models/{name}/load)")
@@ -379,6 +391,8 @@ class Gateway:
             raise ModelNotFound(f"model {name!r} does not exist")
         if (name, version) in self.expected_versions:
             raise ModelNotReady(f"model {name!r} version {version!r} has no ready worker yet", retry_after_s=1.0)
+        if name in self._syncing:
+            raise being_loaded
         raise ModelNotFound(f"model {name!r} has no version {version!r}")
 
     @property
