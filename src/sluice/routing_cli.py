@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,14 +28,19 @@ def admin_call(url: str, admin_key: str | None, method: str, path: str, body: ob
     headers = {"content-type": "application/json"}
     if admin_key:
         headers["authorization"] = f"Bearer {admin_key}"
-    data = None if body is None else json.dumps(body).encode()
+    try:
+        data = None if body is None else json.dumps(body, allow_nan=False).encode()
+    except ValueError:  # nan or inf from a float option: no JSON carries them
+        raise click.ClickException("every number given must be finite (not nan or inf)") from None
     request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return json.loads(answer.read())
     except urllib.error.HTTPError as exc:
         try:
-            message = json.loads(exc.read())["error"]["message"]
+            error = json.loads(exc.read())["error"]
+            # the admin API's OpenAI-style envelope, or KServe's {"error": "..."} (load and unload)
+            message = error if isinstance(error, str) else error["message"]
         except (ValueError, KeyError, TypeError):
             message = exc.reason
         raise click.ClickException(f"{exc.code}: {message}") from None
@@ -51,6 +57,8 @@ def parse_shares(shares: tuple[str, ...]) -> dict[str, float]:
         version, _, weight = share.partition("=")
         try:
             parsed[version.strip()] = float(weight)
+            if not math.isfinite(parsed[version.strip()]):
+                raise ValueError(weight)
         except ValueError:
             raise click.BadParameter(f"{share!r} is not VERSION=WEIGHT (e.g. 2=10)", param_hint="SHARES") from None
     return parsed
@@ -61,7 +69,10 @@ def parse_steps(steps: str | None) -> list[float] | None:
     if steps is None:
         return None
     try:
-        return [float(step) for step in steps.split(",")]
+        parsed = [float(step) for step in steps.split(",")]
+        if not all(math.isfinite(step) for step in parsed):
+            raise ValueError(steps)
+        return parsed
     except ValueError:
         raise click.BadParameter(f"{steps!r} is not a list of percentages such as 5,25,50",
                                  param_hint="--steps") from None

@@ -340,3 +340,23 @@ def test_a_version_asked_for_while_its_load_runs_is_not_ready_yet_rather_than_mi
     loading.join()
     assert answers.pop().json() == {"name": "gated", "versions": ["1", "2"]}
     assert status("/versions/2/ready") == 200 and status("/versions/3") == 404
+
+
+def test_the_command_line_prints_why_a_load_or_unload_was_refused(served):
+    from click.testing import CliRunner
+
+    from sluice.cli import main
+
+    server, repo = served
+    runner = CliRunner()
+    _add_version(repo, "3", manifest="0" * 64 + "  weights.bin\n")
+    refused = runner.invoke(main, ["models", "load", "emulated", "--url", server.url])
+    assert refused.exit_code == 1  # the server's reason, not "400: Bad Request"
+    assert "400: model 'emulated' could not be loaded (version 3: " in refused.output
+    assert "weights.bin" in refused.output
+    missing = runner.invoke(main, ["models", "unload", "no-such-model", "--url", server.url])
+    assert missing.exit_code == 1 and "404: model 'no-such-model' is not served: there is nothing to unload" \
+        in missing.output
+    for args in (["traffic", "emulated", "1=nan"], ["canary", "emulated", "1", "--step-seconds", "inf"]):
+        bad = runner.invoke(main, ["models", *args, "--url", server.url])  # not "request body is not valid JSON"
+        assert bad.exit_code != 0 and "JSON" not in bad.output, bad.output
