@@ -29,7 +29,10 @@ from __future__ import annotations
 
 
 class SluiceError(Exception):
-    """Base of every error sluice raises on purpose."""
+    """Base of every error sluice raises on purpose. `model_version`: the version of the model a
+    request was routed to when it failed there (answered as `x-sluice-model-version`)."""
+
+    model_version: str | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -131,3 +131,19 @@ def test_a_healthy_canary_is_promoted_step_by_step(make_server: Callable[..., Se
         assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"1"}
     assert metric_total(server, "sluice_canary_events_total", model="emulated", event="advanced") == 1
     assert metric_total(server, "sluice_canary_events_total", model="emulated", event="promoted") == 1
+
+
+def test_an_answer_that_failed_on_a_version_names_that_version(make_server: Callable[..., ServerProcess],
+                                                                tmp_path: Path) -> None:
+    server = make_server(write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 50, 2 = 50 }",
+                                       v2_params="error_rate = 1.0"))
+    with httpx.Client(timeout=30) as client:
+        answers = [_infer(client, server) for _ in range(40)]
+    failed = [a for a in answers if a.status_code != 200]
+    assert failed and all(a.status_code == 503 and a.headers["x-sluice-model-version"] == "2" for a in failed)
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        sdk.embeddings.create(model="emulated:2", input=["fails on version 2"])
+    assert raised.value.response.headers["x-sluice-model-version"] == "2"
+    missing = httpx.post(f"{server.url}/v2/models/emulated/versions/9/infer", json={})
+    assert missing.status_code == 404 and "x-sluice-model-version" not in missing.headers  # routed nowhere

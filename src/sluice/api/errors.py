@@ -124,13 +124,16 @@ def protocol_of(path: str) -> str:
 
 def error_headers(error: Exception) -> dict[str, str]:
     """What an error's answer says beside its body: when to retry (`Retry-After` in whole seconds,
-    at least 1, and `retry-after-ms`) and, on a 429, which limit and OpenAI's `x-ratelimit-*`
-    (on an overload's 503, the limit `capacity`)."""
+    at least 1, and `retry-after-ms`), on a 429 which limit and OpenAI's `x-ratelimit-*` (on an
+    overload's 503, the limit `capacity`), and the model version the request was routed to if it
+    failed there (`x-sluice-model-version`)."""
     headers = {**error.headers, LIMIT_HEADER: error.limit} if isinstance(error, RateLimited) else {}
     if isinstance(error, Overloaded):
         headers[LIMIT_HEADER] = CAPACITY_LIMIT
     if isinstance(error, DeadlineUnreachable):
         headers["x-should-retry"] = "false"  # the openai SDK would retry a 504 twice, in vain
+    if isinstance(error, SluiceError) and error.model_version is not None:
+        headers["x-sluice-model-version"] = error.model_version  # which version failed (a canary's?)
     retry_after_s = getattr(error, "retry_after_s", None)
     if retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))

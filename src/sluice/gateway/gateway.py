@@ -34,6 +34,7 @@ from sluice.errors import (
     ModelNotReady,
     ModelRefused,
     Overloaded,
+    SluiceError,
     Unavailable,
     WorkerLost,
 )
@@ -632,16 +633,18 @@ class Gateway:
         32 get 64 times the SLO of one text."""
         default_s = None if timeout_s is not None else \
             max(info.slo_s, min(default_timeout_s(info, payload), self._config.max_timeout_s))
-        ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
-        policy = (caller or _LOCAL_CALLER).cache
-        async with ticket:
-            key = key or self._cache_key(info, payload, ticket.tenant, policy)
-            if key is None:
-                result = await self._dispatch(info, payload, ticket)
-            else:
-                result = await self._cached(key, info, ticket, policy, lambda: self._dispatch(info, payload, ticket))
-            ticket.done(result)
-            return ticket.with_limits(result)
+        with _routed_to(info):
+            ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
+            policy = (caller or _LOCAL_CALLER).cache
+            async with ticket:
+                key = key or self._cache_key(info, payload, ticket.tenant, policy)
+                if key is None:
+                    result = await self._dispatch(info, payload, ticket)
+                else:
+                    result = await self._cached(key, info, ticket, policy,
+                                                lambda: self._dispatch(info, payload, ticket))
+                ticket.done(result)
+                return ticket.with_limits(result)
 
     async def generate(
         self, info: wire.ModelInfo, payload: wire.GeneratePayload, timeout_s: float | None = None,
@@ -654,22 +657,23 @@ class Gateway:
         Closing the iterator early (client gone) withdraws the request from its worker.
         `limit_headers`, if given, receives the tenant's `x-ratelimit-*` headers once admitted
         (a stream's HTTP headers are sent before its final result)."""
-        ticket = await self._admit(info, timeout_s, arrived_at, caller)
-        if limit_headers is not None:
-            limit_headers.update(ticket.limit_headers())
-        policy = (caller or _LOCAL_CALLER).cache
-        async with ticket:
-            key = self._cache_key(info, payload, ticket.tenant, policy)
-            if key is not None:  # a whole greedy answer
-                result = await self._cached(key, info, ticket, policy, lambda: self._whole(info, payload, ticket))
-                ticket.done(result)
-                yield ticket.with_limits(result)
-                return
-            async for event in self._dispatch_stream(info, payload, ticket):
-                if isinstance(event, InferResult):
-                    ticket.done(event)
-                    event = ticket.with_limits(event)
-                yield event
+        with _routed_to(info):
+            ticket = await self._admit(info, timeout_s, arrived_at, caller)
+            if limit_headers is not None:
+                limit_headers.update(ticket.limit_headers())
+            policy = (caller or _LOCAL_CALLER).cache
+            async with ticket:
+                key = self._cache_key(info, payload, ticket.tenant, policy)
+                if key is not None:  # a whole greedy answer
+                    result = await self._cached(key, info, ticket, policy, lambda: self._whole(info, payload, ticket))
+                    ticket.done(result)
+                    yield ticket.with_limits(result)
+                    return
+                async for event in self._dispatch_stream(info, payload, ticket):
+                    if isinstance(event, InferResult):
+                        ticket.done(event)
+                        event = ticket.with_limits(event)
+                    yield event
 
     def _cache_key(self, info: wire.ModelInfo, payload: wire.Payload | bytes, tenant: str,
                    policy: CachePolicy) -> bytes | None:
@@ -984,3 +988,15 @@ def default_timeout_s(info: wire.ModelInfo, payload: wire.Payload) -> float:
     worth) for each batch its items fill at the model's max batch size. One text gets the SLO;
     2,048 texts, which no device runs in one batch's time, get 64 of them instead of a 504."""
     return info.slo_s * max(1, math.ceil(wire.num_items(payload) / max(info.max_batch_size, 1)))
+
+
+@contextmanager
+def _routed_to(info: wire.ModelInfo) -> Iterator[None]:
+    """An error raised inside names the version the request was routed to (`SluiceError.model_version`):
+    its answer says which version failed, as a success's does which one answered (a canary's failures)."""
+    try:
+        yield
+    except SluiceError as exc:
+        if exc.model_version is None:
+            exc.model_version = info.version
+        raise
