@@ -12,6 +12,7 @@ as a real tokenizer's batch encoding runs.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -28,9 +29,17 @@ _SPIN_S = 0.0002
 capacity), where oversleeping would add its lateness to every request's latency."""
 
 
+_PARAMS = ("alpha_ms", "beta_ms", "ref_len", "jitter", "error_rate", "max_len", "dims", "prepare_ms_per_kchar", "seed")
+"""The emulator's `[params]`: anything else is a mistake (a misspelt `alpah_ms`), not ignored."""
+
+
 class EmulatedRunner:
     def __init__(self, version: ModelVersion, device: str) -> None:
         p = version.params
+        unknown = sorted(set(p) - set(_PARAMS))
+        if unknown:
+            raise ConfigError(f"{version.name}: [params] has no emulator parameter {unknown[0]!r} "
+                              f"(it has {', '.join(_PARAMS)})")
         try:
             self.alpha_s = float(p.get("alpha_ms", 8.0)) / 1000
             self.beta_s = float(p.get("beta_ms", 0.5)) / 1000
@@ -42,9 +51,18 @@ class EmulatedRunner:
             self.prepare_s_per_char = float(p.get("prepare_ms_per_kchar", 0.0)) / 1e6
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{version.name}: bad emulator parameter: {exc}") from exc
-        if self.ref_len < 1 or self.alpha_s < 0 or self.beta_s < 0 or not 0 <= self.error_rate <= 1 \
-                or self.prepare_s_per_char < 0:
-            raise ConfigError(f"{version.name}: emulator parameters out of range")
+        for name, ok, needs in (
+                ("alpha_ms", math.isfinite(self.alpha_s) and self.alpha_s >= 0, "a number of ms >= 0"),
+                ("beta_ms", math.isfinite(self.beta_s) and self.beta_s >= 0, "a number of ms >= 0"),
+                ("ref_len", self.ref_len >= 1, "an integer >= 1"),
+                ("jitter", math.isfinite(self.jitter) and self.jitter >= 0, "a number >= 0"),
+                ("error_rate", 0 <= self.error_rate <= 1, "between 0 and 1"),
+                ("max_len", self.max_len >= 1, "an integer >= 1"),
+                ("dims", self.dims >= 1, "an integer >= 1"),
+                ("prepare_ms_per_kchar", math.isfinite(self.prepare_s_per_char) and self.prepare_s_per_char >= 0,
+                 "a number >= 0")):
+            if not ok:
+                raise ConfigError(f"{version.name}: emulator parameter {name} must be {needs}, got {p.get(name)!r}")
         self._rng = random.Random(int(p.get("seed", 0)))
         self.device = device
         self.info = rows_model_info(version)
