@@ -272,3 +272,16 @@ def test_a_manifest_that_is_not_text_is_refused_naming_it(tmp_path):
     [version] = scan_repository(tmp_path).versions
     with pytest.raises(ConfigError, match="SHA256SUMS: not a SHA256SUMS manifest \\(not UTF-8 text"):
         verify(version)
+
+
+def test_a_mistake_in_model_toml_is_named_there_for_a_version_with_its_own_settings(tmp_path):
+    model = _model(tmp_path, extra="[params]\nalpha_ms = 8.0\n")
+    (model / "model.toml").write_text((model / "model.toml").read_text().replace("default_ms = 250", "default_ms = -3"))
+    _version(model, "1", {"w.bin": "a"})
+    (_version(model, "2", {"w.bin": "b"}) / "version.toml").write_text("[params]\nalpha_ms = 1.0\n")
+    _version(model, "3", {"w.bin": "c"})
+    (model / "3" / "version.toml").write_text("[slo]\ndefault_ms = 0\n")  # its own mistake
+    reasons = {r.version: r.reason for r in scan_repository(tmp_path).refused}
+    # version 2 only changes [params]: the SLO is model.toml's, not its version.toml's
+    assert reasons["2"] == reasons["1"] and reasons["2"].startswith(f"{model / 'model.toml'}: [slo] default_ms")
+    assert reasons["3"].startswith(f"{model / '3' / 'version.toml'}: [slo] default_ms must be a positive number, got 0")

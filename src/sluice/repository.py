@@ -285,11 +285,24 @@ def _parse_version(name: str, version_dir: Path, config: dict[str, Any], config_
     _check_settings(config, config_path)
     routing = _routing(_table(config, "routing", config_path), config_path)
     own_path = version_dir / VERSION_CONFIG
-    if own_path.is_file():
-        own = _read_config(own_path)
-        _check_settings(own, own_path)
-        config_path = own_path  # errors name the file with the setting that wins
-        config = _merge(config, own, own_path)
+    if not own_path.is_file():
+        return _version_of(name, version_dir, config, config_path, routing)
+    own = _read_config(own_path)
+    _check_settings(own, own_path)
+    try:  # errors name the file with the setting that wins
+        return _version_of(name, version_dir, _merge(config, own, own_path), own_path, routing)
+    except ConfigError as exc:
+        try:  # a mistake in model.toml that version.toml leaves as it is: model.toml's to name
+            _version_of(name, version_dir, config, config_path, routing)
+        except ConfigError as model_exc:
+            if model_exc.message.replace(str(config_path), str(own_path), 1) == exc.message:
+                raise model_exc from None
+        raise
+
+
+def _version_of(name: str, version_dir: Path, config: dict[str, Any], config_path: Path,
+                routing: wire.Routing | None) -> ModelVersion:
+    """`_parse_version` of the settings `config`, read from `config_path` (the file errors name)."""
     kind = config.get("kind")
     if kind not in RUNNER_KINDS:
         raise ConfigError(f"{config_path}: kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
