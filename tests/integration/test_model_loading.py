@@ -181,6 +181,7 @@ def test_a_model_loaded_on_demand_loads_at_its_first_request_and_goes_when_idle(
 
     assert lazy_state() == ("UNAVAILABLE", "loaded on demand, by its first inference request")
     assert "lazy" in [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    assert httpx.get(f"{server.url}/v1/models/lazy").json()["id"] == "lazy"  # as listed, and loads nothing
     assert httpx.get(f"{server.url}/v2/models/lazy/ready").status_code == 503  # a probe loads nothing
     time.sleep(0.5)
     assert lazy_state()[0] == "UNAVAILABLE"

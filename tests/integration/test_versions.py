@@ -58,6 +58,9 @@ def test_a_declared_split_keeps_each_caller_on_its_version_and_pinned_requests_o
     assert len(versions) == 1  # the `user` field keeps a caller on one version
     with pytest.raises(openai.NotFoundError, match="has no version '7'"):
         sdk.embeddings.create(model="emulated:7", input=["no such version"])
+    assert sdk.models.retrieve("emulated:1").id == "emulated:1"  # the name requests use is one to look up
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("emulated:7")
 
 
 def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Callable[..., ServerProcess],

@@ -68,9 +68,15 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         name = request.path_params["model"]
         # permission first, as every other route: a 404 for an unknown model against a 403 for
         # one it may not use would tell a tenant which models the server has
-        gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         models = gateway.models()
+        base, _, version = name.rpartition(":")
+        if name not in models and base in models and version in models[base]:  # "m:2", as requests name it
+            gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), base)
+            return json_response(_model_card(name, {version: models[base][version]}))
+        gateway.tenancy.authorize(gateway.tenancy.tenant(request_tenant(request)), name)
         if name not in models:
+            if any(model == name for model, _ in gateway.dormant_versions()):  # listed too: loaded by a request
+                return json_response(_model_card(name, {}))
             raise gateway.refusal(name, None) or ModelNotFound(f"the model {name!r} does not exist")
         return json_response(_model_card(name, models[name]))
 
