@@ -291,25 +291,32 @@ def test_a_model_loaded_on_demand_that_the_memory_budget_cannot_hold_stays_liste
 
 
 
-def test_a_version_asked_for_while_its_load_runs_is_not_ready_yet_rather_than_missing(served, tmp_path):
+def _add_gated_version(model: Path, version: str, gate: Path) -> None:
+    """A `python` model's version that loads until `gate` exists (`gate`.started once it began)."""
     from sluice.repository import MANIFEST, write_manifest
 
+    if not (model / "model.toml").exists():
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "model.toml").write_text('kind = "python"\n[[inputs]]\nname = "x"\ndatatype = "FP32"\n'
+                                          '[[outputs]]\nname = "y"\ndatatype = "FP32"\n')
+    (model / version).mkdir()
+    (model / version / "model.py").write_text(
+        "import time\nfrom pathlib import Path\n\nclass Model:\n"
+        "    def __init__(self, path, device, params):\n"
+        "        Path(params['gate'] + '.started').touch()\n"
+        "        while not Path(params['gate']).exists():\n"
+        "            time.sleep(0.02)\n\n"
+        "    def predict(self, inputs):\n        return {'y': inputs['x']}\n")
+    (model / version / "version.toml").write_text(f"[params]\ngate = '{gate}'\n")
+    write_manifest(model / version, model / version / MANIFEST)
+
+
+def test_a_version_asked_for_while_its_load_runs_is_not_ready_yet_rather_than_missing(served, tmp_path):
     server, repo = served
     model = repo / "gated"
-    model.mkdir()
-    (model / "model.toml").write_text('kind = "python"\n[[inputs]]\nname = "x"\ndatatype = "FP32"\n'
-                                      '[[outputs]]\nname = "y"\ndatatype = "FP32"\n')
 
-    def add_version(version: str) -> None:  # it loads until the test creates its gate file
-        (model / version).mkdir()
-        (model / version / "model.py").write_text(
-            "import time\nfrom pathlib import Path\n\nclass Model:\n"
-            "    def __init__(self, path, device, params):\n"
-            "        while not Path(params['gate']).exists():\n"
-            "            time.sleep(0.02)\n\n"
-            "    def predict(self, inputs):\n        return {'y': inputs['x']}\n")
-        (model / version / "version.toml").write_text(f"[params]\ngate = '{tmp_path / ('gate' + version)}'\n")
-        write_manifest(model / version, model / version / MANIFEST)
+    def add_version(version: str) -> None:
+        _add_gated_version(model, version, tmp_path / f"gate{version}")
 
     answers: list[httpx.Response] = []
 
@@ -361,3 +368,23 @@ def test_the_command_line_prints_why_a_load_or_unload_was_refused(served):
     for args in (["traffic", "emulated", "1=nan"], ["canary", "emulated", "1", "--step-seconds", "inf"]):
         bad = runner.invoke(main, ["models", *args, "--url", server.url])  # not "request body is not valid JSON"
         assert bad.exit_code != 0 and "JSON" not in bad.output, bad.output
+
+
+def test_a_slow_load_holds_up_no_other_models_load_or_unload(served, tmp_path):
+    server, repo = served
+    gate = tmp_path / "gate"
+    _add_gated_version(repo / "gated", "1", gate)
+    loading = threading.Thread(target=lambda: _load(server, "gated"))
+    loading.start()
+    try:
+        eventually(lambda: (tmp_path / "gate.started").exists(), "the worker loading the gated model")
+        # an operator takes another model off, and back, while that load runs (it used to wait for it)
+        unloaded = httpx.post(f"{server.url}/v2/repository/models/emulated/unload", timeout=20)
+        assert unloaded.json() == {"name": "emulated", "versions": []}
+        loaded = httpx.post(f"{server.url}/v2/repository/models/emulated/load", timeout=20)
+        assert loaded.json() == {"name": "emulated", "versions": ["1"]}
+        assert not gate.exists() and loading.is_alive()
+    finally:
+        gate.touch()
+        loading.join()
+    assert httpx.get(f"{server.url}/v2/models/gated/ready").status_code == 200

@@ -156,7 +156,11 @@ class WorkerServer:
         self._memory_budget = memory_budget_bytes
         self._last_used: dict[ModelKey, float] = {}
         """When each loaded version last got a request (or was loaded): for `[loading] idle_unload_s`."""
-        self._sync_lock = asyncio.Lock()  # one `SyncModel` at a time
+        self._sync_locks: dict[str, asyncio.Lock] = {}
+        """One `SyncModel` at a time per model: a slow load does not hold up another model's load or unload."""
+        self._room_lock = asyncio.Lock()
+        """Held by a load on demand within the memory budget while it makes room and loads: two at
+        once would both count the same free memory."""
         self._freed = asyncio.Event()
         """Set for a moment each time a version taken off is freed."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -273,29 +277,38 @@ class WorkerServer:
 
     async def _sync(self, identity: bytes, message: wire.SyncModel) -> None:
         """Bring `message.model` in line with the repository (`wire.SyncModel`): its new versions are
-        loaded and warmed up on a thread while everything else keeps serving."""
+        loaded and warmed up on a thread while everything else keeps serving (other models' loads
+        and unloads included)."""
         name = message.model
-        found: RepositoryModel = RepositoryModel([], {}, [])
-        async with self._sync_lock:
-            if self._loader is not None and not self._is_draining:
-                held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
-                timings: dict[ModelKey, list[tuple[int, float]]] = {}
-                no_room = None if message.unload else await self._make_room(name)
-                if no_room is not None:  # it stays to be loaded on demand: the next request tries again
-                    log.warning("not loading %s: %s", name, no_room)
-                    found = RepositoryModel([], {}, [wire.RefusedModel(name, version, no_room)
-                                                     for model, version in self._dormant if model == name])
-                else:
-                    if not message.unload:
-                        found, timings = await asyncio.to_thread(self._load, name, held)
-                    self._take(name, found, timings)
-                for key in found.loaded:
-                    await self._attach(key)
-                self._broadcast_state()  # gateways route to what was added, and not to what was taken off
+        async with self._sync_locks.setdefault(name, asyncio.Lock()):
+            budgeted = not message.unload and self._memory_budget is not None and any(
+                model == name for model, _ in self._dormant)
+            async with self._room_lock if budgeted else contextlib.nullcontext():
+                found = await self._bring_in_line(name, message.unload)
             versions = [version for model, version in self._infos if model == name]
             refused = [r for r in self._refused if r.name == name]
             refused += [r for r in found.refused if r not in refused]  # a served version's settings now broken too
             self._reply(identity, wire.ModelSynced(message.sync_id, name, versions, refused))
+
+    async def _bring_in_line(self, name: str, unload: bool) -> RepositoryModel:
+        """`_sync`'s work: what the repository has of `name` now, and its versions' refusals."""
+        if self._loader is None or self._is_draining:
+            return RepositoryModel([], {}, [])
+        held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
+        no_room = None if unload else await self._make_room(name)
+        if no_room is not None:  # it stays to be loaded on demand: the next request tries again
+            log.warning("not loading %s: %s", name, no_room)
+            return RepositoryModel([], {}, [wire.RefusedModel(name, version, no_room)
+                                            for model, version in self._dormant if model == name])
+        found: RepositoryModel = RepositoryModel([], {}, [])
+        timings: dict[ModelKey, list[tuple[int, float]]] = {}
+        if not unload:
+            found, timings = await asyncio.to_thread(self._load, name, held)
+        self._take(name, found, timings)
+        for key in found.loaded:
+            await self._attach(key)
+        self._broadcast_state()  # gateways route to what was added, and not to what was taken off
+        return found
 
     def _load(self, name: str, held: set[ModelKey]) -> tuple[RepositoryModel, dict[ModelKey, list[tuple[int, float]]]]:
         """Thread: the model's versions in the repository, those not held loaded and warmed up."""
