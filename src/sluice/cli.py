@@ -292,28 +292,35 @@ def models_status(name: str | None, url: str, admin_key: str | None, as_json: bo
     show(answer, as_json)
 
 
+_LOAD_TIMEOUT = click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=660.0, show_default=True,
+    help="Seconds to wait for the answer: the server waits up to 600 s for its workers to load.")
+
+
 @models.command("load")
 @click.argument("name")
 @_admin_options
-def models_load(name: str, url: str, admin_key: str | None) -> None:
+@_LOAD_TIMEOUT
+def models_load(name: str, url: str, admin_key: str | None, timeout_s: float) -> None:
     """Bring NAME in line with the model repository on every worker, while they serve: versions
     added to its folder are loaded, versions removed from it are unloaded (a new model is loaded
     whole)."""
     from sluice.routing_cli import admin_call, repository_path
 
-    answer = admin_call(url, admin_key, "POST", repository_path(name, "load"), {})
+    answer = admin_call(url, admin_key, "POST", repository_path(name, "load"), {}, timeout_s=timeout_s)
     click.echo(f"{name}: serving version{'s' if len(answer['versions']) > 1 else ''} {', '.join(answer['versions'])}")
 
 
 @models.command("unload")
 @click.argument("name")
 @_admin_options
-def models_unload(name: str, url: str, admin_key: str | None) -> None:
+@_LOAD_TIMEOUT
+def models_unload(name: str, url: str, admin_key: str | None, timeout_s: float) -> None:
     """Take every version of NAME off every worker (after they answer what they hold), until it
     is loaded again."""
     from sluice.routing_cli import admin_call, repository_path
 
-    admin_call(url, admin_key, "POST", repository_path(name, "unload"), {})
+    admin_call(url, admin_key, "POST", repository_path(name, "unload"), {}, timeout_s=timeout_s)
     click.echo(f"{name}: unloaded")
 
 

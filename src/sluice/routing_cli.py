@@ -23,8 +23,10 @@ def repository_path(name: str, action: str) -> str:
     return f"/v2/repository/models/{urllib.parse.quote(name, safe='')}/{action}"
 
 
-def admin_call(url: str, admin_key: str | None, method: str, path: str, body: object | None = None) -> Any:
-    """The JSON answer of `method path`; a ClickException with the server's message on an error."""
+def admin_call(url: str, admin_key: str | None, method: str, path: str, body: object | None = None,
+               timeout_s: float = 30.0) -> Any:
+    """The JSON answer of `method path`; a ClickException with the server's message on an error,
+    or saying that no answer came within `timeout_s`."""
     headers = {"content-type": "application/json"}
     if admin_key:
         headers["authorization"] = f"Bearer {admin_key}"
@@ -34,7 +36,7 @@ def admin_call(url: str, admin_key: str | None, method: str, path: str, body: ob
         raise click.ClickException("every number given must be finite (not nan or inf)") from None
     request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             return json.loads(answer.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -45,6 +47,9 @@ def admin_call(url: str, admin_key: str | None, method: str, path: str, body: ob
             message = exc.reason
         raise click.ClickException(f"{exc.code}: {message}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+            raise click.ClickException(f"{url} did not answer within {timeout_s:g} s: what was asked may still be "
+                                       "under way there (`sluice models status`)") from None
         raise click.ClickException(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
     except ValueError as exc:  # not JSON, or a URL that cannot be sent
         raise click.ClickException(f"{url} did not answer as a sluice server does: {exc}") from None

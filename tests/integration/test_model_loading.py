@@ -388,3 +388,30 @@ def test_a_slow_load_holds_up_no_other_models_load_or_unload(served, tmp_path):
         gate.touch()
         loading.join()
     assert httpx.get(f"{server.url}/v2/models/gated/ready").status_code == 200
+
+
+def test_the_command_line_waits_for_a_long_load_and_says_so_when_it_gives_up(served, tmp_path, monkeypatch):
+    import urllib.request
+
+    from click.testing import CliRunner
+
+    from sluice.cli import main
+
+    server, repo = served
+    runner = CliRunner()
+    waited: list[float] = []
+    urlopen = urllib.request.urlopen
+    monkeypatch.setattr(urllib.request, "urlopen",
+                        lambda request, timeout: waited.append(timeout) or urlopen(request, timeout=timeout))
+    assert runner.invoke(main, ["models", "load", "emulated", "--url", server.url]).exit_code == 0
+    assert waited == [660.0]  # the server waits up to 600 s for its workers: not the 30 s of other calls
+
+    gate = tmp_path / "gate"
+    _add_gated_version(repo / "gated", "1", gate)
+    try:
+        gave_up = runner.invoke(main, ["models", "load", "gated", "--timeout", "1", "--url", server.url])
+        assert gave_up.exit_code == 1  # not "cannot reach": the server is there, and still loading
+        assert f"{server.url} did not answer within 1 s: what was asked may still be under way" in gave_up.output
+    finally:
+        gate.touch()
+    eventually(lambda: httpx.get(f"{server.url}/v2/models/gated/ready").status_code == 200, "the load finished")
