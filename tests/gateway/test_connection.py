@@ -188,24 +188,32 @@ def test_a_worker_leaving_the_registry_answers_what_it_has_before_its_report_say
     asyncio.run(scenario())
 
 
+async def _listening(address: str, state: wire.WorkerState | None = None) -> tuple[Listener, WorkerConnection,
+                                                                                      list[bytes]]:
+    """A worker's listener at `address` and a gateway's connection to it, once the connection has
+    reached it; with `state`, once the gateway has that report too. Also the peers it heard from."""
+    peers: list[bytes] = []
+    listener = await Listener.start(address, lambda identity, frame: peers.append(identity))
+    connection = WorkerConnection("w", address, "g")
+    await connection.start()
+    async with asyncio.timeout(5):
+        while not peers:
+            await asyncio.sleep(0.01)
+    if state is not None:
+        listener.send(peers[-1], wire.encode_many([state]))
+        async with asyncio.timeout(5):
+            while connection.state is None:
+                await asyncio.sleep(0.01)
+    return listener, connection, peers
+
+
 def test_a_request_on_its_way_to_a_worker_that_drained_and_closed_is_freed_at_once(tmp_path: Path) -> None:
     """A draining worker closes once it has answered what it took; a request that reached its
     socket after that is resolved as lost (not started: the gateway sends it elsewhere) when the
     connection closes, not after the worker's reports have been missing for seconds."""
     async def scenario() -> None:
-        address = f"ipc://{tmp_path}/w.sock"
-        received: list[bytes] = []
-        listener = await Listener.start(address, lambda identity, frame: received.append(identity))
-        connection = WorkerConnection("w", address, "g")
-        await connection.start()
-        async with asyncio.timeout(5):
-            while not received:
-                await asyncio.sleep(0.01)
         draining = msgspec.structs.replace(_state(0.0), is_ready=False, is_draining=True)
-        listener.send(received[0], wire.encode_many([draining]))
-        async with asyncio.timeout(5):
-            while connection.state is None:
-                await asyncio.sleep(0.01)
+        listener, connection, _ = await _listening(f"ipc://{tmp_path}/w.sock", draining)
         in_flight = connection.submit(_submit(1, "a"))
         assert in_flight is not None
         started = time.monotonic()
@@ -248,17 +256,7 @@ def test_a_worker_restarted_at_its_address_before_its_silence_shows_loses_what_t
     is everything after a reconnection to the same process."""
     async def scenario() -> None:
         address = f"ipc://{tmp_path}/w.sock"
-        peers: list[bytes] = []
-        old = await Listener.start(address, lambda identity, frame: peers.append(identity))
-        connection = WorkerConnection("w", address, "g")
-        await connection.start()
-        async with asyncio.timeout(5):
-            while not peers:
-                await asyncio.sleep(0.01)
-        old.send(peers[-1], wire.encode_many([msgspec.structs.replace(_state(0.0), incarnation="one")]))
-        async with asyncio.timeout(5):
-            while connection.state is None:
-                await asyncio.sleep(0.01)
+        old, connection, peers = await _listening(address, msgspec.structs.replace(_state(0.0), incarnation="one"))
         started, waiting = connection.submit(_submit(1, "a")), connection.submit(_submit(2, "a"))
         assert started is not None and waiting is not None
         old.send(peers[-1], wire.encode_many([wire.Started([1])]))
@@ -307,13 +305,7 @@ def test_requests_on_a_worker_that_died_are_freed_once_its_address_refuses_conne
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-        peers: list[bytes] = []
-        listener = await Listener.start(address, lambda identity, frame: peers.append(identity))
-        connection = WorkerConnection("w", address, "g")
-        await connection.start()
-        async with asyncio.timeout(5):
-            while not peers:
-                await asyncio.sleep(0.01)
+        listener, connection, peers = await _listening(address)
         started, waiting = connection.submit(_submit(1, "a")), connection.submit(_submit(2, "a"))
         assert started is not None and waiting is not None
         listener.send(peers[0], wire.encode_many([_state(0.0), wire.Started([1])]))
