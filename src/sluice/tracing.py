@@ -31,6 +31,9 @@ from sluice.clock import Clock, MonotonicClock
 log = logging.getLogger("sluice.tracing")
 
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_NOT_ERRORS = frozenset({"ok", "invalid"})
+"""Outcomes whose span keeps an unset status: the client's bad input is a 4xx, which OpenTelemetry's
+HTTP conventions leave unset on a server span."""
 
 
 class Tracing:
@@ -67,7 +70,7 @@ class Tracing:
             attributes={"sluice.model": model, "sluice.model_version": version, "sluice.tenant": tenant,
                         "sluice.priority": priority, "sluice.outcome": outcome, **attributes},
         )
-        if outcome != "ok":
+        if outcome not in _NOT_ERRORS:
             span.set_status(Status(StatusCode.ERROR, outcome))
         if exec_s is not None and queue_s is not None:
             inside = trace.set_span_in_context(span)

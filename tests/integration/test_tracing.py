@@ -125,3 +125,25 @@ def test_tracing_is_off_without_an_endpoint(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert not from_environment(MonotonicClock()).is_enabled
+
+
+def test_a_request_refused_for_its_input_is_a_span_in_the_callers_trace(
+        traced_server: ServerProcess, collector: _Collector) -> None:
+    """Counted as `invalid` in /metrics, so traced too: a 400 whose span is missing leaves the
+    caller's trace with a hole where sluice answered."""
+    wrong_shape = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2]}]}
+    answer = httpx.post(f"{traced_server.url}/v2/models/emulated/infer", json=wrong_shape,
+                        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert answer.status_code == 400
+    embedded = httpx.post(f"{traced_server.url}/v1/embeddings", json={"model": "emulated", "input": [SECRET, 7]},
+                          headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert embedded.status_code == 400
+
+    spans = [s for s in _wait_for(collector, 2) if s.name == "sluice.request"]
+    assert len(spans) == 2
+    for span in spans:
+        assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+        attributes = _attributes(span)
+        assert attributes["sluice.model"] == "emulated" and attributes["sluice.outcome"] == "invalid"
+        assert span.status.code == Status.STATUS_CODE_UNSET  # the client's error, not the server's
+    assert not any(SECRET.encode() in body for body in collector.bodies)

@@ -81,7 +81,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
-    with gateway.reading(info, request_tenant(request), arrived_at):
+    with gateway.reading(info, request_tenant(request), arrived_at,
+                         request.headers.get("traceparent") if gateway.is_tracing else None):
         payloads = to_payloads(parsed, info)
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     first = payloads[0]

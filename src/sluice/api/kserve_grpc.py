@@ -322,7 +322,8 @@ class KServeGrpc:
                                tenant=tenant)
         if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
             return await self._generate(request, call, info, tenant, arrived_at, time_remaining_s)
-        with gateway.reading(info, tenant, arrived_at):
+        with gateway.reading(info, tenant, arrived_at,
+                             call.metadata.get("traceparent") if gateway.is_tracing else None):
             terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
                                 call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
@@ -337,7 +338,8 @@ class KServeGrpc:
     async def _generate(self, request: Any, call: _Call, info: wire.ModelInfo, tenant: str, arrived_at: float,
                         time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
         gateway = self._gateway
-        with gateway.reading(info, tenant, arrived_at):
+        with gateway.reading(info, tenant, arrived_at,
+                             call.metadata.get("traceparent") if gateway.is_tracing else None):
             parameters = _parameters(request.parameters)
             timeout_s, priority = request_terms(parameters, call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             payloads = text_payloads(info, _tensors(request), parameters)

@@ -87,7 +87,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             arrived_at = arrival(request, gateway.now())
             parsed = decode_json(body, EmbeddingsRequest)
             info = resolve_openai(gateway, parsed.model, request, parsed.user)
-            with gateway.reading(info, request_tenant(request), arrived_at):
+            with gateway.reading(info, request_tenant(request), arrived_at,
+                                 request.headers.get("traceparent") if gateway.is_tracing else None):
                 timeout_s = header_timeout_s(request, gateway.max_timeout_s)
                 if not info.accepts_text:
                     raise InvalidInput(f"model {parsed.model!r} does not take text; "

@@ -338,7 +338,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     _refuse_unsupported(parsed)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
     owner = request_tenant(request)
-    with gateway.reading(info, owner, arrived_at):
+    with gateway.reading(info, owner, arrived_at, request.headers.get("traceparent") if gateway.is_tracing else None):
         items = _items(parsed.input)
         if parsed.previous_response_id is not None:
             items = [*await responses.history(owner, parsed.previous_response_id), *items]

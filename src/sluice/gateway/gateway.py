@@ -546,20 +546,27 @@ class Gateway:
         raise self._overloaded(connection, info, excess_s)
 
     @contextmanager
-    def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float) -> Iterator[None]:
+    def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float,
+                traceparent: str | None = None) -> Iterator[None]:
         """Around the reading of a request to `info` (from `resolve`) before it is sent on with
         `infer`: the tenant must be allowed the model first (its 403, not a 400 about its input),
         and an `InvalidInput` raised inside (the client's malformed body, wrong input name, type or
         shape) is counted as the outcome `invalid` and a failed inference in the model's
         statistics, as a `Ticket` counts one the worker refuses. The one place for both
-        protocols and transports; `infer` is not called inside (its ticket counts its own)."""
-        self.tenancy.authorize(self.tenancy.tenant(tenant), info.name)
+        protocols and transports; `infer` is not called inside (its ticket counts its own).
+        With tracing on, the refused request is a span too (in the caller's `traceparent` trace)."""
+        allowed = self.tenancy.tenant(tenant)
+        self.tenancy.authorize(allowed, info.name)
         try:
             yield
         except InvalidInput:
             duration_s = self._clock.now() - arrived_at
             self._metrics.request_done(info.name, info.version, "invalid", duration_s)
             self.statistics.failed(info.name, info.version, duration_s)
+            if self._tracing.is_enabled:
+                self._tracing.request(model=info.name, version=info.version, tenant=allowed.name,
+                                      priority=allowed.priority.label, traceparent=traceparent,
+                                      started=arrived_at, outcome="invalid")
             raise
 
     def _refused_early(self, info: wire.ModelInfo, tenant: str, priority: Priority, caller: Caller,
