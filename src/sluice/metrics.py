@@ -412,6 +412,8 @@ class WorkerMetrics(_Demand):
         self.worker_id = worker_id
         self._busy = _child(DEVICE_BUSY, worker_id)
         self._busy_ratio = _child(DEVICE_BUSY_RATIO, worker_id)
+        self._engine_stats: dict[tuple[str, str], EngineCounts] = {}
+        """Each generative engine's last report, by (model, version)."""
 
     def batch_done(self, model: str, version: str, size: int, exec_s: float, waits_s: list[float]) -> None:
         _child(BATCH_SIZE, model, version).observe(size)
@@ -444,18 +446,27 @@ class WorkerMetrics(_Demand):
         _child(SEQUENCES_RUNNING, model).set(num_running)
         _child(SEQUENCES_WAITING, model).set(num_waiting)
 
-    def engine(self, model: str, stats: EngineCounts, previous: EngineCounts | None) -> None:
-        """A generative engine's state; counters advance by the change since `previous`."""
-        _child(SEQUENCES_RUNNING, model).set(stats.num_running)
-        _child(SEQUENCES_WAITING, model).set(stats.num_waiting)
-        _child(KV_CACHE_USAGE, model).set(stats.kv_cache_usage)
-        for counter, field in ((PREEMPTIONS, "num_preemptions_total"),
-                               (PREFIX_CACHE_QUERIES, "prefix_cache_query_tokens"),
-                               (PREFIX_CACHE_HITS, "prefix_cache_hit_tokens")):
-            now, before = getattr(stats, field), getattr(previous, field) if previous else 0
-            child = _child(counter, model)  # exported from the first report, at 0 until it happens
-            if now > before:
-                child.inc(now - before)
+    def engines(self, engines: Mapping[tuple[str, str], EngineCounts]) -> None:
+        """The generative engines' state, one engine per (model, version) served here. The series
+        are per model (`model_name`, as vLLM's): its versions' sequences add up, its KV cache is
+        the fullest version's, and each counter advances by each engine's own change since that
+        engine's last report (two versions must not be taken for one engine going up and down)."""
+        by_model: dict[str, list[tuple[EngineCounts, EngineCounts | None]]] = {}
+        for key, stats in engines.items():
+            by_model.setdefault(key[0], []).append((stats, self._engine_stats.get(key)))
+            self._engine_stats[key] = stats
+        for model, reports in by_model.items():
+            _child(SEQUENCES_RUNNING, model).set(sum(stats.num_running for stats, _ in reports))
+            _child(SEQUENCES_WAITING, model).set(sum(stats.num_waiting for stats, _ in reports))
+            _child(KV_CACHE_USAGE, model).set(max(stats.kv_cache_usage for stats, _ in reports))
+            for counter, field in ((PREEMPTIONS, "num_preemptions_total"),
+                                   (PREFIX_CACHE_QUERIES, "prefix_cache_query_tokens"),
+                                   (PREFIX_CACHE_HITS, "prefix_cache_hit_tokens")):
+                child = _child(counter, model)  # exported from the first report, at 0 until it happens
+                for stats, previous in reports:
+                    now, before = getattr(stats, field), getattr(previous, field) if previous else 0
+                    if now > before:
+                        child.inc(now - before)
 
 
 def exposition() -> tuple[bytes, str]:

@@ -32,7 +32,7 @@ import msgspec
 from sluice import transport, wire
 from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, ItemOutput, PreparedItem, Runner
-from sluice.engines.generative.engine import EngineStats, RequestOutput
+from sluice.engines.generative.engine import RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner
 from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 from sluice.errors import ConfigError, InvalidInput
@@ -810,7 +810,6 @@ class WorkerServer:
 
     async def _state_loop(self) -> None:
         last_busy, last_at, ratio = 0.0, time.monotonic(), 0.0
-        engine_stats: dict[str, EngineStats] = {}
         ticks = itertools.count()
         while True:
             await asyncio.sleep(STATE_INTERVAL_S)
@@ -833,10 +832,9 @@ class WorkerServer:
                 for (model, version), depth, work, profile in snapshot:
                     self._metrics.queue(model, version, depth, work)
                     self._metrics.profile(model, version, profile.alpha_s, profile.beta_s)
-                for (model, _), generator in self._generators.items():
-                    stats = generator.engine.stats()
-                    self._metrics.engine(model, stats, engine_stats.get(model))
-                    engine_stats[model] = stats
+                if self._generators:
+                    self._metrics.engines({key: generator.engine.stats()
+                                           for key, generator in self._generators.items()})
                 for upstream in self._upstream_loops.values():
                     load = upstream.load()
                     self._metrics.upstream(load.model, load.num_running, load.num_waiting)
