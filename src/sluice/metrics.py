@@ -9,7 +9,7 @@ In the embedded server, gateway and workers are separate processes that share on
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -441,10 +441,16 @@ class WorkerMetrics(_Demand):
     def busy_ratio(self, ratio: float) -> None:
         self._busy_ratio.set(ratio)
 
-    def upstream(self, model: str, num_running: int, num_waiting: int) -> None:
-        """An `openai-upstream` model's load: calls in flight to its server, calls waiting here."""
-        _child(SEQUENCES_RUNNING, model).set(num_running)
-        _child(SEQUENCES_WAITING, model).set(num_waiting)
+    def upstreams(self, loads: Iterable[tuple[str, int, int]]) -> None:
+        """The `openai-upstream` models' load, as (model, calls in flight to its server, calls
+        waiting here) per version served: a model's versions add up (its series are per model)."""
+        totals: dict[str, tuple[int, int]] = {}
+        for model, num_running, num_waiting in loads:
+            running, waiting = totals.get(model, (0, 0))
+            totals[model] = (running + num_running, waiting + num_waiting)
+        for model, (running, waiting) in totals.items():
+            _child(SEQUENCES_RUNNING, model).set(running)
+            _child(SEQUENCES_WAITING, model).set(waiting)
 
     def engines(self, engines: Mapping[tuple[str, str], EngineCounts]) -> None:
         """The generative engines' state, one engine per (model, version) served here. The series

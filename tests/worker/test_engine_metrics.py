@@ -43,3 +43,11 @@ def test_a_models_versions_add_up_rather_than_the_last_one_hiding_the_others() -
     assert _value("sluice_prefix_cache_queries_total", model=model) == 104 + 30 + 20
     assert _value("sluice_prefix_cache_hits_total", model=model) == 10 + 10 + 4
     assert _value("sluice_preemptions_total", model=model) == 3
+
+
+def test_an_upstream_models_versions_add_up_too() -> None:
+    """The same for `openai-upstream` models, whose calls in flight and waiting are these series."""
+    model = "two-upstream-versions"
+    WorkerMetrics("engine-metrics-test").upstreams([(model, 5, 2), (model, 0, 0)])
+    assert _value("vllm:num_requests_running", model_name=model) == 5
+    assert _value("vllm:num_requests_waiting", model_name=model) == 2

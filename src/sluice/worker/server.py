@@ -835,9 +835,9 @@ class WorkerServer:
                 if self._generators:
                     self._metrics.engines({key: generator.engine.stats()
                                            for key, generator in self._generators.items()})
-                for upstream in self._upstream_loops.values():
-                    load = upstream.load()
-                    self._metrics.upstream(load.model, load.num_running, load.num_waiting)
+                if self._upstream_loops:
+                    loads = [upstream.load() for upstream in self._upstream_loops.values()]
+                    self._metrics.upstreams((load.model, load.num_running, load.num_waiting) for load in loads)
 
 
 def is_large(payload: wire.Payload) -> bool:
