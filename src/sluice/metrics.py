@@ -452,6 +452,11 @@ class WorkerMetrics(_Demand):
             _child(SEQUENCES_RUNNING, model).set(running)
             _child(SEQUENCES_WAITING, model).set(waiting)
 
+    def engine_started(self, model: str, version: str, stats: EngineCounts) -> None:
+        """A generative engine about to serve, warmed up: what its counters hold now (its warm-up
+        generation, or nothing) is not the clients' and is not counted."""
+        self._engine_stats[(model, version)] = stats
+
     def engines(self, engines: Mapping[tuple[str, str], EngineCounts]) -> None:
         """The generative engines' state, one engine per (model, version) served here. The series
         are per model (`model_name`, as vLLM's): its versions' sequences add up, its KV cache is

@@ -51,3 +51,21 @@ def test_an_upstream_models_versions_add_up_too() -> None:
     WorkerMetrics("engine-metrics-test").upstreams([(model, 5, 2), (model, 0, 0)])
     assert _value("vllm:num_requests_running", model_name=model) == 5
     assert _value("vllm:num_requests_waiting", model_name=model) == 2
+
+
+def test_an_engines_warm_up_is_not_counted_and_a_reloaded_version_counts_from_its_start() -> None:
+    """Seen: an idle server just started showed `sluice_prefix_cache_queries_total` 4 per
+    generative version (the warm-up generation's prompt), and 4 more after each worker restart."""
+    model = "warmed-up"
+    metrics = WorkerMetrics("engine-metrics-test")
+    metrics.engine_started(model, "1", _stats(0, 0, 0.0, queried=4, hits=0))
+    metrics.engines({(model, "1"): _stats(0, 0, 0.0, queried=4, hits=0)})
+    assert _value("sluice_prefix_cache_queries_total", model=model) == 0
+    metrics.engines({(model, "1"): _stats(1, 0, 0.1, queried=24, hits=0)})
+    assert _value("sluice_prefix_cache_queries_total", model=model) == 20
+
+    # Unloaded and loaded again: a new engine, whose counters start again from its own warm-up.
+    metrics.engine_started(model, "1", _stats(0, 0, 0.0, queried=4, hits=0))
+    metrics.engines({(model, "1"): _stats(0, 0, 0.0, queried=14, hits=8)})
+    assert _value("sluice_prefix_cache_queries_total", model=model) == 30
+    assert _value("sluice_prefix_cache_hits_total", model=model) == 8

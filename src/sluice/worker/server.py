@@ -237,6 +237,7 @@ class WorkerServer:
         runner = model.runner
         if isinstance(runner, GenerativeRunner):
             self._generators[key] = runner
+            self._metrics.engine_started(*key, runner.engine.stats())
         elif isinstance(runner, OpenAIUpstreamRunner):
             self._upstreams[key] = runner
         else:
