@@ -106,6 +106,17 @@ def test_a_view_is_what_happened_between_the_two_scrapes():
     assert 100 < generation.ttft_p50_ms < 1000
 
 
+def test_internal_errors_are_shown_as_failures():
+    """Answers counted as outcome `error` (a 500) were in no column of `sluice top`."""
+    server = _Server()
+    server.requests.labels("emulated", "1", "ok").inc()
+    before = server.scrape(10.0)
+    server.requests.labels("emulated", "1", "error").inc(6)
+    server.requests.labels("emulated", "1", "failed").inc(2)
+    (row,) = view(before, server.scrape(12.0)).models
+    assert row.failed_per_s == 4.0
+
+
 def test_a_clusters_gateway_shows_no_batches_or_queues_rather_than_zeros():
     """A cluster's gateway exports no worker's series (each worker has them on its own metrics
     port): its batches and queues are unknown there, shown as "-" with a line saying where they

@@ -60,7 +60,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
     ("Requests", [
         Panel("Requests by outcome", "Answers per second: ok, rejected (overload: 429/503 with Retry-After), "
               "expired (deadline, 504), invalid (the client's input), failed (device or worker), unavailable, "
-              "cancelled (the client went away).",
+              "cancelled (the client went away), error (an internal error: 500).",
               [(f"sum by (outcome) (rate(sluice_requests_total{{{M}}}[{RATE}]))", "{{outcome}}")],
               unit="reqps", stack=True),
         Panel("Served within the platform's control", "ok / (all answers - invalid - cancelled): the share of "

@@ -22,7 +22,8 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 REQUESTS = Counter(
     "sluice_requests",
     "Requests answered, by outcome: ok, rejected (overload), expired (deadline), invalid (the client's input), "
-    "failed (device or worker failure), unavailable, cancelled (the client went away).",
+    "failed (device or worker failure), unavailable, cancelled (the client went away), error (an internal "
+    "error: 500).",
     ["model", "version", "outcome"],
 )
 REQUEST_DURATION = Histogram(

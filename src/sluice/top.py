@@ -145,7 +145,7 @@ class View:
         return asdict(self)
 
 
-_FAILED = ("failed", "unavailable")
+_FAILED = ("failed", "unavailable", "error")
 
 
 def view(before: Scrape, after: Scrape) -> View:
