@@ -26,6 +26,12 @@ REQUESTS = Counter(
     "error: 500).",
     ["model", "version", "outcome"],
 )
+EXPIRED = Counter(
+    "sluice_expired_requests",
+    "Requests answered 504 (outcome expired), by whose deadline they missed: slo (the model's SLO set it) or "
+    "client (the client's own timeout, which may simply be too short).",
+    ["model", "version", "deadline"],
+)
 REQUEST_DURATION = Histogram(
     "sluice_request_duration_seconds", "Time from admission at the gateway to the answer.",
     ["model", "version", "outcome"], buckets=_LATENCY_BUCKETS,
@@ -313,9 +319,13 @@ class GatewayMetrics(_Demand):
     def cache_error(self) -> None:
         CACHE_ERRORS.inc()
 
-    def request_done(self, model: str, version: str, outcome: str, seconds: float) -> None:
+    def request_done(self, model: str, version: str, outcome: str, seconds: float, *,
+                     client_deadline: bool = False) -> None:
+        """`client_deadline`: the request's deadline was the client's own, not the model's SLO."""
         _child(REQUESTS, model, version, outcome).inc()
         _child(REQUEST_DURATION, model, version, outcome).observe(seconds)
+        if outcome == "expired":
+            _child(EXPIRED, model, version, "client" if client_deadline else "slo").inc()
 
     def workers_ready(self, count: int) -> None:
         WORKERS_READY.set(count)

@@ -7,6 +7,8 @@ import time
 import httpx
 import openai
 
+from tests.conftest import metric_total
+
 BODY = {"inputs": [{"name": "INPUT0", "shape": [2, 8], "datatype": "FP32", "data": [1.0] * 16}]}
 # Longer than the worker's state interval, so the gateway sees an idle device again: it counts
 # requests sent since the last state report as queued work, and answers 503 (overloaded) to a
@@ -57,3 +59,19 @@ def test_a_request_of_many_batches_without_a_deadline_gets_the_slo_for_each_batc
         assert short.status_code == 504
         assert short.headers["x-should-retry"] == "false"
         assert "X-Request-Timeout-Ms" in short.json()["error"]
+
+
+def test_metrics_say_whose_deadline_a_504_missed(make_server, emulated_repo):
+    """`sluice_requests_total{outcome="expired"}` cannot tell a model missing its SLO from a client
+    whose own timeout is too short for one batch; the deadlines alert must not page for the
+    latter. `sluice_expired_requests_total{deadline}` tells them apart."""
+    server = make_server(emulated_repo(alpha_ms=50, slo_ms=20))  # one batch takes longer than the SLO
+    with httpx.Client(base_url=server.url, timeout=30, headers={"Cache-Control": "no-store"}) as client:
+        mine = client.post("/v2/models/emulated/infer", json=BODY, headers={"X-Request-Timeout-Ms": "1"})
+        assert mine.status_code == 504
+        time.sleep(SETTLE_S)
+        slo = client.post("/v2/models/emulated/infer", json=BODY)
+        assert slo.status_code == 504
+    assert metric_total(server, "sluice_requests_total", outcome="expired") == 2
+    assert metric_total(server, "sluice_expired_requests_total", deadline="client") == 1
+    assert metric_total(server, "sluice_expired_requests_total", deadline="slo") == 1

@@ -533,7 +533,8 @@ class Gateway:
         now = self._clock.now()
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
         if now >= deadline:
-            self._refused_early(info, tenant, priority, caller, arrived_at, now, "expired")
+            self._refused_early(info, tenant, priority, caller, arrived_at, now, "expired",
+                                client_deadline=timeout_s is not None)
             raise DeadlineExceeded("the deadline passed before the request could be dispatched")
         replicas = self._indexed().replicas.get((info.name, info.version), ())
         excesses = [(self._excess_s(c, tenant, priority, info, now, deadline), c) for c in replicas if c.is_ready]
@@ -570,9 +571,10 @@ class Gateway:
             raise
 
     def _refused_early(self, info: wire.ModelInfo, tenant: str, priority: Priority, caller: Caller,
-                       arrived_at: float, now: float, outcome: str) -> None:
+                       arrived_at: float, now: float, outcome: str, *, client_deadline: bool = False) -> None:
         """The accounting of a request answered before admission, as a `Ticket` does it for the rest."""
-        self._metrics.request_done(info.name, info.version, outcome, now - arrived_at)
+        self._metrics.request_done(info.name, info.version, outcome, now - arrived_at,
+                                   client_deadline=client_deadline)
         self.statistics.failed(info.name, info.version, now - arrived_at)
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded" if outcome == "rejected" else outcome)
         if self._tracing.is_enabled:

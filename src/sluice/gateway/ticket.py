@@ -198,7 +198,8 @@ class Ticket:
             if outcome in ("rejected", "expired"):
                 self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
             self._metrics.tenant_used(self.tenant, label, device_s)
-        self._metrics.request_done(self.info.name, self.info.version, outcome, ended_at - self.started)
+        self._metrics.request_done(self.info.name, self.info.version, outcome, ended_at - self.started,
+                                   client_deadline=self.client_deadline)
         if self._observer is not None:
             self._observer(self, outcome, result)
         if self._tracing is not None and self._tracing.is_enabled:
