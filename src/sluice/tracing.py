@@ -31,9 +31,9 @@ from sluice.clock import Clock, MonotonicClock
 log = logging.getLogger("sluice.tracing")
 
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-_NOT_ERRORS = frozenset({"ok", "invalid"})
-"""Outcomes whose span keeps an unset status: the client's bad input is a 4xx, which OpenTelemetry's
-HTTP conventions leave unset on a server span."""
+_NOT_ERRORS = frozenset({"ok", "invalid", "rate_limited"})
+"""Outcomes whose span keeps an unset status: the client's bad input (400) and its tenant's limits
+(429) are 4xx, which OpenTelemetry's HTTP conventions leave unset on a server span."""
 
 
 class Tracing:

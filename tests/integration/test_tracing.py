@@ -16,6 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from sluice.clock import MonotonicClock
+from sluice.gateway.tenants import hash_key, new_key
 from sluice.tracing import from_environment
 from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model
 
@@ -147,3 +148,28 @@ def test_a_request_refused_for_its_input_is_a_span_in_the_callers_trace(
         assert attributes["sluice.model"] == "emulated" and attributes["sluice.outcome"] == "invalid"
         assert span.status.code == Status.STATUS_CODE_UNSET  # the client's error, not the server's
     assert not any(SECRET.encode() in body for body in collector.bodies)
+
+
+def test_a_request_refused_by_its_tenants_limit_is_a_span_too(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 429 for a tenant's limit was counted in sluice_tenant_rejected_total but left no span."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    key = new_key()
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\napi_keys = ["{hash_key(key)}"]\nrequests_per_min = 1\n')
+    server = start_server(write_emulated_model(tmp_path / "models"), tmp_path, "--tenants", str(tenants))
+    try:
+        inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+        headers = {"Authorization": f"Bearer {key}", "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+        assert httpx.post(f"{server.url}/v2/models/emulated/infer", json=inputs, headers=headers).status_code == 200
+        refused = httpx.post(f"{server.url}/v2/models/emulated/infer", json=inputs, headers=headers)
+        assert refused.status_code == 429
+        spans = [s for s in _wait_for(collector, 2) if s.name == "sluice.request"]
+    finally:
+        server.stop()
+    (limited,) = [s for s in spans if _attributes(s)["sluice.outcome"] == "rate_limited"]
+    assert limited.trace_id.hex() == TRACE_ID and limited.parent_span_id.hex() == PARENT_ID
+    attributes = _attributes(limited)
+    assert attributes["sluice.tenant"] == "acme" and attributes["sluice.limit"] == "requests"
+    assert limited.status.code == Status.STATUS_CODE_UNSET  # a 4xx: the client's limit, not a server error

@@ -34,6 +34,7 @@ from sluice.errors import (
     ModelNotReady,
     ModelRefused,
     Overloaded,
+    RateLimited,
     SluiceError,
     Unavailable,
     WorkerLost,
@@ -741,10 +742,17 @@ class Gateway:
         tenant = self.tenancy.tenant(caller.tenant)
         self.tenancy.authorize(tenant, info.name)
         priority = effective_priority(tenant.priority, caller.priority)
-        if caller.group is None:
-            reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens, caller.likely_tokens)
-        else:
-            reservation = await caller.group.admit(self.tenancy, tenant, priority)
+        try:
+            if caller.group is None:
+                reservation = await self.tenancy.admit(tenant, priority, caller.estimated_tokens, caller.likely_tokens)
+            else:
+                reservation = await caller.group.admit(self.tenancy, tenant, priority)
+        except RateLimited as refusal:  # counted by tenant and limit in /metrics; traced here
+            if self._tracing.is_enabled:
+                self._tracing.request(model=info.name, version=info.version, tenant=tenant.name,
+                                      priority=priority.label, traceparent=caller.traceparent, started=started,
+                                      outcome="rate_limited", attributes={"sluice.limit": refusal.limit})
+            raise
         deadline = started + (timeout_s if timeout_s is not None else default_s or info.slo_s)
         return Ticket(self._metrics, self.tenancy, self._clock, info, tenant.name, priority, reservation, started,
                       deadline, self._tracing, caller.traceparent, observer=self._observe,
