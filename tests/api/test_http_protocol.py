@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.api.common import arrival
-from sluice.api.http_protocol import stamping_protocol
+from sluice.api.http_protocol import MAX_HEAD_BYTES, stamping_protocol
 from tests.conftest import free_port, until
 
 
@@ -259,3 +259,39 @@ def test_a_client_that_does_not_read_its_refusals_is_held_back_not_buffered() ->
     assert answers == [(503, b'{"error": "busy: ' + body + b'"}')] * count  # all answered, in order, once read
     assert app.paths == []
 
+
+
+def test_a_request_head_past_the_limit_is_refused_not_buffered() -> None:
+    """httptools keeps a head in memory until it is whole, and uvicorn bounds it nowhere: one
+    connection streaming headers grew the gateway by the ~300 MB it sent. Past `MAX_HEAD_BYTES`,
+    many headers or one endless one, the answer is 431 and the connection is closed."""
+    app = _Recorder()
+
+    async def refused(head: list[bytes]) -> bytes:
+        async with _connected(app, _refuse_path_refuse) as (_, reader, writer, _):
+            answer = asyncio.create_task(reader.read())  # until the server closes
+            for piece in head:  # one at a time, each read by the server before the next is sent
+                if answer.done():
+                    break
+                writer.write(piece)
+                await asyncio.sleep(0.001)
+            return await asyncio.wait_for(answer, 5)
+
+    def headers(size: int) -> bytes:
+        return b"".join(b"x-%d: %s\r\n" % (i, b"v" * 100) for i in range(size // 100))
+
+    many = [b"POST /a HTTP/1.1\r\nhost: x\r\n", headers(MAX_HEAD_BYTES)]
+    endless = [b"GET /a HTTP/1.1\r\nx-big: ", *[b"v" * 16384] * 256]  # one header value, 4 MiB if let
+    long_url = [b"GET /", *[b"a" * 16384] * 256]
+    for head in (many, endless, long_url):
+        answer = asyncio.run(refused(head))
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+        assert b"connection: close" in answer
+    assert app.paths == []
+
+    async def fine() -> tuple[int, dict[str, str], bytes]:
+        async with _connected(app, _refuse_path_refuse) as (_, reader, writer, _):
+            writer.write(_post("/ok", b"fine", headers(MAX_HEAD_BYTES // 2)))
+            return await _read_response(reader)
+
+    assert asyncio.run(fine())[0::2] == (200, b"fine")

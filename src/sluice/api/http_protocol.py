@@ -21,6 +21,10 @@ uvicorn would, with the whole body waiting for it.
                                                          ├─ Response: written now
                                                          ├─ awaitable: a task awaits it and writes it
                                                          └─ None: the held ASGI task starts
+
+*Bounds.* httptools keeps a request's head (its line and headers) in memory until it is whole,
+and uvicorn sets no limit on it: a head past `MAX_HEAD_BYTES` is answered 431 and the connection
+closed, so a client streaming headers cannot grow the gateway's memory without bound.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from sluice.api.common import RECEIVED_AT_SCOPE_KEY
 from sluice.clock import Clock
 from sluice.gateway.ticket import defer_accounting, run_deferred
 
+MAX_HEAD_BYTES = 64 * 1024
+"""The most a request's line and headers may take (h11's own default is 16 KiB; nginx's 32 KiB)."""
+
 EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
 """`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
 
@@ -49,11 +56,60 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
     class SluiceHttpToolsProtocol(HttpToolsProtocol):
         _held: tuple[RequestResponseCycle, Any] | None = None
         _answering: tuple[RequestResponseCycle, asyncio.Task[None]] | None = None
+        _in_head = False  # between a request's first byte and the end of its headers
+        _head_bytes = 0  # of its head, as httptools hands them over
+        _head_streamed = 0  # bytes of reads that were all one unfinished head (httptools keeps a header until whole)
+        _head_too_large = False
+
+        def data_received(self, data: bytes) -> None:
+            head_of = self.scope if self._in_head else None
+            super().data_received(data)
+            if head_of is not None and self._in_head and self.scope is head_of:  # all of it was that head's
+                self._head_streamed += len(data)
+                if self._head_streamed > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self._refuse_head()
 
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
             super().on_message_begin()
+            self._in_head, self._head_bytes, self._head_streamed = True, 0, 0
             self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
+
+        def on_url(self, url: bytes) -> None:
+            self._count_head(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_head(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count_head(self, size: int) -> None:
+            self._head_bytes += size
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._head_too_large = True
+                raise _HeadTooLarge  # httptools stops; uvicorn's `send_400_response` answers
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if self._head_too_large:
+                self._refuse_head()
+            else:
+                super().send_400_response(msg)
+
+        def _refuse_head(self) -> None:
+            """431, as uvicorn answers a request it cannot parse: its own headers, then close."""
+            self._in_head = False
+            message = b"Request header fields too large."
+            content = [STATUS_LINE[431]]
+            for name, value in self.server_state.default_headers:
+                content += [name, b": ", value, b"\r\n"]
+            content += [b"content-type: text/plain; charset=utf-8\r\n",
+                        b"content-length: %d\r\n" % len(message), b"connection: close\r\n\r\n", message]
+            self.transport.write(b"".join(content))
+            self.transport.close()
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
             if answer_early is None or app is not self.app or not _may_answer_early(cycle):
@@ -126,6 +182,10 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             self.on_response_complete()
 
     return SluiceHttpToolsProtocol
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the request's head passed `MAX_HEAD_BYTES`."""
 
 
 def _may_answer_early(cycle: RequestResponseCycle) -> bool:
