@@ -295,3 +295,32 @@ def test_a_request_head_past_the_limit_is_refused_not_buffered() -> None:
             return await _read_response(reader)
 
     assert asyncio.run(fine())[0::2] == (200, b"fine")
+
+
+def test_a_thousand_refusals_pipelined_behind_a_slow_answer_are_all_answered_in_order() -> None:
+    """Each early refusal written starts the next pipelined request: they were answered one within
+    the other's call, and past Python's recursion limit the connection's remaining requests never
+    were."""
+    app = _Recorder()
+    count = 1500
+    release = asyncio.Event()
+
+    async def later(body: bytes) -> Response:
+        await release.wait()
+        return Response(b"later: " + body)
+
+    def answer_early(scope, body: bytes):
+        return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
+
+    async def scenario() -> list[tuple[int, bytes]]:
+        async with _connected(app, answer_early) as (_, reader, writer, _):
+            writer.write(_post("/later", b"first") + b"".join(_post("/refuse", b"%d" % i) for i in range(count)))
+            await writer.drain()
+            await asyncio.sleep(0.1)  # all parsed and queued behind the first (the test holds either way)
+            release.set()
+            answers = [await _read_response(reader) for _ in range(count + 1)]
+        return [(status, body) for status, _, body in answers]
+
+    assert asyncio.run(scenario()) == [(200, b"later: first")] + [
+        (503, b'{"error": "busy: %d"}' % i) for i in range(count)]
+    assert app.paths == []

@@ -30,6 +30,7 @@ closed, so a client streaming headers cannot grow the gateway's memory without b
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -56,6 +57,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
     class SluiceHttpToolsProtocol(HttpToolsProtocol):
         _held: tuple[RequestResponseCycle, Any] | None = None
         _answering: tuple[RequestResponseCycle, asyncio.Task[None]] | None = None
+        _next: deque[tuple[RequestResponseCycle, Any]] | None = None  # while `_answer_pipelined` runs
         _in_head = False  # between a request's first byte and the end of its headers
         _head_bytes = 0  # of its head, as httptools hands them over
         _head_streamed = 0  # bytes of reads that were all one unfinished head (httptools keeps a header until whole)
@@ -116,8 +118,22 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
                 super()._start_asgi_task(cycle, app)
             elif cycle.more_body:
                 self._held = (cycle, app)  # until its body is in: on_message_complete
+            elif self._next is not None:  # within the answer before: `_answer_pipelined` goes on
+                self._next.append((cycle, app))
             else:
-                self._answer_or_start(cycle, app)  # a pipelined request, whole already
+                self._answer_pipelined(cycle, app)
+
+        def _answer_pipelined(self, cycle: RequestResponseCycle, app: Any) -> None:
+            """A pipelined request, whole already. Writing an early answer starts the next request
+            queued (uvicorn's `on_response_complete`): each is answered here in turn, not one
+            within the other's call (a thousand pipelined refusals went past Python's recursion
+            limit, and the rest of the connection's requests were never answered)."""
+            self._next = queued = deque([(cycle, app)])
+            try:
+                while queued:
+                    self._answer_or_start(*queued.popleft())
+            finally:
+                self._next = None
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
