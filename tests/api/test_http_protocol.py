@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.api.common import arrival
-from sluice.api.http_protocol import MAX_HEAD_BYTES, stamping_protocol
+from sluice.api.http_protocol import MAX_HEAD_BYTES, MAX_PIPELINED, PARSE_PIECE_BYTES, stamping_protocol
 from tests.conftest import free_port, until
 
 
@@ -324,3 +324,34 @@ def test_a_thousand_refusals_pipelined_behind_a_slow_answer_are_all_answered_in_
     assert asyncio.run(scenario()) == [(200, b"later: first")] + [
         (503, b'{"error": "busy: %d"}' % i) for i in range(count)]
     assert app.paths == []
+
+
+def test_a_client_that_pipelines_without_reading_has_few_requests_parsed_ahead() -> None:
+    """uvicorn parses every request of a read and queues it: 8 MB of pipelined GETs from a client
+    that did not read grew the gateway by 300 MB. At most `MAX_PIPELINED` (and what one piece
+    parsed holds) wait parsed; the rest waits as read, and every request is still answered in order."""
+    app = _Recorder()
+    count = 20000  # ~1 MB of requests
+
+    def request(i: int) -> bytes:
+        return _post("/p", b"%05d" % i)
+
+    async def scenario() -> tuple[int, list[tuple[int, bytes]]]:
+        async with _connected(app, None) as (port, _, _, server):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(b"".join(request(i) for i in range(count)))
+            most = 0
+            for _ in range(60):  # 0.3 s of not reading
+                await asyncio.sleep(0.005)
+                most = max([most, *(len(p.pipeline) for p in server.server_state.connections)])
+            answers = [await _read_response(reader) for _ in range(count)]
+            writer.close()
+        return most, [(status, answer) for status, _, answer in answers]
+
+    most, answers = asyncio.run(scenario())
+    assert most <= MAX_PIPELINED + PARSE_PIECE_BYTES // len(request(0)), f"{most} requests parsed and queued"
+    assert answers == [(200, b"%05d" % i) for i in range(count)]

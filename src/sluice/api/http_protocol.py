@@ -24,7 +24,11 @@ uvicorn would, with the whole body waiting for it.
 
 *Bounds.* httptools keeps a request's head (its line and headers) in memory until it is whole,
 and uvicorn sets no limit on it: a head past `MAX_HEAD_BYTES` is answered 431 and the connection
-closed, so a client streaming headers cannot grow the gateway's memory without bound.
+closed, so a client streaming headers cannot grow the gateway's memory without bound. Nor can one that
+pipelines requests without reading the answers: uvicorn parses every request of a read and queues
+them (a 50-byte GET queued took ~2 KB; 8 MB of them, 300 MB), so at most `MAX_PIPELINED` are
+parsed ahead of the one being answered, and the rest of what was read waits unparsed, with reading
+paused, until their turn.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ from sluice.gateway.ticket import defer_accounting, run_deferred
 MAX_HEAD_BYTES = 64 * 1024
 """The most a request's line and headers may take (h11's own default is 16 KiB; nginx's 32 KiB)."""
 
+MAX_PIPELINED = 32
+"""Requests a connection may have parsed and waiting behind the one being answered."""
+PARSE_PIECE_BYTES = 4096
+"""A read larger than this is parsed a piece at a time, to stop at `MAX_PIPELINED`."""
+
 EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
 """`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
 
@@ -62,10 +71,68 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _head_bytes = 0  # of its head, as httptools hands them over
         _head_streamed = 0  # bytes of reads that were all one unfinished head (httptools keeps a header until whole)
         _head_too_large = False
+        _body_seen = 0  # of the current request's body
+        _unparsed: bytes | None = None  # read, but not parsed yet: requests waiting for their turn
+        _unparsed_at = 0
+        _parsing = False
 
         def data_received(self, data: bytes) -> None:
+            if self._unparsed is not None:  # not read while paused; kept in order all the same
+                self._unparsed = self._unparsed[self._unparsed_at:] + data
+                self._unparsed_at = 0
+                self.flow.pause_reading()
+            elif len(data) <= PARSE_PIECE_BYTES:
+                self._parse(data)
+            else:
+                self._unparsed, self._unparsed_at = data, 0
+                self._parse_unparsed()
+
+        def _parse_unparsed(self) -> None:
+            """Parse what was read a piece at a time, and stop while `MAX_PIPELINED` requests wait
+            for their turn: the rest is kept as read (uvicorn would parse it all into requests
+            queued without bound, ~2 KB of memory for each 50-byte request), and reading pauses.
+            A body of a declared length is parsed in one piece."""
+            if self._parsing:
+                return  # an answer written from within `_parse`: the loop below goes on
+            self._parsing = True
+            try:
+                while (data := self._unparsed) is not None:
+                    if self.parser is None or self.transport.is_closing():
+                        self._unparsed = None
+                    elif len(self.pipeline) >= MAX_PIPELINED:
+                        self.flow.pause_reading()  # until an answer is written: on_response_complete
+                        return
+                    else:
+                        start = self._unparsed_at
+                        end = start + max(self._body_left(), PARSE_PIECE_BYTES)
+                        if end >= len(data):
+                            self._unparsed = None
+                        self._unparsed_at = end
+                        self._parse(memoryview(data)[start:end])
+            finally:
+                self._parsing = False
+
+        def _body_left(self) -> int:
+            """How much of the current request's declared body is still to come (0 if none is known)."""
+            if self._in_head or self.cycle is None or not self.cycle.more_body:
+                return 0
+            for name, value in self.scope["headers"]:
+                if name == b"content-length":
+                    return max(int(value) - self._body_seen, 0) if value.isdigit() else 0
+            return 0
+
+        def on_body(self, body: bytes) -> None:
+            self._body_seen += len(body)
+            super().on_body(body)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._unparsed is not None:
+                self._parse_unparsed()
+
+        def _parse(self, data: bytes | memoryview) -> None:
             head_of = self.scope if self._in_head else None
-            super().data_received(data)
+            super().data_received(cast(bytes, data))  # httptools takes a memoryview as it is
             if head_of is not None and self._in_head and self.scope is head_of:  # all of it was that head's
                 self._head_streamed += len(data)
                 if self._head_streamed > MAX_HEAD_BYTES and not self.transport.is_closing():
@@ -74,7 +141,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
             super().on_message_begin()
-            self._in_head, self._head_bytes, self._head_streamed = True, 0, 0
+            self._in_head, self._head_bytes, self._head_streamed, self._body_seen = True, 0, 0, 0
             self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
 
         def on_url(self, url: bytes) -> None:
