@@ -355,3 +355,37 @@ def test_a_client_that_pipelines_without_reading_has_few_requests_parsed_ahead()
     most, answers = asyncio.run(scenario())
     assert most <= MAX_PIPELINED + PARSE_PIECE_BYTES // len(request(0)), f"{most} requests parsed and queued"
     assert answers == [(200, b"%05d" % i) for i in range(count)]
+
+
+def test_a_connection_silent_or_slow_to_send_its_head_is_closed_after_the_keep_alive_timeout() -> None:
+    """uvicorn arms its keep-alive timeout only after an answer, and each read resets it: a
+    connection that never sent a byte, or trickled a header byte now and then (slowloris), was
+    held for ever. Now the first is closed as an idle connection is; the second gets 408."""
+
+    async def scenario() -> tuple[bytes, bytes, bytes]:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(_Recorder(), host="127.0.0.1", port=port, loop="asyncio",
+                                               log_config=None, lifespan="off", timeout_keep_alive=1,
+                                               http=stamping_protocol(_StepClock(), _refuse_path_refuse)))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        silent, _ = await asyncio.open_connection("127.0.0.1", port)
+        trickling, trickle = await asyncio.open_connection("127.0.0.1", port)
+        trickle.write(b"GET /a HTTP/1.1\r\nhost: x\r\n")
+        closed = asyncio.gather(asyncio.wait_for(silent.read(), 10), asyncio.wait_for(trickling.read(), 10))
+        while not closed.done():  # a byte every 0.1 s, each a read that resets uvicorn's own timer
+            trickle.write(b"x")
+            await asyncio.sleep(0.1)
+        working, work = await asyncio.open_connection("127.0.0.1", port)
+        work.write(_post("/b", b"still served"))  # a connection that sends its request is served
+        answer = await _read_response(working)
+        server.should_exit = True
+        await serving
+        silent_end, trickled_end = await closed
+        return silent_end, trickled_end, answer[2]
+
+    silent_end, trickled_end, answer = asyncio.run(scenario())
+    assert silent_end == b""
+    assert trickled_end.startswith(b"HTTP/1.1 408 ") and b"connection: close" in trickled_end
+    assert answer == b"still served"

@@ -28,7 +28,10 @@ closed, so a client streaming headers cannot grow the gateway's memory without b
 pipelines requests without reading the answers: uvicorn parses every request of a read and queues
 them (a 50-byte GET queued took ~2 KB; 8 MB of them, 300 MB), so at most `MAX_PIPELINED` are
 parsed ahead of the one being answered, and the rest of what was read waits unparsed, with reading
-paused, until their turn.
+paused, until their turn. A connection that sends nothing is closed after the keep-alive timeout,
+as an idle one is, and a request head still unfinished that long after its first read is answered
+408 and closed (uvicorn has no such limit: a client trickling a header byte now and then held its
+connection for ever).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _unparsed: bytes | None = None  # read, but not parsed yet: requests waiting for their turn
         _unparsed_at = 0
         _parsing = False
+        _head_timer: asyncio.TimerHandle | None = None
 
         def data_received(self, data: bytes) -> None:
             if self._unparsed is not None:  # not read while paused; kept in order all the same
@@ -136,7 +140,23 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             if head_of is not None and self._in_head and self.scope is head_of:  # all of it was that head's
                 self._head_streamed += len(data)
                 if self._head_streamed > MAX_HEAD_BYTES and not self.transport.is_closing():
-                    self._refuse_head()
+                    self._refuse_head(431, b"Request header fields too large.")
+            if self._in_head and self._head_timer is None and not self.transport.is_closing():
+                # a head that did not come whole in one read (never so for a client's usual request)
+                self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timed_out)
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            super().connection_made(transport)  # type: ignore[arg-type]
+            # a connection that never sends a request is idle: closed as a kept-alive one is
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+        def _head_timed_out(self) -> None:
+            """A head still unfinished a keep-alive timeout after its first read: 408 and close, however
+            slowly it still trickles in (data resets uvicorn's keep-alive timer, not this one)."""
+            self._head_timer = None
+            if self._in_head and not self.transport.is_closing():
+                self._refuse_head(408, b"Request head not received in time.")
 
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
@@ -160,19 +180,22 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
             super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:
             if self._head_too_large:
-                self._refuse_head()
+                self._refuse_head(431, b"Request header fields too large.")
             else:
                 super().send_400_response(msg)
 
-        def _refuse_head(self) -> None:
-            """431, as uvicorn answers a request it cannot parse: its own headers, then close."""
+        def _refuse_head(self, status: int, message: bytes) -> None:
+            """A refusal of a request's head, as uvicorn answers one it cannot parse: its own
+            headers, then close."""
             self._in_head = False
-            message = b"Request header fields too large."
-            content = [STATUS_LINE[431]]
+            content = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
                 content += [name, b": ", value, b"\r\n"]
             content += [b"content-type: text/plain; charset=utf-8\r\n",
@@ -226,6 +249,9 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             """A client gone before its early answer was written withdraws the request: the task
             making it is cancelled (uvicorn tells an ASGI task through `receive`; this one has none)."""
             super().connection_lost(exc)
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
             answering, self._answering = self._answering, None
             if answering is not None and not answering[0].response_complete:
                 answering[1].cancel()
