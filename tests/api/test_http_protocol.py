@@ -389,3 +389,34 @@ def test_a_connection_silent_or_slow_to_send_its_head_is_closed_after_the_keep_a
     assert silent_end == b""
     assert trickled_end.startswith(b"HTTP/1.1 408 ") and b"connection: close" in trickled_end
     assert answer == b"still served"
+
+
+def test_what_cannot_be_parsed_is_refused_after_the_answers_to_the_requests_before_it() -> None:
+    """uvicorn wrote its 400 for bytes it could not parse at once and closed: a client that had
+    pipelined a request before them read the 400 as that request's answer (and the request, still
+    made, went unanswered). The 400 now comes after the answers before it, each in order."""
+    app = _Recorder()
+
+    async def later(body: bytes) -> Response:
+        await asyncio.sleep(0.05)
+        return Response(b"later: " + body)
+
+    def answer_early(scope, body: bytes):
+        return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
+
+    async def scenario(requests: bytes) -> bytes:
+        async with _connected(app, answer_early) as (_, reader, writer, _):
+            writer.write(requests)
+            return await asyncio.wait_for(reader.read(), 5)  # until the server closes
+
+    garbage = b"NOT HTTP\r\n\r\n"
+    for requests, answers in [
+        (_post("/later", b"one") + garbage, [b"later: one"]),  # an early answer made later
+        (_post("/a", b"two") + garbage, [b"two"]),  # the app's
+        (_post("/later", b"3") + _post("/refuse", b"4") + _post("/b", b"5") + garbage,
+         [b"later: 3", b'{"error": "busy: 4"}', b"5"]),
+    ]:
+        written = asyncio.run(scenario(requests))
+        bodies = [part.split(b"\r\n\r\n", 1)[1] for part in written.split(b"HTTP/1.1 ")[1:]]
+        assert bodies == [*answers, b"Invalid HTTP request received."], written
+        assert written.count(b"HTTP/1.1 400 ") == 1 and written.endswith(b"Invalid HTTP request received.")

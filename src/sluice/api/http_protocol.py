@@ -79,6 +79,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _unparsed_at = 0
         _parsing = False
         _head_timer: asyncio.TimerHandle | None = None
+        _refusal: tuple[int, bytes] | None = None  # of what the client sent: the connection's last answer
 
         def data_received(self, data: bytes) -> None:
             if self._unparsed is not None:  # not read while paused; kept in order all the same
@@ -131,16 +132,21 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self._unparsed is not None:
+            if self._refusal is not None:
+                if self.cycle.response_complete:  # the last request read before it: all are answered
+                    self._write_refusal()
+            elif self._unparsed is not None:
                 self._parse_unparsed()
 
         def _parse(self, data: bytes | memoryview) -> None:
+            if self._refusal is not None:
+                return  # the refusal is all that is left to write
             head_of = self.scope if self._in_head else None
             super().data_received(cast(bytes, data))  # httptools takes a memoryview as it is
             if head_of is not None and self._in_head and self.scope is head_of:  # all of it was that head's
                 self._head_streamed += len(data)
                 if self._head_streamed > MAX_HEAD_BYTES and not self.transport.is_closing():
-                    self._refuse_head(431, b"Request header fields too large.")
+                    self._refuse(431, b"Request header fields too large.")
             if self._in_head and self._head_timer is None and not self.transport.is_closing():
                 # a head that did not come whole in one read (never so for a client's usual request)
                 self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timed_out)
@@ -156,7 +162,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             slowly it still trickles in (data resets uvicorn's keep-alive timer, not this one)."""
             self._head_timer = None
             if self._in_head and not self.transport.is_closing():
-                self._refuse_head(408, b"Request head not received in time.")
+                self._refuse(408, b"Request head not received in time.")
 
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
@@ -187,14 +193,27 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
 
         def send_400_response(self, msg: str) -> None:
             if self._head_too_large:
-                self._refuse_head(431, b"Request header fields too large.")
+                self._refuse(431, b"Request header fields too large.")
             else:
-                super().send_400_response(msg)
+                self._refuse(400, msg.encode("ascii"))
 
-        def _refuse_head(self, status: int, message: bytes) -> None:
-            """A refusal of a request's head, as uvicorn answers one it cannot parse: its own
-            headers, then close."""
+        def _refuse(self, status: int, message: bytes) -> None:
+            """A refusal of what a client sent (uvicorn's 400 for what it cannot parse, a 431 or a
+            408): nothing more is read, and it is written, then the connection closed, once the
+            answers to the requests before it are (uvicorn wrote it at once, so a client read it
+            as the answer to its request still being made)."""
             self._in_head = False
+            self._unparsed = None
+            if self._refusal is None:
+                self._refusal = (status, message)
+                self.flow.pause_reading()
+            if self.cycle is None or self.cycle.response_complete:
+                self._write_refusal()
+
+        def _write_refusal(self) -> None:
+            if self._refusal is None or self.transport.is_closing():
+                return
+            status, message = self._refusal
             content = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
                 content += [name, b": ", value, b"\r\n"]
