@@ -69,6 +69,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
     class SluiceHttpToolsProtocol(HttpToolsProtocol):
         _held: tuple[RequestResponseCycle, Any] | None = None
         _answering: tuple[RequestResponseCycle, asyncio.Task[None]] | None = None
+        _current: RequestResponseCycle | None = None  # the request being answered (its task started)
         _next: deque[tuple[RequestResponseCycle, Any]] | None = None  # while `_answer_pipelined` runs
         _in_head = False  # between a request's first byte and the end of its headers
         _head_bytes = 0  # of its head, as httptools hands them over
@@ -223,6 +224,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             self.transport.close()
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+            self._current = cycle
             if answer_early is None or app is not self.app or not _may_answer_early(cycle):
                 super()._start_asgi_task(cycle, app)
             elif cycle.more_body:
@@ -268,6 +270,13 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             """A client gone before its early answer was written withdraws the request: the task
             making it is cancelled (uvicorn tells an ASGI task through `receive`; this one has none)."""
             super().connection_lost(exc)
+            current = self._current
+            if current is not None and not current.response_complete:
+                # uvicorn tells only the request read last, which need not be the one being answered
+                # (pipelined behind it): that one went on, and wrote to the closed transport (a 500
+                # logged as an internal error under uvloop)
+                current.disconnected = True
+                current.message_event.set()
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
