@@ -450,3 +450,34 @@ def test_a_pipelined_request_being_answered_learns_that_its_client_has_gone() ->
             await until(lambda: told == ["http.disconnect"])
 
     asyncio.run(scenario())
+
+
+def test_a_request_whose_body_cannot_be_parsed_is_refused_at_once_or_after_those_before_it() -> None:
+    """A body that cannot be parsed (a chunk size that is not one, a transfer coding that is not
+    chunked) refuses the request it belongs to: at once if it is the one being answered (its
+    task, waiting for the body, is told the client has gone), else after the answers before it."""
+    app = _Recorder()
+
+    async def later(body: bytes) -> Response:
+        await asyncio.sleep(0.05)
+        return Response(b"later: " + body)
+
+    def answer_early(scope, body: bytes):
+        return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
+
+    async def scenario(requests: bytes) -> bytes:
+        async with _connected(app, answer_early) as (_, reader, writer, _):
+            writer.write(requests)
+            return await asyncio.wait_for(reader.read(), 5)  # until the server closes
+
+    bad_chunk = b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nffffffffffffffffffff\r\n"
+    bad_coding = b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: xchunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    for requests, answers in [
+        (bad_chunk, []),
+        (bad_coding, []),
+        (_post("/later", b"one") + _post("/a", b"two") + bad_chunk, [b"later: one", b"two"]),
+    ]:
+        written = asyncio.run(scenario(requests))
+        bodies = [part.split(b"\r\n\r\n", 1)[1] for part in written.split(b"HTTP/1.1 ")[1:]]
+        assert bodies == [*answers, b"Invalid HTTP request received."], written
+    assert app.paths == ["/c", "/c", "/a"]  # the refused request queued behind others never started

@@ -81,6 +81,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _parsing = False
         _head_timer: asyncio.TimerHandle | None = None
         _refusal: tuple[int, bytes] | None = None  # of what the client sent: the connection's last answer
+        _refused_cycle: RequestResponseCycle | None = None  # the request refused, when its head was read
 
         def data_received(self, data: bytes) -> None:
             if self._unparsed is not None:  # not read while paused; kept in order all the same
@@ -134,7 +135,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self._refusal is not None:
-                if self.cycle.response_complete:  # the last request read before it: all are answered
+                if self._answered_before_refusal():
                     self._write_refusal()
             elif self._unparsed is not None:
                 self._parse_unparsed()
@@ -208,8 +209,26 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             if self._refusal is None:
                 self._refusal = (status, message)
                 self.flow.pause_reading()
-            if self.cycle is None or self.cycle.response_complete:
+                cycle = self.cycle
+                if cycle is not None and cycle.more_body and not cycle.response_complete:
+                    # within a request's body (a chunk's size that is not one, a transfer coding
+                    # that is not chunked): that request is the one refused, and is never started
+                    self._refused_cycle = cycle
+                    self.pipeline = deque(entry for entry in self.pipeline if entry[0] is not cycle)
+                    if self._held is not None and self._held[0] is cycle:
+                        self._held = None
+            if self._answered_before_refusal():
                 self._write_refusal()
+
+        def _answered_before_refusal(self) -> bool:
+            """Whether every request read before what is refused has been answered."""
+            last, refused = self.cycle, self._refused_cycle
+            if last is None:
+                return True
+            if last is not refused:
+                return last.response_complete  # answers are written in order
+            current = self._current
+            return not self.pipeline and (current is None or current is refused or current.response_complete)
 
         def _write_refusal(self) -> None:
             if self._refusal is None or self.transport.is_closing():
