@@ -173,12 +173,19 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
 
         def on_url(self, url: bytes) -> None:
-            self._count_head(len(url))
-            super().on_url(url)
+            self.url += url  # uvicorn's own, inline, as `on_header`'s
+            self._head_bytes += len(url)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._count_head(0)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            self._count_head(len(name) + len(value) + 4)
-            super().on_header(name, value)
+            self._head_bytes += len(name) + len(value) + 4
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._count_head(0)
+            name = name.lower()  # uvicorn's own, inline: this runs for every header of every request
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.expect_100_continue = True
+            self.headers.append((name, value))
 
         def _count_head(self, size: int) -> None:
             self._head_bytes += size
