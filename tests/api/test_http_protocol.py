@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 
 import httpx
 import uvicorn
@@ -391,23 +391,28 @@ def test_a_connection_silent_or_slow_to_send_its_head_is_closed_after_the_keep_a
     assert answer == b"still served"
 
 
+async def _later(body: bytes) -> Response:
+    await asyncio.sleep(0.05)
+    return Response(b"later: " + body)
+
+
+def _later_or_refuse(scope, body: bytes):
+    """Early answers: `/later`'s made after 50 ms, `/refuse`'s at once, the others the app's."""
+    return _later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
+
+
+async def _written_until_closed(requests: bytes, app: _Recorder | None = None) -> bytes:
+    """All a server with `_later_or_refuse` (and `app`) writes for `requests`, sent at once, until it closes."""
+    async with _connected(app or _Recorder(), _later_or_refuse) as (_, reader, writer, _):
+        writer.write(requests)
+        return await asyncio.wait_for(reader.read(), 5)
+
+
 def test_what_cannot_be_parsed_is_refused_after_the_answers_to_the_requests_before_it() -> None:
     """uvicorn wrote its 400 for bytes it could not parse at once and closed: a client that had
     pipelined a request before them read the 400 as that request's answer (and the request, still
     made, went unanswered). The 400 now comes after the answers before it, each in order."""
-    app = _Recorder()
-
-    async def later(body: bytes) -> Response:
-        await asyncio.sleep(0.05)
-        return Response(b"later: " + body)
-
-    def answer_early(scope, body: bytes):
-        return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
-
-    async def scenario(requests: bytes) -> bytes:
-        async with _connected(app, answer_early) as (_, reader, writer, _):
-            writer.write(requests)
-            return await asyncio.wait_for(reader.read(), 5)  # until the server closes
+    scenario = _written_until_closed
 
     garbage = b"NOT HTTP\r\n\r\n"
     for requests, answers in [
@@ -458,17 +463,8 @@ def test_a_request_whose_body_cannot_be_parsed_is_refused_at_once_or_after_those
     task, waiting for the body, is told the client has gone), else after the answers before it."""
     app = _Recorder()
 
-    async def later(body: bytes) -> Response:
-        await asyncio.sleep(0.05)
-        return Response(b"later: " + body)
-
-    def answer_early(scope, body: bytes):
-        return later(body) if scope["path"] == "/later" else _refuse_path_refuse(scope, body)
-
-    async def scenario(requests: bytes) -> bytes:
-        async with _connected(app, answer_early) as (_, reader, writer, _):
-            writer.write(requests)
-            return await asyncio.wait_for(reader.read(), 5)  # until the server closes
+    def scenario(requests: bytes) -> Coroutine[None, None, bytes]:
+        return _written_until_closed(requests, app)
 
     bad_chunk = b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nffffffffffffffffffff\r\n"
     bad_coding = b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: xchunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
