@@ -67,6 +67,16 @@ def test_the_deadline_counts_from_the_stamp_unless_it_is_missing_or_from_the_fut
     assert arrival(request({"sluice.received_at": 12.0}), now=10.0) == 10.0  # another clock's reading
 
 
+
+async def _slow_reader(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to `port` whose receive buffer is small (4 KiB): a client that reads its
+    answers slowly, so the server's writes back up quickly."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return await asyncio.open_connection(sock=sock)
+
 class _Recorder:
     """An ASGI app that echoes each request's body, and notes the paths it was called for."""
 
@@ -239,11 +249,7 @@ def test_a_client_that_does_not_read_its_refusals_is_held_back_not_buffered() ->
 
     async def scenario() -> tuple[int, list[tuple[int, bytes]]]:
         async with _connected(app, _refuse_path_refuse) as (port, _, _, server):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-            reader, writer = await asyncio.open_connection(sock=sock)
+            reader, writer = await _slow_reader(port)
             writer.write(b"".join(_post("/refuse", body) for _ in range(count)))
             most = 0
             for _ in range(100):  # 0.5 s of not reading
@@ -338,11 +344,7 @@ def test_a_client_that_pipelines_without_reading_has_few_requests_parsed_ahead()
 
     async def scenario() -> tuple[int, list[tuple[int, bytes]]]:
         async with _connected(app, None) as (port, _, _, server):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-            reader, writer = await asyncio.open_connection(sock=sock)
+            reader, writer = await _slow_reader(port)
             writer.write(b"".join(request(i) for i in range(count)))
             most = 0
             for _ in range(60):  # 0.3 s of not reading
