@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -247,3 +248,51 @@ def test_an_unreadable_create_body_is_400_not_500(client: TestClient, body: byte
     refused = client.post("/v1/batches", content=body, headers={"content-type": "application/json"})
     assert refused.status_code == 400
     assert refused.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture
+def store_and_sdk(tmp_path: Path) -> Iterator[tuple[SqliteJobStore, openai.OpenAI]]:
+    """The real `openai` SDK against the Batch API routes (in-process, through Starlette's client)."""
+    store = SqliteJobStore(tmp_path / "data")
+    app = Starlette(routes=batches.routes(store, lambda: None, 1 << 20),
+                    exception_handlers={SluiceError: _on_sluice_error})
+    with TestClient(_TenantFromHeader(app)) as test_client:
+        yield store, openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=test_client,
+                                   max_retries=0)
+    asyncio.run(store.aclose())
+
+
+async def _complete(store: SqliteJobStore, batch_id: str) -> None:
+    from sluice.jobs.store import BatchStatus, ItemOutcome, NewItem
+
+    assert await store.start_batch(batch_id, [NewItem(0, "a", "/v1/embeddings", b"{}")], 0)
+    claim = await store.claim(1, 30, 0)
+    assert claim is not None
+    await store.record(claim.token, [ItemOutcome(batch_id, 0, b'{"custom_id":"a"}\n')])
+    assert await store.begin_finalizing(batch_id, 0) is not None
+    assert await store.finalize(batch_id, BatchStatus.COMPLETED, None, 0) is not None
+
+
+def test_cancelling_a_batch_that_ended_is_a_409_as_openai_answers_it(store_and_sdk):
+    """OpenAI answers a cancel of a completed (failed, expired, cancelled) batch with 409 and
+    "Cannot cancel a batch with status 'completed'."; the SDK raises `ConflictError`. A repeated
+    cancel of a batch still cancelling answers it again."""
+    store, sdk = store_and_sdk
+    file_id = sdk.files.create(file=("a.jsonl", LINE), purpose="batch").id
+    done = sdk.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    asyncio.run(_complete(store, done.id))
+    with pytest.raises(openai.ConflictError) as refused:
+        sdk.batches.cancel(done.id)
+    assert refused.value.status_code == 409
+    assert refused.value.body["message"] == "Cannot cancel a batch with status 'completed'."  # type: ignore[index]
+    assert refused.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    assert sdk.batches.retrieve(done.id).status == "completed"  # unchanged
+    failed = sdk.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    asyncio.run(store.fail_batch(failed.id, [], 0))
+    with pytest.raises(openai.ConflictError, match="status 'failed'"):
+        sdk.batches.cancel(failed.id)
+    running = sdk.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert sdk.batches.cancel(running.id).status == "cancelling"
+    assert sdk.batches.cancel(running.id).status == "cancelling"  # asked again: the same answer
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.cancel("batch_nope")

@@ -38,9 +38,9 @@ from sluice.api.common import (
     read_body,
     request_tenant,
 )
-from sluice.errors import IdempotencyKeyReused, InvalidInput, NotFound, PayloadTooLarge
+from sluice.errors import Conflict, IdempotencyKeyReused, InvalidInput, NotFound, PayloadTooLarge
 from sluice.jobs.rows import new_file_id
-from sluice.jobs.store import BatchJob, FileObject, JobStore, NewBatch
+from sluice.jobs.store import BatchJob, BatchStatus, FileObject, JobStore, NewBatch
 from sluice.jobs.validate import ENDPOINTS
 
 MAX_FILE_BYTES = 512 * 1024 * 1024
@@ -161,9 +161,13 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
         return list_response([batch_json(b) for b in page[:limit]], len(page) > limit)
 
     async def cancel_batch(request: Request) -> Response:
+        """As OpenAI: a batch validating or in progress turns `cancelling` (a repeat answers it
+        again); one finalizing or already final cannot be cancelled: 409."""
         batch = await store.cancel_batch(request_tenant(request), request.path_params["batch_id"], int(time.time()))
         if batch is None:
             raise NotFound(f"no batch {request.path_params['batch_id']!r}")
+        if batch.status is not BatchStatus.CANCELLING:
+            raise Conflict(f"Cannot cancel a batch with status '{batch.status.value}'.")
         notify()
         return json_response(batch_json(batch))
 

@@ -284,11 +284,15 @@ class PostgresJobStore:
                                                    BatchStatus.VALIDATING.value))
 
     async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None:
+        """The batch as the update left it: a cancel that won is answered `cancelling` even if the
+        executor finishes the batch at once."""
         async with self._pool.connection() as conn:
-            await conn.execute("UPDATE batches SET status = %s, cancelling_at = %s WHERE id = %s AND owner = %s "
-                               "AND status IN (%s, %s)", (BatchStatus.CANCELLING.value, now, batch_id, owner,
-                                                          BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value))
-        return await self.get_batch(owner, batch_id)
+            cur = await conn.execute(f"UPDATE batches SET status = %s, cancelling_at = %s WHERE id = %s AND owner = %s "
+                                     f"AND status IN (%s, %s) RETURNING {rows.BATCH_COLUMNS}",
+                                     (BatchStatus.CANCELLING.value, now, batch_id, owner,
+                                      BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value))
+            row = await cur.fetchone()
+        return rows.batch_of(row) if row else await self.get_batch(owner, batch_id)
 
     # -- items -----------------------------------------------------------------------------------
 
