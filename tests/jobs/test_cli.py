@@ -1,11 +1,16 @@
-"""`sluice batch`'s client: it follows a job across a server restart instead of giving up."""
+"""`sluice batch`'s client: it follows a job across a server restart instead of giving up, and
+its exit status says whether every request succeeded."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import click
 import pytest
@@ -87,3 +92,39 @@ def test_a_server_never_reached_or_a_client_error_fails_at_once():
         server.shutdown()
         server.server_close()
     assert waits == []
+
+
+def _embedding_line(custom_id: str, model: str = "emulated", **extra: object) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+                       "body": {"model": model, "input": "hello", **extra}})
+
+
+def _submit_and_wait(url: str, tmp_path: Path, lines: list[str]) -> subprocess.CompletedProcess[str]:
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    return subprocess.run([sys.executable, "-m", "sluice", "batch", "submit", str(source), "--endpoint",
+                           "/v1/embeddings", "--wait", "--url", url, "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SLUICE_API_KEY": "", "OPENAI_API_KEY": ""})
+
+
+def test_submit_wait_exits_non_zero_unless_every_request_succeeded(make_server, emulated_repo, tmp_path: Path):
+    """Seen: `sluice batch submit --wait` exited 0 for a job whose every request failed (the job
+    itself 'completed'), so a script could not tell. Now: 0 only when all succeeded, 3 when some
+    failed (their lines in the errors file), 1 when the job did not complete (here: failed at
+    validation)."""
+    server = make_server(emulated_repo(alpha_ms=1.0, beta_ms=0.1))
+    succeeded = _submit_and_wait(server.url, tmp_path, [_embedding_line("a"), _embedding_line("b")])
+    assert succeeded.returncode == 0, succeeded.stderr
+    all_failed = _submit_and_wait(server.url, tmp_path, [_embedding_line("a", encoding_format="bogus"),
+                                                         _embedding_line("b", encoding_format="bogus")])
+    assert all_failed.returncode == 3, all_failed.stderr
+    assert "2 of 2 requests failed" in all_failed.stderr
+    errors = list((tmp_path / "out").glob("*_errors.jsonl"))
+    assert len(errors) == 1 and len(errors[0].read_text().splitlines()) == 2
+    some_failed = _submit_and_wait(server.url, tmp_path, [_embedding_line("a"),
+                                                          _embedding_line("b", encoding_format="bogus")])
+    assert some_failed.returncode == 3 and "1 of 2 requests failed" in some_failed.stderr
+    rejected = _submit_and_wait(server.url, tmp_path, [_embedding_line("a", model="no-such-model")])
+    assert rejected.returncode == 1 and "failed" in rejected.stderr
+    assert "model_not_found" in rejected.stderr  # the validation error, line by line

@@ -127,7 +127,10 @@ def batch() -> None:
               help="/v1/embeddings, /v1/completions, /v1/chat/completions, /v1/responses or /v2/infer.")
 @click.option("--window", "completion_window", default="24h", show_default=True,
               help="Completion window: hours, minutes or seconds (24h, 30m, 90s); past it the job expires.")
-@click.option("--wait", is_flag=True, help="Show progress until the job ends, then download its files.")
+@click.option("--wait", is_flag=True,
+              help="Show progress until the job ends, then download its files. Exit status: 0 when every "
+                   "request succeeded, 1 when the job failed, expired or was cancelled (or the command "
+                   "failed), 3 when it completed but some requests failed (their lines are in the errors file).")
 @click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Where --wait writes BATCH_output.jsonl / BATCH_errors.jsonl.")
 @_server("submit")
@@ -143,8 +146,27 @@ def submit(file: Path, endpoint: str, completion_window: str, wait: bool, output
     if wait:
         job = _follow(api, job["id"])
         _download(api, job, output_dir)
-        if job["status"] != "completed":
-            sys.exit(1)
+        sys.exit(exit_status(job))
+
+
+EXIT_UNFINISHED = 1
+"""`submit --wait`: the job failed, expired or was cancelled (also click's status for a failed command)."""
+EXIT_SOME_FAILED = 3
+"""`submit --wait`: the job completed, but some of its requests failed (2 is click's usage error)."""
+
+
+def exit_status(job: dict[str, Any]) -> int:
+    """0 only when the job completed and every request in it succeeded; says why on stderr otherwise."""
+    counts = job.get("request_counts") or {}
+    num_failed, num_total = counts.get("failed", 0), counts.get("total", 0)
+    if job["status"] != "completed":
+        click.echo(f"batch {job['id']} {job['status']}: {counts.get('completed', 0)} of {num_total} requests "
+                   "succeeded", err=True)
+        return EXIT_UNFINISHED
+    if num_failed:
+        click.echo(f"batch {job['id']} completed, but {num_failed} of {num_total} requests failed", err=True)
+        return EXIT_SOME_FAILED
+    return 0
 
 
 @batch.command()
