@@ -296,3 +296,58 @@ def test_cancelling_a_batch_that_ended_is_a_409_as_openai_answers_it(store_and_s
     assert sdk.batches.cancel(running.id).status == "cancelling"  # asked again: the same answer
     with pytest.raises(openai.NotFoundError):
         sdk.batches.cancel("batch_nope")
+
+
+def test_expires_after_through_the_sdk_sets_expires_at_and_bad_values_are_400(store_and_sdk):
+    """`files.create(expires_after=...)` and `batches.create(output_expires_after=...)` as the
+    `openai` SDK sends them: the file's `expires_at` is its creation plus the seconds (the output
+    and error files': theirs, when the batch finishes); out of OpenAI's bounds (1 hour to 30 days)
+    or with another anchor, a 400 naming the parameter."""
+    store, sdk = store_and_sdk
+    uploaded = sdk.files.create(file=("a.jsonl", LINE), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    assert uploaded.expires_at == uploaded.created_at + 3600
+    assert sdk.files.retrieve(uploaded.id).expires_at == uploaded.expires_at
+    assert [f.expires_at for f in sdk.files.list()] == [uploaded.expires_at]
+    assert sdk.files.create(file=("a.jsonl", LINE), purpose="batch").expires_at is None
+    for expires_after, param in (({"anchor": "created_at", "seconds": 3599}, "expires_after[seconds]"),
+                                 ({"anchor": "created_at", "seconds": 2_592_001}, "expires_after[seconds]"),
+                                 ({"anchor": "last_active_at", "seconds": 3600}, "expires_after[anchor]"),
+                                 ({"anchor": "created_at", "seconds": "soon"}, "expires_after[seconds]"),
+                                 ({"seconds": 3600}, "expires_after[anchor]")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.files.create(file=("a.jsonl", LINE), purpose="batch", expires_after=expires_after)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param, expires_after  # type: ignore[index]
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 7200})
+    asyncio.run(_complete(store, batch.id))
+    done = sdk.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.output_file_id
+    output = sdk.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    plain = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    asyncio.run(_complete(store, plain.id))
+    assert sdk.files.retrieve(sdk.batches.retrieve(plain.id).output_file_id or "").expires_at is None
+    for output_expires_after, param in (({"anchor": "created_at", "seconds": 60}, "output_expires_after[seconds]"),
+                                        ({"anchor": "now", "seconds": 3600}, "output_expires_after[anchor]")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h",
+                               output_expires_after=output_expires_after)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):  # not a whole number of seconds
+        sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h",
+                           output_expires_after={"anchor": "created_at", "seconds": 3600.5})  # type: ignore[typeddict-item]
+
+
+def test_an_idempotent_repeat_with_another_expiry_is_a_409(client: TestClient):
+    key = {"Idempotency-Key": "upload-x"}
+    expiry = {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    first = client.post("/v1/files", files={"file": ("a.jsonl", LINE)}, headers=key, data=expiry)
+    assert first.status_code == 200 and first.json()["expires_at"] == first.json()["created_at"] + 3600
+    other = client.post("/v1/files", files={"file": ("a.jsonl", LINE)}, headers=key, data={"purpose": "batch"})
+    assert other.status_code == 409
+    file_id = first.json()["id"]
+    batch_key = {"Idempotency-Key": "job-x"}
+    assert _create(client, file_id, batch_key, output_expires_after={"anchor": "created_at", "seconds": 3600}
+                   ).status_code == 200
+    assert _create(client, file_id, batch_key).status_code == 409

@@ -325,3 +325,47 @@ async def test_a_spent_budget_waits_for_its_reset(tmp_path: Path):
     batch = await store.get_batch(None, batch_id)
     assert batch is not None and (batch.num_completed, batch.num_failed) == (5, 0)
     await store.aclose()
+
+
+async def test_housekeeping_deletes_files_once_they_expire(store, monkeypatch: pytest.MonkeyPatch):
+    """A file uploaded with `expires_after` (through the `openai` SDK) is kept until its `expires_at`,
+    then the executor's housekeeping deletes it, within `expired_files_every_s`: it answers 404 (the
+    SDK's NotFoundError), its content too; a file without expiry stays. Both stores."""
+    import httpx
+    import openai
+    from starlette.applications import Starlette
+
+    from sluice.api import batches
+    from sluice.api.app import _on_sluice_error
+    from sluice.errors import SluiceError
+
+    app = Starlette(routes=batches.routes(store, lambda: None, 1 << 20),
+                    exception_handlers={SluiceError: _on_sluice_error})
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t")
+    sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
+    expiring = await sdk.files.create(file=("a.jsonl", b"x\n"), purpose="batch",
+                                      expires_after={"anchor": "created_at", "seconds": 3600})
+    kept = await sdk.files.create(file=("b.jsonl", b"y\n"), purpose="batch")
+    assert expiring.expires_at == expiring.created_at + 3600 and kept.expires_at is None
+    assert (await sdk.files.retrieve(expiring.id)).expires_at == expiring.expires_at
+    now = [expiring.created_at + 3599.0]
+    config = ExecutorConfig(poll_interval_s=0.01, expired_files_every_s=60.0)
+    executor = JobExecutor(store, config, clock=lambda: now[0])
+    await executor.start(ScriptedApp())
+    try:
+        await asyncio.sleep(0.1)  # housekeeping rounds before its expiry
+        assert (await sdk.files.content(expiring.id)).content == b"x\n"
+        now[0] = expiring.created_at + 3600.0 + config.expired_files_every_s
+        for _ in range(500):
+            if await store.get_file("", expiring.id) is None:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await executor.aclose()
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.retrieve(expiring.id)
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.content(expiring.id)
+    assert (await sdk.files.retrieve(kept.id)).id == kept.id
+    assert [f.id async for f in sdk.files.list()] == [kept.id]
+    await http.aclose()

@@ -339,3 +339,108 @@ async def test_a_single_server_store_frees_background_runs_at_startup(tmp_path: 
     [taken] = await store.claim_response_runs("gw-new", NOW, NOW + 30, 10)
     assert taken.response_id == "resp_r" and taken.attempts == 2
     await store.aclose()
+
+
+async def _num_file_parts(store: JobStore) -> int:
+    """Rows in `file_parts`, whoever's (a file deleted must leave none behind)."""
+    if isinstance(store, SqliteJobStore):
+        return await store._call(lambda db: int(db.execute("SELECT COUNT(*) FROM file_parts").fetchone()[0]),
+                                 store._db)
+    assert isinstance(store, PostgresJobStore)
+    return int((await store._one("SELECT COUNT(*) FROM file_parts", ()))[0])
+
+
+async def test_files_past_their_expiry_are_deleted_with_their_content(store: JobStore,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """An upload's `expires_after` and a batch's `output_expires_after` (its output and error files,
+    from when they are written) set `expires_at`; `delete_expired_files` removes the row and every
+    part of the content once it has come, and nothing else."""
+    from sluice.jobs import rows
+
+    monkeypatch.setattr(rows, "FILE_PART_BYTES", 50)
+    expiring = await store.create_file("acme", "in.jsonl", "batch", b"x", NOW, expires_at=NOW + 3600)
+    kept = await store.create_file("acme", "keep.jsonl", "batch", b"y", NOW)
+    assert (expiring.expires_at, kept.expires_at) == (NOW + 3600, None)
+    assert (await store.get_file("acme", expiring.id)) == expiring
+    batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", kept.id, "24h", None, NOW, NOW + 86_400,
+                                              output_expires_after_s=7200))
+    assert batch.output_expires_after_s == 7200
+    assert await store.start_batch(batch.id, [NewItem(i, f"req-{i}", "/v1/embeddings", b"{}") for i in range(20)],
+                                   NOW)
+    claim = await store.claim(100, lease_s=30, now=NOW)
+    assert claim is not None
+    await store.record(claim.token, [_done(batch.id, i, is_error=i % 5 == 0) for i in range(20)])
+    final = await store.finalize(batch.id, BatchStatus.COMPLETED, None, NOW + 100)
+    assert final is not None and final.output_file_id and final.error_file_id
+    output = await store.get_file("acme", final.output_file_id)
+    assert output is not None and output.expires_at == NOW + 100 + 7200  # anchored at the file's creation
+    assert await _num_file_parts(store) > 2
+    assert await store.delete_expired_files(NOW + 3599) == 0
+    assert await store.delete_expired_files(NOW + 3600) == 1
+    assert await store.get_file("acme", expiring.id) is None and await store.file_content("acme", expiring.id) is None
+    assert await store.get_file("acme", final.output_file_id) is not None
+    assert await store.delete_expired_files(NOW + 100 + 7200) == 2  # the output and error files
+    assert await store.file_part("acme", final.output_file_id, 0) is None
+    assert await _num_file_parts(store) == 0
+    assert [f.id for f in await store.list_files("acme", None, None, 10)] == [kept.id]
+
+
+OLD_FILES_AND_BATCHES = """
+CREATE TABLE files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
+    bytes {int} NOT NULL, created_at {int} NOT NULL, content {blob} NOT NULL, idempotency_key TEXT,
+    UNIQUE (owner, idempotency_key));
+CREATE TABLE batches (id TEXT PRIMARY KEY, owner TEXT NOT NULL, endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL, metadata TEXT,
+    created_at {int} NOT NULL, expires_at {int} NOT NULL, num_total {int} NOT NULL DEFAULT 0,
+    num_completed {int} NOT NULL DEFAULT 0, num_failed {int} NOT NULL DEFAULT 0,
+    input_tokens {int} NOT NULL DEFAULT 0, output_tokens {int} NOT NULL DEFAULT 0, in_progress_at {int},
+    finalizing_at {int}, completed_at {int}, failed_at {int}, expired_at {int}, cancelling_at {int},
+    cancelled_at {int}, output_file_id TEXT, error_file_id TEXT, errors TEXT, idempotency_key TEXT,
+    seq {int} NOT NULL, UNIQUE (owner, idempotency_key));
+INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content)
+    VALUES ('file-old', 'acme', 'old.jsonl', 'batch', 1, 1700000000, {x});
+INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, created_at, expires_at, seq)
+    VALUES ('batch_old', 'acme', '/v1/embeddings', 'file-old', '24h', 'validating', 1700000000, 1700086400, 1)
+"""
+"""The `files` and `batches` tables as sluice made them before files could expire, with a row each."""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_database_from_before_files_expired_is_upgraded_in_place(backend: str, tmp_path: Path,
+                                                                         request: pytest.FixtureRequest):
+    """Opening a database made by the previous schema adds the expiry columns (once: opening it again
+    changes nothing); its rows read as never expiring, and new files and batches can expire."""
+    import sqlite3
+
+    async def opened() -> JobStore:
+        if backend == "sqlite":
+            return SqliteJobStore(tmp_path / "data")
+        return await PostgresJobStore.connect(dsn)
+
+    if backend == "sqlite":
+        (tmp_path / "data").mkdir()
+        with sqlite3.connect(tmp_path / "data" / "jobs.sqlite3") as db:
+            db.executescript(OLD_FILES_AND_BATCHES.format(int="INTEGER", blob="BLOB", x="X'78'"))
+    else:
+        import psycopg
+
+        dsn = request.getfixturevalue("postgres_dsn")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in OLD_FILES_AND_BATCHES.format(int="BIGINT", blob="BYTEA", x="'\\x78'::bytea").split(";"):
+                conn.execute(statement)
+    for _ in range(2):
+        store = await opened()
+        try:
+            old = await store.get_file("acme", "file-old")
+            assert old is not None and old.expires_at is None and await store.file_content("acme", old.id) == b"x"
+            old_batch = await store.get_batch("acme", "batch_old")
+            assert old_batch is not None and old_batch.output_expires_after_s is None
+            new = await store.create_file("acme", "new.jsonl", "batch", b"y", NOW, expires_at=NOW + 3600)
+            assert (await store.get_file("acme", new.id)) == new and new.expires_at == NOW + 3600
+            batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", new.id, "24h", None, NOW, NOW + 1,
+                                                      output_expires_after_s=3600))
+            assert batch.output_expires_after_s == 3600
+            assert await store.delete_expired_files(NOW + 3600) == 1
+            assert await store.get_file("acme", "file-old") is not None
+        finally:
+            await store.aclose()

@@ -6,6 +6,10 @@
     GET /v1/batches/{id}/results?order=input   (sluice: every item's line in input order, streamed; on a
                                                running batch it waits for each next line until the end)
 
+`expires_after` on upload (form fields `expires_after[anchor]=created_at`, `expires_after[seconds]`)
+and `output_expires_after` on a batch (for its output and error files) set a file's `expires_at`,
+1 hour to 30 days after its creation; the executor's housekeeping deletes it then.
+
 Every object belongs to the tenant that created it (`request_tenant`); other tenants get 404.
 `Idempotency-Key` on file upload and batch creation returns the original object on a repeat, and a
 409 when the key's first request was a different one. A list's `after` that names no object of the
@@ -58,11 +62,22 @@ _RESULT_POLL_MIN_S = 0.05
 _RESULT_POLL_MAX_S = 1.0
 
 
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 86_400
+"""OpenAI's bounds on `expires_after.seconds` (files) and `output_expires_after.seconds` (batches)."""
+
+
+class ExpiresAfter(msgspec.Struct):
+    anchor: str
+    seconds: int
+
+
 class CreateBatch(msgspec.Struct):
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
 
 def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
@@ -84,13 +99,16 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
                 raise InvalidInput("'purpose' must be 'batch'", param="purpose")
             if upload.size is not None and upload.size > max_file_bytes:
                 raise PayloadTooLarge(too_large)
+            expires_after_s = _form_expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
             content = await upload.read()
         finally:
             await form.close()
         owner, key, filename = request_tenant(request), _idempotency_key(request), upload.filename or "upload.jsonl"
-        file_id = new_file_id()
-        created = await store.create_file(owner, filename, "batch", content, int(time.time()), key, file_id)
+        file_id, now = new_file_id(), int(time.time())
+        created = await store.create_file(owner, filename, "batch", content, now, key, file_id,
+                                          None if expires_after_s is None else now + expires_after_s)
         if created.id != file_id and (created.filename != filename or created.bytes != len(content)
+                                      or _expires_after_s(created) != expires_after_s
                                       or await store.file_content(owner, created.id) != content):
             assert key is not None  # only an idempotency key finds another file
             raise _key_reused(key, "file")
@@ -142,8 +160,10 @@ def routes(store: JobStore, notify: Callable[[], None], body_limit_bytes: int,
             raise InvalidInput(f"file {input_file.id!r} has purpose {input_file.purpose!r}; a batch's input file "
                                "must be uploaded with purpose 'batch'", param="input_file_id")
         now = int(time.time())
+        output_expires_after_s = parsed.output_expires_after.seconds if parsed.output_expires_after else None
         batch = await store.create_batch(NewBatch(owner, parsed.endpoint, parsed.input_file_id,
-                                                  parsed.completion_window, parsed.metadata, now, now + window_s), key)
+                                                  parsed.completion_window, parsed.metadata, now, now + window_s,
+                                                  output_expires_after_s), key)
         if key is not None and not _is_same_batch(batch, parsed):  # a concurrent request took the key first
             raise _key_reused(key, "batch")
         notify()
@@ -268,12 +288,43 @@ def _check_batch(parsed: CreateBatch) -> int:
         if len(name) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidInput(f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and values at "
                                f"most {MAX_METADATA_VALUE_CHARS} (key {name[:64]!r})", param="metadata")
+    if parsed.output_expires_after is not None:
+        _check_expires_after(parsed.output_expires_after.anchor, parsed.output_expires_after.seconds,
+                             "output_expires_after")
     match = _WINDOW.match(parsed.completion_window)
     window_s = int(match.group(1)) * _UNIT_S[match.group(2)] if match else 0
     if not 1 <= window_s <= MAX_WINDOW_S:
         raise InvalidInput("'completion_window' must be a duration like '24h', '30m' or '90s', at most 14 days "
                            f"(got {parsed.completion_window[:32]!r})", param="completion_window")
     return window_s
+
+
+def _form_expires_after(anchor: object, seconds: object) -> int | None:
+    """A file's `expires_after` from an upload's form (`expires_after[anchor]`, `expires_after[seconds]`,
+    as the `openai` SDK sends it): its seconds, None when neither is given."""
+    if anchor is None and seconds is None:
+        return None
+    if not isinstance(anchor, str):
+        raise InvalidInput("'expires_after[anchor]' must be given with 'expires_after[seconds]': 'created_at'",
+                           param="expires_after[anchor]")
+    if not isinstance(seconds, str) or not re.fullmatch(r"[0-9]{1,9}", seconds.strip()):
+        raise InvalidInput(f"'expires_after[seconds]' must be a whole number of seconds from {MIN_EXPIRES_AFTER_S} "
+                           f"to {MAX_EXPIRES_AFTER_S}", param="expires_after[seconds]")
+    return _check_expires_after(anchor, int(seconds), "expires_after")
+
+
+def _check_expires_after(anchor: str, seconds: int, name: str) -> int:
+    """OpenAI's expiration policy: anchored at the file's creation, 1 hour to 30 days after it."""
+    if anchor != "created_at":
+        raise InvalidInput(f"'{name}' anchor must be 'created_at' (got {anchor[:32]!r})", param=f"{name}[anchor]")
+    if not MIN_EXPIRES_AFTER_S <= seconds <= MAX_EXPIRES_AFTER_S:
+        raise InvalidInput(f"'{name}' seconds must be from {MIN_EXPIRES_AFTER_S} (1 hour) to {MAX_EXPIRES_AFTER_S} "
+                           f"(30 days), got {seconds}", param=f"{name}[seconds]")
+    return seconds
+
+
+def _expires_after_s(f: FileObject) -> int | None:
+    return None if f.expires_at is None else f.expires_at - f.created_at
 
 
 def _idempotency_key(request: Request) -> str | None:
@@ -284,8 +335,10 @@ def _idempotency_key(request: Request) -> str | None:
 
 
 def _is_same_batch(batch: BatchJob, parsed: CreateBatch) -> bool:
-    return (batch.endpoint, batch.input_file_id, batch.completion_window, batch.metadata or None) == (
-        parsed.endpoint, parsed.input_file_id, parsed.completion_window, parsed.metadata or None)
+    output_expires_after_s = parsed.output_expires_after.seconds if parsed.output_expires_after else None
+    return (batch.endpoint, batch.input_file_id, batch.completion_window, batch.metadata or None,
+            batch.output_expires_after_s) == (parsed.endpoint, parsed.input_file_id, parsed.completion_window,
+                                              parsed.metadata or None, output_expires_after_s)
 
 
 def _key_reused(key: str, kind: str) -> IdempotencyKeyReused:
@@ -299,7 +352,7 @@ def _key_reused(key: str, kind: str) -> IdempotencyKeyReused:
 
 def _file_json(f: FileObject) -> dict[str, Any]:
     return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": f.created_at, "filename": f.filename,
-            "purpose": f.purpose, "status": "processed", "expires_at": None, "status_details": None}
+            "purpose": f.purpose, "status": "processed", "expires_at": f.expires_at, "status_details": None}
 
 
 def batch_json(b: BatchJob) -> dict[str, Any]:

@@ -27,7 +27,9 @@
   `launch_slice` at a time so online requests interleave with a claim's burst.
 - Housekeeping (every `poll_interval_s`, and at once when a batch is created or cancelled or the
   executor runs dry): renew leases still in use, and move each active batch on (`BatchLifecycle`:
-  validate and store new batches, finalize finished ones, finish cancelled and expired ones).
+  validate and store new batches, finalize finished ones, finish cancelled and expired ones);
+  every `expired_files_every_s`, delete the files past their `expires_at` (`expires_after`,
+  `output_expires_after`), content and row, so they then answer 404.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class ExecutorConfig:
     (starting, a worker restarting), validation waits up to this long from the batch's creation."""
     pacing_forget_s: float = 60.0
     """A tenant whose items were refused by its limits is paced until none has been for this long."""
+    expired_files_every_s: float = 60.0
+    """How often files past their `expires_at` are deleted: they answer 404 at most this long after it."""
 
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.claim_size, self.max_attempts, self.launch_slice) < 1 or self.lease_s <= 0:
@@ -134,6 +138,8 @@ class JobExecutor:
         self._tasks: dict[asyncio.Task[None], tuple[str, str, str]] = {}
         """Each running item's task -> (lease token, batch id, owner)."""
         self._loops: list[asyncio.Task[None]] = []
+        self._files_checked_at = float("-inf")
+        """When (the injected clock) files past their `expires_at` were last deleted."""
         self._readiness: tuple[float, bool] = (float("-inf"), True)
         """(monotonic time until which it holds, whether the server was ready when last asked)."""
         self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
@@ -344,6 +350,11 @@ class JobExecutor:
     async def _housekeep(self) -> None:
         now = self._clock()
         await self._renew_leases(now)
+        if now - self._files_checked_at >= self._config.expired_files_every_s:
+            self._files_checked_at = now
+            num_deleted = await self._store.delete_expired_files(int(now))
+            if num_deleted:
+                log.info("deleted %d files past their expires_at", num_deleted)
         num_queued = 0
         active = await self._store.active_batches()
         self._owners = {batch.id: batch.owner for batch in active}

@@ -55,6 +55,10 @@ class PostgresJobStore:
                 for statement in rows.SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION", int="BIGINT").split(";"):
                     if statement.strip():
                         await conn.execute(statement)
+                for table, column, kind in rows.ADDED_COLUMNS:  # a database made by an older sluice
+                    await conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} "
+                                       f"{kind.format(int='BIGINT')}")
+                await conn.execute(rows.AFTER_ADDED_COLUMNS)
                 await _number_batches(conn)
         except Exception as exc:
             await pool.close()
@@ -71,13 +75,15 @@ class PostgresJobStore:
     # -- files -----------------------------------------------------------------------------------
 
     async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
-                          idempotency_key: str | None = None, file_id: str | None = None) -> FileObject:
+                          idempotency_key: str | None = None, file_id: str | None = None,
+                          expires_at: int | None = None) -> FileObject:
         file_id = file_id or rows.new_file_id()
         async with self._pool.connection() as conn:
             await conn.execute(
-                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (owner, idempotency_key) DO NOTHING",
-                (file_id, owner, filename, purpose, len(content), now, content, idempotency_key))
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key, "
+                "expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (owner, idempotency_key) "
+                "DO NOTHING", (file_id, owner, filename, purpose, len(content), now, content, idempotency_key,
+                               expires_at))
             if idempotency_key is None:
                 cur = await conn.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE id = %s", (file_id,))
             else:
@@ -114,6 +120,12 @@ class PostgresJobStore:
                 return False
             await conn.execute("DELETE FROM file_parts WHERE file_id = %s", (file_id,))
             return True
+
+    async def delete_expired_files(self, now: int) -> int:
+        async with self._pool.connection() as conn, conn.transaction():
+            parts, files = (statement.replace("?", "%s") for statement in rows.EXPIRED_FILES)
+            await conn.execute(parts, (now,))
+            return (await conn.execute(files, (now,))).rowcount
 
     # -- stored responses ------------------------------------------------------------------------
 
@@ -212,11 +224,11 @@ class PostgresJobStore:
         async with self._pool.connection() as conn:
             await conn.execute(  # seq: the identity column's next value
                 "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
-                "created_at, expires_at, idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                "created_at, expires_at, idempotency_key, output_expires_after_s) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (owner, idempotency_key) DO NOTHING",
                 (batch_id, batch.owner, batch.endpoint, batch.input_file_id, batch.completion_window,
                  BatchStatus.VALIDATING.value, rows.dump_json(batch.metadata), batch.created_at, batch.expires_at,
-                 idempotency_key))
+                 idempotency_key, batch.output_expires_after_s))
             if idempotency_key is None:
                 cur = await conn.execute(_BATCH_BY_ID, (batch_id,))
             else:
@@ -393,7 +405,7 @@ class PostgresJobStore:
                 await conn.cursor().executemany(
                     "UPDATE items SET state = 'done', is_error = 1, line = %s, lease_token = NULL "
                     "WHERE batch_id = %s AND idx = %s", [(leftover(c), batch_id, i) for i, c in left])
-            file_ids = await _write_files(conn, batch_id, batch.owner, now)
+            file_ids = await _write_files(conn, batch_id, batch.owner, now, rows.output_expires_at(batch, now))
             await conn.execute(f"UPDATE batches SET status = %s, finalizing_at = COALESCE(finalizing_at, %s), "
                                f"{rows.FINAL_STAMP[status]} = %s, output_file_id = %s, error_file_id = %s "
                                "WHERE id = %s",
@@ -413,7 +425,8 @@ class PostgresJobStore:
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
 
 
-async def _write_files(conn: AsyncConnection[Any], batch_id: str, owner: str, now: int) -> list[str | None]:
+async def _write_files(conn: AsyncConnection[Any], batch_id: str, owner: str, now: int,
+                       expires_at: int | None) -> list[str | None]:
     """The output and error files from the items' lines in input order, written in parts as a
     server-side cursor reads the lines (never the whole file in memory); their ids, None for a
     file with no line. Runs inside `finalize`'s transaction."""
@@ -433,10 +446,10 @@ async def _write_files(conn: AsyncConnection[Any], batch_id: str, owner: str, no
     for writer in writers:
         await write(writer, writer.take())
         if writer.num_bytes:
-            await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
-                               "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            await conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, "
+                               "expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                                (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl", "batch_output",
-                                writer.num_bytes, now, b""))
+                                writer.num_bytes, now, b"", expires_at))
     return [writer.file_id if writer.num_bytes else None for writer in writers]
 
 

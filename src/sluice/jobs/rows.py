@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS files (
     created_at {int} NOT NULL,
     content {blob} NOT NULL,
     idempotency_key TEXT,
+    expires_at {int},
     UNIQUE (owner, idempotency_key)
 );
 CREATE TABLE IF NOT EXISTS batches (
@@ -60,6 +61,7 @@ CREATE TABLE IF NOT EXISTS batches (
     errors TEXT,
     idempotency_key TEXT,
     seq {int} NOT NULL,
+    output_expires_after_s {int},
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq);
@@ -113,6 +115,12 @@ CREATE TABLE IF NOT EXISTS response_events (
 );
 """
 
+ADDED_COLUMNS = (("files", "expires_at", "{int}"), ("batches", "output_expires_after_s", "{int}"))
+"""Columns added to tables after they were first released: a database made before has the table
+(`CREATE TABLE IF NOT EXISTS` leaves it as it is), so each backend adds those it lacks at startup."""
+AFTER_ADDED_COLUMNS = "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at)"
+"""Indexes on added columns: created once the columns are there."""
+
 PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (%s, %s, %s, %s, %s)"
 FORGET_OLD_RUNS = ("DELETE FROM response_runs WHERE id IN (SELECT id FROM responses WHERE created_at < %s)",
                    "DELETE FROM response_events WHERE response_id IN (SELECT id FROM responses WHERE created_at < %s)")
@@ -131,11 +139,15 @@ in order. Uploads (at most 512 MiB) are one value; output and error files, which
 ~1 GB that SQLite and PostgreSQL allow in one value, are written in parts of about this size
 (whole lines), and read back one part at a time."""
 
-FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at"
+FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at, expires_at"
 BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status, metadata, created_at, "
                  "expires_at, num_total, num_completed, num_failed, input_tokens, output_tokens, "
                  "in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
-                 "cancelled_at, output_file_id, error_file_id, errors")
+                 "cancelled_at, output_file_id, error_file_id, errors, output_expires_after_s")
+_ERRORS = BATCH_COLUMNS.split(", ").index("errors")
+EXPIRED_FILES = ("DELETE FROM file_parts WHERE file_id IN (SELECT id FROM files WHERE expires_at <= ?)",
+                 "DELETE FROM files WHERE expires_at <= ?")
+"""Forget the files whose `expires_at` has come, their parts first; the last statement's count is theirs."""
 ITEM_COLUMNS = "idx, custom_id, url, body, attempts"
 
 
@@ -169,15 +181,21 @@ def new_token() -> str:
 
 
 def file_of(row: Sequence[Any]) -> FileObject:
-    return FileObject(row[0], row[1], row[2], row[3], int(row[4]), int(row[5]))
+    return FileObject(row[0], row[1], row[2], row[3], int(row[4]), int(row[5]),
+                      None if row[6] is None else int(row[6]))
 
 
 def batch_of(row: Sequence[Any]) -> BatchJob:
     values = list(row)
     values[5] = BatchStatus(values[5])
     values[6] = json.loads(values[6]) if values[6] else None
-    values[-1] = json.loads(values[-1]) if values[-1] else None
+    values[_ERRORS] = json.loads(values[_ERRORS]) if values[_ERRORS] else None
     return BatchJob(*values)
+
+
+def output_expires_at(batch: BatchJob, now: int) -> int | None:
+    """When the batch's output and error files, written at `now`, expire (`output_expires_after`)."""
+    return None if batch.output_expires_after_s is None else now + batch.output_expires_after_s
 
 
 def dump_json(value: object) -> str | None:

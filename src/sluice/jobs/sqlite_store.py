@@ -75,6 +75,7 @@ class SqliteJobStore:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA busy_timeout=5000")
         db.executescript(rows.SCHEMA.format(blob="BLOB", real="REAL", int="INTEGER"))
+        _add_columns(db)
         db.execute(rows.UNIQUE_SEQ)  # one writer (BEGIN IMMEDIATE, one server): MAX(seq) + 1 never repeats
         self._db = db
 
@@ -109,13 +110,14 @@ class SqliteJobStore:
     # -- files -----------------------------------------------------------------------------------
 
     async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
-                          idempotency_key: str | None = None, file_id: str | None = None) -> FileObject:
+                          idempotency_key: str | None = None, file_id: str | None = None,
+                          expires_at: int | None = None) -> FileObject:
         file_id = file_id or rows.new_file_id()
 
         def create(db: sqlite3.Connection) -> FileObject:
-            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner, idempotency_key) DO NOTHING",
-                       (file_id, owner, filename, purpose, len(content), now, content, idempotency_key))
+            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key, "
+                       "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner, idempotency_key) DO NOTHING",
+                       (file_id, owner, filename, purpose, len(content), now, content, idempotency_key, expires_at))
             if idempotency_key is None:
                 row = db.execute(f"SELECT {rows.FILE_COLUMNS} FROM files WHERE id = ?", (file_id,))
             else:
@@ -159,6 +161,14 @@ class SqliteJobStore:
                 return False
             db.execute("DELETE FROM file_parts WHERE file_id = ?", (file_id,))
             return True
+
+        return await self._txn(delete)
+
+    async def delete_expired_files(self, now: int) -> int:
+        def delete(db: sqlite3.Connection) -> int:
+            parts, files = rows.EXPIRED_FILES
+            db.execute(parts, (now,))
+            return db.execute(files, (now,)).rowcount
 
         return await self._txn(delete)
 
@@ -283,12 +293,12 @@ class SqliteJobStore:
         def create(db: sqlite3.Connection) -> BatchJob:
             batch_id = rows.new_batch_id()
             db.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
-                       "created_at, expires_at, idempotency_key, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                       "(SELECT COALESCE(MAX(seq), 0) + 1 FROM batches)) "
+                       "created_at, expires_at, idempotency_key, output_expires_after_s, seq) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches)) "
                        "ON CONFLICT (owner, idempotency_key) DO NOTHING",
                        (batch_id, batch.owner, batch.endpoint, batch.input_file_id, batch.completion_window,
                         BatchStatus.VALIDATING.value, rows.dump_json(batch.metadata), batch.created_at,
-                        batch.expires_at, idempotency_key))
+                        batch.expires_at, idempotency_key, batch.output_expires_after_s))
             found = (_get_batch(db, None, batch_id) if idempotency_key is None
                      else _find_batch(db, batch.owner, idempotency_key))
             assert found is not None  # just inserted, or the key's earlier batch
@@ -437,6 +447,15 @@ class SqliteJobStore:
         return await self._call(page, self._db)
 
 
+def _add_columns(db: sqlite3.Connection) -> None:
+    """Bring a database made by an older sluice up to date: the columns added since (SQLite has no
+    `ADD COLUMN IF NOT EXISTS`: each table's columns are looked up first)."""
+    for table, column, kind in rows.ADDED_COLUMNS:
+        if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind.format(int='INTEGER')}")
+    db.execute(rows.AFTER_ADDED_COLUMNS)
+
+
 def _get_batch(db: sqlite3.Connection, owner: str | None, batch_id: str) -> BatchJob | None:
     if owner is None:
         row = db.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,)).fetchone()
@@ -494,14 +513,15 @@ def _finalize(db: sqlite3.Connection, batch_id: str, status: BatchStatus, leftov
         return None
     db.executemany("UPDATE items SET state = 'done', is_error = 1, line = ?, lease_token = NULL "
                    "WHERE batch_id = ? AND idx = ?", ((leftover(c), batch_id, i) for i, c in left) if leftover else ())
-    file_ids = _write_files(db, batch_id, batch.owner, now)
+    file_ids = _write_files(db, batch_id, batch.owner, now, rows.output_expires_at(batch, now))
     stamp = rows.FINAL_STAMP[status]
     db.execute(f"UPDATE batches SET status = ?, finalizing_at = COALESCE(finalizing_at, ?), {stamp} = ?, "
                "output_file_id = ?, error_file_id = ? WHERE id = ?", (status.value, now, now, *file_ids, batch_id))
     return _get_batch(db, None, batch_id)
 
 
-def _write_files(db: sqlite3.Connection, batch_id: str, owner: str, now: int) -> list[str | None]:
+def _write_files(db: sqlite3.Connection, batch_id: str, owner: str, now: int,
+                 expires_at: int | None) -> list[str | None]:
     """The output and error files from the items' lines in input order, written in parts as the
     lines are read (never the whole file in memory); their ids, None for a file with no line."""
     writers = (rows.PartWriter("output"), rows.PartWriter("errors"))
@@ -518,7 +538,7 @@ def _write_files(db: sqlite3.Connection, batch_id: str, owner: str, now: int) ->
     for writer in writers:
         write(writer, writer.take())
         if writer.num_bytes:
-            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?)", (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl",
-                                                        "batch_output", writer.num_bytes, now, b""))
+            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, expires_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl",
+                                                           "batch_output", writer.num_bytes, now, b"", expires_at))
     return [writer.file_id if writer.num_bytes else None for writer in writers]

@@ -4,7 +4,7 @@ Two backends implement the protocol with the same semantics: `SqliteJobStore` (e
 default) and `PostgresJobStore` (several hosts share one database). Everything the API
 acknowledges is committed first.
 
-    files    (id, owner, filename, purpose, bytes, content, created_at, idempotency_key)
+    files    (id, owner, filename, purpose, bytes, content, created_at, idempotency_key, expires_at)
     file_parts (file_id, part) PRIMARY KEY, data     the rest of a file's content, in parts
     batches  (id, owner, endpoint, input_file_id, status, counters, timestamps, ...)
     items    (batch_id, idx) PRIMARY KEY, custom_id, url, body,
@@ -92,6 +92,9 @@ class FileObject:
     purpose: str
     bytes: int
     created_at: int
+    expires_at: int | None = None
+    """When the file is deleted (`expires_after` at upload, a batch's `output_expires_after`); None: kept
+    until the owner deletes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,8 @@ class NewBatch:
     metadata: dict[str, str] | None
     created_at: int
     expires_at: int
+    output_expires_after_s: int | None = None
+    """The output and error files expire this long after they are written (None: kept)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +137,8 @@ class BatchJob:
     error_file_id: str | None = None
     errors: list[dict[str, object]] | None = None
     """Validation errors, each `{"code", "message", "param", "line"}` (line numbers from 1)."""
+    output_expires_after_s: int | None = None
+    """The output and error files expire this long after they are written (None: kept)."""
 
     @property
     def is_active(self) -> bool:
@@ -246,9 +253,10 @@ class JobStore(Protocol):
     """Files, batches and their items, durably. `owner` scopes every client-facing lookup."""
 
     async def create_file(self, owner: str, filename: str, purpose: str, content: bytes, now: int,
-                          idempotency_key: str | None = None, file_id: str | None = None) -> FileObject:
-        """Store a file (id `file_id`, or a new one). With a key already used by `owner`, the
-        file stored then is returned instead (its id is not `file_id`)."""
+                          idempotency_key: str | None = None, file_id: str | None = None,
+                          expires_at: int | None = None) -> FileObject:
+        """Store a file (id `file_id`, or a new one), deleted at `expires_at` (None: never). With a key
+        already used by `owner`, the file stored then is returned instead (its id is not `file_id`)."""
         ...
 
     async def get_file(self, owner: str, file_id: str) -> FileObject | None: ...
@@ -263,6 +271,10 @@ class JobStore(Protocol):
         ...
 
     async def delete_file(self, owner: str, file_id: str) -> bool: ...
+
+    async def delete_expired_files(self, now: int) -> int:
+        """Delete every file (its content and row) whose `expires_at` is `now` or earlier; how many."""
+        ...
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
