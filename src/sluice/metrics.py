@@ -220,6 +220,13 @@ BATCH_ITEMS_PENDING = Gauge(
     "sharing it: aggregate with max) and running (on this gateway: aggregate with sum).",
     ["state"], multiprocess_mode="livesum",
 )
+BATCH_ITEMS_WAITING = Gauge(
+    "sluice_batch_items_waiting_for_model",
+    "Batch-job items whose last answer was a 503 while the server was not ready (their model loading, or its "
+    "worker being restarted): they wait for it, without using attempts, until their batch expires. Counted by "
+    "the gateway that ran them: aggregate with sum.",
+    ["model"], multiprocess_mode="livesum",
+)
 BACKGROUND_RESPONSES = Counter(
     "sluice_background_responses",
     "Background responses (/v1/responses, background: true) that ended, by status: completed, incomplete, "
@@ -267,6 +274,11 @@ class JobMetrics:
     def pending(self, num_queued: int, num_running: int) -> None:
         _child(BATCH_ITEMS_PENDING, "queued").set(num_queued)
         _child(BATCH_ITEMS_PENDING, "running").set(num_running)
+
+    def waiting_for_models(self, counts: Mapping[str, int]) -> None:
+        """Items waiting for each model now (a model absent from `counts` has none any more)."""
+        for model, count in counts.items():
+            _child(BATCH_ITEMS_WAITING, model).set(count)
 
     def job_done(self, status: str, seconds: float) -> None:
         _child(BATCH_JOBS, status).inc()

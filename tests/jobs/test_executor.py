@@ -369,3 +369,63 @@ async def test_housekeeping_deletes_files_once_they_expire(store, monkeypatch: p
     assert (await sdk.files.retrieve(kept.id)).id == kept.id
     assert [f.id async for f in sdk.files.list()] == [kept.id]
     await http.aclose()
+
+
+async def test_items_waiting_for_a_model_that_never_comes_up_are_counted_and_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """The model was served when the batch was validated, then never came back up (say its worker
+    keeps crashing): every answer is 503 `model_not_ready` and the server is not ready. The items
+    keep waiting (no attempt used: the model may yet come up), but no longer silently for the whole
+    window: `sluice_batch_items_waiting_for_model{model}` counts them and, once they have waited
+    `model_wait_s`, a warning names the batch and the model. Cancelling the batch ends the count."""
+    from prometheus_client import REGISTRY
+
+    class NeverUp(ScriptedApp):
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["method"] == "GET" and scope["path"] == "/v2/health/ready":
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b'{"ready": false}'})
+                return
+            if await answered_model_query(scope, send):  # listed: it was up when the batch was validated
+                return
+            await receive()
+            self.calls["never"] += 1
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"retry-after-ms", b"1")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"code": "model_not_ready"}}'})
+
+    def waiting() -> float:
+        return REGISTRY.get_sample_value("sluice_batch_items_waiting_for_model", {"model": "m"}) or 0.0
+
+    now = [1000.0]
+    store = SqliteJobStore(tmp_path / "data")
+    content = "\n".join(_line(f"c{i}", "x") for i in range(3)).encode()
+    file = await store.create_file("acme", "in.jsonl", "batch", content, 0)
+    batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", file.id, "24h", None, 0, 2**40))
+    config = ExecutorConfig(max_attempts=2, poll_interval_s=0.01, flush_interval_s=0.005, model_wait_s=300.0)
+    executor = JobExecutor(store, config, clock=lambda: now[0])
+    app = NeverUp()
+    caplog.set_level("WARNING", logger="sluice.jobs")
+    await executor.start(app)
+    try:
+        await _until_true(lambda: waiting() == 3.0 and app.calls["never"] == 3)
+        assert not [r for r in caplog.records if batch.id in r.getMessage()]  # not yet: they just began waiting
+        now[0] += config.model_wait_s
+        await _until_true(lambda: any(batch.id in r.getMessage() for r in caplog.records))
+        warning = next(r.getMessage() for r in caplog.records if batch.id in r.getMessage())
+        assert "3 items" in warning and "'m'" in warning and "not up" in warning
+        found = await store.get_batch(None, batch.id)
+        assert found is not None and found.status is BatchStatus.IN_PROGRESS and found.num_failed == 0
+        assert await store.cancel_batch("acme", batch.id, int(now[0])) is not None
+        executor.notify()
+        await _until_true(lambda: waiting() == 0.0)
+    finally:
+        await executor.aclose()
+    await store.aclose()
+
+
+async def _until_true(condition, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")

@@ -21,7 +21,10 @@
 - A 503 while the server is not ready (`GET /v2/health/ready`: its models still loading after a
   restart, a dead worker being replaced, a drain) is a wait, not an attempt: the item comes back
   after the answer's Retry-After with its attempts untouched, so a job resumed by a restart is
-  not written off as dead letters while the models load.
+  not written off as dead letters while the models load. A model that never comes up holds its
+  items until the batch expires, so the wait is made visible: the gauge
+  `sluice_batch_items_waiting_for_model{model}`, and a warning per batch and model once they
+  have waited `model_wait_s`, repeated every `model_wait_s` while they still wait.
 - Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
   enough that the worker's queue never runs dry (the device is what the job waits for), started
   `launch_slice` at a time so online requests interleave with a claim's burst.
@@ -39,6 +42,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,8 +54,8 @@ from sluice.jobs import lines
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
 from sluice.jobs.pacing import Refusal, TenantPacer
-from sluice.jobs.store import BatchStatus, Claim, Item, ItemOutcome, JobStore
-from sluice.jobs.validate import ServedModels
+from sluice.jobs.store import BatchJob, BatchStatus, Claim, Item, ItemOutcome, JobStore
+from sluice.jobs.validate import ServedModels, item_model
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
@@ -138,6 +142,12 @@ class JobExecutor:
         self._tasks: dict[asyncio.Task[None], tuple[str, str, str]] = {}
         """Each running item's task -> (lease token, batch id, owner)."""
         self._loops: list[asyncio.Task[None]] = []
+        self._waiting: dict[tuple[str, int], str] = {}
+        """(batch id, idx) -> model of the items whose last answer here was a 503 while the server was not ready."""
+        self._waiting_since: dict[tuple[str, str], tuple[float, float]] = {}
+        """(batch id, model) with items waiting -> (when that was first seen, when it was last warned of)."""
+        self._waited_models: set[str] = set()
+        """Models the waiting gauge was last set for."""
         self._files_checked_at = float("-inf")
         """When (the injected clock) files past their `expires_at` were last deleted."""
         self._readiness: tuple[float, bool] = (float("-inf"), True)
@@ -258,6 +268,10 @@ class JobExecutor:
 
     def _outcome(self, item: Item, owner: str, answer: AppResponse, is_unready: bool = False) -> ItemOutcome:
         now = self._clock()
+        if is_unready:
+            self._waiting[(item.batch_id, item.idx)] = item_model(item.url, item.body)
+        else:
+            self._waiting.pop((item.batch_id, item.idx), None)
         input_tokens, output_tokens = lines.read_usage(answer.body)
         refusal = _limit_refusal(answer)
         if refusal is not None:  # wait for the limit, attempts untouched
@@ -363,6 +377,25 @@ class JobExecutor:
                 num_queued += batch.num_total - batch.num_completed - batch.num_failed
             await self._lifecycle.step(batch, now)
         self._metrics.pending(max(num_queued - self._num_in_flight, 0), self._num_in_flight)
+        self._report_waiting({batch.id: batch for batch in active if batch.status is BatchStatus.IN_PROGRESS}, now)
+
+    def _report_waiting(self, running: dict[str, BatchJob], now: float) -> None:
+        """The items waiting for a model that is not up: counted per model, and warned of per batch and
+        model once they have waited `model_wait_s` (again every `model_wait_s`)."""
+        self._waiting = {key: model for key, model in self._waiting.items() if key[0] in running}
+        groups = Counter((batch_id, model) for (batch_id, _), model in self._waiting.items())
+        self._waiting_since = {key: self._waiting_since.get(key, (now, now)) for key in groups}
+        for (batch_id, model), count in groups.items():
+            since, warned_at = self._waiting_since[(batch_id, model)]
+            if now - since >= self._config.model_wait_s and now - warned_at >= self._config.model_wait_s:
+                self._waiting_since[(batch_id, model)] = (since, now)
+                log.warning("batch %s: %d items have waited %.0f s for the model %r, which is not up (loading, or "
+                            "its worker being restarted); they wait until the batch expires in %.0f s, unless it "
+                            "is cancelled", batch_id, count, now - since, model,
+                            max(running[batch_id].expires_at - now, 0.0))
+        counts = Counter(model for model in self._waiting.values())
+        self._metrics.waiting_for_models({**dict.fromkeys(self._waited_models, 0), **counts})
+        self._waited_models = set(counts)
 
     async def _renew_leases(self, now: float) -> None:
         """Items may wait long behind online traffic: keep their leases alive while we hold them."""

@@ -22,7 +22,7 @@ import msgspec
 
 from sluice.jobs.store import NewItem
 
-__all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelLookup", "ServedModels", "Valid", "parse_input"]
+__all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelLookup", "ServedModels", "Valid", "item_model", "parse_input"]
 
 ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v2/infer")
 MAX_ITEMS = 200_000
@@ -96,6 +96,18 @@ def parse_input(content: bytes, endpoint: str, models: Collection[str] | None = 
         errors.append({"code": "too_many_requests", "message": f"a batch may hold at most {MAX_ITEMS} requests",
                        "param": None, "line": line_no})
     return Invalid(errors) if errors else Valid(items)
+
+
+def item_model(url: str, body: bytes) -> str:
+    """The model a stored item asks for (its KServe url's, else its body's `model`); "" if unreadable."""
+    url_match = _KSERVE_URL.match(url)
+    if url_match:
+        return url_match.group(1)
+    try:
+        model = msgspec.json.decode(body, type=_OpenAIBody).model
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return ""
+    return model if isinstance(model, str) else ""
 
 
 Problem = tuple[str, str, str | None]
