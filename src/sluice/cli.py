@@ -54,6 +54,14 @@ def _grpc_option(command: F) -> F:
                              "Default: HTTP only.")(command)
 
 
+def _access_log_option(command: F) -> F:
+    """The access log (`api.access_log`), shared by `serve` and `gateway`."""
+    return click.option("--access-log/--no-access-log", default=True, show_default=True,
+                        help="Log one JSON line on stderr per finished request (method, path, status, "
+                             "duration, request id, tenant, model, outcome; never its body), whatever "
+                             "--log-level.")(command)
+
+
 def _memory_option(command: F) -> F:
     """The memory that models loaded on demand may take, shared by `serve` and `worker`."""
     return click.option("--model-memory-mb", type=click.IntRange(min=1), default=None, metavar="MB",
@@ -130,6 +138,7 @@ def main() -> None:
 @_tls_options
 @_routing_option
 @_memory_option
+@_access_log_option
 @click.option("--poll-repository", "poll_repository_s", type=click.FloatRange(min=0.1), default=None,
               metavar="SECONDS", help="Look for changes in the model repository this often and load the models "
                                       "that changed. Default: only on `sluice models load`.")
@@ -137,7 +146,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
           limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
           grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
-          ssl_ca_certs: Path | None, prefix_affinity: bool, model_memory_mb: int | None,
+          ssl_ca_certs: Path | None, prefix_affinity: bool, model_memory_mb: int | None, access_log: bool,
           poll_repository_s: float | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
@@ -146,6 +155,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
     import uvloop
 
     from sluice import logs
+    from sluice.api import ApiConfig
     from sluice.repository import demo_repository
     from sluice.serve import ServeConfig, run
 
@@ -157,7 +167,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
                          tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
-                         poll_repository_s=poll_repository_s, model_memory_mb=model_memory_mb)
+                         poll_repository_s=poll_repository_s, model_memory_mb=model_memory_mb,
+                         api=ApiConfig(access_log=access_log))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -184,14 +195,16 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @_grpc_option
 @_tls_options
 @_routing_option
+@_access_log_option
 def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
             log_level: str, data_dir: Path | None, jobs_db: str | None, limits_redis: str | None, cache_mb: int,
             cache_ttl_s: float, cache_redis: str | None, grpc_port: int | None, ssl_certfile: Path | None,
-            ssl_keyfile: Path | None, ssl_ca_certs: Path | None, prefix_affinity: bool) -> None:
+            ssl_keyfile: Path | None, ssl_ca_certs: Path | None, prefix_affinity: bool, access_log: bool) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
     from sluice import logs
+    from sluice.api import ApiConfig
     from sluice.repository import demo_repository
     from sluice.serve import ServeConfig, run
 
@@ -205,7 +218,8 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
-                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity)
+                         tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
+                         api=ApiConfig(access_log=access_log))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:

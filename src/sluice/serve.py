@@ -190,7 +190,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     if config.grpc_port is not None:
         try:
             grpc_server, grpc_port = await kserve_grpc.start_server(gateway, config.host, config.grpc_port,
-                                                                    config.api.body_limit_bytes, config.tls)
+                                                                    config.api.body_limit_bytes, config.tls,
+                                                                    access_log=config.api.access_log)
         except ConfigError:
             await tenancy.aclose()
             if cache is not None:

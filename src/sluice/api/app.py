@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import re
@@ -29,10 +30,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
 from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton
+from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
-from sluice.api.common import HotRoute, check_body_size, request_id
+from sluice.api.common import GONE_SCOPE_KEY, HotRoute, check_body_size, request_id
 from sluice.api.encoding import decoded_body
-from sluice.api.errors import error_response, protocol_of
+from sluice.api.errors import LIMIT_HEADER, error_response, protocol_of
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 from sluice.gateway.tenancy import Tenancy
@@ -46,11 +48,14 @@ log = logging.getLogger("sluice.api")
 _ID_PREFIX = f"{uuid.uuid4().hex[:12]}-"  # unique per process; a counter makes each request's id unique
 _ID_COUNTER = itertools.count(1)
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+LIMIT_HEADER_BYTES = LIMIT_HEADER.encode()
 
 
 @dataclass(frozen=True, slots=True)
 class ApiConfig:
     body_limit_bytes: int = 32 * 1024 * 1024
+    access_log: bool = True
+    """One JSON line on stderr per finished request (`api.access_log`; `--no-access-log`)."""
 
 
 def assign_request_id(scope: Scope) -> str:
@@ -70,23 +75,59 @@ def request_id_for(incoming: str | None) -> str:
 
 
 class RequestIdMiddleware:
-    """Gives every request an id (the client's `x-request-id` if sane) and echoes it back."""
+    """Gives every request an id (the client's `x-request-id` if sane) and echoes it back; with
+    an `AccessLog`, logs each request that came through the server once it has ended."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, access_log: AccessLog | None = None) -> None:
         self.app = app
+        self._access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         header = (b"x-request-id", assign_request_id(scope).encode())
+        access_log = self._access_log
+        if access_log is None or not access_log.is_logged(scope):
+            async def send_with_id(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", []), header]
+                await send(message)
 
-        async def send_with_id(message: Message) -> None:
+            await self.app(scope, receive, send_with_id)
+            return
+        await self._logged(access_log, scope, receive, send, header)
+
+    async def _logged(self, access_log: AccessLog, scope: Scope, receive: Receive, send: Send,
+                      header: tuple[bytes, bytes]) -> None:
+        """The request, then its access-log line: the status answered, or 499 and `cancelled` when
+        the client went away before the answer was whole (a stream it stopped reading, too)."""
+        answer: dict[str, Any] = {"status": None, "is_complete": False, "limit": None}
+
+        async def send_logged(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), header]
+                headers = message["headers"] = [*message.get("headers", []), header]
+                answer["status"] = message["status"]
+                if message["status"] == 503:
+                    answer["limit"] = next((v.decode("latin-1") for k, v in headers if k == LIMIT_HEADER_BYTES), None)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                answer["is_complete"] = True
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        async def receive_watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not answer["is_complete"]:
+                scope[GONE_SCOPE_KEY] = True
+            return message
+
+        status = 500  # what uvicorn answers an exception with
+        try:
+            await self.app(scope, receive_watched, send_logged)
+            status = answer["status"] or 500  # (uvicorn's answer to an app that sent none)
+        finally:
+            if scope.get(GONE_SCOPE_KEY):
+                status = answer["status"] if answer["status"] and not answer["is_complete"] else CANCELLED_STATUS
+            access_log.http(scope, status, answer["limit"])
 
 
 class HotRoutes:
@@ -140,10 +181,11 @@ class SluiceApp:
     go through `__call__`.
     """
 
-    def __init__(self, hot: HotRoutes, tenancy: Tenancy) -> None:
-        self._app = RequestIdMiddleware(AuthMiddleware(hot, tenancy))
+    def __init__(self, hot: HotRoutes, tenancy: Tenancy, access_log: AccessLog | None = None) -> None:
+        self._app = RequestIdMiddleware(AuthMiddleware(hot, tenancy), access_log)
         self._hot = hot
         self._tenancy = tenancy
+        self._access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
@@ -161,15 +203,27 @@ class SluiceApp:
             body = decoded_body(body, request.headers.get("content-encoding"), route.body_limit_bytes)
             screened = route.screen(request, body)
         except SluiceError as exc:
-            return error_response(exc, protocol_of(scope["path"]), rid)
+            refusal = error_response(exc, protocol_of(scope["path"]), rid)
+            if self._access_log is not None:
+                self._access_log.http(scope, refusal.status_code,
+                                      refusal.headers.get(LIMIT_HEADER) if refusal.status_code == 503 else None)
+            return refusal
         except Exception:  # a bug: the ASGI path meets it again, and logs it with the request
             return None
         return self._respond(route, request, body, screened, rid)
 
-    @staticmethod
-    async def _respond(route: HotRoute[Any], request: Request, body: bytes, screened: Any, rid: str) -> Response:
-        response = await _guarded(request, route.respond(request, body, screened))
+    async def _respond(self, route: HotRoute[Any], request: Request, body: bytes, screened: Any, rid: str) -> Response:
+        try:
+            response = await _guarded(request, route.respond(request, body, screened))
+        except asyncio.CancelledError:  # the client went away (`http_protocol`'s `connection_lost`)
+            if self._access_log is not None:
+                request.scope[GONE_SCOPE_KEY] = True
+                self._access_log.http(request.scope, CANCELLED_STATUS)
+            raise
         response.raw_headers.append((b"x-request-id", rid.encode()))
+        if self._access_log is not None:
+            self._access_log.http(request.scope, response.status_code,
+                                  response.headers.get(LIMIT_HEADER) if response.status_code == 503 else None)
         return response
 
 
@@ -252,4 +306,4 @@ def build_app(
     # and a POST's body to send again): a path no route has is a 404 in the protocol's shape
     app.router.redirect_slashes = False
     hot = HotRoutes(app, [route for route in routes if isinstance(route, HotRoute)])
-    return SluiceApp(hot, gateway.tenancy)
+    return SluiceApp(hot, gateway.tenancy, AccessLog(gateway.now) if config.access_log else None)

@@ -42,6 +42,7 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
                 raise PayloadTooLarge(f"request body is over the {limit_bytes}-byte limit")
             chunks.append(chunk)
     except ClientDisconnect as exc:  # nobody will read the answer; this only keeps it out of the bug log
+        request.scope[GONE_SCOPE_KEY] = True
         raise InvalidInput("the client disconnected before sending the whole body") from exc
     return decoded_body(b"".join(chunks), request.headers.get("content-encoding"), limit_bytes)
 
@@ -67,6 +68,7 @@ async def unless_gone(request: Request, answer: Awaitable[T]) -> T:
                 await work
     if not work.cancelled():
         return work.result()
+    request.scope[GONE_SCOPE_KEY] = True
     raise InvalidInput("the client disconnected before the answer was ready")
 
 
@@ -136,6 +138,18 @@ def arrival(request: Request, now: float) -> float:
     return received_at if isinstance(received_at, float) and received_at <= now else now
 
 
+GONE_SCOPE_KEY = "sluice.client_gone"
+"""ASGI scope key, set once the client has gone before its answer was written (the access log's `cancelled`)."""
+MODEL_SCOPE_KEY = "sluice.model"
+"""ASGI scope key: the `wire.ModelInfo` a request was routed to (`note_model`), for the access log."""
+
+
+def note_model(request: Request, info: wire.ModelInfo) -> wire.ModelInfo:
+    """Keep the model version `request` was routed to, for the access log (`api.access_log`)."""
+    request.scope[MODEL_SCOPE_KEY] = info
+    return info
+
+
 def request_id(request: Request) -> str:
     return str(request.scope.get("sluice.request_id", ""))
 
@@ -173,8 +187,8 @@ def resolve_openai(gateway: Gateway, model: str, request: Request, user: str | N
     name, _, version = model.rpartition(":")
     if name and version.isdigit() and model not in gateway.models(include_recovering=True) \
             and model not in gateway.expected_models:
-        return gateway.resolve(name, version, tenant=request_tenant(request))
-    return gateway.resolve(model, None, route_key(request, user), tenant=request_tenant(request))
+        return note_model(request, gateway.resolve(name, version, tenant=request_tenant(request)))
+    return note_model(request, gateway.resolve(model, None, route_key(request, user), tenant=request_tenant(request)))
 
 
 def with_version(info: wire.ModelInfo, headers: dict[str, str] | None) -> dict[str, str]:

@@ -32,6 +32,7 @@ from sluice.api.common import (
     header_timeout_s,
     json_response,
     likely_text_tokens,
+    note_model,
     parse_count,
     priority_of,
     request_tenant,
@@ -92,7 +93,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         if first is None:
             arrived_at = arrival(request, gateway.now())
             name, version = _path(request)
-            info = gateway.resolve(name, version, route_key(request), tenant=request_tenant(request))
+            info = note_model(request, gateway.resolve(name, version, route_key(request),
+                                                       tenant=request_tenant(request)))
             with gateway.reading(info, request_tenant(request), arrived_at,
                                  request.headers.get("traceparent") if gateway.is_tracing else None):
                 header_timeout = header_timeout_s(request, gateway.max_timeout_s)

@@ -47,10 +47,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool, json_format, messag
 from google.protobuf.message import Message
 
 from sluice import __version__, wire
+from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.app import request_id_for
 from sluice.api.auth import check_admin, inference_tenant, key_of, statistics_reader
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
-from sluice.api.errors import error_headers, status_of
+from sluice.api.errors import LIMIT_HEADER, error_headers, status_of
 from sluice.api.kserve import (
     SERVED_EXTENSIONS,
     check_outputs,
@@ -70,7 +71,7 @@ from sluice.api.tensors import (
 )
 from sluice.api.tls import TlsConfig
 from sluice.api.triton import load_model_of, model_config_of, repository_index_of, statistics_of
-from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, SluiceError
+from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, SluiceError, Unavailable
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
@@ -125,7 +126,11 @@ _StreamResponse = MESSAGES["ModelStreamInferResponse"]
 
 
 class _Call:
-    """One request's metadata, read once: who, which class, its route key, cache policy, id."""
+    """One request's metadata, read once: who, which class, its route key, cache policy, id; and
+    for the access log, the tenant and model version it was found to be for."""
+
+    tenant: str | None = None
+    info: wire.ModelInfo | None = None
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self.metadata: dict[str, str] = {}
@@ -136,12 +141,19 @@ class _Call:
                          if name in self.metadata and (k := key_of(name, self.metadata[name]))), None)
         self.request_id = request_id_for(self.metadata.get("x-request-id"))
 
+    def one(self) -> _Call:
+        """A copy for one request of a stream: the same metadata, its own tenant and model."""
+        copy = object.__new__(_Call)
+        copy.metadata, copy.key, copy.request_id = self.metadata, self.key, self.request_id
+        return copy
+
 
 class KServeGrpc:
     """The servicer: each RPC of `inference.GRPCInferenceService` over the gateway."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, access_log: AccessLog | None = None) -> None:
         self._gateway = gateway
+        self._access_log = access_log
 
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(method: Any, request: str, response: str) -> grpc.RpcMethodHandler:
@@ -255,13 +267,38 @@ class KServeGrpc:
         try:
             response, headers = await self._infer(request, call, arrived_at, context.time_remaining())
         except SluiceError as exc:
+            self._log("ModelInfer", call, request, arrived_at, exc)
             await _abort(context, exc, call.request_id)
-        except Exception:  # a bug of ours: the client learns no more than that
+        except asyncio.CancelledError:  # the client cancelled the call, or went away
+            self._log("ModelInfer", call, request, arrived_at, outcome="cancelled")
+            raise
+        except Exception as exc:  # a bug of ours: the client learns no more than that
             log.exception("gRPC ModelInfer %s failed", call.request_id)
+            self._log("ModelInfer", call, request, arrived_at, exc)
             await context.abort(grpc.StatusCode.INTERNAL, "internal server error",
                                 (("x-request-id", call.request_id),))
         context.set_trailing_metadata(_metadata({**headers, "x-request-id": call.request_id}))
+        self._log("ModelInfer", call, request, arrived_at)
         return response
+
+    def _log(self, rpc: str, call: _Call, request: Any, arrived_at: float, error: Exception | None = None,
+             outcome: str | None = None) -> None:
+        """The access-log line of one inference request (`api.access_log`): answered, or `error`."""
+        if self._access_log is None:
+            return
+        if outcome == "cancelled":
+            status, code = CANCELLED_STATUS, grpc.StatusCode.CANCELLED
+        elif error is None:
+            status, code = 200, grpc.StatusCode.OK
+        else:
+            status = status_of(error).http
+            code = _grpc_code(status)
+        info = call.info
+        self._access_log.grpc(
+            rpc, status, code.name, request_id=call.request_id, tenant=call.tenant,
+            model=info.name if info is not None else request.model_name,
+            version=info.version if info is not None else request.model_version, started=arrived_at,
+            limit=error_headers(error).get(LIMIT_HEADER) if isinstance(error, Unavailable) else None, outcome=outcome)
 
     async def model_stream_infer(self, requests: AsyncIterator[Any],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
@@ -275,10 +312,16 @@ class KServeGrpc:
         running: set[asyncio.Task[None]] = set()
 
         async def answer(request: Any, arrived_at: float) -> None:
+            one = call.one()  # its own tenant and model, for its access-log line
             try:
-                response, _ = await self._infer(request, call, arrived_at, context.time_remaining())
+                response, _ = await self._infer(request, one, arrived_at, context.time_remaining())
                 answers.put_nowait(_StreamResponse(infer_response=response))
+                self._log("ModelStreamInfer", one, request, arrived_at)
+            except asyncio.CancelledError:
+                self._log("ModelStreamInfer", one, request, arrived_at, outcome="cancelled")
+                raise
             except Exception as exc:  # every request is answered, a failed one with its reason
+                self._log("ModelStreamInfer", one, request, arrived_at, exc)
                 if not isinstance(exc, SluiceError):
                     log.exception("gRPC ModelStreamInfer request %r failed", request.id)
                 answers.put_nowait(_StreamResponse(
@@ -317,9 +360,9 @@ class KServeGrpc:
     async def _infer(self, request: Any, call: _Call, arrived_at: float,
                      time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
         gateway = self._gateway
-        tenant = inference_tenant(call.key, gateway.tenancy)
-        info = gateway.resolve(request.model_name, request.model_version or None, call.metadata.get(ROUTE_KEY_HEADER),
-                               tenant=tenant)
+        tenant = call.tenant = inference_tenant(call.key, gateway.tenancy)
+        info = call.info = gateway.resolve(request.model_name, request.model_version or None,
+                                           call.metadata.get(ROUTE_KEY_HEADER), tenant=tenant)
         if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
             return await self._generate(request, call, info, tenant, arrived_at, time_remaining_s)
         with gateway.reading(info, tenant, arrived_at,
@@ -411,27 +454,31 @@ def _metadata(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((name.lower(), value) for name, value in headers.items())
 
 
+def _grpc_code(http_status: int) -> grpc.StatusCode:
+    code = GRPC_CODES.get(http_status)
+    if code is None:
+        code = grpc.StatusCode.INVALID_ARGUMENT if 400 <= http_status < 500 else grpc.StatusCode.INTERNAL
+    return code
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: SluiceError, request_id: str) -> NoReturn:
     """Ends the call with the error's code, message and retry metadata (never returns)."""
-    status = status_of(error)
-    code = GRPC_CODES.get(status.http)
-    if code is None:
-        code = grpc.StatusCode.INVALID_ARGUMENT if 400 <= status.http < 500 else grpc.StatusCode.INTERNAL
+    code = _grpc_code(status_of(error).http)
     await context.abort(code, error.message, _metadata({**error_headers(error), "x-request-id": request_id}))
     raise AssertionError("context.abort returned")  # it raises
 
 
 async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes: int,
-                       tls: TlsConfig | None = None) -> tuple[grpc.aio.Server, int]:
+                       tls: TlsConfig | None = None, *, access_log: bool = True) -> tuple[grpc.aio.Server, int]:
     """Serve the gRPC API on `host:port` (0: any free port), over TLS if `tls` is given; returns
     the server and its port. Messages over `max_message_bytes` (the HTTP body limit) are refused
-    by gRPC itself."""
+    by gRPC itself. `access_log`: a line per inference request (`api.access_log`)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port another server holds is an error, not shared
     ])
-    server.add_generic_rpc_handlers((KServeGrpc(gateway).handler(),))
+    server.add_generic_rpc_handlers((KServeGrpc(gateway, AccessLog(gateway.now) if access_log else None).handler(),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         if tls is None:

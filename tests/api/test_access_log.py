@@ -1,0 +1,140 @@
+"""The access log of a real `sluice serve`: one JSON line on stderr per finished request, with the
+fields an operator filters on, and never the prompt, the query string or the API key."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tritonclient.grpc as triton
+
+from sluice.gateway.tenants import hash_key, new_key
+from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model, write_tiny_lm_model
+
+SECRET = "do-not-log-this-prompt"
+KEY = new_key()
+INPUTS = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, int]]:
+    repo = tmp_path_factory.mktemp("repo")
+    write_emulated_model(repo, "emulated")
+    write_tiny_lm_model(repo, "tiny")
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\napi_keys = ["{hash_key(KEY)}"]\n')
+    grpc_port = free_port()
+    started = start_server(repo, tmp_path_factory.mktemp("log"), "--tenants", str(tenants),
+                           "--grpc-port", str(grpc_port))
+    yield started, grpc_port
+    started.stop()
+
+
+def access_lines(server: ServerProcess) -> list[dict[str, Any]]:
+    lines = []
+    for line in server.log().splitlines():
+        if '"sluice.access"' in line:
+            lines.append(json.loads(line))
+    return lines
+
+
+def line_for(server: ServerProcess, request_id: str) -> dict[str, Any]:
+    """The access line of the request with this id, once written (it follows the answer)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = [line for line in access_lines(server) if line["request_id"] == request_id]
+        if found:
+            assert len(found) == 1, found
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no access line for {request_id}: {access_lines(server)}")
+
+
+def headers(request_id: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}", "x-request-id": request_id}
+
+
+def test_an_answered_request_is_one_line_with_its_fields(server: tuple[ServerProcess, int]) -> None:
+    sluice, _ = server
+    answer = httpx.post(f"{sluice.url}/v2/models/emulated/infer?token={SECRET}", json=INPUTS,
+                        headers=headers("ok-1"))
+    assert answer.status_code == 200
+    line = line_for(sluice, "ok-1")
+    assert line["logger"] == "sluice.access" and line["level"] == "INFO" and line["process"] == "gateway"
+    assert {k: line[k] for k in ("method", "path", "status", "tenant", "model", "model_version", "protocol",
+                                 "outcome")} == {
+        "method": "POST", "path": "/v2/models/emulated/infer", "status": 200, "tenant": "acme",
+        "model": "emulated", "model_version": "1", "protocol": "kserve", "outcome": "ok"}
+    assert isinstance(line["duration_ms"], float) and line["duration_ms"] > 0
+    assert SECRET not in sluice.log() and KEY not in sluice.log()
+
+
+def test_a_refused_request_is_logged_with_its_status_and_never_its_input(server: tuple[ServerProcess, int]) -> None:
+    sluice, _ = server
+    refused = httpx.post(f"{sluice.url}/v1/embeddings", json={"model": "emulated", "input": [SECRET, 7]},
+                         headers=headers("bad-1"))
+    assert refused.status_code == 400
+    unknown = httpx.post(f"{sluice.url}/v1/embeddings", json={"model": "emulated", "input": SECRET},
+                         headers={"Authorization": "Bearer sk-not-a-key", "x-request-id": "bad-2"})
+    assert unknown.status_code == 401
+    line = line_for(sluice, "bad-1")
+    assert (line["status"], line["outcome"], line["protocol"]) == (400, "invalid", "openai")
+    assert (line["tenant"], line["model"], line["path"]) == ("acme", "emulated", "/v1/embeddings")
+    line = line_for(sluice, "bad-2")
+    assert (line["status"], line["outcome"], line["tenant"]) == (401, "unauthenticated", None)
+    assert SECRET not in sluice.log() and "sk-not-a-key" not in sluice.log() and KEY not in sluice.log()
+
+
+def test_a_stream_is_logged_when_it_ends_and_one_cut_short_as_cancelled(server: tuple[ServerProcess, int]) -> None:
+    sluice, _ = server
+    with openai.OpenAI(base_url=f"{sluice.url}/v1", api_key=KEY, max_retries=0) as sdk:
+        stream = sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": SECRET}], max_tokens=4, stream=True,
+            extra_headers={"x-request-id": "stream-1"})
+        assert [chunk for chunk in stream]
+        cut = sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": SECRET}], max_tokens=1000, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "stream-2"})
+        next(iter(cut))
+        cut.close()  # the client goes away mid-stream
+    line = line_for(sluice, "stream-1")
+    assert (line["path"], line["status"], line["outcome"]) == ("/v1/chat/completions", 200, "ok")
+    assert (line["tenant"], line["model"], line["model_version"]) == ("acme", "tiny", "1")
+    line = line_for(sluice, "stream-2")
+    assert (line["status"], line["outcome"]) == (200, "cancelled")
+    assert SECRET not in sluice.log()
+
+
+def test_grpc_inference_is_logged_too(server: tuple[ServerProcess, int]) -> None:
+    sluice, grpc_port = server
+    tensor = triton.InferInput("INPUT0", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+    with triton.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        client.infer("emulated", [tensor], headers={"authorization": f"Bearer {KEY}", "x-request-id": "grpc-1"})
+        with pytest.raises(triton.InferenceServerException):
+            client.infer("absent", [tensor], headers={"authorization": f"Bearer {KEY}", "x-request-id": "grpc-2"})
+    line = line_for(sluice, "grpc-1")
+    assert {k: line[k] for k in ("method", "status", "grpc_status", "tenant", "model", "model_version",
+                                 "protocol", "outcome")} == {
+        "method": "ModelInfer", "status": 200, "grpc_status": "OK", "tenant": "acme", "model": "emulated",
+        "model_version": "1", "protocol": "grpc", "outcome": "ok"}
+    line = line_for(sluice, "grpc-2")
+    assert (line["status"], line["grpc_status"], line["outcome"], line["model"]) == (
+        404, "NOT_FOUND", "not_found", "absent")
+
+
+def test_no_access_log_turns_it_off(tmp_path: Path) -> None:
+    sluice = start_server(write_emulated_model(tmp_path / "models"), tmp_path, "--no-access-log")
+    try:
+        answer = httpx.post(f"{sluice.url}/v2/models/emulated/infer", json=INPUTS, headers={"x-request-id": "off"})
+        assert answer.status_code == 200
+    finally:
+        sluice.stop()
+    assert '"sluice.access"' not in sluice.log()
