@@ -31,9 +31,10 @@ from sluice.clock import Clock, MonotonicClock
 log = logging.getLogger("sluice.tracing")
 
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-_NOT_ERRORS = frozenset({"ok", "invalid", "rate_limited"})
+_NOT_ERRORS = frozenset({"ok", "invalid", "rate_limited", "cancelled"})
 """Outcomes whose span keeps an unset status: the client's bad input (400) and its tenant's limits
-(429) are 4xx, which OpenTelemetry's HTTP conventions leave unset on a server span."""
+(429) are 4xx, which OpenTelemetry's HTTP conventions leave unset on a server span; and a client
+that went away (`cancelled`) is no failure of the server's: its span has a `sluice.cancelled` event."""
 
 
 class Tracing:
@@ -72,6 +73,8 @@ class Tracing:
         )
         if outcome not in _NOT_ERRORS:
             span.set_status(Status(StatusCode.ERROR, outcome))
+        elif outcome == "cancelled":
+            span.add_event("sluice.cancelled", {"reason": "the client went away before its answer"}, timestamp=now_ns)
         if exec_s is not None and queue_s is not None:
             inside = trace.set_span_in_context(span)
             exec_start_ns = max(now_ns - int(exec_s * 1e9), start_ns)

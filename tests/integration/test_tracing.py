@@ -173,3 +173,26 @@ def test_a_request_refused_by_its_tenants_limit_is_a_span_too(
     attributes = _attributes(limited)
     assert attributes["sluice.tenant"] == "acme" and attributes["sluice.limit"] == "requests"
     assert limited.status.code == Status.STATUS_CODE_UNSET  # a 4xx: the client's limit, not a server error
+
+
+def test_a_client_that_goes_away_leaves_a_cancelled_span_not_an_error(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client closing its connection is not a server error: the span says `cancelled` (an
+    attribute and an event) and keeps an unset status, where it was marked ERROR."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    repo = write_emulated_model(tmp_path / "models", "slow", alpha_ms=3000, beta_ms=0.0, max_batch_size=1,
+                                slo_ms=30000)
+    server = start_server(repo, tmp_path)
+    try:
+        inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{server.url}/v2/models/slow/infer", json=inputs, timeout=0.5,
+                       headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+        (span,) = [s for s in _wait_for(collector, 1) if s.name == "sluice.request"]
+    finally:
+        server.stop()
+    assert _attributes(span)["sluice.outcome"] == "cancelled"
+    assert span.status.code == Status.STATUS_CODE_UNSET
+    assert [event.name for event in span.events] == ["sluice.cancelled"]
+
