@@ -18,7 +18,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from sluice.clock import MonotonicClock
 from sluice.gateway.tenants import hash_key, new_key
 from sluice.tracing import from_environment
-from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model
+from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model, write_tiny_lm_model
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -196,3 +196,23 @@ def test_a_client_that_goes_away_leaves_a_cancelled_span_not_an_error(
     assert span.status.code == Status.STATUS_CODE_UNSET
     assert [event.name for event in span.events] == ["sluice.cancelled"]
 
+
+def test_a_generation_span_reports_the_sequences_it_ran_with(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generative engine's answers said batch_size 0: a lone generation ran in batches of
+    one sequence, and one of n=2 choices ran with its two sequences together."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    server = start_server(write_tiny_lm_model(tmp_path / "models", "tiny"), tmp_path)
+    try:
+        for n in (1, 2):
+            answer = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                                json={"model": "tiny", "prompt": SECRET, "max_tokens": 8, "n": n, "ignore_eos": True},
+                                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            assert answer.status_code == 200, answer.text
+            assert len(answer.json()["choices"]) == n
+        spans = [s for s in _wait_for(collector, 2) if s.name == "sluice.request"]
+    finally:
+        server.stop()
+    assert sorted(_attributes(s)["sluice.batch_size"] for s in spans) == [1, 2]
+    assert not any(SECRET.encode() in body for body in collector.bodies)

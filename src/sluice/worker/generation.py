@@ -136,6 +136,8 @@ class _Generation:
     """An unstreamed generation's echoed prompt."""
     is_prompt_only: bool = False
     device_s: float = 0.0
+    batch_size: int = 0
+    """The most sequences an engine step that computed one of its own held (the span's batch size)."""
     is_started: bool = False
 
 
@@ -304,10 +306,12 @@ class Generations:
         costs 500 decodes), also those still in prefill, which have no output yet."""
         total = sum(tokens.values())
         model = None
+        num_sequences = len(tokens)
         for request_id, num_tokens in tokens.items():
             computed = self._by_id.get(_parse_engine_id(request_id)[0])
             if computed is not None:
                 computed.device_s += step_s * num_tokens / total
+                computed.batch_size = max(computed.batch_size, num_sequences)
                 model = computed.key  # one engine's step: every sequence in it is of the same model
         if model is not None:
             self._cost(model).step(step_s, total)
@@ -394,7 +398,7 @@ class Generations:
                 [wire.GeneratedChoice("".join(c.parts) if is_whole else "", c.finish_reason or reason,
                                       c.logprobs if is_whole else None) for c in others])
             return wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
-                               device_s=generation.device_s)
+                               device_s=generation.device_s, batch_size=generation.batch_size)
         if reason == "refused":  # the engine's early refusal: the queue ahead is too long
             if self._refused_work is not None:
                 predicted_s = self._cost(generation.key).predicted_s(last.num_prompt_tokens, generation.max_tokens)
