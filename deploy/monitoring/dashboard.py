@@ -112,8 +112,9 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Admitted", "Requests admitted past each tenant's limits, by priority class.",
               [(f"sum by (tenant, class) (rate(sluice_tenant_admitted_total{{{T}}}[{RATE}]))", "{{tenant}} {{class}}")],
               unit="reqps"),
-        Panel("Refused", "Requests refused per tenant, by the limit that refused them (requests, tokens, "
-              "concurrency, credits) or by the system (overloaded, expired).",
+        Panel("Refused", "Requests refused per tenant before admission, by the limit that refused them "
+              "(requests, tokens, concurrency, credits) or by the gateway (overloaded, expired). Admitted "
+              "requests that end otherwise are under Requests by outcome.",
               [(f"sum by (tenant, reason) (rate(sluice_tenant_rejected_total{{{T}}}[{RATE}]))",
                 "{{tenant}} {{reason}}")],
               unit="reqps"),

@@ -100,7 +100,9 @@ TENANT_ADMITTED = Counter(
 )
 TENANT_REJECTED = Counter(
     "sluice_tenant_rejected",
-    "Requests refused, by reason (requests, tokens, concurrency, credits, overloaded, expired).",
+    "Requests refused before admission, by reason: a tenant's limit (requests, tokens, concurrency, credits), "
+    "or the gateway's (overloaded: the replicas' queues already too long; expired: the deadline passed before "
+    "dispatch). An admitted request is never counted here: see sluice_requests_total for how it ended.",
     ["tenant", "class", "reason"],
 )
 TENANT_GOODPUT = Counter(

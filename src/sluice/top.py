@@ -128,7 +128,8 @@ class TenantRow:
     admitted_per_s: float
     goodput_per_s: float
     refused_per_s: dict[str, float]
-    """By reason: requests, tokens, concurrency, credits, overloaded, expired."""
+    """Refused before admission, by reason: requests, tokens, concurrency, credits, overloaded, expired
+    (an admitted request that ends otherwise is in the models table, not here)."""
     device_share: float | None
 
 

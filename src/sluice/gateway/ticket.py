@@ -194,9 +194,7 @@ class Ticket:
             if isinstance(result.payload, wire.GenerationResult) and not result.is_cached:
                 ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
                 self._metrics.generation_done(self.info.name, result.payload, ended_at - self.started, ttft_s)
-        else:
-            if outcome in ("rejected", "expired"):
-                self._metrics.tenant_rejected(self.tenant, label, "overloaded" if outcome == "rejected" else outcome)
+        else:  # admitted (counted in `sluice_tenant_admitted_total`), so never a tenant's refusal as well
             self._metrics.tenant_used(self.tenant, label, device_s)
         self._metrics.request_done(self.info.name, self.info.version, outcome, ended_at - self.started,
                                    client_deadline=self.client_deadline)
