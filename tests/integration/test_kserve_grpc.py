@@ -103,7 +103,7 @@ def test_health_needs_no_key_and_metadata_describes_the_models(client, server):
 
     assert client.is_server_live()
     assert client.is_server_ready()
-    assert "binary_tensor_data" in client.get_server_metadata(headers=auth()).extensions
+    assert {"binary_tensor_data", "classification"} <= set(client.get_server_metadata(headers=auth()).extensions)
     for headers, status, code in (({}, 401, "StatusCode.UNAUTHENTICATED"),
                                   ({"authorization": f"Bearer {ADMIN_KEY}"}, 403, "StatusCode.PERMISSION_DENIED")):
         assert httpx.get(f"{server[0].url}/v2", headers=headers).status_code == status  # as over HTTP
@@ -153,6 +153,27 @@ def test_bytes_input_embeds_like_the_http_api(client, server):
                         json={"model": "minilm", "input": [t.decode() for t in texts]})
     http_vectors = np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
     np.testing.assert_allclose(vectors, http_vectors, atol=1e-5)
+
+
+def test_classification_answers_each_rows_top_classes_in_raw_output(client, stub):
+    """Triton's classification extension over gRPC: `class_count=2` turns each row's embedding
+    into its two highest `"value:index"` entries, a BYTES output read from `raw_output_contents`."""
+    tensor = triton.InferInput("text", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array([b"the queue drains", b"a cat naps"], dtype=object))
+    vectors = client.infer("minilm", [tensor], headers=auth()).as_numpy("embedding")
+    result = client.infer("minilm", [tensor], outputs=[triton.InferRequestedOutput("embedding", class_count=2)],
+                          headers=auth())
+    assert result.get_output("embedding").datatype == "BYTES"
+    classes = result.as_numpy("embedding")
+    assert classes.shape == (2, 2)
+    for row, got in zip(vectors, classes, strict=True):
+        top = sorted(range(len(row)), key=lambda i: (-row[i], i))[:2]
+        assert [int(entry.decode().split(":")[1]) for entry in got] == top
+        assert [float(entry.decode().split(":")[0]) for entry in got] == pytest.approx(row[top].tolist(), abs=1e-6)
+    request = raw_request("emulated", rows(2))
+    request.outputs.add(name="OUTPUT0").parameters["classification"].int64_param = -1
+    error = rpc_error(stub.ModelInfer, request, metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "classification" in error.details()
 
 
 def test_a_stream_answers_every_request_by_id_and_fails_only_the_bad_one(client):

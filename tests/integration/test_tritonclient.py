@@ -51,7 +51,7 @@ def test_health_and_readiness(client):
     assert client.is_model_ready("emulated")
     assert client.is_model_ready("minilm", model_version="1")
     assert not client.is_model_ready("no-such-model")
-    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+    assert {"binary_tensor_data", "classification"} <= set(client.get_server_metadata()["extensions"])
 
 
 def test_model_metadata_describes_inputs_and_outputs(client):
@@ -205,6 +205,61 @@ def test_one_microsecond_timeout_raises_504(client):
     error = _error(lambda: client.infer("emulated", [_input(_rows())], timeout=1))
     assert error.status() == "504"
     assert "deadline" in error.message()
+
+
+# -- Triton's classification extension -----------------------------------------------------------
+
+
+def _top_classes(row: np.ndarray, count: int) -> list[tuple[float, int]]:
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:count]
+    return [(float(row[i]), i) for i in order]
+
+
+def _class(entry: bytes | str) -> list[str]:
+    """A class as its value and index (tritonclient gives binary BYTES as bytes, JSON ones as str)."""
+    return (entry.decode() if isinstance(entry, bytes) else entry).split(":")
+
+
+@pytest.mark.parametrize("binary_data", [True, False])
+def test_classification_answers_each_rows_top_classes_as_triton_does(client, binary_data):
+    """`class_count=k`: each row's k highest values as `"value:index"` strings, highest first."""
+    texts = np.array([b"a cat sits on the mat", b"stocks fell today"], dtype=object)
+    text = _input(texts, name="text", datatype="BYTES")
+    embeddings = client.infer("minilm", [text], headers=roomy()).as_numpy("embedding")
+    outputs = [triton.InferRequestedOutput("embedding", binary_data=binary_data, class_count=3)]
+    result = client.infer("minilm", [text], outputs=outputs, headers=roomy())
+    assert result.get_output("embedding")["datatype"] == "BYTES"
+    classes = result.as_numpy("embedding")
+    assert classes.shape == (2, 3)
+    for row, got in zip(embeddings, classes, strict=True):
+        values, indices = zip(*(_class(entry) for entry in got), strict=True)
+        expected = _top_classes(row, 3)
+        assert [int(i) for i in indices] == [i for _, i in expected]
+        assert [float(v) for v in values] == pytest.approx([v for v, _ in expected], abs=1e-6)
+        assert all(len(v.split(".")[1]) == 6 for v in values)  # as C++'s std::to_string writes them
+
+
+def test_classification_of_one_value_per_row_and_of_more_classes_than_a_row_holds(client):
+    rows = _rows(3)
+    outputs = [triton.InferRequestedOutput("OUTPUT0", class_count=5)]
+    classes = client.infer("emulated", [_input(rows)], outputs=outputs, headers=roomy()).as_numpy("OUTPUT0")
+    assert classes.shape == (3, 1)
+    assert [float(_class(c)[0]) for c in classes[:, 0]] == pytest.approx(rows.sum(axis=1), abs=1e-4)
+    assert {_class(c)[1] for c in classes[:, 0]} == {"0"}
+
+
+@pytest.mark.parametrize("model, output, count, word", [
+    ("emulated", "OUTPUT0", 0, "positive integer"),
+    ("emulated", "OUTPUT0", "3", "positive integer"),
+    ("tiny-lm", "text_output", 2, "numeric"),
+])
+def test_a_classification_that_cannot_be_answered_is_400(demo_server, model, output, count, word):
+    inputs = [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}] if model == "emulated" else \
+        [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]
+    body = {"inputs": inputs, "outputs": [{"name": output, "parameters": {"classification": count}}]}
+    response = httpx.post(f"{demo_server.url}/v2/models/{model}/infer", json=body, headers=roomy(), timeout=60)
+    assert response.status_code == 400, response.text
+    assert word in response.json()["error"]
 
 
 # -- Triton's extensions: model configuration, statistics, repository index ---------------------

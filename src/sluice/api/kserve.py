@@ -22,6 +22,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice import __version__, wire
+from sluice.api.classification import PARAMETER as CLASSIFICATION
+from sluice.api.classification import class_counts, top_classes
 from sluice.api.common import (
     PRIORITY_HEADER,
     HotRoute,
@@ -57,8 +59,9 @@ from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
 
 HEADER_LENGTH = "inference-header-content-length"
-SERVED_EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics")
-"""The protocol extensions `GET /v2` and gRPC `ServerMetadata` list (the last three: `api.triton`).
+SERVED_EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics")
+"""The protocol extensions `GET /v2` and gRPC `ServerMetadata` list (`classification`: `api.classification`;
+the last three: `api.triton`).
 Not Triton's `model_repository(unload_dependents)`: sluice has no ensembles, so there are no
 dependents to unload (the parameter is accepted and changes nothing)."""
 
@@ -118,6 +121,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
                                 gateway.max_timeout_s)
             binary_outputs = _binary_outputs(info, parsed)
+            classes = class_counts(info, _classifications(parsed))
         who = caller(request, terms.priority, terms.tokens, is_traced=gateway.is_tracing, cache=screened.early.cache,
                      likely_tokens=terms.likely_tokens)
         timeout_s = terms.timeout_s
@@ -127,7 +131,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, screened.key)
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who,
                                      key=screened.key)
-        return _render(info, parsed, result.payload, binary_outputs, result.headers)
+        return _render(info, parsed, result.payload, binary_outputs, classes, result.headers)
 
     async def _infer_text(request: Request, body: bytes, screened: _Screened) -> Response:
         info = screened.info
@@ -137,11 +141,12 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                                                 gateway.max_timeout_s)
             payloads = text_payloads(info, tensors, parsed.parameters)
             binary_outputs = _binary_outputs(info, parsed)
+            classes = class_counts(info, _classifications(parsed))
         who = caller(request, priority, is_traced=gateway.is_tracing, cache=screened.early.cache)
         payload, headers = await generate_text(gateway, who, info, payloads,
                                                screened.header_timeout if timeout_s is None else timeout_s,
                                                screened.arrived_at)
-        return _render(info, parsed, payload, binary_outputs, headers)
+        return _render(info, parsed, payload, binary_outputs, classes, headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
     table = [
@@ -213,18 +218,23 @@ def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
         raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {has})")
 
 
-def outputs_of(info: wire.ModelInfo, payload: wire.Payload, names: list[str] | None = None) -> list[Tensor]:
+def outputs_of(info: wire.ModelInfo, payload: wire.Payload, names: list[str] | None = None,
+               classes: dict[str, int] | None = None) -> list[Tensor]:
     """A model's answer as its outputs: those named, in that order (`names`, checked by
-    `check_outputs`), or all of them."""
+    `check_outputs`), or all of them; those in `classes` as their top classes (`class_counts`)."""
     if isinstance(payload, wire.TensorsPayload):
         found = {t.name: t for t in payload.tensors}
         chosen = [found[name] for name in names or found if name in found]
-        return [Tensor(t.name, t.datatype, t.shape, decode_bytes_elements(t.data) if t.datatype == "BYTES" else t.data)
-                for t in chosen]
-    if not isinstance(payload, wire.TensorPayload):
+        outputs = [Tensor(t.name, t.datatype, t.shape,
+                          decode_bytes_elements(t.data) if t.datatype == "BYTES" else t.data) for t in chosen]
+    elif isinstance(payload, wire.TensorPayload):
+        spec = info.outputs[0]
+        outputs = [Tensor(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)]
+    else:
         raise TypeError("models return tensors")
-    spec = info.outputs[0]
-    return [Tensor(spec.name, NUMPY_TO_KSERVE.get(payload.dtype, spec.datatype), payload.shape, payload.data)]
+    if not classes:
+        return outputs
+    return [top_classes(t, classes[t.name], info.max_batch_size > 0) if t.name in classes else t for t in outputs]
 
 
 def model_metadata_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
@@ -364,10 +374,14 @@ def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]
     return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
 
 
+def _classifications(request: InferRequestBody) -> list[tuple[str, Any]]:
+    return [(o.name, o.parameters.get(CLASSIFICATION)) for o in request.outputs or ()]
+
+
 def _render(info: wire.ModelInfo, request: InferRequestBody, payload: wire.Payload, binary: set[str],
-            headers: dict[str, str] | None) -> Response:
+            classes: dict[str, int], headers: dict[str, str] | None) -> Response:
     names = [o.name for o in request.outputs] if request.outputs else None
-    entries, raw = render_outputs(outputs_of(info, payload, names), binary)
+    entries, raw = render_outputs(outputs_of(info, payload, names, classes), binary)
     body: dict[str, Any] = {"model_name": info.name, "model_version": info.version, "outputs": entries}
     if request.id is not None:
         body["id"] = request.id

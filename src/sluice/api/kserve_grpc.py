@@ -50,6 +50,8 @@ from sluice import __version__, wire
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.app import request_id_for
 from sluice.api.auth import check_admin, inference_tenant, key_of, statistics_reader
+from sluice.api.classification import PARAMETER as CLASSIFICATION
+from sluice.api.classification import class_counts
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
 from sluice.api.errors import LIMIT_HEADER, error_headers, status_of
 from sluice.api.kserve import (
@@ -370,13 +372,14 @@ class KServeGrpc:
             terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
                                 call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
+            classes = class_counts(info, _classifications(request))
         timeout_s = _deadline_s(terms.timeout_s, time_remaining_s, gateway.max_timeout_s)
         who = self._caller(call, tenant, terms.priority, terms.tokens, terms.likely_tokens)
         key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
         names = [o.name for o in request.outputs] or None
-        return _response(info, request.id, result.payload, names), result.headers or {}
+        return _response(info, request.id, result.payload, names, classes), result.headers or {}
 
     async def _generate(self, request: Any, call: _Call, info: wire.ModelInfo, tenant: str, arrived_at: float,
                         time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
@@ -387,10 +390,11 @@ class KServeGrpc:
             timeout_s, priority = request_terms(parameters, call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             payloads = text_payloads(info, _tensors(request), parameters)
             check_outputs(info, [o.name for o in request.outputs])
+            classes = class_counts(info, _classifications(request))
         payload, headers = await generate_text(gateway, self._caller(call, tenant, priority), info, payloads,
                                                _deadline_s(timeout_s, time_remaining_s, gateway.max_timeout_s),
                                                arrived_at)
-        return _response(info, request.id, payload, [o.name for o in request.outputs] or None), headers or {}
+        return _response(info, request.id, payload, [o.name for o in request.outputs] or None, classes), headers or {}
 
     def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0,
                 likely_tokens: float | None = None) -> Caller:
@@ -439,10 +443,16 @@ def _tensors(request: Any) -> list[Tensor]:
     return tensors
 
 
-def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload, names: list[str] | None) -> Message:
-    """The answer with its outputs (those asked for, else all) raw (`raw_output_contents`),
-    where tritonclient reads them."""
-    outputs = outputs_of(info, payload, names)
+def _classifications(request: Any) -> list[tuple[str, Any]]:
+    """Each requested output's name and its `classification` parameter (None if it has none)."""
+    return [(o.name, _parameters(o.parameters).get(CLASSIFICATION)) for o in request.outputs]
+
+
+def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload, names: list[str] | None,
+              classes: dict[str, int]) -> Message:
+    """The answer with its outputs (those asked for, else all; `classes`: as their top classes)
+    raw (`raw_output_contents`), where tritonclient reads them."""
+    outputs = outputs_of(info, payload, names, classes)
     return _InferResponse(
         model_name=info.name, model_version=info.version, id=request_id,
         outputs=[_InferResponse.InferOutputTensor(  # type: ignore[attr-defined]
