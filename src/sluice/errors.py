@@ -15,7 +15,8 @@
      │         └── ModelRefused  it is in the repository but failed to load (final)
      ├── RateLimited             a tenant's limit is reached                     -> 429
      │    └── BudgetExhausted    its device-second budget is spent (do not retry)
-     ├── Unavailable             the service cannot take this request now        -> 503
+     ├── NotSupported            a protocol feature sluice does not offer         -> 501
+ ├── Unavailable             the service cannot take this request now        -> 503
      │    ├── ModelNotReady      no ready replica serves the model
      │    ├── Overloaded         queued work would make it miss its deadline
      │    └── WorkerLost         the worker died while the request was running
@@ -111,6 +112,12 @@ class ModelRefused(ModelNotFound):
     """The model (or version) is in the repository but was refused at load (a checksum mismatch,
     a bad `model.toml`, a runner that failed to load it); the message says why. Final: it will
     not become ready until the repository is fixed and the server restarted."""
+
+
+class NotSupported(SluiceError):
+    """The request asks for a protocol feature sluice does not offer (Triton's shared-memory, trace
+    or logging extensions): not the client's mistake to fix in the request, nor one that a retry
+    mends (Triton's UNSUPPORTED: HTTP 501, gRPC UNIMPLEMENTED)."""
 
 
 class Unavailable(SluiceError):

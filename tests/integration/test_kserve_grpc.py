@@ -314,6 +314,33 @@ def test_typed_contents_that_do_not_fit_are_invalid_argument(stub):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "raw_input_contents" in error.details()
 
 
+@pytest.mark.parametrize("call", [
+    lambda c: c.get_system_shared_memory_status(headers=auth()),
+    lambda c: c.register_system_shared_memory("region", "/sluice-test", 64, headers=auth()),
+    lambda c: c.unregister_cuda_shared_memory(headers=auth()),
+    lambda c: c.get_trace_settings(headers=auth()),
+    lambda c: c.update_log_settings({"log_verbose_level": 1}, headers=auth()),
+])
+def test_an_extension_sluice_does_not_offer_is_unimplemented_saying_why(client, call):
+    with pytest.raises(InferenceServerException) as caught:
+        call(client)
+    assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "sluice does not support Triton's" in caught.value.message()  # not gRPC's bare "Method not found!"
+
+
+def test_tensors_in_shared_memory_are_unimplemented(stub):
+    request = service_pb2.ModelInferRequest(model_name="emulated")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[2, 16])
+    tensor.parameters["shared_memory_region"].string_param = "region"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 128
+    error = rpc_error(stub.ModelInfer, request, metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "shared memory" in error.details()
+    request = raw_request("emulated", rows(2))
+    request.outputs.add(name="OUTPUT0").parameters["shared_memory_region"].string_param = "region"
+    error = rpc_error(stub.ModelInfer, request, metadata=tuple(auth().items()))
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "output 'OUTPUT0'" in error.details()
+
+
 def test_unknown_models_are_not_found(client, stub):
     with pytest.raises(InferenceServerException) as caught:
         client.infer("no-such-model", [fp32_input(rows(1))], headers=auth())

@@ -332,3 +332,34 @@ def test_repository_index_lists_ready_versions_and_loading_follows_the_repositor
     assert client.is_model_ready("emulated")
     error = _error(lambda: client.load_model("emulated", config='{"max_batch_size": 8}'))
     assert error.status() == "400" and "repository folder" in error.message()
+
+
+# -- Triton's extensions sluice does not offer: shared memory, trace, logging ----------------------
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda c: c.get_system_shared_memory_status(), "shared-memory"),
+    (lambda c: c.register_system_shared_memory("region", "/sluice-test", 64), "shared-memory"),
+    (lambda c: c.unregister_system_shared_memory("region"), "shared-memory"),
+    (lambda c: c.get_cuda_shared_memory_status(), "shared-memory"),
+    (lambda c: c.unregister_cuda_shared_memory(), "shared-memory"),
+    (lambda c: c.get_trace_settings(model_name="emulated"), "OpenTelemetry"),
+    (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "OpenTelemetry"),
+    (lambda c: c.get_log_settings(), "--log-level"),
+    (lambda c: c.update_log_settings({"log_verbose_level": 1}), "--log-level"),
+])
+def test_an_extension_sluice_does_not_offer_is_501_saying_what_to_do_instead(client, call, words):
+    error = _error(lambda: call(client))
+    assert error.status() == "501"  # Triton's answer to a feature it lacks; not a 404 "no route"
+    assert words in error.message()
+
+
+def test_tensors_in_shared_memory_are_refused_with_501_not_read_as_missing_or_answered_in_the_body(client):
+    tensor = triton.InferInput("INPUT0", [2, 4], "FP32")
+    tensor.set_shared_memory("region", 32)
+    error = _error(lambda: client.infer("emulated", [tensor], headers=roomy()))
+    assert error.status() == "501" and "input 'INPUT0' is in shared memory" in error.message()
+    output = triton.InferRequestedOutput("OUTPUT0")
+    output.set_shared_memory("region", 8)
+    error = _error(lambda: client.infer("emulated", [_input(_rows(2))], outputs=[output], headers=roomy()))
+    assert error.status() == "501" and "output 'OUTPUT0' is in shared memory" in error.message()

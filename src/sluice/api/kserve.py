@@ -47,6 +47,7 @@ from sluice.api.tensors import (
     NUMPY_TO_KSERVE,
     InferRequestBody,
     Tensor,
+    check_no_shared_memory,
     decode_bytes_elements,
     encode_bytes_elements,
     parse_request,
@@ -370,6 +371,8 @@ def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]
     listed, `binary_data_output` applies to all (what tritonclient sends by default)."""
     if not request.outputs:
         return {spec.name for spec in info.outputs} if request.parameters.get("binary_data_output") is True else set()
+    for output in request.outputs:
+        check_no_shared_memory(f"output {output.name!r}", output.parameters)
     check_outputs(info, [o.name for o in request.outputs])
     return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -67,13 +67,21 @@ from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_pay
 from sluice.api.tensors import (
     InputTensor,
     Tensor,
+    check_no_shared_memory,
     raw_bytes,
     tensor_from_raw,
     tensor_from_values,
 )
 from sluice.api.tls import TlsConfig
-from sluice.api.triton import load_model_of, model_config_of, repository_index_of, statistics_of
-from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, SluiceError, Unavailable
+from sluice.api.triton import (
+    UNSUPPORTED,
+    UNSUPPORTED_GRPC_METHODS,
+    load_model_of,
+    model_config_of,
+    repository_index_of,
+    statistics_of,
+)
+from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, NotSupported, SluiceError, Unavailable
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
@@ -96,6 +104,7 @@ GRPC_CODES: dict[int, grpc.StatusCode] = {
     413: grpc.StatusCode.INVALID_ARGUMENT,
     422: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
@@ -179,6 +188,8 @@ class KServeGrpc:
                                          "RepositoryModelLoadResponse"),
             "RepositoryModelUnload": unary(self.repository_model_unload, "RepositoryModelUnloadRequest",
                                            "RepositoryModelUnloadResponse"),
+            **{method: grpc.unary_unary_rpc_method_handler(_refuse(extension))  # (bytes in, nothing out)
+               for method, extension in UNSUPPORTED_GRPC_METHODS.items()},
         })
 
     # -- health and metadata -------------------------------------------------------------------
@@ -402,6 +413,14 @@ class KServeGrpc:
                       cache_policy(call.metadata.get("cache-control")), likely_tokens=likely_tokens)
 
 
+def _refuse(extension: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    """A method of an extension sluice does not offer (`triton.UNSUPPORTED`): UNIMPLEMENTED, saying why."""
+    async def refused(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await _abort(context, NotSupported(UNSUPPORTED[extension]), _Call(context).request_id)
+
+    return refused
+
+
 def _parameters(parameters: Any) -> dict[str, Any]:
     """A parameter map's values as Python values (an unset `InferParameter` is None)."""
     values = {}
@@ -431,7 +450,10 @@ def _tensors(request: Any) -> list[Tensor]:
         raise InvalidInput(f"raw_input_contents holds {len(raw)} entries for {len(request.inputs)} inputs: "
                            "give one per input, or none")
     tensors = []
+    for output in request.outputs:
+        check_no_shared_memory(f"output {output.name!r}", output.parameters)
     for i, tensor in enumerate(request.inputs):
+        check_no_shared_memory(f"input {tensor.name!r}", tensor.parameters)
         spec = InputTensor(name=tensor.name, shape=list(tensor.shape), datatype=tensor.datatype)
         if raw:
             tensors.append(tensor_from_raw(spec, raw[i]))

@@ -21,7 +21,7 @@ import numpy as np
 
 from sluice import wire
 from sluice.api.common import unreadable_json
-from sluice.errors import InvalidInput
+from sluice.errors import InvalidInput, NotSupported
 
 DATATYPES = wire.DATATYPES
 NUMPY_TO_KSERVE = {str(v): k for k, v in DATATYPES.items()}
@@ -41,6 +41,17 @@ _ARRAY_CODES = {name: code for name, code in (("INT8", "b"), ("UINT8", "B"), ("I
                                               ("FP32", "f"), ("FP64", "d"))
                 if array.array(code).itemsize == DATATYPES[name].itemsize}
 _SWAP = sys.byteorder == "big"
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+"""What `tritonclient`'s `set_shared_memory` puts in an input's or requested output's parameters."""
+NO_SHARED_MEMORY = ("sluice does not support Triton's shared-memory extensions (system or CUDA): send tensors in "
+                    "the request itself (JSON data, the binary tensor extension, or gRPC's raw_input_contents)")
+
+
+def check_no_shared_memory(what: str, parameters: Any) -> None:
+    """Refuse (501) an input or requested output (`what`: "input 'x'") placed in shared memory,
+    rather than read no data for it or answer it elsewhere."""
+    if any(name in parameters for name in SHARED_MEMORY_PARAMETERS):
+        raise NotSupported(f"{what} is in shared memory: {NO_SHARED_MEMORY}")
 
 
 class RequestedOutput(msgspec.Struct):
@@ -124,6 +135,7 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
     tensors = []
     offset = 0
     for tensor in request.inputs:
+        check_no_shared_memory(f"input {tensor.name!r}", tensor.parameters)
         size = tensor.parameters.get("binary_data_size")
         if size is not None:
             if not _is_count(size) or offset + size > len(binary):
@@ -147,8 +159,8 @@ def _numbers_only(body: bytes) -> tuple[InferRequestBody, list[Tensor]] | None:
         return None
     tensors = []
     for tensor in request.inputs:
-        if tensor.datatype not in DATATYPES or tensor.datatype == "BOOL" or "binary_data_size" in tensor.parameters:
-            return None
+        if tensor.datatype not in DATATYPES or tensor.datatype == "BOOL" or tensor.parameters:
+            return None  # (`binary_data_size`, shared memory: the general path)
         count = _check_shape(tensor)
         if len(tensor.data) != count:
             raise InvalidInput(f"input {tensor.name!r}: {len(tensor.data)} values do not fill shape {tensor.shape}")

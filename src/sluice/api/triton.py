@@ -6,6 +6,8 @@
     POST /v2/repository/index                      the repository's model versions and their state
     POST /v2/repository/models/{m}/load            (admin) bring the model in line with the repository
     POST /v2/repository/models/{m}/unload          (admin) take every version of the model off
+    /v2/systemsharedmemory/... /v2/cudasharedmemory/... /v2/trace/setting /v2/models/{m}/trace/setting
+    /v2/logging                                    refused: 501 (`UNSUPPORTED`)
 
 `tritonclient`'s `get_model_config`, `get_inference_statistics`, `get_model_repository_index`,
 `load_model` and `unload_model` call these (Triton's example clients read `max_batch_size` and
@@ -24,6 +26,10 @@ versions removed from it (they answer what they hold first), and keeps the loade
 are; a model new to the repository is loaded whole. `unload` takes the model off until it is
 loaded again. The call returns once every worker has done it. A configuration or files sent in
 the call's `parameters` are refused: what a worker serves is always what its repository holds.
+
+Triton's shared-memory, trace and logging extensions are not offered (nor listed in `GET /v2`):
+their routes, and the gRPC methods of the same names, answer 501 (gRPC UNIMPLEMENTED, as Triton
+answers a feature it lacks) saying what to do instead, rather than a bare 404 "no route".
 """
 
 from __future__ import annotations
@@ -38,9 +44,25 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import MONITOR_SCOPE_KEY, decode_json, json_response, read_body, request_tenant
-from sluice.errors import InvalidInput, ModelNotFound, Unavailable
+from sluice.api.tensors import NO_SHARED_MEMORY
+from sluice.errors import InvalidInput, ModelNotFound, NotSupported, Unavailable
 from sluice.gateway import Gateway
 from sluice.gateway.traffic import version_order
+
+UNSUPPORTED = {
+    "shared memory": NO_SHARED_MEMORY,
+    "trace": "sluice does not support Triton's trace extension: it traces with OpenTelemetry, exported where "
+             "OTEL_EXPORTER_OTLP_ENDPOINT says when it starts (a request's traceparent header joins its trace)",
+    "logging": "sluice does not support Triton's logging extension: its log level is set when it starts "
+               "(--log-level)",
+}
+"""The extensions refused, and what each refusal says."""
+UNSUPPORTED_GRPC_METHODS = {
+    **{f"{kind}SharedMemory{call}": "shared memory" for kind in ("System", "Cuda")
+       for call in ("Status", "Register", "Unregister")},
+    "TraceSetting": "trace", "LogSettings": "logging",
+}
+"""Triton's gRPC methods of those extensions (`api.kserve_grpc` answers them UNIMPLEMENTED)."""
 
 
 def model_config_of(gateway: Gateway, tenant: str, name: str, version: str | None) -> dict[str, Any]:
@@ -173,6 +195,12 @@ def routes(gateway: Gateway) -> list[Route]:
 
         return load
 
+    def refuse(extension: str) -> Callable[[Request], Awaitable[Response]]:
+        async def refused(request: Request) -> Response:
+            raise NotSupported(UNSUPPORTED[extension])
+
+        return refused
+
     table = [
         Route("/v2/models/stats", stats, methods=["GET"]),  # before /v2/models/{name}
         Route("/v2/repository/index", index, methods=["POST"]),
@@ -182,6 +210,14 @@ def routes(gateway: Gateway) -> list[Route]:
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         table += [Route(prefix + "/config", config, methods=["GET"]),
                   Route(prefix + "/stats", stats, methods=["GET"])]
+    for kind in ("systemsharedmemory", "cudasharedmemory"):
+        table += [Route(f"/v2/{kind}{region}/{call}", refuse("shared memory"), methods=[method])
+                  for region in ("", "/region/{region}")
+                  for call, method in (("status", "GET"), ("unregister", "POST"))]
+        table.append(Route(f"/v2/{kind}/region/{{region}}/register", refuse("shared memory"), methods=["POST"]))
+    table += [Route(path, refuse("trace"), methods=["GET", "POST"])
+              for path in ("/v2/trace/setting", "/v2/models/{name}/trace/setting")]
+    table.append(Route("/v2/logging", refuse("logging"), methods=["GET", "POST"]))
     return table
 
 
