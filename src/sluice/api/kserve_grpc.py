@@ -455,12 +455,19 @@ def _tensors(request: Any) -> list[Tensor]:
     for i, tensor in enumerate(request.inputs):
         check_no_shared_memory(f"input {tensor.name!r}", tensor.parameters)
         spec = InputTensor(name=tensor.name, shape=list(tensor.shape), datatype=tensor.datatype)
+        typed = [field.name for field, _ in tensor.contents.ListFields()]  # the typed fields that hold elements
         if raw:
+            if typed:  # which one is meant? (Triton refuses it too)
+                raise InvalidInput(f"input {tensor.name!r} has elements both in raw_input_contents and in "
+                                   f"contents.{typed[0]}: give them in one place", param=tensor.name)
             tensors.append(tensor_from_raw(spec, raw[i]))
             continue
         field = _CONTENTS_FIELD.get(tensor.datatype)
         if field is None:
             raise InvalidInput(f"input {tensor.name!r}: {tensor.datatype} data must be sent in raw_input_contents")
+        if typed and typed != [field]:
+            raise InvalidInput(f"input {tensor.name!r}: {tensor.datatype} elements go in contents.{field}, got "
+                               f"contents.{typed[0]}", param=tensor.name)
         tensors.append(tensor_from_values(spec, list(getattr(tensor.contents, field))))
     return tensors
 
