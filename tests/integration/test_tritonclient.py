@@ -90,6 +90,25 @@ def test_json_input_and_json_output(client):
     np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows.sum(axis=1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("output, is_binary", [({}, True), ({"binary_data": False}, False)])
+def test_binary_data_output_applies_to_listed_outputs_unless_they_say_otherwise(demo_server, output, is_binary):
+    """The extension's rule: `binary_data_output` makes every output binary, and an output's own
+    `binary_data` overrides it."""
+    body = {"inputs": [{"name": "INPUT0", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+            "parameters": {"binary_data_output": True}, "outputs": [{"name": "OUTPUT0", "parameters": output}]}
+    response = httpx.post(f"{demo_server.url}/v2/models/emulated/infer", json=body, headers=roomy(), timeout=60)
+    assert response.status_code == 200, response.text
+    length = response.headers.get("inference-header-content-length")
+    assert (length is not None) == is_binary
+    header = json.loads(response.content[:int(length)] if length else response.content)
+    (entry,) = header["outputs"]
+    if is_binary:
+        assert entry["parameters"] == {"binary_data_size": 8}
+        assert np.frombuffer(response.content[int(length):], "<f4").tolist() == [3.0, 7.0]
+    else:
+        assert entry["data"] == [3.0, 7.0]
+
+
 def test_versioned_path_with_timeout_in_microseconds(client):
     rows = _rows(2)
     result = client.infer("emulated", [_input(rows)], model_version="1", timeout=5_000_000)

@@ -367,14 +367,16 @@ def _fits(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:
 
 
 def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]:
-    """The outputs to send as binary (each one the model's: `check_outputs`). With no `outputs`
-    listed, `binary_data_output` applies to all (what tritonclient sends by default)."""
+    """The outputs to send as binary (each one the model's: `check_outputs`): the request's
+    `binary_data_output` applies to every output (what tritonclient sends when it lists none) but
+    those listed with a `binary_data` of their own, which overrides it (the extension's rule)."""
+    every = request.parameters.get("binary_data_output") is True
     if not request.outputs:
-        return {spec.name for spec in info.outputs} if request.parameters.get("binary_data_output") is True else set()
+        return {spec.name for spec in info.outputs} if every else set()
     for output in request.outputs:
         check_no_shared_memory(f"output {output.name!r}", output.parameters)
     check_outputs(info, [o.name for o in request.outputs])
-    return {o.name for o in request.outputs if o.parameters.get("binary_data") is True}
+    return {o.name for o in request.outputs if o.parameters.get("binary_data", every) is True}
 
 
 def _classifications(request: InferRequestBody) -> list[tuple[str, Any]]:
