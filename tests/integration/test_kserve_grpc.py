@@ -288,6 +288,7 @@ def test_a_rate_limited_tenant_gets_resource_exhausted_with_retry_metadata(stub)
     (lambda r: r.inputs[0].__setattr__("name", "WRONG"), "INPUT0"),
     (lambda r: r.raw_input_contents.append(b"\0" * 4), "raw_input_contents"),
     (lambda r: r.outputs.add(name="NOPE"), "NOPE"),
+    (lambda r: (r.outputs.add(name="OUTPUT0"), r.outputs.add(name="OUTPUT0")), "requested more than once"),
     (lambda r: r.parameters["timeout"].__setattr__("int64_param", -5), "timeout"),
     (lambda r: r.parameters["priority"].__setattr__("string_param", "urgent"), "priority"),
     (lambda r: r.inputs[0].__setattr__("datatype", "FP64"), "bytes do not match"),

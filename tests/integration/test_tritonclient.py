@@ -212,6 +212,13 @@ def test_unknown_requested_output_raises(client):
     assert "NOPE" in error.message()
 
 
+def test_an_output_requested_twice_raises(client):
+    outputs = [triton.InferRequestedOutput("OUTPUT0"), triton.InferRequestedOutput("OUTPUT0", binary_data=False)]
+    error = _error(lambda: client.infer("emulated", [_input(_rows())], outputs=outputs, headers=roomy()))
+    assert error.status() == "400"
+    assert "'OUTPUT0' is requested more than once" in error.message()
+
+
 def test_nan_row_raises_422(client):
     rows = _rows(2)
     rows[1, 3] = np.nan

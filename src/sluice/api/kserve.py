@@ -217,6 +217,9 @@ def check_outputs(info: wire.ModelInfo, names: list[str]) -> None:
     if unknown:
         has = ", ".join(repr(name) for name in known)
         raise InvalidInput(f"model {info.name} has no output named {unknown[0]!r} (it has {has})")
+    if len(set(names)) != len(names):  # which entry's parameters would count? (Triton refuses it too)
+        repeated = next(name for name in names if names.count(name) > 1)
+        raise InvalidInput(f"output {repeated!r} is requested more than once", param=repeated)
 
 
 def outputs_of(info: wire.ModelInfo, payload: wire.Payload, names: list[str] | None = None,
