@@ -5,6 +5,7 @@
      ├── InvalidInput            the client sent something malformed            -> 400
      │    ├── PayloadTooLarge    request body over the limit                     -> 413
      │    ├── UnsupportedEncoding a Content-Encoding it does not decode          -> 415
+     │    ├── NotSupported       a protocol feature sluice does not offer        -> 501
      │    ├── ItemFailed         an input item was rejected by the model         -> 422
      │    └── UpstreamRefused    an upstream server refused the request          -> its 4xx
      ├── Unauthenticated         no API key, or one that matches no tenant       -> 401
@@ -15,8 +16,7 @@
      │         └── ModelRefused  it is in the repository but failed to load (final)
      ├── RateLimited             a tenant's limit is reached                     -> 429
      │    └── BudgetExhausted    its device-second budget is spent (do not retry)
-     ├── NotSupported            a protocol feature sluice does not offer         -> 501
- ├── Unavailable             the service cannot take this request now        -> 503
+     ├── Unavailable             the service cannot take this request now        -> 503
      │    ├── ModelNotReady      no ready replica serves the model
      │    ├── Overloaded         queued work would make it miss its deadline
      │    └── WorkerLost         the worker died while the request was running
@@ -71,6 +71,12 @@ class UnsupportedEncoding(InvalidInput):
     """The request body is compressed with a `Content-Encoding` sluice does not decode (not gzip or deflate)."""
 
 
+class NotSupported(InvalidInput):
+    """The request asks for a protocol feature sluice does not offer (Triton's shared-memory, trace
+    or logging extensions). Counted as the client's (an `invalid` outcome, as a 400), but answered
+    as Triton answers a feature it lacks: HTTP 501, gRPC UNIMPLEMENTED; a retry does not mend it."""
+
+
 class ItemFailed(InvalidInput):
     """One input item could not be processed by the model (the rest of its batch still ran)."""
 
@@ -112,12 +118,6 @@ class ModelRefused(ModelNotFound):
     """The model (or version) is in the repository but was refused at load (a checksum mismatch,
     a bad `model.toml`, a runner that failed to load it); the message says why. Final: it will
     not become ready until the repository is fixed and the server restarted."""
-
-
-class NotSupported(SluiceError):
-    """The request asks for a protocol feature sluice does not offer (Triton's shared-memory, trace
-    or logging extensions): not the client's mistake to fix in the request, nor one that a retry
-    mends (Triton's UNSUPPORTED: HTTP 501, gRPC UNIMPLEMENTED)."""
 
 
 class Unavailable(SluiceError):

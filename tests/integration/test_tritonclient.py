@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import eventually
+from tests.conftest import eventually, metric_total
 
 
 def roomy() -> dict[str, str]:
@@ -380,11 +380,15 @@ def test_an_extension_sluice_does_not_offer_is_501_saying_what_to_do_instead(cli
     assert words in error.message()
 
 
-def test_tensors_in_shared_memory_are_refused_with_501_not_read_as_missing_or_answered_in_the_body(client):
+def test_tensors_in_shared_memory_are_refused_with_501_not_read_as_missing_or_answered_in_the_body(client,
+                                                                                                  demo_server):
+    invalid = metric_total(demo_server, "sluice_requests_total", model="emulated", outcome="invalid")
     tensor = triton.InferInput("INPUT0", [2, 4], "FP32")
     tensor.set_shared_memory("region", 32)
     error = _error(lambda: client.infer("emulated", [tensor], headers=roomy()))
     assert error.status() == "501" and "input 'INPUT0' is in shared memory" in error.message()
+    # the client's request, counted as its other mistakes are (not a failure of the model's)
+    assert metric_total(demo_server, "sluice_requests_total", model="emulated", outcome="invalid") == invalid + 1
     output = triton.InferRequestedOutput("OUTPUT0")
     output.set_shared_memory("region", 8)
     error = _error(lambda: client.infer("emulated", [_input(_rows(2))], outputs=[output], headers=roomy()))

@@ -57,6 +57,7 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (UnsupportedEncoding, Status(415, "invalid_request_error", "unsupported_content_encoding")),
     (IdempotencyKeyReused, Status(409, "invalid_request_error", "idempotency_key_reused")),
     (Conflict, Status(409, "invalid_request_error", "conflict")),
+    (NotSupported, Status(501, "invalid_request_error", "not_supported")),
     (ItemFailed, Status(422, "invalid_request_error", "item_failed")),
     (UpstreamRefused, Status(400, "invalid_request_error", "upstream_refused")),  # with the upstream's status
     (InvalidInput, Status(400, "invalid_request_error", "invalid_request")),
@@ -68,7 +69,6 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (ModelRefused, Status(404, "invalid_request_error", "model_load_failed")),
     (ModelNotFound, Status(404, "invalid_request_error", "model_not_found")),
     (NotFound, Status(404, "invalid_request_error", "not_found")),
-    (NotSupported, Status(501, "invalid_request_error", "not_supported")),
     (Overloaded, Status(503, "server_overloaded", "overloaded")),
     (ModelNotReady, Status(503, "server_error", "model_not_ready")),
     (WorkerLost, Status(503, "server_error", "worker_lost")),
