@@ -148,3 +148,28 @@ def write_onnx_embedding(repo: Path, name: str = "minilm-onnx") -> Path:
 
     export_minilm(repo, name, layout="hidden", slo_ms=30000)
     return repo
+
+
+def add_gated_version(model: Path, version: str, gate: Path, loading: str = "", blob_bytes: int = 0) -> Path:
+    """A `python` model's version (`y = x`, FP32) whose `__init__` waits until the file `gate`
+    exists (it touches `gate`.started first): a load that takes as long as a test wants, or hangs.
+    `loading`: the model's `[loading]` table (a new model only); `blob_bytes`: a weights file that
+    size in the version, for a worker's model memory budget to count."""
+    if not (model / "model.toml").exists():
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "model.toml").write_text('kind = "python"\n[[inputs]]\nname = "x"\ndatatype = "FP32"\n'
+                                          '[[outputs]]\nname = "y"\ndatatype = "FP32"\n'
+                                          + (f"[loading]\n{loading}\n" if loading else ""))
+    (model / version).mkdir()
+    (model / version / "model.py").write_text(
+        "import time\nfrom pathlib import Path\n\nclass Model:\n"
+        "    def __init__(self, path, device, params):\n"
+        "        Path(params['gate'] + '.started').touch()\n"
+        "        while not Path(params['gate']).exists():\n"
+        "            time.sleep(0.02)\n\n"
+        "    def predict(self, inputs):\n        return {'y': inputs['x']}\n")
+    (model / version / "version.toml").write_text(f"[params]\ngate = '{gate}'\n")
+    if blob_bytes:
+        (model / version / "weights.bin").write_bytes(b"\0" * blob_bytes)
+    write_manifest(model / version, model / version / MANIFEST)
+    return model

@@ -41,6 +41,9 @@ sluice cannot know that an external service, or a user's own code, answers the s
 same way."""
 TENSOR_DATATYPES = (*wire.DATATYPES, "BYTES")
 """The KServe datatypes a model's declared inputs and outputs may have (`[[inputs]]`)."""
+DEFAULT_LOAD_TIMEOUT_S = 300.0
+"""`[loading] timeout_s` unless set: under the 600 s a gateway waits for a worker's load, so an
+admin's `load` that runs out answers with the reason rather than with a worker that did not answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,9 @@ class LoadingConfig:
     `Retry-After` meanwhile, as every request until it is ready)."""
     idle_unload_s: float = 0.0
     """Unloaded after this long without a request, to be loaded again on demand (0: never)."""
+    timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
+    """A load (files checked, weights loaded, warm-up) not done by then is given up: the version is
+    refused with that reason and the worker's other loads go on (`worker.server`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,18 +414,22 @@ def _routing(raw: dict[str, Any], config_path: Path) -> wire.Routing | None:
 
 
 def _loading(raw: dict[str, Any], config_path: Path) -> LoadingConfig:
-    """`[loading]`: `on_demand` (default false) and `idle_unload_s` (default 600 for a model loaded
-    on demand, else 0: never)."""
+    """`[loading]`: `on_demand` (default false), `idle_unload_s` (default 600 for a model loaded
+    on demand, else 0: never) and `timeout_s` (`DEFAULT_LOAD_TIMEOUT_S`)."""
     for key in raw:
-        if key not in ("on_demand", "idle_unload_s"):
-            raise ConfigError(f"{config_path}: [loading] has no setting {key!r} (it has on_demand, idle_unload_s)")
+        if key not in ("on_demand", "idle_unload_s", "timeout_s"):
+            raise ConfigError(f"{config_path}: [loading] has no setting {key!r} "
+                              "(it has on_demand, idle_unload_s, timeout_s)")
     on_demand = raw.get("on_demand", False)
     if not isinstance(on_demand, bool):
         raise ConfigError(f"{config_path}: [loading] on_demand must be true or false, got {on_demand!r}")
     idle_s = raw.get("idle_unload_s", 600.0 if on_demand else 0.0)
     if not _is_number(idle_s) or not math.isfinite(idle_s) or idle_s < 0:
         raise ConfigError(f"{config_path}: [loading] idle_unload_s must be a number of seconds >= 0, got {idle_s!r}")
-    return LoadingConfig(on_demand, float(idle_s))
+    timeout_s = raw.get("timeout_s", DEFAULT_LOAD_TIMEOUT_S)
+    if not _is_number(timeout_s) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"{config_path}: [loading] timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    return LoadingConfig(on_demand, float(idle_s), float(timeout_s))
 
 
 def _cache_enabled(raw: dict[str, Any], kind: str, config_path: Path) -> bool:

@@ -496,6 +496,9 @@ class WorkerState(msgspec.Struct, tag="state"):
     dormant: list[tuple[str, str]] = []
     """(model, version) it loads on demand (`[loading] on_demand`) and has not loaded, or has
     unloaded after they were idle: a `SyncModel` loads them."""
+    loading: list[tuple[str, str]] = []
+    """(model, version) it is loading now: those it starts with (it listens before it loads
+    them), and those a `SyncModel` loads. Not served yet; refused if the load fails."""
 
 
 class BatchCount(msgspec.Struct, frozen=True):

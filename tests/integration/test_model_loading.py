@@ -23,6 +23,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ServerProcess, eventually, start_server, write_emulated_model, write_tiny_lm_model
+from tests.user_models import add_gated_version
 
 pytestmark = pytest.mark.slow
 
@@ -291,32 +292,12 @@ def test_a_model_loaded_on_demand_that_the_memory_budget_cannot_hold_stays_liste
 
 
 
-def _add_gated_version(model: Path, version: str, gate: Path) -> None:
-    """A `python` model's version that loads until `gate` exists (`gate`.started once it began)."""
-    from sluice.repository import MANIFEST, write_manifest
-
-    if not (model / "model.toml").exists():
-        model.mkdir(parents=True, exist_ok=True)
-        (model / "model.toml").write_text('kind = "python"\n[[inputs]]\nname = "x"\ndatatype = "FP32"\n'
-                                          '[[outputs]]\nname = "y"\ndatatype = "FP32"\n')
-    (model / version).mkdir()
-    (model / version / "model.py").write_text(
-        "import time\nfrom pathlib import Path\n\nclass Model:\n"
-        "    def __init__(self, path, device, params):\n"
-        "        Path(params['gate'] + '.started').touch()\n"
-        "        while not Path(params['gate']).exists():\n"
-        "            time.sleep(0.02)\n\n"
-        "    def predict(self, inputs):\n        return {'y': inputs['x']}\n")
-    (model / version / "version.toml").write_text(f"[params]\ngate = '{gate}'\n")
-    write_manifest(model / version, model / version / MANIFEST)
-
-
 def test_a_version_asked_for_while_its_load_runs_is_not_ready_yet_rather_than_missing(served, tmp_path):
     server, repo = served
     model = repo / "gated"
 
     def add_version(version: str) -> None:
-        _add_gated_version(model, version, tmp_path / f"gate{version}")
+        add_gated_version(model, version, tmp_path / f"gate{version}")
 
     answers: list[httpx.Response] = []
 
@@ -373,7 +354,7 @@ def test_the_command_line_prints_why_a_load_or_unload_was_refused(served):
 def test_a_slow_load_holds_up_no_other_models_load_or_unload(served, tmp_path):
     server, repo = served
     gate = tmp_path / "gate"
-    _add_gated_version(repo / "gated", "1", gate)
+    add_gated_version(repo / "gated", "1", gate)
     loading = threading.Thread(target=lambda: _load(server, "gated"))
     loading.start()
     try:
@@ -407,7 +388,7 @@ def test_the_command_line_waits_for_a_long_load_and_says_so_when_it_gives_up(ser
     assert waited == [660.0]  # the server waits up to 600 s for its workers: not the 30 s of other calls
 
     gate = tmp_path / "gate"
-    _add_gated_version(repo / "gated", "1", gate)
+    add_gated_version(repo / "gated", "1", gate)
     try:
         gave_up = runner.invoke(main, ["models", "load", "gated", "--timeout", "1", "--url", server.url])
         assert gave_up.exit_code == 1  # not "cannot reach": the server is there, and still loading

@@ -12,7 +12,7 @@ import base64
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import msgspec
 import numpy as np
@@ -39,7 +39,7 @@ from sluice.api.common import (
     with_version,
 )
 from sluice.api.completion_params import TOKEN_ID_LIMIT
-from sluice.errors import InvalidInput, ModelNotFound
+from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
 
 MAX_DIMENSIONS = 65_536
@@ -77,7 +77,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         if name not in models:
             if any(model == name for model, _ in gateway.dormant_versions()):  # listed too: loaded by a request
                 return json_response(_model_card(name, {}))
-            raise gateway.refusal(name, None) or ModelNotFound(f"the model {name!r} does not exist")
+            _not_ready(gateway, name)
         return json_response(_model_card(name, models[name]))
 
     def screen(request: Request, body: bytes, first: _Screened | None = None) -> _Screened:
@@ -178,6 +178,21 @@ def _encode_vector(row: np.ndarray, encoding: str | None) -> list[float] | str:
         return base64.b64encode(row.astype("<f4").tobytes()).decode()
     values: list[float] = row.tolist()
     return values
+
+
+def _not_ready(gateway: Gateway, name: str) -> NoReturn:
+    """Why `GET /v1/models/{name}` has no card for a model no ready worker serves, as the KServe
+    metadata answers: 503 with `Retry-After` while it loads (or has no worker yet), 404 with the
+    reason for one refused at load, 404 for one the server does not have. `name` may be
+    `model:version`, as requests name a version."""
+    base, _, version = name.rpartition(":")
+    if base and version.isdigit() and name not in gateway.models(include_recovering=True) \
+            and name not in gateway.expected_models:
+        gateway.resolve(base, version, by_split=False, on_demand=False)
+    else:
+        gateway.resolve(name, None, by_split=False, on_demand=False)
+    # its workers are known to serve it, and are being restarted
+    raise ModelNotReady(f"model {name!r} has no ready worker now: its worker is being restarted", retry_after_s=1.0)
 
 
 def _model_card(name: str, versions: Mapping[str, wire.ModelInfo]) -> dict[str, Any]:

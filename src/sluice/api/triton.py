@@ -120,7 +120,8 @@ def statistics_of(gateway: Gateway, tenant: str | None, name: str | None, versio
 def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list[dict[str, str]]:
     """Triton's repository index: each model version the tenant may use, `READY` when a ready
     worker serves it, `UNAVAILABLE` (with the reason) when it failed to load, was unloaded, or its
-    workers are being restarted, `LOADING` while the repository's version has no worker yet."""
+    workers are being restarted, `LOADING` while a worker loads it, or the repository's version has
+    no worker yet."""
     caller = gateway.tenancy.tenant(tenant)
     ready = gateway.models()
     states: dict[tuple[str, str], tuple[str, str]] = {}
@@ -132,6 +133,8 @@ def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list
                 else ("UNAVAILABLE", "its worker is being restarted")
     for refused in gateway.refused():
         states[(refused.name, refused.version)] = ("UNAVAILABLE", refused.reason)
+    for model, version in gateway.loading_versions():  # (loaded again after it was refused, perhaps)
+        states[(model, version)] = ("LOADING", "")
     for model, had in gateway.unloaded.items():
         for version in had:
             states.setdefault((model, version), ("UNAVAILABLE", "unloaded"))

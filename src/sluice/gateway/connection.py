@@ -53,6 +53,8 @@ class WorkerConnection:
         self.known_models: list[wire.ModelInfo] = []  # kept across a crash, for re-dispatch
         self.dormant: list[tuple[str, str]] = []
         """(model, version) the worker loads on demand and has not loaded (`WorkerState.dormant`)."""
+        self.loading: list[tuple[str, str]] = []
+        """(model, version) the worker is loading now (`WorkerState.loading`)."""
         self._served: dict[tuple[str, str], wire.ModelInfo] = {}
         self.state_at = 0.0
         self._unreported = _Unreported()
@@ -336,9 +338,11 @@ class WorkerConnection:
                 self._lose_previous_incarnation(self.state.incarnation)
             self._sent_before_connect = set()  # the same process, or the rest: sent to this one
             self.is_lost = False
-            models_changed = message.models != self.known_models or message.dormant != self.dormant
+            models_changed = message.models != self.known_models or message.dormant != self.dormant \
+                or message.loading != self.loading
             self.known_models = message.models
             self.dormant = message.dormant
+            self.loading = message.loading
             if models_changed:
                 self._served = {(info.name, info.version): info for info in message.models}
             self.state = message

@@ -196,6 +196,7 @@ class Gateway:
         del self._connections[worker_id]
         # what it served exists, with no worker for now (a rolling restart): 503 "try again", not 404
         self.expected_versions |= {(info.name, info.version) for info in connection.known_models}
+        self.expected_versions |= set(connection.loading)
         lost = connection.mark_lost()
         if lost:
             log.warning("worker %s removed with %d requests in flight", worker_id, len(lost))
@@ -371,6 +372,10 @@ class Gateway:
             return versions[chosen or max(versions, key=version_order)]
         if versions and version in versions:
             return versions[version]
+        if any(model == name and version in (None, v) for model, v in self._indexed().loading):
+            which = "" if version is None else f": version {version!r} is not ready yet"
+            raise ModelNotReady(f"model {name!r} is being loaded by its worker{which}; try again shortly",
+                                retry_after_s=1.0)
         refusal = self.refusal(name, version)
         if refusal is not None:
             raise refusal
@@ -487,7 +492,12 @@ class Gateway:
         ready = self.models()
         refused = {r.name for r in self.refused()}
         dormant = {name for name, _ in self._indexed().dormant}
-        return {name for name in self.expected_models if name not in ready and name not in refused | dormant}
+        expected = self.expected_models | {name for name, _ in self._indexed().loading}
+        return {name for name in expected if name not in ready and name not in refused | dormant}
+
+    def loading_versions(self) -> set[tuple[str, str]]:
+        """(model, version) that a ready worker is loading now and none serves."""
+        return set(self._indexed().loading)
 
     def dormant_versions(self) -> set[tuple[str, str]]:
         """(model, version) that a ready worker loads on demand and none serves."""
@@ -950,6 +960,8 @@ class _ModelIndex:
     """Each model's `[routing]` split, as its newest served version reports it."""
     dormant: dict[tuple[str, str], tuple[WorkerConnection, ...]]
     """The ready workers that load each model version on demand and have not loaded it."""
+    loading: frozenset[tuple[str, str]]
+    """The model versions a ready worker is loading now and none serves yet."""
 
     @classmethod
     def build(cls, connections: Iterable[WorkerConnection]) -> _ModelIndex:
@@ -957,10 +969,12 @@ class _ModelIndex:
         with_recovering: dict[str, dict[str, wire.ModelInfo]] = {}
         replicas: dict[tuple[str, str], list[WorkerConnection]] = {}
         dormant: dict[tuple[str, str], list[WorkerConnection]] = {}
+        loading: set[tuple[str, str]] = set()
         for connection in connections:
             if connection.is_ready:
                 for name, version in connection.dormant:
                     dormant.setdefault((name, version), []).append(connection)
+                loading.update(connection.loading)
             if not (connection.is_ready or connection.is_lost):
                 continue
             for info in connection.known_models:
@@ -977,7 +991,8 @@ class _ModelIndex:
             except ValueError as exc:  # the repository checks it; a worker of another release might not
                 log.error("model %s declares an unusable traffic split, ignored: %s", name, exc)
         return cls(ready, with_recovering, {key: tuple(value) for key, value in replicas.items()}, declared,
-                   {key: tuple(value) for key, value in dormant.items()})
+                   {key: tuple(value) for key, value in dormant.items()},
+                   frozenset(key for key in loading if key[1] not in ready.get(key[0], {})))
 
 
 def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,
@@ -1017,3 +1032,4 @@ def _routed_to(info: wire.ModelInfo) -> Iterator[None]:
         if exc.model_version is None:
             exc.model_version = info.version
         raise
+

@@ -1,4 +1,5 @@
-"""Entry point of a worker process: load and verify models, warm them up, serve gateways.
+"""Entry point of a worker process: list its models, listen, then load, verify and warm them up
+while gateways already see it (and what it is loading).
 
 Started by the embedded supervisor (`sluice serve`) or on its own (`sluice worker`).
 SIGTERM drains: stop admitting, finish what is queued, exit 0.
@@ -24,7 +25,8 @@ from sluice.metrics import WorkerMetrics
 from sluice.registry import WorkerRegistration
 from sluice.repository import ModelVersion, footprint_bytes, scan_repository, verify
 from sluice.runtime import settle_garbage_collector
-from sluice.worker.server import LoadedModel, ModelLoader, RepositoryModel, WorkerServer
+from sluice.worker.loading import LoadedModel, RepositoryModel
+from sluice.worker.server import WorkerServer
 
 log = logging.getLogger("sluice.worker")
 _PR_SET_PDEATHSIG = 1
@@ -53,34 +55,58 @@ class WorkerConfig:
 def load_models(config: WorkerConfig) -> tuple[dict[tuple[str, str], LoadedModel], list[wire.RefusedModel],
                                                list[ModelVersion]]:
     """Every model version of the repository this worker serves, loaded, those it refused, and
-    those it loads on demand (`[loading] on_demand`), not loaded yet."""
-    versions, refused = _scan(config)
+    those it loads on demand (`[loading] on_demand`), not loaded yet. (A worker process lists
+    them and loads them once it listens: `run_worker`.)"""
+    startup, refused, dormant = scan_models(config)
+    source = RepositorySource(config)
     models: dict[tuple[str, str], LoadedModel] = {}
-    dormant = [version for version in versions if version.loading.on_demand]
-    for version in versions:
-        if not version.loading.on_demand:
-            _load_into(models, refused, version, config)
+    for version in startup:
+        loaded = source.load(version)
+        if isinstance(loaded, LoadedModel):
+            models[version.key] = loaded
+        else:
+            refused.append(loaded)
     return models, refused, dormant
 
 
-def model_loader(config: WorkerConfig) -> ModelLoader:
-    """How the worker loads a model again at run time (`WorkerServer` `SyncModel`): the versions the
-    repository has of it now, those of them not in `skip` loaded, and the refused ones."""
+def scan_models(config: WorkerConfig) -> tuple[list[ModelVersion], list[wire.RefusedModel], list[ModelVersion]]:
+    """The versions this worker loads when it starts, those it refused, and those it loads on demand."""
+    versions, refused = _scan(config)
+    return [v for v in versions if not v.loading.on_demand], refused, [v for v in versions if v.loading.on_demand]
 
-    def load(name: str, skip: set[tuple[str, str]]) -> RepositoryModel:
-        if config.model_names and name not in config.model_names:
-            return RepositoryModel([], {}, [])  # not this worker's model
-        present, refused = _scan(config, name)
-        # a version whose settings cannot be read now is still in the folder: one already held is
-        # kept as it is (its files are not read again), not taken off as if it had been removed
+
+class RepositorySource:
+    """The worker's models from its repository folder (`worker.loading.ModelSource`)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self._config = config
+
+    def scan(self, name: str) -> RepositoryModel:
+        """What the repository has of `name` now: a version whose settings cannot be read is still
+        in the folder (one already held is kept as it is, not taken off as if it had been removed)."""
+        if self._config.model_names and name not in self._config.model_names:
+            return RepositoryModel([], [], [])  # not this worker's model
+        present, refused = _scan(self._config, name)
         folders = [version.version for version in present] + [r.version for r in refused if r.version != "-"]
-        models: dict[tuple[str, str], LoadedModel] = {}
-        for version in present:
-            if version.key not in skip:
-                _load_into(models, refused, version, config)
-        return RepositoryModel(folders, models, refused)
+        return RepositoryModel(folders, present, refused)
 
-    return load
+    def load(self, version: ModelVersion) -> LoadedModel | wire.RefusedModel:
+        """Verify and load one version, or say why not."""
+        try:
+            if version.generator == "tiny-lm":
+                from sluice.engines.generative.tiny import ensure_tiny_lm
+
+                ensure_tiny_lm(version.weights_dir)
+            verify(version)
+            runner = load_runner(version, self._config.device, self._config.share)
+        except ConfigError as exc:
+            log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
+            return wire.RefusedModel(version.name, version.version, exc.message)
+        except Exception as exc:  # a runner that cannot load (bad weights, no memory): refuse it alone
+            log.exception("refusing %s v%s: loading failed", version.name, version.version)
+            return wire.RefusedModel(version.name, version.version, f"loading failed: {type(exc).__name__}: {exc}")
+        log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, self._config.device)
+        return LoadedModel(version, runner, footprint_bytes(version))
 
 
 def _scan(config: WorkerConfig, name: str | None = None) -> tuple[list[ModelVersion], list[wire.RefusedModel]]:
@@ -93,34 +119,12 @@ def _scan(config: WorkerConfig, name: str | None = None) -> tuple[list[ModelVers
                     if name in (None, r.name)]
 
 
-def _load_into(models: dict[tuple[str, str], LoadedModel], refused: list[wire.RefusedModel], version: ModelVersion,
-               config: WorkerConfig) -> None:
-    """Verify and load one version into `models`, or say why not in `refused`."""
-    try:
-        if version.generator == "tiny-lm":
-            from sluice.engines.generative.tiny import ensure_tiny_lm
-
-            ensure_tiny_lm(version.weights_dir)
-        verify(version)
-        runner = load_runner(version, config.device, config.share)
-    except ConfigError as exc:
-        log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
-        refused.append(wire.RefusedModel(version.name, version.version, exc.message))
-        return
-    except Exception as exc:  # a runner that cannot load (bad weights, no memory): refuse it alone
-        log.exception("refusing %s v%s: loading failed", version.name, version.version)
-        reason = f"loading failed: {type(exc).__name__}: {exc}"
-        refused.append(wire.RefusedModel(version.name, version.version, reason))
-        return
-    models[version.key] = LoadedModel(version, runner, footprint_bytes(version))
-    log.info("loaded %s v%s (%s) on %s", version.name, version.version, version.kind, config.device)
-
-
 async def run_worker(config: WorkerConfig) -> None:
-    models, refused, dormant = load_models(config)
-    server = WorkerServer(config.worker_id, models, refused, MonotonicClock(), WorkerMetrics(config.worker_id),
-                          model_loader(config), dormant,
-                          None if config.memory_budget_mb is None else config.memory_budget_mb * 1024 * 1024)
+    startup, refused, dormant = scan_models(config)  # loaded once it listens: gateways see them loading
+    server = WorkerServer(config.worker_id, {}, refused, MonotonicClock(), WorkerMetrics(config.worker_id),
+                          RepositorySource(config), dormant,
+                          None if config.memory_budget_mb is None else config.memory_budget_mb * 1024 * 1024,
+                          startup=startup)
     settle_garbage_collector()
     registration = None if config.registry is None else WorkerRegistration(
         config.registry, config.worker_id, config.advertise or config.address)

@@ -10,9 +10,11 @@ runs batches on a dedicated device thread, so the event loop never blocks.
 one's runs on a thread (`OFF_LOOP_TEXT_CHARS`), since the loop also sends the reports by which
 gateways know the worker is alive.
 
+It listens before it loads its models (`startup`): gateways see it at once, and the versions it
+is loading (`WorkerState.loading`), each served as soon as it is loaded and warmed up.
 Models can change while it serves (`SyncModel`, `_sync`): new versions are loaded and warmed up
-on a thread and then registered; versions taken off stop being reported at once and are freed
-once they have answered what they hold.
+on a thread (`worker.loading`, each within its `[loading] timeout_s`) and then registered;
+versions taken off stop being reported at once and are freed once they have answered what they hold.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from sluice.scheduler import Batch, Decision, LatencyProfile, Rejected, RejectRe
 from sluice.scheduler.batcher import ModelKey
 from sluice.worker.device import DeviceThread
 from sluice.worker.generation import GenerationLoop, Generations
+from sluice.worker.loading import Loaded, LoadedModel, ModelSource, RepositoryModel, VersionLoad, warm_up
 from sluice.worker.upstream import UpstreamLoop
 
 log = logging.getLogger("sluice.worker")
@@ -60,42 +63,6 @@ characters took 4.7 s). Smaller ones are prepared at once, sparing them the hop 
 RETIRE_AFTER_S = 0.5
 """A version taken off (`SyncModel`) still takes the requests sent before the gateways heard it
 was (its report goes out at once, so within a few ms); it is freed once idle and this long after."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
-    version: ModelVersion
-    runner: Runner | GenerativeRunner | OpenAIUpstreamRunner
-    footprint_bytes: int = 0
-    """What it takes in memory (`repository.footprint_bytes`), found where it was loaded."""
-
-
-@dataclass(frozen=True, slots=True)
-class RepositoryModel:
-    """A model as the repository has it now (`ModelLoader`)."""
-
-    versions: list[str]
-    """Every version folder it has."""
-    loaded: dict[ModelKey, LoadedModel]
-    """Those asked for, loaded."""
-    refused: list[wire.RefusedModel]
-
-
-ModelLoader = Callable[[str, set[ModelKey]], RepositoryModel]
-"""(model, versions already held) -> the model in the repository now, the versions not held loaded.
-Runs on a thread: it reads and verifies files and loads weights."""
-
-
-def warm_up(model: LoadedModel) -> list[tuple[int, float]]:
-    """Run a model's warm-up (it runs the model: off the event loop once the worker serves); a
-    batch runner's timed warm-up batches, (cost, seconds)."""
-    runner = model.runner
-    if isinstance(runner, GenerativeRunner):
-        runner.warmup()
-        return []
-    if isinstance(runner, OpenAIUpstreamRunner):
-        return []
-    return runner.warmup()
 
 
 @dataclass(slots=True)
@@ -130,12 +97,14 @@ class WorkerServer:
         refused: list[wire.RefusedModel],
         clock: Clock,
         metrics: WorkerMetrics,
-        loader: ModelLoader | None = None,
+        source: ModelSource | None = None,
         dormant: Sequence[ModelVersion] = (),
         memory_budget_bytes: int | None = None,
+        startup: Sequence[ModelVersion] = (),
     ) -> None:
-        """`loader`: how to load a model again while serving (`SyncModel`); None: models are fixed.
-        `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`).
+        """`source`: where to load models from while serving (`SyncModel`, `startup`); None: models
+        are fixed. `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`).
+        `startup`: versions it loads once it listens (reported as loading until then).
         `memory_budget_bytes`: what the models it loads on demand may take with the others
         (`repository.footprint_bytes`); to load one, the least recently used idle ones that can be
         loaded again on demand are unloaded first. None: no bound."""
@@ -146,7 +115,11 @@ class WorkerServer:
         self._infos: dict[ModelKey, wire.ModelInfo] = {}
         self._typical_cost: dict[ModelKey, float] = {}
         self._refused = refused
-        self._loader = loader
+        self._source = source
+        self._version_load = None if source is None else VersionLoad(source)
+        self._startup = list(startup)
+        self._loading: set[ModelKey] = {version.key for version in startup}
+        """Versions being loaded (`WorkerState.loading`)."""
         self._retiring: dict[ModelKey, tuple[wire.ModelInfo, float]] = {}
         """Versions taken off: their info, and the earliest time they may be freed."""
         self._dormant: dict[ModelKey, ModelVersion] = {version.key: version for version in dormant}
@@ -208,17 +181,20 @@ class WorkerServer:
         except OSError as exc:  # another worker has it, or no such interface here
             self._device.stop()
             raise ConfigError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
-        log.info("worker %s ready at %s with %d models", self.worker_id, address, len(self._runners))
+        log.info("worker %s listening at %s with %d models, %d to load", self.worker_id, address,
+                 len(self._runners), len(self._loading))
         on_listening()
         ticker = asyncio.create_task(self._state_loop())
+        loader = asyncio.create_task(self._load_startup())
         try:
             await self._drained.wait()
             self._broadcast_state()
             self._flush()
         finally:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            for task in (ticker, loader):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             self._device.stop()
             for upstream in self._upstream_loops.values():
                 await upstream.aclose()
@@ -271,6 +247,28 @@ class WorkerServer:
                 upstream.set_tenant_weights(self._tenant_weights)
             await upstream.start()
 
+    async def _load_startup(self) -> None:
+        """Load the versions the worker starts with, one at a time, each served once it is ready;
+        one that fails or runs past its timeout is refused alone. A `SyncModel` that came first
+        has loaded (or unloaded) its model's: they are no longer `_loading`, and skipped."""
+        for version in self._startup:
+            if self._is_draining:
+                break
+            assert self._version_load is not None
+            async with self._sync_locks.setdefault(version.name, asyncio.Lock()):
+                if version.key not in self._loading:
+                    continue
+                outcome = await self._version_load.load(version)
+                self._loading.discard(version.key)
+                if isinstance(outcome, Loaded):
+                    self._register(version.key, outcome.model, outcome.timings)
+                    await self._attach(version.key)
+                    log.info("serving %s v%s", *version.key)
+                else:
+                    self._refused.append(outcome)
+            self._broadcast_state()
+        self._startup = []
+
     def _on_sync(self, identity: bytes, message: wire.SyncModel) -> None:
         task = asyncio.create_task(self._sync(identity, message))
         self._tasks.add(task)
@@ -288,37 +286,50 @@ class WorkerServer:
                 found = await self._bring_in_line(name, message.unload)
             versions = [version for model, version in self._infos if model == name]
             refused = [r for r in self._refused if r.name == name]
-            refused += [r for r in found.refused if r not in refused]  # a served version's settings now broken too
+            refused += [r for r in found if r not in refused]  # a served version's settings now broken too
             self._reply(identity, wire.ModelSynced(message.sync_id, name, versions, refused))
 
-    async def _bring_in_line(self, name: str, unload: bool) -> RepositoryModel:
-        """`_sync`'s work: what the repository has of `name` now, and its versions' refusals."""
-        if self._loader is None or self._is_draining:
-            return RepositoryModel([], {}, [])
-        held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
-        no_room = None if unload else await self._make_room(name)
-        if no_room is not None:  # it stays to be loaded on demand: the next request tries again
-            log.warning("not loading %s: %s", name, no_room)
-            return RepositoryModel([], {}, [wire.RefusedModel(name, version, no_room)
-                                            for model, version in self._dormant if model == name])
-        found: RepositoryModel = RepositoryModel([], {}, [])
-        timings: dict[ModelKey, list[tuple[int, float]]] = {}
-        if not unload:
-            found, timings = await asyncio.to_thread(self._load, name, held)
-        self._take(name, found, timings)
-        for key in found.loaded:
+    async def _bring_in_line(self, name: str, unload: bool) -> list[wire.RefusedModel]:
+        """`_sync`'s work; the refusals of `name`'s versions it met."""
+        if self._source is None or self._version_load is None or self._is_draining:
+            return []
+        found = RepositoryModel([], [], [])
+        loaded: dict[ModelKey, Loaded] = {}
+        refused: list[wire.RefusedModel] = []
+        # under the model's lock, what is `_loading` of it waits for `_load_startup`: loaded here, or not at all
+        waiting = {key for key in self._loading if key[0] == name}
+        if unload:
+            self._loading -= waiting
+        else:
+            found = await asyncio.to_thread(self._source.scan, name)
+            held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
+            wanted = [version for version in found.present if version.key not in held]
+            no_room = await self._make_room(name, [version for version in wanted if version.key in self._dormant])
+            if no_room is not None:  # it stays to be loaded on demand: the next request tries again
+                log.warning("not loading %s: %s", name, no_room)
+                return [wire.RefusedModel(name, version.version, no_room) for version in wanted]
+            self._loading -= waiting  # those the repository still has are in `wanted`
+            self._loading |= {version.key for version in wanted}
+            self._broadcast_state()
+            try:
+                for version in wanted:
+                    outcome = await self._version_load.load(version)
+                    if isinstance(outcome, Loaded):
+                        loaded[version.key] = outcome
+                    else:
+                        refused.append(outcome)
+            finally:
+                self._loading -= {version.key for version in wanted}
+        self._take(name, found, loaded, refused)
+        for key in loaded:
             await self._attach(key)
         self._broadcast_state()  # gateways route to what was added, and not to what was taken off
-        return found
+        return found.refused + refused
 
-    def _load(self, name: str, held: set[ModelKey]) -> tuple[RepositoryModel, dict[ModelKey, list[tuple[int, float]]]]:
-        """Thread: the model's versions in the repository, those not held loaded and warmed up."""
-        assert self._loader is not None
-        found = self._loader(name, held)
-        return found, {key: warm_up(model) for key, model in found.loaded.items()}
-
-    def _take(self, name: str, found: RepositoryModel, timings: dict[ModelKey, list[tuple[int, float]]]) -> None:
-        """Serve `found`'s loaded versions; take off the versions of `name` it no longer has."""
+    def _take(self, name: str, found: RepositoryModel, loaded: dict[ModelKey, Loaded],
+              refused: list[wire.RefusedModel]) -> None:
+        """Serve the versions `loaded`; take off the versions of `name` the repository (`found`) no
+        longer has."""
         present = set(found.versions)
         for key in [key for key in self._retiring if key[0] == name and key[1] in present]:
             self._infos[key] = self._retiring.pop(key)[0]  # back before it was freed
@@ -328,18 +339,18 @@ class WorkerServer:
         for key in [key for key in self._infos if key[0] == name and key[1] not in present]:
             self._retire(key)
             log.info("taking %s v%s off: it is freed once it has answered what it holds", *key)
-        for key, model in found.loaded.items():
-            self._register(key, model, timings[key])
+        for key, outcome in loaded.items():
+            self._register(key, outcome.model, outcome.timings)
             log.info("serving %s v%s, loaded while serving", *key)
         served = {version for model, version in self._infos if model == name}
         self._refused = [r for r in self._refused if r.name != name] + \
-                        [r for r in found.refused if r.version not in served]
+                        [r for r in found.refused + refused if r.version not in served]
 
-    async def _make_room(self, name: str) -> str | None:
-        """Within the memory budget, make room for `name`'s versions loaded on demand: unload the
-        least recently used idle versions of other models that load on demand again, and wait until
-        they are freed. None once there is room; else why the budget cannot hold them even so."""
-        wanted = [version for key, version in self._dormant.items() if key[0] == name]
+    async def _make_room(self, name: str, wanted: list[ModelVersion]) -> str | None:
+        """Within the memory budget, make room for `wanted`, `name`'s versions loaded on demand:
+        unload the least recently used idle versions of other models that load on demand again,
+        and wait until they are freed. None once there is room; else why the budget cannot hold
+        them even so."""
         if self._memory_budget is None or not wanted:
             return None
         needed = await asyncio.to_thread(lambda: sum(footprint_bytes(version) for version in wanted))  # reads files
@@ -781,13 +792,14 @@ class WorkerServer:
             is_ready=not self._is_draining,
             is_draining=self._is_draining,
             models=list(self._infos.values()),
-            refused=self._refused,
+            refused=[r for r in self._refused if (r.name, r.version) not in self._loading],  # loaded again
             queues=queues,
             work_ahead_s=work_ahead_s,
             drain_rate=drain_rate,
             waits=waits,
             upstreams=[upstream.load() for upstream in self._upstream_loops.values()],
             dormant=sorted(self._dormant),
+            loading=sorted(self._loading),
         )
 
     def _send_batch_stats(self) -> None:
