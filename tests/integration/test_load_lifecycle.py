@@ -1,9 +1,11 @@
 """A worker's loads as clients see them: a worker listens before it loads (its other models serve
-while a slow one loads, and the slow one is reported `LOADING`), and a load that hangs is given up
-after its `[loading] timeout_s`. Real processes, real clients (`tritonclient`, `openai`, httpx)."""
+while a slow one loads, and the slow one is reported `LOADING`), a load that hangs is given up
+after its `[loading] timeout_s`, and loads at once within a memory budget cannot overfill it.
+Real processes, real clients (`tritonclient`, `openai`, httpx)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -120,3 +122,26 @@ def test_a_worker_exits_when_asked_although_a_load_given_up_on_still_runs(tmp_pa
         assert worker.wait(timeout=30) == 0  # the hung load's thread does not hold the exit up
     finally:
         stop_all([worker])
+
+
+def test_loads_at_once_within_a_memory_budget_cannot_overfill_it(make_server, tmp_path):
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=1.0, beta_ms=0.1)
+    server = make_server(repo, "--model-memory-mb", "1")
+    gate = tmp_path / "gate"
+    for name in ("big-a", "big-b"):  # about 0.6 MB each: one fits in the budget, not both
+        add_gated_version(repo / name, "1", gate, blob_bytes=600 * 1024)
+
+    def load(name: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v2/repository/models/{name}/load", timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        loads = [pool.submit(load, name) for name in ("big-a", "big-b")]
+        eventually(lambda: (tmp_path / "gate.started").exists(), "a load started")
+        gate.touch()
+        answers = [future.result() for future in loads]
+    assert sorted(answer.status_code for answer in answers) == [200, 400]
+    refused = next(answer for answer in answers if answer.status_code == 400).json()["error"]
+    assert "budget" in refused
+    ready = [name for name in ("big-a", "big-b")
+             if httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200]
+    assert len(ready) == 1

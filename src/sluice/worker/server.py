@@ -120,6 +120,8 @@ class WorkerServer:
         self._startup = list(startup)
         self._loading: set[ModelKey] = {version.key for version in startup}
         """Versions being loaded (`WorkerState.loading`)."""
+        self._reserved_bytes = 0
+        """Memory set aside, within the budget, for the loads under way (`_reserve`)."""
         self._retiring: dict[ModelKey, tuple[wire.ModelInfo, float]] = {}
         """Versions taken off: their info, and the earliest time they may be freed."""
         self._dormant: dict[ModelKey, ModelVersion] = {version.key: version for version in dormant}
@@ -132,8 +134,8 @@ class WorkerServer:
         self._sync_locks: dict[str, asyncio.Lock] = {}
         """One `SyncModel` at a time per model: a slow load does not hold up another model's load or unload."""
         self._room_lock = asyncio.Lock()
-        """Held by a load on demand within the memory budget while it makes room and loads: two at
-        once would both count the same free memory."""
+        """Held by a load within the memory budget while it makes room and sets its memory aside
+        (`_reserve`): two at once would both count the same free memory."""
         self._freed = asyncio.Event()
         """Set for a moment each time a version taken off is freed."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -280,10 +282,7 @@ class WorkerServer:
         and unloads included)."""
         name = message.model
         async with self._sync_locks.setdefault(name, asyncio.Lock()):
-            budgeted = not message.unload and self._memory_budget is not None and any(
-                model == name for model, _ in self._dormant)
-            async with self._room_lock if budgeted else contextlib.nullcontext():
-                found = await self._bring_in_line(name, message.unload)
+            found = await self._bring_in_line(name, message.unload)
             versions = [version for model, version in self._infos if model == name]
             refused = [r for r in self._refused if r.name == name]
             refused += [r for r in found if r not in refused]  # a served version's settings now broken too
@@ -304,10 +303,10 @@ class WorkerServer:
             found = await asyncio.to_thread(self._source.scan, name)
             held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
             wanted = [version for version in found.present if version.key not in held]
-            no_room = await self._make_room(name, [version for version in wanted if version.key in self._dormant])
-            if no_room is not None:  # it stays to be loaded on demand: the next request tries again
-                log.warning("not loading %s: %s", name, no_room)
-                return [wire.RefusedModel(name, version.version, no_room) for version in wanted]
+            reserved = await self._reserve(name, wanted)
+            if isinstance(reserved, str):  # no room: it stays as it is (to load on demand: the next request tries)
+                log.warning("not loading %s: %s", name, reserved)
+                return [wire.RefusedModel(name, version.version, reserved) for version in wanted]
             self._loading -= waiting  # those the repository still has are in `wanted`
             self._loading |= {version.key for version in wanted}
             self._broadcast_state()
@@ -320,6 +319,7 @@ class WorkerServer:
                         refused.append(outcome)
             finally:
                 self._loading -= {version.key for version in wanted}
+                self._reserved_bytes -= reserved
         self._take(name, found, loaded, refused)
         for key in loaded:
             await self._attach(key)
@@ -346,15 +346,22 @@ class WorkerServer:
         self._refused = [r for r in self._refused if r.name != name] + \
                         [r for r in found.refused + refused if r.version not in served]
 
-    async def _make_room(self, name: str, wanted: list[ModelVersion]) -> str | None:
-        """Within the memory budget, make room for `wanted`, `name`'s versions loaded on demand:
-        unload the least recently used idle versions of other models that load on demand again,
-        and wait until they are freed. None once there is room; else why the budget cannot hold
-        them even so."""
+    async def _reserve(self, name: str, wanted: list[ModelVersion]) -> int | str:
+        """Within the memory budget, set memory aside for loading `wanted` (versions of `name`),
+        first unloading the least recently used idle versions of other models that load on
+        demand again, and waiting until they are freed. The bytes set aside (the caller gives them
+        back once its load is done), or why the budget cannot hold them even so. Loads that run
+        at once each count what the others set aside: they cannot overfill it together."""
         if self._memory_budget is None or not wanted:
-            return None
+            return 0
+        async with self._room_lock:
+            return await self._make_room(name, wanted)
+
+    async def _make_room(self, name: str, wanted: list[ModelVersion]) -> int | str:
+        """`_reserve`'s work, under `_room_lock`."""
+        assert self._memory_budget is not None
         needed = await asyncio.to_thread(lambda: sum(footprint_bytes(version) for version in wanted))  # reads files
-        held = sum(self._footprints.values())  # retiring versions too, until they are freed
+        held = sum(self._footprints.values()) + self._reserved_bytes  # retiring versions too, until they are freed
         evicted = []
         for key in sorted(self._infos, key=lambda k: self._last_used.get(k, 0.0)):
             if held + needed <= self._memory_budget:
@@ -369,8 +376,8 @@ class WorkerServer:
             if needed > self._memory_budget:
                 return f"its versions take about {needed / mb:.1f} MB, more than the worker's model memory " \
                        f"budget of {self._memory_budget / mb:.1f} MB"
-            return f"its versions take about {needed / mb:.1f} MB and the models in use hold " \
-                   f"{held / mb:.1f} MB of the worker's {self._memory_budget / mb:.1f} MB budget"
+            return f"its versions take about {needed / mb:.1f} MB and the models in use (or being loaded) " \
+                   f"hold {held / mb:.1f} MB of the worker's {self._memory_budget / mb:.1f} MB budget"
         for key in evicted:
             self._retire(key, dormant=True)
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
@@ -382,7 +389,8 @@ class WorkerServer:
             while any(key in self._retiring for key in evicted) and (left_s := deadline - loop.time()) > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), left_s)
-        return None
+        self._reserved_bytes += needed
+        return needed
 
     def _unload_idle(self) -> None:
         """Take off the versions idle for longer than their `[loading] idle_unload_s`; they are
