@@ -208,6 +208,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     else:
         gateway.expected_versions = {(v.name, v.version) for v in scan_repository(config.models_dir).versions
                                      if not v.loading.on_demand}
+        gateway.workers_share_repository = True
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
         specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)), config.model_memory_mb)

@@ -1,12 +1,14 @@
 """A worker's loads as clients see them: a worker listens before it loads (its other models serve
 while a slow one loads, and the slow one is reported `LOADING`), a load that hangs is given up
-after its `[loading] timeout_s`, and loads at once within a memory budget cannot overfill it.
-Real processes, real clients (`tritonclient`, `openai`, httpx)."""
+after its `[loading] timeout_s`, loads at once within a memory budget cannot overfill it, and a
+version removed from the repository is forgotten (404, not 503 forever). Real processes, real
+clients (`tritonclient`, `openai`, httpx)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import openai
 import pytest
 import tritonclient.http as triton
 
-from tests.conftest import eventually, free_port, start_server, stop_all, write_emulated_model
+from tests.conftest import eventually, free_port, start_server, stop_all, write_emulated_model, write_two_versions
 from tests.user_models import add_gated_version
 
 pytestmark = pytest.mark.slow
@@ -145,3 +147,25 @@ def test_loads_at_once_within_a_memory_budget_cannot_overfill_it(make_server, tm
     ready = [name for name in ("big-a", "big-b")
              if httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200]
     assert len(ready) == 1
+
+
+def test_a_version_removed_from_the_repository_is_forgotten_once_its_worker_restarts(make_server, tmp_path):
+    repo = write_two_versions(tmp_path / "models")
+    write_emulated_model(repo, name="other", alpha_ms=1.0, beta_ms=0.1)
+    server = make_server(repo)
+    assert httpx.post(f"{server.url}/v2/models/emulated/versions/2/infer", json=ROW).status_code == 200
+    shutil.rmtree(repo / "emulated" / "2")
+    shutil.rmtree(repo / "other")
+    (worker,) = server.worker_pids()
+    os.kill(worker, signal.SIGKILL)  # restarted by the supervisor, with the repository as it is now
+    eventually(lambda: server.worker_pids() not in ([], [worker]) and
+               httpx.get(f"{server.url}/v2/models/emulated/versions/1/ready").status_code == 200,
+               "the restarted worker serving version 1", 60)
+    eventually(lambda: httpx.post(f"{server.url}/v2/models/emulated/versions/2/infer", json=ROW).status_code == 404,
+               "version 2 answered 404 (not 503 forever)", 10)
+    assert "has no version '2'" in httpx.post(f"{server.url}/v2/models/emulated/versions/2/infer",
+                                              json=ROW).json()["error"]
+    assert httpx.post(f"{server.url}/v2/models/other/infer", json=ROW).status_code == 404
+    index = _index(server.url)
+    assert ("emulated", "2") not in index and ("other", "1") not in index
+    assert httpx.get(f"{server.url}/v2/health/ready").json() == {"ready": True}

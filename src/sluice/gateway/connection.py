@@ -339,7 +339,7 @@ class WorkerConnection:
             self._sent_before_connect = set()  # the same process, or the rest: sent to this one
             self.is_lost = False
             models_changed = message.models != self.known_models or message.dormant != self.dormant \
-                or message.loading != self.loading
+                or message.loading != self.loading or (self.state is not None and message.refused != self.state.refused)
             self.known_models = message.models
             self.dormant = message.dormant
             self.loading = message.loading

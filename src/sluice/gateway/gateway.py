@@ -139,7 +139,11 @@ class Gateway:
         """Why the last load on demand of each model loaded nothing (its worker's memory budget)."""
         self.expected_versions: set[tuple[str, str]] = set()
         """(model, version) of the repository's versions: one asked for before it is ready is a
-        503 ("not ready yet"), not a 404."""
+        503 ("not ready yet"), not a 404. Those removed from the repository are forgotten as the
+        workers' reports show it (`_forget_removed`)."""
+        self.workers_share_repository = False
+        """Every worker serves the whole of one repository (`sluice serve`): a worker's report says
+        all it has, so a model it does not report at all was removed too."""
         self._index: _ModelIndex | None = None  # rebuilt lazily after a worker's change
         self.tenancy.on_weights(self._send_weights)
         self.traffic = Traffic()
@@ -235,6 +239,29 @@ class Gateway:
         self._invalidate()
         for name in {info.name for info in connection.known_models} & self.unloaded.keys():
             connection.sync_model(self._new_sync_id(), name, unload=True)
+        self._forget_removed(connection)
+
+    def _forget_removed(self, connection: WorkerConnection) -> None:
+        """Stop expecting the versions removed from the repository: those of a model the worker
+        reports (served, loading, refused or loaded on demand; any model, if the workers share
+        one repository) that it does not have, and that no worker has. Else a request for one
+        would be answered 503 "no ready worker yet" forever rather than 404, and a model removed
+        whole would keep the server not ready."""
+        if not connection.is_ready or connection.state is None:
+            return
+        has = _versions_of(connection)
+        names = {name for name, _ in has}
+        gone = {key for key in self.expected_versions
+                if (self.workers_share_repository or key[0] in names) and key not in has}
+        if not gone:
+            return
+        for other in self._connections.values():
+            if other is not connection and other.state is not None:
+                gone -= _versions_of(other)
+        if gone:
+            log.info("no longer expecting %s: removed from the repository",
+                     ", ".join(f"{name} v{version}" for name, version in sorted(gone)))
+            self.expected_versions -= gone
 
     def _load_on_demand(self, name: str, version: str | None, *, start: bool) -> None:
         """If a worker loads `name` (`version`, if given) on demand and none serves it, have the
@@ -1033,3 +1060,10 @@ def _routed_to(info: wire.ModelInfo) -> Iterator[None]:
             exc.model_version = info.version
         raise
 
+
+def _versions_of(connection: WorkerConnection) -> set[tuple[str, str]]:
+    """The model versions a worker says it has: served, loading, refused, loaded on demand."""
+    state = connection.state
+    refused = {(r.name, r.version) for r in state.refused} if state is not None else set()
+    return {(info.name, info.version) for info in connection.known_models} | set(connection.loading) \
+        | set(connection.dormant) | refused
