@@ -3,7 +3,10 @@
     request ─▶ AuthMiddleware ─▶ scope["sluice.tenant"] = tenant name ─▶ routes
                  │ no key / unknown key: 401    tenant key on /admin/*: 403
 
-Keys come from `Authorization: Bearer <key>` (what the `openai` SDK sends) or `api-key`.
+Keys come from `Authorization: Bearer <key>` (what the `openai` SDK sends) or `api-key`. A request
+that presents its key ambiguously (two `Authorization` headers, two `api-key`, or both naming
+different keys, as when a proxy adds its own) is refused with 400: which one counts is not for the
+server to guess.
 Health probes need no key; `/metrics` checks its own (`[metrics]` in the tenants file), and under
 `[metrics] access = "keys"` so do the model statistics (`/v2/models[/{m}[/versions/{v}]]/stats`),
 which show every tenant's traffic: a metrics or admin key then reads them, for every model. Without
@@ -18,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.api.common import MONITOR_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.api.errors import error_response, protocol_of
-from sluice.errors import PermissionDenied, SluiceError
+from sluice.errors import InvalidInput, PermissionDenied, SluiceError
 from sluice.gateway.tenancy import Tenancy
 
 ADMIN_SCOPE_KEY = "sluice.admin"
@@ -27,10 +30,28 @@ _ADMIN_PATHS = ("/admin/", "/v2/repository/models/")  # the latter: loading and 
 
 
 def presented_key(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
-        if name in (b"authorization", b"api-key") and (key := key_of(name.decode(), value.decode("latin-1"))):
-            return key
-    return None
+    """The API key a request presents, or None; raises `InvalidInput` (400) if it presents more than one."""
+    return key_among([(name.decode("latin-1"), value.decode("latin-1"))
+                      for name, value in scope["headers"] if name in (b"authorization", b"api-key")])
+
+
+def key_among(entries: list[tuple[str, str]]) -> str | None:
+    """The API key among a request's headers (or gRPC metadata entries) `entries`, given lowercase
+    (`key_of`), or None; raises `InvalidInput` if they present it ambiguously: a header twice, or
+    `authorization` and `api-key` naming different keys."""
+    key = None
+    seen: list[str] = []
+    for name, value in entries:
+        if name not in ("authorization", "api-key"):
+            continue
+        if name in seen:
+            raise InvalidInput(f"the request has more than one {name!r} header: send the API key once")
+        seen.append(name)
+        found = key_of(name, value)
+        if found is not None and key is not None and found != key:
+            raise InvalidInput("the 'authorization' and 'api-key' headers name different API keys: send one")
+        key = key or found
+    return key
 
 
 def key_of(name: str, value: str) -> str | None:

@@ -49,7 +49,7 @@ from google.protobuf.message import Message
 from sluice import __version__, wire
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.app import request_id_for
-from sluice.api.auth import check_admin, inference_tenant, key_of, statistics_reader
+from sluice.api.auth import check_admin, inference_tenant, key_among, statistics_reader
 from sluice.api.classification import PARAMETER as CLASSIFICATION
 from sluice.api.classification import class_counts
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
@@ -145,18 +145,31 @@ class _Call:
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self.metadata: dict[str, str] = {}
-        for name, value in context.invocation_metadata() or ():
-            if isinstance(value, str):  # binary (-bin) entries are not ours
-                self.metadata.setdefault(name, value)
-        self.key = next((k for name in ("authorization", "api-key")
-                         if name in self.metadata and (k := key_of(name, self.metadata[name]))), None)
+        entries = [(name, value) for name, value in context.invocation_metadata() or ()
+                   if isinstance(value, str)]  # binary (-bin) entries are not ours
+        for name, value in entries:
+            self.metadata.setdefault(name, value)
+        self._key: str | None = None
+        self._key_error: InvalidInput | None = None
+        try:
+            self._key = key_among(entries)
+        except InvalidInput as exc:  # raised where the key is asked for, within the call's error handling
+            self._key_error = exc
         self.request_id = request_id_for(self.metadata.get("x-request-id"))
 
     def one(self) -> _Call:
         """A copy for one request of a stream: the same metadata, its own tenant and model."""
         copy = object.__new__(_Call)
-        copy.metadata, copy.key, copy.request_id = self.metadata, self.key, self.request_id
+        copy.metadata, copy.request_id = self.metadata, self.request_id
+        copy._key, copy._key_error = self._key, self._key_error
         return copy
+
+    @property
+    def key(self) -> str | None:
+        """The API key the call presents (`auth.key_among`); raises its `InvalidInput` if ambiguous."""
+        if self._key_error is not None:
+            raise self._key_error
+        return self._key
 
 
 class KServeGrpc:
