@@ -15,7 +15,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.api.common import arrival
-from sluice.api.http_protocol import MAX_HEAD_BYTES, MAX_PIPELINED, PARSE_PIECE_BYTES, stamping_protocol
+from sluice.api.http_protocol import (
+    MAX_HEAD_BYTES,
+    MAX_PIPELINED,
+    PARSE_PIECE_BYTES,
+    stamping_protocol,
+)
 from tests.conftest import free_port, until
 
 
@@ -109,8 +114,9 @@ async def _connected(app, answer_early) -> AsyncIterator[
         tuple[int, asyncio.StreamReader, asyncio.StreamWriter, uvicorn.Server]]:
     """A server with the protocol on a free port, and one connection to it: (port, reader, writer, server)."""
     port = free_port()
+    protocol = stamping_protocol(_StepClock(), answer_early)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
-                                           http=stamping_protocol(_StepClock(), answer_early), lifespan="off"))
+                                           http=protocol, lifespan="off"))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -479,3 +485,59 @@ def test_a_request_whose_body_cannot_be_parsed_is_refused_at_once_or_after_those
         bodies = [part.split(b"\r\n\r\n", 1)[1] for part in written.split(b"HTTP/1.1 ")[1:]]
         assert bodies == [*answers, b"Invalid HTTP request received."], written
     assert app.paths == ["/c", "/c", "/a"]  # the refused request queued behind others never started
+
+
+def _answers(written: bytes) -> list[tuple[int, bytes]]:
+    """Each answer's status and body, in what a server wrote (each with its Content-Length)."""
+    answers = []
+    while written:
+        head, written = written.split(b"\r\n\r\n", 1)
+        length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        answers.append((int(head[9:12]), written[:length]))
+        written = written[length:]
+    return answers
+
+
+def test_a_transfer_coding_other_than_chunked_is_501_and_the_connection_closed() -> None:
+    """RFC 9112 §6.1: a transfer coding the server does not understand is answered 501, and the
+    connection closed (httptools read `gzip, chunked` as chunked, and the app got the body still
+    gzipped as if it were the request's)."""
+    app = _Recorder()
+
+    def request(path: bytes, codings: bytes, version: bytes = b"1.1") -> bytes:
+        return (b"POST %b HTTP/%b\r\nhost: x\r\n%b\r\n3\r\nabc\r\n0\r\n\r\n" % (path, version, codings))
+
+    gzip_chunked = request(b"/v1/embeddings", b"transfer-encoding: gzip, chunked\r\n")
+    written = asyncio.run(_written_until_closed(_post("/a", b"one") + gzip_chunked, app))
+    assert [status for status, _ in _answers(written)] == [200, 501], written
+    assert b"connection: close" in written and b"content-type: application/json" in written
+    error = json.loads(_answers(written)[1][1])["error"]
+    assert error["code"] == "unsupported_transfer_coding" and "gzip" in error["message"]
+    # over two headers, on a KServe route: its error shape
+    two_headers = request(b"/v2/models/m/infer", b"transfer-encoding: deflate\r\ntransfer-encoding: chunked\r\n")
+    (status, body), = _answers(asyncio.run(_written_until_closed(two_headers, app)))
+    assert status == 501 and "deflate" in json.loads(body)["error"]
+    # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding is faulty framing
+    (status, _), = _answers(asyncio.run(_written_until_closed(request(b"/a", b"transfer-encoding: chunked\r\n",
+                                                                       b"1.0"), app)))
+    assert status == 400
+    assert app.paths == ["/a"]  # none of them reached the app
+    chunked = asyncio.run(_written_until_closed(request(b"/b", b"transfer-encoding: Chunked\r\nconnection: close\r\n"),
+                                                app))
+    assert _answers(chunked) == [(200, b"abc")]  # chunked alone, in any case, is served
+
+
+def test_a_request_without_one_host_header_is_400() -> None:
+    """RFC 9112 §3.2: an HTTP/1.1 request with no Host header, or more than one (which one names
+    the server?), is answered 400. So is one with two Content-Lengths (httptools' own refusal)."""
+    app = _Recorder()
+    for head in (b"GET /v1/models HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n",
+                 b"GET /v1/models HTTP/1.1\r\nhost: a\r\nHost: a\r\n\r\n",
+                 b"GET /v1/models HTTP/1.1\r\naccept: */*\r\n\r\n"):
+        (status, body), = _answers(asyncio.run(_written_until_closed(head, app)))
+        assert status == 400 and json.loads(body)["error"]["code"] == "invalid_host_header", body
+    two_lengths = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 5\r\n\r\nabcde"
+    assert [status for status, _ in _answers(asyncio.run(_written_until_closed(two_lengths, app)))] == [400]
+    assert app.paths == []
+    old = asyncio.run(_written_until_closed(b"GET /v1/models HTTP/1.0\r\n\r\n", app))
+    assert _answers(old) == [(200, b"")]  # HTTP/1.0 needs none

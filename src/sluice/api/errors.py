@@ -124,6 +124,15 @@ def protocol_of(path: str) -> str:
     return "kserve" if path.startswith("/v2") else "openai"
 
 
+def error_json(message: str, code: str, protocol: str) -> bytes:
+    """The body of a refusal made below the application (`api.http_protocol`: a request's framing
+    or its body's timeout), in the protocol's error shape."""
+    if protocol == "kserve":
+        return msgspec.json.encode({"error": message})
+    return msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                          "code": code}})
+
+
 def error_headers(error: Exception) -> dict[str, str]:
     """What an error's answer says beside its body: when to retry (`Retry-After` in whole seconds,
     at least 1, and `retry-after-ms`), on a 429 which limit and OpenAI's `x-ratelimit-*` (on an

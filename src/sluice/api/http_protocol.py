@@ -32,6 +32,13 @@ paused, until their turn. A connection that sends nothing is closed after the ke
 as an idle one is, and a request head still unfinished that long after its first read is answered
 408 and closed (uvicorn has no such limit: a client trickling a header byte now and then held its
 connection for ever).
+
+*Framing* (RFC 9112). An HTTP/1.1 request without one `Host` header is answered 400; a
+`Transfer-Encoding` other than `chunked` alone (`gzip, chunked`: httptools read it as chunked and
+handed on the body still gzipped) 501, and Transfer-Encoding in an HTTP/1.0 request 400
+(`api.http_framing`); in the route's error shape, and the request never reaches the
+application. httptools itself refuses two `Content-Length`s, or one beside `Transfer-Encoding`
+(400). Every refusal closes the connection.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from sluice.api.common import RECEIVED_AT_SCOPE_KEY
+from sluice.api.errors import error_json, protocol_of
+from sluice.api.http_framing import framing_problem
 from sluice.clock import Clock
 from sluice.gateway.ticket import defer_accounting, run_deferred
 
@@ -57,6 +66,8 @@ MAX_PIPELINED = 32
 """Requests a connection may have parsed and waiting behind the one being answered."""
 PARSE_PIECE_BYTES = 4096
 """A read larger than this is parsed a piece at a time, to stop at `MAX_PIPELINED`."""
+
+_NOTED_HEADERS = frozenset({b"host", b"transfer-encoding", b"expect"})
 
 EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
 """`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
@@ -74,13 +85,15 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _in_head = False  # between a request's first byte and the end of its headers
         _head_bytes = 0  # of its head, as httptools hands them over
         _head_streamed = 0  # bytes of reads that were all one unfinished head (httptools keeps a header until whole)
-        _head_too_large = False
+        _head_refusal: tuple[int, bytes, bytes] | None = None  # raised from a parser callback (`_HeadRefused`)
+        _num_hosts = 0  # `Host` headers of the request being parsed
+        _codings: list[bytes] | None = None  # its `Transfer-Encoding` values
         _body_seen = 0  # of the current request's body
         _unparsed: bytes | None = None  # read, but not parsed yet: requests waiting for their turn
         _unparsed_at = 0
         _parsing = False
         _head_timer: asyncio.TimerHandle | None = None
-        _refusal: tuple[int, bytes] | None = None  # of what the client sent: the connection's last answer
+        _refusal: tuple[int, bytes, bytes] | None = None  # status, body, content type: the connection's last answer
         _refused_cycle: RequestResponseCycle | None = None  # the request refused, when its head was read
 
         def data_received(self, data: bytes) -> None:
@@ -153,6 +166,10 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
                 # a head that did not come whole in one read (never so for a client's usual request)
                 self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timed_out)
 
+        def _protocol(self) -> str:
+            """Which protocol's error shape the request being parsed takes (`errors.protocol_of`)."""
+            return protocol_of(self.url.decode("latin-1"))
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
             # a connection that never sends a request is idle: closed as a kept-alive one is
@@ -170,6 +187,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
             super().on_message_begin()
             self._in_head, self._head_bytes, self._head_streamed, self._body_seen = True, 0, 0, 0
+            self._num_hosts, self._codings = 0, None
             self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
 
         def on_url(self, url: bytes) -> None:
@@ -183,30 +201,41 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._count_head(0)
             name = name.lower()  # uvicorn's own, inline: this runs for every header of every request
-            if name == b"expect" and value.lower() == b"100-continue":
-                self.expect_100_continue = True
+            if name in _NOTED_HEADERS:
+                if name == b"host":
+                    self._num_hosts += 1
+                elif name == b"expect":
+                    self.expect_100_continue = self.expect_100_continue or value.lower() == b"100-continue"
+                else:
+                    self._codings = [*(self._codings or ()), value]
             self.headers.append((name, value))
 
         def _count_head(self, size: int) -> None:
             self._head_bytes += size
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._head_too_large = True
-                raise _HeadTooLarge  # httptools stops; uvicorn's `send_400_response` answers
+                self._head_refusal = (431, b"Request header fields too large.", TEXT)
+                raise _HeadRefused  # httptools stops; uvicorn's `send_400_response` answers
 
         def on_headers_complete(self) -> None:
             self._in_head = False
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+            if self._num_hosts != 1 or self._codings is not None:
+                problem = framing_problem(self._num_hosts, self._codings, self.parser.get_http_version())
+                if problem is not None:
+                    status, message, code = problem
+                    self._head_refusal = (status, error_json(message, code, self._protocol()), JSON)
+                    raise _HeadRefused  # the request is never started, and its body never read
             super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:
-            if self._head_too_large:
-                self._refuse(431, b"Request header fields too large.")
+            if self._head_refusal is not None:
+                self._refuse(*self._head_refusal)
             else:
                 self._refuse(400, msg.encode("ascii"))
 
-        def _refuse(self, status: int, message: bytes) -> None:
+        def _refuse(self, status: int, message: bytes, content_type: bytes = TEXT) -> None:
             """A refusal of what a client sent (uvicorn's 400 for what it cannot parse, a 431 or a
             408): nothing more is read, and it is written, then the connection closed, once the
             answers to the requests before it are (uvicorn wrote it at once, so a client read it
@@ -214,7 +243,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             self._in_head = False
             self._unparsed = None
             if self._refusal is None:
-                self._refusal = (status, message)
+                self._refusal = (status, message, content_type)
                 self.flow.pause_reading()
                 cycle = self.cycle
                 if cycle is not None and cycle.more_body and not cycle.response_complete:
@@ -240,12 +269,12 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         def _write_refusal(self) -> None:
             if self._refusal is None or self.transport.is_closing():
                 return
-            status, message = self._refusal
+            status, message, content_type = self._refusal
             content = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
                 content += [name, b": ", value, b"\r\n"]
-            content += [b"content-type: text/plain; charset=utf-8\r\n",
-                        b"content-length: %d\r\n" % len(message), b"connection: close\r\n\r\n", message]
+            content += [b"content-type: ", content_type, b"\r\ncontent-length: %d\r\n" % len(message),
+                        b"connection: close\r\n\r\n", message]
             self.transport.write(b"".join(content))
             self.transport.close()
 
@@ -347,8 +376,13 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
     return SluiceHttpToolsProtocol
 
 
-class _HeadTooLarge(Exception):
-    """Raised from a parser callback: the request's head passed `MAX_HEAD_BYTES`."""
+TEXT = b"text/plain; charset=utf-8"
+JSON = b"application/json"
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback: the request's head is refused (`_head_refusal`: past
+    `MAX_HEAD_BYTES`, or its framing headers are wrong)."""
 
 
 def _may_answer_early(cycle: RequestResponseCycle) -> bool:
