@@ -14,13 +14,18 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sluice.api.app import build_app
 from sluice.api.common import arrival
+from sluice.api.http_lingering import LINGER_BYTES
 from sluice.api.http_protocol import (
     MAX_HEAD_BYTES,
     MAX_PIPELINED,
     PARSE_PIECE_BYTES,
     stamping_protocol,
 )
+from sluice.clock import MonotonicClock
+from sluice.gateway import Gateway
+from sluice.metrics import GatewayMetrics
 from tests.conftest import free_port, until
 
 
@@ -541,3 +546,59 @@ def test_a_request_without_one_host_header_is_400() -> None:
     assert app.paths == []
     old = asyncio.run(_written_until_closed(b"GET /v1/models HTTP/1.0\r\n\r\n", app))
     assert _answers(old) == [(200, b"")]  # HTTP/1.0 needs none
+
+
+async def _answer_while_sending(port: int, head: bytes, filler: bytes) -> tuple[bytes, int]:
+    """What a client that sends `head`, then `filler` again and again, reads (its answer, or the
+    error that ended the read), and how much of `filler` it sent before the server closed (it
+    goes on sending after its answer, up to 64 MiB)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    reading = asyncio.create_task(reader.read())
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        while sent < 64 << 20:
+            writer.write(filler)
+            await writer.drain()
+            sent += len(filler)
+    writer.close()
+    try:
+        return await asyncio.wait_for(reading, 5), sent
+    except ConnectionError as exc:
+        return repr(exc).encode(), sent
+
+
+def test_a_client_still_sending_reads_its_refusal_before_the_connection_closes() -> None:
+    """A refusal written while the client is still sending (a 413 for a body too large, a 400 for
+    a chunk it cannot parse, a 431 for an endless head) used to be followed by a close with the
+    client's bytes unread: the kernel reset the connection, and the client, still writing, read
+    "connection reset by peer", never the answer. Now the server shuts its sending side, reads and
+    drops what still comes for a bounded time and size, and then closes."""
+    clock = MonotonicClock()
+    app = build_app(Gateway(clock, GatewayMetrics()))
+    filler = b"x" * 65536
+
+    async def scenario() -> list[tuple[bytes, int]]:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
+                                               http=stamping_protocol(clock, app.answer_early), lifespan="off"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            return [await _answer_while_sending(port, head, filler) for head in (
+                b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                b"content-type: application/json\r\ncontent-length: 100000000\r\n\r\n",
+                b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+                b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\nx-long: ",
+            )]
+        finally:
+            server.should_exit = True
+            await serving
+
+    (too_large, sent), (bad_chunk, _), (endless, _) = asyncio.run(scenario())
+    assert too_large.startswith(b"HTTP/1.1 413 "), too_large
+    assert json.loads(too_large.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "payload_too_large"
+    assert bad_chunk.startswith(b"HTTP/1.1 400 "), bad_chunk
+    assert endless.startswith(b"HTTP/1.1 431 "), endless
+    assert sent < 32 * LINGER_BYTES  # what it read before closing is bounded: the server closed, not the client

@@ -38,7 +38,8 @@ connection for ever).
 handed on the body still gzipped) 501, and Transfer-Encoding in an HTTP/1.0 request 400
 (`api.http_framing`); in the route's error shape, and the request never reaches the
 application. httptools itself refuses two `Content-Length`s, or one beside `Transfer-Encoding`
-(400). Every refusal closes the connection.
+(400). Every refusal closes the connection, lingering while the client may still be sending
+(`api.http_lingering`), so that it reads the refusal rather than a reset.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from sluice.api.common import RECEIVED_AT_SCOPE_KEY
 from sluice.api.errors import error_json, protocol_of
 from sluice.api.http_framing import framing_problem
+from sluice.api.http_lingering import LingeringTransport
 from sluice.clock import Clock
 from sluice.gateway.ticket import defer_accounting, run_deferred
 
@@ -88,6 +90,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _head_refusal: tuple[int, bytes, bytes] | None = None  # raised from a parser callback (`_HeadRefused`)
         _num_hosts = 0  # `Host` headers of the request being parsed
         _codings: list[bytes] | None = None  # its `Transfer-Encoding` values
+        _in_body = False  # between the end of a request's head and the end of its body
         _body_seen = 0  # of the current request's body
         _unparsed: bytes | None = None  # read, but not parsed yet: requests waiting for their turn
         _unparsed_at = 0
@@ -170,8 +173,24 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             """Which protocol's error shape the request being parsed takes (`errors.protocol_of`)."""
             return protocol_of(self.url.decode("latin-1"))
 
+        def _may_be_sending(self) -> bool:
+            """Whether the client may still be sending (its closing connection lingers: `api.http_lingering`)."""
+            return self._refusal is not None or self._in_head or self._in_body or self._unparsed is not None
+
+        def _on_linger(self) -> None:
+            """The connection closes, lingering: no timer is needed, and no request will be answered."""
+            self._unset_keepalive_if_required()
+            self._cancel_timers()
+            self._tell_gone()
+
+        def _cancel_timers(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-            super().connection_made(transport)  # type: ignore[arg-type]
+            lingering = LingeringTransport(cast(asyncio.Transport, transport), self._may_be_sending, self._on_linger)
+            super().connection_made(lingering)  # type: ignore[arg-type]
             # a connection that never sends a request is idle: closed as a kept-alive one is
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
@@ -228,6 +247,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
                     self._head_refusal = (status, error_json(message, code, self._protocol()), JSON)
                     raise _HeadRefused  # the request is never started, and its body never read
             super().on_headers_complete()
+            self._in_body = True
 
         def send_400_response(self, msg: str) -> None:
             if self._head_refusal is not None:
@@ -276,7 +296,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             content += [b"content-type: ", content_type, b"\r\ncontent-length: %d\r\n" % len(message),
                         b"connection: close\r\n\r\n", message]
             self.transport.write(b"".join(content))
-            self.transport.close()
+            self.transport.close()  # lingering: the client may still be sending
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
             self._current = cycle
@@ -302,6 +322,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
                 self._next = None
 
         def on_message_complete(self) -> None:
+            self._in_body = False
             super().on_message_complete()
             held = self._held
             if held is not None and held[0] is self.cycle:
@@ -325,16 +346,19 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             """A client gone before its early answer was written withdraws the request: the task
             making it is cancelled (uvicorn tells an ASGI task through `receive`; this one has none)."""
             super().connection_lost(exc)
-            current = self._current
-            if current is not None and not current.response_complete:
-                # uvicorn tells only the request read last, which need not be the one being answered
-                # (pipelined behind it): that one went on, and wrote to the closed transport (a 500
-                # logged as an internal error under uvloop)
-                current.disconnected = True
-                current.message_event.set()
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._cancel_timers()
+            self._tell_gone()
+
+        def _tell_gone(self) -> None:
+            """Tell the request being answered that its client has gone, and withdraw an early answer
+            being made."""
+            for cycle in (self._current, self.cycle):
+                if cycle is not None and not cycle.response_complete:
+                    # uvicorn tells only the request read last, which need not be the one being answered
+                    # (pipelined behind it): that one went on, and wrote to the closed transport (a 500
+                    # logged as an internal error under uvloop)
+                    cycle.disconnected = True
+                    cycle.message_event.set()
             answering, self._answering = self._answering, None
             if answering is not None and not answering[0].response_complete:
                 answering[1].cancel()
