@@ -30,7 +30,7 @@ from starlette.applications import Starlette
 
 from sluice import __version__, wire
 from sluice.api import ApiConfig, batches, build_app, kserve_grpc
-from sluice.api.http_protocol import stamping_protocol
+from sluice.api.http_protocol import BODY_TIMEOUT_S, stamping_protocol
 from sluice.api.tls import TlsConfig
 from sluice.clock import Clock, MonotonicClock, WallClock
 from sluice.errors import ConfigError, SluiceError
@@ -77,6 +77,10 @@ class ServeConfig:
     than the idle timeouts of common load balancers (60 s), so that they, not sluice, close idle
     connections (no request meets a connection closing under it), and clients that read the
     header keep their connections instead of opening new ones for each burst."""
+    body_timeout_s: float = BODY_TIMEOUT_S
+    """How long a request's body may take to arrive once its head is in, plus a second for each
+    16 KiB of it (`api.http_protocol`): past it, 408 and the connection closed, so a client
+    trickling its body cannot hold a request for ever (as `keep_alive_s` bounds a head)."""
     ready_timeout_s: float = 120.0
     api: ApiConfig = field(default_factory=ApiConfig)
     data_dir: Path | None = None
@@ -271,7 +275,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                           responses_store=store, background_responses=background)
     server = _Server(uvicorn.Config(
         asgi_app, host=config.host, port=config.port, loop="uvloop",
-        http=stamping_protocol(clock, asgi_app.answer_early),
+        http=stamping_protocol(clock, asgi_app.answer_early, config.body_timeout_s),
         access_log=False, log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
         timeout_keep_alive=config.keep_alive_s, headers=[("keep-alive", f"timeout={config.keep_alive_s}")],
         **(config.tls.uvicorn_options if config.tls is not None else {}),  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from sluice.api.app import build_app
 from sluice.api.common import arrival
 from sluice.api.http_lingering import LINGER_BYTES
 from sluice.api.http_protocol import (
+    BODY_TIMEOUT_S,
     MAX_HEAD_BYTES,
     MAX_PIPELINED,
     PARSE_PIECE_BYTES,
@@ -115,11 +116,11 @@ def _refuse_path_refuse(scope, body: bytes) -> Response | None:
 
 
 @contextlib.asynccontextmanager
-async def _connected(app, answer_early) -> AsyncIterator[
+async def _connected(app, answer_early, body_timeout_s: float = BODY_TIMEOUT_S) -> AsyncIterator[
         tuple[int, asyncio.StreamReader, asyncio.StreamWriter, uvicorn.Server]]:
     """A server with the protocol on a free port, and one connection to it: (port, reader, writer, server)."""
     port = free_port()
-    protocol = stamping_protocol(_StepClock(), answer_early)
+    protocol = stamping_protocol(_StepClock(), answer_early, body_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
                                            http=protocol, lifespan="off"))
     serving = asyncio.create_task(server.serve())
@@ -546,6 +547,43 @@ def test_a_request_without_one_host_header_is_400() -> None:
     assert app.paths == []
     old = asyncio.run(_written_until_closed(b"GET /v1/models HTTP/1.0\r\n\r\n", app))
     assert _answers(old) == [(200, b"")]  # HTTP/1.0 needs none
+
+
+def test_a_body_trickling_in_is_refused_408_after_the_body_timeout() -> None:
+    """A client that sends a head declaring a large body and then a byte now and then held its
+    request (its task, its slot in the limits) for ever. Past the body timeout (plus a second for
+    each `BODY_MIN_BYTES_PER_S` received) it is answered 408 in the route's error shape and
+    closed, whether its request's task had started (a large body) or its early answer waited for
+    the body (a small one). A large body sent steadily, for longer than the timeout, is served."""
+    app = _Recorder()
+
+    async def scenario() -> tuple[list[bytes], tuple[int, dict[str, str], bytes]]:
+        async with _connected(app, _refuse_path_refuse, body_timeout_s=1) as (port, reader, writer, _):
+            trickling = []
+            for path, length in ((b"/v1/embeddings", 1_000_000), (b"/v2/models/m/infer", 100)):
+                trickle_reader, trickle = await asyncio.open_connection("127.0.0.1", port)
+                trickle.write(b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\nx" % (path, length))
+                trickling.append((trickle_reader, trickle))
+            closed = asyncio.gather(*(asyncio.wait_for(r.read(), 10) for r, _ in trickling))
+            while not closed.done():  # a byte every 0.1 s on each
+                for _, trickle in trickling:
+                    trickle.write(b"x")
+                await asyncio.sleep(0.1)
+            body = b"y" * (300 * 1024)
+            writer.write(b"POST /steady HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body))
+            for start in range(0, len(body), 30 * 1024):  # 1.5 s at least: 20 KiB/s, above the least rate
+                writer.write(body[start:start + 30 * 1024])
+                await asyncio.sleep(0.15)
+            return await closed, await _read_response(reader)
+
+    (large, small), steady = asyncio.run(scenario())
+    for written, shape in ((large, "openai"), (small, "kserve")):
+        (status, body), = _answers(written)
+        assert status == 408 and b"connection: close" in written, written
+        error = json.loads(body)["error"]
+        assert (error["code"] == "request_timeout") if shape == "openai" else isinstance(error, str)
+    assert steady[0] == 200 and steady[2] == b"y" * (300 * 1024)
+    assert app.paths == ["/v1/embeddings", "/steady"]  # the small body's early answer was never asked for
 
 
 async def _answer_while_sending(port: int, head: bytes, filler: bytes) -> tuple[bytes, int]:

@@ -31,7 +31,8 @@ parsed ahead of the one being answered, and the rest of what was read waits unpa
 paused, until their turn. A connection that sends nothing is closed after the keep-alive timeout,
 as an idle one is, and a request head still unfinished that long after its first read is answered
 408 and closed (uvicorn has no such limit: a client trickling a header byte now and then held its
-connection for ever).
+connection for ever); so is a body still unfinished `body_timeout_s` after its head (plus a second
+for each `BODY_MIN_BYTES_PER_S` of it), in the route's error shape.
 
 *Framing* (RFC 9112). An HTTP/1.1 request without one `Host` header is answered 400; a
 `Transfer-Encoding` other than `chunked` alone (`gzip, chunked`: httptools read it as chunked and
@@ -69,15 +70,26 @@ MAX_PIPELINED = 32
 PARSE_PIECE_BYTES = 4096
 """A read larger than this is parsed a piece at a time, to stop at `MAX_PIPELINED`."""
 
+BODY_TIMEOUT_S = 60.0
+"""The default time a request's body has to arrive, once its head is in (`stamping_protocol`)."""
+BODY_MIN_BYTES_PER_S = 16 * 1024
+"""Each this many bytes of a body received give it one more second (a large upload is not cut
+short; a body trickling in slower than this is): Apache's `mod_reqtimeout` `MinRate`."""
+
 _NOTED_HEADERS = frozenset({b"host", b"transfer-encoding", b"expect"})
 
 EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
 """`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
 
 
-def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> type[Any]:
+def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
+                      body_timeout_s: float = BODY_TIMEOUT_S) -> type[Any]:
     """An `HttpToolsProtocol` subclass for `uvicorn.Config(http=...)` that stamps `clock.now()`
-    on each request and, given `answer_early`, answers what it refuses before a task exists."""
+    on each request and, given `answer_early`, answers what it refuses before a task exists.
+    A request's body must arrive within `body_timeout_s` of its head, plus a second for each
+    `BODY_MIN_BYTES_PER_S` of it (else 408 and the connection closed)."""
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be positive, got {body_timeout_s}")
 
     class SluiceHttpToolsProtocol(HttpToolsProtocol):
         _held: tuple[RequestResponseCycle, Any] | None = None
@@ -91,6 +103,9 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
         _num_hosts = 0  # `Host` headers of the request being parsed
         _codings: list[bytes] | None = None  # its `Transfer-Encoding` values
         _in_body = False  # between the end of a request's head and the end of its body
+        _body_timer: asyncio.TimerHandle | None = None
+        _body_since = 0.0  # loop time the body's timer counts from
+        _body_seen_since = 0  # `_body_seen` then
         _body_seen = 0  # of the current request's body
         _unparsed: bytes | None = None  # read, but not parsed yet: requests waiting for their turn
         _unparsed_at = 0
@@ -168,6 +183,34 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             if self._in_head and self._head_timer is None and not self.transport.is_closing():
                 # a head that did not come whole in one read (never so for a client's usual request)
                 self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timed_out)
+            elif self._in_body and self._body_timer is None and not self.transport.is_closing():
+                self._start_body_timer()  # a body that did not come whole with its head
+
+        def _start_body_timer(self) -> None:
+            self._body_since, self._body_seen_since = self.loop.time(), self._body_seen
+            self._body_timer = self.loop.call_later(body_timeout_s, self._body_timed_out)
+
+        def _body_timed_out(self) -> None:
+            """A body still unfinished `body_timeout_s` after its timer started (and a second more for
+            each `BODY_MIN_BYTES_PER_S` of it since): 408 and close, or only close if its request
+            was answered already. Time the server did not read (paused: the body waits for its
+            task, or the request for its turn) or had not asked for it yet (`Expect: 100-continue`)
+            is not the client's."""
+            self._body_timer = None
+            if not self._in_body or self.transport.is_closing():
+                return
+            if self.flow.read_paused or self._unparsed is not None or self.cycle.waiting_for_100_continue:
+                self._start_body_timer()
+                return
+            now = self.loop.time()
+            due = self._body_since + body_timeout_s + (self._body_seen - self._body_seen_since) / BODY_MIN_BYTES_PER_S
+            if now < due:
+                self._body_timer = self.loop.call_later(due - now, self._body_timed_out)
+            elif self.cycle.response_started:
+                self.transport.close()
+            else:
+                message = f"the request body did not arrive within {body_timeout_s:g} s"
+                self._refuse(408, error_json(message, "request_timeout", self._protocol()), JSON)
 
         def _protocol(self) -> str:
             """Which protocol's error shape the request being parsed takes (`errors.protocol_of`)."""
@@ -187,6 +230,9 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             lingering = LingeringTransport(cast(asyncio.Transport, transport), self._may_be_sending, self._on_linger)
@@ -323,6 +369,9 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None) -> 
 
         def on_message_complete(self) -> None:
             self._in_body = False
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
             super().on_message_complete()
             held = self._held
             if held is not None and held[0] is self.cycle:
