@@ -251,8 +251,8 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
             super().on_message_begin()
-            self._in_head, self._head_bytes, self._head_streamed, self._body_seen = True, 0, 0, 0
-            self._num_hosts, self._codings = 0, None
+            self._in_head, self._head_bytes, self._head_streamed, self._body_seen, self._num_hosts, self._codings = (
+                True, 0, 0, 0, 0, None)
             self.scope[RECEIVED_AT_SCOPE_KEY] = clock.now()  # type: ignore[literal-required]
 
         def on_url(self, url: bytes) -> None:
