@@ -88,8 +88,24 @@ def test_vllms_guided_fields_regex_and_choice(tiny_lm_client):
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),  # compiles; too complex to follow once it runs
 ])
 def test_unusable_formats_are_400_naming_the_field(tiny_lm_client, body, param):
     with pytest.raises(openai.BadRequestError) as caught:
         tiny_lm_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, extra_body=body)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_a_format_too_complex_to_follow_mid_stream_is_an_error_event_naming_the_field(tiny_lm_client):
+    """llguidance builds a regex's lexer lazily: `(ab )+a{1000000}` runs until the sampled text
+    reaches the counted part. The client's format, not the device, is at fault: the stream ends
+    with an error event naming the field, not a "try again" server error."""
+    stream = tiny_lm_client.completions.create(model="tiny", prompt="x", max_tokens=40, seed=1, stream=True,
+                                               extra_body={"guided_regex": "(ab )+a{1000000}"})
+    texts = []
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            texts.append(chunk.choices[0].text)
+    assert "".join(texts).startswith("ab "), texts  # streamed before the format proved unusable
+    assert caught.value.body["param"] == "guided_regex", caught.value.body
+    assert caught.value.body["type"] == "invalid_request_error", caught.value.body

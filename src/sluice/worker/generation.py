@@ -139,6 +139,8 @@ class _Generation:
     batch_size: int = 0
     """The most sequences an engine step that computed one of its own held (the span's batch size)."""
     is_started: bool = False
+    output_format: wire.OutputFormat | None = None
+    """Its structured output, named in the refusal should its grammar prove unusable as it runs."""
 
 
 class _RecentCost:
@@ -208,7 +210,8 @@ class Generations:
                                  "KServe infer over HTTP with a text_input")
             self._refuse(identity, message.request_id, error)
             return False
-        generation = _Generation(identity, message.request_id, loop, payload.stream, (message.model, message.version))
+        generation = _Generation(identity, message.request_id, loop, payload.stream, (message.model, message.version),
+                                 output_format=payload.output_format)
         self._by_id[internal_id] = generation
         if prompt_chars(payload) > OFF_LOOP_PROMPT_CHARS or payload.output_format is not None:
             task = asyncio.create_task(self._prepare_off_loop(internal_id, generation, message, deadline))
@@ -408,6 +411,9 @@ class Generations:
                                message="worker overloaded: queued generations would miss the deadline")
         if reason == "error":
             return _failure(request_id, num_tokens, generation.device_s)
+        if reason == "unusable_format":
+            return _unusable(request_id, generation.output_format, last.message or "", num_tokens,
+                             generation.device_s)
         return None
 
 
@@ -461,6 +467,18 @@ def _echoed(tokenizer: Tokenizer, prompt_ids: list[int],
     text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
     return wire.EchoedPrompt(text, tokenizer.token_text(prompt_ids[0]),
                              None if reported is None else _logprobs(tokenizer, reported))
+
+
+def _unusable(request_id: int, output_format: wire.OutputFormat | None, why: str, num_tokens: int,
+              device_s: float) -> wire.Result:
+    """The answer to a generation whose structured output proved too complex to follow as it
+    ran: the request's fault (400 naming the field, as a format that does not compile is), not a
+    transient failure that a retry could cure."""
+    kind, param = ("structured output", None) if output_format is None else \
+        (output_format.kind.replace("_", " "), output_format.param)
+    message = f"unusable {kind}: {why}; ask for a simpler one"
+    return wire.Result(request_id, wire.Outcome.FAILED, num_tokens=num_tokens, device_s=device_s, message=message,
+                       errors=[wire.ItemError(-1, message, param=param)])
 
 
 def _failure(request_id: int, num_tokens: int, device_s: float) -> wire.Result:

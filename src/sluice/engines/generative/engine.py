@@ -49,7 +49,7 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     text_delta: str
     is_finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline" | "refused" | "error"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "deadline" | "refused" | "error" | "unusable_format"
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
@@ -58,6 +58,12 @@ class RequestOutput:
     """One per new token, if the request asked for log-probabilities."""
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     """With the first new token, if the request asked for them: one per prompt token but the first."""
+    message: str | None = None
+    """"unusable_format": what its grammar's matcher gave up on."""
+
+
+class UnusableFormat(ValueError):
+    """A sequence's grammar matcher gave up (its lexer or parser limits): the format's fault."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +367,8 @@ class LLMEngine:
         for seq in advanced:
             try:
                 outputs.append(self._advance(seq, draws[seq.request_id].logprobs))
+            except UnusableFormat as exc:
+                outputs.append(self._end_unusable(seq, str(exc)))
             except Exception:
                 log.exception("request %s: handling its new token failed; ending it", seq.request_id)
                 outputs += self._fail([seq.request_id])
@@ -378,6 +386,8 @@ class LLMEngine:
         is_eos = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         matcher = req.matcher
         if matcher is not None and not matcher.consume_token(token):
+            if matcher.is_error():  # its limits reached, not a token the mask should have kept out
+                raise UnusableFormat(matcher.get_error().split("\n", 1)[0])
             raise RuntimeError(f"its grammar refused the sampled token {token}: {matcher.get_error()}")
         if is_eos and seq.num_output_tokens >= params.min_tokens:
             reason = FinishReason.STOP
@@ -396,6 +406,12 @@ class LLMEngine:
         if seq.num_output_tokens == 1 and req.prompt_logprobs is not None:
             output = replace(output, prompt_logprobs=tuple(req.prompt_logprobs))
         return output
+
+    def _end_unusable(self, seq: Sequence, message: str) -> RequestOutput:
+        """End a sequence whose grammar its matcher gave up on (`FinishReason.UNUSABLE_FORMAT`)."""
+        self._scheduler.finish(seq, FinishReason.UNUSABLE_FORMAT)
+        self._forget(seq.request_id)
+        return replace(self._output(seq, (), ""), message=message)
 
     def _finished_output(self, seq: Sequence) -> RequestOutput:
         text = self._requests[seq.request_id].stops.flush()

@@ -50,6 +50,10 @@ class FinishReason(enum.StrEnum):
     scheduler's early refusal; the integrator answers 503 with Retry-After)."""
     ERROR = "error"
     """A step failed inside the engine (`LLMEngine.fail_all`): the device, not the request (503)."""
+    UNUSABLE_FORMAT = "unusable_format"
+    """Its structured output's grammar proved too complex to follow while generating (the
+    matcher's limits, `a{1000000}` say, are only reached as it runs): the request's fault, so the
+    integrator answers 400 naming the field (`RequestOutput.message` says why)."""
 
 
 @dataclass(frozen=True, slots=True)
