@@ -341,8 +341,21 @@ def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client):
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "metadata": "x"}, "metadata"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": 5}}, "metadata"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": "v" * 513}}, "metadata"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": "yes"}, "store"),
 ])
 def test_bad_values_are_400_naming_the_field(server, path, body, param):
     response = httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_chats_store_and_metadata_within_openais_bounds_are_accepted(client):
+    metadata = {f"key{i}": "v" * 512 for i in range(16)}
+    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=2, store=True, metadata=metadata)
+    assert completion.choices[0].finish_reason in ("stop", "length")

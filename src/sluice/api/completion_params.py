@@ -19,7 +19,8 @@ from sluice.api.common import estimate_text_tokens, likely_text_tokens, texts_or
 from sluice.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
 
-__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "estimate_tokens", "messages_of", "to_payloads"]
+__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "check_metadata", "estimate_tokens", "messages_of",
+           "to_payloads"]
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP = 4
@@ -32,6 +33,11 @@ MAX_CHOICES_PER_REQUEST = 128
 MAX_LOGIT_BIAS = 1024
 """Token ids one request may bias (OpenAI documents no limit; the sampler's work grows with it)."""
 
+
+MAX_METADATA_KEYS = 16
+"""OpenAI's bounds on a request's `metadata`: pairs, and each key's and value's characters."""
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 MAX_FORMAT_CHARS = 64 * 1024
 """The longest structured-output specification (a JSON schema, a regex, a grammar) one request may send."""
@@ -141,6 +147,18 @@ class ChatRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    store: bool | None = None  # accepted: nothing is kept here (vLLM keeps nothing either)
+    metadata: dict[str, str] | None = None  # checked as OpenAI does, then not used
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on `metadata` (chat and Responses requests)."""
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA_KEYS or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS
+                                                for k, v in metadata.items()):
+        raise InvalidInput(f"'metadata' takes up to {MAX_METADATA_KEYS} pairs, keys of up to "
+                           f"{MAX_METADATA_KEY_CHARS} characters and values of up to {MAX_METADATA_VALUE_CHARS}",
+                           param="metadata")
 
 
 def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> list[wire.GeneratePayload]:
@@ -259,6 +277,8 @@ def _check_context(num_prompt_tokens: int | None, max_tokens: int, max_tokens_pa
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
+    if isinstance(request, ChatRequest):
+        check_metadata(request.metadata)
     if isinstance(request, CompletionRequest):
         if request.best_of not in (None, 1):
             raise InvalidInput("only best_of = 1 is supported", param="best_of")

@@ -79,6 +79,7 @@ from sluice.api.completion_params import (
     ToolCallFunctionIn,
     ToolCallIn,
     chat_tools,
+    check_metadata,
     estimate_tokens,
     to_payloads,
 )
@@ -102,7 +103,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.api")
 
-MAX_METADATA_KEYS = 16
 RETENTION_S = 30 * 86_400
 """How long a stored response is kept (OpenAI keeps them 30 days)."""
 MAX_ITEMS_PAGE = 100
@@ -396,10 +396,7 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
     for is_refused, param, message in refused:
         if is_refused:
             raise InvalidInput(message, param=param)
-    metadata = request.metadata or {}
-    if len(metadata) > MAX_METADATA_KEYS or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        raise InvalidInput(f"'metadata' takes up to {MAX_METADATA_KEYS} pairs, keys of up to 64 characters and "
-                           "values of up to 512", param="metadata")
+    check_metadata(request.metadata)
 
 
 def _items(given: str | list[Any]) -> list[Any]:
