@@ -135,6 +135,9 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     """The token as text, decoded alone (a token that is part of a character decodes to U+FFFD)."""
     token_id: int
     logprob: float
+    token_bytes: bytes | None = None
+    """The token's own bytes where its text is not them (part of a character: OpenAI's `bytes`
+    joined across tokens give the text); None: its text's UTF-8."""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -144,6 +147,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
     top: list[TopLogprob] = []
+    token_bytes: bytes | None = None
+    """As `TopLogprob.token_bytes`."""
 
 
 class EchoedPrompt(msgspec.Struct, frozen=True):

@@ -119,6 +119,11 @@ def test_upstream_log_probabilities_are_read_in_both_shapes_and_malformed_ones_a
     chat = _logprobs({"content": [{"token": "x", "logprob": -0.1, "bytes": [120],
                                    "top_logprobs": [{"token": "x", "logprob": -0.1}]}]})
     assert chat == (wire.TokenLogprob("x", -1, -0.1, [wire.TopLogprob("x", -1, -0.1)]),)
+    part = _logprobs({"content": [{"token": "\ufffd", "logprob": -0.2, "bytes": [0xE4],  # part of a character
+                                   "top_logprobs": [{"token": "\ufffd", "logprob": -0.2, "bytes": [0xE4]},
+                                                    {"token": "\ufffd", "logprob": -0.3, "bytes": 5}]}]})
+    assert part == (wire.TokenLogprob("\ufffd", -1, -0.2, [wire.TopLogprob("\ufffd", -1, -0.2, b"\xe4"),
+                                                            wire.TopLogprob("\ufffd", -1, -0.3)], b"\xe4"),)
     for malformed in (None, "x", {"tokens": ["a"], "token_logprobs": ["nan?"]}, {"content": [{"token": "x"}]},
                       {"tokens": ["a", "b"], "token_logprobs": [-1.0]}):
         assert _logprobs(malformed) == ()

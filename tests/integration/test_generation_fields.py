@@ -63,7 +63,7 @@ def test_chat_logprobs_with_top_logprobs_unary_and_streamed(client):
     content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
     assert len(content) == 5
     for entry in content:
-        assert entry.bytes == list(entry.token.encode())
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
         assert entry.top_logprobs[1].logprob <= entry.logprob
@@ -72,6 +72,26 @@ def test_chat_logprobs_with_top_logprobs_unary_and_streamed(client):
                 for entry in chunk.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_and_joined_give_the_text(client):
+    """OpenAI: `bytes` is there for characters split over several tokens; joined, they are the
+    text. A guided choice makes even a random-weight model write characters this byte-level
+    vocabulary splits (each of 中's three bytes is a token of its own, decoded alone as U+FFFD)."""
+    text = "中文 😀 ok"
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30, logprobs=True,
+                  top_logprobs=2, extra_body={"guided_choice": [text]})
+    unary = client.chat.completions.create(**kwargs)
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs is not None
+                for entry in chunk.choices[0].logprobs.content]
+    assert unary.choices[0].message.content == text
+    for entries in (unary.choices[0].logprobs.content, streamed):
+        assert any("\ufffd" in entry.token for entry in entries)  # a token that is part of a character
+        assert b"".join(bytes(entry.bytes) for entry in entries).decode() == text
+        for entry in entries:
+            assert bytes(entry.bytes).decode(errors="replace") == entry.token
+            assert all(bytes(top.bytes).decode(errors="replace") == top.token for top in entry.top_logprobs)
 
 
 def test_chat_logprobs_without_top_logprobs_and_none_unless_asked(client):

@@ -196,8 +196,9 @@ class ResponseShape:
         if prompt is not None and not self.is_chat:
             return _joined(self._prompt_logprobs(prompt, index), self._logprobs(reported, index=index))
         if self.is_chat:
-            return {"content": [{**_chat_logprob(lp.token, lp.logprob),
-                                 "top_logprobs": [_chat_logprob(top.token, top.logprob) for top in lp.top]}
+            return {"content": [{**_chat_logprob(lp.token, lp.logprob, lp.token_bytes),
+                                 "top_logprobs": [_chat_logprob(top.token, top.logprob, top.token_bytes)
+                                                  for top in lp.top]}
                                 for lp in reported], "refusal": None}
         offsets = []
         for lp in reported:
@@ -222,8 +223,10 @@ def _joined(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]
     return {key: values + (tail or {}).get(key, []) for key, values in head.items()}
 
 
-def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+def _chat_logprob(token: str, logprob: float, token_bytes: bytes | None) -> dict[str, Any]:
+    """`bytes`: the token's own (joined across a character's tokens they give its UTF-8, as
+    OpenAI documents), not its text's where that is U+FFFD for part of a character."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode() if token_bytes is None else token_bytes)}
 
 
 def usage(payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:

@@ -402,6 +402,17 @@ class _CallsAsText:
         return ("" if has_arguments else "{}") + "}</tool_call>"
 
 
+def _token_bytes(entry: dict[str, Any]) -> bytes | None:
+    """A chat log-probability's `bytes` where they are not its token's text (part of a character);
+    None where they are, or are not a list of bytes."""
+    given = entry.get("bytes")
+    try:
+        raw = bytes(given) if isinstance(given, list) else b""
+    except (TypeError, ValueError):
+        return None
+    return raw if raw and raw != str(entry["token"]).encode() else None
+
+
 def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
     """A choice's `logprobs`, in either endpoint's shape, as sluice's; () if absent or malformed
     (text is still relayed: log-probabilities are an addition to it)."""
@@ -410,8 +421,9 @@ def _logprobs(reported: Any) -> tuple[wire.TokenLogprob, ...]:
             return ()
         if isinstance(reported.get("content"), list):  # chat
             return tuple(wire.TokenLogprob(str(entry["token"]), -1, float(entry["logprob"]),
-                                           [wire.TopLogprob(str(top["token"]), -1, float(top["logprob"]))
-                                            for top in entry.get("top_logprobs") or ()])
+                                           [wire.TopLogprob(str(top["token"]), -1, float(top["logprob"]),
+                                                            _token_bytes(top))
+                                            for top in entry.get("top_logprobs") or ()], _token_bytes(entry))
                          for entry in reported["content"])
         tokens, values = reported.get("tokens") or [], reported.get("token_logprobs") or []
         tops = reported.get("top_logprobs") or [None] * len(tokens)

@@ -455,9 +455,10 @@ def _choice_of(prepared: PreparedGeneration, index: int) -> PreparedGeneration:
 
 def _logprobs(tokenizer: Tokenizer, reported: tuple[TokenLogprobs, ...]) -> list[wire.TokenLogprob]:
     """The engine's log-probabilities with each token's text, as they go on the wire."""
-    text = tokenizer.token_text
+    text, raw = tokenizer.token_text, tokenizer.token_bytes
     return [wire.TokenLogprob(text(lp.token_id), lp.token_id, lp.logprob,
-                              [wire.TopLogprob(text(token_id), token_id, value) for token_id, value in lp.top])
+                              [wire.TopLogprob(text(token_id), token_id, value, raw(token_id))
+                               for token_id, value in lp.top], raw(lp.token_id))
             for lp in reported]
 
 

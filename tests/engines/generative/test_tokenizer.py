@@ -142,3 +142,27 @@ def test_chat_template_kwargs_reach_the_template_and_a_final_message_can_be_cont
     with pytest.raises(ValueError, match="continue_final_message"):
         tokenizer.apply_chat_template([*messages[:1], {"role": "assistant", "content": ""}], False,
                                       continue_final_message=True)
+
+
+def test_a_tokens_bytes_are_its_own_where_its_text_alone_is_part_of_a_character(tiny_dir, tmp_path):
+    """Byte-level BPE (GPT-2's alphabet, tiny-lm's) and SentencePiece-style byte fallback
+    (`<0xE4>` pieces, Llama 2's): joined, the bytes are the text's UTF-8."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    text = "中文 😀 ok"  # not in tiny-lm's training text: its bytes are tokens of their own
+    tok = Tokenizer(tiny_dir)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.token_text(i) for i in ids)
+    assert b"".join(tok.token_bytes(i) or tok.token_text(i).encode() for i in ids) == text.encode()
+    assert tok.token_bytes(tok.encode("ok", add_special_tokens=False)[0]) is None  # whole characters: its text
+
+    vocab = {"<unk>": 0, "▁ok": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    fallback = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fallback.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    pieces = [2 + b for b in "数".encode()]
+    assert all(tok.token_text(i) == "\ufffd" for i in pieces)
+    assert b"".join(tok.token_bytes(i) or b"" for i in pieces) == "数".encode()
+    assert tok.token_bytes(1) is None

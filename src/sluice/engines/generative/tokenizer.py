@@ -64,6 +64,24 @@ class Tokenizer:
             text = self._texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes of a token that holds part of a character (its text alone has U+FFFD where
+        they are), read from its vocabulary entry: a byte-level BPE's (GPT-2's byte alphabet) or
+        a byte-fallback piece (`<0xE2>`). None where its text's UTF-8 is its bytes, or where the
+        entry is in neither form."""
+        if "\ufffd" not in self.token_text(token_id):
+            return None
+        piece = self._tok.id_to_token(token_id) or ""
+        # A byte-fallback piece first: its characters are in GPT-2's alphabet too.
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        if piece and all(ch in _BYTE_OF_CHAR for ch in piece):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > _GIL_FREE_ENCODE_CHARS:  # `encode` holds the GIL throughout; `encode_batch` lets go
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -96,6 +114,19 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in its vocabulary
+    (printable bytes stand for themselves; the others are shifted past U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in chars)
+    chars.update({byte: chr(256 + i) for i, byte in enumerate(shifted)})
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
