@@ -159,6 +159,8 @@ class EchoedPrompt(msgspec.Struct, frozen=True):
     first_token: str
     logprobs: list[TokenLogprob] | None = None
     """Every prompt token's but the first's, if log-probabilities were asked for."""
+    first_token_bytes: bytes | None = None
+    """As `TopLogprob.token_bytes`, for `first_token`."""
 
 
 class OutputFormat(msgspec.Struct, frozen=True):

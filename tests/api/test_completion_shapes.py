@@ -51,6 +51,24 @@ def test_streamed_offsets_are_kept_per_choice_and_nothing_is_reported_unless_ask
     assert plain["choices"][0]["logprobs"] is None
 
 
+def test_the_tokens_of_a_character_split_over_several_all_start_at_it_echoed_or_streamed():
+    """`text_offset` indexes the text: 中's three byte tokens (U+FFFD each, alone) start at 中,
+    and what follows at the character after it, not three characters on."""
+    def part(byte: int) -> wire.TokenLogprob:
+        return wire.TokenLogprob("\ufffd", 0, -1.0, [], bytes([byte]))
+
+    prompt = wire.EchoedPrompt("中a", "\ufffd", [part(0xB8), part(0xAD), _lp("a", -1.0)], bytes([0xE4]))
+    body = ResponseShape(False, "m", logprobs=0, prompt_texts=["中a"]).whole(
+        [_result(text="文b", logprobs=[part(0xE6), part(0x96), part(0x87), _lp("b", -1.0)], prompt=prompt)])
+    (choice,) = body["choices"]
+    assert choice["logprobs"]["text_offset"] == [0, 0, 0, 1, 2, 2, 2, 3]
+    assert [choice["text"][i] for i in choice["logprobs"]["text_offset"]] == list("中中中a文文文b")
+    shape = ResponseShape(False, "m", logprobs=0)
+    offsets = [shape.delta(text, None, [lp])["choices"][0]["logprobs"]["text_offset"][0]
+               for text, lp in (("", part(0xE6)), ("", part(0x96)), ("文", part(0x87)), ("b", _lp("b", -1.0)))]
+    assert offsets == [0, 0, 0, 1]
+
+
 def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt_and_sums_usage():
     shape = ResponseShape(False, "m", prompt_texts=["a", None], n=2)
     first, second = wire.EchoedPrompt("a", "a"), wire.EchoedPrompt("decoded b", "b")

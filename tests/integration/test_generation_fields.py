@@ -94,6 +94,21 @@ def test_chat_logprobs_bytes_are_each_tokens_own_and_joined_give_the_text(client
             assert all(bytes(top.bytes).decode(errors="replace") == top.token for top in entry.top_logprobs)
 
 
+def test_completion_text_offsets_index_the_text_across_characters_split_over_tokens(client):
+    """`text_offset[i]` is where token i starts in the text: the byte tokens of 中 or 😀 (U+FFFD
+    each, alone) all start at their character, and the tokens after them where they are."""
+    text = "中文 😀 ok"
+    kwargs = dict(model=MODEL, prompt="中文 ok", max_tokens=30, logprobs=0, extra_body={"guided_choice": [text]})
+    for echo in (False, True):
+        choice = client.completions.create(echo=echo, **kwargs).choices[0]
+        offsets = choice.logprobs.text_offset
+        assert choice.text.endswith(text) and offsets == sorted(offsets) and offsets[-1] < len(choice.text)
+        assert choice.text[offsets[-2]:] == " ok"
+        streamed = [offset for chunk in client.completions.create(stream=True, echo=echo, **kwargs)
+                    if chunk.choices and chunk.choices[0].logprobs for offset in chunk.choices[0].logprobs.text_offset]
+        assert streamed == offsets
+
+
 def test_chat_logprobs_without_top_logprobs_and_none_unless_asked(client):
     messages = [{"role": "user", "content": "Hello"}]
     asked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,

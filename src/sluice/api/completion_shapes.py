@@ -6,6 +6,7 @@ echoed prompts. Pure: wire values in, JSON-ready dicts out.
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ class ResponseShape:
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offsets = [0] * self.num_choices  # each choice's token offsets run on across a stream's chunks
+        self._decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(self.num_choices)]
+        """Each choice's tokens' bytes so far as text: a character split over tokens is counted
+        once it is whole, so each of its tokens has its offset."""
         self.tools = tools
         """Chat: the answer is tool calls (`api.tool_calls`), not content."""
         self._calls_text = [""] * self.num_choices  # a stream's required (or auto) calls, sent whole at the end
@@ -200,19 +204,23 @@ class ResponseShape:
                                  "top_logprobs": [_chat_logprob(top.token, top.logprob, top.token_bytes)
                                                   for top in lp.top]}
                                 for lp in reported], "refusal": None}
-        offsets = []
-        for lp in reported:
-            offsets.append(self._text_offsets[index])
-            self._text_offsets[index] += len(lp.token)
+        offsets = [self._offset(index, lp.token, lp.token_bytes) for lp in reported]
         return {"tokens": [lp.token for lp in reported], "token_logprobs": [lp.logprob for lp in reported],
                 "top_logprobs": [{**{top.token: top.logprob for top in lp.top}, lp.token: lp.logprob}
                                  for lp in reported],
                 "text_offset": offsets}
 
+    def _offset(self, index: int, token: str, token_bytes: bytes | None) -> int:
+        """Where a choice's next token starts in its text (`text_offset`): the characters before
+        it. The tokens of a character split over several (each U+FFFD alone) all start at it."""
+        offset = self._text_offsets[index]
+        self._text_offsets[index] += len(self._decoders[index].decode(token.encode() if token_bytes is None
+                                                                      else token_bytes))
+        return offset
+
     def _prompt_logprobs(self, prompt: wire.EchoedPrompt, index: int) -> dict[str, Any]:
         first = {"tokens": [prompt.first_token], "token_logprobs": [None], "top_logprobs": [None],
-                 "text_offset": [self._text_offsets[index]]}
-        self._text_offsets[index] += len(prompt.first_token)
+                 "text_offset": [self._offset(index, prompt.first_token, prompt.first_token_bytes)]}
         rest = self._logprobs(prompt.logprobs or [], index=index)
         assert rest is not None
         return _joined(first, rest)

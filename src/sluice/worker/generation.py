@@ -467,7 +467,8 @@ def _echoed(tokenizer: Tokenizer, prompt_ids: list[int],
     """The prompt as the model read it, and its tokens' log-probabilities if they were computed."""
     text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
     return wire.EchoedPrompt(text, tokenizer.token_text(prompt_ids[0]),
-                             None if reported is None else _logprobs(tokenizer, reported))
+                             None if reported is None else _logprobs(tokenizer, reported),
+                             tokenizer.token_bytes(prompt_ids[0]))
 
 
 def _unusable(request_id: int, output_format: wire.OutputFormat | None, why: str, num_tokens: int,
