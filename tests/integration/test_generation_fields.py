@@ -372,6 +372,8 @@ def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client):
     ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "x", "truncate_prompt_tokens": 5, "echo": True}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ("completions", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -55,7 +56,6 @@ def test_loglikelihoods_equal_transformers_for_the_same_tokens(served, batch_siz
 
 
 def test_generate_until_returns_each_requests_greedy_text(served):
-    import httpx
     from lm_eval.api.instance import Instance
 
     server, model_dir = served
@@ -69,6 +69,23 @@ def test_generate_until_returns_each_requests_greedy_text(served):
             "model": MODEL, "prompt": harness.tok_encode(context), "max_tokens": 6, "temperature": 0,
             "stop": ["\n\n"]}).json()
         assert text == direct["choices"][0]["text"]
+
+
+def test_generate_until_with_more_stop_strings_than_openais_four_as_humaneval_asks(served):
+    """HumanEval's `until` has five stops, and the harness adds the EOS text: it sends six (vLLM
+    takes them all; OpenAI documents four)."""
+    from lm_eval.api.instance import Instance
+
+    server, model_dir = served
+    harness = _harness(server, model_dir, 1)
+    until = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+    requests = [Instance("generate_until", {}, ("def add(a, b):", {"until": list(until), "max_gen_toks": 8}), 0)]
+    (text,) = harness.generate_until(requests)
+    direct = httpx.post(f"{server.url}/v1/completions", timeout=60, headers={"Cache-Control": "no-cache"}, json={
+        "model": MODEL, "prompt": harness.tok_encode("def add(a, b):"), "max_tokens": 8, "temperature": 0,
+        "stop": [*until, harness.tokenizer.decode([harness.eot_token_id])]})
+    assert direct.status_code == 200, direct.text
+    assert text == direct.json()["choices"][0]["text"]
 
 
 def test_with_no_tokenizer_of_its_own_the_harness_tokenizes_through_the_server(served):

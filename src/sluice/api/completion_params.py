@@ -23,7 +23,10 @@ __all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "check_metadata"
            "to_payloads"]
 
 MAX_TOKENS_LIMIT = 1 << 20
-MAX_STOP = 4
+MAX_STOP = 64
+"""Stop strings one request may give. OpenAI documents up to 4, but vLLM takes any number and its
+clients send more: lm-evaluation-harness's `local-completions` sends a task's `until` list and the
+EOS text (HumanEval's five stops and the EOS: six)."""
 TOKEN_ID_LIMIT = 1 << 31
 """Token ids are below this whatever the model (its own vocabulary is checked when it is known)."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
