@@ -168,11 +168,37 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"], "tools": [WEATHER], "tool_choice": "required"}, "include"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}},
+     "text.format"),  # refused by the model's worker, where schemas are compiled
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(sdk, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.responses.create(model="tiny", **{"input": "Hi", **fields})
     assert refused.value.body["param"] == param, refused.value.body
+
+
+UNFOLLOWABLE = {"type": "json_schema", "name": "code", "schema": {"type": "string", "pattern": "^(ab )+a{1000000}$"}}
+"""Compiles, and is followed for a few tokens: llguidance builds the counted part's lexer when
+the text reaches it, and gives up there."""
+
+
+def test_an_error_mid_stream_is_an_error_event_naming_the_field_and_fails_a_background_response(sdk):
+    events = []
+    for event in sdk.responses.create(model="tiny", input="Hi", max_output_tokens=40, stream=True,
+                                      text={"format": UNFOLLOWABLE}):
+        events.append(event)
+    assert any(event.type == "response.output_text.delta" for event in events)  # streamed before it failed
+    error = events[-1]
+    assert error.type == "error" and error.param == "text.format" and "unusable json schema" in error.message
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    for stream in (False, True):
+        queued = sdk.responses.create(model="tiny", input="Hi", max_output_tokens=40, background=True,
+                                      stream=stream, text={"format": UNFOLLOWABLE})
+        if stream:
+            with queued as events:
+                queued = next(iter(events)).response
+        failed = _polled(sdk, queued.id)
+        assert failed.status == "failed" and "unusable json schema" in failed.error.message, failed.error
 
 
 def test_a_stored_response_continues_its_conversation_and_can_be_read_and_deleted(sdk):

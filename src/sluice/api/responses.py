@@ -113,9 +113,10 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                "logprobs": "include"}
 """The chat request's fields that errors name, as the Responses request calls them."""
-RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 """The fields that the model's own refusals name (a prompt too long for its context, a chat
-template that fails), as the Responses request calls them."""
+template that fails, a JSON schema that cannot be compiled or followed), as the Responses request
+calls them."""
 PASSED_HEADERS = (PRIORITY_HEADER, TIMEOUT_HEADER, VERSION_HEADER, ROUTE_KEY_HEADER, "cache-control")
 """A background request's headers that it runs with."""
 
@@ -705,12 +706,21 @@ async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: E
             item = await anext(stream, None)
         raise RuntimeError("a generation ended without a result")
     except SluiceError as exc:  # after the first byte: an error event ends the stream
-        yield shape.event("error", **error_body(exc)["error"])
+        if isinstance(exc, InvalidInput) and exc.param in RESPONSES_PARAMS:
+            exc = InvalidInput(exc.message, param=RESPONSES_PARAMS[exc.param])
+        yield _error_event(shape, exc)
     except Exception as exc:  # a bug: the client still gets an error event and a clean end
         log.exception("internal error while streaming %s", shape.id)
-        yield shape.event("error", **error_body(exc)["error"])
+        yield _error_event(shape, exc)
     finally:
         await stream.aclose()  # withdraws the sequence if we stopped early (client gone)
+
+
+def _error_event(shape: ResponsesShape, exc: Exception) -> bytes:
+    """Responses' `error` event: `{"type": "error", "code", "message", "param"}` (the envelope's
+    own `type`, `invalid_request_error` say, is not the event's)."""
+    fields = {key: value for key, value in error_body(exc)["error"].items() if key != "type"}
+    return shape.event("error", **fields)
 
 
 def sse_event(kind: str, sequence_number: int, fields: Mapping[str, Any]) -> bytes:
