@@ -391,6 +391,20 @@ def test_bad_values_are_400_naming_the_field(server, path, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_a_conversation_of_more_messages_than_the_context_has_tokens_is_refused_before_it_is_rendered(server, client):
+    """Each message takes at least a token (its role's markers), so 200,000 empty ones cannot fit:
+    refused at once, not rendered by the chat template on the worker's event loop (seconds, in
+    which the worker answers nothing and the gateway takes it for lost)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 200_000, "max_tokens": 2}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages" and "200000 messages" in response.json()["error"]["message"]
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": body["messages"]}, timeout=120)
+    assert tokenized.status_code == 400 and tokenized.json()["error"]["param"] == "messages", tokenized.text
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 def test_a_chats_store_and_metadata_within_openais_bounds_are_accepted(client):
     metadata = {f"key{i}": "v" * 512 for i in range(16)}
     completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],

@@ -207,6 +207,9 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         tools, sampling["output_format"], plan = chat_tools(request, info)
         if plan is not None and plan.reads_special_tokens:  # the calls' markers are special tokens
             sampling["skip_special_tokens"] = False
+        if info.max_model_len and len(messages) > info.max_model_len:  # before any template renders them
+            raise InvalidInput(f"'messages' holds {len(messages)} messages; each takes at least one of this model's "
+                               f"{info.max_model_len} tokens of context", param="messages")
         _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
