@@ -56,6 +56,32 @@ def test_the_stop_string_can_end_the_text_instead():
     assert hit and out == "say STOP"  # of the strings that start first, the longest
 
 
+class _CountedStop(str):
+    """A stop string that counts the prefix checks made against it."""
+
+    checks = 0
+
+    def startswith(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        _CountedStop.checks += 1
+        return super().startswith(*args, **kwargs)
+
+
+def test_holding_back_is_linear_in_the_output_however_long_the_stop_strings():
+    """Each offset of the text is ruled out as a stop string's start once, not at every token:
+    64 stop strings of 20,000 characters over 2,000 one-character pushes cost about one check per
+    push per string (it was one per character of text per push per string: quadratic, seconds of
+    the device thread's time in a 1,000-token answer)."""
+    stops = [_CountedStop(f"{i % 10}" + "q" * 20_000) for i in range(64)]
+    checker = StopChecker(stops)
+    _CountedStop.checks = 0
+    text = "".join("0123456789 qz"[(i * 7) % 13] for i in range(2_000))
+    out = "".join(checker.push(ch)[0] for ch in text) + checker.flush()
+    assert out == text
+    assert _CountedStop.checks < 4 * len(text) * len(stops)
+    held = StopChecker([_CountedStop("abcd")])  # still held back while it could become the stop string
+    assert held.push("xxab")[0] == "xx" and held.push("c")[0] == "" and held.push("e")[0] == "abce"
+
+
 def test_text_before_min_tokens_never_starts_a_stop_string():
     checker = StopChecker(["ab"])
     assert checker.push("xab", can_stop=False) == ("xab", False)

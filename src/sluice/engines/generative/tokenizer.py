@@ -178,6 +178,7 @@ class StopChecker:
         self._text = ""
         self._emitted = 0
         self._floor = 0  # matches start at or after this offset
+        self._hold_from = 0  # no stop string can start before this offset (see `_held_back`)
 
     @property
     def text(self) -> str:
@@ -210,8 +211,15 @@ class StopChecker:
         return out
 
     def _held_back(self) -> int:
-        for n in range(min(self._longest - 1, len(self._text) - self._floor), 0, -1):
-            tail = self._text[-n:]
+        """The length of the longest tail that could still become a stop string. An offset whose
+        tail is no stop string's start never is again (the text only grows), so each call resumes
+        where the last one found a candidate: each offset is ruled out once over the whole text,
+        not once per token (long stop strings made that quadratic in the output's length)."""
+        start = max(self._hold_from, self._floor, len(self._text) - self._longest + 1)
+        for at in range(start, len(self._text)):
+            tail = self._text[at:]
             if any(s.startswith(tail) for s in self._stop):
-                return n
+                self._hold_from = at
+                return len(self._text) - at
+        self._hold_from = len(self._text)
         return 0
