@@ -405,6 +405,20 @@ def test_a_conversation_of_more_messages_than_the_context_has_tokens_is_refused_
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_context_the_prompt_and_output_cannot_fit_names_the_clients_own_field_in_the_message(server):
+    """The worker counts the prompt's tokens and says what to reduce: the field the client sent."""
+    long = "hi " * 300
+    for path, body, field in (
+            ("chat/completions", {"messages": [{"role": "user", "content": long}], "max_completion_tokens": 900},
+             "max_completion_tokens"),
+            ("responses", {"input": long, "max_output_tokens": 900}, "max_output_tokens"),
+            ("completions", {"prompt": long, "max_tokens": 900}, "max_tokens")):
+        response = httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and error["message"].endswith(f"or {field}."), error
+
+
 def test_a_chats_store_and_metadata_within_openais_bounds_are_accepted(client):
     metadata = {f"key{i}": "v" * 512 for i in range(16)}
     completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -176,12 +177,16 @@ async def unless_disconnected(request: Request, streams: list[Events], waiting: 
 
 async def renamed(names: Mapping[str, str], waiting: Awaitable[T]) -> T:
     """`waiting`'s result; an `InvalidInput` it raises naming a field in `names` names the
-    client's field instead (the worker knows the request by its payload's names)."""
+    client's field instead (the worker knows the request by its payload's names): in `param`, and
+    in its message where the name cannot be a plain word ("reduce max_tokens", not "these messages")."""
     try:
         return await waiting
     except InvalidInput as exc:
         if exc.param is not None and exc.param in names:
-            raise InvalidInput(exc.message, param=names[exc.param]) from exc
+            message = exc.message
+            if "_" in exc.param:
+                message = re.sub(rf"\b{re.escape(exc.param)}\b", names[exc.param], message)
+            raise InvalidInput(message, param=names[exc.param]) from exc
         raise
 
 
