@@ -275,7 +275,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
                           responses_store=store, background_responses=background)
     server = _Server(uvicorn.Config(
         asgi_app, host=config.host, port=config.port, loop="uvloop",
-        http=stamping_protocol(clock, asgi_app.answer_early, config.body_timeout_s),
+        http=stamping_protocol(clock, asgi_app.answer_early, config.body_timeout_s, asgi_app.refused),
         access_log=False, log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
         timeout_keep_alive=config.keep_alive_s, headers=[("keep-alive", f"timeout={config.keep_alive_s}")],
         **(config.tls.uvicorn_options if config.tls is not None else {}),  # type: ignore[arg-type]

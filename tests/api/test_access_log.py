@@ -4,6 +4,7 @@ fields an operator filters on, and never the prompt, the query string or the API
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,6 +129,36 @@ def test_grpc_inference_is_logged_too(server: tuple[ServerProcess, int]) -> None
     line = line_for(sluice, "grpc-2")
     assert (line["status"], line["grpc_status"], line["outcome"], line["model"]) == (
         404, "NOT_FOUND", "not_found", "absent")
+
+
+def test_a_refusal_the_http_layer_writes_itself_is_logged(server: tuple[ServerProcess, int]) -> None:
+    """A request the HTTP protocol refuses before any route sees it (a transfer coding it cannot
+    read, bytes that are not HTTP) leaves its line too, with what of it was read."""
+    sluice, _ = server
+    host, port = sluice.url.removeprefix("http://").split(":")
+
+    def answer_to(data: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=20) as conn:
+            conn.sendall(data)
+            received = b""
+            while chunk := conn.recv(65536):
+                received += chunk
+            return received
+
+    gzipped = answer_to(b"POST /v1/embeddings?token=" + SECRET.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                        b"Transfer-Encoding: gzip, chunked\r\n\r\n")
+    assert gzipped.startswith(b"HTTP/1.1 501")
+    garbage = answer_to(b"\x16\x03\x01 not http at all\r\n\r\n")
+    assert garbage.startswith(b"HTTP/1.1 400")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        refusals = [line for line in access_lines(sluice) if line["request_id"] is None]
+        if len(refusals) >= 2:
+            break
+        time.sleep(0.05)
+    assert [(line["method"], line["path"], line["status"], line["outcome"], line["protocol"]) for line in refusals] == [
+        ("POST", "/v1/embeddings", 501, "invalid", "openai"), (None, None, 400, "invalid", "http")]
+    assert SECRET not in sluice.log()
 
 
 def test_no_access_log_turns_it_off(tmp_path: Path) -> None:

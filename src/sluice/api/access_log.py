@@ -17,6 +17,9 @@
   `model` and `model_version` the version the request was routed to (the requested model when
   it was refused before that; null for routes of no model).
 
+The HTTP protocol's own refusals (`refused`: a head too large or too slow, bytes that are not
+HTTP, a body too slow) are logged too, with what of the request was read.
+
 Never the body (prompt or inputs), the query string, or a header's value but `x-request-id`'s.
 Only requests that came through the server are logged: not a batch job's items, run in-process.
 `--no-access-log` turns it off.
@@ -86,6 +89,19 @@ class AccessLog:
             "duration_ms": round((self._now() - received_at) * 1000, 3),
             "request_id": scope.get("sluice.request_id"), "tenant": None if tenant is None else tenant or "local",
             "model": model, "model_version": version, "protocol": protocol_of(path), "outcome": outcome,
+        })
+
+    def refused(self, scope: Scope, status: int) -> None:
+        """A refusal the HTTP protocol wrote itself, no app having seen the request (a 400 for
+        bytes it cannot parse, a 408, 431 or 501): its method and path when its head was read
+        that far, else null; `invalid`, the client's doing."""
+        path = scope.get("path")
+        received_at = scope.get(RECEIVED_AT_SCOPE_KEY)
+        logs.write_access({
+            "method": scope.get("method"), "path": path, "status": status,
+            "duration_ms": None if received_at is None else round((self._now() - received_at) * 1000, 3),
+            "request_id": None, "tenant": None, "model": None, "model_version": None,
+            "protocol": "http" if path is None else protocol_of(path), "outcome": "invalid",
         })
 
     def grpc(self, rpc: str, status: int, grpc_status: str, *, request_id: str, tenant: str | None,

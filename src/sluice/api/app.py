@@ -190,6 +190,11 @@ class SluiceApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
 
+    def refused(self, scope: Scope, status: int) -> None:
+        """The HTTP protocol refused a request before any app saw it (`http_protocol.Refused`)."""
+        if self._access_log is not None:
+            self._access_log.refused(scope, status)
+
     def answer_early(self, scope: Scope, body: bytes) -> Response | Awaitable[Response] | None:
         """A refusal to write now, the awaitable of the answer, or None: not a request for this."""
         route = self._hot.match(scope)

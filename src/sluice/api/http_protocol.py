@@ -80,12 +80,15 @@ _NOTED_HEADERS = frozenset({b"host", b"transfer-encoding", b"expect"})
 
 EarlyAnswer = Callable[[Scope, bytes], Response | Awaitable[Response] | None]
 """`SluiceApp.answer_early`: a response to write now, the awaitable of one, or None (the ASGI app's)."""
+Refused = Callable[[Scope, int], None]
+"""`SluiceApp.refused`: told of each refusal the protocol writes itself (its status), for the access log."""
 
 
 def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
-                      body_timeout_s: float = BODY_TIMEOUT_S) -> type[Any]:
+                      body_timeout_s: float = BODY_TIMEOUT_S, refused: Refused | None = None) -> type[Any]:
     """An `HttpToolsProtocol` subclass for `uvicorn.Config(http=...)` that stamps `clock.now()`
-    on each request and, given `answer_early`, answers what it refuses before a task exists.
+    on each request and, given `answer_early`, answers what it refuses before a task exists;
+    `refused` is told of the refusals it writes itself (a 400, 408, 431 or 501: no app saw them).
     A request's body must arrive within `body_timeout_s` of its head, plus a second for each
     `BODY_MIN_BYTES_PER_S` of it (else 408 and the connection closed)."""
     if not body_timeout_s > 0:
@@ -113,6 +116,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
         _head_timer: asyncio.TimerHandle | None = None
         _refusal: tuple[int, bytes, bytes] | None = None  # status, body, content type: the connection's last answer
         _refused_cycle: RequestResponseCycle | None = None  # the request refused, when its head was read
+        _refused_scope: Any = {}  # its scope, or the head's being read; empty when refused before a head began
 
         def data_received(self, data: bytes) -> None:
             if self._unparsed is not None:  # not read while paused; kept in order all the same
@@ -291,6 +295,9 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
                 if problem is not None:
                     status, message, code = problem
                     self._head_refusal = (status, error_json(message, code, self._protocol()), JSON)
+                    self._in_head = True  # the head refused, for the access log: its method and path
+                    self.scope["method"] = self.parser.get_method().decode("ascii", "replace")
+                    self.scope["path"] = self.url.decode("latin-1").partition("?")[0]
                     raise _HeadRefused  # the request is never started, and its body never read
             super().on_headers_complete()
             self._in_body = True
@@ -306,16 +313,19 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
             408): nothing more is read, and it is written, then the connection closed, once the
             answers to the requests before it are (uvicorn wrote it at once, so a client read it
             as the answer to its request still being made)."""
+            in_head = self._in_head
             self._in_head = False
             self._unparsed = None
             if self._refusal is None:
                 self._refusal = (status, message, content_type)
+                self._refused_scope = self.scope if in_head else {}
                 self.flow.pause_reading()
                 cycle = self.cycle
                 if cycle is not None and cycle.more_body and not cycle.response_complete:
                     # within a request's body (a chunk's size that is not one, a transfer coding
                     # that is not chunked): that request is the one refused, and is never started
                     self._refused_cycle = cycle
+                    self._refused_scope = cycle.scope
                     self.pipeline = deque(entry for entry in self.pipeline if entry[0] is not cycle)
                     if self._held is not None and self._held[0] is cycle:
                         self._held = None
@@ -343,6 +353,8 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
                         b"connection: close\r\n\r\n", message]
             self.transport.write(b"".join(content))
             self.transport.close()  # lingering: the client may still be sending
+            if refused is not None:
+                refused(self._refused_scope, status)
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
             self._current = cycle
