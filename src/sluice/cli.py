@@ -529,17 +529,22 @@ main.add_command(batch)
 def _environment_names(group: click.Group, prefix: str) -> None:
     """Name each option's environment variable after its command and flag, `SLUICE_GATEWAY_JOBS_DB`
     for `sluice gateway --jobs-db` (click's automatic names follow the Python parameter instead,
-    `--tenants` would be `..._TENANTS_FILE`); options that name their own variable keep it."""
+    `--tenants` would be `..._TENANTS_FILE`). Options that name shared variables of their own
+    (`SLUICE_API_KEY`, `SLUICE_ADMIN_KEY`) take those too, after this one, which wins: the rule
+    that `--help` states holds for every option."""
     for name, command in group.commands.items():
         path = f"{prefix}_{name.upper().replace('-', '_')}"
         if isinstance(command, click.Group):
             _environment_names(command, path)
             continue
         for param in command.params:
-            if isinstance(param, click.Option) and param.envvar is None:
-                flag = max(param.opts, key=len).lstrip("-").split("/")[0]
-                param.envvar = f"{path}_{flag.upper().replace('-', '_')}"
-                param.show_envvar = True
+            if not isinstance(param, click.Option):
+                continue
+            flag = max(param.opts, key=len).lstrip("-").split("/")[0]
+            own = f"{path}_{flag.upper().replace('-', '_')}"
+            shared = [] if param.envvar is None else [param.envvar] if isinstance(param.envvar, str) else param.envvar
+            param.envvar = own if not shared else [own, *(n for n in shared if n != own)]
+            param.show_envvar = True
 
 
 def _redis_url(url: str | None, option: str = "--limits-redis") -> str | None:

@@ -93,7 +93,7 @@ def test_cli_connection_cap_default_matches_the_generator() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["flag", "SLUICE_API_KEY", "OPENAI_API_KEY"])
+@pytest.mark.parametrize("how", ["flag", "SLUICE_BENCH_API_KEY", "SLUICE_API_KEY", "OPENAI_API_KEY"])
 def test_bench_sends_the_api_key_to_a_server_with_tenants(make_server, emulated_repo, tmp_path: Path,
                                                           how: str) -> None:
     from sluice.gateway.tenants import hash_key, new_key
@@ -105,7 +105,7 @@ def test_bench_sends_the_api_key_to_a_server_with_tenants(make_server, emulated_
     out = tmp_path / "run.json"
     args = ["bench", "--url", server.url, "--rate", "20", "--duration", "1", "--warmup", "0",
             "--timeout-ms", "5000", "--slo-ms", "1000", "--out", str(out)]
-    env = {"SLUICE_API_KEY": None, "OPENAI_API_KEY": None}
+    env = {"SLUICE_BENCH_API_KEY": None, "SLUICE_API_KEY": None, "OPENAI_API_KEY": None}
     if how == "flag":
         args += ["--api-key", key]
     else:
