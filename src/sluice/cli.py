@@ -39,9 +39,11 @@ def _jobs_options(command: F) -> F:
     """Where batch jobs are kept, shared by `serve` and `gateway`."""
     for option in reversed([
         click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="Keep batch jobs here (SQLite) so they survive restarts (default: a temporary folder)."),
+                     help="Keep batch jobs and stored responses here (SQLite) so they survive restarts (default: a "
+                          "temporary folder)."),
         click.option("--jobs-db", default=None, metavar="postgresql://...", callback=_postgres_url,
-                     help="Keep batch jobs in this PostgreSQL database instead (several gateways may share it)."),
+                     help="Keep batch jobs and stored responses in this PostgreSQL database instead (several "
+                          "gateways may share it)."),
     ]):
         command = option(command)
     return command
@@ -308,7 +310,7 @@ def models_status(name: str | None, url: str, admin_key: str | None, as_json: bo
 
 _LOAD_TIMEOUT = click.option(
     "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=660.0, show_default=True,
-    help="Seconds to wait for the answer: the server waits up to 600 s for its workers to load.")
+    help="Seconds to wait for the answer: the server waits up to 600 s for its workers to load or unload.")
 
 
 @models.command("load")
@@ -363,7 +365,7 @@ def models_traffic(name: str, shares: tuple[str, ...], sticky: bool, reset: bool
 @click.argument("name")
 @click.argument("version")
 @click.option("--baseline", default=None, help="The version to compare with [default: the one with most traffic].")
-@click.option("--steps", default=None, help="The canary's percent of traffic at each step, e.g. 5,25,50.")
+@click.option("--steps", default=None, help="The canary's percent of traffic at each step [default: 5,25,50].")
 @click.option("--step-seconds", type=float, default=None, help="Shortest time per step [default: 60].")
 @click.option("--min-requests", type=int, default=None, help="Canary answers a step needs [default: 100].")
 @click.option("--max-error-rate", type=float, default=None,
