@@ -96,6 +96,17 @@ def test_versions_added_and_removed_are_loaded_and_unloaded_while_requests_flow(
     eventually(lambda: "unloaded emulated v1" in server.log(), "version 1 freed")
 
 
+def test_a_version_changed_in_place_and_loaded_right_after_its_unload_serves_its_new_settings(served):
+    server, repo = served
+    embed = {"model": "emulated", "input": "hello"}
+    assert len(httpx.post(f"{server.url}/v1/embeddings", json=embed).json()["data"][0]["embedding"]) == 16
+    write_emulated_model(repo, alpha_ms=2.0, beta_ms=0.1, dims=8)  # version 1's settings change in place
+    assert _load(server, "emulated", "unload").status_code == 200
+    assert _load(server, "emulated").json() == {"name": "emulated", "versions": ["1"]}  # at once, not yet freed
+    answer = httpx.post(f"{server.url}/v1/embeddings", json=embed, headers={"cache-control": "no-store"})
+    assert answer.status_code == 200 and len(answer.json()["data"][0]["embedding"]) == 8  # not the old load's 16
+
+
 def test_a_version_that_fails_its_checks_is_refused_alone(served):
     server, repo = served
     _add_version(repo, "3", manifest="0" * 64 + "  weights.bin\n")

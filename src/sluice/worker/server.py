@@ -53,7 +53,8 @@ log = logging.getLogger("sluice.worker")
 STATE_INTERVAL_S = 0.05
 
 EVICTION_WAIT_S = 5.0
-"""How long a load on demand waits for the versions it evicted to be freed (they finish what they hold)."""
+"""How long a load waits for versions taken off to be freed (they finish what they hold): those a load
+on demand evicted, or an unloaded version whose files changed before it is loaded again."""
 OFF_LOOP_TEXT_CHARS = 16_384
 OFF_LOOP_TENSOR_BYTES = 1 << 20
 """A request with more text or tensor data than these is prepared on a thread, not on the event
@@ -301,6 +302,10 @@ class WorkerServer:
             self._loading -= waiting
         else:
             found = await asyncio.to_thread(self._source.scan, name)
+            # a version taken off (an unload just before) is served again as it was loaded, unless
+            # its files or settings changed since: then it is loaded anew, once the old one is freed
+            await self._until_freed([version.key for version in found.present if version.key in self._retiring
+                                     and self._versions[version.key].revision != version.revision])
             held = {key for key in (*self._infos, *self._retiring) if key[0] == name}
             wanted = [version for version in found.present if version.key not in held]
             reserved = await self._reserve(name, wanted)
@@ -383,14 +388,18 @@ class WorkerServer:
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
         if evicted:
             self._broadcast_state()
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + EVICTION_WAIT_S
-            # freed at a state tick once they hold no work (`_free_retired` sets `_freed`)
-            while any(key in self._retiring for key in evicted) and (left_s := deadline - loop.time()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._freed.wait(), left_s)
+            await self._until_freed(evicted)
         self._reserved_bytes += needed
         return needed
+
+    async def _until_freed(self, keys: list[ModelKey]) -> None:
+        """Wait, up to `EVICTION_WAIT_S`, until the versions `keys` taken off are freed: at a state
+        tick once they hold no work (`_free_retired` sets `_freed`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + EVICTION_WAIT_S
+        while any(key in self._retiring for key in keys) and (left_s := deadline - loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left_s)
 
     def _unload_idle(self) -> None:
         """Take off the versions idle for longer than their `[loading] idle_unload_s`; they are
