@@ -315,6 +315,22 @@ def test_a_request_head_past_the_limit_is_refused_not_buffered() -> None:
     assert asyncio.run(fine())[0::2] == (200, b"fine")
 
 
+def test_a_request_head_past_the_limit_is_refused_in_its_routes_error_shape() -> None:
+    """The 431 of a head too large is the route's error, as every refusal the protocol writes
+    itself: OpenAI's envelope under /v1, KServe's `{"error": ...}` under /v2 (it was plain text,
+    which the openai SDK and tritonclient cannot read a message from)."""
+    too_many = b"".join(b"x-%d: %s\r\n" % (i, b"v" * 100) for i in range(MAX_HEAD_BYTES // 100))
+    for path in (b"/v1/embeddings", b"/v2/models/m/infer"):
+        head = b"POST %b HTTP/1.1\r\nhost: x\r\n%b\r\n" % (path, too_many)
+        (status, body), = _answers(asyncio.run(_written_until_closed(head)))
+        assert status == 431
+        error = json.loads(body)["error"]
+        if path.startswith(b"/v1"):
+            assert error["code"] == "request_header_fields_too_large" and "64 KiB" in error["message"]
+        else:
+            assert "64 KiB" in error
+
+
 def test_a_thousand_refusals_pipelined_behind_a_slow_answer_are_all_answered_in_order() -> None:
     """Each early refusal written starts the next pipelined request: they were answered one within
     the other's call, and past Python's recursion limit the connection's remaining requests never
@@ -386,7 +402,7 @@ def test_a_connection_silent_or_slow_to_send_its_head_is_closed_after_the_keep_a
             await asyncio.sleep(0.01)
         silent, _ = await asyncio.open_connection("127.0.0.1", port)
         trickling, trickle = await asyncio.open_connection("127.0.0.1", port)
-        trickle.write(b"GET /a HTTP/1.1\r\nhost: x\r\n")
+        trickle.write(b"GET /v2/models/m HTTP/1.1\r\nhost: x\r\n")
         closed = asyncio.gather(asyncio.wait_for(silent.read(), 10), asyncio.wait_for(trickling.read(), 10))
         while not closed.done():  # a byte every 0.1 s, each a read that resets uvicorn's own timer
             trickle.write(b"x")
@@ -402,6 +418,8 @@ def test_a_connection_silent_or_slow_to_send_its_head_is_closed_after_the_keep_a
     silent_end, trickled_end, answer = asyncio.run(scenario())
     assert silent_end == b""
     assert trickled_end.startswith(b"HTTP/1.1 408 ") and b"connection: close" in trickled_end
+    (_, body), = _answers(trickled_end)
+    assert "did not arrive within 1 s" in json.loads(body)["error"]  # in its route's (KServe's) error shape
     assert answer == b"still served"
 
 

@@ -183,7 +183,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
             if head_of is not None and self._in_head and self.scope is head_of:  # all of it was that head's
                 self._head_streamed += len(data)
                 if self._head_streamed > MAX_HEAD_BYTES and not self.transport.is_closing():
-                    self._refuse(431, b"Request header fields too large.")
+                    self._refuse(*self._head_too_large())
             if self._in_head and self._head_timer is None and not self.transport.is_closing():
                 # a head that did not come whole in one read (never so for a client's usual request)
                 self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timed_out)
@@ -215,6 +215,11 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
             else:
                 message = f"the request body did not arrive within {body_timeout_s:g} s"
                 self._refuse(408, error_json(message, "request_timeout", self._protocol()), JSON)
+
+        def _head_too_large(self) -> tuple[int, bytes, bytes]:
+            """The 431 of a head past `MAX_HEAD_BYTES`, in the error shape of the route its URL names."""
+            message = f"the request's line and headers are over {MAX_HEAD_BYTES // 1024} KiB"
+            return 431, error_json(message, "request_header_fields_too_large", self._protocol()), JSON
 
         def _protocol(self) -> str:
             """Which protocol's error shape the request being parsed takes (`errors.protocol_of`)."""
@@ -250,7 +255,8 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
             slowly it still trickles in (data resets uvicorn's keep-alive timer, not this one)."""
             self._head_timer = None
             if self._in_head and not self.transport.is_closing():
-                self._refuse(408, b"Request head not received in time.")
+                message = f"the request's line and headers did not arrive within {self.timeout_keep_alive:g} s"
+                self._refuse(408, error_json(message, "request_timeout", self._protocol()), JSON)
 
         def on_message_begin(self) -> None:
             self._unset_keepalive_if_required()  # an early answer armed it within this same read
@@ -282,7 +288,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
         def _count_head(self, size: int) -> None:
             self._head_bytes += size
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._head_refusal = (431, b"Request header fields too large.", TEXT)
+                self._head_refusal = self._head_too_large()
                 raise _HeadRefused  # httptools stops; uvicorn's `send_400_response` answers
 
         def on_headers_complete(self) -> None:
