@@ -36,7 +36,7 @@ from sluice.clock import Clock, MonotonicClock, WallClock
 from sluice.errors import ConfigError, SluiceError
 from sluice.gateway import Gateway
 from sluice.gateway.cache import CacheConfig, MemoryStore, ResultCache
-from sluice.gateway.gateway import GatewayConfig
+from sluice.gateway.config import GatewayConfig
 from sluice.gateway.shared_cache import RedisCacheStore
 from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.shared_traffic import SharedTraffic

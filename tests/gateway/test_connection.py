@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from sluice import wire
 from sluice.clock import VirtualClock
 from sluice.errors import InvalidInput, Overloaded
+from sluice.gateway.admission import excess_s, tenant_wait_s
 from sluice.gateway.connection import WorkerConnection
 from sluice.gateway.gateway import Gateway
 from sluice.gateway.ticket import interpret
@@ -71,11 +72,11 @@ def test_sent_work_counts_per_flow_until_the_next_report() -> None:
         # tenant a's new request queues behind its reported work and what was sent since (at drain 0.5);
         # the report's time is set just before each check, so a slow test machine cannot age it
         connection.state_at = time.monotonic()
-        assert Gateway._tenant_wait_s(connection, "a", Priority.STANDARD, info) == pytest.approx(0.2 + 0.02 / 0.5,
+        assert tenant_wait_s(connection, "a", Priority.STANDARD, info) == pytest.approx(0.2 + 0.02 / 0.5,
                                                                                                  abs=0.005)
         # the device has been working since the report: that much of the reported wait is gone
         connection.state_at = time.monotonic() - 0.15
-        assert Gateway._tenant_wait_s(connection, "a", Priority.STANDARD, info) == pytest.approx(0.05 + 0.02 / 0.5,
+        assert tenant_wait_s(connection, "a", Priority.STANDARD, info) == pytest.approx(0.05 + 0.02 / 0.5,
                                                                                                  abs=0.005)
         connection._on_message(_state(0.25))  # the next report includes them
         assert connection.sent_flow_work_s("a", 1) == 0.0
@@ -113,10 +114,10 @@ def test_early_admission_counts_the_newcomers_own_batch() -> None:
         state = _state(0.2, newcomer_s=0.03)
         connection._on_message(state)
         info = state.models[0]
-        excess = Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.22)
+        excess = excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.22)
         assert excess == pytest.approx(0.01, abs=0.002)  # 0.2 wait + 0.03 own, 0.22 allowed
-        assert Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.24) == 0.0
-        assert Gateway._excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
+        assert excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.24) == 0.0
+        assert excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
 
     asyncio.run(scenario())
 
@@ -239,7 +240,7 @@ def test_a_request_refused_before_it_is_sent_counts_the_work_of_all_its_items() 
         before = REGISTRY.get_sample_value("sluice_refused_work_seconds_total", labels) or 0.0
         payload = wire.TensorPayload("float32", (4, 16), bytes(256))
         with pytest.raises(Overloaded):
-            gateway._choose(info, ticket, payload)  # type: ignore[arg-type]
+            gateway._dispatcher.choose(info, ticket, payload)  # type: ignore[arg-type]
         refused_s = (REGISTRY.get_sample_value("sluice_refused_work_seconds_total", labels) or 0.0) - before
         assert refused_s == pytest.approx(4 * 0.01)  # the report's 10 ms per item
 

@@ -15,7 +15,7 @@ INFO = wire.ModelInfo("m", "1", "emulated", "p", (), (), 32, 1.0, False, True)
 
 def test_a_repository_version_still_loading_is_503_and_an_unknown_one_404(monkeypatch):
     gateway = Gateway(VirtualClock(), GatewayMetrics())
-    monkeypatch.setattr(gateway, "models", lambda **_: {"m": {"1": INFO}})  # version 1 ready, 2 loading
+    monkeypatch.setattr(gateway.catalog, "models", lambda **_: {"m": {"1": INFO}})  # version 1 ready, 2 loading
     gateway.expected_versions = {("m", "1"), ("m", "2")}
     assert gateway.resolve("m", "1") is INFO
     with pytest.raises(ModelNotReady, match="version '2'") as not_ready:

@@ -4,7 +4,7 @@ slot wait, not the worker's device queue."""
 from __future__ import annotations
 
 from sluice import wire
-from sluice.gateway.gateway import predicted_wait_s
+from sluice.gateway.admission import predicted_wait_s
 from sluice.priority import Priority
 
 

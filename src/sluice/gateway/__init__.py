@@ -3,7 +3,9 @@
     Gateway.infer() ─▶ router.choose() ─▶ WorkerConnection.submit() ──transport──▶ worker
 """
 
-from sluice.gateway.gateway import Caller, Gateway, GatewayConfig
+from sluice.gateway.admission import Caller
+from sluice.gateway.config import GatewayConfig
+from sluice.gateway.gateway import Gateway
 from sluice.gateway.ticket import InferResult
 
 __all__ = ["Caller", "Gateway", "GatewayConfig", "InferResult"]

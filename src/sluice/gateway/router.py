@@ -25,7 +25,7 @@ gateways may send one prefix to different workers; each then keeps sending it to
 requests of a model in a row (transient device faults, not the inputs' errors) gets none of that
 model's requests for `eject_s` while another replica serves it, twice as long after each
 ejection in a row (up to `max_eject_s`); then it is back, and one success resets it. The gateway
-sends a request that failed so to another replica (`Gateway._dispatch`), so a broken device
+sends a request that failed so to another replica (`Dispatcher.dispatch`), so a broken device
 costs its clients a retry's latency, not an error.
 """
 

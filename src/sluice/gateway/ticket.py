@@ -1,6 +1,6 @@
 """One admitted request at the gateway: its accounting while it runs, and its answer.
 
-    Gateway._admit ──▶ Ticket ──(async with: dispatch, stream)──▶ __aexit__: outcome metric,
+    Admission.admit ──▶ Ticket ──(async with: dispatch, stream)──▶ __aexit__: outcome metric,
                                                                   tenant metrics, settle limits
     worker's wire.Result ──interpret()──▶ InferResult, or the error in `sluice.errors` it means
 
