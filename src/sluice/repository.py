@@ -64,7 +64,7 @@ class LoadingConfig:
     """Unloaded after this long without a request, to be loaded again on demand (0: never)."""
     timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
     """A load (files checked, weights loaded, warm-up) not done by then is given up: the version is
-    refused with that reason and the worker's other loads go on (`worker.server`)."""
+    refused with that reason and the worker's other loads go on (`worker.syncing`)."""
 
 
 @dataclass(frozen=True, slots=True)

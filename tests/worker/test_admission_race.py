@@ -34,7 +34,7 @@ class _FormsABatchOnRelease:
             with self._inner:
                 decision = self._server._scheduler.next_batch()
                 assert decision.batch is not None
-                self.formed.append(self._server._prepared_items(decision.batch))
+                self.formed.append(self._server._batches.prepared_items(decision.batch))
 
 
 class _IdleDevice:
@@ -49,10 +49,10 @@ def test_a_batch_formed_as_admission_releases_the_lock_has_the_requests_input(tm
     models, _, _ = load_models(WorkerConfig("w", "inproc://w", tmp_path / "models"))
     server = WorkerServer("w", models, [], MonotonicClock(), WorkerMetrics("w"))
     lock = _FormsABatchOnRelease(server)
-    server._lock = lock  # type: ignore[assignment]
-    server._device = _IdleDevice()  # type: ignore[assignment]
+    server._batches._lock = lock  # type: ignore[assignment]
+    server._batches.device = _IdleDevice()  # type: ignore[assignment]
     replies: list[wire.Message] = []
-    server._reply = lambda identity, message: replies.append(message)  # type: ignore[method-assign]
+    server._outbox.reply = lambda identity, message: replies.append(message)  # type: ignore[method-assign]
     payload = wire.TensorPayload("float32", (1, 16), bytes(64))
     server._on_submit(b"gw", wire.Submit(1, "emulated", "1", payload, 5.0, "", 1))
     (prepared,) = lock.formed

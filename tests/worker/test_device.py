@@ -97,8 +97,8 @@ def test_the_worker_answers_before_it_records_the_batch(tmp_path):
             return True
 
     device = _Device()
-    server._device = device  # type: ignore[assignment]
-    server._listener = _Listener()  # type: ignore[assignment]
+    server._batches.device = device  # type: ignore[assignment]
+    server._outbox.listener = _Listener()  # type: ignore[assignment]
     original_done = server._scheduler.batch_done
     server._scheduler.batch_done = lambda b, s: (events.append("recorded"), original_done(b, s))[1]  # type: ignore[method-assign]
 

@@ -11,9 +11,10 @@ from pathlib import Path
 from sluice import wire
 from sluice.clock import MonotonicClock
 from sluice.metrics import WorkerMetrics
+from sluice.worker.batches import OFF_LOOP_TEXT_CHARS
 from sluice.worker.device import DeviceThread
 from sluice.worker.main import WorkerConfig, load_models
-from sluice.worker.server import OFF_LOOP_TEXT_CHARS, WorkerServer
+from sluice.worker.server import WorkerServer
 from tests.conftest import write_emulated_model
 
 PREPARE_S = 0.6
@@ -30,8 +31,8 @@ def _server(tmp_path: Path) -> tuple[WorkerServer, list[wire.Message]]:
     models, _, _ = load_models(WorkerConfig("w", "inproc://w", tmp_path / "models"))
     server = WorkerServer("w", models, [], MonotonicClock(), WorkerMetrics("w"))
     replies: list[wire.Message] = []
-    server._reply = lambda identity, message: replies.append(message)  # type: ignore[method-assign]
-    server._flush = lambda: None  # type: ignore[method-assign]
+    server._outbox.reply = lambda identity, message: replies.append(message)  # type: ignore[method-assign]
+    server._outbox.flush = lambda: None  # type: ignore[method-assign]
     return server, replies
 
 
@@ -57,8 +58,9 @@ def test_a_large_request_is_prepared_off_the_loop_and_others_are_served_meanwhil
     server, replies = _server(tmp_path)
 
     async def converse() -> float:
-        server._device = DeviceThread(server._scheduler, server._lock, server._runners, server._prepared_items,
-                                      server._on_batch_done, asyncio.get_running_loop())
+        server._batches.device = DeviceThread(server._scheduler, server._lock, server._table.runners,
+                                              server._batches.prepared_items, server._on_batch_done,
+                                              asyncio.get_running_loop())
         done = asyncio.Event()
         lag = asyncio.create_task(_max_lag_s(done))
         server._on_submit(b"gw", _submit(1, NUM_TEXTS, TEXT_CHARS))
@@ -67,7 +69,7 @@ def test_a_large_request_is_prepared_off_the_loop_and_others_are_served_meanwhil
         while 1 not in _answers(replies):
             await asyncio.sleep(0.01)
         done.set()
-        server._device.stop()
+        server._batches.device.stop()
         return await lag
 
     started = time.monotonic()

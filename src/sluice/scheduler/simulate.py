@@ -5,7 +5,7 @@ arrivals, running each batch on an emulated device that takes `alpha + beta * pa
         │                  ▲                                                  │
         └──cancel at t─────┘◀───────────── batch_done(exec_s) ────────────────┘
 
-The driver does what the worker does (`sluice.worker.server`): admit on arrival, form a batch the
+The driver does what the worker does (`sluice.worker.batches`): admit on arrival, form a batch the
 moment the device is idle, report it done, form the next one at once. It is pure and deterministic
 (the same arrivals and seed give the same trace), so tests use it to check the scheduler's
 invariants over random workloads, and capacity planning uses it to ask how many requests per
