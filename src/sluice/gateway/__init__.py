@@ -1,6 +1,7 @@
 """The gateway: admits requests, picks a worker, and waits for the answer.
 
-    Gateway.infer() ─▶ router.choose() ─▶ WorkerConnection.submit() ──transport──▶ worker
+    Gateway.infer() ─▶ Admission.admit() ─▶ Dispatcher.dispatch() ─▶ router.choose()
+                    ─▶ WorkerConnection.submit() ──transport──▶ worker
 """
 
 from sluice.gateway.admission import Caller
