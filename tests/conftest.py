@@ -244,7 +244,7 @@ def metric_total(server: ServerProcess | str, name: str, **labels: str) -> float
 # A real PostgreSQL, started once per session from a temporary folder on a free loopback port with
 # `initdb`/`pg_ctl` (found in PATH or `/usr/lib/postgresql/*/bin`). initdb refuses to run as root,
 # so as root the server runs as the `postgres` OS user. `postgres_dsn` gives each test its own
-# fresh database.
+# fresh database; `own_postgres` gives a test a server of its own to stop and start.
 _DATABASES = itertools.count(1)
 
 
@@ -262,30 +262,64 @@ def _as_server_user(command: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *command]
 
 
+class PostgresServer:
+    """A real PostgreSQL in a temporary folder on a free loopback port, that a test may stop and
+    start again (its data kept): `sluice`'s job store must ride out its database restarting."""
+
+    def __init__(self) -> None:
+        initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if initdb is None or pg_ctl is None:
+            pytest.fail("PostgreSQL is not installed (initdb not found); ./scripts/test installs it")
+        self._pg_ctl = pg_ctl
+        self.root = Path(tempfile.mkdtemp(prefix="sluice-pg-"))
+        os.chmod(self.root, 0o755)
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+        user = "postgres" if os.geteuid() == 0 else os.environ.get("USER", "postgres")
+        self.port = free_port()
+        self.url = f"postgresql://{user}@127.0.0.1:{self.port}"
+        """The base DSN, without a database."""
+        subprocess.run(_as_server_user([initdb, "-D", str(self.root / "data"), "-A", "trust", "-U", user,
+                                        "--no-sync"]), check=True, capture_output=True)
+        self.start()
+
+    def _ctl(self, *args: str, check: bool = True) -> None:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
+        subprocess.run(_as_server_user([self._pg_ctl, "-D", str(self.root / "data"), "-o", options, "-l",
+                                        str(self.root / "log"), "-w", *args]), check=check, capture_output=True)
+
+    def start(self) -> None:
+        """Start it and wait until it accepts connections."""
+        self._ctl("start")
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop it (`fast`: open sessions are terminated, as by a restart or a failover)."""
+        self._ctl("-m", mode, "stop")
+
+    def close(self) -> None:
+        self._ctl("-m", "immediate", "stop", check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """The base DSN (`postgresql://...@127.0.0.1:PORT`) of a server started for this session."""
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        pytest.fail("PostgreSQL is not installed (initdb not found); ./scripts/test installs it")
-    root = Path(tempfile.mkdtemp(prefix="sluice-pg-"))
-    os.chmod(root, 0o755)
-    data = root / "data"
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    user = "postgres" if os.geteuid() == 0 else os.environ.get("USER", "postgres")
-    port = free_port()
-    subprocess.run(_as_server_user([initdb, "-D", str(data), "-A", "trust", "-U", user, "--no-sync"]),
-                   check=True, capture_output=True)
-    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run(_as_server_user([pg_ctl, "-D", str(data), "-o", options, "-l", str(root / "log"), "-w",
-                                    "start"]), check=True, capture_output=True)
+    server = PostgresServer()
     try:
-        yield f"postgresql://{user}@127.0.0.1:{port}"
+        yield server.url
     finally:
-        subprocess.run(_as_server_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]),
-                       check=False, capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        server.close()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL of the test's own, for a test that stops and restarts it (its `postgres`
+    database is empty at first)."""
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture

@@ -4,17 +4,32 @@ Same tables and semantics as `SqliteJobStore`, for servers on several hosts shar
 queue. Claims lock candidate rows `FOR UPDATE SKIP LOCKED`, so concurrent executors never wait
 on each other and never lease the same item; a lease that expires (its holder died) makes the
 item claimable again. `release_leases` is a no-op here: other hosts may hold live leases.
+
+The database restarting (or failing over) is survived, not waited out:
+- a call that cannot reach it raises `Unavailable` (a 503 with a Retry-After to API clients)
+  once no connection came within `wait_s`, instead of hanging in the pool's queue (30 s) and
+  then failing with a foreign error;
+- a pooled connection broken by the restart is checked and replaced when it is taken, so the
+  first calls after it do not fail;
+- the pool gives a connection attempt up after `reconnect_s` and starts a fresh one, so it tries
+  about once a second and connects within about a second of the database coming back: left to
+  itself, psycopg_pool's retries back off exponentially (1, 2, 4 ... 64 s), which after an
+  outage of a minute left the jobs stalled for up to another minute;
+- while the database is known to be out of reach, calls wait only `UNREACHABLE_WAIT_S` for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+import psycopg
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
-from sluice.errors import ConfigError
+from sluice.errors import ConfigError, Unavailable
 from sluice.jobs import rows
 from sluice.jobs.store import (
     BatchJob,
@@ -39,15 +54,28 @@ _CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id 
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = %s AND state = %s AND idx > %s ORDER BY idx LIMIT 1"
 _CLAIM_CONDITIONS = ("state = 'leased' AND lease_until < %s", "state = 'queued' AND not_before <= %s")
 
+log = logging.getLogger("sluice.jobs")
+
+RETRY_AFTER_S = 2.0
+"""What a client is told to wait when the database cannot be reached."""
+UNREACHABLE_WAIT_S = 1.0
+"""How long a call waits for a connection while the database is known to be out of reach."""
+
 
 class PostgresJobStore:
     def __init__(self, pool: AsyncConnectionPool[AsyncConnection[Any]]) -> None:
         self._pool = pool
+        self._is_reachable = True
+        """Whether the last call reached the database (its losses and returns are logged once)."""
 
     @classmethod
-    async def connect(cls, dsn: str, max_size: int = 8) -> PostgresJobStore:
-        pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(dsn, min_size=1, max_size=max_size,
-                                                                              open=False)
+    async def connect(cls, dsn: str, max_size: int = 8, wait_s: float = 5.0,
+                      reconnect_s: float = 2.0) -> PostgresJobStore:
+        """A store on the database at `dsn`, its schema created or brought up to date. Calls wait
+        up to `wait_s` for a connection; a connection attempt is retried for `reconnect_s`."""
+        pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
+            dsn, min_size=1, max_size=max_size, open=False, timeout=wait_s, reconnect_timeout=reconnect_s,
+            reconnect_failed=_reconnect_again, check=AsyncConnectionPool.check_connection)
         try:
             await pool.open(wait=True, timeout=30)
             async with pool.connection() as conn:  # one transaction: a failed migration changes nothing
@@ -68,8 +96,27 @@ class PostgresJobStore:
     async def aclose(self) -> None:
         await self._pool.close()
 
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[AsyncConnection[Any]]:
+        """A pooled connection; the database out of reach (down, restarting, no connection free
+        within `wait_s`) is `Unavailable`, whether found on taking the connection or while using it."""
+        try:
+            async with self._pool.connection(timeout=None if self._is_reachable else UNREACHABLE_WAIT_S) as conn:
+                yield conn
+        except psycopg.OperationalError as exc:
+            if self._is_reachable:
+                self._is_reachable = False
+                log.warning("the job store's database cannot be reached (%s: %s); batch jobs wait for it and "
+                            "the Files and Batch APIs answer 503", type(exc).__name__,
+                            (str(exc).strip().splitlines() or [""])[0])
+            raise Unavailable("the batch job store is unavailable; try again shortly",
+                              retry_after_s=RETRY_AFTER_S) from exc
+        if not self._is_reachable:
+            self._is_reachable = True
+            log.warning("the job store's database is reachable again")
+
     async def _one(self, query: str, params: Sequence[Any]) -> Any:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             return await (await conn.execute(query, params)).fetchone()
 
     # -- files -----------------------------------------------------------------------------------
@@ -78,7 +125,7 @@ class PostgresJobStore:
                           idempotency_key: str | None = None, file_id: str | None = None,
                           expires_at: int | None = None) -> FileObject:
         file_id = file_id or rows.new_file_id()
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await conn.execute(
                 "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, idempotency_key, "
                 "expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (owner, idempotency_key) "
@@ -96,7 +143,7 @@ class PostgresJobStore:
         return rows.file_of(row) if row else None
 
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             row = await (await conn.execute("SELECT content FROM files WHERE id = %s AND owner = %s",
                                             (file_id, owner))).fetchone()
             if row is None:
@@ -114,7 +161,7 @@ class PostgresJobStore:
         return bytes(row[0]) if row else None
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             cur = await conn.execute("DELETE FROM files WHERE id = %s AND owner = %s", (file_id, owner))
             if cur.rowcount == 0:
                 return False
@@ -122,7 +169,7 @@ class PostgresJobStore:
             return True
 
     async def delete_expired_files(self, now: int) -> int:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             parts, files = (statement.replace("?", "%s") for statement in rows.EXPIRED_FILES)
             await conn.execute(parts, (now,))
             return (await conn.execute(files, (now,))).rowcount
@@ -131,12 +178,12 @@ class PostgresJobStore:
 
     async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
                            input_items: bytes) -> None:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
                                request: bytes, token: str, lease_until: float, events: Sequence[Event] = ()) -> None:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
             await conn.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
                                "VALUES (%s, %s, %s, %s, %s, %s)",
@@ -145,7 +192,7 @@ class PostgresJobStore:
 
     async def update_response_run(self, response_id: str, token: str, body: bytes | None, *, is_final: bool,
                                   events: Sequence[Event] = ()) -> bool:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             held = await (await conn.execute("SELECT 1 FROM response_runs WHERE id = %s AND lease_token = %s "
                                              "FOR UPDATE", (response_id, token))).fetchone()
             if held is None:
@@ -162,12 +209,12 @@ class PostgresJobStore:
         return int(row[0])
 
     async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute(rows.RESPONSE_EVENTS, (response_id, owner, after, limit))
             return [(int(row[0]), bytes(row[1])) for row in await cur.fetchall()]
 
     async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             cur = await conn.execute("DELETE FROM response_runs WHERE id = %s AND owner = %s", (response_id, owner))
             if cur.rowcount == 0:
                 return False
@@ -175,13 +222,13 @@ class PostgresJobStore:
             return True
 
     async def renew_response_runs(self, token: str, response_ids: Sequence[str], lease_until: float) -> set[str]:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute("UPDATE response_runs SET lease_until = %s WHERE lease_token = %s "
                                      "AND id = ANY(%s) RETURNING id", (lease_until, token, list(response_ids)))
             return {row[0] for row in await cur.fetchall()}
 
     async def claim_response_runs(self, token: str, now: float, lease_until: float, limit: int) -> list[ResponseRun]:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute(
                 "UPDATE response_runs SET lease_token = %s, lease_until = %s, attempts = attempts + 1 WHERE id IN "
                 "(SELECT id FROM response_runs WHERE lease_until < %s ORDER BY lease_until LIMIT %s "
@@ -196,7 +243,7 @@ class PostgresJobStore:
         return None if row is None else StoredResponse(bytes(row[0]), bytes(row[1]))
 
     async def delete_response(self, owner: str, response_id: str) -> bool:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             cur = await conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
             if cur.rowcount == 0:
                 return False
@@ -205,7 +252,7 @@ class PostgresJobStore:
             return True
 
     async def delete_responses_before(self, created_at: int) -> int:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             for statement in rows.FORGET_OLD_RUNS:
                 await conn.execute(statement, (created_at,))
             return (await conn.execute("DELETE FROM responses WHERE created_at < %s", (created_at,))).rowcount
@@ -213,7 +260,7 @@ class PostgresJobStore:
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
         query, params = rows.files_page(owner, purpose, after, limit, ascending)
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute(query.replace("?", "%s"), params)
             return [rows.file_of(r) for r in await cur.fetchall()]
 
@@ -221,7 +268,7 @@ class PostgresJobStore:
 
     async def create_batch(self, batch: NewBatch, idempotency_key: str | None = None) -> BatchJob:
         batch_id = rows.new_batch_id()
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await conn.execute(  # seq: the identity column's next value
                 "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
                 "created_at, expires_at, idempotency_key, output_expires_after_s) "
@@ -252,19 +299,19 @@ class PostgresJobStore:
         if after is not None:
             query += " AND seq < (SELECT seq FROM batches WHERE id = %s AND owner = %s)"
             params += [after, owner]
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute(query + " ORDER BY seq DESC LIMIT %s", (*params, limit))
             return [rows.batch_of(r) for r in await cur.fetchall()]
 
     async def active_batches(self) -> list[BatchJob]:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute(f"SELECT {rows.BATCH_COLUMNS} FROM batches WHERE status = ANY(%s) ORDER BY seq",
                                      ([s.value for s in rows.ACTIVE],))
             return [rows.batch_of(r) for r in await cur.fetchall()]
 
     async def start_batch(self, batch_id: str, items: Sequence[NewItem], now: int,
                           num_total: int | None = None) -> bool:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             cur = await conn.execute("UPDATE batches SET status = %s, in_progress_at = %s, num_total = %s "
                                      "WHERE id = %s AND status = %s",
                                      (BatchStatus.IN_PROGRESS.value, now,
@@ -279,7 +326,7 @@ class PostgresJobStore:
 
     async def add_items(self, batch_id: str, items: Sequence[NewItem]) -> None:
         """Plain inserts rather than COPY: another gateway resuming the same load may race us."""
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             await conn.cursor().executemany(
                 "INSERT INTO items (batch_id, idx, custom_id, url, body) VALUES (%s, %s, %s, %s, %s) "
                 "ON CONFLICT (batch_id, idx) DO NOTHING",
@@ -290,7 +337,7 @@ class PostgresJobStore:
         return int(row[0])
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, object]], now: int) -> None:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await conn.execute("UPDATE batches SET status = %s, failed_at = %s, errors = %s WHERE id = %s "
                                "AND status = %s", (BatchStatus.FAILED.value, now, rows.dump_json(errors), batch_id,
                                                    BatchStatus.VALIDATING.value))
@@ -298,7 +345,7 @@ class PostgresJobStore:
     async def cancel_batch(self, owner: str, batch_id: str, now: int) -> BatchJob | None:
         """The batch as the update left it: a cancel that won is answered `cancelling` even if the
         executor finishes the batch at once."""
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = await conn.execute(f"UPDATE batches SET status = %s, cancelling_at = %s WHERE id = %s AND owner = %s "
                                      f"AND status IN (%s, %s) RETURNING {rows.BATCH_COLUMNS}",
                                      (BatchStatus.CANCELLING.value, now, batch_id, owner,
@@ -313,7 +360,7 @@ class PostgresJobStore:
         token, until = rows.new_token(), now + lease_s
         claimed: list[Item] = []
         left = dict(room or {})
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             cur = await conn.execute("SELECT id, owner FROM batches WHERE status = %s AND expires_at > %s ORDER BY seq",
                                      (BatchStatus.IN_PROGRESS.value, now))
             for batch_id, owner in await cur.fetchall():
@@ -333,14 +380,14 @@ class PostgresJobStore:
         return Claim(token, until, tuple(claimed))
 
     async def extend_lease(self, token: str, until: float) -> None:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await conn.execute("UPDATE items SET lease_until = %s WHERE lease_token = %s AND state = 'leased'",
                                (until, token))
 
     async def record(self, token: str, outcomes: Sequence[ItemOutcome]) -> int:
         retries = [o for o in outcomes if o.retry_at is not None]
         finals = {(o.batch_id, o.idx): o for o in outcomes if o.retry_at is None}
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             cur = conn.cursor()
             applied = 0
             if retries:
@@ -382,7 +429,7 @@ class PostgresJobStore:
         return int(row[0])
 
     async def begin_finalizing(self, batch_id: str, now: int) -> BatchJob | None:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             await conn.execute("UPDATE batches SET status = %s, finalizing_at = %s WHERE id = %s AND status = %s "
                                "AND num_completed + num_failed >= num_total",
                                (BatchStatus.FINALIZING.value, now, batch_id, BatchStatus.IN_PROGRESS.value))
@@ -392,7 +439,7 @@ class PostgresJobStore:
 
     async def finalize(self, batch_id: str, status: BatchStatus, leftover: LeftoverLine | None,
                        now: int) -> BatchJob | None:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             row = await (await conn.execute(_BATCH_BY_ID + " FOR UPDATE", (batch_id,))).fetchone()
             batch = rows.batch_of(row) if row else None
             if batch is None or not batch.is_active:
@@ -415,7 +462,7 @@ class PostgresJobStore:
 
     async def result_lines(self, batch_id: str, after_idx: int, limit: int) -> list[ResultLine]:
         before = after_idx + limit + 1
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             for state in ("queued", "leased"):  # the first item without a line ends the page
                 row = await (await conn.execute(_FIRST_IN_STATE, (batch_id, state, after_idx))).fetchone()
                 if row is not None:
@@ -423,6 +470,13 @@ class PostgresJobStore:
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
                                      "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
+
+
+async def _reconnect_again(pool: AsyncConnectionPool[Any]) -> None:
+    """The pool gave up a connection attempt (after `reconnect_s`): start a fresh one at once, so
+    that it keeps trying about once a second rather than waiting for the next call to ask."""
+    if not pool.closed:
+        await pool.check()
 
 
 async def _write_files(conn: AsyncConnection[Any], batch_id: str, owner: str, now: int,
