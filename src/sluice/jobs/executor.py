@@ -28,6 +28,11 @@
 - Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
   enough that the worker's queue never runs dry (the device is what the job waits for), started
   `launch_slice` at a time so online requests interleave with a claim's burst.
+- The store out of reach (its database restarting) pauses the job, and nothing is lost: outcomes
+  not recorded are kept, every lease's, and written once it answers again (a write repeated
+  applies once); a lease renewal that failed is tried again at the next round, and due renewals
+  are made before each claim, so a lease that lapsed meanwhile is ours again before a claim could
+  take its items, still running here, and run them a second time.
 - Housekeeping (every `poll_interval_s`, and at once when a batch is created or cancelled or the
   executor runs dry): renew leases still in use, and move each active batch on (`BatchLifecycle`:
   validate and store new batches, finalize finished ones, finish cancelled and expired ones);
@@ -50,6 +55,7 @@ import msgspec
 
 from sluice.api.common import BACKGROUND_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.api.errors import CAPACITY_LIMIT
+from sluice.errors import Unavailable
 from sluice.jobs import lines
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
@@ -63,6 +69,8 @@ log = logging.getLogger("sluice.jobs")
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 MIN_REFUSAL_WAIT_S = 0.05
 """A limit's refusal waits at least this long, whatever its Retry-After says (no hot loop)."""
+RECORD_RETRY_S = 1.0
+"""How soon outcomes that could not be recorded are tried again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +201,8 @@ class JobExecutor:
                     pass
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("batch executor step failed; retrying")
+            except Exception as exc:
+                _log_failure(exc, "batch executor step failed; retrying")
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that races
             # with the event being set, and aclose() would then wait for this loop forever
             with contextlib.suppress(TimeoutError):
@@ -206,6 +214,7 @@ class JobExecutor:
         room = self._config.max_in_flight - self._num_in_flight
         if room < min(self._config.claim_size, self._config.max_in_flight) // 2 or room <= 0:
             return False
+        await self._renew_leases(self._clock())  # ours first: a claim takes items whose lease lapsed
         want = min(room, self._config.claim_size)
         now = self._clock()
         claim = await self._store.claim(want, self._config.lease_s, now, self._pacer.room(now))
@@ -332,20 +341,23 @@ class JobExecutor:
                 await self._flush()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("recording batch item outcomes failed; retrying")
+            except Exception as exc:
+                _log_failure(exc, "recording batch item outcomes failed; retrying")
                 self._flush_now.set()
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(RECORD_RETRY_S)
 
     async def _flush(self) -> None:
+        """Record the outcomes gathered so far, a transaction per lease. Those not recorded when a
+        transaction fails (the store is unreachable) stay for the next flush, every lease's: an
+        outcome dropped would leave its item held here, its lease renewed, for ever."""
         pending, self._outcomes = self._outcomes, {}
-        for token, outcomes in pending.items():
-            try:
-                await self._store.record(token, outcomes)
-            except Exception:
-                self._outcomes.setdefault(token, []).extend(outcomes)  # try again on the next flush
-                raise
-            self._close_lease(token, len(outcomes))
+        try:
+            for token in list(pending):
+                await self._store.record(token, pending[token])  # an outcome recorded twice applies once
+                self._close_lease(token, len(pending.pop(token)))
+        finally:
+            for token, outcomes in pending.items():
+                self._outcomes[token] = outcomes + self._outcomes.get(token, [])
         if not self._num_in_flight:
             self._is_housekeeping_due = True  # a batch may be drained: finalize it now, not at the next poll
         self._wake.set()
@@ -401,8 +413,18 @@ class JobExecutor:
         """Items may wait long behind online traffic: keep their leases alive while we hold them."""
         for token, lease in list(self._leases.items()):
             if lease.until - now < self._config.lease_s / 2:
-                lease.until = now + self._config.lease_s
-                await self._store.extend_lease(token, lease.until)
+                until = now + self._config.lease_s
+                await self._store.extend_lease(token, until)
+                lease.until = until  # only once stored: a failed renewal is tried again at the next round
+
+
+def _log_failure(exc: Exception, what: str) -> None:
+    """The store out of reach (its database restarting) is expected and said in one line (the store
+    logs when it goes and comes back); anything else is a bug, logged with its traceback."""
+    if isinstance(exc, Unavailable):
+        log.info("%s: %s", what, exc.message)
+    else:
+        log.exception(what)
 
 
 def _limit_refusal(answer: AppResponse) -> Refusal | None:
