@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from sluice.errors import Unavailable
+from sluice.errors import ConfigError, Unavailable
 from sluice.jobs.executor import ExecutorConfig, JobExecutor
 from sluice.jobs.postgres_store import PostgresJobStore
 from sluice.jobs.store import BatchJob, NewBatch
@@ -151,3 +151,18 @@ async def test_the_store_answers_unavailable_while_its_database_is_down_and_reco
             break
         assert time.monotonic() - back_at < 15.0, "the store did not reconnect within 15 s of its database's return"
         await asyncio.sleep(0.1)
+
+
+async def test_a_database_down_at_start_is_waited_for_then_named_in_the_error(own_postgres: PostgresServer):
+    """`sluice serve --jobs-db` with its database down: it is tried for a while (one started
+    beside the server may come up after it), then the error says why it cannot be reached, not
+    only that psycopg's pool did not fill."""
+    await asyncio.to_thread(own_postgres.stop)
+    with pytest.raises(ConfigError) as raised:
+        await PostgresJobStore.connect(f"{own_postgres.url}/postgres", open_timeout_s=2.0)
+    assert "Connection refused" in raised.value.message and str(own_postgres.port) in raised.value.message
+    starting = asyncio.create_task(asyncio.to_thread(lambda: (time.sleep(2.0), own_postgres.start())))
+    store = await PostgresJobStore.connect(f"{own_postgres.url}/postgres")
+    await starting
+    assert await store.active_batches() == []
+    await store.aclose()

@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from sluice.errors import ConfigError, Unavailable
 from sluice.jobs import rows
@@ -69,15 +69,17 @@ class PostgresJobStore:
         """Whether the last call reached the database (its losses and returns are logged once)."""
 
     @classmethod
-    async def connect(cls, dsn: str, max_size: int = 8, wait_s: float = 5.0,
-                      reconnect_s: float = 2.0) -> PostgresJobStore:
-        """A store on the database at `dsn`, its schema created or brought up to date. Calls wait
-        up to `wait_s` for a connection; a connection attempt is retried for `reconnect_s`."""
+    async def connect(cls, dsn: str, max_size: int = 8, wait_s: float = 5.0, reconnect_s: float = 2.0,
+                      open_timeout_s: float = 30.0) -> PostgresJobStore:
+        """A store on the database at `dsn`, its schema created or brought up to date, once it can
+        be reached (tried about once a second for up to `open_timeout_s`: a database started beside
+        the server may come up a little after it). Calls wait up to `wait_s` for a connection; a
+        connection attempt is retried for `reconnect_s`."""
         pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
             dsn, min_size=1, max_size=max_size, open=False, timeout=wait_s, reconnect_timeout=reconnect_s,
             reconnect_failed=_reconnect_again, check=AsyncConnectionPool.check_connection)
         try:
-            await pool.open(wait=True, timeout=30)
+            await pool.open(wait=True, timeout=open_timeout_s)
             async with pool.connection() as conn:  # one transaction: a failed migration changes nothing
                 await conn.execute("SELECT pg_advisory_xact_lock(7312001)")  # one schema migration at a time
                 for statement in rows.SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION", int="BIGINT").split(";"):
@@ -88,6 +90,10 @@ class PostgresJobStore:
                                        f"{kind.format(int='BIGINT')}")
                 await conn.execute(rows.AFTER_ADDED_COLUMNS)
                 await _number_batches(conn)
+        except PoolTimeout as exc:  # says only that the pool is not full: ask the database why
+            await pool.close()
+            raise ConfigError(f"cannot use the PostgreSQL job store: not reachable within {open_timeout_s:g} s: "
+                              f"{await _why_unreachable(dsn)}") from exc
         except Exception as exc:
             await pool.close()
             raise ConfigError(f"cannot use the PostgreSQL job store: {exc}") from exc
@@ -470,6 +476,17 @@ class PostgresJobStore:
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
                                      "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
+
+
+async def _why_unreachable(dsn: str) -> str:
+    """What connecting to `dsn` answers now (libpq's message names the host and port, never the
+    password)."""
+    try:
+        conn = await AsyncConnection.connect(dsn, connect_timeout=5)
+    except psycopg.Error as exc:
+        return " ".join(str(exc).split())
+    await conn.close()
+    return "it answers now; try again"
 
 
 async def _reconnect_again(pool: AsyncConnectionPool[Any]) -> None:
