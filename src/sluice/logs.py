@@ -4,10 +4,14 @@ Every line has `time`, `level`, `logger`, `process` and `message`. The access lo
 finished request, `api.access_log`) has the same shape, logger `sluice.access`, and is written
 here by `write_access` straight to stderr: ~3.5 µs a line (~8 µs with the gathering of its fields),
 where a record through `logging` and its JSON formatter costs ~20 µs before its fields are gathered.
+On an event loop, the lines of one turn of the loop are written together, in one write (under
+overload the gateway answers thousands of requests a second, and a write each cost its tail).
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import contextlib
 import logging
 import sys
@@ -23,6 +27,8 @@ _process = "gateway"
 _encode = msgspec.json.Encoder().encode
 _second = -1
 _second_text = ""
+_pending: list[str] = []
+"""Access-log lines of this turn of the event loop, written at its end (`_flush_access`)."""
 
 
 def configure(level: str = "info", *, process: str = "gateway") -> None:
@@ -54,5 +60,24 @@ def write_access(fields: dict[str, Any]) -> None:
     `message` ("request"). Written whatever the log level (`--no-access-log` turns it off)."""
     head = {"time": _time_text(time.time()), "level": "INFO", "logger": ACCESS_LOGGER, "process": _process,
             "message": "request"}
+    line = _encode({**head, **fields}).decode()
+    if not _pending:
+        try:
+            asyncio.get_running_loop().call_soon(_flush_access)
+        except RuntimeError:  # no event loop on this thread: written now
+            _write(line + "\n")
+            return
+    _pending.append(line)
+
+
+@atexit.register
+def _flush_access() -> None:
+    if _pending:
+        lines = "\n".join(_pending) + "\n"
+        _pending.clear()
+        _write(lines)
+
+
+def _write(text: str) -> None:
     with contextlib.suppress(OSError, ValueError):  # stderr closed or gone: the request was still served
-        sys.stderr.write(_encode({**head, **fields}).decode() + "\n")
+        sys.stderr.write(text)
