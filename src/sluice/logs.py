@@ -61,12 +61,13 @@ def write_access(fields: dict[str, Any]) -> None:
     head = {"time": _time_text(time.time()), "level": "INFO", "logger": ACCESS_LOGGER, "process": _process,
             "message": "request"}
     line = _encode({**head, **fields}).decode()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no event loop on this thread: written now, never into the loop's turn
+        _write(line + "\n")
+        return
     if not _pending:
-        try:
-            asyncio.get_running_loop().call_soon(_flush_access)
-        except RuntimeError:  # no event loop on this thread: written now
-            _write(line + "\n")
-            return
+        loop.call_soon(_flush_access)
     _pending.append(line)
 
 
