@@ -424,3 +424,27 @@ def test_a_chats_store_and_metadata_within_openais_bounds_are_accepted(client):
     completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                 max_tokens=2, store=True, metadata=metadata)
     assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_character_cut_by_max_tokens_ends_the_text_as_a_replacement_character(client, endpoint):
+    """Each of 中's three bytes is a token of its own in this byte-level vocabulary: `max_tokens` 2
+    stops inside it. The two tokens generated are text, as decoding their ids gives it: U+FFFD for
+    the incomplete character (not nothing), the same unary and streamed."""
+    forced = dict(model=MODEL, max_tokens=2, extra_body={"guided_choice": ["中文"]})
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": "x"}]
+        whole = client.chat.completions.create(messages=messages, **forced)
+        text = whole.choices[0].message.content
+        chunks = list(client.chat.completions.create(messages=messages, stream=True,
+                                                     stream_options={"include_usage": True}, **forced))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        whole = client.completions.create(prompt="x", **forced)
+        text = whole.choices[0].text
+        chunks = list(client.completions.create(prompt="x", stream=True, stream_options={"include_usage": True},
+                                                **forced))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert whole.usage.completion_tokens == 2 and whole.choices[0].finish_reason == "length"
+    assert text == "\ufffd"
+    assert streamed == text and chunks[-1].usage.completion_tokens == 2

@@ -389,17 +389,20 @@ class LLMEngine:
             if matcher.is_error():  # its limits reached, not a token the mask should have kept out
                 raise UnusableFormat(matcher.get_error().split("\n", 1)[0])
             raise RuntimeError(f"its grammar refused the sampled token {token}: {matcher.get_error()}")
+        is_stop_string = False
         if is_eos and seq.num_output_tokens >= params.min_tokens:
             reason = FinishReason.STOP
         elif req.detokenizer is not None:
-            text, hit = req.stops.push(req.detokenizer.push([token]), can_stop)
-            reason = FinishReason.STOP if hit else None
+            text, is_stop_string = req.stops.push(req.detokenizer.push([token]), can_stop)
+            reason = FinishReason.STOP if is_stop_string else None
         if reason is None and matcher is not None and matcher.is_stopped():
             reason = FinishReason.STOP  # the grammar is complete: nothing but its end may follow
         if reason is None and seq.num_output_tokens >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
             self._scheduler.finish(seq, reason)
+            if req.detokenizer is not None and not is_stop_string:  # a character cut short: U+FFFD
+                text += req.stops.push(req.detokenizer.flush(), can_stop)[0]
             text += req.stops.flush()
             self._forget(seq.request_id)
         output = self._output(seq, (token,), text, () if logprobs is None else (logprobs,))

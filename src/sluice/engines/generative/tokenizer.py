@@ -7,7 +7,11 @@ Incremental detokenization keeps two offsets into the token list:
     delta  = decode(tokens[prefix:]) minus decode(tokens[prefix:read])
 
 so a token that only completes a multi-byte character (decoded as U+FFFD until then) is held back
-until it does, and word-boundary spaces come out right because the window has left context.
+until it does, and word-boundary spaces come out right because the window has left context. When
+the sequence ends (`max_tokens`, EOS, a grammar's end) with a character still incomplete, `flush`
+gives what is held back as decoding the ids gives it: U+FFFD for the incomplete character. (vLLM's
+detokenizers drop those bytes: the text then ends short of its tokens, and a client that counts
+them, or decodes the ids itself, disagrees with it.)
 """
 
 from __future__ import annotations
@@ -163,6 +167,14 @@ class Detokenizer:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return full_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """The text held back at the end of the sequence: an incomplete character's bytes, as
+        U+FFFD (as `Tokenizer.decode` of all the ids writes them)."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read], self._skip)
+        full_text = self._tokenizer.decode(self._ids[self._prefix:], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
 
 
 class StopChecker:
