@@ -3,6 +3,8 @@ each endpoint's shape, an echoed prompt's tokens before the generated ones."""
 
 from __future__ import annotations
 
+import pytest
+
 from sluice import wire
 from sluice.api.completion_shapes import ResponseShape
 from sluice.api.tool_calls import ToolPlan
@@ -101,7 +103,7 @@ def test_a_streamed_auto_answer_sends_content_until_a_call_begins_then_the_calls
     chunks = [c for piece in pieces if (c := shape.delta(piece, None)) is not None]
     chunks += shape.finish_chunks(0, _result(text="", finish_reason="stop"))
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("content", "") for d in deltas) == "Let me look.\n"  # "<to" was held back, not sent
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look."  # "\n<to" was held back, not sent
     (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -109,6 +111,26 @@ def test_a_streamed_auto_answer_sends_content_until_a_call_begins_then_the_calls
     sent = [c for piece in ["a <t", "able>"] if (c := text_only.delta(piece, None)) is not None]
     sent += text_only.finish_chunks(0, _result(text="", finish_reason="stop"))
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in sent) == "a <table>"
+
+
+@pytest.mark.parametrize("pieces", [
+    ["Sure. ", "<tool_call>", CALLED[len("Let me look.\n<tool_call>"):]],  # the space alone before the call
+    ["Sure. <tool_call>", CALLED[len("Let me look.\n<tool_call>"):]],
+    ["\n", " Sure", ". \n", "<tool_c", CALLED[len("Let me look.\n<tool_c"):], "\nDone ", "."],
+    ["  ", "<tool_call>", CALLED[len("Let me look.\n<tool_call>"):], "\n"],
+    ["Just ", "text, ", "no ", "call. "],
+])
+def test_a_streamed_auto_answers_content_is_the_unary_answers_exactly(pieces):
+    """What streams before a call is the content the unstreamed answer has: the whitespace before
+    the call (a space, a newline) is not sent, as the unary answer drops it."""
+    (unary,) = ResponseShape(True, "m", tools=AUTO).whole([_result(text="".join(pieces), finish_reason="stop")])[
+        "choices"]
+    shape = ResponseShape(True, "m", tools=AUTO)
+    chunks = [c for piece in pieces if (c := shape.delta(piece, None)) is not None]
+    chunks += shape.finish_chunks(0, _result(text="", finish_reason="stop"))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == (unary["message"]["content"] or "")
+    assert chunks[-1]["choices"][0]["finish_reason"] == unary["finish_reason"]
 
 
 REQUIRED = ToolPlan(None)

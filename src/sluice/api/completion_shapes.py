@@ -46,6 +46,8 @@ class ResponseShape:
         self._call_ids: list[str | None] = [None] * self.num_choices  # a stream's named call, once started
         self._held = [""] * self.num_choices  # auto: text that may be the start of a call, not sent yet
         self._shown = [False] * self.num_choices  # auto: some content was sent
+        self._texts = [""] * self.num_choices  # auto: the whole text so far
+        self._sent = [""] * self.num_choices  # auto: the content sent so far
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -115,8 +117,8 @@ class ResponseShape:
                 continue
             if self.tools.named is not None:
                 calls: list[dict[str, Any]] | None = [] if self._call_ids[index] is not None else None
-            else:  # what was held back, read as content and calls now that it is whole
-                content, calls = self.answer(self._held[index] + self._calls_text[index] + choice.text)
+            else:  # the whole text read as the unstreamed answer reads it: the content not sent yet, the calls
+                content, calls = self._auto_rest(index, choice.text)
                 if content:
                     chunks.append(self._chunk({"index": index, "delta": {"content": content}, "logprobs": None,
                                                "finish_reason": None}))
@@ -156,13 +158,16 @@ class ResponseShape:
 
     def _auto_delta(self, text: str, index: int) -> dict[str, Any] | None:
         """`auto`: content streams until a call begins (text that may be its first characters is
-        held back); from there on everything waits for the end, to be read as calls and content."""
+        held back, and so is whitespace, which the answer drops if a call follows it); from there
+        on everything waits for the end, to be read as calls and content."""
+        self._texts[index] += text
         if self._calls_text[index]:
             self._calls_text[index] += text
             return None
         assert self.tools is not None
         text = self._held[index] + text
         safe, begun = self.tools.begin(text, at_start=not self._shown[index])
+        safe = len(text[:safe].rstrip())
         shown, self._held[index] = text[:safe], ""
         if begun:
             self._calls_text[index] = text[safe:]
@@ -171,7 +176,22 @@ class ResponseShape:
         self._shown[index] = self._shown[index] or bool(shown)
         if not shown:
             return None
+        self._sent[index] += shown
         return self._chunk({"index": index, "delta": {"content": shown}, "logprobs": None, "finish_reason": None})
+
+    def _auto_rest(self, index: int, last_text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """At the end of a stream (`auto` or `required`): the content still to send and the calls,
+        so that the content streamed is the unstreamed answer's exactly (what was sent is where it
+        starts)."""
+        rest = self._held[index] + self._calls_text[index] + last_text
+        assert self.tools is not None
+        if not self.tools.parser:  # `required`: nothing was sent
+            return self.answer(rest)
+        content, calls = self.answer(self._texts[index] + last_text)
+        sent = self._sent[index]
+        if (content or "").startswith(sent):
+            return (content or "")[len(sent):], calls
+        return self.answer(rest)  # not expected: the rest read alone
 
     @staticmethod
     def _finish_reason(reason: str, calls: list[dict[str, Any]] | None) -> str:

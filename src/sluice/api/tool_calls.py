@@ -149,6 +149,14 @@ def _held_prefix(text: str, marker: str) -> int:
     return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
 
 
+def _around(before: str, after: str) -> str:
+    """The content of an answer with calls, from its text before the first call and after it: the
+    whitespace next to the calls dropped (the blank line before them, the newline after them), the
+    text's own kept. A stream can send the content before the calls as it comes (holding back
+    only whitespace) and be the unstreamed answer's exactly."""
+    return (before + after).rstrip() if before.strip() else after.strip()
+
+
 class CallFormat:
     """How one model family writes tool calls in its text."""
 
@@ -177,6 +185,7 @@ class _Blocks(CallFormat):
 
     def split(self, text: str, names: Tools) -> tuple[str, Calls]:
         content, calls, rest = [], [], text
+        before = 0  # the parts of content before the first call
         while (start := rest.find(self.OPEN)) >= 0:
             content.append(rest[:start])
             end = rest.find(self.CLOSE, start + len(self.OPEN)) if self.CLOSE else -1
@@ -185,10 +194,13 @@ class _Blocks(CallFormat):
             if found is None:  # a block that is not a call of one of the tools stays text
                 content.append(rest[start:block_end])
             else:
+                before = before or len(content)
                 calls += found
             rest = rest[block_end:]
         content.append(rest)
-        return "".join(content).strip() if calls else "".join(content), calls
+        if not calls:
+            return "".join(content), calls
+        return _around("".join(content[:before]), "".join(content[before:])), calls
 
     def _calls(self, block: str, names: Tools) -> Calls | None:
         values = _json_values(block)
@@ -225,7 +237,7 @@ class _Sectioned(CallFormat):
                 return text, []
             calls.append(call)
         after = text[end + len(self.SECTION_CLOSE):] if end >= 0 else ""
-        return ((text[:start] + after).strip(), calls) if calls else (text, [])
+        return (_around(text[:start], after), calls) if calls else (text, [])
 
     def _call_of(self, head: str, arguments: str, names: Tools) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -309,7 +321,7 @@ class _Mistral(CallFormat):
             calls = self._calls(text, names, arrays_only=True)
             return ("", calls) if calls else (text, [])
         calls = self._calls(text[start:].replace(self.MARK, " "), names)
-        return (text[:start].strip(), calls) if calls else (text, [])
+        return (_around(text[:start], ""), calls) if calls else (text, [])
 
     def _calls(self, body: str, names: Tools, arrays_only: bool = False) -> Calls:
         values = _json_values(body)
