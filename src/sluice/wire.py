@@ -220,6 +220,9 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     own format in the text (an `openai-upstream` model: the upstream is asked with "auto")."""
     template: ChatTemplateOptions | None = None
     """Chat: how the chat template renders the messages, where the request says (vLLM's fields)."""
+    reasoning_effort: str | None = None
+    """Chat: OpenAI's `reasoning_effort`, for a model that takes it (`ModelInfo.takes_reasoning_effort`):
+    a variable of its chat template, or a field of the upstream's request."""
 
 
 class GeneratedChoice(msgspec.Struct, frozen=True):
@@ -440,6 +443,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     named_io: bool = False
     """The model takes and gives named tensors (`TensorsPayload`), each input and output in
     `inputs` and `outputs`, rather than one input tensor (or texts) and one output."""
+    takes_reasoning_effort: bool = False
+    """Generative models: a chat's `reasoning_effort` means something to it (its chat template reads
+    the variable, as gpt-oss's does; an upstream server is sent it and decides); else it is refused."""
 
 
 class RefusedModel(msgspec.Struct, frozen=True):

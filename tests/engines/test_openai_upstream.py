@@ -98,6 +98,9 @@ def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
     assert (body["add_generation_prompt"], body["continue_final_message"], body["chat_template_kwargs"]) == (
         False, True, {"x": 1})
     assert "continue_final_message" not in request_for(config, chat)[1]  # unset: not sent
+    assert "reasoning_effort" not in request_for(config, chat)[1]
+    effortful = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")], reasoning_effort="low")
+    assert request_for(config, effortful)[1]["reasoning_effort"] == "low"  # the upstream decides what it means
 
 
 def test_the_request_asks_for_log_probabilities_in_each_endpoints_own_words():

@@ -5,12 +5,14 @@ vLLM's tokenizer endpoints, and 400s naming the field."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
+import openai
 import pytest
 
-from tests.conftest import eventually, metric_total
+from tests.conftest import eventually, metric_total, start_server, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -391,6 +393,74 @@ def test_bad_values_are_400_naming_the_field(server, path, body, param):
     assert response.json()["error"]["param"] == param
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),  # its template takes none
+    ("chat/completions", {**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ("chat/completions", {**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
+    ("chat/completions", {**CHAT, "verbosity": "low"}, "verbosity"),
+    ("chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+    ("chat/completions", {**CHAT, "documents": [{"title": "a", "text": "b"}]}, "documents"),
+    ("chat/completions", {**CHAT, "add_special_tokens": True}, "add_special_tokens"),
+    ("chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options"),
+    ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("completions", {"prompt": "x", "bad_words": ["the"]}, "bad_words"),
+    ("completions", {"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("completions", {"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ("completions", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ("completions", {"prompt": "x", "guided_regex": "a+", "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern"),
+    ("responses", {"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+    ("responses", {"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
+])
+def test_fields_that_would_change_the_answer_if_ignored_are_refused_in_openais_envelope(server, path, body, param):
+    """A field that sluice cannot serve is a 400 saying so, never dropped: the client would get an
+    answer other than the one it asked for without knowing."""
+    response = httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"], error
+
+
+def test_fields_that_change_nothing_of_the_answer_are_accepted(client):
+    """`prediction` (a hint for speed), `prompt_cache_key` and `safety_identifier` (as `user`),
+    `modalities: ["text"]`, `verbosity: "medium"` and `stream_options.include_obfuscation` ask
+    for nothing other than what is answered anyway."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    hinted = client.chat.completions.create(
+        **kwargs, prediction={"type": "content", "content": "a guess"}, prompt_cache_key="k", safety_identifier="u",
+        modalities=["text"], verbosity="medium")
+    assert hinted.choices[0].message.content == plain
+    streamed = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_obfuscation": False})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain
+
+
+def test_chat_echo_starts_the_answer_with_the_message_it_continues_unary_and_streamed(client):
+    """vLLM's `echo` on a chat: the last message's content (the assistant's, continued) and then
+    what was generated, as vLLM answers it; a last message that is the user's is not echoed."""
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    echoed_kwargs = {**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}}
+    echoed = client.chat.completions.create(**echoed_kwargs).choices[0].message.content
+    assert echoed == "Once upon" + plain
+    chunks = list(client.chat.completions.create(stream=True, **echoed_kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    asked = dict(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(**asked).choices[0].message.content == client.chat.completions.create(
+        **{**asked, "extra_body": {"ignore_eos": True, "echo": True}}).choices[0].message.content
+
+
 def test_a_conversation_of_more_messages_than_the_context_has_tokens_is_refused_before_it_is_rendered(server, client):
     """Each message takes at least a token (its role's markers), so 200,000 empty ones cannot fit:
     refused at once, not rendered by the chat template on the worker's event loop (seconds, in
@@ -448,3 +518,36 @@ def test_a_character_cut_by_max_tokens_ends_the_text_as_a_replacement_character(
     assert whole.usage.completion_tokens == 2 and whole.choices[0].finish_reason == "length"
     assert text == "\ufffd"
     assert streamed == text and chunks[-1].usage.completion_tokens == 2
+
+
+@pytest.fixture(scope="module")
+def reasoner_url(tmp_path_factory):
+    """A tiny model whose chat template reads `reasoning_effort`, as gpt-oss's does."""
+    from sluice.engines.generative.tiny import CHAT_TEMPLATE
+    from sluice.repository import MANIFEST, write_manifest
+
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), "reasoner")
+    version = repo / "reasoner" / "1"
+    config = json.loads((version / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if reasoning_effort %}Reasoning: {{ reasoning_effort }}\n{% endif %}" + CHAT_TEMPLATE
+    (version / "tokenizer_config.json").write_text(json.dumps(config))
+    write_manifest(version, version / MANIFEST)
+    started = start_server(repo, tmp_path_factory.mktemp("log"))
+    yield started.url
+    started.stop()
+
+
+def test_reasoning_effort_reaches_a_chat_template_that_reads_it(reasoner_url):
+    with openai.OpenAI(base_url=f"{reasoner_url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
+        messages = [{"role": "user", "content": "x"}]
+        plain = sdk.chat.completions.create(model="reasoner", messages=messages, max_tokens=1)
+        effortful = sdk.chat.completions.create(model="reasoner", messages=messages, max_tokens=1,
+                                                reasoning_effort="high")
+        assert effortful.usage.prompt_tokens > plain.usage.prompt_tokens  # "Reasoning: high" was rendered
+        response = sdk.responses.create(model="reasoner", input="x", max_output_tokens=1, store=False,
+                                        reasoning={"effort": "low"})
+        assert response.usage.input_tokens > plain.usage.prompt_tokens and response.reasoning.effort == "low"
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model="reasoner", messages=messages, max_tokens=1,
+                                        reasoning_effort="extreme")  # type: ignore[arg-type]
+        assert refused.value.body["param"] == "reasoning_effort"

@@ -169,3 +169,75 @@ def test_what_cannot_be_served_is_400_naming_the_field(tiny_lm_client, body, par
     with pytest.raises(openai.BadRequestError) as caught:
         tiny_lm_client.chat.completions.create(model="tiny", max_tokens=10, **{"messages": MESSAGES, **body})
     assert caught.value.body["param"] == param, caught.value.body
+
+
+WEATHER_FUNCTION = WEATHER["function"]
+
+
+def test_legacy_functions_are_called_and_answered_as_function_call(tiny_lm_client):
+    """Old code's `functions` and `function_call` (the SDK still sends them): served as tools,
+    answered in their own shape, `message.function_call` and `finish_reason: "function_call"`."""
+    legacy = dict(model="tiny", messages=MESSAGES, functions=[WEATHER_FUNCTION, TIME["function"]], max_tokens=100,
+                  seed=1, function_call={"name": "get_weather"})
+    choice = tiny_lm_client.chat.completions.create(**legacy).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather" and _weather_args(choice.message.function_call.arguments)
+    chunks = list(tiny_lm_client.chat.completions.create(stream=True, **legacy))
+    pieces = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert pieces[0].name == "get_weather" and all(p.name is None for p in pieces[1:])
+    assert "".join(p.arguments or "" for p in pieces) == choice.message.function_call.arguments  # seeded: the same
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
+def test_a_legacy_conversation_carries_earlier_function_calls_and_their_results(tiny_lm_client):
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "function_call": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}},
+                {"role": "function", "name": "get_weather", "content": "-3 and snowing"}]
+    answer = tiny_lm_client.chat.completions.create(model="tiny", messages=messages, functions=[WEATHER_FUNCTION],
+                                                    function_call="none", max_tokens=5, temperature=0)
+    assert answer.choices[0].message.function_call is None and answer.choices[0].finish_reason in ("stop", "length")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Oslo", "unit": "C"}'}}
+    with_tools = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snowing"}]
+    same = tiny_lm_client.chat.completions.create(model="tiny", messages=with_tools, tools=[WEATHER],
+                                                  tool_choice="none", max_tokens=5, temperature=0)
+    assert answer.usage.prompt_tokens == same.usage.prompt_tokens  # the same conversation, the legacy way
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"functions": [WEATHER_FUNCTION], "tools": [WEATHER]}, "functions"),
+    ({"function_call": {"name": "get_weather"}}, "function_call"),
+    ({"functions": [WEATHER_FUNCTION], "function_call": {"name": "nope"}}, "function_call"),
+    ({"functions": [WEATHER_FUNCTION]}, "function_call"),  # "auto", and this model names no tool_call_parser
+    ({"functions": [WEATHER_FUNCTION, WEATHER_FUNCTION], "function_call": {"name": "get_weather"}}, "functions"),
+    ({"messages": [*MESSAGES, {"role": "function", "name": "get_weather", "content": "12 C"}]}, "messages"),
+])
+def test_legacy_function_calling_that_cannot_be_served_is_400_naming_its_field(tiny_lm_client, body, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny_lm_client.chat.completions.create(model="tiny", max_tokens=10, **{"messages": MESSAGES, **body})
+    assert caught.value.body["param"] == param, caught.value.body
+    message = caught.value.body["message"]
+    assert param == "messages" or (param in message and "tool names" not in message and "'required'" not in message)
+
+
+def test_auto_legacy_functions_and_one_call_without_parallel_tool_calls(auto_client):
+    """`functions` with `function_call` "auto" (its default) reads the call the model writes, as
+    tools with "auto" do, answered as `function_call`; `parallel_tool_calls: false` with "auto"
+    answers the first of the calls written, not all of them."""
+    regex, content = WRITTEN["qwenish"]
+    forced = dict(model="qwenish", messages=MESSAGES, max_tokens=300, seed=1, extra_body={"guided_regex": regex})
+    choice = auto_client.chat.completions.create(functions=[WEATHER_FUNCTION, TIME["function"]], **forced).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.content == content
+    assert choice.message.function_call.name == "get_weather" and _weather_args(choice.message.function_call.arguments)
+    chunks = list(auto_client.chat.completions.create(functions=[WEATHER_FUNCTION], stream=True, **forced))
+    (streamed,) = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert streamed.name == "get_weather" and chunks[-1].choices[0].finish_reason == "function_call"
+    two = (r'<tool_call>\n\{"name": "get_weather", "arguments": ' + ARGS + r'\}\n</tool_call>\n'
+           r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>')
+    both = dict(model="qwenish", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=300, seed=1,
+                extra_body={"guided_regex": two})
+    assert len(auto_client.chat.completions.create(**both).choices[0].message.tool_calls) == 2
+    (first,) = auto_client.chat.completions.create(parallel_tool_calls=False, **both).choices[0].message.tool_calls
+    assert first.function.name == "get_weather"

@@ -6,6 +6,10 @@ reports (`ModelInfo.max_model_len`, `vocab_size`, `max_prompt_chars`) is checked
 anything is sent to a worker: token ids outside the vocabulary, a `max_tokens` the context cannot
 hold, a prompt far too long to be worth tokenizing. The worker checks the rest (the tokenized
 prompt's length) with the same messages. `null` for an optional field means "not given".
+
+Every field of OpenAI's and vLLM's requests that sluice knows is served, refused with a 400 naming
+it (`_refuse_unsupported`: ignoring it would change the answer without the client knowing), or
+accepted where it changes nothing of the answer (`user`, `prediction`, `prompt_cache_key`, ...).
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ import msgspec
 
 from sluice import wire
 from sluice.api.common import estimate_text_tokens, likely_text_tokens, texts_or_token_ids, token_ids
-from sluice.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, tool_terms
+from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
 
-__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "check_metadata", "estimate_tokens", "messages_of",
-           "to_payloads"]
+__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "chat_echo", "check_metadata", "estimate_tokens",
+           "messages_of", "to_payloads"]
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP = 64
@@ -47,8 +51,14 @@ MAX_FORMAT_CHARS = 64 * 1024
 MAX_GUIDED_CHOICES = 256
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's values of `reasoning_effort` (Responses: `reasoning.effort`)."""
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted: no `obfuscation` padding is added (it changes no content)
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk; refused
 
 
 class JsonSchemaFormat(msgspec.Struct):
@@ -107,6 +117,19 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's fields that sluice does not serve: refused unless they ask for what happens anyway
+    # (`_refuse_unsupported`), never silently ignored
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    guided_whitespace_pattern: str | None = None
+    add_special_tokens: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -138,6 +161,7 @@ class ChatMessageIn(msgspec.Struct):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    function_call: ToolCallFunctionIn | None = None  # legacy: `api.legacy_functions`
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -152,6 +176,20 @@ class ChatRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     store: bool | None = None  # accepted: nothing is kept here (vLLM keeps nothing either)
     metadata: dict[str, str] | None = None  # checked as OpenAI does, then not used
+    echo: bool | None = None  # vLLM's: the answer starts with the last message's content, which it continues
+    reasoning_effort: str | None = None  # for a chat template that reads it; else refused, as OpenAI does
+    functions: list[FunctionDef] | None = None  # legacy function calling, served as `tools` (`api.legacy_functions`)
+    function_call: str | ChosenFunction | None = None
+    modalities: list[str] | None = None  # ["text"] only
+    audio: dict[str, Any] | None = None  # refused: no audio output
+    web_search_options: dict[str, Any] | None = None  # refused: no web search
+    verbosity: str | None = None  # "medium" only
+    prediction: dict[str, Any] | None = None  # accepted: a hint for speed, the answer is the same without it
+    prompt_cache_key: str | None = None  # accepted: prefix caching needs no key here
+    prompt_cache_retention: str | None = None  # accepted: likewise
+    safety_identifier: str | None = None  # accepted, as `user`: it changes no answer
+    chat_template: str | None = None  # vLLM's: a template of the request's own; refused
+    documents: list[Any] | None = None  # vLLM's: for a RAG template; refused
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -213,11 +251,14 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
+        if request.echo and plan is not None:
+            raise InvalidInput("'echo' cannot be combined with tool calls", param="echo")
+        effort = _reasoning_effort(request, info)
         return [wire.GeneratePayload(messages=messages, tools=tools, tools_auto=plan is not None and bool(plan.parser),
                                      template=template_options(request.add_generation_prompt,
                                                                request.continue_final_message,
                                                                request.chat_template_kwargs, messages),
-                                     **sampling)]  # type: ignore[arg-type]
+                                     reasoning_effort=effort, **sampling)]  # type: ignore[arg-type]
     prompts = texts_or_token_ids(request.prompt, "prompt", token_id_limit, MAX_CHOICES_PER_REQUEST,
                                  "prompts")
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
@@ -283,13 +324,78 @@ def _check_context(num_prompt_tokens: int | None, max_tokens: int, max_tokens_pa
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
+    """A 400 naming the first field asking for what sluice does not do: a field it ignored would
+    change the answer without the client knowing."""
+    is_chat = isinstance(request, ChatRequest)
+    options = request.stream_options
+    refused: list[tuple[bool, str, str]] = [
+        (bool(request.use_beam_search), "use_beam_search", "beam search is not supported"),
+        (request.length_penalty not in (None, 1.0), "length_penalty",
+         "'length_penalty' applies to beam search, which is not supported"),
+        (request.prompt_logprobs is not None, "prompt_logprobs",
+         "'prompt_logprobs' is not supported: /v1/completions with 'echo' and 'logprobs' scores the prompt"),
+        (request.allowed_token_ids is not None, "allowed_token_ids",
+         "'allowed_token_ids' is not supported: use 'logit_bias' or a structured output"),
+        (bool(request.bad_words), "bad_words", "'bad_words' is not supported: use 'logit_bias'"),
+        (bool(request.logits_processors), "logits_processors", "custom logits processors are not supported"),
+        (bool(request.return_tokens_as_token_ids), "return_tokens_as_token_ids",
+         "'return_tokens_as_token_ids' is not supported: tokens are reported as text (and, in chat, bytes)"),
+        (bool(request.return_token_ids), "return_token_ids", "'return_token_ids' is not supported"),
+        (request.spaces_between_special_tokens is False, "spaces_between_special_tokens",
+         "only 'spaces_between_special_tokens' true is supported"),
+        (request.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
+         "'guided_whitespace_pattern' is not supported"),
+        (request.add_special_tokens not in (None, not is_chat), "add_special_tokens",
+         f"only 'add_special_tokens' {str(not is_chat).lower()} is supported on this endpoint"),
+        (options is not None and bool(options.continuous_usage_stats), "stream_options",
+         "'continuous_usage_stats' is not supported: 'include_usage' sends the usage in a last chunk"),
+    ]
     if isinstance(request, ChatRequest):
         check_metadata(request.metadata)
+        modalities = request.modalities
+        refused += [
+            (modalities is not None and modalities != ["text"], "modalities",
+             "only the 'text' modality is supported: this model answers text only"),
+            (request.audio is not None, "audio", "audio output is not supported: this model answers text only"),
+            (request.web_search_options is not None, "web_search_options", "web search is not supported"),
+            (request.verbosity not in (None, "medium"), "verbosity", "only verbosity 'medium' is supported"),
+            (request.chat_template is not None, "chat_template",
+             "a request's own 'chat_template' is not supported: the model's chat template renders the messages"),
+            (request.documents is not None, "documents", "'documents' is not supported"),
+        ]
     if isinstance(request, CompletionRequest):
-        if request.best_of not in (None, 1):
-            raise InvalidInput("only best_of = 1 is supported", param="best_of")
-        if request.suffix:
-            raise InvalidInput("suffix is not supported", param="suffix")
+        refused += [(request.best_of not in (None, 1), "best_of", "only best_of = 1 is supported"),
+                    (bool(request.suffix), "suffix", "suffix is not supported")]
+    for is_refused, param, message in refused:
+        if is_refused:
+            raise InvalidInput(message, param=param)
+
+
+def chat_echo(request: ChatRequest) -> str:
+    """vLLM's `echo` on a chat: the last message's content, which the answer starts with where it
+    continues that message (the last message is the assistant's, or `add_generation_prompt` is
+    false); else nothing."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    if last.role != "assistant" and request.add_generation_prompt is not False:
+        return ""
+    return messages_of([last])[0].content
+
+
+def _reasoning_effort(request: ChatRequest, info: wire.ModelInfo) -> str | None:
+    """`reasoning_effort` as a chat-template variable, for a model whose template reads it (gpt-oss's
+    does); for any other it is refused, as OpenAI refuses it for a model that does not reason."""
+    effort = request.reasoning_effort
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise InvalidInput(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
+                           param="reasoning_effort")
+    if not info.takes_reasoning_effort:
+        raise InvalidInput(f"'reasoning_effort' is not supported with model {info.name!r}: its chat template "
+                           f"takes no reasoning effort", param="reasoning_effort")
+    return effort
 
 
 def chat_tools(request: ChatRequest, info: wire.ModelInfo) -> tuple[list[wire.ToolSpec], wire.OutputFormat | None,

@@ -22,7 +22,8 @@ class ResponseShape:
     """OpenAI's response and chunk objects for one request (m prompts, n choices each)."""
 
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
-                 prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None) -> None:
+                 prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None,
+                 is_legacy_functions: bool = False, echo: str = "") -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
@@ -42,6 +43,10 @@ class ResponseShape:
         once it is whole, so each of its tokens has its offset."""
         self.tools = tools
         """Chat: the answer is tool calls (`api.tool_calls`), not content."""
+        self.is_legacy_functions = is_legacy_functions
+        """Chat: the call is answered as a legacy `function_call` (`api.legacy_functions`)."""
+        self.echo_text = echo
+        """Chat (vLLM's `echo`): each choice's content starts with this, the message it continues."""
         self._calls_text = [""] * self.num_choices  # a stream's required (or auto) calls, sent whole at the end
         self._call_ids: list[str | None] = [None] * self.num_choices  # a stream's named call, once started
         self._held = [""] * self.num_choices  # auto: text that may be the start of a call, not sent yet
@@ -66,12 +71,16 @@ class ResponseShape:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
         if self.is_chat and self.tools is not None:
             content, calls = self.answer(choice.text)
-            message = {"role": "assistant", "content": content}
-            return {"index": index, "message": {**message, "tool_calls": calls} if calls else message,
-                    "logprobs": None, "finish_reason": self._finish_reason(choice.finish_reason, calls)}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls and self.is_legacy_functions:
+                message["function_call"] = calls[0]["function"]
+            elif calls:
+                message["tool_calls"] = calls
+            return {"index": index, "message": message, "logprobs": None,
+                    "finish_reason": self._finish_reason(choice.finish_reason, calls)}
         if self.is_chat:
-            return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason}
+            return {"index": index, "message": {"role": "assistant", "content": self.echo_text + choice.text},
+                    "logprobs": logprobs, "finish_reason": choice.finish_reason}
         text = choice.text if prompt is None else self._prompt_text(prompt, index) + choice.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
@@ -82,8 +91,9 @@ class ResponseShape:
         return chunk
 
     def role_chunk(self, index: int = 0) -> dict[str, Any]:
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        """A chat stream's first chunk of a choice (with `echo`, the message it continues)."""
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": self.echo_text},
+                            "logprobs": None, "finish_reason": None})
 
     def delta(self, text: str, finish_reason: str | None,
               reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any] | None:
@@ -123,12 +133,17 @@ class ResponseShape:
                     chunks.append(self._chunk({"index": index, "delta": {"content": content}, "logprobs": None,
                                                "finish_reason": None}))
                 if calls:
-                    chunks.append(self._chunk({"index": index, "delta": {"tool_calls": [
-                        {"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None,
-                        "finish_reason": None}))
+                    chunks.append(self._chunk({"index": index, "delta": self._calls_delta(calls), "logprobs": None,
+                                               "finish_reason": None}))
             reason = self._finish_reason(choice.finish_reason, calls)
             chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
         return [chunk for chunk in chunks if chunk is not None]
+
+    def _calls_delta(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A stream's delta of whole calls: `tool_calls`, or the legacy `function_call`."""
+        if self.is_legacy_functions:
+            return {"function_call": calls[0]["function"]}
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
 
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """A whole answer as (content, tool calls): the calls asked for, content None (cut by
@@ -153,8 +168,8 @@ class ResponseShape:
             delta = {"index": 0, **call}
         else:
             delta = {"index": 0, "function": {"arguments": text}}
-        return self._chunk({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
-                            "finish_reason": None})
+        calls = {"function_call": delta["function"]} if self.is_legacy_functions else {"tool_calls": [delta]}
+        return self._chunk({"index": index, "delta": calls, "logprobs": None, "finish_reason": None})
 
     def _auto_delta(self, text: str, index: int) -> dict[str, Any] | None:
         """`auto`: content streams until a call begins (text that may be its first characters is
@@ -193,10 +208,12 @@ class ResponseShape:
             return (content or "")[len(sent):], calls
         return self.answer(rest)  # not expected: the rest read alone
 
-    @staticmethod
-    def _finish_reason(reason: str, calls: list[dict[str, Any]] | None) -> str:
-        """"tool_calls" for an answer that is whole tool calls; a cut one keeps its "length"."""
-        return "tool_calls" if calls is not None and reason == "stop" else reason
+    def _finish_reason(self, reason: str, calls: list[dict[str, Any]] | None) -> str:
+        """"tool_calls" (legacy: "function_call") for an answer that is whole tool calls; a cut one
+        keeps its "length"."""
+        if calls is None or reason != "stop":
+            return reason
+        return "function_call" if self.is_legacy_functions else "tool_calls"
 
     def usage_chunk(self, payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"

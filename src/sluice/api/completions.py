@@ -16,9 +16,10 @@ sequence on the worker, answered and charged as one request), and batches of pro
 generation of its own through the gateway; their answers joined, their streams merged),
 structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`) and chat tool
 calls (`tools` with `tool_choice` "required", a named function, or "auto" for a model that names
-its `tool_call_parser`: `api.tool_calls`). What cannot
-be served is refused with a 400 rather than silently ignored. `null` for an optional field means
-"not given", as in OpenAI's API.
+its `tool_call_parser`: `api.tool_calls`; legacy `functions` and `function_call`:
+`api.legacy_functions`), chat's `echo` and `reasoning_effort` (for a chat template that reads it).
+What cannot be served is refused with a 400 rather than silently ignored (`api.completion_params`).
+`null` for an optional field means "not given", as in OpenAI's API.
 
 The request's fields and their checks are `api.completion_params`; the response objects
 `api.completion_shapes`.
@@ -39,6 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from sluice import wire
+from sluice.api import legacy_functions
 from sluice.api.common import (
     arrival,
     caller,
@@ -51,7 +53,14 @@ from sluice.api.common import (
     unless_gone,
     with_version,
 )
-from sluice.api.completion_params import ChatRequest, CompletionRequest, chat_tools, estimate_tokens, to_payloads
+from sluice.api.completion_params import (
+    ChatRequest,
+    CompletionRequest,
+    chat_echo,
+    chat_tools,
+    estimate_tokens,
+    to_payloads,
+)
 from sluice.api.completion_shapes import ResponseShape
 from sluice.api.errors import error_body
 from sluice.errors import InvalidInput, SluiceError
@@ -81,10 +90,16 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     timeout_s = header_timeout_s(request, gateway.max_timeout_s)
     body = await read_body(request, body_limit_bytes)
     parsed: CompletionRequest | ChatRequest = decode_json(body, kind)
+    is_legacy = isinstance(parsed, ChatRequest) and legacy_functions.is_legacy(parsed)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
     with gateway.reading(info, request_tenant(request), arrived_at,
                          request.headers.get("traceparent") if gateway.is_tracing else None):
-        payloads = to_payloads(parsed, info)
+        try:
+            if isinstance(parsed, ChatRequest):
+                parsed = legacy_functions.as_tools(parsed)
+            payloads = to_payloads(parsed, info)
+        except InvalidInput as exc:
+            raise (legacy_functions.renamed(exc) if is_legacy else exc) from exc
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     first = payloads[0]
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
@@ -94,7 +109,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
     tools = chat_tools(parsed, info)[2] if isinstance(parsed, ChatRequest) else None
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
-                          first.n, tools)
+                          first.n, tools, is_legacy_functions=is_legacy,
+                          echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "")
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:

@@ -35,7 +35,8 @@ and writes its end, which `GET` polls; `POST .../cancel` ends it. With `stream`,
 events as `jobs.background` keeps them, which `GET ...?stream=true&starting_after=N` reads again
 from any gateway. What cannot be served is refused with a 400 rather than ignored: image, file and
 audio inputs, built-in tools (web search, file search, ...), `conversation` objects, `reasoning`
-effort, `truncation: "auto"`, other `include`d extras.
+summaries (and `reasoning.effort` for a model whose chat template does not take it, as the chat
+endpoint refuses `reasoning_effort`), `truncation: "auto"`, other `include`d extras.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ NOT_STORED = ("responses are not stored by this server (it has no job store): se
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-               "logprobs": "include"}
+               "logprobs": "include", "reasoning_effort": "reasoning"}
 """The chat request's fields that errors name, as the Responses request calls them."""
 RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 """The fields that the model's own refusals name (a prompt too long for its context, a chat
@@ -383,8 +384,9 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
                                                            "the conversation's items in 'input' instead"),
         (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
-        (request.reasoning is not None and any(v is not None for v in request.reasoning.values()), "reasoning",
-         "reasoning options are not supported: the models served here do not reason separately"),
+        (request.reasoning is not None and any(v is not None for k, v in request.reasoning.items() if k != "effort"),
+         "reasoning", "only reasoning 'effort' is supported (for a model whose chat template takes it): no reasoning "
+                      "summaries are made"),
         (request.truncation not in (None, "disabled"), "truncation",
          "only truncation 'disabled' is supported: an input too long for the context is refused"),
         (any(extra != LOGPROBS_INCLUDE for extra in request.include or []), "include",
@@ -424,7 +426,15 @@ def chat_request_of(request: ResponsesRequest, items: list[Any]) -> ChatRequest:
         tools=[_tool(tool) for tool in request.tools] if request.tools else None,
         tool_choice=_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
         response_format=_response_format(request.text.format if request.text else None),
+        reasoning_effort=_effort(request),
     )
+
+
+def _effort(request: ResponsesRequest) -> str | None:
+    effort = (request.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidInput("'reasoning.effort' must be a string", param="reasoning")
+    return effort
 
 
 def _messages(given: list[Any]) -> list[ChatMessageIn]:
@@ -565,7 +575,8 @@ class ResponsesShape:
             "max_tool_calls": None, "model": self.model, "output": self.output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": self.is_stored,
+            "reasoning": {"effort": self.payload.reasoning_effort, "summary": None}, "service_tier": "default",
+            "store": self.is_stored,
             "temperature": self.payload.temperature, "text": {"format": text_format, "verbosity": "medium"},
             "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
             "tools": request.tools or [], "top_logprobs": self.payload.logprobs or 0, "top_p": self.payload.top_p,

@@ -10,7 +10,8 @@
 - `"none"`: the tools are shown to the model (its chat template renders them) and it answers text;
 - `"auto"` (OpenAI's default when tools are given): the model decides, and its text is read for
   the calls it wrote in its own family's format, named by its `model.toml`'s `tool_call_parser`
-  (`CALL_FORMATS`): the calls found are answered as `tool_calls`, the rest as content. For a
+  (`CALL_FORMATS`): the calls found are answered as `tool_calls` (the first only with
+  `parallel_tool_calls: false`), the rest as content. For a
   model without one, "auto" is a 400 naming `tool_choice` (vLLM answers the same without its
   parser). The formats (special tokens such as `<|python_tag|>` and `[TOOL_CALLS]` are usually
   left out of the text, so each is read with or without its marker):
@@ -455,10 +456,13 @@ class ToolPlan:
     named: str | None
     parser: str = ""
     names: Tools = field(default_factory=dict)
+    is_parallel: bool = True
+    """`auto`: every call written is answered; False (`parallel_tool_calls: false`): the first only."""
 
     def split(self, text: str) -> tuple[str, Calls]:
         """`auto`: the text outside the calls, and the calls."""
-        return CALL_FORMATS[self.parser].split(text, self.names)
+        content, calls = CALL_FORMATS[self.parser].split(text, self.names)
+        return content, calls if self.is_parallel else calls[:1]
 
     def begin(self, text: str, at_start: bool) -> tuple[int, bool]:
         """`auto`, streamed: see `CallFormat.begin`."""
@@ -500,7 +504,7 @@ def tool_terms(tools: list[ToolDef] | None, tool_choice: str | NamedToolChoice |
         return specs, output_format, None
     if tool_choice is None or tool_choice == "auto":
         if parser:
-            return specs, output_format, ToolPlan(None, parser, schemas)
+            return specs, output_format, ToolPlan(None, parser, schemas, is_parallel=parallel is not False)
         raise InvalidInput("tool_choice 'auto' needs to know how this model writes tool calls in its text (its "
                            "model.toml's tool_call_parser), and it names none: ask for 'required' or a named "
                            "function, or 'none'", param="tool_choice")

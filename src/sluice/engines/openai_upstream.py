@@ -172,6 +172,8 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
             body.update(tools=[_tool(t) for t in payload.tools], tool_choice="auto" if payload.tools_auto else "none")
         if payload.logprobs is not None:
             body.update(logprobs=True, top_logprobs=payload.logprobs)
+        if payload.reasoning_effort is not None:  # the upstream decides, and refuses it for a model that cannot
+            body["reasoning_effort"] = payload.reasoning_effort
         if payload.template is not None:  # vLLM's fields, sent only when the client set them
             body.update(add_generation_prompt=payload.template.add_generation_prompt,
                         continue_final_message=payload.template.continue_final_message)
@@ -230,7 +232,7 @@ class OpenAIUpstreamRunner:
             outputs=(wire.TensorSpec("text_output", "BYTES", (-1,)),),
             max_batch_size=self.config.max_concurrency, slo_s=version.slo_s, accepts_text=False,
             accepts_tensor=False,
-            cache_revision=version.cache_revision, tool_call_parser="hermes",
+            cache_revision=version.cache_revision, tool_call_parser="hermes", takes_reasoning_effort=True,
         )
         self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None

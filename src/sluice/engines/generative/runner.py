@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from llguidance import LLMatcher
 
@@ -101,6 +102,7 @@ class GenerativeRunner:
             max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
             max_prompt_chars=MAX_CHARS_PER_TOKEN * self.engine.max_model_len,
             cache_revision=version.cache_revision, tool_call_parser=parser,
+            takes_reasoning_effort="reasoning_effort" in self.tokenizer.template_variables(),
         )
 
     def prepare(self, payload: wire.GeneratePayload) -> PreparedGeneration:
@@ -205,7 +207,12 @@ class GenerativeRunner:
         if payload.prompt_token_ids is not None:
             return list(payload.prompt_token_ids)
         if payload.messages is not None:
-            return self.tokenizer.encode(self._chat_text(payload.messages, payload.tools, payload.template),
+            template = payload.template
+            if payload.reasoning_effort is not None:  # the template reads it (`ModelInfo.takes_reasoning_effort`)
+                template = template or wire.ChatTemplateOptions()
+                template = msgspec.structs.replace(template, kwargs={**template.kwargs,
+                                                                     "reasoning_effort": payload.reasoning_effort})
+            return self.tokenizer.encode(self._chat_text(payload.messages, payload.tools, template),
                                          add_special_tokens=False)
         return self.tokenizer.encode(payload.prompt or "")
 

@@ -112,6 +112,13 @@ class Tokenizer:
             text = text[:end + len(final)]
         return text
 
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (those it does not set itself), e.g. `reasoning_effort`."""
+        from jinja2 import meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        return frozenset(meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(self.chat_template)))
+
     @functools.cache  # noqa: B019 - one per tokenizer, which lives as long as its model
     def _compiled_template(self) -> Any:
         """Compiling a template takes milliseconds; it is done once, not on every chat request."""
