@@ -254,6 +254,31 @@ def test_with_include_usage_every_chunk_but_the_last_has_null_usage(server):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.parametrize("path, extra", [("completions", {"prompt": "Hi"}),
+                                         ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_with_continuous_usage_stats_every_chunk_carries_the_counts_so_far(server, path, extra):
+    """vLLM's `stream_options.continuous_usage_stats` (sent by agent frameworks and RL rollouts):
+    every chunk's usage counts the prompt and the tokens generated so far, never less than the
+    chunk before, and ends at the final usage."""
+    body = {"model": MODEL, **extra, "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: {")]
+    usages = [chunk["usage"] for chunk in chunks]
+    assert all(usage is not None for usage in usages)
+    final = usages[-1]
+    assert final["completion_tokens"] == 5 and final["prompt_tokens"] > 0
+    assert all(u["prompt_tokens"] == final["prompt_tokens"] for u in usages)
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[0] < 5 and len(set(counts)) > 2
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    without = {**body, "stream_options": {"continuous_usage_stats": True}}  # only with include_usage, as vLLM
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json=without, timeout=60) as response:
+        lines = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert lines and all("usage" not in chunk or chunk["usage"] is None for chunk in lines)
+
+
 def test_a_request_refused_at_the_api_leaves_a_running_stream_alone(client, server):
     """The body is refused (400) before it reaches the worker; the stream beside it ends as it
     would have. (A sequence failing inside the engine ending alone is tested in test_engine.py:

@@ -406,8 +406,6 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
     ("chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("chat/completions", {**CHAT, "documents": [{"title": "a", "text": "b"}]}, "documents"),
     ("chat/completions", {**CHAT, "add_special_tokens": True}, "add_special_tokens"),
-    ("chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options"),
     ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("completions", {"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
     ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),

@@ -58,7 +58,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # accepted: no `obfuscation` padding is added (it changes no content)
-    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk; refused
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, the counts so far in every chunk
 
 
 class JsonSchemaFormat(msgspec.Struct):
@@ -327,7 +327,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
     """A 400 naming the first field asking for what sluice does not do: a field it ignored would
     change the answer without the client knowing."""
     is_chat = isinstance(request, ChatRequest)
-    options = request.stream_options
     refused: list[tuple[bool, str, str]] = [
         (bool(request.use_beam_search), "use_beam_search", "beam search is not supported"),
         (request.length_penalty not in (None, 1.0), "length_penalty",
@@ -347,8 +346,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
          "'guided_whitespace_pattern' is not supported"),
         (request.add_special_tokens not in (None, not is_chat), "add_special_tokens",
          f"only 'add_special_tokens' {str(not is_chat).lower()} is supported on this endpoint"),
-        (options is not None and bool(options.continuous_usage_stats), "stream_options",
-         "'continuous_usage_stats' is not supported: 'include_usage' sends the usage in a last chunk"),
     ]
     if isinstance(request, ChatRequest):
         check_metadata(request.metadata)

@@ -23,11 +23,15 @@ class ResponseShape:
 
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
                  prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None,
-                 is_legacy_functions: bool = False, echo: str = "") -> None:
+                 is_legacy_functions: bool = False, echo: str = "", continuous_usage: bool = False) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
         """Streamed chunks carry `"usage": null` until the last one carries the counts."""
+        self.continuous_usage = include_usage and continuous_usage
+        """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the counts so far."""
+        self._prompt_tokens = [0] * len(prompt_texts)  # each prompt's tokens, as its first chunk reports them
+        self._output_tokens = [0] * len(prompt_texts)  # each prompt's output tokens (all its choices) so far
         self.logprobs = logprobs
         """The alternatives asked for per token; None: no log-probabilities."""
         self.prompt_texts = list(prompt_texts)
@@ -87,8 +91,27 @@ class ResponseShape:
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._usage_so_far() if self.continuous_usage else None
         return chunk
+
+    def count(self, p: int, event: wire.TokenChunk | wire.GenerationResult) -> None:
+        """Prompt `p`'s tokens so far, for the usage every chunk carries with `continuous_usage`:
+        a chunk adds its output tokens; a result gives the prompt's exact counts."""
+        if isinstance(event, wire.GenerationResult):
+            self._prompt_tokens[p] = event.num_prompt_tokens
+            self._output_tokens[p] = event.num_output_tokens
+            return
+        self.count_prompt(p, event.num_prompt_tokens)
+        self._output_tokens[p] += len(event.token_ids)
+
+    def count_prompt(self, p: int, num_prompt_tokens: int) -> None:
+        """Prompt `p`'s tokens, as a chunk reports them (the first; 0 on the others)."""
+        self._prompt_tokens[p] = max(self._prompt_tokens[p], num_prompt_tokens)
+
+    def _usage_so_far(self) -> dict[str, int]:
+        prompt_tokens, output_tokens = sum(self._prompt_tokens), sum(self._output_tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": output_tokens,
+                "total_tokens": prompt_tokens + output_tokens}
 
     def role_chunk(self, index: int = 0) -> dict[str, Any]:
         """A chat stream's first chunk of a choice (with `echo`, the message it continues)."""

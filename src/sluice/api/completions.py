@@ -105,12 +105,14 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
     who = caller(request, priority, is_traced=gateway.is_tracing)
     streams = generations(gateway, who, info, payloads, timeout_s, arrived_at, limit_headers)
-    include_usage = parsed.stream_options is not None and bool(parsed.stream_options.include_usage)
+    options = parsed.stream_options
+    include_usage = options is not None and bool(options.include_usage)
     prompt_texts = [payload.prompt if payload.echo else None for payload in payloads]
     tools = chat_tools(parsed, info)[2] if isinstance(parsed, ChatRequest) else None
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
                           first.n, tools, is_legacy_functions=is_legacy,
-                          echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "")
+                          echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "",
+                          continuous_usage=options is not None and bool(options.continuous_usage_stats))
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:
@@ -121,6 +123,9 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                         headers=with_version(info, results[0].headers))
     # errors before the first byte become HTTP statuses
     firsts = await renamed(names, unless_disconnected(request, streams, _each(streams, anext)))
+    for p, first in enumerate(firsts):  # the prompts' token counts, for the role chunks' usage
+        if isinstance(first, wire.TokenChunk):
+            shape.count_prompt(p, first.num_prompt_tokens)
     return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams), media_type="text/event-stream",
                              headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
 
@@ -271,9 +276,11 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
                 payload = event.payload
                 assert isinstance(payload, wire.GenerationResult)
                 finals.append(payload)
+                shape.count(p, payload)
                 for chunk in shape.finish_chunks(p, payload):
                     yield _event(chunk)
                 continue
+            shape.count(p, event)
             if event.prompt is not None:  # with the prompt's first token: each of its choices starts with it
                 for index in range(p * n, p * n + n):
                     yield _event(shape.echo(event.prompt, index))
