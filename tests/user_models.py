@@ -139,6 +139,57 @@ datatype = "BOOL"
     return repo
 
 
+BF16_MODEL = '''
+import ml_dtypes
+import numpy as np
+
+
+class Model:
+    def __init__(self, path, device, params):
+        pass
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        if x.dtype != ml_dtypes.bfloat16:
+            raise TypeError(f"x came as {x.dtype}")
+        wide = x.astype(np.float32)
+        return {"same": x, "wide": wide, "half": wide / 2}
+'''
+
+
+def write_python_bf16(repo: Path, name: str = "bf16") -> Path:
+    """A `python` model of BF16 tensors: `x` BF16 [-1] per item (an `ml_dtypes.bfloat16` array in
+    `predict`, else it raises) -> `same` (x as it came), `wide` FP32 (x's values as float32),
+    `half` BF16 (x / 2, returned as float32 and rounded to the declared BF16)."""
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (version / "model.py").write_text(BF16_MODEL)
+    write_manifest(version, version / MANIFEST)
+    (repo / name / "model.toml").write_text('''kind = "python"
+[batching]
+max_batch_size = 8
+[slo]
+default_ms = 30000
+[[inputs]]
+name = "x"
+datatype = "BF16"
+dims = [-1]
+[[outputs]]
+name = "same"
+datatype = "BF16"
+dims = [-1]
+[[outputs]]
+name = "wide"
+datatype = "FP32"
+dims = [-1]
+[[outputs]]
+name = "half"
+datatype = "BF16"
+dims = [-1]
+''')
+    return repo
+
+
 def write_onnx_embedding(repo: Path, name: str = "minilm-onnx") -> Path:
     """The demo's all-MiniLM-L6-v2 as Hugging Face repositories ship an ONNX export: the
     tokenizer and configuration files beside `onnx/model.onnx`, whose output is the last hidden

@@ -23,6 +23,7 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import msgspec
 import numpy as np
 
@@ -31,9 +32,14 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
     "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
     "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
 }
 """KServe's numeric datatypes and their numpy dtypes (tensors travel little-endian); BYTES, the
-other datatype, has none: its elements are byte strings (`encode_bytes_elements`)."""
+other datatype, has none: its elements are byte strings (`encode_bytes_elements`). BF16 is
+bfloat16, which numpy lacks: `ml_dtypes`' (what tritonclient's `triton_to_np_dtype` gives), each
+element the upper 16 bits of an IEEE float32 (sign, 8 exponent bits, 7 fraction bits)."""
+FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64", "BF16"})
+"""The floating-point datatypes (JSON numbers of any kind; the others take integers, BOOL booleans)."""
 
 
 class TensorPayload(msgspec.Struct, frozen=True, tag="tensor"):

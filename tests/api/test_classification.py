@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,6 +26,11 @@ def _classes(values: np.ndarray, datatype: str, count: int,
 def test_each_rows_highest_values_first_with_six_decimals():
     values = np.array([[0.1, 0.7, 0.2], [0.5, 0.1, 0.4]], np.float32)
     assert _classes(values, "FP32", 2) == ((2, 2), ["0.700000:1", "0.200000:2", "0.500000:0", "0.400000:2"])
+
+
+def test_bf16_scores_are_classified_as_floats():
+    values = np.array([[0.1, 0.75, -2.5]], ml_dtypes.bfloat16)
+    assert _classes(values, "BF16", 3) == ((1, 3), ["0.750000:1", "0.100098:0", "-2.500000:2"])
 
 
 def test_equal_values_come_in_index_order():

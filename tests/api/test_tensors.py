@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
+import ml_dtypes
 import msgspec
 import numpy as np
 import pytest
@@ -264,8 +265,8 @@ def test_every_numeric_datatype_round_trips_through_json(datatype):
     dtype = DATATYPES[datatype]
     if dtype.kind == "b":
         data = [True, False, True]
-    elif dtype.kind == "f":
-        data = [0.5, -1.25, float(np.finfo(dtype).max)]
+    elif dtype.kind == "f" or datatype == "BF16":
+        data = [0.5, -1.25, float(ml_dtypes.finfo(dtype).max)]
     else:
         info = np.iinfo(dtype)
         data = [int(info.min), 0, int(info.max)]
@@ -273,6 +274,34 @@ def test_every_numeric_datatype_round_trips_through_json(datatype):
     assert tensor.data == np.array(data, dtype=dtype.newbyteorder("<")).tobytes()
     (entry,), _ = render_outputs([Tensor("y", datatype, (3,), tensor.data)], set())
     assert entry["data"] == data
+
+
+def test_bf16_json_numbers_round_to_the_nearest_bfloat16_and_render_exactly():
+    """BF16 from JSON: each number rounded to the nearest bfloat16 (ties to even), the bytes
+    tritonclient would send for the same `ml_dtypes.bfloat16` array; rendered back as the exact
+    values. A finite number past its range is refused (JSON has no infinity)."""
+    data = [3.14159, 1 + 2**-8, 1 + 3 * 2**-8, -1e-40, 65504, 3e38]
+    _, (tensor,) = parse_request(_json_request({"name": "x", "shape": [2, 3], "datatype": "BF16", "data": data}), None)
+    expected = np.array(data, dtype=ml_dtypes.bfloat16)
+    assert tensor.data == expected.tobytes()
+    assert tensor.data[:2] == (np.float32(3.140625).view(np.uint32) >> 16).astype("<u2").tobytes()  # float32's top half
+    assert tensor.values.dtype == ml_dtypes.bfloat16 and tensor.values.shape == (2, 3)
+    (entry,), _ = render_outputs([tensor], set())
+    assert entry["data"] == [3.140625, 1.0, 1 + 2**-6, *expected[3:].astype(np.float64).tolist()]
+    for value in (1e39, -3.4e38):
+        with pytest.raises(InvalidInput, match="out of range for BF16"):
+            parse_request(_json_request({"name": "x", "shape": [1], "datatype": "BF16", "data": [value]}), None)
+
+
+def test_bf16_binary_keeps_every_bit_and_checks_the_size():
+    bits = np.arange(2**16, dtype=np.uint16)  # NaNs and infinities too: raw bytes are not looked at
+    body, header_length = _binary_request({"x": ("BF16", bits.view(ml_dtypes.bfloat16).reshape(256, 256))})
+    _, (tensor,) = parse_request(body, header_length)
+    assert tensor.data == bits.astype("<u2").tobytes() and tensor.shape == (256, 256)
+    entries, raw = render_outputs([tensor], {"x"})
+    assert raw == tensor.data and entries[0]["parameters"] == {"binary_data_size": 2**17}
+    assert "3 bytes do not match shape [2]" in _binary_error(3, b"\0" * 3, datatype="BF16")
+    assert "4 bytes do not match shape [1]" in _binary_error(4, b"\0" * 4, shape=(1,), datatype="BF16")
 
 
 def test_integers_beyond_a_doubles_precision_stay_exact_and_mixed_inputs_parse():

@@ -11,11 +11,14 @@ import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
+import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ServerProcess, free_port, metric_total, start_server
@@ -24,6 +27,7 @@ from tests.user_models import (
     write_onnx_embedding,
     write_onnx_fixed_rows,
     write_onnx_scorer,
+    write_python_bf16,
     write_python_labeller,
 )
 
@@ -38,6 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     write_python_labeller(repo, params='suffix = "!"\ndelay_ms = 10')
     write_onnx_embedding(repo)
     write_onnx_fixed_rows(repo, 1)
+    write_python_bf16(repo)
     grpc_port = free_port()
     started = start_server(repo, folder, "--grpc-port", str(grpc_port))
     yield started, grpc_port
@@ -134,6 +139,85 @@ def test_python_model_with_text_in_and_out(server, client):
     outputs = {o["name"]: o for o in as_json.json()["outputs"]}
     assert outputs["label"] == {"name": "label", "datatype": "BYTES", "shape": [1], "data": ["JSON!"]}
     assert outputs["score"]["data"] == [0.75]
+
+
+def _every_bf16() -> np.ndarray:
+    """Every BF16 bit pattern (NaNs, infinities, zeros of both signs, subnormals), as 4 rows."""
+    return np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(4, -1)
+
+
+def _check_bf16_answer(result, x: np.ndarray) -> None:
+    same, wide, half = result.as_numpy("same"), result.as_numpy("wide"), result.as_numpy("half")
+    assert same.dtype == half.dtype == ml_dtypes.bfloat16 and same.shape == x.shape
+    assert same.tobytes() == x.tobytes()  # every bit as sent, NaN payloads too
+    assert wide.dtype == np.float32
+    np.testing.assert_array_equal(wide, x.astype(np.float32))  # the model saw each value exactly
+    with np.errstate(invalid="ignore"):  # (signalling NaNs among the patterns)
+        expected_half = (x.astype(np.float32) / 2).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(half.astype(np.float32), expected_half.astype(np.float32))  # (NaN == NaN)
+
+
+def test_bf16_tensors_round_trip_through_tritonclient_http_and_grpc(server, client):
+    """BF16 in and out, as tritonclient sends and reads it (`ml_dtypes.bfloat16` arrays): binary
+    over HTTP (its only way for BF16), raw contents over gRPC; the model sees bfloat16 arrays."""
+    x = _every_bf16()
+    assert client.get_model_metadata("bf16")["inputs"] == [{"name": "x", "datatype": "BF16", "shape": [-1, -1]}]
+    _check_bf16_answer(client.infer("bf16", [_input("x", x, "BF16")],
+                                    outputs=[triton.InferRequestedOutput(n, binary_data=True)
+                                             for n in ("same", "wide", "half")]), x)
+    with triton_grpc.InferenceServerClient(url=f"127.0.0.1:{server[1]}") as grpc_client:
+        _check_bf16_answer(grpc_client.infer("bf16", [_input("x", x, "BF16", module=triton_grpc)]), x)
+
+
+def test_bf16_as_json_numbers(server, client):
+    """In JSON a BF16 tensor is numbers: rounded to the nearest bfloat16 going in, and given back
+    exactly (tritonclient reads them into a bfloat16 array)."""
+    sent = [1.5, -2.25, 3.14159, 1e-40, 0]
+    response = httpx.post(f"{server[0].url}/v2/models/bf16/infer", json={
+        "inputs": [{"name": "x", "datatype": "BF16", "shape": [1, 5], "data": sent}]})
+    assert response.status_code == 200, response.text
+    outputs = {o["name"]: o for o in response.json()["outputs"]}
+    rounded = np.array(sent, dtype=ml_dtypes.bfloat16).astype(np.float64).tolist()
+    assert rounded[2] == 3.140625
+    assert outputs["same"] == {"name": "same", "datatype": "BF16", "shape": [1, 5], "data": rounded}
+    assert outputs["wide"]["data"] == rounded
+    as_json = client.infer("bf16", [_input("x", np.array([[0.5, -8]], ml_dtypes.bfloat16), "BF16")],
+                           outputs=[triton.InferRequestedOutput("half", binary_data=False)])
+    assert as_json.as_numpy("half").tolist() == [[0.25, -4]]
+
+
+def test_bf16_mistakes_are_refused_with_the_reason(server, client):
+    url = f"{server[0].url}/v2/models/bf16/infer"
+    cases = [  # (body, what the error says)
+        ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}, "must be BF16, got FP32"),
+        ({"inputs": [{"name": "x", "datatype": "BF16", "shape": [1, 2], "data": [1, 1e39]}]}, "out of range for BF16"),
+        ({"inputs": [{"name": "x", "datatype": "BF16", "shape": [1, 2], "data": [1, "2"]}]}, "not a BF16 array"),
+    ]
+    for body, message in cases:
+        response = httpx.post(url, json=body)
+        assert response.status_code == 400 and message in response.json()["error"], response.text
+    header = b'{"inputs": [{"name": "x", "datatype": "BF16", "shape": [1, 2], "parameters": {"binary_data_size": 3}}]}'
+    response = httpx.post(url, content=header + b"\0\0\0",
+                          headers={"Inference-Header-Content-Length": str(len(header))})
+    assert response.status_code == 400 and "3 bytes do not match shape [1, 2]" in response.json()["error"]
+    x = np.ones((1, 2), ml_dtypes.bfloat16)
+    with pytest.raises(InferenceServerException) as caught:  # BF16 is not converted to a model's FP32
+        client.infer("labeller", [_input("text", np.array([b"a"], dtype=object), "BYTES"), _input("x", x, "BF16")])
+    assert caught.value.status() == "400" and "must be FP32, got BF16" in caught.value.message()
+
+    short = service_pb2.ModelInferRequest(model_name="bf16")  # (tritonclient sends only whole arrays)
+    short.inputs.add(name="x", datatype="BF16", shape=[1, 2])
+    short.raw_input_contents.append(b"\0\0\0")
+    typed = service_pb2.ModelInferRequest(model_name="bf16")  # Triton takes BF16 only raw, too
+    typed.inputs.add(name="x", datatype="BF16", shape=[1, 2]).contents.fp32_contents.extend([1.0, 2.0])
+    with grpc.insecure_channel(f"127.0.0.1:{server[1]}") as channel:
+        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        for request, message in ((short, "3 bytes do not match shape [1, 2]"),
+                                 (typed, "BF16 data must be sent in raw_input_contents")):
+            with pytest.raises(grpc.RpcError) as caught:
+                infer(request, timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in caught.value.details()
 
 
 def test_concurrent_requests_rows_run_in_one_call(server):

@@ -51,6 +51,8 @@ def top_classes(tensor: Tensor, count: int, is_batched: bool) -> Tensor:
     """`tensor`'s top `count` classes per row (`is_batched`) or over all of it, as a BYTES tensor
     of shape `[rows, k]` (batched) or `[k]`."""
     values = tensor.values
+    if tensor.datatype == "BF16" and isinstance(values, np.ndarray):
+        values = values.astype(np.float32)  # exactly the same values, of a dtype numpy sorts as floats
     if not isinstance(values, np.ndarray) or tensor.datatype == "BOOL":
         raise InvalidInput(f"output {tensor.name!r} is {tensor.datatype}: classification needs a numeric output",
                            param=PARAMETER)

@@ -115,7 +115,7 @@ _CONTENTS_FIELD = {
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
-"""Where `InferTensorContents` holds each datatype's elements (FP16 has no field: raw only)."""
+"""Where `InferTensorContents` holds each datatype's elements (FP16 and BF16 have no field: raw only, as in Triton)."""
 
 def _load_messages() -> dict[str, type[Message]]:
     files = descriptor_pb2.FileDescriptorSet.FromString(

@@ -6,6 +6,11 @@ its size in `parameters.binary_data_size`, in input order. BYTES elements are ea
 little-endian length followed by the bytes.
 
     | JSON header (N bytes) | input 0 raw bytes | input 1 raw bytes | ...
+
+BF16 (bfloat16) elements are 2 bytes each, raw: the upper half of the float32 of the same value,
+little-endian (what tritonclient sends from an `ml_dtypes.bfloat16` array); in JSON they are
+numbers, rounded to the nearest bfloat16 (a finite number past its range is refused). A BF16
+input is never converted to another datatype: a model that declares FP32 takes FP32, as in Triton.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ MAX_ELEMENTS = 16 * 1024 * 1024
 MAX_DIMS = 16
 # The Python type each JSON element must have: no strings for numbers, no numbers for BOOL.
 _JSON_ELEMENT: dict[str, type] = {
-    name: bool if name == "BOOL" else float if name.startswith("FP") else int for name in DATATYPES
+    name: bool if name == "BOOL" else float if name in wire.FLOAT_DATATYPES else int for name in DATATYPES
 }
 # `array.array` type codes of the same size as the datatype: packing a list of Python numbers
 # with one is a single C loop that refuses out-of-range integers (numpy takes several calls, each
@@ -222,7 +227,7 @@ def pack_values(tensor: _TensorHead, values: list[Any]) -> bytes:
     float or int for floating point) as little-endian bytes; out-of-range values are refused."""
     code = _ARRAY_CODES.get(tensor.datatype)
     try:
-        if code is None:  # BOOL, FP16
+        if code is None:  # BOOL, FP16, BF16
             return _checked_array(tensor, values).tobytes()
         packed = array.array(code, values)  # (a float for an integer datatype: TypeError, for the caller)
     except (OverflowError, ValueError) as exc:
@@ -269,7 +274,7 @@ def _checked_array(tensor: _TensorHead, values: list[Any]) -> np.ndarray:
             array = np.asarray(values, dtype=DATATYPES[tensor.datatype].newbyteorder("<"))
     except (ValueError, OverflowError) as exc:
         raise InvalidInput(f"input {tensor.name!r}: data is not a {tensor.datatype} array: {exc}") from exc
-    if array.dtype.kind == "f" and np.isinf(array).any():  # JSON has no inf: a finite value overflowed
+    if tensor.datatype in wire.FLOAT_DATATYPES and np.isinf(array).any():  # JSON has no inf: a finite value overflowed
         raise InvalidInput(f"input {tensor.name!r}: a value is out of range for {tensor.datatype}")
     return array
 
@@ -364,7 +369,8 @@ def raw_bytes(tensor: Tensor) -> bytes:
 
 
 def unpack_values(datatype: str, data: bytes) -> list[Any]:
-    """Little-endian elements as a flat list of Python numbers (bools for BOOL)."""
+    """Little-endian elements as a flat list of Python numbers (bools for BOOL; floats for BF16,
+    each exactly the element's value)."""
     code = _ARRAY_CODES.get(datatype)
     if code is None:
         return np.frombuffer(data, dtype=DATATYPES[datatype].newbyteorder("<")).tolist()  # type: ignore[no-any-return]

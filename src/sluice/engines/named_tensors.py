@@ -219,8 +219,9 @@ def _as_declared(value: Any, spec: wire.TensorSpec) -> np.ndarray:
     encoded as UTF-8)."""
     if spec.datatype != "BYTES":
         array = np.asarray(value)
-        is_float = spec.datatype.startswith("FP")
-        if array.dtype.kind not in "biuf" or (array.dtype.kind == "f" and not is_float):
+        is_float = spec.datatype in wire.FLOAT_DATATYPES
+        kind = "f" if array.dtype == wire.DATATYPES["BF16"] else array.dtype.kind  # (bfloat16's own kind is "V")
+        if kind not in "biuf" or (kind == "f" and not is_float):
             raise TypeError(f"output {spec.name!r} is {array.dtype}, which is not {spec.datatype}")
         return array.astype(wire.DATATYPES[spec.datatype], copy=False)
     array = np.asarray(value, dtype=object)
