@@ -53,6 +53,22 @@ def test_streamed_chat_equals_the_unary_answer_and_ends_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_a_stream_is_never_compressed_and_a_whole_answer_is(server):
+    """A client asking for gzip (httpx does by default) gets its SSE events as they are made, not
+    held back for a compressor; a whole answer of the same size is compressed."""
+    body = {"model": MODEL, "prompt": "Tell a story", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "n": 4}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      headers={"Accept-Encoding": "gzip"}, timeout=60) as streamed:
+        raw = b"".join(streamed.iter_raw())
+    assert streamed.status_code == 200, raw
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert "content-encoding" not in streamed.headers
+    assert raw.startswith(b"data: {") and raw.endswith(b"data: [DONE]\n\n")
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Accept-Encoding": "gzip"}, timeout=60)
+    assert whole.status_code == 200 and whole.headers["content-encoding"] == "gzip"
+    assert [c["finish_reason"] for c in whole.json()["choices"]] == ["length"] * 4
+
+
 def test_a_stop_string_ends_the_text_before_it(client):
     full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
     text = full.choices[0].text

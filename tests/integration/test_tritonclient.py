@@ -124,6 +124,80 @@ def test_a_compressed_request_body_is_decompressed(client, algorithm, num_rows, 
     np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows.sum(axis=1), rtol=1e-4)
 
 
+def _decompressed(raw: bytes, coding: str | None) -> bytes:
+    return gzip.decompress(raw) if coding == "gzip" else zlib.decompress(raw) if coding == "deflate" else raw
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary_data", [True, False])
+@pytest.mark.parametrize("length", [4, 64])  # answered early; a body past the read buffer (the ASGI path)
+def test_a_response_is_compressed_as_tritonclient_asks(demo_server, client, algorithm, binary_data, length):
+    """`response_compression_algorithm` (Accept-Encoding) gets a gzip or deflate body, whose
+    Inference-Header-Content-Length counts the uncompressed JSON header, as in Triton."""
+    rows = _rows(512, length)
+    inputs = [_input(rows, binary_data)]
+    outputs = [triton.InferRequestedOutput("OUTPUT0", binary_data=binary_data)]
+    result = client.infer("emulated", inputs, outputs=outputs, headers=roomy(),
+                          response_compression_algorithm=algorithm)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows.sum(axis=1), rtol=1e-4)
+
+    body, json_size = triton.InferenceServerClient.generate_request_body(inputs, outputs=outputs)
+    headers = {"Accept-Encoding": algorithm, **roomy()}
+    if json_size is not None:
+        headers["Inference-Header-Content-Length"] = str(json_size)
+    with httpx.stream("POST", f"{demo_server.url}/v2/models/emulated/infer", content=body, headers=headers,
+                      timeout=60) as response:
+        raw = b"".join(response.iter_raw())  # as sent, not decompressed
+    assert response.status_code == 200, raw
+    assert response.headers["content-encoding"] == algorithm
+    assert "accept-encoding" in response.headers["vary"].lower()
+    assert int(response.headers["content-length"]) == len(raw)
+    whole = _decompressed(raw, algorithm)
+    assert len(raw) < len(whole)
+    header_length = response.headers.get("inference-header-content-length")
+    assert (header_length is not None) == binary_data
+    if header_length is not None:  # the uncompressed header's length
+        assert json.loads(whole[:int(header_length)])["outputs"][0]["parameters"]["binary_data_size"] == 512 * 4
+    again = triton.InferResult.from_response_body(raw, header_length=None if header_length is None
+                                                  else int(header_length), content_encoding=algorithm)
+    np.testing.assert_allclose(again.as_numpy("OUTPUT0"), rows.sum(axis=1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("accept, coding", [
+    (None, None), ("identity", None), ("br", None), ("gzip;q=0", None), ("gzip;q=0.4, identity;q=0.9", None),
+    ("gzip, deflate", "gzip"), ("deflate;q=1, gzip;q=0.5", "deflate"), ("*", "gzip"), ("x-gzip", "gzip"),
+    ("gzip;q=0, *;q=0.1", "deflate"),
+])
+def test_accept_encoding_q_values_and_identity_are_honoured(demo_server, accept, coding):
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [256, 2], "datatype": "FP32", "data": [0.5] * 512}]})
+    headers = {"Content-Type": "application/json", **roomy()}
+    if accept is not None:
+        headers["Accept-Encoding"] = accept
+    with httpx.Client(timeout=60) as http:
+        http.headers.pop("accept-encoding")  # httpx's own default asks for gzip and deflate
+        with http.stream("POST", f"{demo_server.url}/v2/models/emulated/infer", content=body,
+                         headers=headers) as response:
+            raw = b"".join(response.iter_raw())
+    assert response.status_code == 200, raw
+    assert response.headers.get("content-encoding") == coding
+    assert "accept-encoding" in response.headers["vary"].lower()  # the answer depends on it, whatever was sent
+    assert json.loads(_decompressed(raw, coding))["outputs"][0]["data"] == [1.0] * 256
+
+
+def test_json_answers_of_other_routes_are_compressed_and_small_ones_are_not(demo_server):
+    """httpx (and the `openai` SDK on it) asks for gzip on every request and decompresses itself."""
+    metrics = httpx.get(f"{demo_server.url}/metrics")
+    assert metrics.headers["content-encoding"] == "gzip" and "sluice_requests_total" in metrics.text
+    import openai
+
+    sdk = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="unused", max_retries=0)
+    raw = sdk.embeddings.with_raw_response.create(model="minilm", input=["hello", "world"], extra_headers=roomy())
+    assert raw.headers["content-encoding"] == "gzip"
+    assert [len(item.embedding) for item in raw.parse().data] == [384, 384]
+    small = httpx.get(f"{demo_server.url}/v2/health/ready")
+    assert "content-encoding" not in small.headers and small.json() == {"ready": True}
+
+
 def _post(server, path: str, body: bytes, encoding: str) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", content=body, timeout=60,
                       headers={"Content-Type": "application/json", "Content-Encoding": encoding, **roomy()})

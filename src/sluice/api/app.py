@@ -1,12 +1,15 @@
 """The Starlette application: routes of both protocols, request ids, body limits, the error table.
 
-    request ─▶ RequestIdMiddleware ─▶ AuthMiddleware ─▶ HotRoutes ──(POST infer | embeddings)──▶ endpoint
-                                        (tenant)            └──▶ Starlette: ExceptionMiddleware ─▶ route
-                                                                   (openai | kserve | admin | metrics)
+    request ─▶ RequestIdMiddleware ─▶ CompressionMiddleware ─▶ AuthMiddleware ─▶ HotRoutes
+                                                                   (tenant)     │
+          endpoint ◀──(POST infer | embeddings)─────────────────────────────────┤
+          Starlette: ExceptionMiddleware ─▶ route ◀─────────────────────────────┘
+                        (openai | kserve | admin | metrics)
 
     SluiceApp.answer_early: for a small body, the HTTP protocol's own path to the same id,
     authentication and hot route (`api.http_protocol`): a refusal is written before any task
-    exists, the rest runs as a task of its own and is written in one go.
+    exists, the rest runs as a task of its own and is written in one go (compressed by the
+    same rules as the middleware's: `api.compression`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from sluice.api import admin, completions, kserve, openai, responses, tokenize, 
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
 from sluice.api.common import GONE_SCOPE_KEY, HotRoute, check_body_size, request_id
+from sluice.api.compression import CompressionMiddleware, compress_response
 from sluice.api.encoding import decoded_body
 from sluice.api.errors import LIMIT_HEADER, error_response, protocol_of
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -182,7 +186,7 @@ class SluiceApp:
     """
 
     def __init__(self, hot: HotRoutes, tenancy: Tenancy, access_log: AccessLog | None = None) -> None:
-        self._app = RequestIdMiddleware(AuthMiddleware(hot, tenancy), access_log)
+        self._app = RequestIdMiddleware(CompressionMiddleware(AuthMiddleware(hot, tenancy)), access_log)
         self._hot = hot
         self._tenancy = tenancy
         self._access_log = access_log
@@ -220,6 +224,7 @@ class SluiceApp:
     async def _respond(self, route: HotRoute[Any], request: Request, body: bytes, screened: Any, rid: str) -> Response:
         try:
             response = await _guarded(request, route.respond(request, body, screened))
+            response = await compress_response(response, request.headers.get("accept-encoding"))
         except asyncio.CancelledError:  # the client went away (`http_protocol`'s `connection_lost`)
             if self._access_log is not None:
                 request.scope[GONE_SCOPE_KEY] = True
