@@ -128,6 +128,24 @@ def test_infer_with_raw_tensors_as_tritonclient_sends_them(client):
     assert len(response.raw_output_contents) == 1  # where tritonclient reads outputs
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_a_compressed_request_from_tritonclient_is_answered(client, algorithm):
+    """tritonclient's `compression_algorithm` compresses the message: grpcio's server takes it as
+    it is (no server option needed)."""
+    x = rows(64, 256)
+    result = client.infer("emulated", [fp32_input(x)], headers=auth(), compression_algorithm=algorithm)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), x.sum(axis=1), rtol=1e-4)
+
+
+def test_a_message_that_decompresses_past_the_limit_is_refused(stub):
+    """The message limit (the HTTP body limit, 32 MiB) holds for what a compressed message inflates
+    to: 40 MiB of zeros, ~40 KB once gzipped, is refused by gRPC itself."""
+    request = raw_request("emulated", np.zeros((1, 10 << 20), np.float32))
+    error = rpc_error(stub.ModelInfer, request, metadata=tuple(auth().items()), timeout=60,
+                      compression=grpc.Compression.Gzip)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in error.details()
+
+
 def test_infer_with_typed_contents(stub):
     x = rows(3, seed=1)
     request = service_pb2.ModelInferRequest(model_name="emulated", id="typed")

@@ -524,7 +524,9 @@ async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes
                        tls: TlsConfig | None = None, *, access_log: bool = True) -> tuple[grpc.aio.Server, int]:
     """Serve the gRPC API on `host:port` (0: any free port), over TLS if `tls` is given; returns
     the server and its port. Messages over `max_message_bytes` (the HTTP body limit) are refused
-    by gRPC itself. `access_log`: a line per inference request (`api.access_log`)."""
+    by gRPC itself (RESOURCE_EXHAUSTED), a compressed one (tritonclient's `compression_algorithm`,
+    gzip or deflate, which grpcio's server takes with no option) by the size it inflates to.
+    `access_log`: a line per inference request (`api.access_log`)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", -1),
