@@ -224,7 +224,8 @@ class SluiceApp:
     async def _respond(self, route: HotRoute[Any], request: Request, body: bytes, screened: Any, rid: str) -> Response:
         try:
             response = await _guarded(request, route.respond(request, body, screened))
-            response = await compress_response(response, request.headers.get("accept-encoding"))
+            response = await compress_response(response, request.headers.get("accept-encoding"),
+                                             request.scope["path"])
         except asyncio.CancelledError:  # the client went away (`http_protocol`'s `connection_lost`)
             if self._access_log is not None:
                 request.scope[GONE_SCOPE_KEY] = True

@@ -11,6 +11,13 @@ gzip and deflate on every request and decompress transparently.
                                           the client's preferred coding (q-values) ─▶ compressed
                                           none (or identity preferred) ────────────▶ as it is
 
+OpenAI's routes (`/v1/...`) are never compressed: the `openai` SDK (through httpx) asks for gzip
+on every request without its caller choosing it, and on the networks an inference server sits on
+(a load balancer's, a cluster's), compressing an embedding or a completion costs the gateway's
+event loop more than it saves on the wire (~30 µs per 4 KiB, where parsing the whole request
+costs less). Triton's clients ask only when told to (`response_compression_algorithm`), and
+Prometheus for its scrapes, so `/v2` and `/metrics` answers are compressed when asked.
+
 The HTTP protocol's early answers (`SluiceApp.answer_early`) go through `compress_response`;
 everything else through `CompressionMiddleware`: the same rules either way.
 
@@ -92,6 +99,11 @@ async def compressed(body: bytes, coding: str) -> bytes:
     return compress(body, coding)
 
 
+def is_compressed_path(path: str) -> bool:
+    """Whether answers on this path are compressed for a client that asks: all but OpenAI's."""
+    return not (path == "/v1" or path.startswith("/v1/"))
+
+
 def _is_eligible(headers: list[tuple[bytes, bytes]], size: int) -> bool:
     """Whether an answer of these headers and `size` bytes is one to compress, for a client that asks."""
     if size < MIN_BYTES:
@@ -120,10 +132,11 @@ def _recoded(headers: list[tuple[bytes, bytes]], coding: str | None, size: int) 
     return kept
 
 
-async def compress_response(response: Response, accept_encoding: str | None, method: str = "POST") -> Response:
-    """`response` (a whole body), compressed in place if eligible and the client asks."""
+async def compress_response(response: Response, accept_encoding: str | None, path: str,
+                            method: str = "POST") -> Response:
+    """`response` (a whole body) to a request for `path`, compressed in place if eligible and the client asks."""
     body = bytes(response.body)
-    if method == "HEAD" or not _is_eligible(response.raw_headers, len(body)):
+    if method == "HEAD" or not is_compressed_path(path) or not _is_eligible(response.raw_headers, len(body)):
         return response
     coding = chosen_coding(accept_encoding)
     if coding is not None:
@@ -140,7 +153,7 @@ class CompressionMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "HEAD":
+        if scope["type"] != "http" or scope["method"] == "HEAD" or not is_compressed_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         accept = next((v for k, v in scope["headers"] if k == b"accept-encoding"), b"").decode("latin-1")
