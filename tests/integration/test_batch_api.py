@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +13,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.conftest import eventually, free_port, metric_total, stop_all, write_emulated_model
+from tests.user_models import add_gated_version
 
 
 def jsonl(rows: list[dict]) -> bytes:
@@ -272,3 +277,71 @@ def test_a_batch_of_responses_answers_what_each_request_would(make_server, tmp_p
             direct = client.responses.create(**ask)
             assert answer["body"]["output"][0]["content"][0]["text"] == direct.output_text
             assert answer["body"]["usage"]["output_tokens"] == 4
+
+
+def gated_lines(n: int, model: str, prefix: str) -> list[dict]:
+    return [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": f"/v2/models/{model}/infer",
+             "body": {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [float(i)]}]}}
+            for i in range(n)]
+
+
+@pytest.fixture
+def loading_server(tmp_path: Path):
+    """`sluice serve` of the emulated model and a `gated` one whose load lasts until the file `gate`
+    exists: (url, gate), once the emulated model serves and `gated` is reported LOADING (the server
+    is not ready meanwhile, so it is not started with `make_server`, which waits for that)."""
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=1.0, beta_ms=0.1)
+    gate = tmp_path / "gate"
+    add_gated_version(repo / "gated", "1", gate)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "serve.log").open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--models", str(repo), "--port",
+                                    str(port), "--data-dir", str(tmp_path / "data"), "--log-level", "info"],
+                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        eventually(lambda: {(e["name"], e["state"]) for e in httpx.post(f"{url}/v2/repository/index", json={}).json()}
+                   >= {("gated", "LOADING"), ("emulated", "READY")}, "gated LOADING beside emulated READY", 90)
+        yield url, gate
+    finally:
+        gate.touch()
+        stop_all([process])
+
+
+def test_a_batch_for_a_model_still_loading_waits_for_it_and_expires_rather_than_failing(loading_server):
+    """Batches naming a model that exists but is still loading are not failed as `model_not_found`:
+    they start, their items wait for the model (counted in `sluice_batch_items_waiting_for_model`);
+    one whose window ends first expires (`batch_expired` items, as OpenAI's), one that outlasts the
+    load runs once it is up. A model that does not exist still fails its batch at once, although
+    the server is not ready."""
+    url, gate = loading_server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        def submit(rows: list[dict], window: str) -> str:
+            uploaded = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+            return client.batches.create(input_file_id=uploaded.id, endpoint="/v2/infer",
+                                         completion_window=window).id  # type: ignore[arg-type]
+
+        short = submit(gated_lines(2, "gated", "short"), "15s")  # a sluice extension: OpenAI takes only "24h"
+        waits = submit(gated_lines(3, "gated", "waits"), "24h")
+        unknown = submit(gated_lines(1, "nope", "unknown"), "24h")
+
+        failed = wait_until_final(client, unknown, timeout_s=30)
+        assert failed.status == "failed" and [e.code for e in failed.errors.data] == ["model_not_found"]
+        eventually(lambda: client.batches.retrieve(waits).status == "in_progress"
+                   and metric_total(url, "sluice_batch_items_waiting_for_model", model="gated") == 5.0,
+                   "the items of both batches waiting for the model", 30)
+
+        expired = wait_until_final(client, short, timeout_s=90)
+        assert expired.status == "expired" and expired.request_counts.completed == 0
+        assert sorted((r["custom_id"], r["error"]["code"]) for r in output_rows(client, expired.error_file_id)) \
+            == [("short-0", "batch_expired"), ("short-1", "batch_expired")]
+        assert client.batches.retrieve(waits).status == "in_progress"
+
+        gate.touch()
+        done = wait_until_final(client, waits, timeout_s=90)
+        assert done.status == "completed" and done.request_counts.completed == 3 and done.error_file_id is None
+        rows = output_rows(client, done.output_file_id)
+        assert [(r["custom_id"], r["response"]["body"]["outputs"][0]["data"]) for r in rows] == [
+            ("waits-0", [0.0]), ("waits-1", [1.0]), ("waits-2", [2.0])]
+        eventually(lambda: metric_total(url, "sluice_batch_items_waiting_for_model", model="gated") == 0.0,
+                   "no item waiting once the model is up", 30)

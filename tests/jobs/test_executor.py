@@ -423,6 +423,56 @@ async def test_items_waiting_for_a_model_that_never_comes_up_are_counted_and_war
     await store.aclose()
 
 
+async def test_items_wait_for_their_model_while_its_worker_restarts_though_the_server_is_ready(tmp_path: Path):
+    """The server is ready (its other models serve) while the items' model is not up (its worker is
+    being restarted): they answer 503 `model_not_ready`, and so does `GET /v1/models/m`. The items
+    wait for it, their attempts untouched, rather than ending in the error file after
+    `max_attempts`; once it is back they run."""
+
+    class Restarting(ScriptedApp):
+        is_up = False
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["method"] == "GET" and scope["path"] == "/v1/models/m" and not self.is_up:
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b'{"error": {"code": "model_not_ready"}}'})
+                return
+            if await answered_model_query(scope, send):  # listed, and the server ready
+                return
+            if self.is_up:
+                await super().__call__(scope, receive, send)
+                return
+            await receive()
+            self.calls["restarting"] += 1
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"retry-after-ms", b"1")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"code": "model_not_ready"}}'})
+
+    app = Restarting()
+    config = ExecutorConfig(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02, poll_interval_s=0.01,
+                            flush_interval_s=0.005)
+    store = SqliteJobStore(tmp_path / "data")
+    content = "\n".join(_line(f"c{i}", "x") for i in range(3)).encode()
+    file = await store.create_file("acme", "in.jsonl", "batch", content, 0)
+    batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", file.id, "24h", None, 0, 2**40))
+    executor = JobExecutor(store, config)
+    await executor.start(app)
+    try:
+        await _until_true(lambda: app.calls["restarting"] >= 3 * (config.max_attempts + 2))
+        found = await store.get_batch(None, batch.id)
+        assert found is not None and found.status is BatchStatus.IN_PROGRESS and found.num_failed == 0
+        app.is_up = True
+        for _ in range(1000):
+            found = await store.get_batch(None, batch.id)
+            if found is not None and not found.is_active:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await executor.aclose()
+    assert found is not None and found.status is BatchStatus.COMPLETED
+    assert (found.num_completed, found.num_failed) == (3, 0)
+    await store.aclose()
+
+
 async def _until_true(condition, timeout_s: float = 10.0) -> None:
     for _ in range(int(timeout_s / 0.01)):
         if condition():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -311,7 +312,8 @@ async def test_results_in_input_order_include_items_cancelled_while_reading(tmp_
 
 
 class LoadingApp(ScriptedApp):
-    """A server whose model "late" is still loading: not listed, and not ready, until `loaded`."""
+    """A server whose model "late" is still loading until `loaded`: not listed, `GET /v1/models/late`
+    and its items answer 503, and the server is not ready; "m" is up, any other model unknown (404)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -321,14 +323,33 @@ class LoadingApp(ScriptedApp):
     async def __call__(self, scope, receive, send) -> None:
         if scope["method"] == "GET":
             self.num_model_queries += 1
-            names = ["m", "late"] if self.loaded else ["m"]
-            body = {"ready": self.loaded} if scope["path"] == "/v2/health/ready" else {
-                "object": "list", "data": [{"id": name} for name in names]}
-            status = 503 if scope["path"] == "/v2/health/ready" and not self.loaded else 200
+            status, body = self._get(scope["path"])
             await send({"type": "http.response.start", "status": status, "headers": []})
             await send({"type": "http.response.body", "body": json.dumps(body).encode()})
             return
-        await super().__call__(scope, receive, send)
+        message = await receive()
+        if json.loads(message["body"])["model"] == "late" and not self.loaded:
+            self.calls["late"] += 1
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"retry-after-ms", b"1")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"code": "model_not_ready"}}'})
+            return
+
+        async def replay():
+            return message
+
+        await super().__call__(scope, replay, send)
+
+    def _get(self, path: str) -> tuple[int, dict]:
+        if path == "/v2/health/ready":
+            return (200 if self.loaded else 503), {"ready": self.loaded}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": name} for name in (["m", "late"] if self.loaded else ["m"])]}
+        name = path.removeprefix("/v1/models/")
+        if name == "m" or (name == "late" and self.loaded):
+            return 200, {"id": name, "object": "model"}
+        if name == "late":
+            return 503, {"error": {"code": "model_not_ready"}}
+        return 404, {"error": {"code": "model_not_found"}}
 
 
 def _late_lines(num: int) -> bytes:
@@ -336,45 +357,43 @@ def _late_lines(num: int) -> bytes:
                                  "body": {"model": "late", "input": "ok"}}) for i in range(num)).encode()
 
 
-async def test_validation_waits_for_models_still_loading(tmp_path: Path):
+async def test_a_batch_naming_a_model_still_loading_starts_and_its_items_wait_for_it(tmp_path: Path):
+    """However long the model loads (here: validated `model_wait_s` after the batch was created, when
+    validation used to give up waiting and fail it `model_not_found`), the batch starts and its items
+    wait for the model, their attempts untouched, then run once it is up."""
     store = SqliteJobStore(tmp_path / "data")
     file = await store.create_file("", "in.jsonl", "batch", _late_lines(3), 0)
-    now = [1000.0]
-    batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
-    reads: list[str] = []
-    read_content = store.file_content
-
-    async def counted(owner: str, file_id: str) -> bytes | None:
-        reads.append(file_id)
-        return await read_content(owner, file_id)
-
-    store.file_content = counted  # type: ignore[method-assign]
+    created_at = int(time.time() - FAST.model_wait_s)
+    batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, created_at, 2**40))
     app = LoadingApp()
-    executor = JobExecutor(store, FAST, clock=lambda: now[0])
+    executor = JobExecutor(store, FAST)
     await executor.start(app)
 
-    async def asked_again() -> bool:
-        return app.num_model_queries >= 6
+    async def waited() -> bool:  # each item answered 503 more often than it may be attempted
+        return app.calls["late"] >= 3 * (FAST.max_attempts + 1)
 
-    await _until(asked_again)  # validated three times, each deferred
+    await _until(waited)
     waiting = await store.get_batch(None, batch.id)
-    assert waiting is not None and waiting.status is BatchStatus.VALIDATING
-    assert reads == []  # the file is not read (up to 512 MiB) each time validation is deferred
+    assert waiting is not None and waiting.status is BatchStatus.IN_PROGRESS and waiting.num_failed == 0
     app.loaded = True
     done = await _final(store, batch.id)
     await executor.aclose()
-    assert done.status is BatchStatus.COMPLETED and done.num_completed == 3
-    assert reads == [file.id]
+    assert done.status is BatchStatus.COMPLETED and done.num_completed == 3 and done.num_failed == 0
     await store.aclose()
 
 
-async def test_validation_waits_for_loading_models_only_so_long(tmp_path: Path):
+async def test_a_batch_naming_a_model_the_server_does_not_have_fails_at_once_while_others_load(tmp_path: Path):
+    """The server is not ready ("late" loads), but "nope" is no model of it: the file fails at once
+    with `model_not_found` for that line only, not after a wait for the server's models."""
     store = SqliteJobStore(tmp_path / "data")
-    file = await store.create_file("", "in.jsonl", "batch", _late_lines(2), 0)
+    content = b"\n".join([_late_lines(1), json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/embeddings",
+                                                     "body": {"model": "nope", "input": "ok"}}).encode()])
+    file = await store.create_file("", "in.jsonl", "batch", content, 0)
     batch = await store.create_batch(NewBatch("", "/v1/embeddings", file.id, "24h", None, 1000, 2**40))
-    executor = JobExecutor(store, FAST, clock=lambda: 1000.0 + FAST.model_wait_s)
+    executor = JobExecutor(store, FAST, clock=lambda: 1000.0)
     await executor.start(LoadingApp())
     done = await _final(store, batch.id)
     await executor.aclose()
-    assert done.status is BatchStatus.FAILED and [e["code"] for e in done.errors or []] == ["model_not_found"] * 2
+    assert done.status is BatchStatus.FAILED
+    assert [(e["line"], e["code"]) for e in done.errors or []] == [(2, "model_not_found")]
     await store.aclose()

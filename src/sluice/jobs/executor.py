@@ -19,10 +19,12 @@
   `max_attempts`; then its last answer goes to the error file (dead letter). Other non-2xx
   answers are final at once.
 - A 503 while the server is not ready (`GET /v2/health/ready`: its models still loading after a
-  restart, a dead worker being replaced, a drain) is a wait, not an attempt: the item comes back
-  after the answer's Retry-After with its attempts untouched, so a job resumed by a restart is
-  not written off as dead letters while the models load. A model that never comes up holds its
-  items until the batch expires, so the wait is made visible: the gauge
+  restart, a dead worker being replaced, a drain) or while the item's model is not up (`GET
+  /v1/models/{model}` answers 503: loading, its worker being restarted) is a wait, not an
+  attempt: the item comes back after the answer's Retry-After with its attempts untouched, so a
+  job resumed by a restart, or submitted while its model loads, is not written off as dead
+  letters while the models load (`app_models`). A model that never comes up holds its
+  items until the batch expires (`batch_expired`), so the wait is made visible: the gauge
   `sluice_batch_items_waiting_for_model{model}`, and a warning per batch and model once they
   have waited `model_wait_s`, repeated every `model_wait_s` while they still wait.
 - Bounded concurrency: at most `max_in_flight` items are leased and unrecorded at a time; deep
@@ -51,17 +53,16 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-
 from sluice.api.common import BACKGROUND_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.api.errors import CAPACITY_LIMIT
 from sluice.errors import Unavailable
 from sluice.jobs import lines
+from sluice.jobs.app_models import AppModels
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
 from sluice.jobs.pacing import Refusal, TenantPacer
 from sluice.jobs.store import BatchJob, BatchStatus, Claim, Item, ItemOutcome, JobStore
-from sluice.jobs.validate import ServedModels, item_model
+from sluice.jobs.validate import item_model
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
@@ -92,8 +93,8 @@ class ExecutorConfig:
     load_chunk_size: int = 5000
     """...in transactions of this many items."""
     model_wait_s: float = 300.0
-    """A new batch's models are checked at validation; while the server's models are not all up
-    (starting, a worker restarting), validation waits up to this long from the batch's creation."""
+    """Items waiting for their model to come up are warned of once they have waited this long, and
+    again every as long while they still wait."""
     pacing_forget_s: float = 60.0
     """A tenant whose items were refused by its limits is paced until none has been for this long."""
     expired_files_every_s: float = 60.0
@@ -102,17 +103,6 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.claim_size, self.max_attempts, self.launch_slice) < 1 or self.lease_s <= 0:
             raise ValueError("max_in_flight, claim_size, max_attempts and launch_slice must be >= 1, lease_s > 0")
-
-
-class _Model(msgspec.Struct):
-    id: str
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_Model]
-
-
-_decode_models = msgspec.json.Decoder(_ModelList).decode
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:
@@ -138,9 +128,9 @@ class JobExecutor:
         self._clock = clock
         self._wake = asyncio.Event()
         self._is_housekeeping_due = False
+        self._models = AppModels(self._config.poll_interval_s)
         self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, self.abandon, clock,
-                                         self._config.first_load_size, self._config.load_chunk_size,
-                                         self._served_models, self._config.model_wait_s)
+                                         self._config.first_load_size, self._config.load_chunk_size, self._models)
         self._flush_now = asyncio.Event()
         self._leases: dict[str, _Lease] = {}
         self._owners: dict[str, str] = {}
@@ -151,21 +141,20 @@ class JobExecutor:
         """Each running item's task -> (lease token, batch id, owner)."""
         self._loops: list[asyncio.Task[None]] = []
         self._waiting: dict[tuple[str, int], str] = {}
-        """(batch id, idx) -> model of the items whose last answer here was a 503 while the server was not ready."""
+        """(batch id, idx) -> model of the items whose last answer here was a 503 while it or the server was not up."""
         self._waiting_since: dict[tuple[str, str], tuple[float, float]] = {}
         """(batch id, model) with items waiting -> (when that was first seen, when it was last warned of)."""
         self._waited_models: set[str] = set()
         """Models the waiting gauge was last set for."""
         self._files_checked_at = float("-inf")
         """When (the injected clock) files past their `expires_at` were last deleted."""
-        self._readiness: tuple[float, bool] = (float("-inf"), True)
-        """(monotonic time until which it holds, whether the server was ready when last asked)."""
         self._headers = [(b"content-type", b"application/json"), (b"x-sluice-priority", b"batch"),
                          (b"x-request-timeout-ms", str(self._config.item_timeout_ms).encode())]
 
     async def start(self, app: AsgiApp) -> None:
         """Resume every unfinished job and start running items through `app`."""
         self._app = app
+        self._models.start(app)
         released = await self._store.release_leases()
         if released:
             log.info("resuming batch jobs: %d items returned to the queue", released)
@@ -272,7 +261,8 @@ class JobExecutor:
             line = lines.error_only_line(item.custom_id, "internal_error", f"{type(exc).__name__}")
             self._finish(token, ItemOutcome(item.batch_id, item.idx, line, True, attempts=item.attempts + 1))
             return
-        is_unready = answer.status_code == 503 and not await self._is_ready(owner)
+        is_unready = answer.status_code == 503 and answer.limit != CAPACITY_LIMIT and \
+            await self._models.is_waiting(owner, item_model(item.url, item.body))
         self._finish(token, self._outcome(item, owner, answer, is_unready))
 
     def _outcome(self, item: Item, owner: str, answer: AppResponse, is_unready: bool = False) -> ItemOutcome:
@@ -302,29 +292,6 @@ class JobExecutor:
         self._metrics.item_done("dead_letter" if is_error and is_transient else "error" if is_error else "ok")
         line = lines.response_line(item.custom_id, status, answer.request_id, answer.body)
         return ItemOutcome(item.batch_id, item.idx, line, is_error, input_tokens, output_tokens, attempts=attempts)
-
-    async def _served_models(self, owner: str) -> ServedModels:
-        """What `owner` may use, asked of the app as that tenant (`GET /v1/models`), and whether every
-        model is up (`GET /v2/health/ready`)."""
-        assert self._app is not None
-        scope = {TENANT_SCOPE_KEY: owner}
-        listed = await call(self._app, "GET", "/v1/models", b"", [], scope)
-        ready = await call(self._app, "GET", "/v2/health/ready", b"", [], scope)
-        try:
-            names = frozenset(m.id for m in _decode_models(listed.body).data) if listed.status_code == 200 else None
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            names = None
-        return ServedModels(names or frozenset(), names is not None and ready.status_code == 200)
-
-    async def _is_ready(self, owner: str) -> bool:
-        """Whether the server is ready (`GET /v2/health/ready`), asked at most once a poll interval."""
-        assert self._app is not None
-        until, is_ready = self._readiness
-        if time.monotonic() >= until:
-            answer = await call(self._app, "GET", "/v2/health/ready", b"", [], {TENANT_SCOPE_KEY: owner})
-            is_ready = answer.status_code == 200
-            self._readiness = (time.monotonic() + self._config.poll_interval_s, is_ready)
-        return is_ready
 
     def _finish(self, token: str, outcome: ItemOutcome) -> None:
         self._outcomes.setdefault(token, []).append(outcome)

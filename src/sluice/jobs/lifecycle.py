@@ -26,7 +26,7 @@ from typing import Any
 
 from sluice.jobs import lines
 from sluice.jobs.store import BatchJob, BatchStatus, JobStore, NewItem
-from sluice.jobs.validate import ModelLookup, Valid, parse_input
+from sluice.jobs.validate import Invalid, ModelDirectory, Valid, parse_input
 from sluice.metrics import JobMetrics
 
 log = logging.getLogger("sluice.jobs")
@@ -37,16 +37,14 @@ _STORE_RETRY_S = 1.0
 class BatchLifecycle:
     def __init__(self, store: JobStore, metrics: JobMetrics, wake: Callable[[], None],
                  abandon: Callable[[str], Awaitable[None]], clock: Callable[[], float] = time.time,
-                 first_load_size: int = 1000, load_chunk_size: int = 5000, models: ModelLookup | None = None,
-                 model_wait_s: float = 300.0) -> None:
+                 first_load_size: int = 1000, load_chunk_size: int = 5000,
+                 models: ModelDirectory | None = None) -> None:
         """`wake` asks the executor to claim now; `abandon(batch_id)` stops the batch's running items
-        and records those that finished. `models(owner)`: what the batch's tenant may use, checked
-        at validation (None: not checked); while the server's models are not all up, a new batch
-        waits up to `model_wait_s` from its creation for them before it is validated."""
+        and records those that finished. `models`: what the batch's tenant may use, checked at
+        validation (None: not checked)."""
         if first_load_size < 1 or load_chunk_size < 1:
             raise ValueError("first_load_size and load_chunk_size must be >= 1")
         self._models = models
-        self._model_wait_s = model_wait_s
         self._store = store
         self._metrics = metrics
         self._wake = wake
@@ -92,19 +90,12 @@ class BatchLifecycle:
     async def _validate(self, batch: BatchJob) -> None:
         try:
             now = int(self._clock())
-            models = None
-            if self._models is not None:  # asked first: the file is read only once it can be validated
-                served = await self._models(batch.owner)
-                if not served.is_complete and now - batch.created_at < self._model_wait_s:
-                    log.debug("batch %s: validation waits for the server's models to be up", batch.id)
-                    return  # the next housekeeping round tries again
-                models = served.names
             content = await self._store.file_content(batch.owner, batch.input_file_id)
             if content is None:
                 await self._fail(batch, [{"code": "input_file_missing", "param": "input_file_id", "line": None,
                                           "message": "the input file was deleted"}], now)
                 return
-            parsed = await asyncio.to_thread(parse_input, content, batch.endpoint, models)
+            parsed = await self._parse(batch, content)
             if not isinstance(parsed, Valid):
                 await self._fail(batch, parsed.errors, now)
                 return
@@ -114,6 +105,24 @@ class BatchLifecycle:
                 await self._store_items(batch.id, rest)
         except Exception:  # the next housekeeping round validates it again
             log.exception("batch %s: validation failed; retrying", batch.id)
+
+    async def _parse(self, batch: BatchJob, content: bytes) -> Valid | Invalid:
+        """The file's items, or its problems. The models it names must be listed for the tenant, or
+        known though not up yet (loading, their worker being restarted: its items wait for them
+        once it runs, until the batch expires); another is `model_not_found`, at once. Names not
+        listed are asked of the server one by one, only those the file's errors name: a file
+        naming more such models than it may have errors is parsed again with those found."""
+        if self._models is None:
+            return await asyncio.to_thread(parse_input, content, batch.endpoint)
+        usable = set(await self._models.listed(batch.owner))
+        while True:
+            parsed = await asyncio.to_thread(parse_input, content, batch.endpoint, frozenset(usable))
+            if isinstance(parsed, Valid):
+                return parsed
+            known = {model for model in parsed.unknown_models if await self._models.is_known(batch.owner, model)}
+            if not known:
+                return parsed
+            usable |= known
 
     async def _fail(self, batch: BatchJob, errors: list[dict[str, object]], now: int) -> None:
         await self._store.fail_batch(batch.id, errors, now)

@@ -6,23 +6,26 @@ the batch's endpoint; for the KServe endpoint `/v2/infer`, any `/v2/models/<mode
 must be an object naming its model (`"model"`, a string; KServe: the url's model, and an
 `"inputs"` list), not asking to be streamed (an item's answer is one JSON body in the output
 file, not Server-Sent Events), and with `models` given, a model the tenant may use on this server:
-a file that would fail item by item fails here, whole, before any item runs. The body's other fields are left
-to the endpoint. A body is kept as the raw bytes it was sent with (never re-encoded), and the
-file is parsed once, here.
+a file that would fail item by item fails here, whole, before any item runs. A model that exists
+but is not up yet (loading, its worker being restarted) is one it may use: `ModelDirectory` says
+which the names missing from the listing are, and its items wait for it once the batch runs. The
+body's other fields are left to the endpoint. A body is kept as the raw bytes it was sent with
+(never re-encoded), and the file is parsed here (again, with the models found known, when it names
+models that are not listed).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from sluice.jobs.store import NewItem
 
-__all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelLookup", "ServedModels", "Valid", "item_model", "parse_input"]
+__all__ = ["ENDPOINTS", "MAX_ITEMS", "Invalid", "ModelDirectory", "Valid", "item_model", "parse_input"]
 
 ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v2/infer")
 MAX_ITEMS = 200_000
@@ -47,18 +50,16 @@ class _KServeBody(msgspec.Struct, forbid_unknown_fields=False):
     inputs: Any = None
 
 
-@dataclass(frozen=True, slots=True)
-class ServedModels:
-    """What a tenant may use on this server now."""
+class ModelDirectory(Protocol):
+    """The models a batch's tenant (its owner) may use, as the server says when it is validated."""
 
-    names: frozenset[str]
-    is_complete: bool
-    """Every model the server serves is up: none is still loading or being restarted (a name
-    missing then may only be late, so the check waits a while)."""
+    async def listed(self, owner: str) -> frozenset[str]:
+        """The models listed for the tenant: served now, or loaded on demand by a first request."""
 
-
-ModelLookup = Callable[[str], Awaitable[ServedModels]]
-"""The models the tenant (the batch's owner) may use."""
+    async def is_known(self, owner: str, model: str) -> bool:
+        """Whether the tenant may use `model`, which is not listed: a version of a listed one
+        (`"m:2"`), or a model that is not up yet (loading, its worker being restarted); not one
+        the server does not have, nor one the tenant may not use."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,8 @@ class Valid:
 class Invalid:
     errors: list[dict[str, object]]
     """`{"code", "message", "param", "line"}`, at most `MAX_ERRORS` of them, first lines first."""
+    unknown_models: frozenset[str] = frozenset()
+    """The model names of its `model_not_found` errors."""
 
 
 def parse_input(content: bytes, endpoint: str, models: Collection[str] | None = None) -> Valid | Invalid:
@@ -95,7 +98,7 @@ def parse_input(content: bytes, endpoint: str, models: Collection[str] | None = 
     if len(items) > MAX_ITEMS:
         errors.append({"code": "too_many_requests", "message": f"a batch may hold at most {MAX_ITEMS} requests",
                        "param": None, "line": line_no})
-    return Invalid(errors) if errors else Valid(items)
+    return Invalid(errors, frozenset(checker.unknown_models)) if errors else Valid(items)
 
 
 def item_model(url: str, body: bytes) -> str:
@@ -124,6 +127,7 @@ class _Checker:
             _KServeBody if self._is_kserve else _OpenAIBody)
         self._decode_body = decoder.decode
         self._seen: set[str] = set()
+        self.unknown_models: set[str] = set()
 
     def check(self, raw: bytes, items: list[NewItem]) -> Problem | None:
         """None and the line appended to `items` when it is good; else its problem."""
@@ -173,6 +177,7 @@ class _Checker:
                 return ("invalid_body", "a batch item is answered whole, in the output file: 'stream' must be false "
                         "or left out", "body.stream")
         if self._models is not None and model not in self._models:
+            self.unknown_models.add(model)
             return ("model_not_found", f"the model {model[:100]!r} does not exist or you do not have access to it",
                     "url" if url_model is not None else "body.model")
         return None
