@@ -12,10 +12,10 @@ import pytest
 from starlette.responses import Response
 
 from sluice.api.errors import error_response
-from sluice.errors import BudgetExhausted, Overloaded, RateLimited
+from sluice.errors import BudgetExhausted, Overloaded, RateLimited, Unavailable
 from sluice.jobs.executor import ExecutorConfig, JobExecutor, backoff_s
 from sluice.jobs.sqlite_store import SqliteJobStore
-from sluice.jobs.store import BatchStatus, NewBatch
+from sluice.jobs.store import BatchStatus, NewBatch, NewItem
 
 FAST = ExecutorConfig(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02, poll_interval_s=0.02,
                       flush_interval_s=0.005)
@@ -470,6 +470,87 @@ async def test_items_wait_for_their_model_while_its_worker_restarts_though_the_s
         await executor.aclose()
     assert found is not None and found.status is BatchStatus.COMPLETED
     assert (found.num_completed, found.num_failed) == (3, 0)
+    await store.aclose()
+
+
+class FailingGetBatchStore(SqliteJobStore):
+    """Fault injection: once `fail_next_get_batch` is set, the next `get_batch` raises as a store out
+    of reach does; each housekeeping round (`active_batches`) sets `housekept`."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.fail_next_get_batch = False
+        self.num_failed = 0
+        self.housekept = asyncio.Event()
+
+    async def get_batch(self, owner, batch_id):  # type: ignore[no-untyped-def]
+        if self.fail_next_get_batch:
+            self.fail_next_get_batch = False
+            self.num_failed += 1
+            raise Unavailable("the batch job store is unavailable; try again shortly", retry_after_s=1.0)
+        return await super().get_batch(owner, batch_id)
+
+    async def active_batches(self):  # type: ignore[no-untyped-def]
+        found = await super().active_batches()
+        self.housekept.set()
+        return found
+
+
+async def test_items_claimed_when_their_batch_cannot_be_read_are_given_back_and_run(tmp_path: Path):
+    """Another gateway started a batch since this executor's last housekeeping, so a claim takes its
+    items before their owner is known here, and reading the batch fails right then. The items are
+    given back, run at a later claim, and the batch completes (they were not held, their lease
+    renewed, for ever)."""
+
+    class Held(ScriptedApp):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates = {"held-a": asyncio.Event(), "held-b": asyncio.Event()}
+            self.started: set[str] = set()
+
+        async def __call__(self, scope, receive, send) -> None:
+            if await answered_model_query(scope, send):
+                return
+            message = await receive()
+            text = json.loads(message["body"])["input"]
+            if text in self.gates:
+                self.started.add(text)
+                await self.gates[text].wait()
+
+            async def replay():
+                return message
+
+            await super().__call__(scope, replay, send)
+
+    store = FailingGetBatchStore(tmp_path / "data")
+    held = await store.create_file("acme", "in.jsonl", "batch", f"{_line('a', 'held-a')}\n{_line('b', 'held-b')}"
+                                   .encode(), 0)
+    await store.create_batch(NewBatch("acme", "/v1/embeddings", held.id, "24h", None, 0, 2**40))
+    app = Held()
+    executor = JobExecutor(store, ExecutorConfig(poll_interval_s=3.0, flush_interval_s=0.005))
+    await executor.start(app)
+    try:
+        await _until_true(lambda: app.started == set(app.gates))
+        store.housekept.clear()
+        await asyncio.wait_for(store.housekept.wait(), 10.0)  # the next round is a poll interval away
+        other = await store.create_file("acme", "other.jsonl", "batch", b"", 0)
+        started = await store.create_batch(NewBatch("acme", "/v1/embeddings", other.id, "24h", None, 0, 2**40))
+        items = [NewItem(i, f"o{i}", "/v1/embeddings", json.dumps({"model": "m", "input": f"o{i}"}).encode())
+                 for i in range(3)]
+        assert await store.start_batch(started.id, items, 0)
+        store.fail_next_get_batch = True
+        app.gates["held-a"].set()  # its outcome recorded, the executor claims the other batch's items
+        await _until_true(lambda: store.num_failed == 1)  # ...and cannot read their batch
+        for _ in range(2000):
+            found = await store.get_batch(None, started.id)
+            if found is not None and not found.is_active:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        app.gates["held-b"].set()
+        await executor.aclose()
+    assert found is not None and found.status is BatchStatus.COMPLETED and found.num_completed == 3
+    assert [app.calls[f"o{i}"] for i in range(3)] == [1, 1, 1]
     await store.aclose()
 
 

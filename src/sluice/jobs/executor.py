@@ -211,7 +211,11 @@ class JobExecutor:
             return False
         self._leases[claim.token] = _Lease(claim)
         self._num_in_flight += len(claim.items)
-        owners = {batch_id: await self._owner(batch_id) for batch_id in {i.batch_id for i in claim.items}}
+        try:
+            owners = {batch_id: await self._owner(batch_id) for batch_id in {i.batch_id for i in claim.items}}
+        except Exception:
+            await self._hand_back(claim, now)
+            raise
         for start in range(0, len(claim.items), self._config.launch_slice):
             if start:
                 await asyncio.sleep(0)  # online requests get the event loop between slices
@@ -222,6 +226,15 @@ class JobExecutor:
                 self._tasks[task] = (claim.token, item.batch_id, owner)
                 task.add_done_callback(self._forget)
         return len(claim.items) == want
+
+    async def _hand_back(self, claim: Claim, now: float) -> None:
+        """Give back the items of a claim that cannot start (their batch's owner could not be read):
+        queued again at once, attempts untouched. Their lease is no longer ours to renew, so if
+        even that cannot be written they are claimed again once it lapses: never held for ever."""
+        self._close_lease(claim.token, len(claim.items))
+        with contextlib.suppress(Exception):  # the store is out of reach: the lease lapses instead
+            await self._store.record(claim.token, [ItemOutcome(item.batch_id, item.idx, retry_at=now,
+                                                               attempts=item.attempts) for item in claim.items])
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         _, _, owner = self._tasks.pop(task, ("", "", ""))
