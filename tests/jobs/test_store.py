@@ -385,6 +385,50 @@ async def test_files_past_their_expiry_are_deleted_with_their_content(store: Job
     assert [f.id for f in await store.list_files("acme", None, None, 10)] == [kept.id]
 
 
+async def test_postgres_deletes_an_expired_file_whole_or_not_at_all_while_another_commits_one(postgres_dsn: str):
+    """Expiry on PostgreSQL (READ COMMITTED) while another gateway commits an expired file with its
+    parts: the file is deleted with its parts, or left whole for the next round; never its row
+    without its parts, which nothing would ever delete. The other transaction holds a lock that the
+    deletion waits for, and commits its file while it waits."""
+    import psycopg
+
+    async def orphaned_parts() -> int:
+        return int((await store._one("SELECT COUNT(*) FROM file_parts p WHERE NOT EXISTS "
+                                     "(SELECT 1 FROM files f WHERE f.id = p.file_id)", ()))[0])
+
+    def add_file(conn: psycopg.Connection, file_id: str) -> None:
+        conn.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content, expires_at) "
+                     "VALUES (%s, 'acme', 'out.jsonl', 'batch_output', 2, %s, ''::bytea, %s)", (file_id, NOW, NOW))
+        conn.execute("INSERT INTO file_parts (file_id, part, data) VALUES (%s, 1, 'x'::bytea)", (file_id,))
+
+    store = await PostgresJobStore.connect(postgres_dsn)
+    other = await asyncio.to_thread(psycopg.connect, postgres_dsn)
+    try:
+        with other.transaction():
+            add_file(other, "file-first")
+        other.execute("SELECT 1 FROM file_parts WHERE file_id = 'file-first' FOR UPDATE")  # its transaction stays open
+        deleting = asyncio.create_task(store.delete_expired_files(NOW))
+        for _ in range(1000):  # until the deletion waits for that lock
+            waiting = await store._one("SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                       "AND datname = current_database()", ())
+            if waiting[0]:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the deletion never waited for the lock")
+        add_file(other, "file-late")
+        other.commit()
+        await asyncio.wait_for(deleting, 30)
+        assert await orphaned_parts() == 0
+        assert await store.get_file("acme", "file-first") is None
+        await store.delete_expired_files(NOW)  # the next round takes what the first did not
+        assert await store.get_file("acme", "file-late") is None
+        assert await store._one("SELECT COUNT(*) FROM file_parts", ()) == (0,)
+    finally:
+        other.close()
+        await store.aclose()
+
+
 OLD_FILES_AND_BATCHES = """
 CREATE TABLE files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
     bytes {int} NOT NULL, created_at {int} NOT NULL, content {blob} NOT NULL, idempotency_key TEXT,

@@ -53,6 +53,20 @@ _CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id 
           "ORDER BY idx LIMIT %s FOR UPDATE SKIP LOCKED")
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = %s AND state = %s AND idx > %s ORDER BY idx LIMIT 1"
 _CLAIM_CONDITIONS = ("state = 'leased' AND lease_until < %s", "state = 'queued' AND not_before <= %s")
+_PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (%s, %s, %s, %s, %s)"
+_RESPONSE_EVENTS = ("SELECT e.seq, e.data FROM response_events e JOIN responses r ON r.id = e.response_id "
+                    "WHERE e.response_id = %s AND r.owner = %s AND e.seq > %s ORDER BY e.seq LIMIT %s")
+_DELETE_EXPIRED_FILES = ("WITH gone AS (DELETE FROM files WHERE expires_at <= %s RETURNING id), "
+                         "parts AS (DELETE FROM file_parts p USING gone WHERE p.file_id = gone.id) "
+                         "SELECT COUNT(*) FROM gone")
+"""The files whose `expires_at` has come and their parts, in one statement: one snapshot, so a file
+committed meanwhile is either gone with its parts or left whole (two statements in READ COMMITTED
+could see it in the second only, and leave its parts behind); the count is the files'."""
+_DELETE_OLD_RESPONSES = ("WITH gone AS (DELETE FROM responses WHERE created_at < %s RETURNING id), "
+                         "runs AS (DELETE FROM response_runs r USING gone WHERE r.id = gone.id), "
+                         "events AS (DELETE FROM response_events e USING gone WHERE e.response_id = gone.id) "
+                         "SELECT COUNT(*) FROM gone")
+"""Background responses past their retention, with their runs and streamed events, in one statement."""
 
 log = logging.getLogger("sluice.jobs")
 
@@ -175,22 +189,19 @@ class PostgresJobStore:
             return True
 
     async def delete_expired_files(self, now: int) -> int:
-        async with self._connection() as conn, conn.transaction():
-            parts, files = (statement.replace("?", "%s") for statement in rows.EXPIRED_FILES)
-            await conn.execute(parts, (now,))
-            return (await conn.execute(files, (now,))).rowcount
+        return int((await self._one(_DELETE_EXPIRED_FILES, (now,)))[0])
 
     # -- stored responses ------------------------------------------------------------------------
 
     async def put_response(self, owner: str, response_id: str, created_at: int, body: bytes,
                            input_items: bytes) -> None:
         async with self._connection() as conn:
-            await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
+            await conn.execute(_PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
                                request: bytes, token: str, lease_until: float, events: Sequence[Event] = ()) -> None:
         async with self._connection() as conn, conn.transaction():
-            await conn.execute(rows.PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
+            await conn.execute(_PUT_RESPONSE, (response_id, owner, created_at, body, input_items))
             await conn.execute("INSERT INTO response_runs (id, owner, request, attempts, lease_token, lease_until) "
                                "VALUES (%s, %s, %s, %s, %s, %s)",
                                (response_id, owner, request, 1 if token else 0, token, lease_until))
@@ -216,7 +227,7 @@ class PostgresJobStore:
 
     async def response_events(self, owner: str, response_id: str, after: int, limit: int) -> list[Event]:
         async with self._connection() as conn:
-            cur = await conn.execute(rows.RESPONSE_EVENTS, (response_id, owner, after, limit))
+            cur = await conn.execute(_RESPONSE_EVENTS, (response_id, owner, after, limit))
             return [(int(row[0]), bytes(row[1])) for row in await cur.fetchall()]
 
     async def cancel_response_run(self, owner: str, response_id: str, body: bytes) -> bool:
@@ -258,16 +269,13 @@ class PostgresJobStore:
             return True
 
     async def delete_responses_before(self, created_at: int) -> int:
-        async with self._connection() as conn, conn.transaction():
-            for statement in rows.FORGET_OLD_RUNS:
-                await conn.execute(statement, (created_at,))
-            return (await conn.execute("DELETE FROM responses WHERE created_at < %s", (created_at,))).rowcount
+        return int((await self._one(_DELETE_OLD_RESPONSES, (created_at,)))[0])
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
-        query, params = rows.files_page(owner, purpose, after, limit, ascending)
+        query, params = _files_page(owner, purpose, after, limit, ascending)
         async with self._connection() as conn:
-            cur = await conn.execute(query.replace("?", "%s"), params)
+            cur = await conn.execute(query, params)
             return [rows.file_of(r) for r in await cur.fetchall()]
 
     # -- batches ---------------------------------------------------------------------------------
@@ -476,6 +484,23 @@ class PostgresJobStore:
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
                                      "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
+
+
+def _files_page(owner: str, purpose: str | None, after: str | None, limit: int,
+                ascending: bool) -> tuple[str, list[Any]]:
+    """The query and its parameters for a page of an owner's files, ordered by (created_at, id): ids
+    break the ties of files created in the same second."""
+    query = f"SELECT {rows.FILE_COLUMNS} FROM files WHERE owner = %s"
+    params: list[Any] = [owner]
+    if purpose is not None:
+        query += " AND purpose = %s"
+        params.append(purpose)
+    if after is not None:
+        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
+                  "(SELECT created_at, id FROM files WHERE id = %s AND owner = %s)")
+        params += [after, owner]
+    direction = "ASC" if ascending else "DESC"
+    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT %s", [*params, limit]
 
 
 async def _why_unreachable(dsn: str) -> str:

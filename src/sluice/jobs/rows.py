@@ -1,6 +1,8 @@
 """What both store backends share: table layout, column lists, row <-> value conversion, new ids.
 
-Queries are written once with `?` placeholders; the PostgreSQL backend rewrites them to `%s`.
+Statements that take parameters are each backend's own, written in its dialect (`?` for SQLite,
+`%s` for psycopg), never one rewritten into the other: a text rewrite would also change a `?` or
+`%s` that is no placeholder, and would keep PostgreSQL to what SQLite can say.
 """
 
 from __future__ import annotations
@@ -121,13 +123,6 @@ ADDED_COLUMNS = (("files", "expires_at", "{int}"), ("batches", "output_expires_a
 AFTER_ADDED_COLUMNS = "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at)"
 """Indexes on added columns: created once the columns are there."""
 
-PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (%s, %s, %s, %s, %s)"
-FORGET_OLD_RUNS = ("DELETE FROM response_runs WHERE id IN (SELECT id FROM responses WHERE created_at < %s)",
-                   "DELETE FROM response_events WHERE response_id IN (SELECT id FROM responses WHERE created_at < %s)")
-"""The runs and streamed events of background responses past their retention."""
-RESPONSE_EVENTS = ("SELECT e.seq, e.data FROM response_events e JOIN responses r ON r.id = e.response_id "
-                   "WHERE e.response_id = %s AND r.owner = %s AND e.seq > %s ORDER BY e.seq LIMIT %s")
-
 UNIQUE_SEQ = "CREATE UNIQUE INDEX IF NOT EXISTS batches_by_seq ON batches (seq)"
 """Each batch has its own `seq` (the list order). Created by each backend once its `seq` values are
 unique: SQLite takes `MAX(seq) + 1` inside its one writer's transaction; PostgreSQL numbers them with
@@ -145,27 +140,7 @@ BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status,
                  "in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
                  "cancelled_at, output_file_id, error_file_id, errors, output_expires_after_s")
 _ERRORS = BATCH_COLUMNS.split(", ").index("errors")
-EXPIRED_FILES = ("DELETE FROM file_parts WHERE file_id IN (SELECT id FROM files WHERE expires_at <= ?)",
-                 "DELETE FROM files WHERE expires_at <= ?")
-"""Forget the files whose `expires_at` has come, their parts first; the last statement's count is theirs."""
 ITEM_COLUMNS = "idx, custom_id, url, body, attempts"
-
-
-def files_page(owner: str, purpose: str | None, after: str | None, limit: int,
-               ascending: bool) -> tuple[str, list[Any]]:
-    """The query (with `?` placeholders) and its parameters for a page of an owner's files, ordered
-    by (created_at, id): ids break the ties of files created in the same second."""
-    query = f"SELECT {FILE_COLUMNS} FROM files WHERE owner = ?"
-    params: list[Any] = [owner]
-    if purpose is not None:
-        query += " AND purpose = ?"
-        params.append(purpose)
-    if after is not None:
-        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
-                  "(SELECT created_at, id FROM files WHERE id = ? AND owner = ?)")
-        params += [after, owner]
-    direction = "ASC" if ascending else "DESC"
-    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT ?", [*params, limit]
 
 
 def new_file_id() -> str:

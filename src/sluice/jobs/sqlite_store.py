@@ -47,10 +47,17 @@ _BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id 
 _FILE_PART = ("SELECT p.data FROM file_parts p JOIN files f ON f.id = p.file_id WHERE p.file_id = ? AND f.owner = ? "
               "AND p.part = ?")
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = ? AND state = ? AND idx > ? ORDER BY idx LIMIT 1"
-_FORGET_OLD_RUNS = [statement.replace("%s", "?") for statement in rows.FORGET_OLD_RUNS]
-_RESPONSE_EVENTS = rows.RESPONSE_EVENTS.replace("%s", "?")
+_FORGET_OLD_RUNS = ("DELETE FROM response_runs WHERE id IN (SELECT id FROM responses WHERE created_at < ?)",
+                    "DELETE FROM response_events WHERE response_id IN (SELECT id FROM responses WHERE created_at < ?)")
+"""The runs and streamed events of background responses past their retention (the responses go next)."""
+_RESPONSE_EVENTS = ("SELECT e.seq, e.data FROM response_events e JOIN responses r ON r.id = e.response_id "
+                    "WHERE e.response_id = ? AND r.owner = ? AND e.seq > ? ORDER BY e.seq LIMIT ?")
 _PUT_EVENT = "INSERT INTO response_events (response_id, seq, data) VALUES (?, ?, ?)"
-_PUT_RESPONSE = rows.PUT_RESPONSE.replace("%s", "?")
+_PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (?, ?, ?, ?, ?)"
+_EXPIRED_FILES = ("DELETE FROM file_parts WHERE file_id IN (SELECT id FROM files WHERE expires_at <= ?)",
+                  "DELETE FROM files WHERE expires_at <= ?")
+"""Forget the files whose `expires_at` has come, their parts first (one transaction: no other writer
+comes between); the last statement's count is theirs."""
 _CLAIMABLE_EXPIRED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'leased' "
                       "AND lease_until < ? ORDER BY idx LIMIT ?")
 
@@ -166,7 +173,7 @@ class SqliteJobStore:
 
     async def delete_expired_files(self, now: int) -> int:
         def delete(db: sqlite3.Connection) -> int:
-            parts, files = rows.EXPIRED_FILES
+            parts, files = _EXPIRED_FILES
             db.execute(parts, (now,))
             return db.execute(files, (now,)).rowcount
 
@@ -282,7 +289,7 @@ class SqliteJobStore:
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
         def page(db: sqlite3.Connection) -> list[FileObject]:
-            query, params = rows.files_page(owner, purpose, after, limit, ascending)
+            query, params = _files_page(owner, purpose, after, limit, ascending)
             return [rows.file_of(r) for r in db.execute(query, params)]
 
         return await self._call(page, self._db)
@@ -445,6 +452,23 @@ class SqliteJobStore:
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in found]
 
         return await self._call(page, self._db)
+
+
+def _files_page(owner: str, purpose: str | None, after: str | None, limit: int,
+                ascending: bool) -> tuple[str, list[Any]]:
+    """The query and its parameters for a page of an owner's files, ordered by (created_at, id): ids
+    break the ties of files created in the same second."""
+    query = f"SELECT {rows.FILE_COLUMNS} FROM files WHERE owner = ?"
+    params: list[Any] = [owner]
+    if purpose is not None:
+        query += " AND purpose = ?"
+        params.append(purpose)
+    if after is not None:
+        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
+                  "(SELECT created_at, id FROM files WHERE id = ? AND owner = ?)")
+        params += [after, owner]
+    direction = "ASC" if ascending else "DESC"
+    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT ?", [*params, limit]
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
