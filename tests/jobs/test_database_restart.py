@@ -166,3 +166,60 @@ async def test_a_database_down_at_start_is_waited_for_then_named_in_the_error(ow
     await starting
     assert await store.active_batches() == []
     await store.aclose()
+
+
+class StoringHeldStore(PostgresJobStore):
+    """Holds `add_items` (storing a batch's items after its first ones) until `may_store` is set, so
+    that the outage comes while items remain to be stored."""
+
+    may_store: asyncio.Event
+    storing: asyncio.Event
+
+    async def add_items(self, batch_id, items) -> None:  # type: ignore[no-untyped-def]
+        self.storing.set()
+        await self.may_store.wait()
+        await super().add_items(batch_id, items)
+
+
+async def test_an_outage_is_logged_when_it_begins_and_ends_not_at_every_round(
+        own_postgres: PostgresServer, caplog: pytest.LogCaptureFixture):
+    """The database is down for several seconds while the batch executor (a round every 0.05 s),
+    its items' storing (a try a second) and the background responses' housekeeping (a round every
+    0.2 s) all call the store: each says so once as the outage begins (its one-line reason, no
+    traceback) and once when it ends, not a line or a traceback at every round."""
+    from sluice.jobs.background import BackgroundResponses
+
+    store = await StoringHeldStore.connect(f"{own_postgres.url}/postgres")
+    store.may_store, store.storing = asyncio.Event(), asyncio.Event()
+    app = GatedApp()
+    app.gate.set()
+    batch_id = await _start_job(store, 4)
+    executor = JobExecutor(store, ExecutorConfig(first_load_size=1, load_chunk_size=1, poll_interval_s=0.05,
+                                                 flush_interval_s=0.01))
+    background = BackgroundResponses(store, check_s=0.2)
+    caplog.set_level("INFO", logger="sluice.jobs")
+    await executor.start(app)
+    await background.start(app)
+    try:
+        await _until(store.storing.is_set)  # the first item runs; the others wait to be stored
+        caplog.clear()
+        await asyncio.to_thread(own_postgres.stop)
+        store.may_store.set()
+        await asyncio.sleep(6.0)
+        await asyncio.to_thread(own_postgres.start)
+        done = await _final(store, batch_id, timeout_s=30.0)
+        for _ in range(300):  # each loop's next round after the return says it
+            if sum("reachable again after" in r.getMessage() for r in caplog.records) >= 3:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await background.aclose()
+        await executor.aclose()
+        await store.aclose()
+    assert done.status == "completed" and done.num_completed == 4
+    tracebacks = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert not tracebacks, f"{len(tracebacks)} tracebacks logged during the outage: {Counter(tracebacks)}"
+    said = Counter((r.levelname, r.getMessage().partition(": the job store")[0]) for r in caplog.records
+                   if ": the job store " in r.getMessage())  # (the store's own lines say "the job store's")
+    loops = ("batch jobs", "batch jobs: validating and storing items", "background responses")
+    assert said == {**{("WARNING", loop): 1 for loop in loops}, **{("INFO", loop): 1 for loop in loops}}, said

@@ -49,6 +49,7 @@ from sluice.api.errors import response_error_code
 from sluice.api.responses import sse_event
 from sluice.errors import RateLimited
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call_streaming
+from sluice.jobs.outage import OutageLog
 from sluice.jobs.store import RUNNING, Event, JobStore, ResponseRun, RunRequest
 from sluice.metrics import BackgroundMetrics
 
@@ -135,6 +136,8 @@ class BackgroundResponses:
         """Room taken by runs being stored or claimed (not yet in `_running`): counted at once, so
         that no store call holds the room of others while it waits."""
         self._purged_at = 0.0
+        self._outage = OutageLog(log, "background responses")
+        """The store out of reach (its database down) is logged when it begins and ends, not each round."""
 
     async def start(self, app: AsgiApp) -> None:
         """Run through `app` (the full app, middleware included): resume what the store holds, then
@@ -321,8 +324,10 @@ class BackgroundResponses:
                 await self._keep_leases()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the store is unreachable for now: the next round tries again
-                log.exception("background responses: housekeeping failed")
+            except Exception as exc:  # the store is unreachable for now: the next round tries again
+                self._outage.failed(exc, "background responses: housekeeping failed")
+            else:
+                self._outage.succeeded()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.check_s)
 

@@ -55,11 +55,11 @@ from dataclasses import dataclass
 
 from sluice.api.common import BACKGROUND_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.api.errors import CAPACITY_LIMIT
-from sluice.errors import Unavailable
 from sluice.jobs import lines
 from sluice.jobs.app_models import AppModels
 from sluice.jobs.asgi_call import AppResponse, AsgiApp, call
 from sluice.jobs.lifecycle import BatchLifecycle
+from sluice.jobs.outage import OutageLog
 from sluice.jobs.pacing import Refusal, TenantPacer
 from sluice.jobs.store import BatchJob, BatchStatus, Claim, Item, ItemOutcome, JobStore
 from sluice.jobs.validate import item_model
@@ -129,6 +129,8 @@ class JobExecutor:
         self._wake = asyncio.Event()
         self._is_housekeeping_due = False
         self._models = AppModels(self._config.poll_interval_s)
+        self._outage = OutageLog(log, "batch jobs")
+        """The store out of reach (its database down) is logged when it begins and ends, not each round."""
         self._lifecycle = BatchLifecycle(store, self._metrics, self._wake.set, self.abandon, clock,
                                          self._config.first_load_size, self._config.load_chunk_size, self._models)
         self._flush_now = asyncio.Event()
@@ -191,7 +193,9 @@ class JobExecutor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                _log_failure(exc, "batch executor step failed; retrying")
+                self._outage.failed(exc, "batch executor step failed; retrying")
+            else:
+                self._outage.succeeded()
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that races
             # with the event being set, and aclose() would then wait for this loop forever
             with contextlib.suppress(TimeoutError):
@@ -322,7 +326,7 @@ class JobExecutor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                _log_failure(exc, "recording batch item outcomes failed; retrying")
+                self._outage.failed(exc, "recording batch item outcomes failed; retrying")
                 self._flush_now.set()
                 await asyncio.sleep(RECORD_RETRY_S)
 
@@ -396,15 +400,6 @@ class JobExecutor:
                 until = now + self._config.lease_s
                 await self._store.extend_lease(token, until)
                 lease.until = until  # only once stored: a failed renewal is tried again at the next round
-
-
-def _log_failure(exc: Exception, what: str) -> None:
-    """The store out of reach (its database restarting) is expected and said in one line (the store
-    logs when it goes and comes back); anything else is a bug, logged with its traceback."""
-    if isinstance(exc, Unavailable):
-        log.info("%s: %s", what, exc.message)
-    else:
-        log.exception(what)
 
 
 def _limit_refusal(answer: AppResponse) -> Refusal | None:

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from sluice.jobs import lines
+from sluice.jobs.outage import OutageLog
 from sluice.jobs.store import BatchJob, BatchStatus, JobStore, NewItem
 from sluice.jobs.validate import Invalid, ModelDirectory, Valid, parse_input
 from sluice.metrics import JobMetrics
@@ -55,6 +56,8 @@ class BatchLifecycle:
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._fully_stored: set[str] = set()
         """Started batches seen with all their items stored (checked once per batch and process)."""
+        self._outage = OutageLog(log, "batch jobs: validating and storing items")
+        """The store out of reach (its database down) is logged when it begins and ends, not each try."""
 
     async def step(self, batch: BatchJob, now: float) -> None:
         """Move `batch` on if it can move now; a batch being validated or stored waits for that."""
@@ -89,22 +92,30 @@ class BatchLifecycle:
 
     async def _validate(self, batch: BatchJob) -> None:
         try:
-            now = int(self._clock())
-            content = await self._store.file_content(batch.owner, batch.input_file_id)
-            if content is None:
-                await self._fail(batch, [{"code": "input_file_missing", "param": "input_file_id", "line": None,
-                                          "message": "the input file was deleted"}], now)
-                return
-            parsed = await self._parse(batch, content)
-            if not isinstance(parsed, Valid):
-                await self._fail(batch, parsed.errors, now)
-                return
-            first, rest = parsed.items[:self._first_load_size], parsed.items[self._first_load_size:]
-            if await self._store.start_batch(batch.id, first, now, num_total=len(parsed.items)):
-                self._wake()  # the first items run while the rest are stored
-                await self._store_items(batch.id, rest)
-        except Exception:  # the next housekeeping round validates it again
-            log.exception("batch %s: validation failed; retrying", batch.id)
+            rest = await self._start(batch)
+        except Exception as exc:  # the next housekeeping round validates it again
+            self._outage.failed(exc, f"batch {batch.id}: validation failed; retrying")
+            return
+        self._outage.succeeded()
+        if rest is not None:
+            self._wake()  # the first items run while the rest are stored
+            await self._store_items(batch.id, rest)
+
+    async def _start(self, batch: BatchJob) -> Sequence[NewItem] | None:
+        """Validate the batch's file: fail the batch, or start it with its first items; the items
+        left to store once it started, None if it did not."""
+        now = int(self._clock())
+        content = await self._store.file_content(batch.owner, batch.input_file_id)
+        if content is None:
+            await self._fail(batch, [{"code": "input_file_missing", "param": "input_file_id", "line": None,
+                                      "message": "the input file was deleted"}], now)
+            return None
+        parsed = await self._parse(batch, content)
+        if not isinstance(parsed, Valid):
+            await self._fail(batch, parsed.errors, now)
+            return None
+        first, rest = parsed.items[:self._first_load_size], parsed.items[self._first_load_size:]
+        return rest if await self._store.start_batch(batch.id, first, now, num_total=len(parsed.items)) else None
 
     async def _parse(self, batch: BatchJob, content: bytes) -> Valid | Invalid:
         """The file's items, or its problems. The models it names must be listed for the tenant, or
@@ -141,7 +152,11 @@ class BatchLifecycle:
         return False
 
     async def _reload(self, batch: BatchJob, num_stored: int) -> None:
-        content = await self._store.file_content(batch.owner, batch.input_file_id)
+        try:
+            content = await self._store.file_content(batch.owner, batch.input_file_id)
+        except Exception as exc:  # the next housekeeping round checks the batch again
+            self._outage.failed(exc, f"batch {batch.id}: reading its input file failed; retrying")
+            return
         parsed = None if content is None else await asyncio.to_thread(parse_input, content, batch.endpoint)
         if not isinstance(parsed, Valid):
             log.error("batch %s: its input file is gone or changed; only %d of %d items were stored and "
@@ -156,10 +171,12 @@ class BatchLifecycle:
             while True:
                 try:
                     await self._store.add_items(batch_id, chunk)
-                    break
-                except Exception:
-                    log.exception("batch %s: storing items failed; retrying", batch_id)
+                except Exception as exc:
+                    self._outage.failed(exc, f"batch {batch_id}: storing items failed; retrying")
                     await asyncio.sleep(_STORE_RETRY_S)
+                else:
+                    self._outage.succeeded()
+                    break
             self._wake()
 
     # -- finishing -------------------------------------------------------------------------------
