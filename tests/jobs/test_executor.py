@@ -554,6 +554,27 @@ async def test_items_claimed_when_their_batch_cannot_be_read_are_given_back_and_
     await store.aclose()
 
 
+async def test_an_item_whose_503_cannot_be_looked_into_ends_in_the_error_file_rather_than_held(tmp_path: Path):
+    """The item answers 503, and asking whether the server is ready raises (a bug in the app): the
+    item gets an outcome (`internal_error`, in the error file) and the batch completes; it is not
+    left without one, its lease renewed for ever."""
+
+    class BrokenReadiness(ScriptedApp):
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["method"] == "GET" and scope["path"] == "/v2/health/ready":
+                raise RuntimeError("readiness check broke")
+            await super().__call__(scope, receive, send)
+
+    store, batch_id = await _run_job(tmp_path, ["ok", "down"], BrokenReadiness())
+    done = await store.get_batch(None, batch_id)
+    assert done is not None and done.status is BatchStatus.COMPLETED
+    assert (done.num_completed, done.num_failed) == (1, 1)
+    errors = [json.loads(line) for line in (await store.file_content("acme", done.error_file_id or "") or b"")
+              .splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c1", "internal_error")]
+    await store.aclose()
+
+
 async def _until_true(condition, timeout_s: float = 10.0) -> None:
     for _ in range(int(timeout_s / 0.01)):
         if condition():

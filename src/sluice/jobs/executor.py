@@ -270,16 +270,18 @@ class JobExecutor:
         try:
             answer = await call(self._app, "POST", item.url, item.body, self._headers,
                                 {TENANT_SCOPE_KEY: owner, BACKGROUND_SCOPE_KEY: True})
+            is_unready = answer.status_code == 503 and answer.limit != CAPACITY_LIMIT and \
+                await self._models.is_waiting(owner, item_model(item.url, item.body))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the app answers errors itself; this is a bug: record it, keep going
+        except Exception as exc:
+            # the app answers errors itself: this is a bug. Record it and keep going (an item left
+            # without an outcome would be held, its lease renewed, for ever)
             log.exception("batch item %s/%d raised", item.batch_id, item.idx)
             self._pacer.answered(owner)
             line = lines.error_only_line(item.custom_id, "internal_error", f"{type(exc).__name__}")
             self._finish(token, ItemOutcome(item.batch_id, item.idx, line, True, attempts=item.attempts + 1))
             return
-        is_unready = answer.status_code == 503 and answer.limit != CAPACITY_LIMIT and \
-            await self._models.is_waiting(owner, item_model(item.url, item.body))
         self._finish(token, self._outcome(item, owner, answer, is_unready))
 
     def _outcome(self, item: Item, owner: str, answer: AppResponse, is_unready: bool = False) -> ItemOutcome:
