@@ -224,8 +224,9 @@ BATCH_ITEMS_PENDING = Gauge(
 )
 BATCH_ITEMS_WAITING = Gauge(
     "sluice_batch_items_waiting_for_model",
-    "Batch-job items whose last answer was a 503 while the server was not ready (their model loading, or its "
-    "worker being restarted): they wait for it, without using attempts, until their batch expires. Counted by "
+    "Batch-job items whose last answer was a 503 while the server or their model was not up (their model "
+    "loading, or its worker being restarted): they wait for it, without using attempts, until their batch "
+    "expires. Counted by "
     "the gateway that ran them: aggregate with sum.",
     ["model"], multiprocess_mode="livesum",
 )
