@@ -65,7 +65,10 @@ def _access_log_option(command: F) -> F:
 
 
 def _memory_option(command: F) -> F:
-    """The memory that models loaded on demand may take, shared by `serve` and `worker`."""
+    """The memory that models may take, and how many load at once at start, shared by `serve` and `worker`."""
+    command = click.option("--load-concurrency", type=click.IntRange(min=1), default=None, metavar="N",
+                           help="How many model versions each worker loads at once when it starts (each is "
+                                "served as soon as it is ready). Default: 2.")(command)
     return click.option("--model-memory-mb", type=click.IntRange(min=1), default=None, metavar="MB",
                         help="Memory the models may take on each worker (their weights and KV caches): "
                              "to load a model on demand, the least recently used idle ones that load on "
@@ -148,8 +151,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
           tenants_file: Path | None, log_level: str, data_dir: Path | None, jobs_db: str | None,
           limits_redis: str | None, cache_mb: int, cache_ttl_s: float, cache_redis: str | None,
           grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
-          ssl_ca_certs: Path | None, prefix_affinity: bool, model_memory_mb: int | None, access_log: bool,
-          poll_repository_s: float | None) -> None:
+          ssl_ca_certs: Path | None, prefix_affinity: bool, model_memory_mb: int | None,
+          load_concurrency: int | None, access_log: bool, poll_repository_s: float | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     _no_grpc_fork_handlers()
@@ -170,6 +173,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
                          tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
                          poll_repository_s=poll_repository_s, model_memory_mb=model_memory_mb,
+                         load_concurrency=load_concurrency,
                          api=ApiConfig(access_log=access_log))
     try:
         uvloop.run(run(config))
@@ -249,7 +253,7 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
 @_memory_option
 def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_port: int | None,
            registry: str | None, advertise: str | None, share: tuple[int, int], exit_with_parent: bool,
-           model_memory_mb: int | None) -> None:
+           model_memory_mb: int | None, load_concurrency: int | None) -> None:
     """Run one worker process (started for you by `sluice serve`)."""
     from sluice import logs
 
@@ -263,12 +267,14 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
             raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror or exc}") from None
     from sluice.worker.main import WorkerConfig
     from sluice.worker.main import main as worker_main
+    from sluice.worker.syncing import DEFAULT_LOAD_CONCURRENCY
 
     try:
         worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share,
                                  registry=_redis_url(registry, "--registry"),
                                  advertise=_advertised(address, advertise, registry),
-                                 memory_budget_mb=model_memory_mb, exit_with_parent=exit_with_parent))
+                                 memory_budget_mb=model_memory_mb, exit_with_parent=exit_with_parent,
+                                 load_concurrency=load_concurrency or DEFAULT_LOAD_CONCURRENCY))
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc
 

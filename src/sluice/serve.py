@@ -101,6 +101,9 @@ class ServeConfig:
     """Send a generation to the worker that has its prompt's prefix cached (`gateway.router`)."""
     model_memory_mb: int | None = None
     """What the models may take on each worker (`sluice worker --model-memory-mb`); None: no bound."""
+    load_concurrency: int | None = None
+    """How many versions each worker loads at once when it starts (`sluice worker --load-concurrency`);
+    None: the worker's default."""
     poll_repository_s: float | None = None
     """Look for changes in the model repository this often and load the models that changed
     (`Gateway.sync_model`); None: only when an admin asks."""
@@ -215,7 +218,8 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         gateway.workers_share_repository = True
         devices = detect_devices(config.device, config.num_workers)
         addresses = [f"ipc://{run_dir}/worker-{i}.sock" for i in range(len(devices))]
-        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)), config.model_memory_mb)
+        specs = [WorkerSpec(str(i), addresses[i], config.models_dir, d, (i, len(devices)), config.model_memory_mb,
+                            config.load_concurrency)
                  for i, d in enumerate(devices)]
     store = await _open_job_store(config, run_dir)
     executor = JobExecutor(store, config.jobs)

@@ -1,8 +1,8 @@
 """A worker's loads as clients see them: a worker listens before it loads (its other models serve
-while a slow one loads, and the slow one is reported `LOADING`), a load that hangs is given up
-after its `[loading] timeout_s`, loads at once within a memory budget cannot overfill it, and a
-version removed from the repository is forgotten (404, not 503 forever). Real processes, real
-clients (`tritonclient`, `openai`, httpx)."""
+while a slow one loads, and the slow one is reported `LOADING`), it loads a few versions at once
+(`--load-concurrency`), a load that hangs is given up after its `[loading] timeout_s`, loads at
+once within a memory budget cannot overfill it, and a version removed from the repository is
+forgotten (404, not 503 forever). Real processes, real clients (`tritonclient`, `openai`, httpx)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,66 @@ def test_a_worker_serves_its_other_models_while_one_loads_and_reports_it_loading
     assert _index(url)[("gated", "1")] == ("READY", "") and client.is_server_ready()
     processes[0].send_signal(signal.SIGTERM)
     assert processes[0].wait(timeout=30) == 0
+
+
+def _worker_and_gateway(tmp_path: Path, repo: Path, *worker_args: str) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """A `sluice worker` of `repo` and a `sluice gateway` in front of it, not waited for: (gateway url, processes)."""
+    address, port = f"ipc://{tmp_path}/worker.sock", free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with (tmp_path / "worker.log").open("wb") as worker_log, (tmp_path / "gateway.log").open("wb") as gateway_log:
+        processes = [
+            subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind", address, "--models", str(repo),
+                              *worker_args], stdout=worker_log, stderr=subprocess.STDOUT, env=env),
+            subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--worker", address, "--port", str(port)],
+                             stdout=gateway_log, stderr=subprocess.STDOUT, env=env),
+        ]
+    return f"http://127.0.0.1:{port}", processes
+
+
+def test_a_worker_loads_its_models_two_at_once_each_served_when_ready(tmp_path):
+    repo = tmp_path / "models"
+    gate_a, gate_b = tmp_path / "gate-a", tmp_path / "gate-b"
+    add_gated_version(repo / "a", "1", gate_a)  # loaded first: one at a time, b would wait for it
+    add_gated_version(repo / "b", "1", gate_b)
+    url, processes = _worker_and_gateway(tmp_path, repo)
+    try:
+        # both loads under way at once, both reported LOADING at the same moment
+        eventually(lambda: (tmp_path / "gate-a.started").exists() and (tmp_path / "gate-b.started").exists(),
+                   "both models' loads started while neither had finished", 60)
+        eventually(lambda: _index(url) == {("a", "1"): ("LOADING", ""), ("b", "1"): ("LOADING", "")},
+                   "a and b reported LOADING together", 30)
+        gate_b.touch()  # the second one finishes first: served while the first still loads
+        eventually(lambda: httpx.post(f"{url}/v2/models/b/infer", json=X).status_code == 200, "b served", 30)
+        assert _index(url) == {("a", "1"): ("LOADING", ""), ("b", "1"): ("READY", "")}
+        infer = httpx.post(f"{url}/v2/models/a/infer", json=X)
+        assert infer.status_code == 503 and infer.headers["retry-after"] == "1"
+        assert "model 'a' is being loaded" in infer.json()["error"]
+        gate_a.touch()
+        eventually(lambda: httpx.post(f"{url}/v2/models/a/infer", json=X).status_code == 200, "a served", 30)
+        assert httpx.get(f"{url}/v2/health/ready").json() == {"ready": True}
+    finally:
+        gate_a.touch()
+        gate_b.touch()
+        stop_all(processes)
+
+
+def test_a_load_concurrency_of_one_loads_the_versions_one_after_another(tmp_path):
+    repo = tmp_path / "models"
+    gate_a, gate_b = tmp_path / "gate-a", tmp_path / "gate-b"
+    add_gated_version(repo / "a", "1", gate_a)
+    add_gated_version(repo / "b", "1", gate_b)
+    gate_b.touch()  # b loads at once when its turn comes
+    url, processes = _worker_and_gateway(tmp_path, repo, "--load-concurrency", "1")
+    try:
+        eventually(lambda: (tmp_path / "gate-a.started").exists(), "a's load started", 60)
+        eventually(lambda: _index(url) == {("a", "1"): ("LOADING", ""), ("b", "1"): ("LOADING", "")},
+                   "a and b reported LOADING", 30)
+        assert not (tmp_path / "gate-b.started").exists()  # b waits for a's load to end
+        gate_a.touch()
+        eventually(lambda: _index(url) == {("a", "1"): ("READY", ""), ("b", "1"): ("READY", "")}, "both ready", 30)
+    finally:
+        gate_a.touch()
+        stop_all(processes)
 
 
 def test_a_load_that_hangs_is_given_up_after_its_timeout_and_the_others_load(tmp_path):

@@ -32,6 +32,8 @@ class WorkerSpec:
     upstreams' limits."""
     memory_mb: int | None = None
     """`sluice worker --model-memory-mb`."""
+    load_concurrency: int | None = None
+    """`sluice worker --load-concurrency` (None: its default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,8 @@ class Supervisor:
         ]
         if spec.memory_mb is not None:
             command += ["--model-memory-mb", str(spec.memory_mb)]
+        if spec.load_concurrency is not None:
+            command += ["--load-concurrency", str(spec.load_concurrency)]
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_WORKER_")}  # not for these
         env = {**inherited, **self._config.env}
         return await asyncio.create_subprocess_exec(*command, env=env)

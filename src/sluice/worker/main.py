@@ -27,6 +27,7 @@ from sluice.repository import ModelVersion, footprint_bytes, scan_repository, ve
 from sluice.runtime import settle_garbage_collector
 from sluice.worker.loading import LoadedModel, RepositoryModel
 from sluice.worker.server import WorkerServer
+from sluice.worker.syncing import DEFAULT_LOAD_CONCURRENCY
 
 log = logging.getLogger("sluice.worker")
 _PR_SET_PDEATHSIG = 1
@@ -47,6 +48,8 @@ class WorkerConfig:
     """The address gateways reach this worker at (default: `address`)."""
     memory_budget_mb: int | None = None
     """What its models may take (`WorkerServer`'s `memory_budget_bytes`); None: no bound."""
+    load_concurrency: int = DEFAULT_LOAD_CONCURRENCY
+    """How many of its versions it loads at once when it starts (`sluice worker --load-concurrency`)."""
     exit_with_parent: bool = False
     """Drain when the parent process dies (`exit_with_parent`): for the workers `sluice serve`
     supervises, not for one started on its own, which outlives the shell that started it."""
@@ -124,7 +127,7 @@ async def run_worker(config: WorkerConfig) -> None:
     server = WorkerServer(config.worker_id, {}, refused, MonotonicClock(), WorkerMetrics(config.worker_id),
                           RepositorySource(config), dormant,
                           None if config.memory_budget_mb is None else config.memory_budget_mb * 1024 * 1024,
-                          startup=startup)
+                          startup=startup, load_concurrency=config.load_concurrency)
     settle_garbage_collector()
     registration = None if config.registry is None else WorkerRegistration(
         config.registry, config.worker_id, config.advertise or config.address)

@@ -43,7 +43,7 @@ from sluice.worker.generation import GenerationLoop, Generations
 from sluice.worker.loading import LoadedModel, ModelSource, warm_up
 from sluice.worker.model_table import ModelTable
 from sluice.worker.outbox import Outbox
-from sluice.worker.syncing import ModelSyncer
+from sluice.worker.syncing import DEFAULT_LOAD_CONCURRENCY, ModelSyncer
 
 log = logging.getLogger("sluice.worker")
 
@@ -62,10 +62,12 @@ class WorkerServer:
         dormant: Sequence[ModelVersion] = (),
         memory_budget_bytes: int | None = None,
         startup: Sequence[ModelVersion] = (),
+        load_concurrency: int = DEFAULT_LOAD_CONCURRENCY,
     ) -> None:
         """`source`: where to load models from while serving (`SyncModel`, `startup`); None: models
         are fixed. `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`).
-        `startup`: versions it loads once it listens (reported as loading until then).
+        `startup`: versions it loads once it listens (reported as loading until then),
+        `load_concurrency` at a time (`ModelSyncer.load_startup`).
         `memory_budget_bytes`: what the models it loads on demand may take with the others
         (`repository.footprint_bytes`); to load one, the least recently used idle ones that can be
         loaded again on demand are unloaded first. None: no bound."""
@@ -78,7 +80,8 @@ class WorkerServer:
         self._table = ModelTable(self._scheduler, self._lock, clock, metrics, self._outbox, self._on_generated,
                                  self._check_drained, {version.key: version for version in dormant})
         self._syncer = ModelSyncer(self._table, clock, refused, source, startup, memory_budget_bytes, self._outbox,
-                                   self._broadcast_state, self._holds_work, lambda: self._is_draining)
+                                   self._broadcast_state, self._holds_work, lambda: self._is_draining,
+                                   load_concurrency)
         for key, model in models.items():
             self._table.register(key, model, warm_up(model))
         self._generations = Generations(clock, self._outbox.reply, self._forget, self._metrics.refused_work)

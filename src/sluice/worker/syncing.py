@@ -1,13 +1,13 @@
 """Loading and unloading model versions while the worker serves (`ModelSyncer`).
 
-The worker listens before it loads its models (`load_startup`): gateways see it at once, and the
-versions it is loading (`WorkerState.loading`), each served as soon as it is loaded and warmed
-up. Models can change while it serves (`SyncModel`, `sync`): new versions are loaded and warmed
-up on a thread (`worker.loading`, each within its `[loading] timeout_s`) and then registered;
-versions taken off stop being reported at once and are freed once they have answered what they
-hold (`free_retired`). Within a memory budget, a load first unloads the least recently used idle
-versions that load on demand again (`_reserve`); versions idle for longer than their
-`[loading] idle_unload_s` are unloaded too (`unload_idle`).
+The worker listens before it loads its models (`load_startup`: a few at once): gateways see it
+at once, and the versions it is loading (`WorkerState.loading`), each served as soon as it is
+loaded and warmed up. Models can change while it serves (`SyncModel`, `sync`): new versions are
+loaded and warmed up on a thread (`worker.loading`, each within its `[loading] timeout_s`) and
+then registered; versions taken off stop being reported at once and are freed once they have
+answered what they hold (`free_retired`). Within a memory budget, a load first unloads the least
+recently used idle versions that load on demand again (`_reserve`); versions idle for longer
+than their `[loading] idle_unload_s` are unloaded too (`unload_idle`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ from sluice.worker.outbox import Outbox
 
 log = logging.getLogger("sluice.worker")
 
+DEFAULT_LOAD_CONCURRENCY = 2
+"""How many versions a worker loads at once when it starts (`sluice worker --load-concurrency`):
+a few, so that one slow load does not hold up the others, and not all, as each takes memory and
+CPU while it loads and warms up."""
+
 EVICTION_WAIT_S = 5.0
 """How long a load waits for versions taken off to be freed (they finish what they hold): those a load
 on demand evicted, or an unloaded version whose files changed before it is loaded again."""
@@ -38,9 +43,13 @@ class ModelSyncer:
     def __init__(self, table: ModelTable, clock: Clock, refused: list[wire.RefusedModel],
                  source: ModelSource | None, startup: Sequence[ModelVersion], memory_budget_bytes: int | None,
                  outbox: Outbox, broadcast_state: Callable[[], None], holds_work: Callable[[ModelKey], bool],
-                 is_draining: Callable[[], bool]) -> None:
+                 is_draining: Callable[[], bool], load_concurrency: int = DEFAULT_LOAD_CONCURRENCY) -> None:
         """`refused`: the versions refused at load so far. `broadcast_state`: tell every gateway
-        what the worker serves now. `holds_work`: whether a version has requests unanswered."""
+        what the worker serves now. `holds_work`: whether a version has requests unanswered.
+        `load_concurrency`: how many start-up versions load at once."""
+        if load_concurrency < 1:
+            raise ValueError("load_concurrency must be at least 1")
+        self._load_concurrency = load_concurrency
         self._table = table
         self._clock = clock
         self.refused = refused
@@ -66,26 +75,57 @@ class ModelSyncer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def load_startup(self) -> None:
-        """Load the versions the worker starts with, one at a time, each served once it is ready;
-        one that fails or runs past its timeout is refused alone. A `SyncModel` that came first
-        has loaded (or unloaded) its model's: they are no longer `loading`, and skipped."""
-        for version in self._startup:
-            if self._is_draining():
-                break
-            assert self._version_load is not None
-            async with self._sync_locks.setdefault(version.name, asyncio.Lock()):
-                if version.key not in self.loading:
-                    continue
-                outcome = await self._version_load.load(version)
-                self.loading.discard(version.key)
-                if isinstance(outcome, Loaded):
-                    self._table.register(version.key, outcome.model, outcome.timings)
-                    await self._table.attach(version.key)
-                    log.info("serving %s v%s", *version.key)
-                else:
-                    self.refused.append(outcome)
-            self._broadcast_state()
+        """Load the versions the worker starts with, `load_concurrency` at a time, in
+        `startup_order`, each served once it is ready; one that fails or runs past its timeout is
+        refused alone. A `SyncModel` that came first has loaded (or unloaded) its model's: they
+        are no longer `loading`, and skipped."""
+        order = startup_order(self._startup)
         self._startup = []
+        slots = asyncio.Semaphore(self._load_concurrency)
+        by_model: dict[str, list[ModelVersion]] = {}
+        for version in order:
+            if version.key in self.loading:
+                by_model.setdefault(version.name, []).append(version)
+        await asyncio.gather(*(self._load_startup_model(versions, slots) for versions in by_model.values()))
+
+    async def _load_startup_model(self, versions: list[ModelVersion], slots: asyncio.Semaphore) -> None:
+        """`load_startup`'s loads of one model's `versions`, each in a slot of `slots`, under the
+        model's lock, taken once its first slot is free: a `SyncModel` of a model whose turn has
+        not come is not held up by it."""
+        await slots.acquire()  # the model's turn: the slot of its first version
+        handed_on = False
+        try:
+            async with self._sync_locks.setdefault(versions[0].name, asyncio.Lock()):
+                pending = [version for version in versions if version.key in self.loading]
+                if pending and not self._is_draining():
+                    handed_on = True
+                    await asyncio.gather(*(self._load_in_slot(version, slots, has_slot=i == 0)
+                                           for i, version in enumerate(pending)))
+        finally:
+            if not handed_on:
+                slots.release()
+
+    async def _load_in_slot(self, version: ModelVersion, slots: asyncio.Semaphore, *, has_slot: bool) -> None:
+        if not has_slot:
+            await slots.acquire()
+        try:
+            await self._load_startup_version(version)
+        finally:
+            slots.release()
+
+    async def _load_startup_version(self, version: ModelVersion) -> None:
+        if self._is_draining() or version.key not in self.loading:
+            return
+        assert self._version_load is not None
+        outcome = await self._version_load.load(version)
+        self.loading.discard(version.key)
+        if isinstance(outcome, Loaded):
+            self._table.register(version.key, outcome.model, outcome.timings)
+            await self._table.attach(version.key)
+            log.info("serving %s v%s", *version.key)
+        else:
+            self.refused.append(outcome)
+        self._broadcast_state()
 
     def on_sync(self, identity: bytes, message: wire.SyncModel) -> None:
         task = asyncio.create_task(self._sync(identity, message))
@@ -243,3 +283,16 @@ class ModelSyncer:
     def reported_refused(self) -> list[wire.RefusedModel]:
         """The refusals to report: not those of versions being loaded again."""
         return [r for r in self.refused if (r.name, r.version) not in self.loading]
+
+
+def startup_order(versions: Sequence[ModelVersion]) -> list[ModelVersion]:
+    """The order a worker loads its start-up versions in: each model's newest version (what
+    requests that name no version get, unless a split says otherwise) before any model's second
+    newest, and so on; models in repository order (by name) at each step. (The repository lists
+    a model's versions oldest first.)"""
+    rank: dict[ModelKey, int] = {}
+    newer: dict[str, int] = {}
+    for version in reversed(versions):
+        rank[version.key] = newer.get(version.name, 0)
+        newer[version.name] = rank[version.key] + 1
+    return sorted(versions, key=lambda version: rank[version.key])  # stable: repository order within a rank
