@@ -70,9 +70,10 @@ def _memory_option(command: F) -> F:
                            help="How many model versions each worker loads at once when it starts (each is "
                                 "served as soon as it is ready). Default: 2.")(command)
     return click.option("--model-memory-mb", type=click.IntRange(min=1), default=None, metavar="MB",
-                        help="Memory the models may take on each worker (their weights and KV caches): "
-                             "to load a model on demand, the least recently used idle ones that load on "
-                             "demand again are unloaded first. Default: no bound.")(command)
+                        help="Memory the models may take on each worker (their weights and KV caches): the "
+                             "versions loaded at start that do not fit are not loaded (each model's newest "
+                             "first); to load a model on demand, the least recently used idle ones that load "
+                             "on demand again are unloaded first. Default: no bound.")(command)
 
 
 def _routing_option(command: F) -> F:

@@ -1,8 +1,9 @@
 """A worker's loads as clients see them: a worker listens before it loads (its other models serve
 while a slow one loads, and the slow one is reported `LOADING`), it loads a few versions at once
 (`--load-concurrency`), a load that hangs is given up after its `[loading] timeout_s`, loads at
-once within a memory budget cannot overfill it, and a version removed from the repository is
-forgotten (404, not 503 forever). Real processes, real clients (`tritonclient`, `openai`, httpx)."""
+once within a memory budget cannot overfill it, and neither can the versions it starts with, and
+a version removed from the repository is forgotten (404, not 503 forever). Real processes, real
+clients (`tritonclient`, `openai`, httpx)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,26 @@ def test_a_load_concurrency_of_one_loads_the_versions_one_after_another(tmp_path
     finally:
         gate_a.touch()
         stop_all(processes)
+
+
+def test_the_versions_a_worker_starts_with_are_kept_within_its_memory_budget(make_server, tmp_path):
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=1.0, beta_ms=0.1)
+    gate = tmp_path / "gate"
+    gate.touch()
+    for version in ("1", "2"):  # about 0.6 MB each: one fits in the budget, not both
+        add_gated_version(repo / "big", version, gate, blob_bytes=600 * 1024)
+    server = make_server(repo, "--model-memory-mb", "1")  # ready: the version that does not fit is refused
+    index = _index(server.url)
+    assert index[("emulated", "1")] == ("READY", "") and index[("big", "2")] == ("READY", "")  # the newest first
+    state, reason = index[("big", "1")]
+    assert state == "UNAVAILABLE"
+    assert reason.startswith("not loaded at start: it takes about 0.6 MB and the versions loaded before it")
+    assert "of the worker's 1.0 MB model memory budget (--model-memory-mb)" in reason
+    refused = httpx.post(f"{server.url}/v2/models/big/versions/1/infer", json=X)
+    assert refused.status_code == 404 and "not loaded at start" in refused.json()["error"]
+    assert httpx.post(f"{server.url}/v2/models/big/infer", json=X).json()["model_version"] == "2"
+    assert "not loading big v1: not loaded at start" in server.log()
+    assert httpx.get(f"{server.url}/v2/models/big/ready").status_code == 200
 
 
 def test_a_load_that_hangs_is_given_up_after_its_timeout_and_the_others_load(tmp_path):

@@ -1,4 +1,5 @@
-"""`worker.syncing.startup_order`: the order a worker loads the versions it starts with."""
+"""`worker.syncing.startup_order`: the order a worker loads the versions it starts with, and
+fits them in its memory budget."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class WorkerServer:
         """`source`: where to load models from while serving (`SyncModel`, `startup`); None: models
         are fixed. `dormant`: versions it loads on demand, not loaded yet (`[loading] on_demand`).
         `startup`: versions it loads once it listens (reported as loading until then),
-        `load_concurrency` at a time (`ModelSyncer.load_startup`).
+        `load_concurrency` at a time, those that fit `memory_budget_bytes` (`ModelSyncer.load_startup`).
         `memory_budget_bytes`: what the models it loads on demand may take with the others
         (`repository.footprint_bytes`); to load one, the least recently used idle ones that can be
         loaded again on demand are unloaded first. None: no bound."""

@@ -1,13 +1,14 @@
 """Loading and unloading model versions while the worker serves (`ModelSyncer`).
 
-The worker listens before it loads its models (`load_startup`: a few at once): gateways see it
-at once, and the versions it is loading (`WorkerState.loading`), each served as soon as it is
-loaded and warmed up. Models can change while it serves (`SyncModel`, `sync`): new versions are
-loaded and warmed up on a thread (`worker.loading`, each within its `[loading] timeout_s`) and
-then registered; versions taken off stop being reported at once and are freed once they have
-answered what they hold (`free_retired`). Within a memory budget, a load first unloads the least
-recently used idle versions that load on demand again (`_reserve`); versions idle for longer
-than their `[loading] idle_unload_s` are unloaded too (`unload_idle`).
+The worker listens before it loads its models (`load_startup`: a few at once, those that fit its
+memory budget): gateways see it at once, and the versions it is loading (`WorkerState.loading`),
+each served as soon as it is loaded and warmed up. Models can change while it serves
+(`SyncModel`, `sync`): new versions are loaded and warmed up on a thread (`worker.loading`, each
+within its `[loading] timeout_s`) and then registered; versions taken off stop being reported at
+once and are freed once they have answered what they hold (`free_retired`). Within a memory
+budget, a load first unloads the least recently used idle versions that load on demand again
+(`_reserve`); versions idle for longer than their `[loading] idle_unload_s` are unloaded too
+(`unload_idle`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class ModelSyncer:
         self.loading: set[ModelKey] = {version.key for version in startup}
         """Versions being loaded (`WorkerState.loading`)."""
         self._reserved_bytes = 0
-        """Memory set aside, within the budget, for the loads under way (`_reserve`)."""
+        """Memory set aside, within the budget, for the loads under way (`_reserve`, `_fit_startup`)."""
+        self._startup_reserved: dict[ModelKey, int] = {}
+        """What `_fit_startup` set aside for each start-up version not loaded yet."""
         self._memory_budget = memory_budget_bytes
         self._sync_locks: dict[str, asyncio.Lock] = {}
         """One `SyncModel` at a time per model: a slow load does not hold up another model's load or unload."""
@@ -77,16 +80,21 @@ class ModelSyncer:
     async def load_startup(self) -> None:
         """Load the versions the worker starts with, `load_concurrency` at a time, in
         `startup_order`, each served once it is ready; one that fails or runs past its timeout is
-        refused alone. A `SyncModel` that came first has loaded (or unloaded) its model's: they
-        are no longer `loading`, and skipped."""
+        refused alone. Within the memory budget, those that do not fit beside the ones before them
+        are refused first (`_fit_startup`). A `SyncModel` that came first has loaded (or unloaded)
+        its model's: they are no longer `loading`, and skipped."""
         order = startup_order(self._startup)
         self._startup = []
+        await self._fit_startup(order)
         slots = asyncio.Semaphore(self._load_concurrency)
         by_model: dict[str, list[ModelVersion]] = {}
         for version in order:
             if version.key in self.loading:
                 by_model.setdefault(version.name, []).append(version)
-        await asyncio.gather(*(self._load_startup_model(versions, slots) for versions in by_model.values()))
+        try:
+            await asyncio.gather(*(self._load_startup_model(versions, slots) for versions in by_model.values()))
+        finally:
+            self._release_startup(list(self._startup_reserved))  # loads skipped, or the worker exiting
 
     async def _load_startup_model(self, versions: list[ModelVersion], slots: asyncio.Semaphore) -> None:
         """`load_startup`'s loads of one model's `versions`, each in a slot of `slots`, under the
@@ -119,6 +127,7 @@ class ModelSyncer:
         assert self._version_load is not None
         outcome = await self._version_load.load(version)
         self.loading.discard(version.key)
+        self._release_startup([version.key])  # now in the table's footprints, or not held at all
         if isinstance(outcome, Loaded):
             self._table.register(version.key, outcome.model, outcome.timings)
             await self._table.attach(version.key)
@@ -126,6 +135,37 @@ class ModelSyncer:
         else:
             self.refused.append(outcome)
         self._broadcast_state()
+
+    async def _fit_startup(self, order: list[ModelVersion]) -> None:
+        """Within the memory budget, set memory aside (`_startup_reserved`) for the start-up
+        versions that fit, in `order`, beside those already held (a `SyncModel` that came first);
+        the others are refused, saying why, and named in the log. Nothing is unloaded to make room."""
+        if self._memory_budget is None:
+            return
+        budget = self._memory_budget
+        footprints = await asyncio.to_thread(lambda: [footprint_bytes(version) for version in order])  # reads files
+        num_refused = 0
+        async with self._room_lock:
+            for version, needed in zip(order, footprints, strict=True):
+                if version.key not in self.loading:
+                    continue
+                held = sum(self._table.footprints.values()) + self._reserved_bytes
+                if held + needed <= budget:
+                    self._startup_reserved[version.key] = needed
+                    self._reserved_bytes += needed
+                    continue
+                reason = _over_budget_at_start(needed, held, budget)
+                log.warning("not loading %s v%s: %s", version.name, version.version, reason)
+                self.loading.discard(version.key)
+                self.refused.append(wire.RefusedModel(version.name, version.version, reason))
+                num_refused += 1
+        if num_refused:
+            self._broadcast_state()
+
+    def _release_startup(self, keys: list[ModelKey]) -> None:
+        """Give back the memory set aside for the start-up loads of `keys` (done, or taken over by a `SyncModel`)."""
+        for key in keys:
+            self._reserved_bytes -= self._startup_reserved.pop(key, 0)
 
     def on_sync(self, identity: bytes, message: wire.SyncModel) -> None:
         task = asyncio.create_task(self._sync(identity, message))
@@ -155,6 +195,7 @@ class ModelSyncer:
         waiting = {key for key in self.loading if key[0] == name}
         if unload:
             self.loading -= waiting
+            self._release_startup(list(waiting))
         else:
             found = await asyncio.to_thread(self._source.scan, name)
             # a version taken off (an unload just before) is served again as it was loaded, unless
@@ -168,6 +209,7 @@ class ModelSyncer:
                 log.warning("not loading %s: %s", name, reserved)
                 return [wire.RefusedModel(name, version.version, reserved) for version in wanted]
             self.loading -= waiting  # those the repository still has are in `wanted`
+            self._release_startup(list(waiting))  # within what `reserved` set aside from here
             self.loading |= {version.key for version in wanted}
             self._broadcast_state()
             try:
@@ -234,12 +276,7 @@ class ModelSyncer:
                 held -= table.footprints.get(key, 0)
                 evicted.append(key)
         if held + needed > self._memory_budget:
-            mb = 1024 * 1024
-            if needed > self._memory_budget:
-                return f"its versions take about {needed / mb:.1f} MB, more than the worker's model memory " \
-                       f"budget of {self._memory_budget / mb:.1f} MB"
-            return f"its versions take about {needed / mb:.1f} MB and the models in use (or being loaded) " \
-                   f"hold {held / mb:.1f} MB of the worker's {self._memory_budget / mb:.1f} MB budget"
+            return _over_budget(needed, held, self._memory_budget)
         for key in evicted:
             table.retire(key, dormant=True)
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
@@ -286,13 +323,34 @@ class ModelSyncer:
 
 
 def startup_order(versions: Sequence[ModelVersion]) -> list[ModelVersion]:
-    """The order a worker loads its start-up versions in: each model's newest version (what
-    requests that name no version get, unless a split says otherwise) before any model's second
-    newest, and so on; models in repository order (by name) at each step. (The repository lists
-    a model's versions oldest first.)"""
+    """The order a worker loads its start-up versions in, and fits them in its memory budget:
+    each model's newest version (what requests that name no version get, unless a split says
+    otherwise) before any model's second newest, and so on; models in repository order (by name)
+    at each step. (The repository lists a model's versions oldest first.)"""
     rank: dict[ModelKey, int] = {}
     newer: dict[str, int] = {}
     for version in reversed(versions):
         rank[version.key] = newer.get(version.name, 0)
         newer[version.name] = rank[version.key] + 1
     return sorted(versions, key=lambda version: rank[version.key])  # stable: repository order within a rank
+
+
+def _over_budget(needed: int, held: int, budget: int) -> str:
+    """Why a model's versions that take `needed` bytes are not loaded beside `held` within `budget`."""
+    mb = 1024 * 1024
+    if needed > budget:
+        return f"its versions take about {needed / mb:.1f} MB, more than the worker's model memory " \
+               f"budget of {budget / mb:.1f} MB"
+    return f"its versions take about {needed / mb:.1f} MB and the models in use (or being loaded) " \
+           f"hold {held / mb:.1f} MB of the worker's {budget / mb:.1f} MB budget"
+
+
+def _over_budget_at_start(needed: int, held: int, budget: int) -> str:
+    """Why a start-up version that takes `needed` bytes is not loaded beside `held` within `budget`."""
+    mb = 1024 * 1024
+    if needed > budget:
+        return f"not loaded at start: it takes about {needed / mb:.1f} MB, more than the worker's model memory " \
+               f"budget of {budget / mb:.1f} MB (--model-memory-mb)"
+    return f"not loaded at start: it takes about {needed / mb:.1f} MB and the versions loaded before it (each " \
+           f"model's newest first) take {held / mb:.1f} MB of the worker's {budget / mb:.1f} MB model memory " \
+           "budget (--model-memory-mb)"
