@@ -472,6 +472,10 @@ class QueueState(msgspec.Struct, frozen=True):
     """What a newcomer's own batch adds to `WaitState.wait_s` before the newcomer is done (its
     own work, with room for its batch to fill up): the worker's admission counts it, so the
     gateway's must too, or it forwards requests that the worker then refuses."""
+    is_provisional: bool = False
+    """Its latency profile still rests on warm-up timings more than on real batches
+    (`LatencyProfile.is_provisional`): its predictions may be far too slow, so the gateway leaves
+    admission to the worker, which lets the first batches correct them."""
 
 
 class WaitState(msgspec.Struct, frozen=True):

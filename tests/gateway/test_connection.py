@@ -25,10 +25,11 @@ from sluice.priority import Priority
 from sluice.transport import Listener
 
 
-def _state(tenant_wait_s: float, seen_request_id: int = 0, newcomer_s: float = 0.0) -> wire.WorkerState:
+def _state(tenant_wait_s: float, seen_request_id: int = 0, newcomer_s: float = 0.0,
+           is_provisional: bool = False) -> wire.WorkerState:
     info = wire.ModelInfo("m", "1", "emulated", "p", (), (), 32, 0.27, False, False)
     return wire.WorkerState("w", "i", True, False, [info], [],
-                            [wire.QueueState("m", "1", 10, 0.5, 0.01, newcomer_s)],
+                            [wire.QueueState("m", "1", 10, 0.5, 0.01, newcomer_s, is_provisional)],
                             work_ahead_s=0.5, drain_rate=0.5,
                             waits=[wire.WaitState(1, tenant_wait_s, "a"), wire.WaitState(1, 0.1)],
                             seen_request_id=seen_request_id)
@@ -118,6 +119,20 @@ def test_early_admission_counts_the_newcomers_own_batch() -> None:
         assert excess == pytest.approx(0.01, abs=0.002)  # 0.2 wait + 0.03 own, 0.22 allowed
         assert excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.24) == 0.0
         assert excess_s(connection, "a", Priority.STANDARD, info, 10.0, 10.0 + 0.02) == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_early_admission_leaves_a_model_with_provisional_predictions_to_its_worker() -> None:
+    """A fresh worker whose warm-up ran on a busy host predicts far too slow: the gateway does not
+    refuse on its predictions; the worker, which lets its first batches correct them, decides."""
+    async def scenario() -> None:
+        connection = _connection()
+        state = _state(0.2, newcomer_s=0.03, is_provisional=True)
+        connection._on_message(state)
+        assert excess_s(connection, "a", Priority.STANDARD, state.models[0], 10.0, 10.0 + 0.22) == 0.0
+        connection._on_message(_state(0.2, newcomer_s=0.03))  # its batches have corrected them
+        assert excess_s(connection, "a", Priority.STANDARD, state.models[0], 10.0, 10.0 + 0.22) > 0.0
 
     asyncio.run(scenario())
 

@@ -159,3 +159,32 @@ def test_two_workers_together_keep_the_upstreams_concurrency_limit(upstream: Ups
     assert asyncio.run(flood()) == [200] * 32
     assert upstream.num_requests == 32
     assert 2 <= upstream.max_in_flight <= 4
+
+
+@pytest.mark.parametrize(("num_slow_calls", "slow_s", "slo_ms"), [(1, 1.0, 500), (10, 0.6, 1500)],
+                         ids=["one-slow-warm-up-call", "every-warm-up-call-slow"])
+def test_a_fresh_model_whose_warm_up_ran_slow_takes_a_burst(make_server, tmp_path: Path, num_slow_calls: int,
+                                                            slow_s: float, slo_ms: int):
+    """The warm-up times calls to the upstream (`warmup_input`: rounds of 1, 4, 1 and 4 calls);
+    the upstream was busy for the first of them, or for all ten (`slow_s` longer each), as a host
+    busy loading or compiling makes a warm-up slow. A burst of 12 concurrent requests right after
+    start, each with the model's deadline, is taken in full: the upstream answers in 20 ms. (Before,
+    the profile fitted every warm-up timing as a batch, and 7 to 11 of the 12 were refused 503.)"""
+    with UpstreamServer(delay_s=0.02) as upstream:
+        upstream.slow_next, upstream.slow_s = num_slow_calls, slow_s
+        model = tmp_path / "models" / "up"
+        (model / "1").mkdir(parents=True)
+        (model / "model.toml").write_text(
+            f'kind = "http-single"\n[slo]\ndefault_ms = {slo_ms}\n[params]\nurl = "{upstream.url}"\n'
+            "concurrency = 4\nexpected_latency_ms = 20\nwarmup_input = [1.0]\n")
+        server = make_server(tmp_path / "models")
+        assert upstream.num_requests == 10 and upstream.slow_next == 0  # warmed up, slow as planned
+        body = _infer_body(np.ones((1, 1), dtype=np.float32))
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                return list(await asyncio.gather(*(client.post(f"{server.url}/v2/models/up/infer", json=body)
+                                                   for _ in range(12))))
+
+        answers = asyncio.run(burst())
+        assert [answer.status_code for answer in answers] == [200] * 12, {answer.text for answer in answers}

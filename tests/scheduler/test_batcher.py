@@ -541,3 +541,65 @@ def test_a_model_is_removed_only_once_it_holds_no_work():
     assert scheduler.models() == [M1]
     admit(scheduler, clock, 2, [16], 1.0)  # the others are scheduled as before
     assert ids(scheduler.next_batch().batch) == [(2, 0)]
+
+
+# -- a fresh model whose warm-up ran slow ------------------------------------------------------
+
+
+def _fresh_scheduler(profile: LatencyProfile) -> tuple[Scheduler, VirtualClock]:
+    clock = VirtualClock(100.0)
+    scheduler = Scheduler(clock)
+    scheduler.add_model(M1, BatchingConfig(max_batch_size=8), profile)
+    return scheduler, clock
+
+
+def _burst(scheduler: Scheduler, clock: VirtualClock, num_requests: int,
+           timeout_s: float) -> tuple[list[bool], Batch | None]:
+    """`num_requests` single items 1 ms apart, the first one's batch running meanwhile: whether
+    each was admitted, and that batch."""
+    admitted, running = [], None
+    for request_id in range(num_requests):
+        admitted.append(isinstance(scheduler.admit(M1, request_id, [1], clock.now() + timeout_s), Admitted))
+        if request_id == 0:
+            running = scheduler.next_batch().batch
+        clock.advance(0.001)
+    return admitted, running
+
+
+def test_a_fresh_model_whose_warm_up_ran_slow_takes_a_burst_and_meets_its_deadlines():
+    # warm-up on a busy host: 0.32 s a batch, 16 times what the device takes (20 ms)
+    profile = LatencyProfile(0.015, 0.005, 1.0, prior_weight=0.5, warmup=[(1, 0.32), (4, 0.32)] * 2)
+    scheduler, clock = _fresh_scheduler(profile)
+    assert profile.is_provisional and profile.predict(1) > 0.2
+    admitted, running = _burst(scheduler, clock, 12, timeout_s=0.8)
+    assert admitted == [True] * 12 and running is not None
+    clock.advance(0.008)  # the first request's batch really takes 20 ms
+    scheduler.batch_done(running, 0.02)
+    finished_late = []
+    while (batch := scheduler.next_batch().batch) is not None:
+        clock.advance(0.02 * math.ceil(len(batch.items) / 4))
+        scheduler.batch_done(batch, 0.02 * math.ceil(len(batch.items) / 4))
+        finished_late += [item for item in batch.items if clock.now() > item.deadline]
+    assert scheduler.is_idle and scheduler.num_queued() == 0 and not finished_late
+    assert not profile.is_provisional  # its batches have corrected it
+
+
+def test_a_model_measured_that_slow_still_refuses_the_burst():
+    # the same predictions, from real batches: the queue is bounded by them, as ever
+    profile = LatencyProfile(0.015, 0.005, 1.0, prior_weight=0.5)
+    for _ in range(50):
+        profile.observe(1, 0.32)
+        profile.observe(4, 0.32)
+    scheduler, clock = _fresh_scheduler(profile)
+    assert not profile.is_provisional
+    admitted, _ = _burst(scheduler, clock, 12, timeout_s=0.8)
+    assert admitted[0] and not all(admitted)
+
+
+def test_a_provisional_model_still_refuses_what_its_queue_cannot_hold_by_the_deadline():
+    profile = LatencyProfile(0.015, 0.005, 1.0, prior_weight=0.5, warmup=[(1, 0.32), (4, 0.32)] * 2)
+    scheduler, clock = _fresh_scheduler(profile)
+    admitted, _ = _burst(scheduler, clock, 64, timeout_s=0.8)  # 8 batches of 8 would take 2.6 s as predicted
+    assert admitted[:12] == [True] * 12 and not all(admitted)
+    rejected = scheduler.admit(M1, 99, [1], clock.now() + 0.8)
+    assert isinstance(rejected, Rejected) and rejected.reason is RejectReason.OVERLOADED

@@ -96,3 +96,44 @@ def test_non_finite_or_negative_observations_are_ignored():
         profile.observe(cost, seconds)
     assert (profile.alpha_s, profile.beta_s) == before
     assert profile.num_observations == 0
+
+
+# -- warm-up timings: a prior, not observations --------------------------------------------------
+
+TRUE_S = 0.02
+"""A device (an upstream of concurrency 4) on which a batch of 1 or 4 items takes 20 ms."""
+
+
+def _warmed_up(warmup: list[tuple[float, float]]) -> LatencyProfile:
+    return LatencyProfile(0.015, 0.005, 1.0, prior_weight=0.5, warmup=warmup)  # as `ModelTable.register` does
+
+
+def test_one_slow_warm_up_batch_among_its_repeats_is_ignored():
+    # the first warm-up call ran while the host was busy: 1 s instead of 20 ms
+    profile = _warmed_up([(1, 1.0), (4, TRUE_S), (1, TRUE_S), (4, TRUE_S)])
+    assert profile.predict(1) == pytest.approx(TRUE_S, rel=0.25)
+    assert profile.predict(4) == pytest.approx(TRUE_S, rel=0.25)
+    assert profile.num_observations == 0
+
+
+def test_a_warm_up_that_ran_slow_throughout_is_outweighed_by_the_first_real_batches():
+    profile = _warmed_up([(1, 0.32), (4, 0.32), (1, 0.32), (4, 0.32)])
+    assert profile.predict(1) > 5 * TRUE_S and profile.is_provisional
+    profile.observe(1, TRUE_S)
+    assert profile.is_provisional  # one batch: still leaning on the warm-up
+    profile.observe(4, TRUE_S)
+    assert not profile.is_provisional
+    assert profile.predict(1) < 2 * TRUE_S and profile.predict(4) < 2 * TRUE_S
+
+
+def test_a_profile_without_warm_up_timings_is_never_provisional():
+    profile = LatencyProfile(0.004, 0.00002, 128)
+    assert not profile.is_provisional
+    profile.observe(128, 0.5)
+    assert not profile.is_provisional
+
+
+def test_a_good_warm_up_is_what_the_first_predictions_follow():
+    profile = _warmed_up([(1, 0.05), (4, 0.08), (1, 0.05), (4, 0.08)])  # the prior guessed 20 / 35 ms
+    assert 0.035 < profile.predict(1) < 0.05 and 0.06 < profile.predict(4) < 0.08
+    assert_sane(profile)

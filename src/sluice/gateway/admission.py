@@ -192,10 +192,12 @@ def excess_s(connection: WorkerConnection, tenant: str, priority: Priority, info
              now: float, deadline: float) -> float:
     """How far past `deadline` a request sent to `connection` now is predicted to finish: its
     wait (`tenant_wait_s`) and its own batch, as the worker's admission counts them. 0 when
-    it fits, when nothing is queued ahead of it, when the worker has not reported yet, or
-    when its own batch alone would miss the deadline (the worker answers that one: it is a
-    deadline too short, not an overload)."""
-    if connection.state is None:
+    it fits, when nothing is queued ahead of it, when the worker has not reported yet, when
+    its own batch alone would miss the deadline (the worker answers that one: it is a
+    deadline too short, not an overload), or when the worker's predictions for the model are
+    provisional (a fresh worker whose warm-up ran slow: the worker decides, and its first
+    batches correct them)."""
+    if connection.state is None or connection.is_provisional(info.name, info.version):
         return 0.0
     wait_s = tenant_wait_s(connection, tenant, priority, info)
     own_s = connection.newcomer_s(info.name, info.version)

@@ -60,6 +60,7 @@ class WorkerConnection:
         self._unreported = _Unreported()
         self._item_s: dict[tuple[str, str], float] = {}
         self._newcomer_s: dict[tuple[str, str], float] = {}
+        self._provisional: set[tuple[str, str]] = set()
         self._upstreams: dict[tuple[str, str], wire.UpstreamLoad] = {}
         self._sent_to_upstream: dict[tuple[str, str], int] = {}  # calls sent since the last report
         self._in_flight: dict[int, InFlight] = {}
@@ -194,6 +195,10 @@ class WorkerConnection:
     def item_s(self, model: str, version: str) -> float:
         """From the last report: the device time one more typical item adds (`QueueState.item_s`)."""
         return self._item_s.get((model, version), 0.0)
+
+    def is_provisional(self, model: str, version: str) -> bool:
+        """From the last report: its predictions for this version are provisional (`QueueState.is_provisional`)."""
+        return (model, version) in self._provisional
 
     def newcomer_s(self, model: str, version: str) -> float:
         """From the last report: what a newcomer's own batch adds to its wait (`QueueState.newcomer_s`)."""
@@ -354,6 +359,7 @@ class WorkerConnection:
             self._unreported.reported_up_to(message.seen_request_id)
             self._item_s = {(q.model, q.version): q.item_s for q in message.queues}
             self._newcomer_s = {(q.model, q.version): q.newcomer_s for q in message.queues}
+            self._provisional = {(q.model, q.version) for q in message.queues if q.is_provisional}
             self._upstreams = {(u.model, u.version): u for u in message.upstreams}
             self._sent_to_upstream.clear()
 

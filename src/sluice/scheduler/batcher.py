@@ -31,7 +31,8 @@ Invariants:
 - queued work is bounded in device-seconds: admission refuses, at once, a request whose
   predicted completion behind the work that will run before it is past its deadline (see
   `admit`); with one tenant in one class that is all the work queued, so
-  `now + work_ahead_s() <= deadline` for every request right after it is admitted;
+  `now + work_ahead_s() <= deadline` for every request right after it is admitted (but while
+  a model's profile is provisional, which leaves its running batch out: `_fits_first_batches`);
 - fairness and the class starvation bound are stated in `fair.py`;
 - nothing grows without bound: queues by that rule and `max_queue_items` per (class, tenant),
   heaps by compaction.
@@ -53,7 +54,7 @@ from sluice.priority import Priority
 from sluice.repository import BatchingConfig
 from sluice.scheduler.backlog import Backlog, Batch, ModelKey
 from sluice.scheduler.fair import DEFAULT_MIN_CLASS_SHARES, ClassShares, FairShare, TenantStats
-from sluice.scheduler.model_queue import ModelQueue, WorkItem
+from sluice.scheduler.model_queue import Estimate, ModelQueue, WorkItem
 from sluice.scheduler.profile import LatencyProfile
 from sluice.scheduler.waits import ClassWait, DemandRates, TenantWait, WaitReport, fair_excess_s, jump_rate
 
@@ -162,6 +163,8 @@ class Scheduler:
           admits less until it has caught up. A tenant flooding the device is refused on its own
           backlog while others in its class are still admitted. `retry_after_s` is how long until
           the same request would fit, if nothing else arrived.
+          Not while the model's latency profile is provisional, and the batches of what is queued
+          and the request alone would finish in time (`_fits_first_batches`).
         """
         queue = self._queues[key]
         if self._backlog.has_request(request_id):
@@ -182,9 +185,10 @@ class Scheduler:
             share = min(num_over / max(num_queued, 1), 1.0)
             return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * self._fair.queued_s(priority, tenant)))
         works_s = [queue.item_work_s(cost) for cost in costs]
-        if background or self._running is not None or not self._backlog.is_empty:
-            # (an idle device with nothing queued starts online work at once: it finishes as it
-            # would alone, checked above; on the event loop at low load this is most requests)
+        is_busy = background or self._running is not None or not self._backlog.is_empty
+        # (an idle device with nothing queued starts online work at once: it finishes as it
+        # would alone, checked above; on the event loop at low load this is most requests)
+        if is_busy and (background or not self._fits_first_batches(key, queue, estimate, now, deadline)):
             skipped_s = self._skipped_s(priority, tenant, sum(works_s))
             finish = now + self._finish_s(now, estimate.replaced_room_s, skipped_s, estimate.own_s,
                                           self._jump_rate(now, priority, tenant, sum(works_s)), priority,
@@ -197,6 +201,21 @@ class Scheduler:
         self._backlog.push(key, request_id, items)
         self._demand.add(priority, tenant, sum(works_s), now)
         return Admitted(items)
+
+    def _fits_first_batches(self, key: ModelKey, queue: ModelQueue, estimate: Estimate, now: float,
+                            deadline: float) -> bool:
+        """While a model's latency profile is provisional (it rests on warm-up timings, which a
+        busy host makes far too slow, more than on real batches: `LatencyProfile.is_provisional`),
+        an online request is not refused as OVERLOADED when the device holds nothing but this
+        model's work, one batch of it running at most, and the batches that what is queued forms
+        with the request, as predicted, finish by its deadline. The running batch's predicted
+        remainder, the estimate in doubt, is not counted: a fresh worker takes a burst, within
+        what its predictions say the queue can hold, and the batches it runs correct them."""
+        if not queue.profile.is_provisional or self.num_queued() != queue.num_items:
+            return False
+        if self._running is not None and self._running.model != key:
+            return False
+        return now + queue.work_s() + estimate.added_s <= deadline
 
     def cancel(self, request_id: int) -> int:
         """Withdraw a request's queued items, with their work; returns how many were still queued.

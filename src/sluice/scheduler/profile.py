@@ -1,11 +1,18 @@
 """An online model of a device's batch latency: `seconds = alpha + beta * padded_cost`.
 
 Fitted by exponentially weighted least squares over observed batches. Until enough batches have
-been seen, a prior (the runner's parameters, or timings taken at warm-up) fills in, entered as
-pseudo-observations at two costs: it keeps the first predictions sensible, and keeps the slope
-sensible when every batch so far had the same cost (a fit that the data alone cannot pin down).
-The prior fades faster than the observations (`prior_fade` per observation against `decay`),
-so measurements take over after a few dozen batches even when the prior was far off.
+been seen, a prior (the runner's parameters) fills in, entered as pseudo-observations at two
+costs: it keeps the first predictions sensible, and keeps the slope sensible when every batch so
+far had the same cost (a fit that the data alone cannot pin down). The prior fades faster than
+the observations (`prior_fade` per observation against `decay`), so measurements take over after
+a few dozen batches even when the prior was far off.
+
+Timings taken at warm-up are a prior too, not observations: a warm-up may run while the host is
+busy (another process loading or compiling), and interference only ever slows a batch, so each
+warm-up cost counts once, at its fastest run (one slow run among repeats is ignored), with the
+weight of one batch, quartered by each real batch (`warmup_fade`): one or two real batches
+outweigh a warm-up that ran slow throughout. Until they outweigh it `1 / PROVISIONAL_SHARE`
+times, the profile `is_provisional`.
 
 Invariants: `alpha_s >= 0`, `beta_s >= 0`, both finite, so `predict` is non-negative and
 non-decreasing in cost.
@@ -14,6 +21,10 @@ non-decreasing in cost.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+PROVISIONAL_SHARE = 0.25
+"""A profile is provisional while its warm-up timings weigh more than this share of its real batches."""
 
 
 class LatencyProfile:
@@ -26,22 +37,42 @@ class LatencyProfile:
         prior_weight: float = 4.0,
         decay: float = 0.995,
         prior_fade: float = 0.95,
+        warmup: Sequence[tuple[float, float]] = (),
+        warmup_fade: float = 0.25,
     ) -> None:
+        """`warmup`: (padded cost, seconds) of batches timed at warm-up (see the module's docstring)."""
         if not (alpha_s >= 0 and beta_s >= 0 and reference_cost > 0):
             raise ValueError("a latency profile needs alpha >= 0, beta >= 0 and a positive reference cost")
         if not (math.isfinite(alpha_s) and math.isfinite(beta_s) and math.isfinite(reference_cost)):
             raise ValueError("a latency profile needs finite parameters")
-        if not (0 < decay <= 1 and 0 < prior_fade <= 1):
-            raise ValueError("decay and prior_fade must be in (0, 1]")
+        if not (0 < decay <= 1 and 0 < prior_fade <= 1 and 0 < warmup_fade <= 1):
+            raise ValueError("decay, prior_fade and warmup_fade must be in (0, 1]")
         self._decay = decay
         self._prior_fade = prior_fade
+        self._warmup_fade = warmup_fade
         self._data = _Sums()
         self._prior = _Sums()
         for cost in (reference_cost, 4 * reference_cost):
             self._prior.add(cost, alpha_s + beta_s * cost, prior_weight)
+        self._warmup = _Sums()
+        fastest: dict[float, float] = {}
+        for cost, seconds in warmup:
+            if 0 <= seconds < math.inf and 0 <= cost < math.inf:
+                fastest[cost] = min(seconds, fastest.get(cost, math.inf))
+        for cost, seconds in fastest.items():
+            self._warmup.add(cost, seconds, 1.0)
         self.alpha_s = alpha_s
         self.beta_s = beta_s
         self.num_observations = 0
+        if fastest:
+            self._refit()
+
+    @property
+    def is_provisional(self) -> bool:
+        """Its predictions still rest more on warm-up timings than on real batches: they may be
+        far too slow (a warm-up on a busy host), so admission gives the first batches the benefit
+        of the doubt (`Scheduler.admit`). False for a profile without warm-up timings."""
+        return self._warmup.s0 > PROVISIONAL_SHARE * self._data.s0
 
     def predict(self, padded_cost: float) -> float:
         """Predicted execution time, in seconds, of a batch of this padded cost."""
@@ -53,12 +84,13 @@ class LatencyProfile:
             return
         self._data.scale(self._decay)
         self._prior.scale(self._prior_fade)
+        self._warmup.scale(self._warmup_fade)
         self._data.add(padded_cost, seconds, 1.0)
         self.num_observations += 1
         self._refit()
 
     def _refit(self) -> None:
-        sums = self._data.plus(self._prior)
+        sums = self._data.plus(self._prior).plus(self._warmup)
         s0, s1, s2, t0, t1 = sums.s0, sums.s1, sums.s2, sums.t0, sums.t1
         denominator = s0 * s2 - s1 * s1
         is_spread = denominator > 1e-9 * s0 * s2  # else all batches alike: keep the slope, refit the intercept

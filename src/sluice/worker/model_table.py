@@ -85,10 +85,9 @@ class ModelTable:
             self.upstreams[key] = runner
         else:
             alpha, beta, ref = runner.prior()
-            # measured warm-up batches outweigh the runner's guess; with none, the prior stands
-            profile = LatencyProfile(alpha, beta, ref, prior_weight=0.5 if timings else 4.0)
-            for cost, seconds in timings:
-                profile.observe(cost, seconds)
+            # measured warm-up batches outweigh the runner's guess, and the first real batches
+            # outweigh them (a warm-up on a busy host is too slow); with none, the prior stands
+            profile = LatencyProfile(alpha, beta, ref, prior_weight=0.5 if timings else 4.0, warmup=timings)
             with self._lock:
                 self._scheduler.add_model(key, model.version.batching, profile)
                 self.runners[key] = runner

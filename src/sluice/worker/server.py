@@ -263,7 +263,8 @@ class WorkerServer:
                 max_batch = table.runners[key].info.max_batch_size
                 item_s = profile.alpha_s / max_batch + profile.beta_s * table.typical_cost[key]
                 newcomer_s = self._scheduler.newcomer_s(key, round(table.typical_cost[key]))
-                queues.append(wire.QueueState(key[0], key[1], depth, work, item_s, newcomer_s))
+                queues.append(wire.QueueState(key[0], key[1], depth, work, item_s, newcomer_s,
+                                              profile.is_provisional))
             work_ahead_s, drain_rate = self._scheduler.work_ahead_s(), self._scheduler.drain_rate
             report = self._scheduler.wait_report()
         waits = [wire.WaitState(int(c.priority), c.newcomer_wait_s) for c in report.classes]
