@@ -603,3 +603,26 @@ def test_a_provisional_model_still_refuses_what_its_queue_cannot_hold_by_the_dea
     assert admitted[:12] == [True] * 12 and not all(admitted)
     rejected = scheduler.admit(M1, 99, [1], clock.now() + 0.8)
     assert isinstance(rejected, Rejected) and rejected.reason is RejectReason.OVERLOADED
+
+
+def test_a_model_whose_warm_up_predicts_every_deadline_missed_still_runs_on_an_idle_device():
+    """A warm-up slow throughout (a busy host) predicting more than the deadline: refusing every
+    request would leave no batch to correct the prediction, for ever. On an idle device the
+    request runs at once, and its batch corrects the profile; a busy device still refuses."""
+    profile = LatencyProfile(0.015, 0.005, 1.0, prior_weight=0.5, warmup=[(1, 0.6), (4, 0.6)] * 2)
+    scheduler, clock = _fresh_scheduler(profile)
+    assert profile.is_provisional and profile.predict(1) > 0.3
+    assert isinstance(scheduler.admit(M1, 1, [1], clock.now() + 0.3), Admitted)
+    assert isinstance(scheduler.admit(M1, 2, [1], clock.now()), Rejected)  # a deadline already past
+    busy = scheduler.admit(M1, 3, [1], clock.now() + 0.3)
+    assert isinstance(busy, Rejected) and busy.reason is RejectReason.DEADLINE_UNREACHABLE
+    batch = scheduler.next_batch().batch
+    assert batch is not None and ids(batch) == [(1, 0)]  # not expired on its prediction
+    clock.advance(0.02)
+    scheduler.batch_done(batch, 0.02)
+    for request_id in range(10, 14):  # the batches it ran corrected the prediction
+        assert isinstance(scheduler.admit(M1, request_id, [1], clock.now() + 0.3), Admitted)
+        batch = scheduler.next_batch().batch
+        clock.advance(0.02)
+        scheduler.batch_done(batch, 0.02)
+    assert not profile.is_provisional and profile.predict(1) < 0.3

@@ -262,6 +262,8 @@ class Backlog:
         while (item := queue.top(bucket, flow)) is not None:
             if now + queue.profile.predict(item.cost) <= item.deadline:
                 return item
+            if queue.profile.is_provisional and now < item.deadline:
+                return item  # its prediction is in doubt (`Scheduler.admit`): it runs, and corrects it
             self._expire(self._take(queue, bucket, flow), expired)
         return None
 

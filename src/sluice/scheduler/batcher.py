@@ -148,7 +148,10 @@ class Scheduler:
         which yields to online work (see `backlog.py`).
 
         Refused, checked in this order:
-        - DEADLINE_UNREACHABLE: alone on an idle device it would still finish after `deadline`;
+        - DEADLINE_UNREACHABLE: alone on an idle device it would still finish after `deadline`
+          (but not, while the model's latency profile is provisional, on a device idle now: it
+          runs at once, and its batch corrects a prediction that no batch could correct if every
+          request were refused on it);
         - QUEUE_FULL: its tenant would have more than `max_queue_items` items queued in its class
           (a cap per flow, so that neither a flood of lower-class work nor another tenant's
           flood can lock a request out; tenants are bounded by configuration);
@@ -177,7 +180,9 @@ class Scheduler:
         priority = Priority(priority)
         now = self._clock.now()
         estimate = queue.estimate(costs)
-        if math.isnan(deadline) or now + estimate.alone_s > deadline:
+        is_busy = background or self._running is not None or not self._backlog.is_empty
+        if math.isnan(deadline) or deadline <= now or (
+                now + estimate.alone_s > deadline and (is_busy or not queue.profile.is_provisional)):
             return Rejected(RejectReason.DEADLINE_UNREACHABLE, 0.0)
         num_queued = self._fair.num_queued(priority, tenant)
         num_over = num_queued + len(costs) - queue.batching.max_queue_items
@@ -185,7 +190,6 @@ class Scheduler:
             share = min(num_over / max(num_queued, 1), 1.0)
             return Rejected(RejectReason.QUEUE_FULL, self._retry_after(share * self._fair.queued_s(priority, tenant)))
         works_s = [queue.item_work_s(cost) for cost in costs]
-        is_busy = background or self._running is not None or not self._backlog.is_empty
         # (an idle device with nothing queued starts online work at once: it finishes as it
         # would alone, checked above; on the event loop at low load this is most requests)
         if is_busy and (background or not self._fits_first_batches(key, queue, estimate, now, deadline)):
