@@ -160,12 +160,12 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
     os.environ["SLUICE_LOG_LEVEL"] = log_level
     import uvloop
 
-    from sluice import logs
+    from sluice import logs, metrics
     from sluice.api import ApiConfig
     from sluice.repository import demo_repository
     from sluice.serve import ServeConfig, run
 
-    logs.configure(log_level)
+    logs.configure(log_level, on_dropped=metrics.log_lines_dropped("gateway"))
     config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
                          num_workers=num_workers, device=device,
                          tenants_file=tenants_file.resolve() if tenants_file else None,
@@ -210,7 +210,7 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
-    from sluice import logs
+    from sluice import logs, metrics
     from sluice.api import ApiConfig
     from sluice.repository import demo_repository
     from sluice.serve import ServeConfig, run
@@ -218,7 +218,7 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
     if not workers and not registry:
         raise click.UsageError("name the workers (--worker ADDR) or where they register (--registry redis://...)")
     _no_grpc_fork_handlers()
-    logs.configure(log_level)
+    logs.configure(log_level, on_dropped=metrics.log_lines_dropped("gateway"))
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
                          registry=_redis_url(registry, "--registry"),
                          tenants_file=tenants_file.resolve() if tenants_file else None,
@@ -256,9 +256,11 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
            registry: str | None, advertise: str | None, share: tuple[int, int], exit_with_parent: bool,
            model_memory_mb: int | None, load_concurrency: int | None) -> None:
     """Run one worker process (started for you by `sluice serve`)."""
-    from sluice import logs
+    from sluice import logs, metrics
 
-    logs.configure(os.environ.get("SLUICE_LOG_LEVEL", "warning"), process=f"worker-{worker_id}")
+    process = f"worker-{worker_id}"
+    logs.configure(os.environ.get("SLUICE_LOG_LEVEL", "warning"), process=process,
+                   on_dropped=metrics.log_lines_dropped(process))
     if metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -9,7 +9,7 @@ In the embedded server, gateway and workers are separate processes that share on
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -74,6 +74,11 @@ PROFILE_ALPHA = Gauge(
 PROFILE_BETA = Gauge(
     "sluice_latency_profile_beta_seconds", "Learned cost per unit of padded batch cost.",
     ["model", "version", "worker"], multiprocess_mode="liveall",
+)
+LOG_LINES_DROPPED = Counter(
+    "sluice_log_lines_dropped",
+    "Log lines (access log included) dropped because stderr was not read fast enough (`sluice.logs`), by "
+    "process: gateway or worker-ID.", ["process"],
 )
 ITEM_FAILURES = Counter("sluice_item_failures", "Items that failed inside the model.", ["model", "version"])
 WORKERS_READY = Gauge("sluice_workers_ready", "Workers connected and ready.", multiprocess_mode="livemax")
@@ -181,6 +186,11 @@ CANARY_EVENTS = Counter("sluice_canary_events", "Canary steps passed and canarie
                         "(advanced, promoted, rolled_back).", ["model", "event"])
 CACHE_EVICTIONS = Counter("sluice_cache_evictions", "Answers dropped from the gateway's own cache to make room.")
 CACHE_ERRORS = Counter("sluice_cache_errors", "Calls to the shared result cache in Redis that failed (a miss).")
+
+
+def log_lines_dropped(process: str) -> Callable[[int], None]:
+    """The recorder of `process`'s dropped log lines (`logs.configure`'s `on_dropped`); exported at 0 from now."""
+    return LOG_LINES_DROPPED.labels(process).inc
 
 
 def tenant_label(tenant: str) -> str:

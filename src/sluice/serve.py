@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from starlette.applications import Starlette
 
-from sluice import __version__, wire
+from sluice import __version__, logs, wire
 from sluice.api import ApiConfig, batches, build_app, kserve_grpc
 from sluice.api.http_protocol import BODY_TIMEOUT_S, stamping_protocol
 from sluice.api.tls import TlsConfig
@@ -178,7 +178,7 @@ def _count_gpus() -> int:
 
 
 async def run(config: ServeConfig, console: Console | None = None) -> None:
-    console = console or Console(stderr=True)
+    console = console or Console(file=logs.queued_stderr())  # never blocks the event loop
     if config.tls is not None:
         config.tls.check()
     await _check_registry(config)
