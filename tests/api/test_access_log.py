@@ -4,9 +4,11 @@ fields an operator filters on, and never the prompt, the query string or the API
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,41 @@ def test_a_stream_is_logged_when_it_ends_and_one_cut_short_as_cancelled(server: 
     line = line_for(sluice, "stream-2")
     assert (line["status"], line["outcome"]) == (200, "cancelled")
     assert SECRET not in sluice.log()
+
+
+def test_a_stream_ended_by_an_error_event_keeps_its_200_and_logs_the_errors_outcome(
+        server: tuple[ServerProcess, int]) -> None:
+    """A format the engine finds it cannot follow only mid-stream (llguidance builds the regex's
+    lexer lazily): the 200 head is out, the stream ends with an error event naming the field."""
+    sluice, _ = server
+    with openai.OpenAI(base_url=f"{sluice.url}/v1", api_key=KEY, max_retries=0, timeout=60) as sdk:
+        stream = sdk.completions.create(model="tiny", prompt=SECRET, max_tokens=40, seed=1, stream=True,
+                                        extra_body={"guided_regex": "(ab )+a{1000000}"},
+                                        extra_headers={"x-request-id": "stream-failed"})
+        with pytest.raises(openai.APIError) as caught:
+            for _ in stream:
+                pass
+    assert caught.value.body["param"] == "guided_regex"  # type: ignore[index]
+    line = line_for(sluice, "stream-failed")
+    assert (line["path"], line["status"], line["outcome"]) == ("/v1/completions", 200, "invalid")
+    assert SECRET not in sluice.log()
+
+
+def test_a_responses_stream_cut_short_by_its_workers_death_is_logged_unavailable(
+        make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    sluice = make_server(write_tiny_lm_model(tmp_path / "repo"))
+    with httpx.stream("POST", f"{sluice.url}/v1/responses", timeout=120, headers={"x-request-id": "cut-1"},
+                      json={"model": "tiny", "input": SECRET, "max_output_tokens": 300, "stream": True}) as answer:
+        assert answer.status_code == 200
+        events = answer.iter_lines()
+        for event in events:
+            if '"response.output_text.delta"' in event:  # generating: its worker dies
+                os.kill(sluice.worker_pids()[0], signal.SIGKILL)
+                break
+        rest = [json.loads(event.removeprefix("data: ")) for event in events if event.startswith("data: ")]
+    assert rest[-1]["type"] == "error" and rest[-1]["code"] == "worker_lost", rest[-1]
+    line = line_for(sluice, "cut-1")
+    assert (line["path"], line["status"], line["outcome"]) == ("/v1/responses", 200, "unavailable")
 
 
 def test_grpc_inference_is_logged_too(server: tuple[ServerProcess, int]) -> None:

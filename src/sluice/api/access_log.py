@@ -12,7 +12,8 @@
 - `outcome`: `ok`; `cancelled` (the client went away: before its answer, or during a stream);
   `invalid` (a 4xx for the request itself), `unauthenticated` (401), `denied` (403), `not_found`
   (404), `rate_limited` (429: a tenant's limit), `rejected` (503: overload), `unavailable` (another
-  503), `expired` (504), `error` (500 or another 5xx).
+  503), `expired` (504), `error` (500 or another 5xx). A stream ended by an error event after its
+  200 head (`common.stream_failed`) keeps `status` 200, with its error's outcome.
 - `tenant` is the authenticated tenant (`local` without a tenants file; null before authentication),
   `model` and `model_version` the version the request was routed to (the requested model when
   it was refused before that; null for routes of no model).
@@ -33,8 +34,14 @@ from typing import Any
 from starlette.types import Scope
 
 from sluice import logs, wire
-from sluice.api.common import GONE_SCOPE_KEY, MODEL_SCOPE_KEY, RECEIVED_AT_SCOPE_KEY, TENANT_SCOPE_KEY
-from sluice.api.errors import CAPACITY_LIMIT
+from sluice.api.common import (
+    GONE_SCOPE_KEY,
+    MODEL_SCOPE_KEY,
+    RECEIVED_AT_SCOPE_KEY,
+    STREAM_ERROR_SCOPE_KEY,
+    TENANT_SCOPE_KEY,
+)
+from sluice.api.errors import CAPACITY_LIMIT, LIMIT_HEADER, error_headers, status_of
 
 CANCELLED_STATUS = 499
 """Logged when the client went away before its answer was written (nginx's "client closed request")."""
@@ -54,6 +61,11 @@ def outcome_of(status: int, limit: str | None = None) -> str:
     if status == 503:
         return "rejected" if limit == CAPACITY_LIMIT else "unavailable"
     return "invalid" if status < 500 else "error"
+
+
+def outcome_of_error(error: Exception) -> str:
+    """What an error says happened: the outcome of the status it would have been answered with."""
+    return outcome_of(status_of(error).http, error_headers(error).get(LIMIT_HEADER))
 
 
 def protocol_of(path: str) -> str:
@@ -80,7 +92,13 @@ class AccessLog:
         received_at = scope.get(RECEIVED_AT_SCOPE_KEY)
         if received_at is None:
             return
-        outcome = "cancelled" if scope.get(GONE_SCOPE_KEY) else outcome_of(status, limit)
+        failed = scope.get(STREAM_ERROR_SCOPE_KEY)
+        if scope.get(GONE_SCOPE_KEY):
+            outcome = "cancelled"
+        elif failed is not None and status < 400:  # answered 200, then ended by an error event
+            outcome = outcome_of_error(failed)
+        else:
+            outcome = outcome_of(status, limit)
         path = scope["path"]
         model, version = _model_of(scope)
         tenant = scope.get(TENANT_SCOPE_KEY)

@@ -12,6 +12,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Scope
 
 from sluice import wire
 from sluice.api.encoding import decoded_body
@@ -140,6 +141,9 @@ def arrival(request: Request, now: float) -> float:
 
 GONE_SCOPE_KEY = "sluice.client_gone"
 """ASGI scope key, set once the client has gone before its answer was written (the access log's `cancelled`)."""
+STREAM_ERROR_SCOPE_KEY = "sluice.stream_error"
+"""ASGI scope key: the error that ended a stream after its 200 head, sent as its last event
+(`stream_failed`), for the access log's outcome."""
 MODEL_SCOPE_KEY = "sluice.model"
 """ASGI scope key: the `wire.ModelInfo` a request was routed to (`note_model`), for the access log."""
 
@@ -148,6 +152,11 @@ def note_model(request: Request, info: wire.ModelInfo) -> wire.ModelInfo:
     """Keep the model version `request` was routed to, for the access log (`api.access_log`)."""
     request.scope[MODEL_SCOPE_KEY] = info
     return info
+
+
+def stream_failed(scope: Scope, error: Exception) -> None:
+    """Note the error that ends a stream whose 200 head was sent (its answer's status says `ok`)."""
+    scope[STREAM_ERROR_SCOPE_KEY] = error
 
 
 def request_id(request: Request) -> str:

@@ -38,6 +38,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Scope
 
 from sluice import wire
 from sluice.api import legacy_functions
@@ -50,6 +51,7 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     resolve_openai,
+    stream_failed,
     unless_gone,
     with_version,
 )
@@ -126,7 +128,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     for p, first in enumerate(firsts):  # the prompts' token counts, for the role chunks' usage
         if isinstance(first, wire.TokenChunk):
             shape.count_prompt(p, first.num_prompt_tokens)
-    return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams), media_type="text/event-stream",
+    return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams, request.scope),
+                             media_type="text/event-stream",
                              headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
 
 
@@ -264,7 +267,9 @@ async def _pump(p: int, first: wire.TokenChunk | InferResult, stream: Events,
 
 
 async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.TokenChunk | InferResult], None],
-               streams: list[Events]) -> AsyncIterator[bytes]:
+               streams: list[Events], scope: Scope | None = None) -> AsyncIterator[bytes]:
+    """The stream's events; one that fails ends with an error event, its error noted in `scope`
+    for the access log (`common.stream_failed`)."""
     n = shape.n
     finals: list[wire.GenerationResult] = []
     try:
@@ -291,9 +296,13 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
         if shape.include_usage:
             yield _event(shape.usage_chunk(finals))
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
+        if scope is not None:
+            stream_failed(scope, exc)
         yield _event(error_body(exc))
     except Exception as exc:  # a bug: the client still gets an error event and a clean end
         log.exception("internal error while streaming %s", shape.id)
+        if scope is not None:
+            stream_failed(scope, exc)
         yield _event(error_body(exc))
     finally:
         await events.aclose()

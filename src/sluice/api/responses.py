@@ -51,6 +51,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Scope
 
 from sluice import wire
 from sluice.api.common import (
@@ -70,6 +71,7 @@ from sluice.api.common import (
     read_body,
     request_tenant,
     requested_priority,
+    stream_failed,
     with_version,
 )
 from sluice.api.completion_params import (
@@ -375,7 +377,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
         return json_response(answer, headers=with_version(info, result.headers))
     # errors before the first byte: a status
     first = await renamed(RESPONSES_PARAMS, unless_disconnected(request, [stream], anext(stream)))
-    return StreamingResponse(_events(shape, first, stream, keep), media_type="text/event-stream",
+    return StreamingResponse(_events(shape, first, stream, keep, request.scope), media_type="text/event-stream",
                              headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
 
 
@@ -697,7 +699,9 @@ class ResponsesShape:
 
 
 async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: Events,
-                  keep: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[bytes]:
+                  keep: Callable[[dict[str, Any]], Awaitable[None]], scope: Scope) -> AsyncIterator[bytes]:
+    """The stream's events; one that fails ends with an `error` event, its error noted in `scope`
+    for the access log (`common.stream_failed`)."""
     try:
         for event in shape.start():
             yield event
@@ -719,9 +723,11 @@ async def _events(shape: ResponsesShape, first: wire.TokenChunk | Any, stream: E
     except SluiceError as exc:  # after the first byte: an error event ends the stream
         if isinstance(exc, InvalidInput) and exc.param in RESPONSES_PARAMS:
             exc = InvalidInput(exc.message, param=RESPONSES_PARAMS[exc.param])
+        stream_failed(scope, exc)
         yield _error_event(shape, exc)
     except Exception as exc:  # a bug: the client still gets an error event and a clean end
         log.exception("internal error while streaming %s", shape.id)
+        stream_failed(scope, exc)
         yield _error_event(shape, exc)
     finally:
         await stream.aclose()  # withdraws the sequence if we stopped early (client gone)
