@@ -168,6 +168,52 @@ def test_grpc_inference_is_logged_too(server: tuple[ServerProcess, int]) -> None
         404, "NOT_FOUND", "not_found", "absent")
 
 
+def test_grpc_health_metadata_and_repository_calls_are_logged_as_over_http(server: tuple[ServerProcess, int]) -> None:
+    sluice, grpc_port = server
+
+    def as_acme(request_id: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {KEY}", "x-request-id": request_id}
+
+    with triton.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        assert client.is_server_live(headers={"x-request-id": "live"})
+        assert client.is_server_ready(headers={"x-request-id": "ready"})
+        assert client.get_server_metadata(headers=as_acme("server-metadata")).name == "sluice"
+        assert client.is_model_ready("emulated", headers=as_acme("model-ready"))
+        assert client.get_model_metadata("emulated", "1", headers=as_acme("model-metadata")).name == "emulated"
+        assert client.get_model_config("emulated", headers=as_acme("model-config")).config.name == "emulated"
+        assert client.get_inference_statistics("emulated", headers=as_acme("statistics"))
+        assert client.get_model_repository_index(headers=as_acme("index")).models
+        with pytest.raises(triton.InferenceServerException):
+            client.get_model_metadata("absent", headers=as_acme("metadata-absent"))
+        with pytest.raises(triton.InferenceServerException):
+            client.get_server_metadata(headers={"authorization": "Bearer sk-not-a-key", "x-request-id": "no-key"})
+        with pytest.raises(triton.InferenceServerException):
+            client.load_model("emulated", headers=as_acme("load-not-admin"))
+        with pytest.raises(triton.InferenceServerException):
+            client.get_system_shared_memory_status(headers=as_acme("shared-memory"))
+    expected = {
+        "live": ("ServerLive", 200, "OK", "ok", None, None, None),
+        "ready": ("ServerReady", 200, "OK", "ok", None, None, None),
+        "server-metadata": ("ServerMetadata", 200, "OK", "ok", "acme", None, None),
+        "model-ready": ("ModelReady", 200, "OK", "ok", "acme", "emulated", None),
+        "model-metadata": ("ModelMetadata", 200, "OK", "ok", "acme", "emulated", "1"),
+        "model-config": ("ModelConfig", 200, "OK", "ok", "acme", "emulated", None),
+        "statistics": ("ModelStatistics", 200, "OK", "ok", "acme", "emulated", None),
+        "index": ("RepositoryIndex", 200, "OK", "ok", "acme", None, None),
+        "metadata-absent": ("ModelMetadata", 404, "NOT_FOUND", "not_found", "acme", "absent", None),
+        "no-key": ("ServerMetadata", 401, "UNAUTHENTICATED", "unauthenticated", None, None, None),
+        "load-not-admin": ("RepositoryModelLoad", 403, "PERMISSION_DENIED", "denied", None, "emulated", None),
+        "shared-memory": ("SystemSharedMemoryStatus", 501, "UNIMPLEMENTED", "error", None, None, None),
+    }
+    for request_id, fields in expected.items():
+        line = line_for(sluice, request_id)
+        assert (line["protocol"], line["path"]) == ("grpc", f"/inference.GRPCInferenceService/{fields[0]}")
+        assert isinstance(line["duration_ms"], float)
+        assert tuple(line[k] for k in ("method", "status", "grpc_status", "outcome", "tenant", "model",
+                                       "model_version")) == fields, request_id
+    assert KEY not in sluice.log() and "sk-not-a-key" not in sluice.log()
+
+
 def test_a_refusal_the_http_layer_writes_itself_is_logged(server: tuple[ServerProcess, int]) -> None:
     """A request the HTTP protocol refuses before any route sees it (a transfer coding it cannot
     read, bytes that are not HTTP) leaves its line too, with what of it was read."""

@@ -6,7 +6,7 @@
      "protocol": "openai", "outcome": "ok"}
 
 - `path` is without its query string; `protocol` is `openai` (`/v1`), `kserve` (`/v2`), `grpc`
-  (KServe over gRPC: `method` is the RPC, `grpc_status` its code) or `http` (admin, metrics).
+  (KServe over gRPC, every RPC: `method` is the RPC, `grpc_status` its code) or `http` (admin, metrics).
 - `status` is the HTTP status answered (for gRPC, the HTTP status of the same error); 499 (as
   nginx logs it) when the client went away before its answer was written.
 - `outcome`: `ok`; `cancelled` (the client went away: before its answer, or during a stream);

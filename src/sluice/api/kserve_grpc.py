@@ -172,6 +172,10 @@ class _Call:
         return self._key
 
 
+Answer = Callable[[Any, _Call], Awaitable[Any]]
+"""An RPC's answer to its request, given the call's metadata (`KServeGrpc._answered` ends the call with its error)."""
+
+
 class KServeGrpc:
     """The servicer: each RPC of `inference.GRPCInferenceService` over the gateway."""
 
@@ -180,110 +184,124 @@ class KServeGrpc:
         self._access_log = access_log
 
     def handler(self) -> grpc.GenericRpcHandler:
-        def unary(method: Any, request: str, response: str) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(method, request_deserializer=MESSAGES[request].FromString,
-                                                       response_serializer=MESSAGES[response].SerializeToString)
+        def unary(rpc: str, method: Answer) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                self._answered(rpc, method), request_deserializer=MESSAGES[f"{rpc}Request"].FromString,
+                response_serializer=MESSAGES[f"{rpc}Response"].SerializeToString)
 
         return grpc.method_handlers_generic_handler(SERVICE, {
-            "ServerLive": unary(self.server_live, "ServerLiveRequest", "ServerLiveResponse"),
-            "ServerReady": unary(self.server_ready, "ServerReadyRequest", "ServerReadyResponse"),
-            "ServerMetadata": unary(self.server_metadata, "ServerMetadataRequest", "ServerMetadataResponse"),
-            "ModelReady": unary(self.model_ready, "ModelReadyRequest", "ModelReadyResponse"),
-            "ModelMetadata": unary(self.model_metadata, "ModelMetadataRequest", "ModelMetadataResponse"),
-            "ModelInfer": unary(self.model_infer, "ModelInferRequest", "ModelInferResponse"),
+            "ServerLive": unary("ServerLive", self.server_live),
+            "ServerReady": unary("ServerReady", self.server_ready),
+            "ServerMetadata": unary("ServerMetadata", self.server_metadata),
+            "ModelReady": unary("ModelReady", self.model_ready),
+            "ModelMetadata": unary("ModelMetadata", self.model_metadata),
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                self.model_infer, request_deserializer=_InferRequest.FromString,
+                response_serializer=_InferResponse.SerializeToString),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                 self.model_stream_infer, request_deserializer=_InferRequest.FromString,
                 response_serializer=_StreamResponse.SerializeToString),
-            "ModelConfig": unary(self.model_config, "ModelConfigRequest", "ModelConfigResponse"),
-            "ModelStatistics": unary(self.model_statistics, "ModelStatisticsRequest", "ModelStatisticsResponse"),
-            "RepositoryIndex": unary(self.repository_index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
-            "RepositoryModelLoad": unary(self.repository_model_load, "RepositoryModelLoadRequest",
-                                         "RepositoryModelLoadResponse"),
-            "RepositoryModelUnload": unary(self.repository_model_unload, "RepositoryModelUnloadRequest",
-                                           "RepositoryModelUnloadResponse"),
-            **{method: grpc.unary_unary_rpc_method_handler(_refuse(extension))  # (bytes in, nothing out)
-               for method, extension in UNSUPPORTED_GRPC_METHODS.items()},
+            "ModelConfig": unary("ModelConfig", self.model_config),
+            "ModelStatistics": unary("ModelStatistics", self.model_statistics),
+            "RepositoryIndex": unary("RepositoryIndex", self.repository_index),
+            "RepositoryModelLoad": unary("RepositoryModelLoad", self.repository_model_load),
+            "RepositoryModelUnload": unary("RepositoryModelUnload", self.repository_model_unload),
+            **{method: grpc.unary_unary_rpc_method_handler(self._answered(method, _refuse(extension)))
+               for method, extension in UNSUPPORTED_GRPC_METHODS.items()},  # (bytes in, nothing out)
         })
+
+    def _answered(self, rpc: str, method: Answer) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """An RPC but inference's: its `SluiceError` ends the call with its code (`_abort`), its
+        answer carries the call's `x-request-id`, and either way the call leaves its access-log line."""
+        async def answer(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = self._gateway.now()
+            call = _Call(context)
+            try:
+                response = await method(request, call)
+            except SluiceError as exc:
+                self._log(rpc, call, request, started, exc)
+                await _abort(context, exc, call.request_id)
+            except asyncio.CancelledError:  # the client cancelled the call, or went away
+                self._log(rpc, call, request, started, outcome="cancelled")
+                raise
+            except Exception as exc:  # a bug of ours: the client learns no more than that
+                log.exception("gRPC %s %s failed", rpc, call.request_id)
+                self._log(rpc, call, request, started, exc)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal server error",
+                                    (("x-request-id", call.request_id),))
+            context.set_trailing_metadata((("x-request-id", call.request_id),))
+            self._log(rpc, call, request, started)
+            return response
+
+        return answer
 
     # -- health and metadata -------------------------------------------------------------------
 
-    async def server_live(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+    async def server_live(self, request: Message, call: _Call) -> Message:
         return MESSAGES["ServerLiveResponse"](live=True)
 
-    async def server_ready(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+    async def server_ready(self, request: Message, call: _Call) -> Message:
         return MESSAGES["ServerReadyResponse"](ready=self._gateway.is_ready())
 
-    async def server_metadata(self, request: Message, context: grpc.aio.ServicerContext) -> Message:
+    async def server_metadata(self, request: Message, call: _Call) -> Message:
         """For a caller `GET /v2` would answer: a tenant's key under a tenants file."""
-        await self._as_tenant(context, lambda tenant: tenant)
+        self._as_tenant(call, lambda tenant: tenant)
         return MESSAGES["ServerMetadataResponse"](name="sluice", version=__version__,
                                                   extensions=list(SERVED_EXTENSIONS))
 
-    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+    async def model_ready(self, request: Any, call: _Call) -> Message:
         def lookup(gateway: Gateway, tenant: str, name: str, version: str | None) -> wire.ModelInfo | None:
             try:
                 return model_ready_of(gateway, tenant, name, version)
             except NotFound:  # Triton answers `ready: false` here (the key's 401/403 still end the call)
                 return None
 
-        info = await self._about_model(request, context, lookup)
+        info = self._about_model(request, call, lookup)
         return MESSAGES["ModelReadyResponse"](ready=info is not None)
 
-    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        found = await self._about_model(request, context, model_metadata_of)
+    async def model_metadata(self, request: Any, call: _Call) -> Message:
+        found = self._about_model(request, call, model_metadata_of)
         tensor = MESSAGES["ModelMetadataResponse"].TensorMetadata  # type: ignore[attr-defined]
         return MESSAGES["ModelMetadataResponse"](
             name=found["name"], versions=found["versions"], platform=found["platform"],
             inputs=[tensor(**spec) for spec in found["inputs"]], outputs=[tensor(**spec) for spec in found["outputs"]])
 
-    async def model_config(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        config = await self._about_model(request, context, model_config_of)
+    async def model_config(self, request: Any, call: _Call) -> Message:
+        config = self._about_model(request, call, model_config_of)
         return json_format.ParseDict({"config": config}, MESSAGES["ModelConfigResponse"]())
 
-    async def model_statistics(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        call = _Call(context)  # under `[metrics] access = "keys"`, a metrics or admin key's (`statistics_reader`)
-        try:
-            statistics = statistics_of(self._gateway, statistics_reader(call.key, self._gateway.tenancy),
-                                       request.name or None, request.version or None)
-        except SluiceError as exc:
-            await _abort(context, exc, call.request_id)
+    async def model_statistics(self, request: Any, call: _Call) -> Message:
+        # under `[metrics] access = "keys"`, a metrics or admin key's (`statistics_reader`)
+        reader = call.tenant = statistics_reader(call.key, self._gateway.tenancy)
+        statistics = statistics_of(self._gateway, reader, request.name or None, request.version or None)
         return json_format.ParseDict(statistics, MESSAGES["ModelStatisticsResponse"]())
 
-    async def repository_index(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        index = await self._as_tenant(context, lambda tenant: repository_index_of(self._gateway, tenant, request.ready))
+    async def repository_index(self, request: Any, call: _Call) -> Message:
+        index = self._as_tenant(call, lambda tenant: repository_index_of(self._gateway, tenant, request.ready))
         return json_format.ParseDict({"models": index}, MESSAGES["RepositoryIndexResponse"]())
 
-    async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        return await self._load(request, context, "RepositoryModelLoadResponse")
+    async def repository_model_load(self, request: Any, call: _Call) -> Message:
+        return await self._load(request, call, "RepositoryModelLoadResponse")
 
-    async def repository_model_unload(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        return await self._load(request, context, "RepositoryModelUnloadResponse", unload=True)
+    async def repository_model_unload(self, request: Any, call: _Call) -> Message:
+        return await self._load(request, call, "RepositoryModelUnloadResponse", unload=True)
 
-    async def _load(self, request: Any, context: grpc.aio.ServicerContext, response: str, *,
-                    unload: bool = False) -> Message:
+    async def _load(self, request: Any, call: _Call, response: str, *, unload: bool = False) -> Message:
         """`api.triton.load_model_of`, for the admin."""
-        call = _Call(context)
-        try:
-            check_admin(call.key, self._gateway.tenancy)
-            await load_model_of(self._gateway, request.model_name, unload=unload,
-                                parameters={name: True for name in request.parameters})
-        except SluiceError as exc:
-            await _abort(context, exc, call.request_id)
+        check_admin(call.key, self._gateway.tenancy)
+        await load_model_of(self._gateway, request.model_name, unload=unload,
+                            parameters={name: True for name in request.parameters})
         return MESSAGES[response]()
 
-    async def _about_model(self, request: Any, context: grpc.aio.ServicerContext,
-                           lookup: Callable[[Gateway, str, str, str | None], T]) -> T:
+    def _about_model(self, request: Any, call: _Call, lookup: Callable[[Gateway, str, str, str | None], T]) -> T:
         """`lookup` (`kserve.model_ready_of`, `model_metadata_of`, ...) for the calling tenant."""
-        return await self._as_tenant(
-            context, lambda tenant: lookup(self._gateway, tenant, request.name, request.version or None))
+        return self._as_tenant(
+            call, lambda tenant: lookup(self._gateway, tenant, request.name, request.version or None))
 
-    async def _as_tenant(self, context: grpc.aio.ServicerContext, answer: Callable[[str], T]) -> T:
-        """`answer` for the calling tenant (found by its key); its error ends the call."""
-        call = _Call(context)
-        try:
-            return answer(inference_tenant(call.key, self._gateway.tenancy))
-        except SluiceError as exc:
-            await _abort(context, exc, call.request_id)
+    def _as_tenant(self, call: _Call, answer: Callable[[str], T]) -> T:
+        """`answer` for the calling tenant (found by its key, which may be refused: a `SluiceError`)."""
+        tenant = call.tenant = inference_tenant(call.key, self._gateway.tenancy)
+        return answer(tenant)
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -309,7 +327,8 @@ class KServeGrpc:
 
     def _log(self, rpc: str, call: _Call, request: Any, arrived_at: float, error: Exception | None = None,
              outcome: str | None = None) -> None:
-        """The access-log line of one inference request (`api.access_log`): answered, or `error`."""
+        """The access-log line of one call, or of one request of a stream (`api.access_log`): answered,
+        or `error`; its model the version it was routed to, else the one the request names."""
         if self._access_log is None:
             return
         if outcome == "cancelled":
@@ -320,10 +339,10 @@ class KServeGrpc:
             status = status_of(error).http
             code = _grpc_code(status)
         info = call.info
+        model, version = (info.name, info.version) if info is not None else _model_named(request)
         self._access_log.grpc(
-            rpc, status, code.name, request_id=call.request_id, tenant=call.tenant,
-            model=info.name if info is not None else request.model_name,
-            version=info.version if info is not None else request.model_version, started=arrived_at,
+            rpc, status, code.name, request_id=call.request_id, tenant=call.tenant, model=model,
+            version=version, started=arrived_at,
             limit=error_headers(error).get(LIMIT_HEADER) if isinstance(error, Unavailable) else None, outcome=outcome)
 
     async def model_stream_infer(self, requests: AsyncIterator[Any],
@@ -426,12 +445,22 @@ class KServeGrpc:
                       cache_policy(call.metadata.get("cache-control")), likely_tokens=likely_tokens)
 
 
-def _refuse(extension: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+def _refuse(extension: str) -> Answer:
     """A method of an extension sluice does not offer (`triton.UNSUPPORTED`): UNIMPLEMENTED, saying why."""
-    async def refused(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        await _abort(context, NotSupported(UNSUPPORTED[extension]), _Call(context).request_id)
+    async def refused(request: bytes, call: _Call) -> NoReturn:
+        raise NotSupported(UNSUPPORTED[extension])
 
     return refused
+
+
+def _model_named(request: Any) -> tuple[str | None, str | None]:
+    """The model and version a request message names (`model_name`/`model_version`, or
+    `name`/`version`), if its RPC has them."""
+    fields = request.DESCRIPTOR.fields_by_name if isinstance(request, Message) else {}
+    for name, version in (("model_name", "model_version"), ("name", "version")):
+        if name in fields:
+            return getattr(request, name) or None, (getattr(request, version) or None) if version in fields else None
+    return None, None
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:
@@ -526,7 +555,7 @@ async def start_server(gateway: Gateway, host: str, port: int, max_message_bytes
     the server and its port. Messages over `max_message_bytes` (the HTTP body limit) are refused
     by gRPC itself (RESOURCE_EXHAUSTED), a compressed one (tritonclient's `compression_algorithm`,
     gzip or deflate, which grpcio's server takes with no option) by the size it inflates to.
-    `access_log`: a line per inference request (`api.access_log`)."""
+    `access_log`: a line per call, and per request of a stream (`api.access_log`)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", -1),
