@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -109,53 +110,74 @@ def test_every_line_of_a_normal_run_is_written_in_order_even_those_just_before_e
     assert '"sluice.logs"' not in server.log()  # nothing dropped
 
 
-def test_records_and_access_lines_are_written_in_the_order_they_were_logged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A record logged on the event loop's thread comes after the access lines its turn already holds."""
-    out = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", out)
+@pytest.fixture
+def configure(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], io.StringIO]]:
+    """`logs.configure(level)` with this process's stderr read back (set in the test itself: pytest
+    sets its own between a fixture and its test); undone afterwards, pytest's logging restored."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+
+    def configured(level: str) -> io.StringIO:
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", out)
+        logs.configure(level, process="test")
+        return out
+
     try:
-        logs.configure("info", process="test")
-
-        async def one_turn() -> None:
-            logs.write_access({"request_id": "first"})
-            logging.getLogger("sluice.test").warning("second")
-            logs.write_access({"request_id": "third"})
-
-        asyncio.run(one_turn())
-        eventually(lambda: out.getvalue().count("\n") == 3, "three lines written", timeout_s=PATIENCE_S)
+        yield configured
     finally:
+        logging.captureWarnings(False)
         root.handlers[:], root.level = handlers, level
-    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_records_and_access_lines_are_written_in_the_order_they_were_logged(
+        configure: Callable[[str], io.StringIO]) -> None:
+    """A record logged on the event loop's thread comes after the access lines its turn already holds."""
+    stderr = configure("info")
+
+    async def one_turn() -> None:
+        logs.write_access({"request_id": "first"})
+        logging.getLogger("sluice.test").warning("second")
+        logs.write_access({"request_id": "third"})
+
+    asyncio.run(one_turn())
+    eventually(lambda: stderr.getvalue().count("\n") == 3, "three lines written", timeout_s=PATIENCE_S)
+    lines = [json.loads(line) for line in stderr.getvalue().splitlines()]
     assert [line.get("request_id") or line["message"] for line in lines] == ["first", "second", "third"]
     assert [line["logger"] for line in lines] == ["sluice.access", "sluice.test", "sluice.access"]
     assert all(line["process"] == "test" for line in lines)
 
 
-def test_logging_from_many_threads_at_once_loses_and_reorders_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    out = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", out)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        logs.configure("info", process="test")
+def test_logging_from_many_threads_at_once_loses_and_reorders_nothing(configure: Callable[[str], io.StringIO]) -> None:
+    stderr = configure("info")
 
-        def log_some(name: str) -> None:
-            for i in range(500):
-                logging.getLogger("sluice.test").info("%s %d", name, i)
-                logs.write_access({"request_id": f"{name}-{i}"})
+    def log_some(name: str) -> None:
+        for i in range(500):
+            logging.getLogger("sluice.test").info("%s %d", name, i)
+            logs.write_access({"request_id": f"{name}-{i}"})
 
-        threads = [threading.Thread(target=log_some, args=(f"t{n}",)) for n in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        eventually(lambda: out.getvalue().count("\n") == 4 * 2 * 500, "every line written", timeout_s=PATIENCE_S)
-    finally:
-        root.handlers[:], root.level = handlers, level
-    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    threads = [threading.Thread(target=log_some, args=(f"t{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    eventually(lambda: stderr.getvalue().count("\n") == 4 * 2 * 500, "every line written", timeout_s=PATIENCE_S)
+    lines = [json.loads(line) for line in stderr.getvalue().splitlines()]
     for n in range(4):
         mine = [line.get("request_id") or line["message"] for line in lines
                 if (line.get("request_id") or line["message"]).startswith(f"t{n}")]
         assert mine == [item for i in range(500) for item in (f"t{n} {i}", f"t{n}-{i}")]
+
+
+def test_a_python_warning_is_a_json_line_through_the_writer_not_a_write_of_its_own(
+        configure: Callable[[str], io.StringIO]) -> None:
+    """`warnings` writes to stderr itself, on the warning's thread (an event loop's): it goes
+    through the writer as a `py.warnings` record instead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # (not this project's tests' "error")
+        stderr = configure("warning")
+        warnings.warn("a library's complaint", UserWarning, stacklevel=1)
+    eventually(lambda: stderr.getvalue().count("\n") >= 1, "the warning written", timeout_s=PATIENCE_S)
+    [line] = [json.loads(line) for line in stderr.getvalue().splitlines()]
+    assert (line["logger"], line["level"], line["process"]) == ("py.warnings", "WARNING", "test")
+    assert "a library's complaint" in line["message"]

@@ -192,8 +192,9 @@ class _WriterHandler(logging.Handler):
 
 def configure(level: str = "info", *, process: str = "gateway",
               on_dropped: Callable[[int], None] | None = None) -> None:
-    """Log records at `level` and up as JSON lines, through this process's writer; `on_dropped(n)`
-    is called on the thread whose `n` lines were dropped (a stderr not read fast enough)."""
+    """Log records at `level` and up (and Python's warnings) as JSON lines, through this process's
+    writer; `on_dropped(n)` is called on the thread whose `n` lines were dropped (a stderr not read
+    fast enough)."""
     global _process
     _process = process
     _writer.on_dropped = on_dropped
@@ -207,6 +208,7 @@ def configure(level: str = "info", *, process: str = "gateway",
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("uvicorn.access").disabled = True
+    logging.captureWarnings(True)  # a warning is a record too (`py.warnings`), not a write to stderr
 
 
 def _time_text(now: float) -> str:
