@@ -264,8 +264,10 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
+        from sluice.metrics import worker_registry
+
         try:
-            start_http_server(metrics_port)
+            start_http_server(metrics_port, registry=worker_registry())
         except OSError as exc:
             raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror or exc}") from None
     from sluice.worker.main import WorkerConfig

@@ -516,6 +516,40 @@ class WorkerMetrics(_Demand):
                         child.inc(now - before)
 
 
+_WORKER_FAMILIES = frozenset(metric._name for metric in (
+    QUEUE_WAIT, EXECUTION, BATCH_SIZE, DEVICE_BUSY, REFUSED_WORK, DEVICE_BUSY_RATIO, QUEUE_DEPTH, QUEUED_WORK,
+    PROFILE_ALPHA, PROFILE_BETA, ITEM_FAILURES, SEQUENCES_RUNNING, SEQUENCES_WAITING, KV_CACHE_USAGE, PREEMPTIONS,
+    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+))
+"""The families a worker records (`WorkerMetrics`): its own `/metrics` shows these and no other sluice's."""
+
+
+class _WorkerCollector:
+    """The default registry less the gateway's families. Declared at import in every process, the
+    gateway's unlabelled series would read 0 on a worker's own `/metrics` (`sluice worker
+    --metrics-port`): `sluice_workers_ready 0` there fired SluiceNoWorkersReady for every
+    healthy worker a Prometheus scrapes, and `sluice_cache_entries 0` claimed a cache it has none of."""
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            if family.name in _WORKER_FAMILIES or not family.name.startswith(("sluice_", "vllm:")):
+                yield family
+
+
+def worker_registry() -> CollectorRegistry:
+    """What a standalone worker serves on its `--metrics-port`: its own series, and the process's;
+    without prometheus-client's `*_created` series, as the gateway's merged exposition (a gauge
+    family beside each counter and histogram, doubling the worker's series, documented nowhere)."""
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_WorkerCollector())
+    return registry
+
+
 def exposition() -> tuple[bytes, str]:
     """The text exposition for `/metrics`, merging worker processes when in multiprocess mode."""
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
