@@ -15,8 +15,10 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess as _multiprocess
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                    2.0, 5.0, 10.0, 30.0)
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                    0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""From a queue wait or an emulated batch well under a millisecond to a generation (or a batch-class
+item's wait) of minutes: beyond the last bound a percentile reads as that bound, whatever it was."""
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
 REQUESTS = Counter(
@@ -127,7 +129,8 @@ TENANT_QUEUE_WAIT = Histogram(
 )
 
 # Generation, measured at the gateway as the client sees it (the definitions `vllm bench serve` uses).
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 10.0)
 TIME_TO_FIRST_TOKEN = Histogram(
     "sluice_time_to_first_token_seconds", "From arrival to the first streamed output.", ["model"],
     buckets=_LATENCY_BUCKETS,
