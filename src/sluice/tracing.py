@@ -10,7 +10,9 @@ A request's spans are written when it ends, with their real start and end times:
 knows when it admitted the request, and the worker's answer says how long it queued and how long
 its batch ran (`wire.Result.queue_s`, `exec_s`), so worker processes need no tracing SDK and the
 device path pays nothing for it. An incoming W3C `traceparent` header makes the request's span a
-child of the caller's trace. Span attributes name the model, tenant, class, outcome and batch;
+child of the caller's trace. A request whose worker calls another server (`openai-upstream`) has
+its span started when it is sent (`begin`), so that the call's own `traceparent` names it: the
+upstream's spans join the same trace. Span attributes name the model, tenant, class, outcome and batch;
 never the input or prompt text.
 """
 
@@ -52,25 +54,39 @@ class Tracing:
     def is_enabled(self) -> bool:
         return self._tracer is not None
 
+    def begin(self, *, traceparent: str | None, started: float) -> Any:
+        """The span of a request that reached the gateway at `started` (the gateway's clock),
+        started now and ended by `request(span=...)`; None with tracing off."""
+        if self._tracer is None:
+            return None
+        start_ns = time.time_ns() - int(max(self._clock.now() - started, 0.0) * 1e9)
+        parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
+        return self._tracer.start_span("sluice.request", context=parent, kind=SpanKind.SERVER, start_time=start_ns)
+
+    def traceparent_of(self, span: Any) -> str:
+        """The W3C `traceparent` that makes a call's spans children of `span` (from `begin`)."""
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier.get("traceparent", "")
+
     def request(
         self, *, model: str, version: str, tenant: str, priority: str, traceparent: str | None, started: float,
         outcome: str, attributes: Mapping[str, str | int | float] = {}, queue_s: float | None = None,
-        exec_s: float | None = None,
+        exec_s: float | None = None, span: Any = None,
     ) -> None:
-        """A request that reached the gateway at `started` (the gateway's clock) and ended now.
+        """A request that reached the gateway at `started` (the gateway's clock) and ended now;
+        `span`: its span if `begin` started it already.
 
         With the worker's `queue_s` and `exec_s`, its last `exec_s` seconds are an execution
         span and the `queue_s` before them a queue span."""
         if self._tracer is None:
             return
+        if span is None:
+            span = self.begin(traceparent=traceparent, started=started)
         now_ns = time.time_ns()
-        start_ns = now_ns - int(max(self._clock.now() - started, 0.0) * 1e9)
-        parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
-        span = self._tracer.start_span(
-            "sluice.request", context=parent, kind=SpanKind.SERVER, start_time=start_ns,
-            attributes={"sluice.model": model, "sluice.model_version": version, "sluice.tenant": tenant,
-                        "sluice.priority": priority, "sluice.outcome": outcome, **attributes},
-        )
+        start_ns = getattr(span, "start_time", None) or now_ns - int(max(self._clock.now() - started, 0.0) * 1e9)
+        span.set_attributes({"sluice.model": model, "sluice.model_version": version, "sluice.tenant": tenant,
+                             "sluice.priority": priority, "sluice.outcome": outcome, **attributes})
         if outcome not in _NOT_ERRORS:
             span.set_status(Status(StatusCode.ERROR, outcome))
         elif outcome == "cancelled":

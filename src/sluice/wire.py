@@ -338,6 +338,7 @@ class Submit(msgspec.Struct, tag="submit"):
     tenant: str = ""  # who pays for the device time; "" is the single local tenant
     priority: int = 1  # sluice.priority.Priority: 0 interactive, 1 standard, 2 batch
     background: bool = False  # a batch job's item: yields to online work (sluice.scheduler.backlog)
+    traceparent: str = ""  # W3C trace context of the gateway's request span ("" untraced): an upstream call's parent
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -19,6 +20,7 @@ from sluice.clock import MonotonicClock
 from sluice.gateway.tenants import hash_key, new_key
 from sluice.tracing import from_environment
 from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model, write_tiny_lm_model
+from tests.upstream_server import UpstreamServer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -215,4 +217,31 @@ def test_a_generation_span_reports_the_sequences_it_ran_with(
     finally:
         server.stop()
     assert sorted(_attributes(s)["sluice.batch_size"] for s in spans) == [1, 2]
+    assert not any(SECRET.encode() in body for body in collector.bodies)
+
+
+def test_a_call_to_an_openai_upstream_carries_the_trace_on(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upstream (vLLM, another sluice) got no `traceparent`: its spans started traces of their
+    own, cut off from the caller's. Now its call names the gateway's request span as its parent."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    with UpstreamServer() as upstream:
+        repo = tmp_path / "models"
+        (repo / "proxy" / "1").mkdir(parents=True)
+        (repo / "proxy" / "model.toml").write_text(
+            f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
+        server = start_server(repo, tmp_path)
+        try:
+            sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60,
+                                default_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            streamed = sdk.chat.completions.create(model="proxy", messages=[{"role": "user", "content": SECRET}],
+                                                   max_tokens=4, stream=True)
+            assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+            sent = upstream.last_headers.get("traceparent") or upstream.last_headers.get("Traceparent")
+            (span,) = [s for s in _wait_for(collector, 1) if s.name == "sluice.request"]
+        finally:
+            server.stop()
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    assert sent == f"00-{TRACE_ID}-{span.span_id.hex()}-01"
     assert not any(SECRET.encode() in body for body in collector.bodies)

@@ -248,9 +248,11 @@ class OpenAIUpstreamRunner:
     def close(self) -> None:
         """The worker's synchronous close: the session is closed by `aclose` on the loop."""
 
-    async def generate(self, payload: wire.GeneratePayload, timeout_s: float) -> AsyncGenerator[CallEvent, None]:
+    async def generate(self, payload: wire.GeneratePayload, timeout_s: float,
+                       traceparent: str = "") -> AsyncGenerator[CallEvent, None]:
         """Stream one generation: `TextDelta`s, then a `CallEnd` or a `CallFailure`. Retries what is
-        retryable until text has been relayed, within `timeout_s` (the request's remaining time)."""
+        retryable until text has been relayed, within `timeout_s` (the request's remaining time).
+        `traceparent`: the W3C trace context each call carries (the gateway's request span)."""
         loop_time = _LoopTime()
         url, body = request_for(self.config, payload)
         data = json.dumps(body).encode()
@@ -269,7 +271,8 @@ class OpenAIUpstreamRunner:
                 return
             num_relayed = 0
             is_deadline_bound = remaining_s <= self.config.timeout_s
-            async with aclosing(self._attempt(url, data, min(remaining_s, self.config.timeout_s))) as events:
+            attempt_s = min(remaining_s, self.config.timeout_s)
+            async with aclosing(self._attempt(url, data, attempt_s, traceparent)) as events:
                 async for event in events:
                     if isinstance(event, CallFailure) and event.is_timeout and is_deadline_bound:
                         yield CallFailure("the deadline passed before the upstream finished", is_deadline=True)
@@ -287,12 +290,13 @@ class OpenAIUpstreamRunner:
         yield CallFailure(f"upstream failed after {retry.max_attempts} attempts: {failure.message}",
                           is_retryable=True)
 
-    async def _attempt(self, url: str, data: bytes, timeout_s: float) -> AsyncGenerator[CallEvent, None]:
+    async def _attempt(self, url: str, data: bytes, timeout_s: float,
+                       traceparent: str = "") -> AsyncGenerator[CallEvent, None]:
         """One call, its outcome recorded with the breaker whatever way it ends (even cancelled),
         so that a half-open breaker never waits forever for its trial."""
         is_upstream_ok = False
         try:
-            async with aclosing(self._post(url, data, timeout_s)) as events:
+            async with aclosing(self._post(url, data, timeout_s, traceparent)) as events:
                 async for event in events:
                     if isinstance(event, CallEnd) or (isinstance(event, CallFailure) and not event.is_retryable):
                         is_upstream_ok = True
@@ -303,12 +307,15 @@ class OpenAIUpstreamRunner:
             else:
                 self.breaker.record_failure()
 
-    async def _post(self, url: str, data: bytes, timeout_s: float) -> AsyncGenerator[CallEvent, None]:
+    async def _post(self, url: str, data: bytes, timeout_s: float,
+                    traceparent: str = "") -> AsyncGenerator[CallEvent, None]:
         assert self._session is not None, "start() opens the session"
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
                    "X-Request-Timeout-Ms": str(max(int(timeout_s * 1000), 1))}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
+        if traceparent:
+            headers["traceparent"] = traceparent
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with self._session.post(url, data=data, headers=headers, timeout=timeout) as response:

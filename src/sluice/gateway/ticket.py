@@ -105,6 +105,8 @@ class Ticket:
         self.deadline = deadline
         self._tracing = tracing
         self._traceparent = traceparent
+        self._span: Any = None
+        """The request's span once `outgoing_traceparent` started it (tracing on)."""
         self._observer = observer
         """Told each outcome and result (the model's canary judges versions by them)."""
         self.client_deadline = client_deadline
@@ -122,6 +124,15 @@ class Ticket:
 
     def done(self, result: InferResult) -> None:
         self._result = result
+
+    def outgoing_traceparent(self) -> str:
+        """The `traceparent` the worker's calls to another server carry (an `openai-upstream`'s):
+        this request's span, started on first use; "" with tracing off."""
+        if self._tracing is None or not self._tracing.is_enabled:
+            return ""
+        if self._span is None:
+            self._span = self._tracing.begin(traceparent=self._traceparent, started=self.started)
+        return self._tracing.traceparent_of(self._span)
 
     def used(self, result: wire.Result) -> None:
         """What the worker reports the request used, also when it did not succeed (a missed
@@ -222,7 +233,8 @@ class Ticket:
         self._tracing.request(model=self.info.name, version=self.info.version, tenant=self.tenant,
                               priority=self.priority.label, traceparent=self._traceparent, started=self.started,
                               outcome=outcome, attributes=attributes,
-                              queue_s=result.queue_s if result else None, exec_s=result.exec_s if result else None)
+                              queue_s=result.queue_s if result else None, exec_s=result.exec_s if result else None,
+                              span=self._span)
 
 
 _OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (

@@ -44,6 +44,8 @@ class _Call:
     logprobs: dict[int, list[wire.TokenLogprob]] = field(default_factory=dict)
     is_relayed: bool = False
     task: asyncio.Task[None] | None = None
+    traceparent: str = ""
+    """The gateway's request span, which the upstream call names as its parent ("" untraced)."""
 
 
 class UpstreamLoop:
@@ -98,7 +100,8 @@ class UpstreamLoop:
                                               retry_after_s=self._call_s,
                                               message="upstream queue full: too many calls waiting for a slot"))
             return
-        self._calls[call_id] = _Call(identity, message.request_id, payload, now + message.timeout_s, now)
+        self._calls[call_id] = _Call(identity, message.request_id, payload, now + message.timeout_s, now,
+                                     traceparent=message.traceparent)
         self._by_gateway_id[(identity, message.request_id)] = call_id
         self._pump()
 
@@ -145,7 +148,7 @@ class UpstreamLoop:
     async def _run(self, call_id: int, call: _Call) -> None:
         try:
             timeout_s = call.deadline - self._clock.now()
-            async with aclosing(self.runner.generate(call.payload, timeout_s)) as events:
+            async with aclosing(self.runner.generate(call.payload, timeout_s, call.traceparent)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         self._relay(call, event)
