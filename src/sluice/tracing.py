@@ -10,7 +10,9 @@ A request's spans are written when it ends, with their real start and end times:
 knows when it admitted the request, and the worker's answer says how long it queued and how long
 its batch ran (`wire.Result.queue_s`, `exec_s`), so worker processes need no tracing SDK and the
 device path pays nothing for it. An incoming W3C `traceparent` header makes the request's span a
-child of the caller's trace. A request whose worker calls another server (`openai-upstream`) has
+child of the caller's trace. Attributes follow OpenTelemetry's GenAI semantic conventions where
+they apply (`gen_ai_attributes`: the operation, the model, the sampling asked for, the tokens
+used, why generation stopped), beside sluice's own. A request whose worker calls another server (`openai-upstream`) has
 its span started when it is sent (`begin`), so that the call's own `traceparent` names it: the
 upstream's spans join the same trace. Span attributes name the model, tenant, class, outcome and batch;
 never the input or prompt text.
@@ -28,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import get_global_textmap
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from sluice import wire
 from sluice.clock import Clock, MonotonicClock
 
 log = logging.getLogger("sluice.tracing")
@@ -71,7 +74,7 @@ class Tracing:
 
     def request(
         self, *, model: str, version: str, tenant: str, priority: str, traceparent: str | None, started: float,
-        outcome: str, attributes: Mapping[str, str | int | float] = {}, queue_s: float | None = None,
+        outcome: str, attributes: Mapping[str, str | int | float | list[str]] = {}, queue_s: float | None = None,
         exec_s: float | None = None, span: Any = None,
     ) -> None:
         """A request that reached the gateway at `started` (the gateway's clock) and ended now;
@@ -85,8 +88,9 @@ class Tracing:
             span = self.begin(traceparent=traceparent, started=started)
         now_ns = time.time_ns()
         start_ns = getattr(span, "start_time", None) or now_ns - int(max(self._clock.now() - started, 0.0) * 1e9)
-        span.set_attributes({"sluice.model": model, "sluice.model_version": version, "sluice.tenant": tenant,
-                             "sluice.priority": priority, "sluice.outcome": outcome, **attributes})
+        span.set_attributes({"gen_ai.request.model": model, "sluice.model": model, "sluice.model_version": version,
+                             "sluice.tenant": tenant, "sluice.priority": priority, "sluice.outcome": outcome,
+                             **attributes})
         if outcome not in _NOT_ERRORS:
             span.set_status(Status(StatusCode.ERROR, outcome))
         elif outcome == "cancelled":
@@ -103,6 +107,33 @@ class Tracing:
         """Send what is still buffered (at most a few seconds' wait) and stop the exporter."""
         if self._provider is not None:
             self._provider.shutdown()
+
+
+def gen_ai_attributes(request: wire.Payload | None, answer: wire.Payload | None,
+                      num_tokens: int) -> dict[str, str | int | float | list[str]]:
+    """OpenTelemetry's GenAI attributes (semantic conventions 1.37) of a request, from what it asked
+    and, if answered, its answer (`num_tokens`: the tokens a one-shot answer counted). Counts and
+    settings only: never a prompt, an input or an output."""
+    attributes: dict[str, str | int | float | list[str]] = {}
+    if isinstance(request, wire.GeneratePayload):
+        attributes["gen_ai.operation.name"] = "chat" if request.messages is not None else "text_completion"
+        attributes["gen_ai.request.max_tokens"] = request.max_tokens
+        attributes["gen_ai.request.temperature"] = request.temperature
+        attributes["gen_ai.request.top_p"] = request.top_p
+        if request.n != 1:
+            attributes["gen_ai.request.choice.count"] = request.n
+        if request.seed is not None:
+            attributes["gen_ai.request.seed"] = request.seed
+    elif isinstance(request, wire.TextPayload | wire.TokensPayload):
+        attributes["gen_ai.operation.name"] = "embeddings"
+        if answer is not None:
+            attributes["gen_ai.usage.input_tokens"] = num_tokens
+    if isinstance(answer, wire.GenerationResult):
+        attributes["gen_ai.usage.input_tokens"] = answer.num_prompt_tokens
+        attributes["gen_ai.usage.output_tokens"] = answer.num_output_tokens
+        attributes["gen_ai.response.finish_reasons"] = [answer.finish_reason,
+                                                        *(choice.finish_reason for choice in answer.choices)]
+    return attributes
 
 
 def from_environment(clock: Clock, service_name: str = "sluice") -> Tracing:

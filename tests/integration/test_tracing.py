@@ -245,3 +245,49 @@ def test_a_call_to_an_openai_upstream_carries_the_trace_on(
     assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
     assert sent == f"00-{TRACE_ID}-{span.span_id.hex()}-01"
     assert not any(SECRET.encode() in body for body in collector.bodies)
+
+
+def _gen_ai(span: Span) -> dict[str, object]:
+    found: dict[str, object] = {}
+    for a in span.attributes:
+        if a.key.startswith("gen_ai."):
+            kind = a.value.WhichOneof("value")
+            found[a.key] = [v.string_value for v in a.value.array_value.values] if kind == "array_value" \
+                else getattr(a.value, kind)
+    return found
+
+
+def test_spans_carry_opentelemetrys_genai_attributes(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spans had only `sluice.*` attributes: a tracing backend's GenAI views (model, operation,
+    token usage, finish reasons) showed nothing for sluice's requests."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    repo = write_tiny_lm_model(write_emulated_model(tmp_path / "models"), "tiny")
+    server = start_server(repo, tmp_path)
+    try:
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chat = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": SECRET}], max_tokens=5,
+                                           temperature=0.5, top_p=0.9, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(chat)
+        (usage,) = [chunk.usage for chunk in chunks if chunk.usage is not None]
+        finished = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+        completion = sdk.completions.create(model="tiny", prompt=SECRET, max_tokens=3, n=2, seed=7)
+        embedded = sdk.embeddings.create(model="emulated", input=[SECRET, "two"])
+        spans = {_gen_ai(s)["gen_ai.operation.name"]: _gen_ai(s)
+                 for s in _wait_for(collector, 3) if s.name == "sluice.request"}
+    finally:
+        server.stop()
+    assert spans["chat"] == {
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny", "gen_ai.request.max_tokens": 5,
+        "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9,
+        "gen_ai.usage.input_tokens": usage.prompt_tokens, "gen_ai.usage.output_tokens": usage.completion_tokens,
+        "gen_ai.response.finish_reasons": finished}
+    assert spans["text_completion"]["gen_ai.request.choice.count"] == 2
+    assert spans["text_completion"]["gen_ai.request.seed"] == 7
+    assert spans["text_completion"]["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens
+    assert spans["text_completion"]["gen_ai.response.finish_reasons"] == [c.finish_reason for c in completion.choices]
+    assert spans["embeddings"] == {"gen_ai.operation.name": "embeddings", "gen_ai.request.model": "emulated",
+                                   "gen_ai.usage.input_tokens": embedded.usage.prompt_tokens}
+    assert not any(SECRET.encode() in body for body in collector.bodies)

@@ -332,6 +332,7 @@ class Gateway:
             max(info.slo_s, min(default_timeout_s(info, payload), self._config.max_timeout_s))
         with _routed_to(info):
             ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
+            ticket.about(payload)
             policy = (caller or LOCAL_CALLER).cache
             async with ticket:
                 key = key or self._cache_key(info, payload, ticket.tenant, policy)
@@ -356,6 +357,7 @@ class Gateway:
         (a stream's HTTP headers are sent before its final result)."""
         with _routed_to(info):
             ticket = await self._admit(info, timeout_s, arrived_at, caller)
+            ticket.about(payload)
             if limit_headers is not None:
                 limit_headers.update(ticket.limit_headers())
             policy = (caller or LOCAL_CALLER).cache

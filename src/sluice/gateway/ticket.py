@@ -41,7 +41,7 @@ from sluice.gateway.limits import Reservation
 from sluice.gateway.tenancy import RequestGroup, Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
-from sluice.tracing import Tracing
+from sluice.tracing import Tracing, gen_ai_attributes
 
 __all__ = ["InferResult", "Ticket", "defer_accounting", "interpret", "run_deferred"]
 
@@ -106,6 +106,8 @@ class Ticket:
         self._tracing = tracing
         self._traceparent = traceparent
         self._span: Any = None
+        self._request: wire.Payload | None = None
+        """What was asked (`about`), for the span's GenAI attributes."""
         """The request's span once `outgoing_traceparent` started it (tracing on)."""
         self._observer = observer
         """Told each outcome and result (the model's canary judges versions by them)."""
@@ -124,6 +126,10 @@ class Ticket:
 
     def done(self, result: InferResult) -> None:
         self._result = result
+
+    def about(self, request: wire.Payload) -> None:
+        """The request this ticket admits (its span says what it asked for, never its text)."""
+        self._request = request
 
     def outgoing_traceparent(self) -> str:
         """The `traceparent` the worker's calls to another server carry (an `openai-upstream`'s):
@@ -227,9 +233,11 @@ class Ticket:
 
     def _trace(self, outcome: str, result: InferResult | None) -> None:
         assert self._tracing is not None
-        attributes = {} if result is None else {"sluice.batch_size": result.batch_size,
-                                                "sluice.device_seconds": result.device_s,
-                                                "sluice.tokens": result.num_tokens}
+        attributes = gen_ai_attributes(self._request, result.payload if result else None,
+                                       result.num_tokens if result else 0)
+        if result is not None:
+            attributes |= {"sluice.batch_size": result.batch_size, "sluice.device_seconds": result.device_s,
+                           "sluice.tokens": result.num_tokens}
         self._tracing.request(model=self.info.name, version=self.info.version, tenant=self.tenant,
                               priority=self.priority.label, traceparent=self._traceparent, started=self.started,
                               outcome=outcome, attributes=attributes,
