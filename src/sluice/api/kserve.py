@@ -2,6 +2,7 @@
 
     GET  /v2                                   server metadata
     GET  /v2/health/live | /v2/health/ready    {"live": true} | {"ready": bool}
+    GET  /health                               as /v2/health/ready: where vLLM, TGI and SGLang answer it
     GET  /v2/models/{m}[/versions/{v}]         model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready   {"name", "ready"}
     POST /v2/models/{m}[/versions/{v}]/infer   inference
@@ -154,6 +155,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         Route("/v2", server_metadata, methods=["GET"]),
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/health", ready, methods=["GET"]),
     ]
     for prefix in prefixes:
         table += [
