@@ -32,6 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from sluice import wire
 from sluice.clock import Clock, MonotonicClock
+from sluice.metrics import tenant_label
 
 log = logging.getLogger("sluice.tracing")
 
@@ -89,8 +90,8 @@ class Tracing:
         now_ns = time.time_ns()
         start_ns = getattr(span, "start_time", None) or now_ns - int(max(self._clock.now() - started, 0.0) * 1e9)
         span.set_attributes({"gen_ai.request.model": model, "sluice.model": model, "sluice.model_version": version,
-                             "sluice.tenant": tenant, "sluice.priority": priority, "sluice.outcome": outcome,
-                             **attributes})
+                             "sluice.tenant": tenant_label(tenant), "sluice.priority": priority,
+                             "sluice.outcome": outcome, **attributes})
         if outcome not in _NOT_ERRORS:
             span.set_status(Status(StatusCode.ERROR, outcome))
         elif outcome == "cancelled":

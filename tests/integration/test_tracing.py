@@ -291,3 +291,22 @@ def test_spans_carry_opentelemetrys_genai_attributes(
     assert spans["embeddings"] == {"gen_ai.operation.name": "embeddings", "gen_ai.request.model": "emulated",
                                    "gen_ai.usage.input_tokens": embedded.usage.prompt_tokens}
     assert not any(SECRET.encode() in body for body in collector.bodies)
+
+
+def test_an_answer_from_the_result_cache_has_no_queue_or_execution_spans(
+        traced_server: ServerProcess, collector: _Collector) -> None:
+    """A cached answer's span had `sluice.queue` and `sluice.execute` children (of zero length,
+    batch size 0) as if it had run; and without a tenants file `sluice.tenant` was "" where the
+    metrics and the access log say `local`."""
+    inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [9, 8, 7, 6]}]}
+    for _ in range(2):
+        answer = httpx.post(f"{traced_server.url}/v2/models/emulated/infer", json=inputs)
+        assert answer.status_code == 200
+    assert answer.headers["x-sluice-cache"] == "hit"
+    spans = _wait_for(collector, 2)
+    ran, cached = sorted((s for s in spans if s.name == "sluice.request"), key=lambda s: s.start_time_unix_nano)
+    children = {s.name for s in spans if s.parent_span_id == ran.span_id}
+    assert children == {"sluice.queue", "sluice.execute"}
+    assert not [s for s in spans if s.parent_span_id == cached.span_id]
+    assert _attributes(cached)["sluice.cache"] == "hit" and "sluice.batch_size" not in _attributes(cached)
+    assert _attributes(ran)["sluice.tenant"] == _attributes(cached)["sluice.tenant"] == "local"

@@ -37,6 +37,7 @@ from sluice.errors import (
     UpstreamRefused,
     WorkerLost,
 )
+from sluice.gateway.cache import CACHE_HEADER
 from sluice.gateway.limits import Reservation
 from sluice.gateway.tenancy import RequestGroup, Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
@@ -235,14 +236,18 @@ class Ticket:
         assert self._tracing is not None
         attributes = gen_ai_attributes(self._request, result.payload if result else None,
                                        result.num_tokens if result else 0)
-        if result is not None:
+        ran = result is not None and not result.is_cached
+        if result is not None and result.is_cached:  # nothing queued or ran for it: no such spans
+            attributes |= {"sluice.cache": (result.headers or {}).get(CACHE_HEADER, "hit"),
+                           "sluice.tokens": result.num_tokens}
+        elif result is not None:
             attributes |= {"sluice.batch_size": result.batch_size, "sluice.device_seconds": result.device_s,
                            "sluice.tokens": result.num_tokens}
         self._tracing.request(model=self.info.name, version=self.info.version, tenant=self.tenant,
                               priority=self.priority.label, traceparent=self._traceparent, started=self.started,
                               outcome=outcome, attributes=attributes,
-                              queue_s=result.queue_s if result else None, exec_s=result.exec_s if result else None,
-                              span=self._span)
+                              queue_s=result.queue_s if result and ran else None,
+                              exec_s=result.exec_s if result and ran else None, span=self._span)
 
 
 _OUTCOME_CLASSES: tuple[tuple[type[BaseException], str], ...] = (
