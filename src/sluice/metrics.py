@@ -428,13 +428,16 @@ class GatewayMetrics(_Demand):
     def tenant_rejected(self, tenant: str, klass: str, reason: str) -> None:
         _child(TENANT_REJECTED, tenant_label(tenant), klass, reason).inc()
 
-    def tenant_completed(self, tenant: str, klass: str, queue_s: float, device_s: float, *,
+    def tenant_completed(self, tenant: str, klass: str, queue_s: float | None, device_s: float, *,
                          on_time: bool = True) -> None:
-        """A successful request; goodput only if it was answered within its deadline."""
+        """A successful request; goodput only if it was answered within its deadline. `queue_s`:
+        None for an answer from the result cache, which waited in no worker's queue (a 0 there
+        would pull the tenant's queue-wait percentiles down by its cache's hit rate)."""
         label = tenant_label(tenant)
         if on_time:
             _child(TENANT_GOODPUT, label, klass).inc()
-        _child(TENANT_QUEUE_WAIT, label, klass).observe(queue_s)
+        if queue_s is not None:
+            _child(TENANT_QUEUE_WAIT, label, klass).observe(queue_s)
         _child(TENANT_DEVICE_SECONDS, label, klass).inc(device_s)
 
     def shared_limits_error(self) -> None:

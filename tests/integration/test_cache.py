@@ -174,3 +174,16 @@ def test_gateways_share_answers_through_redis(make_server: Callable[..., ServerP
     answer = httpx.post(f"{second.url}/v2/models/emulated/infer", json=body)
     assert answer.status_code == 200 and answer.headers.get("x-sluice-cache") == "hit"
     assert _items_run(second) == 0 and _items_run(first) == 1
+
+
+def test_a_cached_answer_adds_no_queue_wait_to_its_tenants_metrics(make_server: Callable[..., ServerProcess],
+                                                                     tmp_path: Path) -> None:
+    """A cache hit was observed as a 0 s wait in `sluice_tenant_queue_wait_seconds`: with half the
+    answers cached, the tenant's median queue wait read 0 whatever its requests really waited."""
+    server = make_server(write_emulated_model(tmp_path / "repo", alpha_ms=5))
+    for _ in range(3):
+        answer = httpx.post(f"{server.url}/v2/models/emulated/infer", json=_infer_body(4, 3, 2, 1))
+        assert answer.status_code == 200
+    assert answer.headers["x-sluice-cache"] == "hit"
+    assert metric_total(server, "sluice_tenant_goodput_total", tenant="local") == 3
+    assert metric_total(server, "sluice_tenant_queue_wait_seconds_count", tenant="local") == 1

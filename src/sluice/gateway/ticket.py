@@ -207,7 +207,7 @@ class Ticket:
         """The outcome's metrics, the observer and the trace, as of `ended_at`."""
         label = self.priority.label
         if outcome == "ok" and result is not None:
-            self._metrics.tenant_completed(self.tenant, label, result.queue_s, device_s,
+            self._metrics.tenant_completed(self.tenant, label, None if result.is_cached else result.queue_s, device_s,
                                            on_time=ended_at <= self.deadline)
             if isinstance(result.payload, wire.GenerationResult) and not result.is_cached:
                 ttft_s = None if self._first_chunk_at is None else self._first_chunk_at - self.started
