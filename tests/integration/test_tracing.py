@@ -310,3 +310,25 @@ def test_an_answer_from_the_result_cache_has_no_queue_or_execution_spans(
     assert not [s for s in spans if s.parent_span_id == cached.span_id]
     assert _attributes(cached)["sluice.cache"] == "hit" and "sluice.batch_size" not in _attributes(cached)
     assert _attributes(ran)["sluice.tenant"] == _attributes(cached)["sluice.tenant"] == "local"
+
+
+def test_without_tracing_an_upstream_call_passes_the_callers_trace_on_unchanged(tmp_path: Path) -> None:
+    """A server that does not trace still passes the caller's `traceparent` on (W3C Trace
+    Context), so the caller's and the upstream's spans stay one trace; one that is not well
+    formed is not sent on."""
+    with UpstreamServer() as upstream:
+        repo = tmp_path / "models"
+        (repo / "proxy" / "1").mkdir(parents=True)
+        (repo / "proxy" / "model.toml").write_text(
+            f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
+        server = start_server(repo, tmp_path)
+        try:
+            sent = []
+            for traceparent in (f"00-{TRACE_ID}-{PARENT_ID}-01", "00-not-a-trace-01"):
+                with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60,
+                                   default_headers={"traceparent": traceparent}) as sdk:
+                    assert sdk.completions.create(model="proxy", prompt=SECRET, max_tokens=4).choices
+                sent.append({k.lower(): v for k, v in upstream.last_headers.items()}.get("traceparent"))
+        finally:
+            server.stop()
+    assert sent == [f"00-{TRACE_ID}-{PARENT_ID}-01", None]

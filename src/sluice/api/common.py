@@ -230,8 +230,9 @@ def priority_of(header: str | None, *body_values: tuple[str, Any]) -> Priority |
 def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0, *,
            is_traced: bool = False, cache: CachePolicy | None = None, group: RequestGroup | None = None,
            likely_tokens: float | None = None) -> Caller:
-    """`is_traced`: the server exports traces, so the client's `traceparent` is read (a header
-    lookup that misses costs more than the rest of this, on every request). `cache`: the request's
+    """`is_traced`: the client's `traceparent` is read (a header lookup that misses costs more
+    than the rest of this, on every request): when the server exports traces, and for a
+    generation, which an `openai-upstream` model passes on to its server even when it does not. `cache`: the request's
     `Cache-Control` policy if the caller read it already (else it is read here). `group`: the
     client request this call is one part of (`tenancy.RequestGroup`)."""
     headers = request.headers

@@ -105,7 +105,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     first = payloads[0]
     limit_headers: dict[str, str] | None = {} if first.stream else None  # a whole answer has its own
-    who = caller(request, priority, is_traced=gateway.is_tracing)
+    who = caller(request, priority, is_traced=True)  # untraced too: an upstream call carries the client's trace on
     streams = generations(gateway, who, info, payloads, timeout_s, arrived_at, limit_headers)
     options = parsed.stream_options
     include_usage = options is not None and bool(options.include_usage)

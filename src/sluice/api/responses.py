@@ -361,7 +361,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     limit_headers: dict[str, str] | None = {} if payload.stream else None
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                               caller=caller(request, priority, estimate_tokens(payload, info.max_model_len),
-                                            is_traced=gateway.is_tracing,
+                                            is_traced=True,  # for an upstream call, as completions'
                                             likely_tokens=estimate_tokens(payload, info.max_model_len, likely=True)),
                               limit_headers=limit_headers)
 

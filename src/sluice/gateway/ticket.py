@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -69,6 +70,9 @@ def run_deferred(deferred: list[Callable[[], None]]) -> None:
         except Exception:
             log.exception("a request's accounting failed")
 
+
+_TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+"""A well-formed W3C `traceparent` (what an untraced server passes on; anything else is dropped)."""
 
 @dataclass(frozen=True, slots=True)
 class InferResult:
@@ -134,9 +138,11 @@ class Ticket:
 
     def outgoing_traceparent(self) -> str:
         """The `traceparent` the worker's calls to another server carry (an `openai-upstream`'s):
-        this request's span, started on first use; "" with tracing off."""
+        this request's span, started on first use; with tracing off, the caller's own (passed on
+        unchanged, as W3C Trace Context asks of a server that does not trace), or ""."""
         if self._tracing is None or not self._tracing.is_enabled:
-            return ""
+            given = self._traceparent
+            return given if given is not None and _TRACEPARENT.fullmatch(given) else ""
         if self._span is None:
             self._span = self._tracing.begin(traceparent=self._traceparent, started=self.started)
         return self._tracing.traceparent_of(self._span)
