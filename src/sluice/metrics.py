@@ -123,6 +123,16 @@ SHARED_LIMITS_ERRORS = Counter(
     "sluice_shared_limits_errors",
     "Calls to the shared limits in Redis that failed (this gateway's own limits applied instead).",
 )
+TENANT_RELOADS = Counter(
+    "sluice_tenants_reloads",
+    "Reloads of the tenants file (SIGHUP or POST /admin/reload), by outcome: reloaded, or failed (the file "
+    "did not load and the tenants before it stay in force).", ["outcome"],
+)
+TENANTS_RELOAD_FAILED = Gauge(
+    "sluice_tenants_reload_failed",
+    "1 while the last reload of the tenants file failed (the tenants in force are not the file's); 0 after a "
+    "good one.", multiprocess_mode="livemax",
+)
 TENANT_QUEUE_WAIT = Histogram(
     "sluice_tenant_queue_wait_seconds", "Time the tenant's requests waited in a worker's queue.",
     ["tenant", "class"], buckets=_LATENCY_BUCKETS,
@@ -442,6 +452,13 @@ class GatewayMetrics(_Demand):
 
     def shared_limits_error(self) -> None:
         SHARED_LIMITS_ERRORS.inc()
+
+    def tenants_reloaded(self, is_ok: bool | None) -> None:
+        """A reload of the tenants file that loaded (`is_ok`) or failed; None: the file as loaded
+        at start (the series exist, at 0, before the first reload)."""
+        for outcome in ("reloaded", "failed"):
+            _child(TENANT_RELOADS, outcome).inc(1 if is_ok is (outcome == "reloaded") else 0)
+        TENANTS_RELOAD_FAILED.set(1.0 if is_ok is False else 0.0)
 
     def tenant_used(self, tenant: str, klass: str, device_s: float) -> None:
         """Device time of a request that ran but did not succeed (still paid for)."""

@@ -428,6 +428,29 @@ def test_sighup_reloads_keys_without_dropping_requests_in_flight(server, tenants
         pytest.fail("the new key was not accepted after SIGHUP")
 
 
+def test_a_bad_reload_keeps_the_old_tenants_serving_and_says_so_in_a_log_line_and_a_metric(server,
+                                                                                             tenants_file: Path):
+    good = tenants_file.read_text()
+    failed = 'sluice_tenants_reloads_total{outcome="failed"}'
+    before = _sample(scrape(server).text, failed)
+    try:
+        tenants_file.write_text(good + "\n[tenants.typo]\nweigth = 2\n")
+        server.process.send_signal(signal.SIGHUP)
+        eventually(lambda: _sample(scrape(server).text, failed) == before + 1, "the failed reload counted")
+        assert _sample(scrape(server).text, "sluice_tenants_reload_failed") == 1
+        eventually(lambda: "tenants file not reloaded, the previous one stays in force" in server.log()
+                   and "[tenants.typo]: unknown field(s) ['weigth']" in server.log(), "the failed reload logged")
+        assert embed(server, "alpha").status_code == 200  # the old tenants still serve
+        answer = httpx.post(f"{server.url}/admin/reload", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert answer.status_code == 400 and "weigth" in answer.json()["error"]["message"]
+        assert _sample(scrape(server).text, failed) == before + 2  # the admin API's reload counts too
+    finally:
+        tenants_file.write_text(good)
+    answer = httpx.post(f"{server.url}/admin/reload", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert answer.status_code == 200
+    assert _sample(scrape(server).text, "sluice_tenants_reload_failed") == 0
+
+
 def test_a_stream_carries_the_tenants_rate_limit_headers(server):
     with sdk(server, KEYS["stream"]) as client, client.completions.with_streaming_response.create(
             model="tiny-lm", prompt="hi", max_tokens=3, stream=True) as response:

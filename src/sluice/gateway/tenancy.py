@@ -6,7 +6,9 @@
 
 A reload (SIGHUP, or `POST /admin/reload`) swaps in a new directory atomically: requests already
 admitted keep their reservation, and the new weights go to the workers' schedulers. A tenants
-file that does not parse leaves the old one in force.
+file that does not load leaves the old one in force, says so in an error log line, and counts
+in `sluice_tenants_reloads_total{outcome="failed"}` (`sluice_tenants_reload_failed` reads 1 until
+a reload succeeds).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from sluice.clock import Clock
-from sluice.errors import BudgetExhausted, ModelNotPermitted, PermissionDenied, RateLimited, Unauthenticated
+from sluice.errors import (
+    BudgetExhausted,
+    ConfigError,
+    ModelNotPermitted,
+    PermissionDenied,
+    RateLimited,
+    Unauthenticated,
+)
 from sluice.gateway.limits import LimitStatus, Refusal, Reservation, TenantLimiter, format_duration, likely_count
 from sluice.gateway.shared_limits import SharedLimiter
 from sluice.gateway.tenants import LOCAL_TENANT, Tenant, TenantDirectory, load_tenants
@@ -63,6 +72,8 @@ class Tenancy:
         self.limiter = TenantLimiter(limits_clock or clock)
         self.limiter.configure(self.directory.tenants.values())
         self._listeners: list[Callable[[dict[str, float]], None]] = []
+        if path is not None:
+            metrics.tenants_reloaded(None)
 
     @property
     def is_open(self) -> bool:
@@ -77,14 +88,21 @@ class Tenancy:
         return {name: tenant.weight for name, tenant in self.directory.tenants.items()}
 
     def reload(self) -> TenantDirectory:
-        """Read the tenants file again. Raises `ConfigError` (and keeps the old one) if it is invalid."""
+        """Read the tenants file again. Raises `ConfigError` (and keeps the old one, logged and
+        counted) if it is invalid."""
         if self.directory.path is None:
             return self.directory
-        directory = load_tenants(self.directory.path)
+        try:
+            directory = load_tenants(self.directory.path)
+        except ConfigError as exc:
+            self._metrics.tenants_reloaded(False)
+            log.error("tenants file not reloaded, the previous one stays in force: %s", exc.message)
+            raise
         self.directory = directory
         self.limiter.configure(directory.tenants.values())
         for listener in self._listeners:
             listener(self.weights())
+        self._metrics.tenants_reloaded(True)
         log.info("tenants file %s reloaded: %d tenants", directory.path, len(directory.tenants))
         return directory
 
