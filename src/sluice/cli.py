@@ -477,8 +477,10 @@ def create_key(tenant: str | None, tenants_file: Path, is_admin: bool, is_metric
         try:
             load_tenants(tenants_file)
         except ConfigError as exc:
-            click.echo(f"Note: {exc.message}. `sluice serve --tenants` needs at least one tenant: "
-                       "add one with `sluice keys create NAME`.", err=True)
+            needs = ("`sluice serve --tenants` needs at least one tenant: add one with `sluice keys create NAME`"
+                     if "defines no tenants" in exc.message else
+                     "`sluice serve --tenants` (and a SIGHUP) will refuse the file until that is fixed")
+            click.echo(f"Note: {exc.message}. {needs}.", err=True)
 
 
 def _advertised(bind: str, advertise: str | None, registry: str | None) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,48 @@ def test_keys_create_takes_one_of_a_tenant_admin_or_metrics(tmp_path: Path):
     key = created.output.splitlines()[0]
     directory = load_tenants(path)
     assert directory.may_scrape(key) and not directory.may_scrape(None)
+
+
+def _sluice(*args: str) -> subprocess.Popen[str]:
+    """The real `sluice` command line, in a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "sluice", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_keys_created_at_the_same_time_are_all_kept(tmp_path: Path):
+    """Each `sluice keys create` prints its key as stored: one run beside another must not write
+    the file over with what it read before the other's key was added."""
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.acme]\n")
+    runs = [_sluice("keys", "create", f"team-{i % 4}", "--tenants", str(path)) for i in range(12)]
+    printed = []
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        printed.append(out.splitlines()[0])
+    directory = load_tenants(path)
+    assert all(directory.tenant_for_key(key) is not None for key in printed)
+    assert sum(len(t.key_hashes) for t in directory.tenants.values()) == 12
+
+
+def test_keys_create_on_a_file_it_cannot_read_says_why_without_a_traceback(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_bytes(b"[tenants.acme]\nweight = \xff\n")
+    run = _sluice("keys", "create", "acme", "--tenants", str(path))
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 1 and out == ""
+    assert err.strip() == f"Error: {path} is not UTF-8 text: invalid start byte at byte 24"
+    assert path.read_bytes() == b"[tenants.acme]\nweight = \xff\n"
+
+
+def test_keys_create_admin_on_a_file_the_server_would_refuse_says_why(tmp_path: Path):
+    from click.testing import CliRunner
+
+    from sluice.cli import main
+
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.acme]\nweigth = 2\n")
+    result = CliRunner().invoke(main, ["keys", "create", "--admin", "--tenants", str(path)])
+    assert result.exit_code == 0
+    assert "unknown field(s) ['weigth']" in result.output
+    assert "needs at least one tenant" not in result.output

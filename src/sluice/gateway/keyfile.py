@@ -2,14 +2,19 @@
 
 The key is generated here, its SHA-256 digest written to the file, and the key itself returned to
 be printed once; sluice never stores it. The file is checked with the server's own loader before
-it is replaced (atomically), so a running server's SIGHUP never reads a half-written file.
+it is replaced (atomically), so a running server's SIGHUP never reads a half-written file. Two
+`sluice keys create` at once take turns (a lock on the file's folder, held from reading the file
+to replacing it): each adds its key to what the other wrote, so no key printed is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import tomlkit
@@ -24,11 +29,30 @@ __all__ = ["add_key"]
 def add_key(path: Path, tenant: str | None, *, metrics: bool = False) -> str:
     """Create a key for `tenant` (None: an admin key, or with `metrics` a key that may only read
     `/metrics`, which then needs one), adding the tenant if it is new."""
+    with _locked(path):
+        document = _read(path)
+        key = new_key()
+        _add_hash(document, tenant, metrics, hash_key(key))
+        text = tomlkit.dumps(document)
+        _replace(path, text if text.endswith("\n") else text + "\n", needs_tenant=tenant is not None)
+    return key
+
+
+def _read(path: Path) -> tomlkit.TOMLDocument:
+    """The tenants file as a document that keeps its layout (a new one if there is no file yet)."""
+    if not path.exists():
+        return tomlkit.document()
     try:
-        document = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
+        return tomlkit.parse(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
     except TOMLKitError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
-    key = new_key()
+
+
+def _add_hash(document: tomlkit.TOMLDocument, tenant: str | None, metrics: bool, digest: str) -> None:
     if metrics:
         table = document.setdefault("metrics", tomlkit.table())
         table.setdefault("access", "keys")
@@ -38,10 +62,23 @@ def add_key(path: Path, tenant: str | None, *, metrics: bool = False) -> str:
         tenants = document.setdefault("tenants", tomlkit.table(is_super_table=True))
         table = tenants.setdefault(tenant, tomlkit.table())
     keys = table.setdefault("api_keys", tomlkit.array())
-    keys.append(hash_key(key))
-    text = tomlkit.dumps(document)
-    _replace(path, text if text.endswith("\n") else text + "\n", needs_tenant=tenant is not None)
-    return key
+    keys.append(digest)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`'s folder while the file is read, changed and replaced (not on
+    the file itself: replacing it makes a new file, and a writer waiting on the old one's lock
+    would then change what it read before, losing the other's key)."""
+    try:
+        fd = os.open(path.parent.resolve(), os.O_RDONLY)
+    except OSError as exc:
+        raise ConfigError(f"cannot write tenants file {path}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _replace(path: Path, text: str, needs_tenant: bool) -> None:
