@@ -4,6 +4,8 @@ the environment as SLUICE_<COMMAND>_<OPTION>, those that also read a shared vari
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -62,3 +64,30 @@ def test_models_status_takes_its_admin_key_from_its_own_variable(make_server: Ca
                              env={"SLUICE_MODELS_STATUS_ADMIN_KEY": admin_key})
     assert answered.exit_code == 0, answered.output
     assert "emulated: traffic from newest version" in answered.output
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://[::1", "is not a URL: Invalid IPv6 URL"),
+    ("http://127.0.0.1:99999", "is not a URL: Port out of range"),
+    ("127.0.0.1:8000", "is not the http:// or https:// URL of a server"),
+    ("ftp://127.0.0.1:8000", "is not the http:// or https:// URL of a server"),
+])
+@pytest.mark.parametrize("command", [["top", "--once"], ["models", "status"], ["models", "load", "m"],
+                                     ["batch", "status", "batch_1"], ["bench", "--duration", "1"]])
+def test_a_url_no_request_can_be_sent_to_is_a_usage_error_not_a_traceback(command: list[str], url: str,
+                                                                           why: str) -> None:
+    """As an operator types it: the real command line, in a process of its own."""
+    run = subprocess.run([sys.executable, "-m", "sluice", *command, "--url", url], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "Invalid value for '--url'" in run.stderr and f"{url!r} {why}" in run.stderr
+
+
+def test_top_with_a_ca_file_that_holds_no_certificate_says_so(tmp_path: Path) -> None:
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("not a certificate\n")
+    run = subprocess.run([sys.executable, "-m", "sluice", "top", "--once", "--url", "https://127.0.0.1:9",
+                          "--ca-certs", str(not_pem)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert f"{not_pem} holds no PEM certificate that can be read" in run.stderr

@@ -13,6 +13,7 @@ import click
 
 from sluice import __version__
 from sluice.errors import ConfigError
+from sluice.server_url import check_server_url
 
 if TYPE_CHECKING:
     from sluice.api.tls import TlsConfig
@@ -303,7 +304,7 @@ def _admin_options(command: F) -> F:
     command = click.option("--admin-key", envvar="SLUICE_ADMIN_KEY", show_envvar=True, default=None,
                            help="An admin key (`sluice keys create --admin`); none for a server without "
                                 "tenants.")(command)
-    return click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+    return click.option("--url", default="http://127.0.0.1:8000", show_default=True, callback=check_server_url,
                         help="Base URL of the server.")(command)
 
 
@@ -419,7 +420,8 @@ def models_rollback(name: str, url: str, admin_key: str | None) -> None:
 
 
 @main.command()
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, callback=check_server_url,
+              help="Base URL of the server.")
 @click.option("--key", default=None, help="A metrics or admin key, if the server's /metrics asks for one.")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Seconds between refreshes; each shows what happened over the last interval.")
@@ -436,7 +438,11 @@ def top(url: str, key: str | None, interval_s: float, once: bool, as_json: bool,
 
     if as_json and not once:
         raise click.UsageError("--json needs --once")
-    tls = ssl.create_default_context(cafile=ca_certs) if ca_certs else None
+    try:
+        tls = ssl.create_default_context(cafile=ca_certs) if ca_certs else None
+    except ssl.SSLError as exc:
+        raise click.BadParameter(f"{ca_certs} holds no PEM certificate that can be read ({exc.reason})",
+                                 param_hint="--ca-certs") from None
     if not once:
         watch_live(url, key, interval_s, tls)
         return

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from sluice.server_url import check_server_url
+
 # Heavy imports (numpy, aiohttp, matplotlib) happen inside the command: every `sluice` command
 # imports this module.
 
@@ -23,7 +25,8 @@ _GENERATIVE_ENDPOINTS = ("completions", "chat")
 
 
 @click.command()
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, callback=check_server_url,
+              help="Base URL of the server.")
 @click.option("--api-key", envvar=["SLUICE_API_KEY", "OPENAI_API_KEY"], show_envvar=True, default=None,
               help="Sent as 'Authorization: Bearer KEY' on every request (load, metadata, /metrics), for a "
                    "server with a tenants file. Never written to the result files.")

@@ -17,6 +17,8 @@ from typing import Any
 
 import click
 
+from sluice.server_url import check_server_url
+
 _FINAL = {"completed", "failed", "cancelled", "expired"}
 _TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 PATIENCE_S = 300.0
@@ -97,7 +99,8 @@ def _server(command: str) -> Callable[[Callable[..., None]], Callable[..., None]
                                 envvar=[f"{prefix}API_KEY", "SLUICE_API_KEY", "OPENAI_API_KEY"],
                                 help="Bearer key, when the server has tenants.")(function)
         return click.option("--url", default="http://127.0.0.1:8000", show_default=True, show_envvar=True,
-                            envvar=[f"{prefix}URL", "SLUICE_URL"], help="The sluice server.")(function)
+                            envvar=[f"{prefix}URL", "SLUICE_URL"], callback=check_server_url,
+                            help="The sluice server.")(function)
 
     return decorate
 
