@@ -154,6 +154,15 @@ def fingerprints(root: Path) -> dict[str, int]:
     return found
 
 
+def model_names(root: Path) -> set[str]:
+    """The models in the repository at `root`: its folders that hold a `model.toml` (loaded or
+    not, valid or not)."""
+    if not root.is_dir():
+        return set()
+    return {p.name for p in root.iterdir()
+            if p.is_dir() and not p.name.startswith((".", "_")) and (p / "model.toml").is_file()}
+
+
 def scan_repository(root: Path) -> Repository:
     """Read every `model.toml` and list the versions. Does not hash weights (see `verify`)."""
     if not root.is_dir():

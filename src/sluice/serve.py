@@ -20,6 +20,7 @@ import tempfile
 import urllib.parse
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -50,7 +51,7 @@ from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import JobStore
 from sluice.metrics import GatewayMetrics
 from sluice.registry import RegistryWatcher
-from sluice.repository import fingerprints, scan_repository
+from sluice.repository import fingerprints, model_names, scan_repository
 from sluice.runtime import settle_garbage_collector
 from sluice.tracing import Tracing
 from sluice.tracing import from_environment as tracing_from_environment
@@ -185,8 +186,10 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-"))
     gateway_metrics = GatewayMetrics()
     clock = MonotonicClock()
+    # a tenant's `models` must name the repository's (a cluster's gateway does not know its workers')
+    known_models = None if config.remote_workers or config.registry else partial(model_names, config.models_dir)
     tenancy = Tenancy(clock, gateway_metrics, config.tenants_file, await _shared_limits(config),
-                      limits_clock=WallClock())
+                      limits_clock=WallClock(), known_models=known_models)
     tracing = tracing_from_environment(clock)
     cache = await _result_cache(config.cache, clock, gateway_metrics)
     gateway = Gateway(clock, gateway_metrics, GatewayConfig(prefix_affinity=config.prefix_affinity), tenancy=tenancy,

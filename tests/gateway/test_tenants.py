@@ -70,6 +70,10 @@ def test_metrics_are_open_unless_the_file_lists_metrics_keys(tmp_path: Path):
     ("[tenants.a]\ncredit_period_s = nan\n", "credit_period_s must be a number"),
     ("[tenants.a]\ncredits_device_s = 1e400\n", "credits_device_s must be a number"),
     ("[tenants.a]\nweight = inf\n", "weight must be a number"),
+    ("[tenants.a]\nweight = 0\n", r"\[tenants.a\]: weight must be a number > 0 \(a share of the devices"),
+    ("[admin]\napi_key = ['sha256:" + "0" * 64 + "']\n[tenants.a]\n",
+     r"\[admin\]: unknown field\(s\) \['api_key'\]; expected api_keys"),
+    ("[tenants.a]\napi_keys = ['sha256:" + "z" * 64 + "']\n", r"api_keys: keys are stored as 'sha256:<64 hex digits>'"),
 ])
 def test_a_bad_tenants_file_is_refused_with_the_reason(tmp_path: Path, body: str, message: str):
     path = tmp_path / "tenants.toml"
@@ -178,3 +182,13 @@ def test_keys_create_admin_on_a_file_the_server_would_refuse_says_why(tmp_path: 
     assert result.exit_code == 0
     assert "unknown field(s) ['weigth']" in result.output
     assert "needs at least one tenant" not in result.output
+
+
+def test_a_tenant_may_name_only_models_the_repository_has(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.a]\nmodels = ['minilm']\n[tenants.b]\nmodels = ['minlm', 'tiny-lm']\n")
+    with pytest.raises(ConfigError) as caught:
+        load_tenants(path, known_models={"minilm", "tiny-lm"})
+    assert caught.value.message == (f"{path}: [tenants.b] models: the model repository has no model 'minlm' "
+                                    "(it has minilm, tiny-lm)")
+    assert load_tenants(path).tenants["b"].models == {"minlm", "tiny-lm"}  # a cluster's gateway cannot tell

@@ -451,6 +451,34 @@ def test_a_bad_reload_keeps_the_old_tenants_serving_and_says_so_in_a_log_line_an
     assert _sample(scrape(server).text, "sluice_tenants_reload_failed") == 0
 
 
+def test_a_tenant_naming_a_model_the_repository_lacks_is_refused_at_start_and_on_reload(server, tenants_file: Path,
+                                                                                        tmp_path: Path):
+    import subprocess
+    import sys
+
+    typo = "\n[tenants.typo]\nmodels = ['emulatd']\n"
+    bad = tmp_path / "tenants.toml"
+    bad.write_text(TENANTS + typo)
+    repo = tmp_path / "repo"
+    for name in ("emulated", "slow", "crawl", "tiny-lm"):  # the models the other tenants name
+        write_emulated_model(repo, name)
+    started = subprocess.run([sys.executable, "-m", "sluice", "serve", "--models", str(repo), "--port", "0",
+                              "--tenants", str(bad)], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 1
+    assert started.stderr.strip() == (f"Error: {bad}: [tenants.typo] models: the model repository has no model "
+                                      "'emulatd' (it has crawl, emulated, slow, tiny-lm)")
+
+    good = tenants_file.read_text()
+    try:
+        tenants_file.write_text(good + typo)
+        answer = httpx.post(f"{server.url}/admin/reload", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert answer.status_code == 400
+        assert "[tenants.typo] models: the model repository has no model 'emulatd'" in answer.json()["error"]["message"]
+        assert embed(server, "beta").status_code == 200  # the old tenants still serve
+    finally:
+        tenants_file.write_text(good)
+
+
 def test_a_stream_carries_the_tenants_rate_limit_headers(server):
     with sdk(server, KEYS["stream"]) as client, client.completions.with_streaming_response.create(
             model="tiny-lm", prompt="hi", max_tokens=3, stream=True) as response:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,14 +61,18 @@ class TenantUsage:
 
 class Tenancy:
     def __init__(self, clock: Clock, metrics: GatewayMetrics, path: Path | None = None,
-                 shared: SharedLimiter | None = None, *, limits_clock: Clock | None = None) -> None:
+                 shared: SharedLimiter | None = None, *, limits_clock: Clock | None = None,
+                 known_models: Callable[[], Collection[str]] | None = None) -> None:
         """`limits_clock`: the clock of the rate buckets and budget periods (default `clock`); a
-        server gives it the wall clock, so that budget periods start on calendar boundaries."""
+        server gives it the wall clock, so that budget periods start on calendar boundaries.
+        `known_models`: the models the file's `models` may name, read at start and at each reload
+        (the model repository's); None: any."""
+        self._known_models = known_models
         self._metrics = metrics
         self._shared = shared
         """Limits kept in Redis for every gateway; None: this gateway's own (`limiter`)."""
         self._last_shared_warning_at = -math.inf
-        self.directory = load_tenants(path) if path is not None else TenantDirectory.open()
+        self.directory = self._load(path) if path is not None else TenantDirectory.open()
         self.limiter = TenantLimiter(limits_clock or clock)
         self.limiter.configure(self.directory.tenants.values())
         self._listeners: list[Callable[[dict[str, float]], None]] = []
@@ -93,7 +97,7 @@ class Tenancy:
         if self.directory.path is None:
             return self.directory
         try:
-            directory = load_tenants(self.directory.path)
+            directory = self._load(self.directory.path)
         except ConfigError as exc:
             self._metrics.tenants_reloaded(False)
             log.error("tenants file not reloaded, the previous one stays in force: %s", exc.message)
@@ -105,6 +109,9 @@ class Tenancy:
         self._metrics.tenants_reloaded(True)
         log.info("tenants file %s reloaded: %d tenants", directory.path, len(directory.tenants))
         return directory
+
+    def _load(self, path: Path) -> TenantDirectory:
+        return load_tenants(path, None if self._known_models is None else self._known_models())
 
     # -- who is calling ------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import hmac
 import math
 import secrets
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,10 @@ def hash_key(key: str) -> str:
     return _HASH_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def load_tenants(path: Path) -> TenantDirectory:
+def load_tenants(path: Path, known_models: Collection[str] | None = None) -> TenantDirectory:
+    """The tenants file at `path`, or a `ConfigError` naming the file, the tenant and the field
+    that is wrong. `known_models`: the models a tenant's `models` may name (the repository's);
+    None: any (a gateway in front of workers started elsewhere does not know them)."""
     try:
         raw = tomllib.loads(path.read_text())
     except OSError as exc:
@@ -154,6 +157,8 @@ def load_tenants(path: Path) -> TenantDirectory:
         raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; expected [admin], [metrics] and "
                           "[tenants.NAME]")
     admin = _table(raw.get("admin", {}), f"{path}: [admin]")
+    if set(admin) - {"api_keys"}:  # a misspelt `api_keys` would leave the admin locked out, saying nothing
+        raise ConfigError(f"{path}: [admin]: unknown field(s) {sorted(set(admin) - {'api_keys'})}; expected api_keys")
     admin_hashes = frozenset(_key_hashes(admin.get("api_keys", []), f"{path}: [admin] api_keys"))
     metrics_hashes = _metrics_keys(_table(raw.get("metrics", {}), f"{path}: [metrics]"), f"{path}: [metrics]")
     tenants_raw = _table(raw.get("tenants", {}), f"{path}: [tenants]")
@@ -161,6 +166,8 @@ def load_tenants(path: Path) -> TenantDirectory:
                for name, body in tenants_raw.items()}
     if not tenants:
         raise ConfigError(f"{path} defines no tenants; add a [tenants.NAME] table")
+    if known_models is not None:
+        _check_models(tenants.values(), known_models, path)
     return TenantDirectory.build(tenants, admin_hashes, path, metrics_hashes)
 
 
@@ -198,7 +205,7 @@ def _tenant(name: str, body: dict[str, Any], path: Path) -> Tenant:
         raise ConfigError(f"{where}: models must be a list of model names")
     return Tenant(
         name=name,
-        weight=_number(body, "weight", 1.0, where, minimum=1e-6),
+        weight=_weight(body, where),
         priority=Priority.STANDARD if parsed is None else parsed,
         requests_per_min=_number(body, "requests_per_min", 0.0, where),
         tokens_per_min=_number(body, "tokens_per_min", 0.0, where),
@@ -208,6 +215,26 @@ def _tenant(name: str, body: dict[str, Any], path: Path) -> Tenant:
         models=None if models is None else frozenset(models),
         key_hashes=tuple(_key_hashes(body.get("api_keys", []), f"{where} api_keys")),
     )
+
+
+def _weight(body: dict[str, Any], where: str) -> float:
+    """A share of the devices: a finite number above 0 (a tenant of weight 0 would never be served)."""
+    weight = body.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+        raise ConfigError(f"{where}: weight must be a number > 0 (a share of the devices relative to the other "
+                          f"tenants'), got {weight!r}")
+    return float(weight)
+
+
+def _check_models(tenants: Iterable[Tenant], known_models: Collection[str], path: Path) -> None:
+    """A tenant's `models` naming a model the repository does not have is a mistake (a misspelt
+    name would leave the tenant refused the model it was meant to use, with a 403 that does not
+    say why)."""
+    for tenant in tenants:
+        unknown = sorted((tenant.models or frozenset()) - set(known_models))
+        if unknown:
+            raise ConfigError(f"{path}: [tenants.{tenant.name}] models: the model repository has no model "
+                              f"{', '.join(map(repr, unknown))} (it has {', '.join(sorted(known_models)) or 'none'})")
 
 
 def _table(value: Any, where: str) -> dict[str, Any]:
@@ -234,8 +261,11 @@ def _key_hashes(values: Any, where: str) -> list[str]:
         raise ConfigError(f"{where} must be a list")
     hashes = []
     for value in values:
-        if not (isinstance(value, str) and value.startswith(_HASH_PREFIX) and len(value) == len(_HASH_PREFIX) + 64):
-            raise ConfigError(f"{where}: keys are stored as 'sha256:<64 hex digits>' "
+        if not (isinstance(value, str) and value.startswith(_HASH_PREFIX) and len(value) == len(_HASH_PREFIX) + 64
+                and all(c in "0123456789abcdefABCDEF" for c in value[len(_HASH_PREFIX):])):
+            shown = f" ({value[:len(_HASH_PREFIX) + 8]}...)" if isinstance(value, str) and value.startswith(
+                _HASH_PREFIX) else ""
+            raise ConfigError(f"{where}: keys are stored as 'sha256:<64 hex digits>'{shown} "
                               "(use `sluice keys create`), never in plain text")
         hashes.append(value.lower())
     return hashes
