@@ -285,6 +285,29 @@ def test_the_admin_loads_models_over_grpc(client):
     assert caught.value.status() == "StatusCode.NOT_FOUND"
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_admin_who_loads_models_reads_every_models_index_and_statistics(server, protocol):
+    """README: admin keys load and unload models and read the model statistics: with `/metrics`
+    open (no `[metrics]` section) too, and the repository index of what they load, every model's."""
+    import tritonclient.http as triton_http
+
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    sdk = triton.InferenceServerClient(f"127.0.0.1:{server[1]}") if protocol == "grpc" else \
+        triton_http.InferenceServerClient(server[0].url.removeprefix("http://"))
+    try:
+        index = sdk.get_model_repository_index(headers=admin)
+        names = {m.name for m in index.models} if protocol == "grpc" else {m["name"] for m in index}
+        assert names == {"emulated", "slow", "tight", "minilm"}  # beta's key sees emulated alone
+        statistics = sdk.get_inference_statistics(headers=admin)
+        stats = statistics.model_stats if protocol == "grpc" else statistics["model_stats"]
+        seen = {s.name for s in stats} if protocol == "grpc" else {s["name"] for s in stats}
+        assert seen >= {"emulated", "slow", "tight", "minilm"}
+        one = sdk.get_inference_statistics("slow", headers=admin)
+        assert len(one.model_stats if protocol == "grpc" else one["model_stats"]) == 1
+    finally:
+        sdk.close()
+
+
 def test_a_rate_limited_tenant_gets_resource_exhausted_with_retry_metadata(stub):
     metadata = tuple(auth("tiny").items())
     codes = []

@@ -9,7 +9,9 @@ different keys, as when a proxy adds its own) is refused with 400: which one cou
 server to guess.
 Health probes need no key; `/metrics` checks its own (`[metrics]` in the tenants file), and under
 `[metrics] access = "keys"` so do the model statistics (`/v2/models[/{m}[/versions/{v}]]/stats`),
-which show every tenant's traffic: a metrics or admin key then reads them, for every model. Without
+which show every tenant's traffic: a metrics or admin key then reads them, for every model. An
+admin key reads them and the repository index (`/v2/repository/index`) in any case, for every
+model: it loads and unloads them. Without
 a tenants file every request is the local tenant's and no key is asked for. A scope that already
 names a tenant was built in-process (a batch job's item, run for the job's owner) and is left as
 it is: clients cannot set scope keys.
@@ -76,9 +78,18 @@ def check_admin(key: str | None, tenancy: Tenancy) -> None:
 def statistics_reader(key: str | None, tenancy: Tenancy) -> str | None:
     """Who reads the model statistics presenting `key`: under `[metrics] access = "keys"` only a
     metrics or admin key may (else its 401/403, as `/metrics`), and it sees every model (None);
-    otherwise the key's tenant (`inference_tenant`), which sees the models it may use."""
+    otherwise as `listing_reader`."""
     if tenancy.guards_metrics:
         tenancy.check_scrape(key, "model statistics")
+        return None
+    return listing_reader(key, tenancy)
+
+
+def listing_reader(key: str | None, tenancy: Tenancy) -> str | None:
+    """Who reads a listing of the models (the repository index, the model statistics) presenting
+    `key`: an admin key, which loads and unloads them, sees every model (None); a tenant's key, the
+    models it may use (`inference_tenant`: 401 for no key or an unknown one)."""
+    if tenancy.is_admin(key):
         return None
     return inference_tenant(key, tenancy)
 
@@ -86,6 +97,9 @@ def statistics_reader(key: str | None, tenancy: Tenancy) -> str | None:
 def is_statistics_path(path: str) -> bool:
     """`/v2/models/stats`, `/v2/models/{m}/stats` or `/v2/models/{m}/versions/{v}/stats` (`api.triton`)."""
     return path.startswith("/v2/models/") and path.endswith("/stats")
+
+
+INDEX_PATH = "/v2/repository/index"
 
 
 def inference_tenant(key: str | None, tenancy: Tenancy) -> str:
@@ -121,9 +135,13 @@ def authenticate(scope: Scope, tenancy: Tenancy) -> None:
         return
     key = presented_key(scope)
     is_admin_route = scope["path"].startswith(_ADMIN_PATHS)
-    if tenancy.guards_metrics and is_statistics_path(scope["path"]):
-        statistics_reader(key, tenancy)
-        scope[MONITOR_SCOPE_KEY] = True
+    path = scope["path"]
+    if not tenancy.is_open and (is_statistics_path(path) or path == INDEX_PATH):
+        reader = statistics_reader(key, tenancy) if is_statistics_path(path) else listing_reader(key, tenancy)
+        if reader is None:
+            scope[MONITOR_SCOPE_KEY] = True  # every model
+        else:
+            scope[TENANT_SCOPE_KEY] = reader
         return
     if tenancy.is_open:
         scope[TENANT_SCOPE_KEY] = ""

@@ -167,7 +167,8 @@ TENANT_SCOPE_KEY = "sluice.tenant"
 """ASGI scope key holding the authenticated tenant's name, set by the auth middleware (or, for
 batch-job items run in-process, by the job executor). Never read from a client header."""
 MONITOR_SCOPE_KEY = "sluice.monitor"
-"""Set on a statistics request read with a metrics or admin key (`auth.statistics_reader`): it sees every model."""
+"""Set on a statistics or repository index request read with a metrics or admin key
+(`auth.statistics_reader`, `auth.listing_reader`): it sees every model."""
 BACKGROUND_SCOPE_KEY = "sluice.background"
 """Set in the ASGI scope by the batch-job executor (never from a client's request): the request is
 a job's item, which yields to online work on the device."""

@@ -49,7 +49,7 @@ from google.protobuf.message import Message
 from sluice import __version__, wire
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.app import request_id_for
-from sluice.api.auth import check_admin, inference_tenant, key_among, statistics_reader
+from sluice.api.auth import check_admin, inference_tenant, key_among, listing_reader, statistics_reader
 from sluice.api.classification import PARAMETER as CLASSIFICATION
 from sluice.api.classification import class_counts
 from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
@@ -277,7 +277,8 @@ class KServeGrpc:
         return json_format.ParseDict(statistics, MESSAGES["ModelStatisticsResponse"]())
 
     async def repository_index(self, request: Any, call: _Call) -> Message:
-        index = self._as_tenant(call, lambda tenant: repository_index_of(self._gateway, tenant, request.ready))
+        reader = call.tenant = listing_reader(call.key, self._gateway.tenancy)  # an admin key's sees every model
+        index = repository_index_of(self._gateway, reader, request.ready)
         return json_format.ParseDict({"models": index}, MESSAGES["RepositoryIndexResponse"]())
 
     async def repository_model_load(self, request: Any, call: _Call) -> Message:

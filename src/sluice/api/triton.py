@@ -117,12 +117,13 @@ def statistics_of(gateway: Gateway, tenant: str | None, name: str | None, versio
     return {"model_stats": [gateway.statistics.snapshot(model, v) for model, v in ordered]}
 
 
-def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list[dict[str, str]]:
-    """Triton's repository index: each model version the tenant may use, `READY` when a ready
-    worker serves it, `UNAVAILABLE` (with the reason) when it failed to load, was unloaded, or its
-    workers are being restarted, `LOADING` while a worker loads it, or the repository's version has
-    no worker yet."""
-    caller = gateway.tenancy.tenant(tenant)
+def repository_index_of(gateway: Gateway, tenant: str | None, ready_only: bool) -> list[dict[str, str]]:
+    """Triton's repository index: each model version the tenant may use (`tenant` None: an admin
+    key's reader, `auth.listing_reader`, who sees every model), `READY` when a ready worker serves
+    it, `UNAVAILABLE` (with the reason) when it failed to load, was unloaded, or its workers are
+    being restarted, `LOADING` while a worker loads it, or the repository's version has no worker
+    yet."""
+    caller = None if tenant is None else gateway.tenancy.tenant(tenant)
     ready = gateway.models()
     states: dict[tuple[str, str], tuple[str, str]] = {}
     for model, version in gateway.expected_versions:
@@ -142,7 +143,7 @@ def repository_index_of(gateway: Gateway, tenant: str, ready_only: bool) -> list
         states.setdefault((model, version), ("UNAVAILABLE", "loaded on demand, by its first inference request"))
     index = []
     for (model, version), (state, reason) in sorted(states.items(), key=lambda kv: (kv[0][0], version_order(kv[0][1]))):
-        if caller.may_use(model) and (state == "READY" or not ready_only):
+        if (caller is None or caller.may_use(model)) and (state == "READY" or not ready_only):
             index.append({"name": model, "version": version, "state": state, "reason": reason})
     return index
 
@@ -187,7 +188,8 @@ def routes(gateway: Gateway) -> list[Route]:
     async def index(request: Request) -> Response:
         body = await read_body(request, 4096)
         options = decode_json(body, _IndexRequest) if body.strip() else _IndexRequest()
-        return json_response(repository_index_of(gateway, request_tenant(request), options.ready))
+        reader = None if request.scope.get(MONITOR_SCOPE_KEY) else request_tenant(request)
+        return json_response(repository_index_of(gateway, reader, options.ready))
 
     def loader(*, unload: bool) -> Callable[[Request], Awaitable[Response]]:
         async def load(request: Request) -> Response:
