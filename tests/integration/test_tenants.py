@@ -150,8 +150,23 @@ def test_health_needs_no_key_and_metrics_a_metrics_or_admin_key(server):
     for key in (METRICS_KEY, ADMIN_KEY):
         answer = scrape(server, key)
         assert answer.status_code == 200 and "# HELP sluice_" in answer.text
-    with sdk(server, METRICS_KEY) as client, pytest.raises(openai.AuthenticationError):
+    with sdk(server, METRICS_KEY) as client, pytest.raises(openai.PermissionDeniedError) as caught:
         client.embeddings.create(model="emulated", input="hi")  # a metrics key runs nothing
+    assert caught.value.body["message"] == (  # type: ignore[index]
+        "a metrics key reads /metrics and the model statistics, nothing else")
+
+
+def test_a_metrics_key_elsewhere_is_403_for_what_it_may_not_do_not_401_not_valid(server):
+    """A key that is valid but for something else: an operator told "the API key is not valid"
+    would look for a typo in a key that is right."""
+    metrics = {"Authorization": f"Bearer {METRICS_KEY}"}
+    for method, path in (("GET", "/admin/tenants"), ("POST", "/admin/reload"), ("GET", "/v1/models"),
+                         ("POST", "/v2/repository/models/emulated/load")):
+        answer = httpx.request(method, f"{server.url}{path}", headers=metrics)
+        assert answer.status_code == 403, (path, answer.text)
+        error = answer.json()["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert message == "a metrics key reads /metrics and the model statistics, nothing else"
 
 
 def test_model_statistics_need_a_metrics_or_admin_key_like_metrics_on_http_and_grpc(server, grpc_port):

@@ -122,6 +122,8 @@ class Tenancy:
             raise Unauthenticated("this server needs an API key: send 'Authorization: Bearer <key>'")
         tenant = self.directory.tenant_for_key(key)
         if tenant is None:
+            if self.directory.is_metrics_key(key):  # a valid key, for something else: not a 401
+                raise PermissionDenied("a metrics key reads /metrics and the model statistics, nothing else")
             raise Unauthenticated("the API key is not valid")
         return tenant
 

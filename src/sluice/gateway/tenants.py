@@ -100,6 +100,10 @@ class TenantDirectory:
     def is_admin_key(self, key: str) -> bool:
         return _is_listed(key, self.admin_hashes)
 
+    def is_metrics_key(self, key: str) -> bool:
+        """A `[metrics]` key: it reads `/metrics` (and the model statistics) and nothing else."""
+        return self.metrics_hashes is not None and _is_listed(key, self.metrics_hashes)
+
     def may_scrape(self, key: str | None) -> bool:
         """Whether a request presenting `key` may read `/metrics`."""
         if self.metrics_hashes is None:
