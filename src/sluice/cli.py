@@ -489,6 +489,44 @@ def create_key(tenant: str | None, tenants_file: Path, is_admin: bool, is_metric
             click.echo(f"Note: {exc.message}. {needs}.", err=True)
 
 
+_TENANTS_FILE = click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, path_type=Path),
+                             default=Path("tenants.toml"), show_default=True, help="The tenants file.")
+
+
+@keys.command("list")
+@_TENANTS_FILE
+def list_keys(tenants_file: Path) -> None:
+    """Each key in the tenants file: who it belongs to and the start of its hash (the keys
+    themselves are not stored anywhere)."""
+    from sluice.gateway.keyfile import list_keys as stored_keys
+
+    try:
+        found = stored_keys(tenants_file)
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from exc
+    for stored in found:
+        click.echo(f"{stored.owner:<30} {stored.digest[:23]}")
+    if not found:
+        click.echo(f"{tenants_file} lists no keys", err=True)
+
+
+@keys.command("revoke")
+@click.argument("key")
+@_TENANTS_FILE
+def revoke_key(key: str, tenants_file: Path) -> None:
+    """Take KEY out of the tenants file: the key itself, or its hash as `sluice keys list` shows it
+    (sha256: and at least 8 hex digits). A running server stops taking it at its next reload
+    (SIGHUP, or POST /admin/reload)."""
+    from sluice.gateway.keyfile import revoke_key as revoke
+
+    try:
+        revoked = revoke(tenants_file, key)
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from exc
+    click.echo(f"Revoked the key {revoked.digest[:23]} ({revoked.owner}) in {tenants_file}. A running server "
+               "stops taking it when it reloads the file (SIGHUP, or POST /admin/reload).", err=True)
+
+
 def _advertised(bind: str, advertise: str | None, registry: str | None) -> str | None:
     """The address to register: --advertise, else --bind's unless it names no reachable host."""
     if advertise or registry is None:

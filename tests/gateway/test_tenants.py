@@ -192,3 +192,30 @@ def test_a_tenant_may_name_only_models_the_repository_has(tmp_path: Path):
     assert caught.value.message == (f"{path}: [tenants.b] models: the model repository has no model 'minlm' "
                                     "(it has minilm, tiny-lm)")
     assert load_tenants(path).tenants["b"].models == {"minlm", "tiny-lm"}  # a cluster's gateway cannot tell
+
+
+def test_keys_list_shows_whose_each_key_is_and_revoke_takes_the_key_or_its_hash(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("# our teams\n[tenants.acme]\nweight = 2  # twice the others\n")
+    first, second = add_key(path, "acme"), add_key(path, "acme")
+    admin = add_key(path, None)
+    listed = _sluice("keys", "list", "--tenants", str(path)).communicate(timeout=120)[0].splitlines()
+    assert [line.split() for line in listed] == [["admin", hash_key(admin)[:23]],
+                                                ["tenant", "acme", hash_key(first)[:23]],
+                                                ["tenant", "acme", hash_key(second)[:23]]]
+
+    by_hash = _sluice("keys", "revoke", hash_key(first)[:23], "--tenants", str(path))
+    _, said = by_hash.communicate(timeout=120)
+    assert by_hash.returncode == 0 and f"Revoked the key {hash_key(first)[:23]} (tenant acme)" in said
+    assert load_tenants(path).tenant_for_key(first) is None
+    assert load_tenants(path).tenant_for_key(second) is not None
+    by_key = _sluice("keys", "revoke", admin, "--tenants", str(path))
+    assert by_key.wait(timeout=120) == 0 and not load_tenants(path).is_admin_key(admin)
+    assert "# twice the others" in path.read_text()  # the file's comments stay
+
+    again = _sluice("keys", "revoke", first, "--tenants", str(path))
+    _, said = again.communicate(timeout=120)
+    assert again.returncode == 1 and f"Error: {path} lists no such key" in said
+    too_short = _sluice("keys", "revoke", "sha256:0", "--tenants", str(path))
+    _, said = too_short.communicate(timeout=120)
+    assert too_short.returncode == 1 and "at least 8 hex digits" in said and "Traceback" not in said

@@ -494,6 +494,24 @@ def test_a_tenant_naming_a_model_the_repository_lacks_is_refused_at_start_and_on
         tenants_file.write_text(good)
 
 
+def test_a_revoked_key_stops_working_at_the_reload_and_the_tenants_other_keys_go_on(server, tenants_file: Path):
+    import subprocess
+    import sys
+
+    leaked, kept = add_key(tenants_file, "delta"), add_key(tenants_file, "delta")
+    server.process.send_signal(signal.SIGHUP)
+    eventually(lambda: httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {leaked}"})
+               .status_code == 200, "the new keys taken")
+    revoked = subprocess.run([sys.executable, "-m", "sluice", "keys", "revoke", leaked, "--tenants",
+                              str(tenants_file)], capture_output=True, text=True, timeout=120)
+    assert revoked.returncode == 0, revoked.stderr
+    server.process.send_signal(signal.SIGHUP)
+    eventually(lambda: httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {leaked}"})
+               .status_code == 401, "the revoked key refused")
+    with sdk(server, kept) as client:
+        assert client.embeddings.create(model="emulated", input="hi").data
+
+
 def test_a_stream_carries_the_tenants_rate_limit_headers(server):
     with sdk(server, KEYS["stream"]) as client, client.completions.with_streaming_response.create(
             model="tiny-lm", prompt="hi", max_tokens=3, stream=True) as response:

@@ -48,7 +48,7 @@ from sluice.priority import Priority, parse_priority
 __all__ = ["LOCAL_TENANT", "Tenant", "TenantDirectory", "hash_key", "load_tenants", "new_key"]
 
 KEY_PREFIX = "sk-sluice-"
-_HASH_PREFIX = "sha256:"
+HASH_PREFIX = "sha256:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,7 @@ def new_key() -> str:
 
 
 def hash_key(key: str) -> str:
-    return _HASH_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return HASH_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def load_tenants(path: Path, known_models: Collection[str] | None = None) -> TenantDirectory:
@@ -265,10 +265,10 @@ def _key_hashes(values: Any, where: str) -> list[str]:
         raise ConfigError(f"{where} must be a list")
     hashes = []
     for value in values:
-        if not (isinstance(value, str) and value.startswith(_HASH_PREFIX) and len(value) == len(_HASH_PREFIX) + 64
-                and all(c in "0123456789abcdefABCDEF" for c in value[len(_HASH_PREFIX):])):
-            shown = f" ({value[:len(_HASH_PREFIX) + 8]}...)" if isinstance(value, str) and value.startswith(
-                _HASH_PREFIX) else ""
+        if not (isinstance(value, str) and value.startswith(HASH_PREFIX) and len(value) == len(HASH_PREFIX) + 64
+                and all(c in "0123456789abcdefABCDEF" for c in value[len(HASH_PREFIX):])):
+            shown = f" ({value[:len(HASH_PREFIX) + 8]}...)" if isinstance(value, str) and value.startswith(
+                HASH_PREFIX) else ""
             raise ConfigError(f"{where}: keys are stored as 'sha256:<64 hex digits>'{shown} "
                               "(use `sluice keys create`), never in plain text")
         hashes.append(value.lower())
