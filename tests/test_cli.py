@@ -53,13 +53,19 @@ def test_models_status_takes_its_admin_key_from_its_own_variable(make_server: Ca
                                                                  tmp_path: Path) -> None:
     from sluice.gateway.tenants import hash_key, new_key
 
-    admin_key = new_key()
+    admin_key, tenant_key = new_key(), new_key()
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'[admin]\napi_keys = ["{hash_key(admin_key)}"]\n[tenants.a]\napi_keys = []\n')
+    tenants.write_text(f'[admin]\napi_keys = ["{hash_key(admin_key)}"]\n[tenants.a]\n'
+                       f'api_keys = ["{hash_key(tenant_key)}"]\n')
     server = make_server(emulated_repo(alpha_ms=2, beta_ms=0.1), "--tenants", str(tenants))
     runner = CliRunner(env={"SLUICE_ADMIN_KEY": None, "SLUICE_MODELS_STATUS_ADMIN_KEY": None})
     refused = runner.invoke(main, ["models", "status", "--url", server.url])
     assert refused.exit_code == 1 and "401" in refused.output  # the server asks for the key
+    hint = "give an admin key (`sluice keys create --admin`) with --admin-key or $SLUICE_ADMIN_KEY"
+    assert hint in refused.output  # not "send 'Authorization: Bearer <key>'", which a command line user cannot
+    a_tenants = runner.invoke(main, ["models", "status", "--url", server.url, "--admin-key", tenant_key])
+    assert a_tenants.exit_code == 1 and "403: this route needs an admin key" in a_tenants.output
+    assert hint in a_tenants.output
     answered = runner.invoke(main, ["models", "status", "--url", server.url],
                              env={"SLUICE_MODELS_STATUS_ADMIN_KEY": admin_key})
     assert answered.exit_code == 0, answered.output

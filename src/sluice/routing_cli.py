@@ -45,7 +45,9 @@ def admin_call(url: str, admin_key: str | None, method: str, path: str, body: ob
             message = error if isinstance(error, str) else error["message"]
         except (ValueError, KeyError, TypeError):
             message = exc.reason
-        raise click.ClickException(f"{exc.code}: {message}") from None
+        hint = ("; give an admin key (`sluice keys create --admin`) with --admin-key or $SLUICE_ADMIN_KEY"
+                if exc.code in (401, 403) else "")
+        raise click.ClickException(f"{exc.code}: {message}{hint}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
             raise click.ClickException(f"{url} did not answer within {timeout_s:g} s: what was asked may still be "
