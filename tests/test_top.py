@@ -205,3 +205,13 @@ def test_sluice_top_shows_requests_being_batched_on_a_real_server(make_server, e
 def test_sluice_top_says_why_when_it_cannot_read_the_server():
     shown = top_once(f"http://127.0.0.1:{free_port()}", "--interval", "0.1")
     assert shown.returncode == 1 and "cannot reach http://127.0.0.1:" in shown.stderr
+
+
+def test_live_sluice_top_exits_saying_why_when_its_first_reading_fails_rather_than_retrying_forever():
+    """Nothing was ever read there (no server, a wrong URL): waiting cannot help. As typed, with
+    no --once (stdout is a pipe here, so rich draws no live screen)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    run = subprocess.run([sys.executable, "-m", "sluice", "top", "--url", url, "--interval", "0.1"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"Error: cannot reach {url}: " in run.stderr

@@ -443,11 +443,11 @@ def top(url: str, key: str | None, interval_s: float, once: bool, as_json: bool,
     except ssl.SSLError as exc:
         raise click.BadParameter(f"{ca_certs} holds no PEM certificate that can be read ({exc.reason})",
                                  param_hint="--ca-certs") from None
-    if not once:
-        watch_live(url, key, interval_s, tls)
-        return
     try:
-        print_once(url, key, interval_s, tls, as_json=as_json)
+        if once:
+            print_once(url, key, interval_s, tls, as_json=as_json)
+        else:
+            watch_live(url, key, interval_s, tls)
     except TopError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -42,6 +42,11 @@ from sluice.exposition import Scrape, histogram_quantile
 class TopError(Exception):
     """The server could not be read (unreachable, refused the key, not a sluice server)."""
 
+    def __init__(self, message: str, *, is_refusal: bool = False) -> None:
+        super().__init__(message)
+        self.is_refusal = is_refusal
+        """The server refused the key (401/403): reading again cannot help."""
+
 
 def _increase(before: float, after: float) -> float:
     return after - before if after >= before else after  # a counter that went down restarted from 0
@@ -320,8 +325,9 @@ def fetch(url: str, key: str | None, tls: ssl.SSLContext | None = None, timeout_
         with urllib.request.urlopen(request, timeout=timeout_s, context=tls) as answer:
             text = answer.read().decode()
     except urllib.error.HTTPError as exc:
-        hint = " (pass a metrics or admin key with --key)" if exc.code in (401, 403) else ""
-        raise TopError(f"{url}/metrics answered {exc.code} {exc.reason}{hint}") from None
+        refused = exc.code in (401, 403)
+        hint = " (pass a metrics or admin key with --key)" if refused else ""
+        raise TopError(f"{url}/metrics answered {exc.code} {exc.reason}{hint}", is_refusal=refused) from None
     except (urllib.error.URLError, OSError) as exc:
         raise TopError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
     except ValueError as exc:  # a URL that cannot be sent
@@ -350,11 +356,15 @@ def print_once(url: str, key: str | None, interval_s: float, tls: ssl.SSLContext
 
 
 def watch_live(url: str, key: str | None, interval_s: float, tls: ssl.SSLContext | None = None) -> None:
-    """A view every `interval_s`, redrawn in place until interrupted (an error is shown, and
-    reading goes on)."""
+    """A view every `interval_s`, redrawn in place until interrupted. `TopError` if the first
+    scrape fails (a server that is not there, a wrong URL or key: nothing to wait for), or if one
+    is refused for its key; any other error after a good scrape is shown, and reading goes on (a
+    server restarting)."""
     with Live(f"reading {url}/metrics every {interval_s:g} s ...", auto_refresh=False) as live:
         try:
-            for current in watch(url, key, interval_s, tls):
+            for num_read, current in enumerate(watch(url, key, interval_s, tls)):
+                if isinstance(current, TopError) and (num_read == 0 or current.is_refusal):
+                    raise current
                 live.update(f"{current} (retrying)" if isinstance(current, TopError) else render(url, current),
                             refresh=True)
         except KeyboardInterrupt:

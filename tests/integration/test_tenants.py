@@ -216,6 +216,12 @@ def test_sluice_top_shows_each_tenant_with_a_metrics_key_and_says_when_it_needs_
 
     refused = top_once(server.url, "--interval", "0.1")
     assert refused.returncode == 1 and "401" in refused.stderr and "--key" in refused.stderr
+    import subprocess
+    import sys
+
+    live = subprocess.run([sys.executable, "-m", "sluice", "top", "--url", server.url, "--interval", "0.1", "--key",
+                           KEYS["alpha"]], capture_output=True, text=True, timeout=60)  # as typed: no --once
+    assert live.returncode == 1 and "answered 403" in live.stderr and "--key" in live.stderr
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         shown = pool.submit(top_once, server.url, "--json", "--interval", "1", "--key", METRICS_KEY)
         texts = (f"top {n}" for n in itertools.count())  # never the same: a cached answer uses no device
