@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sluice.errors import ConfigError
-from sluice.gateway.keyfile import add_key
+from sluice.gateway.keyfile import add_key, revoke_key
 from sluice.gateway.tenants import hash_key, load_tenants
 from sluice.priority import Priority
 
@@ -219,3 +219,17 @@ def test_keys_list_shows_whose_each_key_is_and_revoke_takes_the_key_or_its_hash(
     too_short = _sluice("keys", "revoke", "sha256:0", "--tenants", str(path))
     _, said = too_short.communicate(timeout=120)
     assert too_short.returncode == 1 and "at least 8 hex digits" in said and "Traceback" not in said
+
+
+def test_keys_create_and_revoke_change_the_file_a_link_points_to(tmp_path: Path):
+    """`sluice serve --tenants link` reads the file the link points to (as a mounted secret's
+    `..data` link does): the key must land there, and the link stay a link."""
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "tenants.toml"
+    target.write_text("[tenants.acme]\n")
+    link = tmp_path / "tenants.toml"
+    link.symlink_to(target)
+    key = add_key(link, "acme")
+    assert link.is_symlink() and load_tenants(target).tenant_for_key(key) is not None
+    revoke_key(link, key)
+    assert link.is_symlink() and load_tenants(target).tenant_for_key(key) is None

@@ -45,6 +45,7 @@ class StoredKey:
 def add_key(path: Path, tenant: str | None, *, metrics: bool = False) -> str:
     """Create a key for `tenant` (None: an admin key, or with `metrics` a key that may only read
     `/metrics`, which then needs one), adding the tenant if it is new."""
+    path = _target(path)
     with _locked(path):
         document = _read(path)
         key = new_key()
@@ -66,6 +67,7 @@ def revoke_key(path: Path, key_or_hash: str) -> StoredKey:
     """Take a key out of the tenants file: given as the key itself, or as its stored hash or the
     start of it (`sha256:` and at least 8 hex digits, naming one key only). Returns what it was;
     `ConfigError` if the file lists no such key. The server stops taking it at its next reload."""
+    path = _target(path)
     if not path.exists():
         raise ConfigError(f"cannot read tenants file {path}: No such file or directory")
     wanted = key_or_hash.strip()
@@ -130,6 +132,12 @@ def _add_hash(document: tomlkit.TOMLDocument, tenant: str | None, metrics: bool,
         table = tenants.setdefault(tenant, tomlkit.table())
     keys = table.setdefault("api_keys", tomlkit.array())
     keys.append(digest)
+
+
+def _target(path: Path) -> Path:
+    """The file to change: a link's target (replacing the link with a file would leave the file
+    the server reads, where it points, without the change)."""
+    return path.resolve() if path.is_symlink() else path
 
 
 @contextlib.contextmanager
