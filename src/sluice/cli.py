@@ -107,6 +107,14 @@ def _tls_config(certfile: Path | None, keyfile: Path | None, ca_certs: Path | No
     return TlsConfig(certfile.resolve(), keyfile.resolve(), ca_certs.resolve() if ca_certs else None)
 
 
+def _kept_path(path: Path | None) -> Path | None:
+    """A file read again while serving (the tenants file, on SIGHUP), made absolute but not
+    resolved: through its links, as given. A Kubernetes Secret or ConfigMap volume is a link to a
+    link (`tenants.toml` -> `..data/tenants.toml`, `..data` -> `..2026_11_27_...`) whose target
+    folder is replaced, and the old one deleted, when the Secret changes."""
+    return path.absolute() if path is not None else None
+
+
 def _postgres_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None and not value.startswith(("postgresql://", "postgres://")):
         raise click.BadParameter("must be a postgresql:// URL")
@@ -169,7 +177,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
     logs.configure(log_level, on_dropped=metrics.log_lines_dropped("gateway"))
     config = ServeConfig(models_dir=(models_dir or demo_repository()).resolve(), host=host, port=port,
                          num_workers=num_workers, device=device,
-                         tenants_file=tenants_file.resolve() if tenants_file else None,
+                         tenants_file=_kept_path(tenants_file),
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
@@ -222,7 +230,7 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
     logs.configure(log_level, on_dropped=metrics.log_lines_dropped("gateway"))
     config = ServeConfig(models_dir=demo_repository(), host=host, port=port, remote_workers=workers,
                          registry=_redis_url(registry, "--registry"),
-                         tenants_file=tenants_file.resolve() if tenants_file else None,
+                         tenants_file=_kept_path(tenants_file),
                          data_dir=data_dir.resolve() if data_dir else None, jobs_db=jobs_db,
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -567,3 +568,33 @@ def test_without_a_tenants_file_the_one_tenant_is_named_as_the_metrics_name_it(d
     assert [t["name"] for t in listing.json()["data"]] == ["local"]
     reloaded = httpx.post(f"{demo_server.url}/admin/reload", timeout=30)
     assert reloaded.json() == {"reloaded": False, "tenants": ["local"]}
+
+
+def test_a_tenants_file_in_a_kubernetes_secret_volume_reloads_after_the_secret_changes(make_server, emulated_repo,
+                                                                                       tmp_path: Path):
+    """The kubelet's layout: `tenants.toml` -> `..data/tenants.toml`, `..data` -> a folder named by
+    time, which an update of the Secret replaces (a new folder, `..data` swapped, the old deleted)."""
+    import os
+
+    volume = tmp_path / "etc-sluice"
+    first_key, second_key = new_key(), new_key()
+
+    def publish(version: str, key: str) -> None:
+        folder = volume / f"..{version}"
+        folder.mkdir(parents=True)
+        (folder / "tenants.toml").write_text(f'[tenants.acme]\napi_keys = ["{hash_key(key)}"]\n')
+        (volume / "..data_tmp").symlink_to(folder.name)
+        os.replace(volume / "..data_tmp", volume / "..data")
+
+    publish("2026_11_27_10_00_00.1", first_key)
+    (volume / "tenants.toml").symlink_to("..data/tenants.toml")
+    server = make_server(emulated_repo(alpha_ms=1.0, beta_ms=0.1), "--tenants", str(volume / "tenants.toml"))
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"}).status_code == 200
+
+    publish("2026_11_27_10_05_00.2", second_key)  # the first key revoked in the Secret
+    shutil.rmtree(volume / "..2026_11_27_10_00_00.1")
+    server.process.send_signal(signal.SIGHUP)
+    eventually(lambda: httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {second_key}"})
+               .status_code == 200, "the Secret's new key taken")
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"}).status_code == 401
+    assert "not reloaded" not in server.log()
