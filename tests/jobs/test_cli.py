@@ -128,3 +128,22 @@ def test_submit_wait_exits_non_zero_unless_every_request_succeeded(make_server, 
     rejected = _submit_and_wait(server.url, tmp_path, [_embedding_line("a", model="no-such-model")])
     assert rejected.returncode == 1 and "failed" in rejected.stderr
     assert "model_not_found" in rejected.stderr  # the validation error, line by line
+
+
+def test_a_refused_key_says_which_key_to_give_and_the_servers_message_not_its_json(make_server, emulated_repo,
+                                                                                    tmp_path: Path):
+    from sluice.gateway.tenants import hash_key, new_key
+
+    admin_key = new_key()
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[admin]\napi_keys = ["{hash_key(admin_key)}"]\n[tenants.a]\napi_keys = []\n')
+    server = make_server(emulated_repo(alpha_ms=1.0, beta_ms=0.1), "--tenants", str(tenants))
+    env = {**os.environ, "SLUICE_API_KEY": "", "OPENAI_API_KEY": ""}
+    for key, said in (("", "HTTP 401: this server needs an API key"),
+                      (admin_key, "HTTP 403: an admin key manages tenants; it cannot run inference")):
+        run = subprocess.run([sys.executable, "-m", "sluice", "batch", "status", "batch_x", "--url", server.url,
+                              "--api-key", key], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.startswith(f"Error: GET /v1/batches/batch_x: {said}")
+        assert run.stderr.strip().endswith("; give a tenant's key with --api-key or $SLUICE_API_KEY")
+        assert '{"error"' not in run.stderr and "Traceback" not in run.stderr

@@ -60,8 +60,9 @@ class _Api:
                 return bytes(response.read())
         except urllib.error.HTTPError as exc:
             self._has_answered = True
-            detail = exc.read().decode(errors="replace")
-            message = f"{method} {path}: HTTP {exc.code}: {detail[:500]}"
+            message = f"{method} {path}: HTTP {exc.code}: {_error_message(exc.read())}"
+            if exc.code in (401, 403):
+                message += "; give a tenant's key with --api-key or $SLUICE_API_KEY"
             if exc.code in _TRANSIENT_STATUSES:
                 raise _Transient(message, _retry_after_s(exc.headers.get("retry-after"))) from exc
             raise click.ClickException(message) from exc
@@ -103,6 +104,16 @@ def _server(command: str) -> Callable[[Callable[..., None]], Callable[..., None]
                             help="The sluice server.")(function)
 
     return decorate
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an answer's OpenAI error envelope; else its start, as it came."""
+    detail = body.decode(errors="replace")
+    try:
+        error = json.loads(detail)["error"]
+        return str(error["message"] if isinstance(error, dict) else error)
+    except (ValueError, KeyError, TypeError):
+        return detail[:500]
 
 
 class _Transient(Exception):
