@@ -233,3 +233,18 @@ def test_keys_create_and_revoke_change_the_file_a_link_points_to(tmp_path: Path)
     assert link.is_symlink() and load_tenants(target).tenant_for_key(key) is not None
     revoke_key(link, key)
     assert link.is_symlink() and load_tenants(target).tenant_for_key(key) is None
+
+
+def test_keys_create_and_revoke_leave_a_read_only_tenants_file_as_it_is(tmp_path: Path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.acme]\n")
+    key = add_key(path, "acme")
+    before = path.read_text()
+    path.chmod(0o444)
+    run = _sluice("keys", "create", "acme", "--tenants", str(path))
+    _, said = run.communicate(timeout=120)
+    assert run.returncode == 1 and said.strip() == (f"Error: tenants file {path} is read-only (mode 0444): make it "
+                                                    "writable to change its keys")
+    with pytest.raises(ConfigError, match="read-only"):
+        revoke_key(path, key)
+    assert path.read_text() == before and path.stat().st_mode & 0o777 == 0o444

@@ -108,9 +108,16 @@ def _key_lists(document: tomlkit.TOMLDocument) -> Iterator[tuple[str, Any]]:
 
 
 def _read(path: Path) -> tomlkit.TOMLDocument:
-    """The tenants file as a document that keeps its layout (a new one if there is no file yet)."""
+    """The tenants file as a document that keeps its layout (a new one if there is no file yet).
+    A file nobody may write (mode 0444) is refused: it is replaced, not written, so its folder's
+    permissions alone would let the change through, against what its mode says."""
     if not path.exists():
         return tomlkit.document()
+    with contextlib.suppress(OSError):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if not mode & 0o222:
+            raise ConfigError(f"tenants file {path} is read-only (mode {mode:04o}): make it writable to change "
+                              "its keys")
     try:
         return tomlkit.parse(path.read_text())
     except OSError as exc:
