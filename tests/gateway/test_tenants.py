@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sluice.errors import ConfigError
-from sluice.gateway.keyfile import add_key, revoke_key
+from sluice.gateway.keyfile import add_key, list_keys, revoke_key
 from sluice.gateway.tenants import hash_key, load_tenants
 from sluice.priority import Priority
 
@@ -247,4 +247,5 @@ def test_keys_create_and_revoke_leave_a_read_only_tenants_file_as_it_is(tmp_path
                                                     "writable to change its keys")
     with pytest.raises(ConfigError, match="read-only"):
         revoke_key(path, key)
+    assert [stored.owner for stored in list_keys(path)] == ["tenant acme"]  # it can still be read
     assert path.read_text() == before and path.stat().st_mode & 0o777 == 0o444

@@ -47,6 +47,7 @@ def add_key(path: Path, tenant: str | None, *, metrics: bool = False) -> str:
     `/metrics`, which then needs one), adding the tenant if it is new."""
     path = _target(path)
     with _locked(path):
+        _check_writable(path)
         document = _read(path)
         key = new_key()
         _add_hash(document, tenant, metrics, hash_key(key))
@@ -76,6 +77,7 @@ def revoke_key(path: Path, key_or_hash: str) -> StoredKey:
         raise ConfigError(f"{wanted!r}: give the key, or its hash as `sluice keys list` shows it "
                           f"({HASH_PREFIX} and at least {_MIN_PREFIX_HEX} hex digits)")
     with _locked(path):
+        _check_writable(path)
         document = _read(path)
         target = wanted.lower() if is_hash else hash_key(wanted)
         found = [(owner, keys, index) for owner, keys in _key_lists(document)
@@ -107,17 +109,20 @@ def _key_lists(document: tomlkit.TOMLDocument) -> Iterator[tuple[str, Any]]:
                 yield f"tenant {name}", table["api_keys"]
 
 
-def _read(path: Path) -> tomlkit.TOMLDocument:
-    """The tenants file as a document that keeps its layout (a new one if there is no file yet).
-    A file nobody may write (mode 0444) is refused: it is replaced, not written, so its folder's
-    permissions alone would let the change through, against what its mode says."""
-    if not path.exists():
-        return tomlkit.document()
-    with contextlib.suppress(OSError):
+def _check_writable(path: Path) -> None:
+    """Refuse to change a file nobody may write (mode 0444): it is replaced, not written, so its
+    folder's permissions alone would let the change through, against what its mode says."""
+    with contextlib.suppress(OSError):  # no file yet: one is created
         mode = stat.S_IMODE(path.stat().st_mode)
         if not mode & 0o222:
             raise ConfigError(f"tenants file {path} is read-only (mode {mode:04o}): make it writable to change "
                               "its keys")
+
+
+def _read(path: Path) -> tomlkit.TOMLDocument:
+    """The tenants file as a document that keeps its layout (a new one if there is no file yet)."""
+    if not path.exists():
+        return tomlkit.document()
     try:
         return tomlkit.parse(path.read_text())
     except OSError as exc:
