@@ -11,10 +11,9 @@ Health probes need no key; `/metrics` checks its own (`[metrics]` in the tenants
 `[metrics] access = "keys"` so do the model statistics (`/v2/models[/{m}[/versions/{v}]]/stats`),
 which show every tenant's traffic: a metrics or admin key then reads them, for every model. An
 admin key reads them and the repository index (`/v2/repository/index`) in any case, for every
-model: it loads and unloads them. Without
-a tenants file every request is the local tenant's and no key is asked for. A scope that already
-names a tenant was built in-process (a batch job's item, run for the job's owner) and is left as
-it is: clients cannot set scope keys.
+model: it loads and unloads them. Without a tenants file every request is the local tenant's and
+no key is asked for. A scope that already names a tenant was built in-process (a batch job's
+item, run for the job's owner) and is left as it is: clients cannot set scope keys.
 """
 
 from __future__ import annotations
