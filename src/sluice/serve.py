@@ -108,6 +108,9 @@ class ServeConfig:
     poll_repository_s: float | None = None
     """Look for changes in the model repository this often and load the models that changed
     (`Gateway.sync_model`); None: only when an admin asks."""
+    poll_tenants_s: float | None = None
+    """Look for a change of the tenants file this often and reload it; None: only on SIGHUP or
+    `POST /admin/reload`."""
 
 
 async def _check_registry(config: ServeConfig) -> None:
@@ -251,14 +254,17 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
         announcer = asyncio.create_task(_announce(config, server, gateway, devices, console, grpc_url))
         poller = None if config.poll_repository_s is None or not specs else asyncio.create_task(
             _poll_repository(config.models_dir, config.poll_repository_s, gateway))
+        tenants_poller = None if config.poll_tenants_s is None or config.tenants_file is None else \
+            asyncio.create_task(_poll_tenants(config.tenants_file, config.poll_tenants_s, tenancy))
         await executor.start(asgi_app)  # the full app, middleware included (first: it frees a single server's leases)
         await background.start(asgi_app)
         try:
             yield
         finally:
             announcer.cancel()
-            if poller is not None:
-                poller.cancel()
+            for task in (poller, tenants_poller):
+                if task is not None:
+                    task.cancel()
             if grpc_server is not None:  # calls in progress finish; new ones are refused
                 await grpc_server.stop(config.graceful_timeout_s)
             if registry is not None:
@@ -320,6 +326,30 @@ async def _poll_repository(root: Path, interval_s: float, gateway: Gateway) -> N
                 seen[name] = now[name]
             else:
                 seen.pop(name, None)
+
+
+async def _poll_tenants(path: Path, interval_s: float, tenancy: Tenancy) -> None:
+    """Every `interval_s`, reload the tenants file if it changed (`--poll-tenants`): another file
+    at its path (a Kubernetes Secret's update swaps the link to a new one), or the same one
+    written. A file that does not load is logged and counted once (`Tenancy.reload`), not at
+    every look, and the tenants before it serve until it changes again."""
+    seen = await asyncio.to_thread(_file_identity, path)
+    while True:
+        await asyncio.sleep(interval_s)
+        now = await asyncio.to_thread(_file_identity, path)
+        if now != seen:
+            seen = now
+            with contextlib.suppress(ConfigError):
+                tenancy.reload()
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What changes when the file at `path` (through its links) is replaced or written; None: no file."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
 async def _flush_traces(tracing: Tracing) -> None:

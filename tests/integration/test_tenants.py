@@ -570,24 +570,30 @@ def test_without_a_tenants_file_the_one_tenant_is_named_as_the_metrics_name_it(d
     assert reloaded.json() == {"reloaded": False, "tenants": ["local"]}
 
 
-def test_a_tenants_file_in_a_kubernetes_secret_volume_reloads_after_the_secret_changes(make_server, emulated_repo,
-                                                                                       tmp_path: Path):
-    """The kubelet's layout: `tenants.toml` -> `..data/tenants.toml`, `..data` -> a folder named by
-    time, which an update of the Secret replaces (a new folder, `..data` swapped, the old deleted)."""
+def _publish_secret(volume: Path, version: str, body: str) -> None:
+    """What the kubelet does when a Secret volume's Secret changes: `tenants.toml` ->
+    `..data/tenants.toml`, `..data` -> a folder named by time, swapped for a new one (the old one
+    is deleted after)."""
     import os
 
+    folder = volume / f"..{version}"
+    folder.mkdir(parents=True)
+    (folder / "tenants.toml").write_text(body)
+    (volume / "..data_tmp").symlink_to(folder.name)
+    os.replace(volume / "..data_tmp", volume / "..data")
+    if not (volume / "tenants.toml").is_symlink():
+        (volume / "tenants.toml").symlink_to("..data/tenants.toml")
+
+
+def test_a_tenants_file_in_a_kubernetes_secret_volume_reloads_after_the_secret_changes(make_server, emulated_repo,
+                                                                                       tmp_path: Path):
     volume = tmp_path / "etc-sluice"
     first_key, second_key = new_key(), new_key()
 
     def publish(version: str, key: str) -> None:
-        folder = volume / f"..{version}"
-        folder.mkdir(parents=True)
-        (folder / "tenants.toml").write_text(f'[tenants.acme]\napi_keys = ["{hash_key(key)}"]\n')
-        (volume / "..data_tmp").symlink_to(folder.name)
-        os.replace(volume / "..data_tmp", volume / "..data")
+        _publish_secret(volume, version, f'[tenants.acme]\napi_keys = ["{hash_key(key)}"]\n')
 
     publish("2026_11_27_10_00_00.1", first_key)
-    (volume / "tenants.toml").symlink_to("..data/tenants.toml")
     server = make_server(emulated_repo(alpha_ms=1.0, beta_ms=0.1), "--tenants", str(volume / "tenants.toml"))
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"}).status_code == 200
 
@@ -598,3 +604,33 @@ def test_a_tenants_file_in_a_kubernetes_secret_volume_reloads_after_the_secret_c
                .status_code == 200, "the Secret's new key taken")
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"}).status_code == 401
     assert "not reloaded" not in server.log()
+
+
+def test_with_poll_tenants_a_changed_secret_applies_on_its_own_and_a_bad_one_is_counted_once(make_server,
+                                                                                             emulated_repo,
+                                                                                             tmp_path: Path):
+    """Behind a Service, `POST /admin/reload` reaches one gateway and SIGHUP needs an exec into
+    each pod: with `--poll-tenants` every gateway follows the Secret."""
+    volume = tmp_path / "etc-sluice"
+    first_key, second_key, admin_key = new_key(), new_key(), new_key()
+    admin = f'[admin]\napi_keys = ["{hash_key(admin_key)}"]\n'
+    _publish_secret(volume, "1", admin + f'[tenants.acme]\napi_keys = ["{hash_key(first_key)}"]\n')
+    server = make_server(emulated_repo(alpha_ms=1.0, beta_ms=0.1), "--tenants", str(volume / "tenants.toml"),
+                         "--poll-tenants", "0.2")
+
+    def status(key: str) -> int:
+        return httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+
+    assert status(first_key) == 200
+    _publish_secret(volume, "2", admin + f'[tenants.acme]\napi_keys = ["{hash_key(second_key)}"]\n')
+    eventually(lambda: status(second_key) == 200 and status(first_key) == 401, "the Secret's change applied")
+
+    _publish_secret(volume, "3", admin + "[tenants.acme]\nweigth = 2\n")
+    failed = 'sluice_tenants_reloads_total{outcome="failed"}'
+    metrics = {"Authorization": f"Bearer {admin_key}"}
+    eventually(lambda: _sample(httpx.get(f"{server.url}/metrics", headers=metrics).text, failed) == 1,
+               "the bad file counted")
+    time.sleep(1.0)  # five more looks at the same bad file
+    assert _sample(httpx.get(f"{server.url}/metrics", headers=metrics).text, failed) == 1
+    assert server.log().count("tenants file not reloaded") == 1
+    assert status(second_key) == 200  # the tenants before it still serve
