@@ -116,6 +116,16 @@ class ChatMessage(msgspec.Struct, frozen=True):
     tool_calls: list[ChatToolCall] = []
     tool_call_id: str | None = None
     """A `tool` message: the call it answers."""
+    name: str | None = None
+    """The participant's name (multi-user chats, a function's result), for a template that renders it."""
+    reasoning: str | None = None
+    """An assistant's earlier reasoning (`reasoning` or `reasoning_content`), for a template that
+    interleaves it with the turns."""
+
+    @property
+    def num_chars(self) -> int:
+        """Its text's characters (content, name, reasoning), as prompt-length checks count them."""
+        return len(self.content) + len(self.name or "") + len(self.reasoning or "")
 
 
 class ToolSpec(msgspec.Struct, frozen=True):

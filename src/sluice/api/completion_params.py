@@ -162,6 +162,8 @@ class ChatMessageIn(msgspec.Struct):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     function_call: ToolCallFunctionIn | None = None  # legacy: `api.legacy_functions`
+    reasoning: str | None = None  # an assistant's earlier reasoning, for a template that renders it (vLLM's)
+    reasoning_content: str | None = None  # the same, under its older name
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -248,7 +250,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         if info.max_model_len and len(messages) > info.max_model_len:  # before any template renders them
             raise InvalidInput(f"'messages' holds {len(messages)} messages; each takes at least one of this model's "
                                f"{info.max_model_len} tokens of context", param="messages")
-        _check_prompt_chars(sum(len(m.content) for m in messages) + sum(len(t.parameters) for t in tools),
+        _check_prompt_chars(sum(m.num_chars for m in messages) + sum(len(t.parameters) for t in tools),
                             "messages", info)
         _check_context(None, max_tokens, max_tokens_param, is_max_tokens_default, "messages", info)
         if request.echo and plan is not None:
@@ -566,7 +568,9 @@ def template_options(add: bool | None, cont: bool | None, kwargs: dict[str, Any]
 
 
 def messages_of(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
-    """Chat messages as the worker takes them: text parts joined, `developer` as `system`."""
+    """Chat messages as the worker takes them: text parts joined, `developer` as `system`; every
+    field a chat template may read passed on, as vLLM passes them (`name`, `tool_calls`,
+    `tool_call_id`, an assistant's `reasoning` / `reasoning_content`)."""
     if not messages:
         raise InvalidInput("'messages' must not be empty", param="messages")
     out = []
@@ -583,8 +587,10 @@ def messages_of(messages: list[ChatMessageIn]) -> list[wire.ChatMessage]:
         if message.role == "tool" and not message.tool_call_id:
             raise InvalidInput("a 'tool' message needs the 'tool_call_id' it answers", param="messages")
         calls = [wire.ChatToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        reasoning = message.reasoning or message.reasoning_content  # vLLM's order
         out.append(wire.ChatMessage("system" if message.role == "developer" else message.role, content or "",
-                                    calls, message.tool_call_id))
+                                    calls, message.tool_call_id, message.name,
+                                    reasoning if message.role == "assistant" else None))
     return out
 
 
@@ -626,7 +632,8 @@ def estimate_tokens(payload: wire.GeneratePayload, max_model_len: int = 0, *, li
         prompt = float(len(payload.prompt_token_ids))
     elif payload.messages is not None:
         texts = [text for m in payload.messages
-                 for text in (m.role, m.content, *(f"{c.name} {c.arguments}" for c in m.tool_calls))]
+                 for text in (m.role, m.content, *(f"{c.name} {c.arguments}" for c in m.tool_calls),
+                              *(extra for extra in (m.name, m.reasoning) if extra))]
         texts += [f"{t.name} {t.description} {t.parameters}" for t in payload.tools or ()]
         prompt = count(texts) + MESSAGE_TEMPLATE_TOKENS * len(payload.messages) + TEMPLATE_TOKENS
     else:

@@ -193,6 +193,8 @@ def _message(message: wire.ChatMessage) -> dict[str, Any]:
                              for c in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
     return out
 
 

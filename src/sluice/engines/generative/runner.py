@@ -193,7 +193,8 @@ class GenerativeRunner:
                    options: wire.ChatTemplateOptions | None = None) -> str:
         """The messages (and tools) as the model's chat template writes them, in the shapes Hugging
         Face templates take: tools as `{"type": "function", "function": {...}}`, an assistant's
-        earlier calls as `tool_calls` with their arguments parsed, a tool's answer with its id."""
+        earlier calls as `tool_calls` with their arguments parsed, a tool's answer with its id, a
+        message's `name` and an assistant's earlier reasoning where given (as vLLM passes them)."""
         options = options or wire.ChatTemplateOptions()
         try:
             return self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
@@ -242,6 +243,10 @@ def _template_message(message: wire.ChatMessage) -> dict[str, Any]:
                                   for c in message.tool_calls]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning is not None:  # under both names, as vLLM gives it: templates read one or the other
+        rendered["reasoning"] = rendered["reasoning_content"] = message.reasoning
+    if message.name is not None:
+        rendered["name"] = message.name
     return rendered
 
 
@@ -266,5 +271,5 @@ def prompt_chars(payload: wire.GeneratePayload | wire.TokenizePayload) -> int:
     conversation of many short messages is rendered off the worker's event loop, and refused
     untokenized when it is far too long, as a long text is."""
     if payload.messages is not None:
-        return sum(len(m.content) for m in payload.messages) + MESSAGE_CHARS * len(payload.messages)
+        return sum(m.num_chars for m in payload.messages) + MESSAGE_CHARS * len(payload.messages)
     return len(payload.prompt or "")

@@ -1,0 +1,70 @@
+"""vLLM's request fields that its users rely on, through a real server with real clients: every
+message field a chat template may read reaches it (`name`, an assistant's `reasoning_content`),
+`cache_salt` keeps prefix-cache hits apart, `return_token_ids` answers the prompt's and the
+output's token ids (unary and streamed), and `request_id` names the response."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess, start_server, write_tiny_lm_model
+
+pytestmark = pytest.mark.slow
+
+MODEL = "named"
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.name %}{{ m.name }}: {% endif %}"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ '\\n' + m['content'] }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The tiny model's chat template, also rendering each message's `name` and an assistant's
+reasoning, as multi-user and interleaved-thinking templates do."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    from sluice.repository import MANIFEST, write_manifest
+
+    repo = write_tiny_lm_model(tmp_path_factory.mktemp("repo"), MODEL)
+    version = repo / MODEL / "1"
+    config = json.loads((version / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (version / "tokenizer_config.json").write_text(json.dumps(config))
+    write_manifest(version, version / MANIFEST)
+    started = start_server(repo, tmp_path_factory.mktemp("log"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def client(server: ServerProcess):
+    """Fresh answers: a repeated greedy request runs again rather than coming from the result cache."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
+                       default_headers={"Cache-Control": "no-cache"}) as sdk:
+        yield sdk
+
+
+def _tokens(server: ServerProcess, **body: object) -> list[int]:
+    answer = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, **body}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return list(answer.json()["tokens"])
+
+
+def test_a_messages_name_and_reasoning_reach_the_chat_template(server, client):
+    messages = [{"role": "user", "name": "alice", "content": "Hi"},
+                {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"},
+                {"role": "user", "name": "bob", "content": "And me?"}]
+    expected = ("<|user|>alice: \nHi<|endoftext|>\n<|assistant|><think>greet back</think>\nHello<|endoftext|>\n"
+                "<|user|>bob: \nAnd me?<|endoftext|>\n<|assistant|>\n")
+    rendered = _tokens(server, messages=messages)
+    assert rendered == _tokens(server, prompt=expected, add_special_tokens=False)
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage  # type: ignore[arg-type]
+    assert usage.prompt_tokens == len(rendered)
+    # vLLM's newer name for the reasoning is read the same
+    renamed = [*messages[:1], {"role": "assistant", "content": "Hello", "reasoning": "greet back"}, *messages[2:]]
+    assert _tokens(server, messages=renamed) == rendered
