@@ -239,6 +239,9 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     reasoning_effort: str | None = None
     """Chat: OpenAI's `reasoning_effort`, for a model that takes it (`ModelInfo.takes_reasoning_effort`):
     a variable of its chat template, or a field of the upstream's request."""
+    cache_salt: str = ""
+    """vLLM's `cache_salt`: added to the tenant's salt of the prefix cache, so requests with
+    different salts never share cached blocks ("": the tenant's alone)."""
 
 
 class GeneratedChoice(msgspec.Struct, frozen=True):

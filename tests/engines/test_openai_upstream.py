@@ -103,6 +103,8 @@ def test_the_request_forwards_sampling_and_sends_extensions_only_when_set():
     assert request_for(config, effortful)[1]["reasoning_effort"] == "low"  # the upstream decides what it means
     named = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey", name="alice")])
     assert request_for(config, named)[1]["messages"] == [{"role": "user", "content": "hey", "name": "alice"}]
+    assert "cache_salt" not in request_for(config, named)[1]
+    assert request_for(config, wire.GeneratePayload(prompt="hi", cache_salt="s"))[1]["cache_salt"] == "s"
 
 
 def test_the_request_asks_for_log_probabilities_in_each_endpoints_own_words():

@@ -68,3 +68,40 @@ def test_a_messages_name_and_reasoning_reach_the_chat_template(server, client):
     # vLLM's newer name for the reasoning is read the same
     renamed = [*messages[:1], {"role": "assistant", "content": "Hello", "reasoning": "greet back"}, *messages[2:]]
     assert _tokens(server, messages=renamed) == rendered
+
+
+def _cached(client: openai.OpenAI, endpoint: str, text: str, salt: str | None) -> int:
+    """The prompt tokens a request read from the prefix cache, sent with `cache_salt` (None: none)."""
+    extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+    if endpoint == "completions":
+        usage = client.completions.create(model=MODEL, prompt=text, max_tokens=1, **extra).usage  # type: ignore[arg-type]
+        return usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    if endpoint == "chat":
+        usage = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                               max_tokens=1, **extra).usage  # type: ignore[arg-type]
+        return usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    response = client.responses.create(model=MODEL, input=text, max_output_tokens=1, store=False,
+                                       **extra)  # type: ignore[arg-type]
+    return response.usage.input_tokens_details.cached_tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
+def test_cache_salt_shares_cached_prompt_blocks_only_between_requests_with_the_same_salt(client, endpoint):
+    text = f"{endpoint}: a long system prompt that many requests start with. " * 6  # its own from the start
+    assert _cached(client, endpoint, text, "salt-a") == 0  # nobody sent it before
+    assert _cached(client, endpoint, text, "salt-b") == 0  # another salt: its blocks are not shared
+    assert _cached(client, endpoint, text, None) == 0  # no salt: the tenant's own cache, not salt-a's either
+    assert _cached(client, endpoint, text, "salt-a") >= 16  # the same salt: its blocks are
+    assert _cached(client, endpoint, text, None) >= 16
+
+
+@pytest.mark.parametrize("endpoint, salt", [("completions", ""), ("chat/completions", "x" * 5000),
+                                            ("responses", 7)])
+def test_a_cache_salt_that_is_empty_absurd_or_not_text_is_a_400_naming_it(server, endpoint, salt):
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 1, "cache_salt": salt}
+    body.update({"completions": {"prompt": "x"}, "chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+                 "responses": {"input": "x", "max_tokens": None}}[endpoint])
+    answer = httpx.post(f"{server.url}/v1/{endpoint}", json={k: v for k, v in body.items() if v is not None},
+                        timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "cache_salt"

@@ -23,7 +23,8 @@ from sluice.api.common import estimate_text_tokens, likely_text_tokens, texts_or
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
 
-__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "chat_echo", "check_metadata", "estimate_tokens",
+__all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "cache_salt_of", "chat_echo", "check_metadata",
+           "estimate_tokens",
            "messages_of", "to_payloads"]
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -49,6 +50,9 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_FORMAT_CHARS = 64 * 1024
 """The longest structured-output specification (a JSON schema, a regex, a grammar) one request may send."""
 MAX_GUIDED_CHOICES = 256
+
+MAX_CACHE_SALT_CHARS = 1024
+"""The longest `cache_salt` (vLLM suggests 43 characters: 256 random bits in base64)."""
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -117,6 +121,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only between requests with the same salt
     # vLLM's fields that sluice does not serve: refused unless they ask for what happens anyway
     # (`_refuse_unsupported`), never silently ignored
     use_beam_search: bool | None = None
@@ -241,6 +246,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         stream=bool(request.stream),
         is_max_tokens_default=is_max_tokens_default,
         output_format=output_format_of(request),
+        cache_salt=cache_salt_of(request.cache_salt),
     )
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
@@ -278,6 +284,16 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
             _check_context(len(prompt), max_tokens, max_tokens_param, is_max_tokens_default, "prompt", info)
             payloads.append(wire.GeneratePayload(prompt_token_ids=prompt, **sampling))  # type: ignore[arg-type]
     return payloads
+
+
+def cache_salt_of(salt: str | None) -> str:
+    """vLLM's `cache_salt`, checked as vLLM does (a non-empty string), and bounded; "" when not given."""
+    if salt is None:
+        return ""
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidInput(f"'cache_salt' must be a non-empty string of up to {MAX_CACHE_SALT_CHARS} characters",
+                           param="cache_salt")
+    return salt
 
 
 def _max_tokens(request: CompletionRequest | ChatRequest) -> tuple[int, str, bool]:

@@ -163,6 +163,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # accepted: prefix caching needs no key here
+    cache_salt: str | None = None  # vLLM's: as on chat completions
     service_tier: str | None = None
     priority: str | None = None
     background: bool | None = None
@@ -428,7 +429,7 @@ def chat_request_of(request: ResponsesRequest, items: list[Any]) -> ChatRequest:
         tools=[_tool(tool) for tool in request.tools] if request.tools else None,
         tool_choice=_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
         response_format=_response_format(request.text.format if request.text else None),
-        reasoning_effort=_effort(request),
+        reasoning_effort=_effort(request), cache_salt=request.cache_salt,
     )
 
 

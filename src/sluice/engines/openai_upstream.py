@@ -162,7 +162,8 @@ def request_for(config: OpenAIUpstreamConfig, payload: wire.GeneratePayload) -> 
                 "repetition_penalty": None if payload.repetition_penalty == 1.0 else payload.repetition_penalty,
                 "presence_penalty": payload.presence_penalty or None,
                 "frequency_penalty": payload.frequency_penalty or None,
-                "logit_bias": {str(token): bias for token, bias in payload.logit_bias.items()} or None}
+                "logit_bias": {str(token): bias for token, bias in payload.logit_bias.items()} or None,
+                "cache_salt": payload.cache_salt or None}
     body.update({key: value for key, value in optional.items() if value is not None})
     if payload.output_format is not None:
         body.update(_structured_fields(payload.output_format))

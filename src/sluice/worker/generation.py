@@ -57,12 +57,13 @@ class GenerationLoop:
         self._thread.start()
 
     def submit(self, request_id: str, prepared: PreparedGeneration, priority: Priority, deadline: float,
-               salt: str, prefix_of: str | None = None) -> None:
+               salt: str, prefix_of: str | None = None, cache_salt: str = "") -> None:
         """Queue a sequence; `InvalidInput` for one the engine cannot serve (too long, bad ids).
         `prefix_of`: a sequence queued before with the same prompt, whose prompt this one shares."""
         try:
             self._engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, priority=priority,
-                                     deadline=deadline, salt=salt, prefix_of=prefix_of, matcher=prepared.matcher)
+                                     deadline=deadline, salt=salt, prefix_of=prefix_of, matcher=prepared.matcher,
+                                     cache_salt=cache_salt)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         self._wake.set()
@@ -263,7 +264,8 @@ class Generations:
             try:
                 generation.loop.submit(_engine_id(internal_id, index), choices[index],
                                        Priority(message.priority), deadline, salt=message.tenant,
-                                       prefix_of=_engine_id(internal_id, 0) if index else None)
+                                       prefix_of=_engine_id(internal_id, 0) if index else None,
+                                       cache_salt=payload.cache_salt)
             except Exception:
                 generation.loop.abort([_engine_id(internal_id, i) for i in range(index)])
                 raise

@@ -169,9 +169,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     priority: Priority = Priority.STANDARD, deadline: float | None = None, salt: str = "",
-                    prefix_of: str | None = None, matcher: LLMatcher | None = None) -> None:
+                    prefix_of: str | None = None, matcher: LLMatcher | None = None, cache_salt: str = "") -> None:
         """Queue a request. Raises ValueError for input the engine cannot serve (-> 400).
-        `prefix_of`: a request added before with the same prompt and salt (another choice of the
+        `salt`: its tenant's name; `cache_salt`: its own salt (vLLM's), added to the tenant's for
+        the prefix cache. `prefix_of`: a request added before with the same prompt and salts (another choice of the
         same client request); this one is admitted once that one has computed the prompt, and
         shares its full blocks through the prefix cache instead of computing them again.
         `matcher`: a fresh grammar matcher (`grammars.matcher(...)`, one per request): it samples
@@ -182,7 +183,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer.json in the model folder")
         if matcher is not None and params.min_tokens:
             raise ValueError("min_tokens cannot be combined with a structured output (its grammar decides the end)")
-        seq = Sequence(request_id, prompt, params, self._clock.now(), priority, deadline, salt)
+        seq = Sequence(request_id, prompt, params, self._clock.now(), priority, deadline, salt, cache_salt)
         detok = Detokenizer(self.tokenizer, prompt, params.skip_special_tokens) if self.tokenizer else None
         with self._lock:
             if request_id in self._known_ids:
@@ -287,7 +288,7 @@ class LLMEngine:
         for item in inbox:
             if isinstance(item, _Request):
                 parent = self._requests.get(item.prefix_of) if item.prefix_of is not None else None
-                if (parent is not None and parent.seq.salt == item.seq.salt
+                if (parent is not None and parent.seq.prefix_salt == item.seq.prefix_salt
                         and parent.seq.prompt_token_ids == item.seq.prompt_token_ids):
                     item.seq.prefix_parent = parent.seq
                 self._requests[item.seq.request_id] = item

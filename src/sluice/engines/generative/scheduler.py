@@ -353,7 +353,7 @@ class Scheduler:
                     break
                 budget, num_preempted, may_jump = budget + freed, num_preempted + 1, False
                 continue
-            cached = self.blocks.cached_prefix(seq.all_token_ids, seq.salt) if seq.may_use_prefix_cache else []
+            cached = self.blocks.cached_prefix(seq.all_token_ids, seq.prefix_salt) if seq.may_use_prefix_cache else []
             num_cached = len(cached) * self.blocks.block_size
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_size(seq, budget)
@@ -496,7 +496,7 @@ class Scheduler:
             if seq is None:  # finished meanwhile
                 continue
             seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
-            self.blocks.commit(seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.salt)
+            self.blocks.commit(seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.prefix_salt)
             token = sampled.get(chunk.request_id)
             if token is not None:
                 seq.append(token)

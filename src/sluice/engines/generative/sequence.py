@@ -145,6 +145,8 @@ class Sequence:
     priority: Priority = Priority.STANDARD
     deadline_s: float | None = None
     salt: str = ""
+    cache_salt: str = ""
+    """The request's own salt (vLLM's `cache_salt`), added to the tenant's for the prefix cache."""
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -188,6 +190,12 @@ class Sequence:
         """Whose sequence it is: the salt is the tenant's name (the worker passes it), which keeps
         tenants' prefix caches apart and is the flow the scheduler shares the device between."""
         return self.salt
+
+    @property
+    def prefix_salt(self) -> str:
+        """What the prefix cache's hash chain starts from: the tenant's salt, and the request's
+        own after a NUL if it gave one (a tenant's name has none, so no pair makes another's)."""
+        return f"{self.salt}\0{self.cache_salt}" if self.cache_salt else self.salt
 
     @property
     def may_use_prefix_cache(self) -> bool:
