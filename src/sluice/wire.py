@@ -239,6 +239,9 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     reasoning_effort: str | None = None
     """Chat: OpenAI's `reasoning_effort`, for a model that takes it (`ModelInfo.takes_reasoning_effort`):
     a variable of its chat template, or a field of the upstream's request."""
+    return_token_ids: bool = False
+    """vLLM's `return_token_ids`: the answer carries the prompt's token ids (a stream's first
+    chunk) and each choice's output token ids (each chunk: its own)."""
     cache_salt: str = ""
     """vLLM's `cache_salt`: added to the tenant's salt of the prefix cache, so requests with
     different salts never share cached blocks ("": the tenant's alone)."""
@@ -250,6 +253,8 @@ class GeneratedChoice(msgspec.Struct, frozen=True):
     text: str  # "" when it was streamed
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] | None = None
+    """Its output token ids, if asked (`return_token_ids`; unstreamed: a stream's chunks carry them)."""
 
 
 class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
@@ -264,6 +269,10 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     """The echoed prompt, if asked (unstreamed; a stream's first chunk carries it)."""
     choices: list[GeneratedChoice] = []
     """Choices 1 .. n-1 when n > 1 (the fields above are choice 0's; `num_output_tokens` counts all)."""
+    token_ids: list[int] | None = None
+    """Choice 0's output token ids, if asked (`return_token_ids`; unstreamed)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids as the model read them, if asked (`return_token_ids`; unstreamed)."""
 
 
 class ChatTemplateOptions(msgspec.Struct, frozen=True):
@@ -383,6 +392,8 @@ class TokenChunk(msgspec.Struct, tag="chunk"):
     """The echoed prompt, on a stream's first chunk, if asked."""
     index: int = 0
     """Which choice the text is of, when n > 1."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids as the model read them, on a stream's first chunk, if asked (`return_token_ids`)."""
 
 
 class TenantWeights(msgspec.Struct, tag="weights"):

@@ -105,3 +105,69 @@ def test_a_cache_salt_that_is_empty_absurd_or_not_text_is_a_400_naming_it(server
                         timeout=60)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "cache_salt"
+
+
+def _sse_events(server: ServerProcess, endpoint: str, body: dict[str, object]) -> list[dict[str, object]]:
+    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json={"model": MODEL, **body}, timeout=60) as answer:
+        assert answer.status_code == 200, answer.read()
+        lines = [line[len("data: "):] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_return_token_ids_on_completions_unary_and_streamed(server, client):
+    prompt = "Once upon a time"
+    prompt_ids = _tokens(server, prompt=prompt)
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = whole.choices[0].model_extra or {}
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert len(choice["token_ids"]) == 6 == whole.usage.completion_tokens  # type: ignore[union-attr]
+    detokenized = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": choice["token_ids"]},
+                             timeout=60).json()["prompt"]
+    assert detokenized == whole.choices[0].text
+    chunks = _sse_events(server, "completions", {**body, "stream": True})
+    choices = [c["choices"][0] for c in chunks if c["choices"]]  # type: ignore[index]
+    assert choices[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in choices[1:])  # the first chunk's only
+    assert [t for c in choices for t in c["token_ids"]] == choice["token_ids"]
+    assert "".join(c["text"] for c in choices) == whole.choices[0].text
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})  # not asked: not sent
+
+
+def test_return_token_ids_on_chat_unary_and_streamed_with_n_choices(server, client):
+    messages = [{"role": "user", "name": "alice", "content": "Say something"}]
+    prompt_ids = _tokens(server, messages=messages)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2,  # type: ignore[arg-type]
+                                           seed=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert (whole.model_extra or {})["prompt_token_ids"] == prompt_ids
+    token_ids = [(c.model_extra or {})["token_ids"] for c in whole.choices]
+    assert [len(ids) for ids in token_ids] == [5, 5]
+    for ids, choice in zip(token_ids, whole.choices, strict=True):
+        text = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=60).json()
+        assert text["prompt"] == choice.message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2, seed=3,  # type: ignore[arg-type]
+                                                 stream=True,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True}))
+    assert (chunks[0].model_extra or {})["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += (choice.model_extra or {}).get("token_ids") or []
+    assert streamed == {0: token_ids[0], 1: token_ids[1]}  # the same seed: the same tokens
+
+
+def test_return_token_ids_with_echo_and_truncation_reports_what_the_model_read(server):
+    prompt = "one two three four five six"
+    ids = _tokens(server, prompt=prompt)
+    answer = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 3, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["prompt_token_ids"] == ids[-3:]
+    answer = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["choices"][0]["prompt_token_ids"], answer.json()["choices"][0]["token_ids"]) == (ids, [])

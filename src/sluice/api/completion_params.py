@@ -122,6 +122,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only between requests with the same salt
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids with the answer
     # vLLM's fields that sluice does not serve: refused unless they ask for what happens anyway
     # (`_refuse_unsupported`), never silently ignored
     use_beam_search: bool | None = None
@@ -131,7 +132,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
     spaces_between_special_tokens: bool | None = None
     guided_whitespace_pattern: str | None = None
     add_special_tokens: bool | None = None
@@ -247,6 +247,7 @@ def to_payloads(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         is_max_tokens_default=is_max_tokens_default,
         output_format=output_format_of(request),
         cache_salt=cache_salt_of(request.cache_salt),
+        return_token_ids=_return_token_ids(request, info),
     )
     if isinstance(request, ChatRequest):
         messages = messages_of(request.messages)
@@ -357,7 +358,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatRequest) -> None:
         (bool(request.logits_processors), "logits_processors", "custom logits processors are not supported"),
         (bool(request.return_tokens_as_token_ids), "return_tokens_as_token_ids",
          "'return_tokens_as_token_ids' is not supported: tokens are reported as text (and, in chat, bytes)"),
-        (bool(request.return_token_ids), "return_token_ids", "'return_token_ids' is not supported"),
         (request.spaces_between_special_tokens is False, "spaces_between_special_tokens",
          "only 'spaces_between_special_tokens' true is supported"),
         (request.guided_whitespace_pattern is not None, "guided_whitespace_pattern",
@@ -531,6 +531,16 @@ def _truncation(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) 
         raise InvalidInput("'truncate_prompt_tokens' cannot be combined with 'echo' (the prompt would not be the one "
                            "sent)", param="truncate_prompt_tokens")
     return _bounded_int(k, "truncate_prompt_tokens", 1, MAX_TOKENS_LIMIT)
+
+
+def _return_token_ids(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:
+    """vLLM's `return_token_ids`: the prompt's and the output's token ids with the answer."""
+    if not request.return_token_ids:
+        return False
+    if info.kind == "openai-upstream":
+        raise InvalidInput(f"model {info.name!r} is served by an upstream server; sluice does not relay its "
+                           f"token ids", param="return_token_ids")
+    return True
 
 
 def _echo(request: CompletionRequest | ChatRequest, info: wire.ModelInfo) -> bool:

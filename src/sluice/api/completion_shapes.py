@@ -23,7 +23,8 @@ class ResponseShape:
 
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
                  prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None,
-                 is_legacy_functions: bool = False, echo: str = "", continuous_usage: bool = False) -> None:
+                 is_legacy_functions: bool = False, echo: str = "", continuous_usage: bool = False,
+                 return_token_ids: bool = False) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
@@ -57,6 +58,14 @@ class ResponseShape:
         self._shown = [False] * self.num_choices  # auto: some content was sent
         self._texts = [""] * self.num_choices  # auto: the whole text so far
         self._sent = [""] * self.num_choices  # auto: the content sent so far
+        self.return_token_ids = return_token_ids
+        """vLLM's `return_token_ids`: completions' choices carry `prompt_token_ids` (a stream: its
+        first chunk of each) and `token_ids`; chat's response carries `prompt_token_ids` (a stream:
+        its first chunk) and its choices `token_ids`. Streamed, a chunk's `token_ids` are the
+        tokens since the choice's last chunk (ids whose text is held back go with the next one)."""
+        self._prompt_token_ids: list[list[int] | None] = [None] * len(self.prompt_texts)
+        self._unsent_ids: list[list[int]] = [[] for _ in range(self.num_choices)]
+        self._is_prompt_ids_sent = [False] * self.num_choices  # per choice (completions) or the first (chat)
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -65,10 +74,17 @@ class ResponseShape:
         """The unstreamed response body: each prompt's result, in prompt order."""
         choices = []
         for p, payload in enumerate(payloads):
-            first = wire.GeneratedChoice(payload.text, payload.finish_reason, payload.logprobs)
-            choices += [self._choice(p * self.n + j, choice, payload.prompt)
-                        for j, choice in enumerate([first, *payload.choices])]
+            first = wire.GeneratedChoice(payload.text, payload.finish_reason, payload.logprobs, payload.token_ids)
+            for j, choice in enumerate([first, *payload.choices]):
+                answer = self._choice(p * self.n + j, choice, payload.prompt)
+                if self.return_token_ids:
+                    if not self.is_chat:
+                        answer["prompt_token_ids"] = payload.prompt_token_ids
+                    answer["token_ids"] = choice.token_ids or []
+                choices.append(answer)
         head = self._head("chat.completion" if self.is_chat else "text_completion")
+        if self.return_token_ids and self.is_chat:
+            head["prompt_token_ids"] = payloads[0].prompt_token_ids if payloads else None
         return {**head, "choices": choices, "usage": usage(payloads)}
 
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
@@ -88,11 +104,38 @@ class ResponseShape:
         text = choice.text if prompt is None else self._prompt_text(prompt, index) + choice.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+    def _chunk(self, choice: dict[str, Any], *, has_ids: bool = True) -> dict[str, Any]:
+        """A stream's chunk of one choice (`has_ids`: of its output, so it carries `token_ids`)."""
         chunk = {**self._head("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": [choice]}
+        if self.return_token_ids:
+            self._with_token_ids(chunk, choice, has_ids)
         if self.include_usage:
             chunk["usage"] = self._usage_so_far() if self.continuous_usage else None
         return chunk
+
+    def _with_token_ids(self, chunk: dict[str, Any], choice: dict[str, Any], has_ids: bool) -> None:
+        index = choice["index"]
+        if self.is_chat:  # the response's, on its first chunk
+            if not self._is_prompt_ids_sent[0]:
+                self._is_prompt_ids_sent[0] = True
+                chunk["prompt_token_ids"] = self._prompt_token_ids[0]
+        elif not self._is_prompt_ids_sent[index]:  # each choice's, on its first chunk
+            self._is_prompt_ids_sent[index] = True
+            choice["prompt_token_ids"] = self._prompt_token_ids[index // self.n]
+        if has_ids:
+            choice["token_ids"], self._unsent_ids[index] = self._unsent_ids[index], []
+
+    def note_prompt_token_ids(self, p: int, token_ids: list[int] | None) -> None:
+        """Prompt `p`'s token ids, as its stream's first chunk reports them (None on the others)."""
+        if token_ids is not None:
+            self._prompt_token_ids[p] = token_ids
+
+    def add_token_ids(self, p: int, chunk: wire.TokenChunk) -> None:
+        """A streamed chunk's token ids (and the prompt's, on its first), sent with the choice's next chunk."""
+        if not self.return_token_ids:
+            return
+        self.note_prompt_token_ids(p, chunk.prompt_token_ids)
+        self._unsent_ids[p * self.n + chunk.index].extend(chunk.token_ids)
 
     def count(self, p: int, event: wire.TokenChunk | wire.GenerationResult) -> None:
         """Prompt `p`'s tokens so far, for the usage every chunk carries with `continuous_usage`:
@@ -116,7 +159,7 @@ class ResponseShape:
     def role_chunk(self, index: int = 0) -> dict[str, Any]:
         """A chat stream's first chunk of a choice (with `echo`, the message it continues)."""
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": self.echo_text},
-                            "logprobs": None, "finish_reason": None})
+                            "logprobs": None, "finish_reason": None}, has_ids=False)
 
     def delta(self, text: str, finish_reason: str | None,
               reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any] | None:
@@ -133,7 +176,7 @@ class ResponseShape:
     def echo(self, prompt: wire.EchoedPrompt, index: int = 0) -> dict[str, Any]:
         """A stream's first chunk of a choice when the prompt is echoed: the prompt and its log-probabilities."""
         return self._chunk({"index": index, "text": self._prompt_text(prompt, index),
-                            "logprobs": self._logprobs([], prompt, index), "finish_reason": None})
+                            "logprobs": self._logprobs([], prompt, index), "finish_reason": None}, has_ids=False)
 
     def _prompt_text(self, prompt: wire.EchoedPrompt, index: int) -> str:
         sent = self.prompt_texts[index // self.n]

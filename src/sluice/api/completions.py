@@ -114,7 +114,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     shape = ResponseShape(isinstance(parsed, ChatRequest), info.name, include_usage, first.logprobs, prompt_texts,
                           first.n, tools, is_legacy_functions=is_legacy,
                           echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "",
-                          continuous_usage=options is not None and bool(options.continuous_usage_stats))
+                          continuous_usage=options is not None and bool(options.continuous_usage_stats),
+                          return_token_ids=first.return_token_ids)
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:
@@ -125,9 +126,10 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                         headers=with_version(info, results[0].headers))
     # errors before the first byte become HTTP statuses
     firsts = await renamed(names, unless_disconnected(request, streams, _each(streams, anext)))
-    for p, first in enumerate(firsts):  # the prompts' token counts, for the role chunks' usage
+    for p, first in enumerate(firsts):  # the prompts' token counts (and ids), for the role chunks
         if isinstance(first, wire.TokenChunk):
             shape.count_prompt(p, first.num_prompt_tokens)
+            shape.note_prompt_token_ids(p, first.prompt_token_ids)
     return StreamingResponse(_sse(shape, _tagged(firsts, streams), streams, request.scope),
                              media_type="text/event-stream",
                              headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
@@ -286,6 +288,7 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
                     yield _event(chunk)
                 continue
             shape.count(p, event)
+            shape.add_token_ids(p, event)
             if event.prompt is not None:  # with the prompt's first token: each of its choices starts with it
                 for index in range(p * n, p * n + n):
                     yield _event(shape.echo(event.prompt, index))

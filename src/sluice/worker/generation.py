@@ -116,6 +116,8 @@ class _Choice:
     """An unstreamed generation's text so far."""
     logprobs: list[wire.TokenLogprob] | None = None
     """An unstreamed generation's log-probabilities so far, if it asked for them."""
+    token_ids: list[int] | None = None
+    """An unstreamed generation's output token ids so far, if it asked for them (`return_token_ids`)."""
     num_output_tokens: int = 0
     finish_reason: str | None = None
 
@@ -135,6 +137,9 @@ class _Generation:
     """The prompt to echo with the first token (`echo`); None once echoed, or if not asked."""
     prompt: wire.EchoedPrompt | None = None
     """An unstreamed generation's echoed prompt."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids, if asked (`return_token_ids`): a stream's first chunk carries them
+    (None once sent), an unstreamed answer's result."""
     is_prompt_only: bool = False
     device_s: float = 0.0
     batch_size: int = 0
@@ -259,6 +264,10 @@ class Generations:
         generation.choices = [_Choice() for _ in range(payload.n)]
         if payload.echo:
             generation.echo_prompt_ids = prepared.prompt_token_ids
+        if payload.return_token_ids:
+            generation.prompt_token_ids = list(prepared.prompt_token_ids)
+            for choice in generation.choices:
+                choice.token_ids = []
         choices = [_choice_of(prepared, index) for index in range(payload.n)]
         for index in range(payload.n):
             try:
@@ -343,11 +352,14 @@ class Generations:
         choice = generation.choices[index]
         choice.num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
         if generation.is_streamed and output.new_token_ids:
+            prompt_token_ids, generation.prompt_token_ids = generation.prompt_token_ids, None
             self._reply(generation.identity, wire.TokenChunk(
                 generation.gateway_request_id, text, token_ids, output.num_prompt_tokens, output.num_cached_tokens,
-                generation.device_s, logprobs, prompt, index))
+                generation.device_s, logprobs, prompt, index, prompt_token_ids))
         else:
             choice.parts.append(text)
+            if choice.token_ids is not None:
+                choice.token_ids.extend(token_ids)
             generation.prompt = prompt or generation.prompt
             if logprobs:
                 if choice.logprobs is None:
@@ -401,7 +413,9 @@ class Generations:
                 last.num_cached_tokens, num_output_tokens, first.logprobs if is_whole else None,
                 generation.prompt if is_whole else None,
                 [wire.GeneratedChoice("".join(c.parts) if is_whole else "", c.finish_reason or reason,
-                                      c.logprobs if is_whole else None) for c in others])
+                                      c.logprobs if is_whole else None, c.token_ids if is_whole else None)
+                 for c in others],
+                first.token_ids if is_whole else None, generation.prompt_token_ids if is_whole else None)
             return wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                device_s=generation.device_s, batch_size=generation.batch_size)
         if reason == "refused":  # the engine's early refusal: the queue ahead is too long
