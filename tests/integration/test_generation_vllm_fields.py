@@ -171,3 +171,25 @@ def test_return_token_ids_with_echo_and_truncation_reports_what_the_model_read(s
         "model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "return_token_ids": True})
     assert answer.status_code == 200, answer.text
     assert (answer.json()["choices"][0]["prompt_token_ids"], answer.json()["choices"][0]["token_ids"]) == (ids, [])
+
+
+def test_request_id_names_the_response_as_vllm_names_it(server, client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                          extra_body={"request_id": "rollout-7.step-3"})
+    assert chat.id == "chatcmpl-rollout-7.step-3"
+    chunks = _sse_events(server, "completions", {"prompt": "x", "max_tokens": 2, "stream": True,
+                                                 "request_id": "job:42"})
+    assert {c["id"] for c in chunks} == {"cmpl-job:42"}
+    # the client's x-request-id, which sluice takes as the request's id, comes first, as in vLLM
+    answer = httpx.post(f"{server.url}/v1/completions", headers={"x-request-id": "from-header"}, timeout=60,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 1, "request_id": "from-body"})
+    assert (answer.json()["id"], answer.headers["x-request-id"]) == ("cmpl-from-header", "from-header")
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).id.startswith("cmpl-")
+
+
+@pytest.mark.parametrize("bad", ["", "has spaces", "x" * 129])
+def test_a_request_id_that_is_not_an_id_is_a_400_naming_it(server, bad):
+    answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "request_id": bad})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "request_id"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -35,7 +34,7 @@ from sluice import metrics
 from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
-from sluice.api.common import GONE_SCOPE_KEY, HotRoute, check_body_size, request_id
+from sluice.api.common import GONE_SCOPE_KEY, VALID_REQUEST_ID, HotRoute, check_body_size, request_id
 from sluice.api.compression import CompressionMiddleware, compress_response
 from sluice.api.encoding import decoded_body
 from sluice.api.errors import LIMIT_HEADER, error_response, protocol_of
@@ -51,7 +50,6 @@ log = logging.getLogger("sluice.api")
 
 _ID_PREFIX = f"{uuid.uuid4().hex[:12]}-"  # unique per process; a counter makes each request's id unique
 _ID_COUNTER = itertools.count(1)
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 LIMIT_HEADER_BYTES = LIMIT_HEADER.encode()
 
 
@@ -75,7 +73,7 @@ def assign_request_id(scope: Scope) -> str:
 
 def request_id_for(incoming: str | None) -> str:
     """The id a request is known by: the client's `x-request-id` if it sent a sane one, else a new one."""
-    return incoming if incoming and _VALID_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+    return incoming if incoming and VALID_REQUEST_ID.match(incoming) else f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class RequestIdMiddleware:

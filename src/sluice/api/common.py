@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -161,6 +163,23 @@ def stream_failed(scope: Scope, error: Exception) -> None:
 
 def request_id(request: Request) -> str:
     return str(request.scope.get("sluice.request_id", ""))
+
+
+VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+"""A client's request id that sluice takes (`x-request-id`, a body's `request_id`): it goes into
+headers, logs and response ids as it is."""
+
+
+def response_id(request: Request, body_request_id: str | None, prefix: str) -> str:
+    """A response's `id`, as vLLM makes it: `prefix-` and the client's `x-request-id` (if it sent a
+    sane one), else the body's `request_id` (vLLM's field; a 400 naming it if it is not an id), else a
+    new one."""
+    if body_request_id is not None and not VALID_REQUEST_ID.match(body_request_id):
+        raise InvalidInput("'request_id' must be 1 to 128 letters, digits, '.', '_', ':' or '-'", param="request_id")
+    header = request.headers.get("x-request-id")
+    if header and header == request_id(request):  # the client's own: sluice took it (`api.app`)
+        return f"{prefix}-{header}"
+    return f"{prefix}-{body_request_id or uuid.uuid4().hex}"
 
 
 TENANT_SCOPE_KEY = "sluice.tenant"

@@ -123,6 +123,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only between requests with the same salt
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids with the answer
+    request_id: str | None = None  # vLLM's: names the response (`api.common.response_id`)
     # vLLM's fields that sluice does not serve: refused unless they ask for what happens anyway
     # (`_refuse_unsupported`), never silently ignored
     use_beam_search: bool | None = None

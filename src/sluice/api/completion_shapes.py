@@ -24,7 +24,7 @@ class ResponseShape:
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
                  prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None,
                  is_legacy_functions: bool = False, echo: str = "", continuous_usage: bool = False,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, response_id: str | None = None) -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
@@ -40,7 +40,8 @@ class ResponseShape:
         decoded its tokens)."""
         self.n = n
         self.num_choices = n * len(self.prompt_texts)
-        self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = response_id or f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        """The response's and its chunks' `id` (`api.common.response_id`: vLLM's `request_id` names it)."""
         self.created = int(time.time())
         self._text_offsets = [0] * self.num_choices  # each choice's token offsets run on across a stream's chunks
         self._decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(self.num_choices)]

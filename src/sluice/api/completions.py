@@ -51,6 +51,7 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     resolve_openai,
+    response_id,
     stream_failed,
     unless_gone,
     with_version,
@@ -100,6 +101,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
             if isinstance(parsed, ChatRequest):
                 parsed = legacy_functions.as_tools(parsed)
             payloads = to_payloads(parsed, info)
+            answer_id = response_id(request, parsed.request_id, "chatcmpl" if isinstance(parsed, ChatRequest)
+                                    else "cmpl")
         except InvalidInput as exc:
             raise (legacy_functions.renamed(exc) if is_legacy else exc) from exc
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
@@ -115,7 +118,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                           first.n, tools, is_legacy_functions=is_legacy,
                           echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "",
                           continuous_usage=options is not None and bool(options.continuous_usage_stats),
-                          return_token_ids=first.return_token_ids)
+                          return_token_ids=first.return_token_ids, response_id=answer_id)
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:
