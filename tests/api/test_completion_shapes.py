@@ -154,3 +154,20 @@ def test_required_calls_cut_by_max_tokens_keep_those_written_whole_and_never_bec
     (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert [c["function"]["name"] for c in calls] == ["get_time", "get_day"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_token_ids_held_back_with_their_text_go_with_the_choices_next_chunk():
+    """`return_token_ids` with required tool calls: the text waits for the end, so do its ids; none is lost."""
+    shape = ResponseShape(True, "m", tools=REQUIRED, return_token_ids=True)
+    shape.note_prompt_token_ids(0, [7, 8])
+    role = shape.role_chunk(0)
+    assert role["prompt_token_ids"] == [7, 8] and "token_ids" not in role["choices"][0]
+    chunks = []
+    for piece, ids in [(CUT[:30], [1, 2]), (CUT[30:], [3])]:
+        event = wire.TokenChunk(0, piece, ids)
+        shape.add_token_ids(0, event)
+        if (chunk := shape.delta(piece, None)) is not None:
+            chunks.append(chunk)
+    chunks += shape.finish_chunks(0, _result(text="", finish_reason="length"))
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == [1, 2, 3]
+    assert not any("prompt_token_ids" in c for c in chunks)  # the role chunk carried them
