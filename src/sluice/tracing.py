@@ -9,13 +9,18 @@ device execution as child spans.
 A request's spans are written when it ends, with their real start and end times: the gateway
 knows when it admitted the request, and the worker's answer says how long it queued and how long
 its batch ran (`wire.Result.queue_s`, `exec_s`), so worker processes need no tracing SDK and the
-device path pays nothing for it. An incoming W3C `traceparent` header makes the request's span a
-child of the caller's trace. Attributes follow OpenTelemetry's GenAI semantic conventions where
-they apply (`gen_ai_attributes`: the operation, the model, the sampling asked for, the tokens
-used, why generation stopped), beside sluice's own. A request whose worker calls another server (`openai-upstream`) has
-its span started when it is sent (`begin`), so that the call's own `traceparent` names it: the
-upstream's spans join the same trace. Span attributes name the model, tenant, class, outcome and batch;
-never the input or prompt text.
+device path pays nothing for it. An incoming W3C `traceparent` header (HTTP, or gRPC metadata)
+makes the request's span a child of the caller's trace, and the `tracestate` that came with it is
+the span's too (OpenTelemetry's propagator reads both). Attributes follow OpenTelemetry's GenAI
+semantic conventions where they apply (`gen_ai_attributes`: the operation, the model, the
+sampling asked for, the tokens used, why generation stopped), beside sluice's own.
+
+A request whose worker calls another server (`openai-upstream`) has its span
+started when it is sent (`begin`), so that the call's own `traceparent` names it (`outgoing`),
+with the caller's `tracestate`: the upstream's spans join the same trace. With tracing off, the
+caller's trace context is passed on unchanged if well formed (`passed_on`), as W3C Trace Context
+asks of a server that does not trace. Span attributes name the model, tenant, class, outcome and
+batch; never the input or prompt text.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.propagate import get_global_textmap
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from sluice import wire
 from sluice.clock import Clock, MonotonicClock
@@ -58,23 +64,28 @@ class Tracing:
     def is_enabled(self) -> bool:
         return self._tracer is not None
 
-    def begin(self, *, traceparent: str | None, started: float) -> Any:
+    def begin(self, *, trace_context: wire.TraceContext | None, started: float) -> Any:
         """The span of a request that reached the gateway at `started` (the gateway's clock),
-        started now and ended by `request(span=...)`; None with tracing off."""
+        started now and ended by `request(span=...)`; None with tracing off. `trace_context`: the
+        caller's, whose trace (and `tracestate`) the span joins."""
         if self._tracer is None:
             return None
         start_ns = time.time_ns() - int(max(self._clock.now() - started, 0.0) * 1e9)
-        parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
+        parent = self._propagator.extract(trace_context.headers()) if trace_context is not None else None
         return self._tracer.start_span("sluice.request", context=parent, kind=SpanKind.SERVER, start_time=start_ns)
 
-    def traceparent_of(self, span: Any) -> str:
-        """The W3C `traceparent` that makes a call's spans children of `span` (from `begin`)."""
+    def outgoing(self, span: Any) -> wire.TraceContext | None:
+        """The trace context that makes a call's spans children of `span` (from `begin`): its
+        `traceparent`, and the `tracestate` it carries from the caller."""
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier, context=trace.set_span_in_context(span))
-        return carrier.get("traceparent", "")
+        if "traceparent" not in carrier:
+            return None
+        return wire.TraceContext(carrier["traceparent"], carrier.get("tracestate", ""))
 
     def request(
-        self, *, model: str, version: str, tenant: str, priority: str, traceparent: str | None, started: float,
+        self, *, model: str, version: str, tenant: str, priority: str, trace_context: wire.TraceContext | None,
+        started: float,
         outcome: str, attributes: Mapping[str, str | int | float | list[str]] = {}, queue_s: float | None = None,
         exec_s: float | None = None, span: Any = None,
     ) -> None:
@@ -86,7 +97,7 @@ class Tracing:
         if self._tracer is None:
             return
         if span is None:
-            span = self.begin(traceparent=traceparent, started=started)
+            span = self.begin(trace_context=trace_context, started=started)
         now_ns = time.time_ns()
         start_ns = getattr(span, "start_time", None) or now_ns - int(max(self._clock.now() - started, 0.0) * 1e9)
         span.set_attributes({"gen_ai.request.model": model, "sluice.model": model, "sluice.model_version": version,
@@ -108,6 +119,24 @@ class Tracing:
         """Send what is still buffered (at most a few seconds' wait) and stop the exporter."""
         if self._provider is not None:
             self._provider.shutdown()
+
+
+_W3C = TraceContextTextMapPropagator()
+
+
+def passed_on(given: wire.TraceContext | None) -> wire.TraceContext | None:
+    """What a server that does not trace sends on of its caller's trace context: the same, if
+    its `traceparent` is well formed (read by OpenTelemetry's W3C propagator); else nothing, as
+    a `tracestate` means nothing without its `traceparent`. A `tracestate` that is not well
+    formed is dropped, its `traceparent` kept."""
+    if given is None:
+        return None
+    context = trace.get_current_span(_W3C.extract(given.headers())).get_span_context()
+    if not context.is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, context=trace.set_span_in_context(NonRecordingSpan(context)))
+    return wire.TraceContext(carrier["traceparent"], carrier.get("tracestate", ""))
 
 
 def gen_ai_attributes(request: wire.Payload | None, answer: wire.Payload | None,

@@ -347,6 +347,21 @@ class Outcome(enum.StrEnum):
     the gateway sends the request to another worker."""
 
 
+class TraceContext(msgspec.Struct, frozen=True):
+    """W3C Trace Context (https://www.w3.org/TR/trace-context/) as a call to another server
+    carries it: a `traceparent` and the `tracestate` that travels with it ("" none). An
+    intermediary must pass the caller's `tracestate` on with the `traceparent` it sends."""
+
+    traceparent: str
+    tracestate: str = ""
+
+    def headers(self) -> dict[str, str]:
+        """As HTTP headers (or gRPC metadata)."""
+        if not self.tracestate:
+            return {"traceparent": self.traceparent}
+        return {"traceparent": self.traceparent, "tracestate": self.tracestate}
+
+
 class Hello(msgspec.Struct, tag="hello"):
     gateway_id: str
 
@@ -360,7 +375,9 @@ class Submit(msgspec.Struct, tag="submit"):
     tenant: str = ""  # who pays for the device time; "" is the single local tenant
     priority: int = 1  # sluice.priority.Priority: 0 interactive, 1 standard, 2 batch
     background: bool = False  # a batch job's item: yields to online work (sluice.scheduler.backlog)
-    traceparent: str = ""  # W3C trace context of the gateway's request span ("" untraced): an upstream call's parent
+    trace: TraceContext | None = None
+    """What a call to another server carries (an `openai-upstream`'s): the
+    gateway's request span with tracing on, else the caller's own; None: nothing to send."""
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

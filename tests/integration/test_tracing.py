@@ -19,7 +19,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from sluice.clock import MonotonicClock
 from sluice.gateway.tenants import hash_key, new_key
 from sluice.tracing import from_environment
-from tests.conftest import ServerProcess, free_port, start_server, write_emulated_model, write_tiny_lm_model
+from tests.conftest import (
+    ServerProcess,
+    free_port,
+    start_server,
+    write_emulated_model,
+    write_tiny_lm_model,
+)
 from tests.upstream_server import UpstreamServer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -332,3 +338,63 @@ def test_without_tracing_an_upstream_call_passes_the_callers_trace_on_unchanged(
         finally:
             server.stop()
     assert sent == [f"00-{TRACE_ID}-{PARENT_ID}-01", None]
+
+
+TRACESTATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
+
+
+def _proxy_models(repo: Path, upstream: UpstreamServer) -> Path:
+    """`proxy`, an openai-upstream model, and `single`, an http-single one, both served by `upstream`."""
+    (repo / "proxy" / "1").mkdir(parents=True)
+    (repo / "proxy" / "model.toml").write_text(
+        f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
+    (repo / "single" / "1").mkdir(parents=True)
+    (repo / "single" / "model.toml").write_text(
+        f'kind = "http-single"\n[slo]\ndefault_ms = 60000\n[params]\nurl = "{upstream.url}"\nmax_attempts = 1\n')
+    return repo
+
+
+def _sent(upstream: UpstreamServer) -> dict[str, str]:
+    """The trace headers of the upstream's last request (lower-cased names)."""
+    headers = {name.lower(): value for name, value in upstream.last_headers.items()}
+    return {name: headers[name] for name in ("traceparent", "tracestate") if name in headers}
+
+
+def test_tracestate_goes_on_to_an_upstream_with_the_callers_trace(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's `tracestate` (W3C Trace Context: vendors' entries that travel with the trace)
+    was dropped: the request's span and the upstream's call had none."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
+        try:
+            with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60,
+                               default_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01",
+                                                "tracestate": TRACESTATE}) as sdk:
+                assert sdk.chat.completions.create(model="proxy", messages=[{"role": "user", "content": SECRET}],
+                                                   max_tokens=4).choices
+            sent = _sent(upstream)
+            (span,) = [s for s in _wait_for(collector, 1) if s.name == "sluice.request"]
+        finally:
+            server.stop()
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    assert span.trace_state == TRACESTATE
+    assert sent == {"traceparent": f"00-{TRACE_ID}-{span.span_id.hex()}-01", "tracestate": TRACESTATE}
+
+
+def test_without_tracing_tracestate_goes_on_unchanged(tmp_path: Path) -> None:
+    """A server that does not trace passes the caller's `traceparent` and `tracestate` on
+    together; a `tracestate` without a well-formed `traceparent` is not sent on."""
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
+        try:
+            sent = []
+            for traceparent in (f"00-{TRACE_ID}-{PARENT_ID}-01", "00-not-a-trace-01"):
+                with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60,
+                                   default_headers={"traceparent": traceparent, "tracestate": TRACESTATE}) as sdk:
+                    assert sdk.completions.create(model="proxy", prompt=SECRET, max_tokens=4).choices
+                sent.append(_sent(upstream))
+        finally:
+            server.stop()
+    assert sent == [{"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE}, {}]

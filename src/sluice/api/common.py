@@ -250,17 +250,26 @@ def priority_of(header: str | None, *body_values: tuple[str, Any]) -> Priority |
 def caller(request: Request, priority: Priority | None, estimated_tokens: float = 0.0, *,
            is_traced: bool = False, cache: CachePolicy | None = None, group: RequestGroup | None = None,
            likely_tokens: float | None = None) -> Caller:
-    """`is_traced`: the client's `traceparent` is read (a header lookup that misses costs more
-    than the rest of this, on every request): when the server exports traces, and for a
-    generation, which an `openai-upstream` model passes on to its server even when it does not. `cache`: the request's
-    `Cache-Control` policy if the caller read it already (else it is read here). `group`: the
-    client request this call is one part of (`tenancy.RequestGroup`)."""
+    """`is_traced`: the client's trace context is read (`trace_context`: a header lookup that
+    misses costs more than the rest of this, on every request): when the server exports traces,
+    and for a generation, which an `openai-upstream` model passes on to its server even when it
+    does not. `cache`: the request's `Cache-Control` policy if the caller read it already (else
+    it is read here). `group`: the client request this call is one part of (`tenancy.RequestGroup`)."""
     headers = request.headers
-    traceparent = headers.get("traceparent") if is_traced else None
+    trace = trace_context(request) if is_traced else None
     if cache is None:
         cache = cache_policy(headers.get("cache-control"))
-    return Caller(request_tenant(request), priority, estimated_tokens, traceparent, cache, group,
+    return Caller(request_tenant(request), priority, estimated_tokens, trace, cache, group,
                   request.scope.get(BACKGROUND_SCOPE_KEY, False) is True, likely_tokens)
+
+
+def trace_context(request: Request) -> wire.TraceContext | None:
+    """The client's W3C trace context: its `traceparent` header and the `tracestate` that came
+    with it (several `tracestate` headers are one list); None without a `traceparent`."""
+    traceparent = request.headers.get("traceparent")
+    if traceparent is None:
+        return None
+    return wire.TraceContext(traceparent, ",".join(request.headers.getlist("tracestate")))
 
 
 MAX_TEXT_ITEMS = 2048

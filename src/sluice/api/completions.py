@@ -53,6 +53,7 @@ from sluice.api.common import (
     resolve_openai,
     response_id,
     stream_failed,
+    trace_context,
     unless_gone,
     with_version,
 )
@@ -96,7 +97,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
     is_legacy = isinstance(parsed, ChatRequest) and legacy_functions.is_legacy(parsed)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
     with gateway.reading(info, request_tenant(request), arrived_at,
-                         request.headers.get("traceparent") if gateway.is_tracing else None):
+                         trace_context(request) if gateway.is_tracing else None):
         try:
             if isinstance(parsed, ChatRequest):
                 parsed = legacy_functions.as_tools(parsed)

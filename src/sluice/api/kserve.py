@@ -41,6 +41,7 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     route_key,
+    trace_context,
 )
 from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_payloads
 from sluice.api.tensors import (
@@ -101,7 +102,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             info = note_model(request, gateway.resolve(name, version, route_key(request),
                                                        tenant=request_tenant(request)))
             with gateway.reading(info, request_tenant(request), arrived_at,
-                                 request.headers.get("traceparent") if gateway.is_tracing else None):
+                                 trace_context(request) if gateway.is_tracing else None):
                 header_timeout = header_timeout_s(request, gateway.max_timeout_s)
                 header_length = _header_length(request)
             policy = cache_policy(request.headers.get("cache-control"))
@@ -118,7 +119,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         info, arrived_at = screened.info, screened.arrived_at
         if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
             return await _infer_text(request, body, screened)
-        with gateway.reading(info, screened.early.tenant, arrived_at, screened.early.traceparent):
+        with gateway.reading(info, screened.early.tenant, arrived_at, screened.early.trace):
             parsed, tensors = parse_request(body, screened.header_length)
             terms = infer_terms(info, tensors, parsed.parameters, request.headers.get(PRIORITY_HEADER),
                                 gateway.max_timeout_s)
@@ -137,7 +138,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
 
     async def _infer_text(request: Request, body: bytes, screened: _Screened) -> Response:
         info = screened.info
-        with gateway.reading(info, screened.early.tenant, screened.arrived_at, screened.early.traceparent):
+        with gateway.reading(info, screened.early.tenant, screened.arrived_at, screened.early.trace):
             parsed, tensors = parse_request(body, screened.header_length)
             timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
                                                 gateway.max_timeout_s)

@@ -22,7 +22,7 @@ and class, the model's traffic split, the result cache, overload refusal, the de
 - Deadline: the call's own gRPC deadline, and the request's `timeout` parameter (microseconds,
   what tritonclient's `timeout=` sends); the earlier counts, capped at the gateway's longest.
 - Class: the `priority` parameter (Triton's level, or a class name) and `x-sluice-priority`
-  metadata, lowest wins. `x-sluice-route-key`, `cache-control` and `traceparent` metadata act as
+  metadata, lowest wins. `x-sluice-route-key`, `cache-control`, `traceparent` and `tracestate` metadata act as
   the HTTP headers.
 - Errors: the status the HTTP API would send, as a gRPC code (`GRPC_CODES`), with `retry-after`,
   `retry-after-ms` and the rate-limit headers as trailing metadata. Every call's trailing
@@ -412,7 +412,7 @@ class KServeGrpc:
         if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
             return await self._generate(request, call, info, tenant, arrived_at, time_remaining_s)
         with gateway.reading(info, tenant, arrived_at,
-                             call.metadata.get("traceparent") if gateway.is_tracing else None):
+                             _trace_context(call) if gateway.is_tracing else None):
             terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
                                 call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
@@ -429,7 +429,7 @@ class KServeGrpc:
                         time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
         gateway = self._gateway
         with gateway.reading(info, tenant, arrived_at,
-                             call.metadata.get("traceparent") if gateway.is_tracing else None):
+                             _trace_context(call) if gateway.is_tracing else None):
             parameters = _parameters(request.parameters)
             timeout_s, priority = request_terms(parameters, call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
             payloads = text_payloads(info, _tensors(request), parameters)
@@ -442,8 +442,17 @@ class KServeGrpc:
 
     def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0,
                 likely_tokens: float | None = None) -> Caller:
-        return Caller(tenant, priority, tokens, call.metadata.get("traceparent") if self._gateway.is_tracing else None,
-                      cache_policy(call.metadata.get("cache-control")), likely_tokens=likely_tokens)
+        trace = _trace_context(call) if self._gateway.is_tracing else None
+        return Caller(tenant, priority, tokens, trace, cache_policy(call.metadata.get("cache-control")),
+                      likely_tokens=likely_tokens)
+
+
+def _trace_context(call: _Call) -> wire.TraceContext | None:
+    """The caller's W3C trace context: its `traceparent` metadata and the `tracestate` with it."""
+    traceparent = call.metadata.get("traceparent")
+    if traceparent is None:
+        return None
+    return wire.TraceContext(traceparent, call.metadata.get("tracestate", ""))
 
 
 def _refuse(extension: str) -> Answer:

@@ -36,6 +36,7 @@ from sluice.api.common import (
     requested_priority,
     resolve_openai,
     texts_or_token_ids,
+    trace_context,
     with_version,
 )
 from sluice.api.completion_params import TOKEN_ID_LIMIT
@@ -88,7 +89,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             parsed = decode_json(body, EmbeddingsRequest)
             info = resolve_openai(gateway, parsed.model, request, parsed.user)
             with gateway.reading(info, request_tenant(request), arrived_at,
-                                 request.headers.get("traceparent") if gateway.is_tracing else None):
+                                 trace_context(request) if gateway.is_tracing else None):
                 timeout_s = header_timeout_s(request, gateway.max_timeout_s)
                 if not info.accepts_text:
                     raise InvalidInput(f"model {parsed.model!r} does not take text; "

@@ -72,6 +72,7 @@ from sluice.api.common import (
     request_tenant,
     requested_priority,
     stream_failed,
+    trace_context,
     with_version,
 )
 from sluice.api.completion_params import (
@@ -343,7 +344,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     _refuse_unsupported(parsed)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
     owner = request_tenant(request)
-    with gateway.reading(info, owner, arrived_at, request.headers.get("traceparent") if gateway.is_tracing else None):
+    with gateway.reading(info, owner, arrived_at, trace_context(request) if gateway.is_tracing else None):
         items = _items(parsed.input)
         if parsed.previous_response_id is not None:
             items = [*await responses.history(owner, parsed.previous_response_id), *items]

@@ -252,10 +252,10 @@ class OpenAIUpstreamRunner:
         """The worker's synchronous close: the session is closed by `aclose` on the loop."""
 
     async def generate(self, payload: wire.GeneratePayload, timeout_s: float,
-                       traceparent: str = "") -> AsyncGenerator[CallEvent, None]:
+                       trace: wire.TraceContext | None = None) -> AsyncGenerator[CallEvent, None]:
         """Stream one generation: `TextDelta`s, then a `CallEnd` or a `CallFailure`. Retries what is
         retryable until text has been relayed, within `timeout_s` (the request's remaining time).
-        `traceparent`: the W3C trace context each call carries (the gateway's request span)."""
+        `trace`: the W3C trace context each call carries (`traceparent`, `tracestate`)."""
         loop_time = _LoopTime()
         url, body = request_for(self.config, payload)
         data = json.dumps(body).encode()
@@ -275,7 +275,7 @@ class OpenAIUpstreamRunner:
             num_relayed = 0
             is_deadline_bound = remaining_s <= self.config.timeout_s
             attempt_s = min(remaining_s, self.config.timeout_s)
-            async with aclosing(self._attempt(url, data, attempt_s, traceparent)) as events:
+            async with aclosing(self._attempt(url, data, attempt_s, trace)) as events:
                 async for event in events:
                     if isinstance(event, CallFailure) and event.is_timeout and is_deadline_bound:
                         yield CallFailure("the deadline passed before the upstream finished", is_deadline=True)
@@ -294,12 +294,12 @@ class OpenAIUpstreamRunner:
                           is_retryable=True)
 
     async def _attempt(self, url: str, data: bytes, timeout_s: float,
-                       traceparent: str = "") -> AsyncGenerator[CallEvent, None]:
+                       trace: wire.TraceContext | None = None) -> AsyncGenerator[CallEvent, None]:
         """One call, its outcome recorded with the breaker whatever way it ends (even cancelled),
         so that a half-open breaker never waits forever for its trial."""
         is_upstream_ok = False
         try:
-            async with aclosing(self._post(url, data, timeout_s, traceparent)) as events:
+            async with aclosing(self._post(url, data, timeout_s, trace)) as events:
                 async for event in events:
                     if isinstance(event, CallEnd) or (isinstance(event, CallFailure) and not event.is_retryable):
                         is_upstream_ok = True
@@ -311,14 +311,14 @@ class OpenAIUpstreamRunner:
                 self.breaker.record_failure()
 
     async def _post(self, url: str, data: bytes, timeout_s: float,
-                    traceparent: str = "") -> AsyncGenerator[CallEvent, None]:
+                    trace: wire.TraceContext | None = None) -> AsyncGenerator[CallEvent, None]:
         assert self._session is not None, "start() opens the session"
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
                    "X-Request-Timeout-Ms": str(max(int(timeout_s * 1000), 1))}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
-        if traceparent:
-            headers["traceparent"] = traceparent
+        if trace is not None:
+            headers.update(trace.headers())
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with self._session.post(url, data=data, headers=headers, timeout=timeout) as response:

@@ -39,8 +39,9 @@ class Caller:
     estimated_tokens: float = 0.0
     """A bound on the request's tokens, reserved against the tenant's tokens-per-minute limit until
     the real count is known."""
-    traceparent: str | None = None
-    """The caller's W3C trace context, if it sent one: the request's span joins that trace."""
+    trace: wire.TraceContext | None = None
+    """The caller's W3C trace context (`traceparent`, `tracestate`), if it sent one: the request's
+    span joins that trace, and calls to another server carry it on."""
     cache: CachePolicy = CachePolicy.USE
     """What the request lets the result cache do (its `Cache-Control` header)."""
     group: RequestGroup | None = None
@@ -115,14 +116,14 @@ class Admission:
 
     @contextmanager
     def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float,
-                traceparent: str | None = None) -> Iterator[None]:
+                trace: wire.TraceContext | None = None) -> Iterator[None]:
         """Around the reading of a request to `info` (from `resolve`) before it is sent on with
         `infer`: the tenant must be allowed the model first (its 403, not a 400 about its input),
         and an `InvalidInput` raised inside (the client's malformed body, wrong input name, type or
         shape) is counted as the outcome `invalid` and a failed inference in the model's
         statistics, as a `Ticket` counts one the worker refuses. The one place for both
         protocols and transports; `infer` is not called inside (its ticket counts its own).
-        With tracing on, the refused request is a span too (in the caller's `traceparent` trace)."""
+        With tracing on, the refused request is a span too (in the caller's `trace`)."""
         allowed = self._tenancy.tenant(tenant)
         self._tenancy.authorize(allowed, info.name)
         try:
@@ -133,7 +134,7 @@ class Admission:
             self._statistics.failed(info.name, info.version, duration_s)
             if self._tracing.is_enabled:
                 self._tracing.request(model=info.name, version=info.version, tenant=allowed.name,
-                                      priority=allowed.priority.label, traceparent=traceparent,
+                                      priority=allowed.priority.label, trace_context=trace,
                                       started=arrived_at, outcome="invalid")
             raise
 
@@ -146,7 +147,7 @@ class Admission:
         self._metrics.tenant_rejected(tenant, priority.label, "overloaded" if outcome == "rejected" else outcome)
         if self._tracing.is_enabled:
             self._tracing.request(model=info.name, version=info.version, tenant=tenant, priority=priority.label,
-                                  traceparent=caller.traceparent, started=arrived_at, outcome=outcome)
+                                  trace_context=caller.trace, started=arrived_at, outcome=outcome)
 
     async def admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
                     caller: Caller | None, default_s: float | None = None) -> Ticket:
@@ -167,12 +168,12 @@ class Admission:
         except RateLimited as refusal:  # counted by tenant and limit in /metrics; traced here
             if self._tracing.is_enabled:
                 self._tracing.request(model=info.name, version=info.version, tenant=tenant.name,
-                                      priority=priority.label, traceparent=caller.traceparent, started=started,
+                                      priority=priority.label, trace_context=caller.trace, started=started,
                                       outcome="rate_limited", attributes={"sluice.limit": refusal.limit})
             raise
         deadline = started + (timeout_s if timeout_s is not None else default_s or info.slo_s)
         return Ticket(self._metrics, self._tenancy, self._clock, info, tenant.name, priority, reservation, started,
-                      deadline, self._tracing, caller.traceparent, observer=self._observer,
+                      deadline, self._tracing, caller.trace, observer=self._observer,
                       client_deadline=timeout_s is not None, group=caller.group, background=caller.background)
 
 

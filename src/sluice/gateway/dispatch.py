@@ -150,7 +150,7 @@ class Dispatcher:
                 raise ModelNotReady(f"no ready worker serves {info.name} v{info.version}", retry_after_s=1.0)
             submit = wire.Submit(request_id, info.name, info.version, payload, ticket.deadline - now,
                                  ticket.tenant, int(ticket.priority), ticket.background,
-                                 ticket.outgoing_traceparent())
+                                 ticket.outgoing_trace())
             in_flight = connection.submit(submit)
             if in_flight is not None:
                 return connection, in_flight

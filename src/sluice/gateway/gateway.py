@@ -297,9 +297,9 @@ class Gateway:
         self._admission.shed_if_overloaded(info, timeout_s, arrived_at, caller, key)
 
     def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float,
-                traceparent: str | None = None) -> AbstractContextManager[None]:
+                trace: wire.TraceContext | None = None) -> AbstractContextManager[None]:
         """Around the reading of a request's body (`Admission.reading`)."""
-        return self._admission.reading(info, tenant, arrived_at, traceparent)
+        return self._admission.reading(info, tenant, arrived_at, trace)
 
     @property
     def is_tracing(self) -> bool:

@@ -19,7 +19,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,7 +42,7 @@ from sluice.gateway.limits import Reservation
 from sluice.gateway.tenancy import RequestGroup, Tenancy, rate_limit_headers
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
-from sluice.tracing import Tracing, gen_ai_attributes
+from sluice.tracing import Tracing, gen_ai_attributes, passed_on
 
 __all__ = ["InferResult", "Ticket", "defer_accounting", "interpret", "run_deferred"]
 
@@ -71,8 +70,6 @@ def run_deferred(deferred: list[Callable[[], None]]) -> None:
             log.exception("a request's accounting failed")
 
 
-_TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
-"""A well-formed W3C `traceparent` (what an untraced server passes on; anything else is dropped)."""
 
 @dataclass(frozen=True, slots=True)
 class InferResult:
@@ -96,7 +93,7 @@ class Ticket:
 
     def __init__(self, metrics: GatewayMetrics, tenancy: Tenancy, clock: Clock, info: wire.ModelInfo, tenant: str,
                  priority: Priority, reservation: Reservation, started: float, deadline: float,
-                 tracing: Tracing | None = None, traceparent: str | None = None,
+                 tracing: Tracing | None = None, trace_context: wire.TraceContext | None = None,
                  observer: Callable[[Ticket, str, InferResult | None], None] | None = None,
                  client_deadline: bool = False, group: RequestGroup | None = None, background: bool = False) -> None:
         self._metrics = metrics
@@ -109,11 +106,12 @@ class Ticket:
         self.started = started
         self.deadline = deadline
         self._tracing = tracing
-        self._traceparent = traceparent
+        self._trace_context = trace_context
+        """The caller's W3C trace context, if it sent one."""
         self._span: Any = None
         self._request: wire.Payload | None = None
         """What was asked (`about`), for the span's GenAI attributes."""
-        """The request's span once `outgoing_traceparent` started it (tracing on)."""
+        """The request's span once `outgoing_trace` started it (tracing on)."""
         self._observer = observer
         """Told each outcome and result (the model's canary judges versions by them)."""
         self.client_deadline = client_deadline
@@ -136,16 +134,16 @@ class Ticket:
         """The request this ticket admits (its span says what it asked for, never its text)."""
         self._request = request
 
-    def outgoing_traceparent(self) -> str:
-        """The `traceparent` the worker's calls to another server carry (an `openai-upstream`'s):
-        this request's span, started on first use; with tracing off, the caller's own (passed on
-        unchanged, as W3C Trace Context asks of a server that does not trace), or ""."""
+    def outgoing_trace(self) -> wire.TraceContext | None:
+        """The trace context the worker's calls to another server carry (an `openai-upstream`'s):
+        this request's span, started on first use, with the caller's
+        `tracestate`; with tracing off, the caller's own (passed on unchanged if well formed, as
+        W3C Trace Context asks of a server that does not trace), or None."""
         if self._tracing is None or not self._tracing.is_enabled:
-            given = self._traceparent
-            return given if given is not None and _TRACEPARENT.fullmatch(given) else ""
+            return passed_on(self._trace_context)
         if self._span is None:
-            self._span = self._tracing.begin(traceparent=self._traceparent, started=self.started)
-        return self._tracing.traceparent_of(self._span)
+            self._span = self._tracing.begin(trace_context=self._trace_context, started=self.started)
+        return self._tracing.outgoing(self._span)
 
     def used(self, result: wire.Result) -> None:
         """What the worker reports the request used, also when it did not succeed (a missed
@@ -250,7 +248,7 @@ class Ticket:
             attributes |= {"sluice.batch_size": result.batch_size, "sluice.device_seconds": result.device_s,
                            "sluice.tokens": result.num_tokens}
         self._tracing.request(model=self.info.name, version=self.info.version, tenant=self.tenant,
-                              priority=self.priority.label, traceparent=self._traceparent, started=self.started,
+                              priority=self.priority.label, trace_context=self._trace_context, started=self.started,
                               outcome=outcome, attributes=attributes,
                               queue_s=result.queue_s if result and ran else None,
                               exec_s=result.exec_s if result and ran else None, span=self._span)

@@ -44,8 +44,9 @@ class _Call:
     logprobs: dict[int, list[wire.TokenLogprob]] = field(default_factory=dict)
     is_relayed: bool = False
     task: asyncio.Task[None] | None = None
-    traceparent: str = ""
-    """The gateway's request span, which the upstream call names as its parent ("" untraced)."""
+    trace: wire.TraceContext | None = None
+    """What the upstream call carries (`wire.Submit.trace`): the gateway's request span as its
+    parent, or the caller's own trace context; None: nothing."""
 
 
 class UpstreamLoop:
@@ -101,7 +102,7 @@ class UpstreamLoop:
                                               message="upstream queue full: too many calls waiting for a slot"))
             return
         self._calls[call_id] = _Call(identity, message.request_id, payload, now + message.timeout_s, now,
-                                     traceparent=message.traceparent)
+                                     trace=message.trace)
         self._by_gateway_id[(identity, message.request_id)] = call_id
         self._pump()
 
@@ -148,7 +149,7 @@ class UpstreamLoop:
     async def _run(self, call_id: int, call: _Call) -> None:
         try:
             timeout_s = call.deadline - self._clock.now()
-            async with aclosing(self.runner.generate(call.payload, timeout_s, call.traceparent)) as events:
+            async with aclosing(self.runner.generate(call.payload, timeout_s, call.trace)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         self._relay(call, event)
