@@ -22,6 +22,7 @@ from sluice.tracing import from_environment
 from tests.conftest import (
     ServerProcess,
     free_port,
+    metric_total,
     start_server,
     write_emulated_model,
     write_tiny_lm_model,
@@ -360,6 +361,11 @@ def _sent(upstream: UpstreamServer) -> dict[str, str]:
     return {name: headers[name] for name in ("traceparent", "tracestate") if name in headers}
 
 
+def _text_input(prompt: str) -> dict[str, object]:
+    return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [prompt]}],
+            "parameters": {"max_tokens": 4}}
+
+
 def test_tracestate_goes_on_to_an_upstream_with_the_callers_trace(
         tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's `tracestate` (W3C Trace Context: vendors' entries that travel with the trace)
@@ -398,3 +404,55 @@ def test_without_tracing_tracestate_goes_on_unchanged(tmp_path: Path) -> None:
         finally:
             server.stop()
     assert sent == [{"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE}, {}]
+
+
+def test_a_kserve_generation_joins_the_callers_trace_as_v1_completions_do(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KServe infer on a generative model (text_input in, text_output out) is a generation as
+    /v1/completions is: its span joins the caller's trace, and its upstream call names that span."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
+        try:
+            answer = httpx.post(f"{server.url}/v2/models/proxy/infer", json=_text_input(SECRET), timeout=60,
+                                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            assert answer.status_code == 200, answer.text
+            sent = _sent(upstream)
+            (span,) = [s for s in _wait_for(collector, 1) if s.name == "sluice.request"]
+        finally:
+            server.stop()
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    assert sent == {"traceparent": f"00-{TRACE_ID}-{span.span_id.hex()}-01"}
+    assert not any(SECRET.encode() in body for body in collector.bodies)
+
+
+def test_without_tracing_a_kserve_generation_passes_the_callers_trace_on(tmp_path: Path) -> None:
+    """/v1/completions passed an untraced server's caller's trace context on to an openai-upstream
+    model; KServe infer on the same model (text_input), over HTTP or gRPC, dropped it. And a KServe
+    generation was missing from sluice_requests_total: its accounting was lost."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    grpc_port = free_port()
+    given = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE}
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path, "--grpc-port", str(grpc_port))
+        try:
+            sent = []
+            for traceparent in (given["traceparent"], "00-not-a-trace-01"):
+                answer = httpx.post(f"{server.url}/v2/models/proxy/infer", json=_text_input(SECRET), timeout=60,
+                                    headers={"traceparent": traceparent, "tracestate": TRACESTATE})
+                assert answer.status_code == 200, answer.text
+                sent.append(_sent(upstream))
+            text = triton_grpc.InferInput("text_input", [1], "BYTES")
+            text.set_data_from_numpy(np.array([SECRET.encode()], dtype=np.object_))
+            with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+                generated = client.infer("proxy", [text], parameters={"max_tokens": 4}, headers=given)
+            assert list(generated.as_numpy("text_output")) == [b"Hello world"]
+            sent.append(_sent(upstream))
+            counted = metric_total(server, "sluice_requests_total", model="proxy", outcome="ok")
+        finally:
+            server.stop()
+    assert sent == [given, {}, given]
+    assert counted == 3

@@ -173,8 +173,14 @@ def generations(gateway: Gateway, who: Caller, info: wire.ModelInfo, payloads: l
 
 
 async def whole_generations(streams: list[Events]) -> list[InferResult]:
-    """Every generation's result, its payload the whole answer (all withdrawn if one fails)."""
-    return await _each(streams, final_result)
+    """Every generation's result, its payload the whole answer (all withdrawn if one fails).
+    Each stream is closed once its result is in: that ends its request's ticket (its outcome's
+    metrics, its span) here, in the request's own task; a stream left open would end it only
+    when collected, outside the request, where its accounting was lost."""
+    results = await _each(streams, final_result)
+    for stream in streams:
+        await stream.aclose()
+    return results
 
 
 async def _each(streams: list[Events], first: Callable[[Events], Awaitable[T]]) -> list[T]:

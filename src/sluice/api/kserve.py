@@ -145,7 +145,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             payloads = text_payloads(info, tensors, parsed.parameters)
             binary_outputs = _binary_outputs(info, parsed)
             classes = class_counts(info, _classifications(parsed))
-        who = caller(request, priority, is_traced=gateway.is_tracing, cache=screened.early.cache)
+        # untraced too, as /v1/completions: an upstream call carries the client's trace on
+        who = caller(request, priority, is_traced=True, cache=screened.early.cache)
         payload, headers = await generate_text(gateway, who, info, payloads,
                                                screened.header_timeout if timeout_s is None else timeout_s,
                                                screened.arrived_at)

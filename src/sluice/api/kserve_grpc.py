@@ -435,14 +435,17 @@ class KServeGrpc:
             payloads = text_payloads(info, _tensors(request), parameters)
             check_outputs(info, [o.name for o in request.outputs])
             classes = class_counts(info, _classifications(request))
-        payload, headers = await generate_text(gateway, self._caller(call, tenant, priority), info, payloads,
+        # untraced too, as /v1/completions: an upstream call carries the client's trace on
+        who = self._caller(call, tenant, priority, is_traced=True)
+        payload, headers = await generate_text(gateway, who, info, payloads,
                                                _deadline_s(timeout_s, time_remaining_s, gateway.max_timeout_s),
                                                arrived_at)
         return _response(info, request.id, payload, [o.name for o in request.outputs] or None, classes), headers or {}
 
     def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0,
-                likely_tokens: float | None = None) -> Caller:
-        trace = _trace_context(call) if self._gateway.is_tracing else None
+                likely_tokens: float | None = None, *, is_traced: bool = False) -> Caller:
+        """`is_traced`: the caller's trace context is read even when this server does not trace."""
+        trace = _trace_context(call) if is_traced or self._gateway.is_tracing else None
         return Caller(tenant, priority, tokens, trace, cache_policy(call.metadata.get("cache-control")),
                       likely_tokens=likely_tokens)
 
