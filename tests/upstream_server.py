@@ -18,7 +18,7 @@ It counts requests and the most that were ever in flight at once.
 
 plays the next entry of `sse_plans` (a `SsePlan`; when none is left, `SsePlan()`): an HTTP error
 status with OpenAI's error envelope, or text deltas (or whole chat deltas), then (unless `is_broken`) a finish_reason, a
-usage chunk and `[DONE]`. The last request's body and headers are kept.
+usage chunk and `[DONE]`. The last request's body and headers are kept (`/infer`'s headers too).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class UpstreamServer:
         self.num_requests += 1
         self.num_in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        self.last_headers = dict(request.headers)
         try:
             return await self._answer(await request.json())
         finally:

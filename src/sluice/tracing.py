@@ -15,7 +15,7 @@ the span's too (OpenTelemetry's propagator reads both). Attributes follow OpenTe
 semantic conventions where they apply (`gen_ai_attributes`: the operation, the model, the
 sampling asked for, the tokens used, why generation stopped), beside sluice's own.
 
-A request whose worker calls another server (`openai-upstream`) has its span
+A request whose worker calls another server (`openai-upstream`, `http-single`) has its span
 started when it is sent (`begin`), so that the call's own `traceparent` names it (`outgoing`),
 with the caller's `tracestate`: the upstream's spans join the same trace. With tracing off, the
 caller's trace context is passed on unchanged if well formed (`passed_on`), as W3C Trace Context

@@ -376,7 +376,7 @@ class Submit(msgspec.Struct, tag="submit"):
     priority: int = 1  # sluice.priority.Priority: 0 interactive, 1 standard, 2 batch
     background: bool = False  # a batch job's item: yields to online work (sluice.scheduler.backlog)
     trace: TraceContext | None = None
-    """What a call to another server carries (an `openai-upstream`'s): the
+    """What a call to another server carries (an `openai-upstream`'s, an `http-single`'s): the
     gateway's request span with tracing on, else the caller's own; None: nothing to send."""
 
 

@@ -456,3 +456,43 @@ def test_without_tracing_a_kserve_generation_passes_the_callers_trace_on(tmp_pat
             server.stop()
     assert sent == [given, {}, given]
     assert counted == 3
+
+
+def test_a_call_to_an_http_single_upstream_carries_the_trace_on(
+        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An http-single model's calls (a user's HTTP model server) carried no `traceparent`: its
+    spans were cut off from the caller's trace. Now a call names the request's span."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
+        try:
+            answer = httpx.post(f"{server.url}/v2/models/single/infer", json=inputs, timeout=60,
+                                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["data"] == [6.0]
+            sent = _sent(upstream)
+            (span,) = [s for s in _wait_for(collector, 1) if s.name == "sluice.request"]
+        finally:
+            server.stop()
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    assert sent == {"traceparent": f"00-{TRACE_ID}-{span.span_id.hex()}-01", "tracestate": TRACESTATE}
+
+
+def test_without_tracing_an_http_single_call_passes_the_callers_trace_on_unchanged(tmp_path: Path) -> None:
+    """The same rules as openai-upstream's: a well-formed `traceparent` (and its `tracestate`)
+    goes on unchanged; one that is not well formed does not go on."""
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
+        try:
+            sent = []
+            for n, traceparent in enumerate((f"00-{TRACE_ID}-{PARENT_ID}-01", "00-not-a-trace-01")):
+                inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [n, 1]}]}
+                answer = httpx.post(f"{server.url}/v2/models/single/infer", json=inputs, timeout=60,
+                                    headers={"traceparent": traceparent, "tracestate": TRACESTATE})
+                assert answer.status_code == 200, answer.text
+                sent.append(_sent(upstream))
+        finally:
+            server.stop()
+    assert sent == [{"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE}, {}]

@@ -263,6 +263,17 @@ def caller(request: Request, priority: Priority | None, estimated_tokens: float 
                   request.scope.get(BACKGROUND_SCOPE_KEY, False) is True, likely_tokens)
 
 
+CALLING_KINDS = frozenset({"http-single", "openai-upstream"})
+"""Runner kinds whose worker calls another server, which carries the caller's trace context on
+(`wire.Submit.trace`) even when this server does not trace."""
+
+
+def is_traced(gateway: Gateway, info: wire.ModelInfo) -> bool:
+    """Whether a request to `info` reads its caller's trace context (`caller(is_traced=...)`):
+    when the server exports traces, or when the model calls another server."""
+    return gateway.is_tracing or info.kind in CALLING_KINDS
+
+
 def trace_context(request: Request) -> wire.TraceContext | None:
     """The client's W3C trace context: its `traceparent` header and the `tracestate` that came
     with it (several `tracestate` headers are one list); None without a `traceparent`."""

@@ -33,6 +33,7 @@ from sluice.api.common import (
     check_texts,
     estimate_text_tokens,
     header_timeout_s,
+    is_traced,
     json_response,
     likely_text_tokens,
     note_model,
@@ -125,8 +126,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                                 gateway.max_timeout_s)
             binary_outputs = _binary_outputs(info, parsed)
             classes = class_counts(info, _classifications(parsed))
-        who = caller(request, terms.priority, terms.tokens, is_traced=gateway.is_tracing, cache=screened.early.cache,
-                     likely_tokens=terms.likely_tokens)
+        who = caller(request, terms.priority, terms.tokens, is_traced=is_traced(gateway, info),
+                     cache=screened.early.cache, likely_tokens=terms.likely_tokens)
         timeout_s = terms.timeout_s
         if timeout_s is None:
             timeout_s = screened.header_timeout

@@ -52,7 +52,7 @@ from sluice.api.app import request_id_for
 from sluice.api.auth import check_admin, inference_tenant, key_among, listing_reader, statistics_reader
 from sluice.api.classification import PARAMETER as CLASSIFICATION
 from sluice.api.classification import class_counts
-from sluice.api.common import PRIORITY_HEADER, ROUTE_KEY_HEADER
+from sluice.api.common import CALLING_KINDS, PRIORITY_HEADER, ROUTE_KEY_HEADER
 from sluice.api.errors import LIMIT_HEADER, error_headers, status_of
 from sluice.api.kserve import (
     SERVED_EXTENSIONS,
@@ -418,7 +418,8 @@ class KServeGrpc:
             check_outputs(info, [o.name for o in request.outputs])  # whatever they ask, they come back raw
             classes = class_counts(info, _classifications(request))
         timeout_s = _deadline_s(terms.timeout_s, time_remaining_s, gateway.max_timeout_s)
-        who = self._caller(call, tenant, terms.priority, terms.tokens, terms.likely_tokens)
+        who = self._caller(call, tenant, terms.priority, terms.tokens, terms.likely_tokens,
+                           is_traced=info.kind in CALLING_KINDS)
         key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)

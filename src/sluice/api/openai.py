@@ -30,6 +30,7 @@ from sluice.api.common import (
     decode_json,
     estimate_text_tokens,
     header_timeout_s,
+    is_traced,
     json_response,
     likely_text_tokens,
     request_tenant,
@@ -98,7 +99,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                 _check_dimensions(info, parsed.dimensions, None)
                 priority = requested_priority(request, ("service_tier", parsed.service_tier),
                                               ("priority", parsed.priority))
-            who = caller(request, priority, num_tokens, is_traced=gateway.is_tracing, likely_tokens=likely_tokens)
+            who = caller(request, priority, num_tokens, is_traced=is_traced(gateway, info),
+                         likely_tokens=likely_tokens)
             first = _Screened(arrived_at, timeout_s, parsed, info, who, payload, gateway.cache_key(info, payload, who))
         gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who, first.key)
         return first

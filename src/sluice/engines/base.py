@@ -28,6 +28,9 @@ class PreparedItem:
     cost: int
     data: Any
     num_tokens: int = 0
+    trace: wire.TraceContext | None = None
+    """Its request's W3C trace context (`wire.Submit.trace`), for a runner whose item is a call to
+    another server (`http-single`); set by the worker after `prepare`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@ The scheduler still forms batches; this runner fans a batch out as concurrent HT
 Contract (field names configurable with `input_field` / `output_field`): each item is POSTed as
 `{"input": <item>}` — a string for a text item (OpenAI embeddings), a list of numbers for an
 FP32 tensor row (KServe infer) — and the upstream answers `{"output": <number or list of numbers>}`.
+Each call carries its request's W3C trace context (`traceparent`, `tracestate`): with tracing on,
+the gateway's request span as its parent; with it off, the caller's own, passed on unchanged.
 
 Failures are per item: an item whose calls all fail (5xx, 429, timeout, connection error) after
 `max_attempts`, or that the upstream refuses with another 4xx (final, never retried), or that is
@@ -224,7 +226,7 @@ class HttpSingleRunner:
                         + (f"; last error: {reason}" if reason else ""),
                         is_transient=True,
                     )
-                outcome = await self._attempt(body)
+                outcome = await self._attempt(body, item.trace)
             if isinstance(outcome, np.ndarray):
                 return outcome
             if isinstance(outcome, _Final):
@@ -235,14 +237,14 @@ class HttpSingleRunner:
                 await asyncio.sleep(backoff_delay_s(attempt, cfg.backoff_s, cfg.max_backoff_s, self._rng))
         return ItemFailure(f"upstream failed after {self.config.max_attempts} attempts: {reason}", is_transient=True)
 
-    async def _attempt(self, body: bytes) -> _Attempt:
+    async def _attempt(self, body: bytes, trace: wire.TraceContext | None = None) -> _Attempt:
         """One call. Records its outcome with the breaker: a 5xx, 408/429, timeout, connection
         error or unusable answer is a failure; any other answer (a 4xx included) shows the
         upstream is up. Recorded even when the call raises or is cancelled, so that a half-open
         breaker never waits forever for its trial."""
         outcome: _Attempt = _Retry("call abandoned")
         try:
-            outcome = await self._post(body)
+            outcome = await self._post(body, trace)
         finally:
             if isinstance(outcome, np.ndarray) or (isinstance(outcome, _Final) and not outcome.is_upstream_fault):
                 self.breaker.record_success()
@@ -250,9 +252,10 @@ class HttpSingleRunner:
                 self.breaker.record_failure()
         return outcome
 
-    async def _post(self, body: bytes) -> _Attempt:
+    async def _post(self, body: bytes, trace: wire.TraceContext | None = None) -> _Attempt:
+        """`trace`: the item's request's W3C trace context, sent as `traceparent` and `tracestate`."""
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(trace.headers() if trace is not None else {})}
         try:
             async with self._session.post(self.config.url, data=body, headers=headers, timeout=timeout) as response:
                 status, text = response.status, await response.text(errors="replace")

@@ -135,8 +135,8 @@ class Ticket:
         self._request = request
 
     def outgoing_trace(self) -> wire.TraceContext | None:
-        """The trace context the worker's calls to another server carry (an `openai-upstream`'s):
-        this request's span, started on first use, with the caller's
+        """The trace context the worker's calls to another server carry (an `openai-upstream`'s,
+        an `http-single`'s): this request's span, started on first use, with the caller's
         `tracestate`; with tracing off, the caller's own (passed on unchanged if well formed, as
         W3C Trace Context asks of a server that does not trace), or None."""
         if self._tracing is None or not self._tracing.is_enabled:

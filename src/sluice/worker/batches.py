@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sluice import wire
 from sluice.clock import Clock
@@ -162,6 +162,8 @@ class Batches:
     def _admit(self, identity: bytes, message: wire.Submit, items: list[PreparedItem], deadline: float) -> None:
         """Queue a prepared request in the scheduler, or answer why not."""
         key = (message.model, message.version)
+        if message.trace is not None:  # for a call to another server (`http-single`)
+            items = [replace(item, trace=message.trace) for item in items]
         typical_cost = self._table.typical_cost
         if items:
             typical_cost[key] += 0.05 * (items[0].cost - typical_cost[key])
