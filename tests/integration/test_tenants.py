@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
 KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single",
-                                  "emoji", "prose")}
+                                  "emoji", "prose", "one-at-a-time")}
 ADMIN_KEY = new_key()
 METRICS_KEY = new_key()
 
@@ -87,6 +87,10 @@ models = ["tiny-lm"]
 api_keys = ["{hash_key(KEYS['prose'])}"]
 tokens_per_min = 100
 models = ["emulated"]
+
+[tenants.one-at-a-time]
+api_keys = ["{hash_key(KEYS['one-at-a-time'])}"]
+max_concurrent = 1
 """
 
 
@@ -304,6 +308,28 @@ def test_a_one_request_tenant_can_send_its_next_request_the_moment_it_has_an_ans
             response = client.post("/v2/models/emulated/infer", json=body)
             assert response.status_code == 200, response.text
     assert goodput() == before + 60
+
+
+def test_kserve_generations_one_after_another_stay_within_a_concurrency_of_one(server, grpc_port):
+    """A KServe generation (text_input on a generative model) never gave its tenant's concurrency
+    slot back: a tenant limited to one request at a time got 429 on every request after its first."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Hello"]}],
+            "parameters": {"max_tokens": 2}}
+    auth = {"Authorization": f"Bearer {KEYS['one-at-a-time']}"}
+    with httpx.Client(base_url=server.url, headers={**auth, **ROOMY}, timeout=60) as client:
+        for _ in range(3):
+            response = client.post("/v2/models/tiny-lm/infer", json=body)
+            assert response.status_code == 200, response.text
+    text = triton_grpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hello"], dtype=np.object_))
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc_client:
+        for _ in range(2):
+            answer = grpc_client.infer("tiny-lm", [text], parameters={"max_tokens": 2},
+                                       headers={"authorization": auth["Authorization"]})
+            assert len(answer.as_numpy("text_output")) == 1
 
 
 def test_tokens_limit_refuses_without_consuming_a_request(server):
