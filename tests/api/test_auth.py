@@ -116,3 +116,44 @@ def test_grpc_metadata_presenting_two_keys_is_invalid_argument(tmp_path: Path):
         return found
 
     assert asyncio.run(codes()) == [grpc.StatusCode.INVALID_ARGUMENT, None]
+
+
+def test_a_route_that_does_not_exist_is_404_in_its_protocols_shape_for_every_valid_key(tmp_path: Path):
+    """A path no route has is 404 for any valid key: a tenant's, or the admin's (which used to get
+    403 "cannot run inference" on /v1 and /v2 paths, as if the route were there and only its key
+    wrong), and a tenant's on an `/admin/...` path no route has (403 "needs an admin key" before).
+    The key is checked first: no key or an unknown key is still 401, so that a caller without a
+    key learns nothing about the routes. A route that exists keeps its 403 for the wrong key."""
+    gateway, key_a, _ = _gateway(tmp_path)
+    admin_key = add_key(tmp_path / "tenants.toml", None)
+    gateway.tenancy.reload()
+    admin = {"authorization": f"Bearer {admin_key}"}
+    tenant = {"authorization": f"Bearer {key_a}"}
+    with _serving(gateway) as url, httpx.Client(base_url=url) as client:
+        for headers in (admin, tenant):
+            for method, path in (("GET", "/v1/nope"), ("POST", "/v1/nope/completions"),
+                                 ("POST", "/v2/models/x/nonsense"), ("GET", "/v2/nope"), ("GET", "/admin/nope")):
+                answer = client.request(method, path, headers=headers, json={})
+                assert answer.status_code == 404, (headers is admin, method, path, answer.text)
+                error = answer.json()["error"]
+                if path.startswith("/v2/"):
+                    assert isinstance(error, str) and path in error  # KServe's shape
+                else:
+                    assert error["code"] == "not_found" and path in error["message"]
+        for headers in ({}, {"authorization": "Bearer not-a-key"}):
+            assert client.get("/v1/nope", headers=headers).status_code == 401
+            assert client.post("/v2/models/x/nonsense", headers=headers, json={}).status_code == 401
+        # routes that are there still refuse the wrong kind of key
+        assert client.get("/v1/models", headers=admin).status_code == 403
+        assert client.post("/admin/reload", headers=tenant).status_code == 403
+
+
+def test_the_openai_sdk_with_an_admin_key_on_a_missing_route_gets_not_found(tmp_path: Path):
+    gateway, _, _ = _gateway(tmp_path)
+    admin_key = add_key(tmp_path / "tenants.toml", None)
+    gateway.tenancy.reload()
+    with _serving(gateway) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=admin_key, max_retries=0)
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.get("/nope", cast_to=object)
+    assert "/v1/nope" in caught.value.message

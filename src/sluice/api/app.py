@@ -183,8 +183,11 @@ class SluiceApp:
     go through `__call__`.
     """
 
-    def __init__(self, hot: HotRoutes, tenancy: Tenancy, access_log: AccessLog | None = None) -> None:
-        self._app = RequestIdMiddleware(CompressionMiddleware(AuthMiddleware(hot, tenancy)), access_log)
+    def __init__(self, hot: HotRoutes, tenancy: Tenancy, access_log: AccessLog | None = None,
+                 routes: Sequence[BaseRoute] = ()) -> None:
+        """`routes`: all the app's, for authentication to tell a missing route (404) from a key's
+        scope (403) (`auth.AuthMiddleware`)."""
+        self._app = RequestIdMiddleware(CompressionMiddleware(AuthMiddleware(hot, tenancy, routes)), access_log)
         self._hot = hot
         self._tenancy = tenancy
         self._access_log = access_log
@@ -315,4 +318,4 @@ def build_app(
     # and a POST's body to send again): a path no route has is a 404 in the protocol's shape
     app.router.redirect_slashes = False
     hot = HotRoutes(app, [route for route in routes if isinstance(route, HotRoute)])
-    return SluiceApp(hot, gateway.tenancy, AccessLog(gateway.now) if config.access_log else None)
+    return SluiceApp(hot, gateway.tenancy, AccessLog(gateway.now) if config.access_log else None, routes)

@@ -2,6 +2,7 @@
 
     request ─▶ AuthMiddleware ─▶ scope["sluice.tenant"] = tenant name ─▶ routes
                  │ no key / unknown key: 401    tenant key on /admin/*: 403
+                 │ a valid key on a path no route has: 404 (not the 403 of the key's scope)
 
 Keys come from `Authorization: Bearer <key>` (what the `openai` SDK sends) or `api-key`. A request
 that presents its key ambiguously (two `Authorization` headers, two `api-key`, or both naming
@@ -18,11 +19,14 @@ item, run for the job's owner) and is left as it is: clients cannot set scope ke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.api.common import MONITOR_SCOPE_KEY, TENANT_SCOPE_KEY
 from sluice.api.errors import error_response, protocol_of
-from sluice.errors import InvalidInput, PermissionDenied, SluiceError
+from sluice.errors import InvalidInput, NotFound, PermissionDenied, SluiceError
 from sluice.gateway.tenancy import Tenancy
 
 ADMIN_SCOPE_KEY = "sluice.admin"
@@ -112,9 +116,14 @@ def inference_tenant(key: str | None, tenancy: Tenancy) -> str:
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, tenancy: Tenancy) -> None:
+    """`routes`: every route of the app, so that a valid key refused a path's scope (an admin key
+    off `/admin`, a tenant's on it) is told that no such route exists (404) when none does, as a
+    tenant's key is on an inference path; no key or an unknown one is refused (401) first."""
+
+    def __init__(self, app: ASGIApp, tenancy: Tenancy, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self.tenancy = tenancy
+        self.routes = tuple(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or TENANT_SCOPE_KEY in scope or scope["path"] in _OPEN_PATHS:
@@ -123,9 +132,15 @@ class AuthMiddleware:
         try:
             authenticate(scope, self.tenancy)
         except SluiceError as exc:
+            if isinstance(exc, PermissionDenied) and self.routes and not self._has_route(scope):
+                exc = NotFound(f"no route for {scope['method']} {scope['path']}")
             await error_response(exc, protocol_of(scope["path"]))(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _has_route(self, scope: Scope) -> bool:
+        """Whether any route has this path (for any method: a wrong method is not a missing route)."""
+        return any(route.matches(scope)[0] is not Match.NONE for route in self.routes)
 
 
 def authenticate(scope: Scope, tenancy: Tenancy) -> None:
