@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice import wire
-from sluice.gateway.router import Candidate, PrefixAffinity, choose, prompt_bytes
+from sluice.gateway.router import Candidate, PrefixAffinity, affinity_scope, choose, prompt_bytes
 
 SYSTEM = "You are a careful assistant. Answer in one short paragraph and cite nothing. " * 3
 
@@ -71,6 +71,29 @@ def test_another_tenant_or_model_does_not_follow_the_prefix():
     assert affinity.owner(affinity.keys("tenant-a\0m\01", prompt)) == "w0"
     assert affinity.owner(affinity.keys("tenant-b\0m\01", prompt)) is None
     assert affinity.owner(affinity.keys("tenant-a\0m\02", prompt)) is None
+
+
+def test_a_cache_salt_routes_with_its_own_salt_and_never_by_another_salts_prefix():
+    """The worker's prefix cache is salted by tenant and `cache_salt`: a prompt under a salt goes
+    where that salt's prompt with the same start went, and a prompt under another salt (or none)
+    does not follow it there, as it would find nothing cached."""
+    affinity, rng = PrefixAffinity(), random.Random(5)
+    workers = _idle("w0", "w1", "w2", "w3")
+
+    def scope(salt: str) -> str:
+        return affinity_scope("t", "m", "1", wire.GeneratePayload(prompt=SYSTEM, cache_salt=salt))
+
+    first, _ = _route(affinity, scope("alice"), SYSTEM + "Question 0?", workers, rng)
+    for i in range(1, 10):
+        assert _route(affinity, scope("alice"), SYSTEM + f"Question {i}?", workers, rng) == (first, True)
+    prompt = (SYSTEM + "Question 0?").encode()
+    assert affinity.owner(affinity.keys(scope("alice"), prompt)) == first
+    assert affinity.owner(affinity.keys(scope("bob"), prompt)) is None
+    assert affinity.owner(affinity.keys(scope(""), prompt)) is None  # no salt: the tenant's alone
+    assert scope("") == affinity_scope("t", "m", "1", wire.GeneratePayload(prompt=SYSTEM))
+    # a salt is the request's, within its tenant: another tenant's same salt is another scope
+    other = affinity_scope("u", "m", "1", wire.GeneratePayload(prompt=SYSTEM, cache_salt="alice"))
+    assert affinity.owner(affinity.keys(other, prompt)) is None
 
 
 def test_a_busy_owner_is_passed_over_for_load_and_the_prefix_moves():

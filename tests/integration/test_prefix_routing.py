@@ -40,3 +40,25 @@ def test_without_prefix_affinity_generations_route_by_load_alone(make_server, tm
         sdk.completions.create(model="tiny", prompt="A shared start, long enough for several blocks. " * 4,
                                max_tokens=1, temperature=0)
     assert metric_total(server, "sluice_prefix_routed_requests_total", model="tiny") == 0
+
+
+def test_a_prompt_under_another_cache_salt_does_not_follow_the_prefix_and_its_own_salt_does(make_server, tmp_path):
+    """The worker salts its prefix cache by tenant and `cache_salt`, so a prompt under a new salt
+    finds nothing cached anywhere: it routes by load, not to the worker that has the same text
+    under another salt; a later prompt under a salt seen before goes where that salt's went."""
+    server = make_server(write_tiny_lm_model(tmp_path / "models"), "--workers", "2")
+    wait_workers_ready(server.url, 2)
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
+                        default_headers={"Cache-Control": "no-cache"})
+    system = "A shared system prompt: answer briefly, politely and in plain words. " * 4
+
+    def cached_tokens(salt: str, question: str) -> int:
+        answer = sdk.completions.create(model="tiny", prompt=f"{system}{question}", max_tokens=1, temperature=0,
+                                        extra_body={"cache_salt": salt})
+        details = answer.usage.prompt_tokens_details
+        return details.cached_tokens if details is not None else 0
+
+    assert [cached_tokens(f"salt-{i}", "Question?") for i in range(4)] == [0, 0, 0, 0]
+    assert metric_total(server, "sluice_prefix_routed_requests_total", model="tiny", by="prefix") == 0
+    assert cached_tokens("salt-0", "Another question?") >= 48
+    assert metric_total(server, "sluice_prefix_routed_requests_total", model="tiny", by="prefix") == 1

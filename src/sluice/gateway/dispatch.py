@@ -184,7 +184,7 @@ class Dispatcher:
         if prompt is None:
             chosen = router.choose(candidates, self._rng)
         else:  # a generation among several replicas: where its prompt's prefix is cached, if not too busy
-            keys = self._affinity.keys(f"{ticket.tenant}\0{info.name}\0{info.version}", prompt)
+            keys = self._affinity.keys(router.affinity_scope(ticket.tenant, info.name, info.version, payload), prompt)
             chosen, by_affinity = self._affinity.choose(candidates, keys, self._rng)
             self._metrics.prefix_routed(info.name, info.version, by_affinity)
         if chosen is None:

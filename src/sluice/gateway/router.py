@@ -12,8 +12,9 @@ computed (its prefix cache), so a prompt that shares a prefix with one a worker 
 worker that took its longest known prefix, unless that worker's predicted wait is more than
 `slack_s` above the least loaded candidate's; otherwise the choice is by load, as above. A
 prefix is a chain of hashes over the prompt's first `max_blocks` blocks of `block_bytes` bytes,
-started from a scope (tenant, model, version): the workers salt their prefix caches per tenant,
-so one tenant's prompts never route by another's. Each gateway keeps its own table (several
+started from a scope (tenant, model, version, and the request's `cache_salt`: `affinity_scope`):
+the workers salt their prefix caches per tenant and `cache_salt`, so one tenant's prompts never
+route by another's, nor a salt's by another salt's. Each gateway keeps its own table (several
 gateways may send one prefix to different workers; each then keeps sending it to its own).
 
     prompt bytes  [  block 0  ][  block 1  ][  block 2  ][ ...      key_i = H(key_{i-1} || block i)
@@ -42,7 +43,7 @@ import msgspec
 
 from sluice import wire
 
-__all__ = ["Candidate", "Ejections", "PrefixAffinity", "choose", "prompt_bytes"]
+__all__ = ["Candidate", "Ejections", "PrefixAffinity", "affinity_scope", "choose", "prompt_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,17 @@ def prompt_bytes(payload: wire.Payload, limit: int) -> bytes | None:
             size += len(parts[-1])
         return b"".join(parts)
     return None
+
+
+def affinity_scope(tenant: str, model: str, version: str, payload: wire.Payload) -> str:
+    """What a generation's prefix keys start from: the scope of the worker's prefix cache it can
+    hit, i.e. its tenant and its own `cache_salt` (vLLM's; the worker's salt is both), and the
+    replica's model and version. Requests with different salts share no cached blocks, so they
+    must not follow each other's prefixes; those with the same salt do."""
+    scope = f"{tenant}\0{model}\0{version}"
+    if isinstance(payload, wire.GeneratePayload) and payload.cache_salt:
+        scope += f"\0{payload.cache_salt}"
+    return scope
 
 
 class PrefixAffinity:
