@@ -169,6 +169,51 @@ async def test_expiry_keeps_finished_items_and_writes_off_the_rest(tmp_path: Pat
     await store.aclose()
 
 
+class UnreadableFileStore(SqliteJobStore):
+    """Reading a batch's input file fails (its database unreachable) until `readable` is set."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.readable = False
+        self.num_reads = 0
+
+    async def file_content(self, owner: str, file_id: str) -> bytes | None:
+        self.num_reads += 1
+        if not self.readable:
+            raise OSError("the database is unreachable")
+        return await super().file_content(owner, file_id)
+
+
+async def test_a_batch_still_validating_when_its_window_ends_expires(tmp_path: Path):
+    """Validation keeps failing (the input file cannot be read); once the completion window ends
+    the batch is `expired`, as OpenAI's are, with no items and no files, rather than validating
+    for ever (a client polling it never saw it end); it does not start when the file is back."""
+    store = UnreadableFileStore(tmp_path / "data")
+    now = [1000.0]
+    batch_id = await _create(store, ["ok", "ok"], created_at=1000, expires_at=1010)
+    executor = JobExecutor(store, FAST, clock=lambda: now[0])
+    jobs_before = _jobs_total("expired")
+    await executor.start(ScriptedApp())
+
+    async def retried() -> bool:
+        return store.num_reads >= 2
+
+    await _until(retried)
+    still = await store.get_batch(None, batch_id)
+    assert still is not None and still.status is BatchStatus.VALIDATING
+    now[0] = 1010.0  # the window ends
+    done = await _final(store, batch_id)
+    store.readable = True
+    await executor.aclose()
+    assert done.status is BatchStatus.EXPIRED and done.expired_at == 1010 and done.in_progress_at is None
+    assert (done.num_total, done.num_completed, done.num_failed) == (0, 0, 0)
+    assert done.output_file_id is None and done.error_file_id is None
+    assert _jobs_total("expired") - jobs_before == 1
+    after = await store.get_batch(None, batch_id)
+    assert after is not None and after.status is BatchStatus.EXPIRED
+    await store.aclose()
+
+
 def _jobs_total(status: str) -> float:
     return REGISTRY.get_sample_value("sluice_batch_jobs_total", {"status": status}) or 0.0
 

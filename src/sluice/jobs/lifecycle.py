@@ -1,9 +1,10 @@
 """A batch's way through its statuses, driven by the executor's housekeeping.
 
     validating ─parse─▶ in_progress ─every item done─▶ finalizing ─files written─▶ completed
-        │                   │  (items stored in chunks while the first ones run)
-        ▼                   ├─ cancel ──────────▶ cancelling ─▶ cancelled
-      failed                └─ now ≥ expires_at ─────────────▶ expired
+        │   │               │  (items stored in chunks while the first ones run)
+        │   │               ├─ cancel ──────────▶ cancelling ─▶ cancelled
+        ▼   │               └─ now ≥ expires_at ─────────────▶ expired
+      failed└─ now ≥ expires_at, not yet started ────────────▶ expired (no items, no files)
 
 Each arrow is one committed store call, so a server killed anywhere resumes from the status it
 left: a batch whose items were half stored stores the rest (checked once per batch), a
@@ -63,7 +64,11 @@ class BatchLifecycle:
         """Move `batch` on if it can move now; a batch being validated or stored waits for that."""
         if batch.id in self._loading:
             return
-        if batch.status is BatchStatus.VALIDATING:
+        if batch.status is BatchStatus.VALIDATING and now >= batch.expires_at:
+            # its window ended before it could start (its file unreadable, the store down): as
+            # OpenAI's, it expires, with no items and no files
+            await self._write_off(batch, BatchStatus.EXPIRED, "batch_expired", now)
+        elif batch.status is BatchStatus.VALIDATING:
             self._own(batch.id, self._validate(batch))
         elif batch.id not in self._fully_stored and not await self._check_stored(batch):
             return
