@@ -496,3 +496,30 @@ def test_without_tracing_an_http_single_call_passes_the_callers_trace_on_unchang
         finally:
             server.stop()
     assert sent == [{"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE}, {}]
+
+
+def test_without_tracing_a_grpc_call_passes_on_every_tracestate_entry_it_carried(tmp_path: Path) -> None:
+    """W3C Trace Context lets a `tracestate` be split over several header lines (gRPC metadata
+    entries), which together are one list; the HTTP path joins them. The gRPC path kept the first
+    entry only, so the upstream got `congo=...` without `rojo=...`."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    grpc_port = free_port()
+    first, second = TRACESTATE.split(",")
+    request = service_pb2.ModelInferRequest(model_name="proxy")
+    text = request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    text.contents.bytes_contents.append(SECRET.encode())
+    request.parameters["max_tokens"].int64_param = 4
+    metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"), ("tracestate", first), ("tracestate", second))
+    with UpstreamServer() as upstream:
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path, "--grpc-port", str(grpc_port))
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                answer = stub.ModelInfer(request, metadata=metadata, timeout=60)
+            assert [output.name for output in answer.outputs] == ["text_output"]
+            sent = _sent(upstream)
+        finally:
+            server.stop()
+    assert sent == {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE}

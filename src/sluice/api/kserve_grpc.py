@@ -138,7 +138,9 @@ _StreamResponse = MESSAGES["ModelStreamInferResponse"]
 
 class _Call:
     """One request's metadata, read once: who, which class, its route key, cache policy, id; and
-    for the access log, the tenant and model version it was found to be for."""
+    for the access log, the tenant and model version it was found to be for. A name given twice
+    counts once, its first value, except `tracestate`, whose entries are joined with commas as
+    the HTTP path joins its headers (`common`): W3C lets one list be split over several."""
 
     tenant: str | None = None
     info: wire.ModelInfo | None = None
@@ -148,7 +150,10 @@ class _Call:
         entries = [(name, value) for name, value in context.invocation_metadata() or ()
                    if isinstance(value, str)]  # binary (-bin) entries are not ours
         for name, value in entries:
-            self.metadata.setdefault(name, value)
+            if name == "tracestate" and name in self.metadata:  # one list over several entries (W3C)
+                self.metadata[name] += f",{value}"
+            else:
+                self.metadata.setdefault(name, value)
         self._key: str | None = None
         self._key_error: InvalidInput | None = None
         try:
