@@ -133,11 +133,11 @@ def test_promtool_finds_nothing_wrong_with_the_gateways_metrics(busy_server: Ser
 
 
 def _documented_names() -> set[str]:
-    """Every metric name the README gives in backquotes: `sluice_x_total{model,version}` (labels
-    dropped), `sluice_{a,b}_total` (both names)."""
+    """Every metric name the README gives in backquotes: `sluice_x_total{model,version}` or
+    `sluice_x_total{outcome="failed"}` (labels dropped), `sluice_{a,b}_total` (both names)."""
     names: set[str] = set()
-    for quoted in re.findall(r"`((?:sluice_|vllm:)[\w:{},]*)", README.read_text()):
-        quoted = re.sub(r"\{[\w,]*\}$", "", quoted)  # trailing braces are labels
+    for quoted in re.findall(r"`((?:sluice_|vllm:)[\w:{},=\"|-]*)", README.read_text()):
+        quoted = re.sub(r"\{[^{}]*\}$", "", quoted)  # trailing braces are labels (`{outcome="failed"}` too)
         pending = [quoted]
         while pending:
             name = pending.pop()
