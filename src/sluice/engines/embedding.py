@@ -44,6 +44,7 @@ import transformers
 
 from sluice import wire
 from sluice.engines.base import ItemFailure, PreparedItem, num_threads_of, stack_rows
+from sluice.engines.device_gate import DEVICE_GATE
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
@@ -164,7 +165,8 @@ class EmbeddingRunner:
         self._model = None
         self._session = None
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            with DEVICE_GATE.shared():  # never while another model records a CUDA graph
+                torch.cuda.empty_cache()
 
     def _token_item(self, ids: list[int]) -> PreparedItem:
         """An input the client tokenized itself, run as it is (no special tokens added, none cut)."""

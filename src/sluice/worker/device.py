@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sluice.engines.base import ItemFailure, ItemOutput, PreparedItem, Runner
+from sluice.engines.device_gate import DEVICE_GATE
 from sluice.scheduler import Batch, Decision, Scheduler
 
 log = logging.getLogger("sluice.worker")
@@ -85,7 +86,8 @@ class DeviceThread:
         started = time.perf_counter()
         try:
             live = [item for item in prepared if item is not None]
-            results = iter(run_isolating(self._runners[batch.model], live) if live else [])
+            with DEVICE_GATE.shared():
+                results = iter(run_isolating(self._runners[batch.model], live) if live else [])
             outputs: list[ItemOutput | ItemFailure] = [
                 next(results) if item is not None else ItemFailure("cancelled") for item in prepared
             ]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from sluice import wire
 from sluice.clock import Clock
+from sluice.engines.device_gate import DEVICE_GATE
 from sluice.engines.generative.engine import RequestOutput
 from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration, prompt_chars
 from sluice.engines.generative.sequence import TokenLogprobs
@@ -98,7 +99,8 @@ class GenerationLoop:
         """One engine step. The engine ends a failing sequence by itself; should the step still
         raise (a scheduler bug), every sequence ends with an error and the loop goes on serving."""
         try:
-            return self._engine.step()
+            with DEVICE_GATE.shared():
+                return self._engine.step()
         except Exception:
             log.exception("generation step failed; ending this model's sequences with an error")
         try:

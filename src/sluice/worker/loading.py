@@ -30,6 +30,7 @@ from typing import Protocol
 
 from sluice import wire
 from sluice.engines.base import Runner
+from sluice.engines.device_gate import DEVICE_GATE
 from sluice.engines.generative.runner import GenerativeRunner
 from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 from sluice.repository import ModelVersion
@@ -186,7 +187,8 @@ class VersionLoad:
             log.exception("refusing %s v%s: loading failed", version.name, version.version)
             return wire.RefusedModel(version.name, version.version, f"loading failed: {type(exc).__name__}: {exc}")
         try:
-            return Loaded(model, warm_up(model))
+            with DEVICE_GATE.shared():
+                return Loaded(model, warm_up(model))
         except Exception as exc:
             log.exception("refusing %s v%s: its warm-up failed", version.name, version.version)
             _close(model)

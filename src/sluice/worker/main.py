@@ -20,6 +20,7 @@ from sluice import wire
 from sluice.clock import MonotonicClock
 from sluice.engines import load_runner
 from sluice.engines.base import Share
+from sluice.engines.device_gate import one_load_at_a_time
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
 from sluice.registry import WorkerRegistration
@@ -101,7 +102,8 @@ class RepositorySource:
 
                 ensure_tiny_lm(version.weights_dir)
             verify(version)
-            runner = load_runner(version, self._config.device, self._config.share)
+            with one_load_at_a_time(self._config.device):
+                runner = load_runner(version, self._config.device, self._config.share)
         except ConfigError as exc:
             log.error("refusing %s v%s: %s", version.name, version.version, exc.message)
             return wire.RefusedModel(version.name, version.version, exc.message)

@@ -105,3 +105,67 @@ def test_cuda_graphs_on_a_numbered_device(llama_dir, hf_greedy):
     assert graphs is not None and all(g._graph is not None for g in graphs.graphs)
     check_batch(engine, llama_dir, hf_greedy, prompts(7, 3, 5, 40), [12] * 3, join_every=1)
     assert sum(g.num_runs for g in graphs.graphs) > 0
+
+
+
+def test_a_worker_loading_two_models_at_once_while_a_third_generates_records_every_graph(tmp_path, hf_greedy):
+    """A worker loads its versions two at a time while its other models serve. Recording a CUDA
+    graph fails if another thread uses the device meanwhile (seen on an H200: neither of two models
+    loaded at once recorded its graphs, so both ran eagerly): the device gate and one
+    CUDA load at a time keep them apart. Every graph is recorded, and every model's greedy output
+    still equals transformers'."""
+    import asyncio
+    import shutil
+    import threading
+
+    from sluice.engines.device_gate import DEVICE_GATE
+    from sluice.engines.generative.runner import GenerativeRunner
+    from sluice.engines.generative.tiny import make_tiny_lm
+    from sluice.repository import MANIFEST, scan_repository, write_manifest
+    from sluice.worker.loading import Loaded, VersionLoad
+    from sluice.worker.main import RepositorySource, WorkerConfig
+    from tests.engines.generative.conftest import greedy, run_to_completion
+
+    tiny = make_tiny_lm(tmp_path / "tiny-lm")
+    for name in ("first", "second"):
+        weights = shutil.copytree(tiny, tmp_path / "models" / name / "1")
+        write_manifest(weights, weights / MANIFEST)
+        (tmp_path / "models" / name / "model.toml").write_text(
+            'kind = "generative"\n[params]\nkv_cache_mb = 8\nmax_num_seqs = 8\n')
+    serving = LLMEngine(tiny, EngineConfig(block_size=16, num_kv_blocks=128, max_num_seqs=8, device="cuda:0"))
+    prompt = prompts(11, 1, 30, 30)[0]
+    expected = hf_greedy(tiny, prompt, 24)
+    stop, served = threading.Event(), []
+
+    def serve() -> None:  # a model already serving: its steps hold the gate, as GenerationLoop's do
+        while not stop.is_set():
+            serving.add_request(f"r{len(served)}", prompt, greedy(24))
+            tokens: list[int] = []
+            while serving.has_unfinished():
+                with DEVICE_GATE.shared():
+                    tokens += [t for out in serving.step() for t in out.new_token_ids]
+            served.append(tokens)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    loads = VersionLoad(RepositorySource(WorkerConfig("w", "tcp://127.0.0.1:1", tmp_path / "models",
+                                                      device="cuda:0")))
+
+    async def load_both() -> list:
+        return await asyncio.gather(*(loads.load(v) for v in scan_repository(tmp_path / "models").versions))
+
+    try:
+        loaded = asyncio.run(load_both())
+    finally:
+        stop.set()
+        server.join(60)
+    assert len(loaded) == 2 and served and all(tokens == expected for tokens in served)
+    for each in loaded:
+        assert isinstance(each, Loaded), each
+        runner = each.model.runner
+        assert isinstance(runner, GenerativeRunner)
+        graphs = runner.engine._runner._graphs
+        assert graphs is not None and all(g._graph is not None for g in graphs.graphs)
+        runner.engine.add_request("check", prompt, greedy(24))
+        assert run_to_completion(runner.engine)["check"] == expected
+        assert sum(g.num_runs for g in graphs.graphs) > 0

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from sluice.engines.device_gate import DEVICE_GATE
 from sluice.engines.generative.model import AttentionGroup, ForwardInput, table_slots
 from sluice.engines.generative.scheduler import ScheduledChunk
 
@@ -158,7 +159,8 @@ class DecodeGraphs:
             before = torch.cuda.memory_reserved()
             started = time.perf_counter()
             for graph in sorted(self.graphs, key=lambda g: -g.num_seqs * g.context):
-                graph.capture(model, pool)
+                with DEVICE_GATE.exclusive():  # nothing else on the device while it records
+                    graph.capture(model, pool)
             reserved = torch.cuda.memory_reserved() - before
         log.info("captured %d CUDA graphs of decode steps (batches up to %d, contexts up to %d) in %.1f s: %.0f MiB",
                  len(self.graphs), max(g.num_seqs for g in self.graphs), max(g.context for g in self.graphs),
