@@ -273,7 +273,7 @@ class PostgresJobStore:
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
-        query, params = _files_page(owner, purpose, after, limit, ascending)
+        query, params = rows.files_page("%s", owner, purpose, after, limit, ascending)
         async with self._connection() as conn:
             cur = await conn.execute(query, params)
             return [rows.file_of(r) for r in await cur.fetchall()]
@@ -484,23 +484,6 @@ class PostgresJobStore:
             cur = await conn.execute("SELECT idx, line, is_error FROM items WHERE batch_id = %s AND idx > %s "
                                      "AND idx < %s ORDER BY idx", (batch_id, after_idx, before))
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in await cur.fetchall()]
-
-
-def _files_page(owner: str, purpose: str | None, after: str | None, limit: int,
-                ascending: bool) -> tuple[str, list[Any]]:
-    """The query and its parameters for a page of an owner's files, ordered by (created_at, id): ids
-    break the ties of files created in the same second."""
-    query = f"SELECT {rows.FILE_COLUMNS} FROM files WHERE owner = %s"
-    params: list[Any] = [owner]
-    if purpose is not None:
-        query += " AND purpose = %s"
-        params.append(purpose)
-    if after is not None:
-        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
-                  "(SELECT created_at, id FROM files WHERE id = %s AND owner = %s)")
-        params += [after, owner]
-    direction = "ASC" if ascending else "DESC"
-    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT %s", [*params, limit]
 
 
 async def _why_unreachable(dsn: str) -> str:

@@ -2,7 +2,8 @@
 
 Statements that take parameters are each backend's own, written in its dialect (`?` for SQLite,
 `%s` for psycopg), never one rewritten into the other: a text rewrite would also change a `?` or
-`%s` that is no placeholder, and would keep PostgreSQL to what SQLite can say.
+`%s` that is no placeholder, and would keep PostgreSQL to what SQLite can say. A statement both
+dialects say alike is built here from the backend's placeholder (`files_page`).
 """
 
 from __future__ import annotations
@@ -166,6 +167,25 @@ def batch_of(row: Sequence[Any]) -> BatchJob:
     values[6] = json.loads(values[6]) if values[6] else None
     values[_ERRORS] = json.loads(values[_ERRORS]) if values[_ERRORS] else None
     return BatchJob(*values)
+
+
+def files_page(placeholder: str, owner: str, purpose: str | None, after: str | None, limit: int,
+               ascending: bool) -> tuple[str, list[Any]]:
+    """The query and its parameters for a page of an owner's files, ordered by (created_at, id): ids
+    break the ties of files created in the same second. `placeholder` is the backend's parameter
+    marker (`?` for SQLite, `%s` for psycopg)."""
+    p = placeholder
+    query = f"SELECT {FILE_COLUMNS} FROM files WHERE owner = {p}"
+    params: list[Any] = [owner]
+    if purpose is not None:
+        query += f" AND purpose = {p}"
+        params.append(purpose)
+    if after is not None:
+        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
+                  f"(SELECT created_at, id FROM files WHERE id = {p} AND owner = {p})")
+        params += [after, owner]
+    direction = "ASC" if ascending else "DESC"
+    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT {p}", [*params, limit]
 
 
 def output_expires_at(batch: BatchJob, now: int) -> int | None:

@@ -289,7 +289,7 @@ class SqliteJobStore:
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
         def page(db: sqlite3.Connection) -> list[FileObject]:
-            query, params = _files_page(owner, purpose, after, limit, ascending)
+            query, params = rows.files_page("?", owner, purpose, after, limit, ascending)
             return [rows.file_of(r) for r in db.execute(query, params)]
 
         return await self._call(page, self._db)
@@ -452,23 +452,6 @@ class SqliteJobStore:
             return [ResultLine(r[0], bytes(r[1]), bool(r[2])) for r in found]
 
         return await self._call(page, self._db)
-
-
-def _files_page(owner: str, purpose: str | None, after: str | None, limit: int,
-                ascending: bool) -> tuple[str, list[Any]]:
-    """The query and its parameters for a page of an owner's files, ordered by (created_at, id): ids
-    break the ties of files created in the same second."""
-    query = f"SELECT {rows.FILE_COLUMNS} FROM files WHERE owner = ?"
-    params: list[Any] = [owner]
-    if purpose is not None:
-        query += " AND purpose = ?"
-        params.append(purpose)
-    if after is not None:
-        query += (f" AND (created_at, id) {'>' if ascending else '<'} "
-                  "(SELECT created_at, id FROM files WHERE id = ? AND owner = ?)")
-        params += [after, owner]
-    direction = "ASC" if ascending else "DESC"
-    return f"{query} ORDER BY created_at {direction}, id {direction} LIMIT ?", [*params, limit]
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
