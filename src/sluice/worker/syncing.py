@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from sluice import wire
 from sluice.clock import Clock
@@ -154,7 +155,7 @@ class ModelSyncer:
                     self._startup_reserved[version.key] = needed
                     self._reserved_bytes += needed
                     continue
-                reason = _over_budget_at_start(needed, held, budget)
+                reason = _over_budget(needed, held, budget, _AT_START)
                 log.warning("not loading %s v%s: %s", version.name, version.version, reason)
                 self.loading.discard(version.key)
                 self.refused.append(wire.RefusedModel(version.name, version.version, reason))
@@ -276,7 +277,7 @@ class ModelSyncer:
                 held -= table.footprints.get(key, 0)
                 evicted.append(key)
         if held + needed > self._memory_budget:
-            return _over_budget(needed, held, self._memory_budget)
+            return _over_budget(needed, held, self._memory_budget, _WHEN_ASKED)
         for key in evicted:
             table.retire(key, dormant=True)
             log.info("unloading %s v%s, the least recently used, to make room for %s", *key, name)
@@ -335,22 +336,34 @@ def startup_order(versions: Sequence[ModelVersion]) -> list[ModelVersion]:
     return sorted(versions, key=lambda version: rank[version.key])  # stable: repository order within a rank
 
 
-def _over_budget(needed: int, held: int, budget: int) -> str:
-    """Why a model's versions that take `needed` bytes are not loaded beside `held` within `budget`."""
-    mb = 1024 * 1024
-    if needed > budget:
-        return f"its versions take about {needed / mb:.1f} MB, more than the worker's model memory " \
-               f"budget of {budget / mb:.1f} MB"
-    return f"its versions take about {needed / mb:.1f} MB and the models in use (or being loaded) " \
-           f"hold {held / mb:.1f} MB of the worker's {budget / mb:.1f} MB budget"
+@dataclass(frozen=True, slots=True)
+class _BudgetWording:
+    """How a refusal for memory reads: `too_large` when the versions exceed the whole budget,
+    `no_room` when they would fit but others hold too much of it. Both are `str.format` templates
+    over `needed`, `held` and `budget`, in MB."""
+
+    too_large: str
+    no_room: str
 
 
-def _over_budget_at_start(needed: int, held: int, budget: int) -> str:
-    """Why a start-up version that takes `needed` bytes is not loaded beside `held` within `budget`."""
+_WHEN_ASKED = _BudgetWording(
+    too_large="its versions take about {needed:.1f} MB, more than the worker's model memory "
+              "budget of {budget:.1f} MB",
+    no_room="its versions take about {needed:.1f} MB and the models in use (or being loaded) "
+            "hold {held:.1f} MB of the worker's {budget:.1f} MB budget")
+"""A model's versions loaded while serving (a `SyncModel`: `_reserve`)."""
+
+_AT_START = _BudgetWording(
+    too_large="not loaded at start: it takes about {needed:.1f} MB, more than the worker's model memory "
+              "budget of {budget:.1f} MB (--model-memory-mb)",
+    no_room="not loaded at start: it takes about {needed:.1f} MB and the versions loaded before it (each "
+            "model's newest first) take {held:.1f} MB of the worker's {budget:.1f} MB model memory "
+            "budget (--model-memory-mb)")
+"""A start-up version, fitted in `startup_order` (`_fit_startup`)."""
+
+
+def _over_budget(needed: int, held: int, budget: int, wording: _BudgetWording) -> str:
+    """Why versions that take `needed` bytes are not loaded beside `held` within `budget`."""
     mb = 1024 * 1024
-    if needed > budget:
-        return f"not loaded at start: it takes about {needed / mb:.1f} MB, more than the worker's model memory " \
-               f"budget of {budget / mb:.1f} MB (--model-memory-mb)"
-    return f"not loaded at start: it takes about {needed / mb:.1f} MB and the versions loaded before it (each " \
-           f"model's newest first) take {held / mb:.1f} MB of the worker's {budget / mb:.1f} MB model memory " \
-           "budget (--model-memory-mb)"
+    template = wording.too_large if needed > budget else wording.no_room
+    return template.format(needed=needed / mb, held=held / mb, budget=budget / mb)
