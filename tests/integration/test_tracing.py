@@ -61,19 +61,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def collector() -> Iterator[_Collector]:
+def collector(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Collector]:
+    """An OTLP/HTTP collector, and the environment that has a server the test starts export its
+    spans to it."""
     server = _Collector(free_port())
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{server.server_port}/v1/traces")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export every 0.1 s
     yield server
     server.shutdown()
     server.server_close()
 
 
 @pytest.fixture
-def traced_server(tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export every 0.1 s
+def traced_server(tmp_path: Path, collector: _Collector) -> Iterator[ServerProcess]:
     server = start_server(write_emulated_model(tmp_path / "models"), tmp_path)
     yield server
     server.stop()
@@ -91,6 +93,17 @@ def _wait_for(collector: _Collector, count: int) -> list[Span]:
 
 def _attributes(span: Span) -> dict[str, object]:
     return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+
+
+def _proxy_models(repo: Path, upstream: UpstreamServer) -> Path:
+    """`proxy`, an openai-upstream model, and `single`, an http-single one, both served by `upstream`."""
+    (repo / "proxy" / "1").mkdir(parents=True)
+    (repo / "proxy" / "model.toml").write_text(
+        f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
+    (repo / "single" / "1").mkdir(parents=True)
+    (repo / "single" / "model.toml").write_text(
+        f'kind = "http-single"\n[slo]\ndefault_ms = 60000\n[params]\nurl = "{upstream.url}"\nmax_attempts = 1\n')
+    return repo
 
 
 def test_a_request_span_joins_the_callers_trace_with_queue_and_execution_inside(
@@ -160,10 +173,8 @@ def test_a_request_refused_for_its_input_is_a_span_in_the_callers_trace(
 
 
 def test_a_request_refused_by_its_tenants_limit_is_a_span_too(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """A 429 for a tenant's limit was counted in sluice_tenant_rejected_total but left no span."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     key = new_key()
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[tenants.acme]\napi_keys = ["{hash_key(key)}"]\nrequests_per_min = 1\n')
@@ -185,11 +196,9 @@ def test_a_request_refused_by_its_tenants_limit_is_a_span_too(
 
 
 def test_a_client_that_goes_away_leaves_a_cancelled_span_not_an_error(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """A client closing its connection is not a server error: the span says `cancelled` (an
     attribute and an event) and keeps an unset status, where it was marked ERROR."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     repo = write_emulated_model(tmp_path / "models", "slow", alpha_ms=3000, beta_ms=0.0, max_batch_size=1,
                                 slo_ms=30000)
     server = start_server(repo, tmp_path)
@@ -207,11 +216,9 @@ def test_a_client_that_goes_away_leaves_a_cancelled_span_not_an_error(
 
 
 def test_a_generation_span_reports_the_sequences_it_ran_with(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """The generative engine's answers said batch_size 0: a lone generation ran in batches of
     one sequence, and one of n=2 choices ran with its two sequences together."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     server = start_server(write_tiny_lm_model(tmp_path / "models", "tiny"), tmp_path)
     try:
         for n in (1, 2):
@@ -228,17 +235,11 @@ def test_a_generation_span_reports_the_sequences_it_ran_with(
 
 
 def test_a_call_to_an_openai_upstream_carries_the_trace_on(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """The upstream (vLLM, another sluice) got no `traceparent`: its spans started traces of their
     own, cut off from the caller's. Now its call names the gateway's request span as its parent."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     with UpstreamServer() as upstream:
-        repo = tmp_path / "models"
-        (repo / "proxy" / "1").mkdir(parents=True)
-        (repo / "proxy" / "model.toml").write_text(
-            f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
-        server = start_server(repo, tmp_path)
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
         try:
             sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60,
                                 default_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
@@ -265,11 +266,9 @@ def _gen_ai(span: Span) -> dict[str, object]:
 
 
 def test_spans_carry_opentelemetrys_genai_attributes(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """Spans had only `sluice.*` attributes: a tracing backend's GenAI views (model, operation,
     token usage, finish reasons) showed nothing for sluice's requests."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     repo = write_tiny_lm_model(write_emulated_model(tmp_path / "models"), "tiny")
     server = start_server(repo, tmp_path)
     try:
@@ -324,11 +323,7 @@ def test_without_tracing_an_upstream_call_passes_the_callers_trace_on_unchanged(
     Context), so the caller's and the upstream's spans stay one trace; one that is not well
     formed is not sent on."""
     with UpstreamServer() as upstream:
-        repo = tmp_path / "models"
-        (repo / "proxy" / "1").mkdir(parents=True)
-        (repo / "proxy" / "model.toml").write_text(
-            f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
-        server = start_server(repo, tmp_path)
+        server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
         try:
             sent = []
             for traceparent in (f"00-{TRACE_ID}-{PARENT_ID}-01", "00-not-a-trace-01"):
@@ -344,17 +339,6 @@ def test_without_tracing_an_upstream_call_passes_the_callers_trace_on_unchanged(
 TRACESTATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
 
 
-def _proxy_models(repo: Path, upstream: UpstreamServer) -> Path:
-    """`proxy`, an openai-upstream model, and `single`, an http-single one, both served by `upstream`."""
-    (repo / "proxy" / "1").mkdir(parents=True)
-    (repo / "proxy" / "model.toml").write_text(
-        f'kind = "openai-upstream"\n[slo]\ndefault_ms = 60000\n[upstream]\nurl = "http://127.0.0.1:{upstream.port}/v1"\n')
-    (repo / "single" / "1").mkdir(parents=True)
-    (repo / "single" / "model.toml").write_text(
-        f'kind = "http-single"\n[slo]\ndefault_ms = 60000\n[params]\nurl = "{upstream.url}"\nmax_attempts = 1\n')
-    return repo
-
-
 def _sent(upstream: UpstreamServer) -> dict[str, str]:
     """The trace headers of the upstream's last request (lower-cased names)."""
     headers = {name.lower(): value for name, value in upstream.last_headers.items()}
@@ -367,11 +351,9 @@ def _text_input(prompt: str) -> dict[str, object]:
 
 
 def test_tracestate_goes_on_to_an_upstream_with_the_callers_trace(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """The caller's `tracestate` (W3C Trace Context: vendors' entries that travel with the trace)
     was dropped: the request's span and the upstream's call had none."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     with UpstreamServer() as upstream:
         server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
         try:
@@ -407,11 +389,9 @@ def test_without_tracing_tracestate_goes_on_unchanged(tmp_path: Path) -> None:
 
 
 def test_a_kserve_generation_joins_the_callers_trace_as_v1_completions_do(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """KServe infer on a generative model (text_input in, text_output out) is a generation as
     /v1/completions is: its span joins the caller's trace, and its upstream call names that span."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     with UpstreamServer() as upstream:
         server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
         try:
@@ -459,11 +439,9 @@ def test_without_tracing_a_kserve_generation_passes_the_callers_trace_on(tmp_pat
 
 
 def test_a_call_to_an_http_single_upstream_carries_the_trace_on(
-        tmp_path: Path, collector: _Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, collector: _Collector) -> None:
     """An http-single model's calls (a user's HTTP model server) carried no `traceparent`: its
     spans were cut off from the caller's trace. Now a call names the request's span."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{collector.server_port}/v1/traces")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     inputs = {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     with UpstreamServer() as upstream:
         server = start_server(_proxy_models(tmp_path / "models", upstream), tmp_path)
