@@ -15,7 +15,7 @@ from sluice.api.errors import error_response
 from sluice.errors import BudgetExhausted, Overloaded, RateLimited, Unavailable
 from sluice.jobs.executor import ExecutorConfig, JobExecutor, backoff_s
 from sluice.jobs.sqlite_store import SqliteJobStore
-from sluice.jobs.store import BatchStatus, NewBatch, NewItem
+from sluice.jobs.store import BatchJob, BatchStatus, NewBatch, NewItem
 
 FAST = ExecutorConfig(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02, poll_interval_s=0.02,
                       flush_interval_s=0.005)
@@ -69,20 +69,32 @@ def _line(custom_id: str, text: str) -> str:
                        "body": {"model": "m", "input": text}})
 
 
+async def _new_batch(store: SqliteJobStore, texts: list[str]) -> BatchJob:
+    """acme's batch of embeddings, one item per text (custom ids c0, c1, ...)."""
+    content = "\n".join(_line(f"c{i}", t) for i, t in enumerate(texts)).encode()
+    file = await store.create_file("acme", "in.jsonl", "batch", content, 0)
+    return await store.create_batch(NewBatch("acme", "/v1/embeddings", file.id, "24h", None, 0, 2**40))
+
+
+async def _until_ended(store: SqliteJobStore, batch_id: str, timeout_s: float) -> BatchJob | None:
+    """The batch once it is no longer active, or as it stands after `timeout_s`."""
+    found = None
+    for _ in range(int(timeout_s / 0.01)):
+        found = await store.get_batch(None, batch_id)
+        if found is not None and not found.is_active:
+            break
+        await asyncio.sleep(0.01)
+    return found
+
+
 async def _run_job(tmp_path: Path, texts: list[str], app, config: ExecutorConfig = FAST,
                    timeout_s: float = 5.0) -> tuple[SqliteJobStore, str]:
     store = SqliteJobStore(tmp_path / "data")
-    content = "\n".join(_line(f"c{i}", t) for i, t in enumerate(texts)).encode()
-    file = await store.create_file("acme", "in.jsonl", "batch", content, 0)
-    batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", file.id, "24h", None, 0, 2**40))
+    batch = await _new_batch(store, texts)
     executor = JobExecutor(store, config)
     await executor.start(app)
     try:
-        for _ in range(int(timeout_s / 0.01)):
-            found = await store.get_batch(None, batch.id)
-            if found is not None and not found.is_active:
-                break
-            await asyncio.sleep(0.01)
+        await _until_ended(store, batch.id, timeout_s)
     finally:
         await executor.aclose()
     return store, batch.id
@@ -398,9 +410,7 @@ async def test_items_waiting_for_a_model_that_never_comes_up_are_counted_and_war
 
     now = [1000.0]
     store = SqliteJobStore(tmp_path / "data")
-    content = "\n".join(_line(f"c{i}", "x") for i in range(3)).encode()
-    file = await store.create_file("acme", "in.jsonl", "batch", content, 0)
-    batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", file.id, "24h", None, 0, 2**40))
+    batch = await _new_batch(store, ["x"] * 3)
     config = ExecutorConfig(max_attempts=2, poll_interval_s=0.01, flush_interval_s=0.005, model_wait_s=300.0)
     executor = JobExecutor(store, config, clock=lambda: now[0])
     app = NeverUp()
@@ -451,9 +461,7 @@ async def test_items_wait_for_their_model_while_its_worker_restarts_though_the_s
     config = ExecutorConfig(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02, poll_interval_s=0.01,
                             flush_interval_s=0.005)
     store = SqliteJobStore(tmp_path / "data")
-    content = "\n".join(_line(f"c{i}", "x") for i in range(3)).encode()
-    file = await store.create_file("acme", "in.jsonl", "batch", content, 0)
-    batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", file.id, "24h", None, 0, 2**40))
+    batch = await _new_batch(store, ["x"] * 3)
     executor = JobExecutor(store, config)
     await executor.start(app)
     try:
@@ -461,11 +469,7 @@ async def test_items_wait_for_their_model_while_its_worker_restarts_though_the_s
         found = await store.get_batch(None, batch.id)
         assert found is not None and found.status is BatchStatus.IN_PROGRESS and found.num_failed == 0
         app.is_up = True
-        for _ in range(1000):
-            found = await store.get_batch(None, batch.id)
-            if found is not None and not found.is_active:
-                break
-            await asyncio.sleep(0.01)
+        found = await _until_ended(store, batch.id, 10.0)
     finally:
         await executor.aclose()
     assert found is not None and found.status is BatchStatus.COMPLETED
@@ -541,11 +545,7 @@ async def test_items_claimed_when_their_batch_cannot_be_read_are_given_back_and_
         store.fail_next_get_batch = True
         app.gates["held-a"].set()  # its outcome recorded, the executor claims the other batch's items
         await _until_true(lambda: store.num_failed == 1)  # ...and cannot read their batch
-        for _ in range(2000):
-            found = await store.get_batch(None, started.id)
-            if found is not None and not found.is_active:
-                break
-            await asyncio.sleep(0.01)
+        found = await _until_ended(store, started.id, 20.0)
     finally:
         app.gates["held-b"].set()
         await executor.aclose()
