@@ -105,38 +105,11 @@ def write_python_labeller(repo: Path, name: str = "labeller", code: str = LABELL
     with a suffix), `score` (x summed), `batch` (the size of the call it ran in), `warmed`
     (whether its warmup ran). A text "boom" raises; `delay_ms` in `params` makes each call take
     that long."""
-    version = repo / name / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    (version / "model.py").write_text(code)
-    write_manifest(version, version / MANIFEST)
-    (repo / name / "model.toml").write_text(f'''kind = "python"
-[batching]
-max_batch_size = {max_batch_size}
-[slo]
-default_ms = 30000
-[params]
-{params}
-[[inputs]]
-name = "text"
-datatype = "BYTES"
-[[inputs]]
-name = "x"
-datatype = "FP32"
-dims = [2]
-[[outputs]]
-name = "label"
-datatype = "BYTES"
-[[outputs]]
-name = "score"
-datatype = "FP32"
-[[outputs]]
-name = "batch"
-datatype = "INT64"
-[[outputs]]
-name = "warmed"
-datatype = "BOOL"
-''')
-    return repo
+    inputs = _tensors("inputs", [("text", "BYTES", None), ("x", "FP32", [2])])
+    outputs = _tensors("outputs", [("label", "BYTES", None), ("score", "FP32", None), ("batch", "INT64", None),
+                                   ("warmed", "BOOL", None)])
+    return _write_python_model(repo, name, code, f'kind = "python"\n[batching]\nmax_batch_size = {max_batch_size}\n'
+                               f"[slo]\ndefault_ms = 30000\n[params]\n{params}\n{inputs}{outputs}")
 
 
 BF16_MODEL = '''
@@ -161,33 +134,10 @@ def write_python_bf16(repo: Path, name: str = "bf16") -> Path:
     """A `python` model of BF16 tensors: `x` BF16 [-1] per item (an `ml_dtypes.bfloat16` array in
     `predict`, else it raises) -> `same` (x as it came), `wide` FP32 (x's values as float32),
     `half` BF16 (x / 2, returned as float32 and rounded to the declared BF16)."""
-    version = repo / name / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    (version / "model.py").write_text(BF16_MODEL)
-    write_manifest(version, version / MANIFEST)
-    (repo / name / "model.toml").write_text('''kind = "python"
-[batching]
-max_batch_size = 8
-[slo]
-default_ms = 30000
-[[inputs]]
-name = "x"
-datatype = "BF16"
-dims = [-1]
-[[outputs]]
-name = "same"
-datatype = "BF16"
-dims = [-1]
-[[outputs]]
-name = "wide"
-datatype = "FP32"
-dims = [-1]
-[[outputs]]
-name = "half"
-datatype = "BF16"
-dims = [-1]
-''')
-    return repo
+    inputs = _tensors("inputs", [("x", "BF16", [-1])])
+    outputs = _tensors("outputs", [("same", "BF16", [-1]), ("wide", "FP32", [-1]), ("half", "BF16", [-1])])
+    return _write_python_model(repo, name, BF16_MODEL, 'kind = "python"\n[batching]\nmax_batch_size = 8\n'
+                               f"[slo]\ndefault_ms = 30000\n{inputs}{outputs}")
 
 
 def write_onnx_embedding(repo: Path, name: str = "minilm-onnx") -> Path:
@@ -208,8 +158,8 @@ def add_gated_version(model: Path, version: str, gate: Path, loading: str = "", 
     size in the version, for a worker's model memory budget to count."""
     if not (model / "model.toml").exists():
         model.mkdir(parents=True, exist_ok=True)
-        (model / "model.toml").write_text('kind = "python"\n[[inputs]]\nname = "x"\ndatatype = "FP32"\n'
-                                          '[[outputs]]\nname = "y"\ndatatype = "FP32"\n'
+        (model / "model.toml").write_text('kind = "python"\n' + _tensors("inputs", [("x", "FP32", None)])
+                                          + _tensors("outputs", [("y", "FP32", None)])
                                           + (f"[loading]\n{loading}\n" if loading else ""))
     (model / version).mkdir()
     (model / version / "model.py").write_text(
@@ -224,3 +174,20 @@ def add_gated_version(model: Path, version: str, gate: Path, loading: str = "", 
         (model / version / "weights.bin").write_bytes(b"\0" * blob_bytes)
     write_manifest(model / version, model / version / MANIFEST)
     return model
+
+
+def _tensors(table: str, tensors: list[tuple[str, str, list[int] | None]]) -> str:
+    """model.toml's `[[inputs]]` or `[[outputs]]` (`table`) entries: one per (name, datatype,
+    dims) tensor, with no `dims` where they are None."""
+    return "".join(f'[[{table}]]\nname = "{name}"\ndatatype = "{datatype}"\n'
+                   + ("" if dims is None else f"dims = {dims}\n") for name, datatype, dims in tensors)
+
+
+def _write_python_model(repo: Path, name: str, code: str, toml: str) -> Path:
+    """A `python` model's version 1 (its `model.py` and SHA256SUMS) and its model.toml."""
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (version / "model.py").write_text(code)
+    write_manifest(version, version / MANIFEST)
+    (repo / name / "model.toml").write_text(toml)
+    return repo
