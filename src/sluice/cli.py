@@ -22,6 +22,19 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _log_level_option(command: F) -> F:
+    """The gateway's log level, shared by `serve` and `gateway`."""
+    return click.option("--log-level", default="warning", show_default=True,
+                        type=click.Choice(["debug", "info", "warning", "error"]))(command)
+
+
+def _limits_option(command: F) -> F:
+    """Where tenants' limits are kept, shared by `serve` and `gateway`."""
+    return click.option("--limits-redis", default=None, metavar="redis://...",
+                        help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
+                             "gateway that uses it (default: each gateway keeps its own).")(command)
+
+
 def _cache_options(command: F) -> F:
     """The result cache's options, shared by `serve` and `gateway`."""
     for option in reversed([
@@ -151,12 +164,9 @@ def main() -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--tenants", "tenants_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Tenants file (API keys, weights, limits). Without one: a single local tenant.")
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@_log_level_option
 @_jobs_options
-@click.option("--limits-redis", default=None, metavar="redis://...",
-              help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
-                   "gateway that uses it (default: each gateway keeps its own).")
+@_limits_option
 @_cache_options
 @_grpc_option
 @_tls_options
@@ -212,11 +222,8 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--tenants", "tenants_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Tenants file (API keys, weights, limits).")
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--limits-redis", default=None, metavar="redis://...",
-              help="Keep tenants' rate limits, concurrency and credits in this Redis, shared by every "
-                   "gateway that uses it (default: each gateway keeps its own).")
+@_log_level_option
+@_limits_option
 @_jobs_options
 @_cache_options
 @_grpc_option
