@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.errors import InvalidInput
-from sluice.priority import Priority, effective_priority, parse_priority
+from sluice.priority import Priority, effective_priority, parse_priority, priority_from_wire
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -25,3 +25,9 @@ def test_an_unknown_class_is_a_400_naming_the_field_and_the_choices():
 
 def test_scale_cannot_raise_a_tenants_class():
     assert effective_priority(Priority.BATCH, parse_priority("scale")) is Priority.BATCH
+
+
+def test_a_worker_reads_a_class_it_does_not_know_from_a_newer_gateway_as_standard():
+    assert [priority_from_wire(value) for value in (0, 1, 2)] == [Priority.INTERACTIVE, Priority.STANDARD,
+                                                                  Priority.BATCH]
+    assert priority_from_wire(7) is Priority.STANDARD

@@ -15,7 +15,7 @@ import enum
 
 from sluice.errors import InvalidInput
 
-__all__ = ["Priority", "effective_priority", "parse_priority"]
+__all__ = ["Priority", "effective_priority", "parse_priority", "priority_from_wire"]
 
 
 class Priority(enum.IntEnum):
@@ -57,6 +57,14 @@ def parse_priority(value: str | None, param: str = "priority") -> Priority | Non
         choices = ", ".join(sorted(_ALIASES | dict.fromkeys(_DEFAULTS - {""})))
         raise InvalidInput(f"'{param}' must be one of {choices}; got {value!r}", param=param)
     return _ALIASES[name]
+
+
+def priority_from_wire(value: int) -> Priority:
+    """The class a gateway sent (`wire`'s int); an unknown value (a newer gateway's) counts as standard."""
+    try:
+        return Priority(value)
+    except ValueError:
+        return Priority.STANDARD
 
 
 def effective_priority(default: Priority, requested: Priority | None) -> Priority:

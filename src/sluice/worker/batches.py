@@ -24,7 +24,7 @@ from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, ItemOutput, PreparedItem, Runner
 from sluice.errors import InvalidInput
 from sluice.metrics import WorkerMetrics
-from sluice.priority import Priority
+from sluice.priority import priority_from_wire
 from sluice.scheduler import Batch, Decision, Rejected, RejectReason, Scheduler
 from sluice.scheduler.batcher import ModelKey
 from sluice.worker.device import DeviceThread
@@ -171,7 +171,7 @@ class Batches:
         pending = _Pending(identity, message.request_id, key, items, [None] * len(items), num_left=len(items))
         with self._lock:
             decision = self._scheduler.admit(key, internal_id, [item.cost for item in items], deadline,
-                                             tenant=message.tenant, priority=_priority(message.priority),
+                                             tenant=message.tenant, priority=priority_from_wire(message.priority),
                                              background=message.background)
             if isinstance(decision, Rejected):
                 # turned away for want of capacity (not a tenant's own cap): the demand it carried
@@ -349,11 +349,3 @@ def _rejection(request_id: int, rejected: Rejected, timeout_s: float) -> wire.Re
 
 def _index(error: wire.ItemError) -> int:
     return error.index
-
-
-def _priority(value: int) -> Priority:
-    """The class a gateway sent; an unknown value (a newer gateway) counts as standard."""
-    try:
-        return Priority(value)
-    except ValueError:
-        return Priority.STANDARD

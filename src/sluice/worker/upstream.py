@@ -25,7 +25,7 @@ from typing import TypedDict, Unpack
 from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.openai_upstream import CallEnd, CallFailure, OpenAIUpstreamRunner, TextDelta
-from sluice.priority import Priority
+from sluice.priority import priority_from_wire
 from sluice.scheduler.slots import SlotQueue
 
 log = logging.getLogger("sluice.worker")
@@ -96,7 +96,8 @@ class UpstreamLoop:
             return
         now = self._clock.now()
         call_id = next(self._ids)
-        if not self._slots.offer(call_id, _priority(message.priority), now + message.timeout_s, message.tenant):
+        priority = priority_from_wire(message.priority)
+        if not self._slots.offer(call_id, priority, now + message.timeout_s, message.tenant):
             self._reply(identity, wire.Result(message.request_id, wire.Outcome.REJECTED,
                                               retry_after_s=self._call_s,
                                               message="upstream queue full: too many calls waiting for a slot"))
@@ -228,13 +229,6 @@ def _unavailable(request_id: int, message: str, retry_after_s: float, **timing: 
     error = wire.ItemError(0, message, is_transient=True)
     return wire.Result(request_id, wire.Outcome.FAILED, errors=[error], retry_after_s=retry_after_s,
                        message=message, **timing)
-
-
-def _priority(value: int) -> Priority:
-    try:
-        return Priority(value)
-    except ValueError:
-        return Priority.STANDARD
 
 
 def _generation_result(call: _Call, end: CallEnd) -> wire.GenerationResult:
