@@ -28,6 +28,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from sluice.tasks import cancel_and_wait
+
 log = logging.getLogger("sluice.registry")
 
 PREFIX = "sluice:workers:"
@@ -77,9 +79,7 @@ class WorkerRegistration:
 
     async def _close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
             try:
                 await self._redis.delete(self._key)

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
+from sluice.tasks import cancel_and_wait
+
 log = logging.getLogger("sluice.transport")
 
 MAX_FRAME_BYTES = 1 << 30
@@ -220,9 +222,7 @@ class Channel:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._protocol is not None and self._protocol.transport is not None:
             self._protocol.transport.close()
         self._protocol = None

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluice import transport, wire
+from sluice.tasks import cancel_and_wait
 
 log = logging.getLogger("sluice.gateway")
 
@@ -149,11 +149,7 @@ class WorkerConnection:
         self._tasks = [asyncio.create_task(self._hello_loop())]
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         await self._channel.aclose()
 
     def _update_readiness(self) -> None:

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from sluice.gateway.traffic import CanaryEvent, Published, Traffic
+from sluice.tasks import cancel_and_wait
 
 log = logging.getLogger("sluice.gateway")
 
@@ -68,9 +69,7 @@ class SharedTraffic:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         await self._redis.aclose()
 
     async def _run(self) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice.tasks import cancel_and_wait
+
 log = logging.getLogger("sluice.supervisor")
 
 
@@ -79,11 +81,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await process.wait()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     async def _keep_running(self, spec: WorkerSpec) -> None:
         backoff = self._config.initial_backoff_s

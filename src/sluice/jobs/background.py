@@ -52,6 +52,7 @@ from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call
 from sluice.jobs.outage import OutageLog
 from sluice.jobs.store import RUNNING, Event, JobStore, ResponseRun, RunRequest
 from sluice.metrics import BackgroundMetrics
+from sluice.tasks import cancel_and_wait
 
 log = logging.getLogger("sluice.jobs")
 
@@ -147,12 +148,7 @@ class BackgroundResponses:
 
     async def aclose(self) -> None:
         """Stop; what is running here stays in the store, leased until the lease runs out."""
-        tasks = [task for task in [self._loop, *self._running.values()] if task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task for task in [self._loop, *self._running.values()] if task is not None)
 
     async def submit(self, owner: str, response_id: str, created_at: int, request: RunRequest,
                      input_items: bytes) -> None:

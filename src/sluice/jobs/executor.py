@@ -64,6 +64,7 @@ from sluice.jobs.pacing import Refusal, TenantPacer
 from sluice.jobs.store import BatchJob, BatchStatus, Claim, Item, ItemOutcome, JobStore
 from sluice.jobs.validate import item_model
 from sluice.metrics import JobMetrics
+from sluice.tasks import cancel_and_wait
 
 log = logging.getLogger("sluice.jobs")
 
@@ -169,11 +170,7 @@ class JobExecutor:
 
     async def aclose(self) -> None:
         await self._lifecycle.aclose()
-        for task in [*self._loops, *self._tasks]:
-            task.cancel()
-        for task in [*self._loops, *self._tasks]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([*self._loops, *self._tasks])
         with contextlib.suppress(Exception):
             await self._flush()  # record what finished; the rest is re-run after its lease expires
 

@@ -19,7 +19,6 @@ the items of the batches already running.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -30,6 +29,7 @@ from sluice.jobs.outage import OutageLog
 from sluice.jobs.store import BatchJob, BatchStatus, JobStore, NewItem
 from sluice.jobs.validate import Invalid, ModelDirectory, Valid, parse_input
 from sluice.metrics import JobMetrics
+from sluice.tasks import cancel_and_wait
 
 log = logging.getLogger("sluice.jobs")
 
@@ -81,12 +81,7 @@ class BatchLifecycle:
             await self._write_off(batch, BatchStatus.EXPIRED, "batch_expired", now)
 
     async def aclose(self) -> None:
-        tasks = list(self._loading.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._loading.values())
 
     # -- validating and storing ------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ Every call that was admitted is answered exactly once, except one the gateway ca
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from sluice.clock import Clock
 from sluice.engines.openai_upstream import CallEnd, CallFailure, OpenAIUpstreamRunner, TextDelta
 from sluice.priority import priority_from_wire
 from sluice.scheduler.slots import SlotQueue
+from sluice.tasks import cancel_and_wait
 
 log = logging.getLogger("sluice.worker")
 
@@ -73,12 +73,7 @@ class UpstreamLoop:
 
     async def aclose(self) -> None:
         self._is_closing = True
-        tasks = [call.task for call in self._calls.values() if call.task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(call.task for call in self._calls.values() if call.task is not None)
         await self.runner.aclose()
 
     def submit(self, identity: bytes, message: wire.Submit) -> None:
