@@ -26,7 +26,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from sluice.errors import ConfigError
-from sluice.gateway.tenants import HASH_PREFIX, hash_key, load_tenants, new_key
+from sluice.gateway.tenants import HASH_PREFIX, hash_key, load_tenants, new_key, read_tenants_text
 
 __all__ = ["StoredKey", "add_key", "list_keys", "revoke_key"]
 
@@ -123,12 +123,9 @@ def _read(path: Path) -> tomlkit.TOMLDocument:
     """The tenants file as a document that keeps its layout (a new one if there is no file yet)."""
     if not path.exists():
         return tomlkit.document()
+    text = read_tenants_text(path)
     try:
-        return tomlkit.parse(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
+        return tomlkit.parse(text)
     except TOMLKitError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
 

@@ -45,7 +45,7 @@ from typing import Any
 from sluice.errors import ConfigError, InvalidInput
 from sluice.priority import Priority, parse_priority
 
-__all__ = ["LOCAL_TENANT", "Tenant", "TenantDirectory", "hash_key", "load_tenants", "new_key"]
+__all__ = ["LOCAL_TENANT", "Tenant", "TenantDirectory", "hash_key", "load_tenants", "new_key", "read_tenants_text"]
 
 KEY_PREFIX = "sk-sluice-"
 HASH_PREFIX = "sha256:"
@@ -144,16 +144,24 @@ def hash_key(key: str) -> str:
     return HASH_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def load_tenants(path: Path, known_models: Collection[str] | None = None) -> TenantDirectory:
-    """The tenants file at `path`, or a `ConfigError` naming the file, the tenant and the field
-    that is wrong. `known_models`: the models a tenant's `models` may name (the repository's);
-    None: any (a gateway in front of workers started elsewhere does not know them)."""
+def read_tenants_text(path: Path) -> str:
+    """The tenants file's text, or a `ConfigError` naming the file when it cannot be read or is
+    not UTF-8 (shared with `keyfile`, which parses it keeping its layout)."""
     try:
-        raw = tomllib.loads(path.read_text())
+        return path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
+
+
+def load_tenants(path: Path, known_models: Collection[str] | None = None) -> TenantDirectory:
+    """The tenants file at `path`, or a `ConfigError` naming the file, the tenant and the field
+    that is wrong. `known_models`: the models a tenant's `models` may name (the repository's);
+    None: any (a gateway in front of workers started elsewhere does not know them)."""
+    text = read_tenants_text(path)
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     unknown = set(raw) - {"admin", "metrics", "tenants"}
