@@ -44,6 +44,7 @@ from sluice.bench.scenarios import Check, Measured, PhaseResult, Scenario
 from sluice.bench.stats import RunSamples, summarize
 from sluice.bench.workloads import Endpoint, InputSpec, Workload, build_workload
 from sluice.gateway.tenants import hash_key, new_key
+from sluice.tasks import stop_process
 
 FORMAT = "sluice-bench-scenario/1"
 MODEL = "emulated"
@@ -176,13 +177,7 @@ async def local_server(folder: Path, session: aiohttp.ClientSession) -> AsyncIte
         await _wait_ready(session, url, process, log_path)
         yield url
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process, 30)
 
 
 async def _wait_ready(session: aiohttp.ClientSession, url: str, process: asyncio.subprocess.Process,

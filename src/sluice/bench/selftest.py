@@ -27,6 +27,7 @@ from sluice.bench.http_client import HttpPool, post_head, post_request, split_ur
 from sluice.bench.loadgen import LoadConfig, LoadGenerator
 from sluice.bench.stats import MAX_LAG_P99_MS, RateResult, summarize
 from sluice.bench.workloads import Endpoint, InputSpec, Workload, build_workload
+from sluice.tasks import stop_process
 
 _READY_TIMEOUT_S = 30.0
 
@@ -70,13 +71,7 @@ async def null_server() -> AsyncIterator[str]:
             raise RuntimeError(f"the null server did not report its port (got {line!r})")
         yield f"http://127.0.0.1:{int(line)}"
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process, 10)
 
 
 async def closed_loop(workload: Workload, concurrency: int, duration_s: float, warmup_s: float = 1.0,
