@@ -31,7 +31,7 @@ from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneratio
 from sluice.engines.generative.sequence import TokenLogprobs
 from sluice.engines.generative.tokenizer import Tokenizer
 from sluice.errors import InvalidInput
-from sluice.priority import Priority
+from sluice.priority import Priority, priority_from_wire
 
 log = logging.getLogger("sluice.worker")
 
@@ -274,7 +274,7 @@ class Generations:
         for index in range(payload.n):
             try:
                 generation.loop.submit(_engine_id(internal_id, index), choices[index],
-                                       Priority(message.priority), deadline, salt=message.tenant,
+                                       priority_from_wire(message.priority), deadline, salt=message.tenant,
                                        prefix_of=_engine_id(internal_id, 0) if index else None,
                                        cache_salt=payload.cache_salt)
             except Exception:
