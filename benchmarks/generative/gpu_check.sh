@@ -36,4 +36,4 @@ for graphs in --no-cuda-graphs ""; do
       --model 1b --kv-tokens 16384 --modes continuous $graphs --json "$out/gpu-online120${graphs:+-eager}.json" 2>&1 | tail -2
 done
 RATE=${RATE:-60} PYTHON=$py benchmarks/generative/gpu_serve_bench.sh "$out" 2>&1 | grep -v "━" | tail -30
-grep -E "captured|Traceback|Error" "$out/gpu-server.log" | head -5
+grep -E "Traceback|Error|terminate" "$out/gpu-server.log" | cut -c1-300 | head -5

@@ -44,7 +44,8 @@ params = ('kind = "generative"\n[slo]\ndefault_ms = 600000\n[params]\ndtype = "b
 (repo / "gpu-static" / "model.toml").write_text(params + 'scheduling = "static"\nstatic_reserve = "max_model_len"\n')
 EOF
 
-$py -m sluice serve --port "$port" --models "$repo" --device "$device" > "$out/gpu-server.log" 2>&1 &
+# info: the log says whether each model recorded its CUDA graphs (checked at the end)
+$py -m sluice serve --port "$port" --models "$repo" --device "$device" --log-level info > "$out/gpu-server.log" 2>&1 &
 server=$!
 $py - "$port" <<'EOF'
 import sys
@@ -68,3 +69,9 @@ for model in gpu-continuous gpu-static; do
 done
 kill -TERM "$server"
 wait "$server" || true
+if [ "$device" != cpu ] && [ "$CUDA_GRAPHS" = 1 ]; then
+  recorded=$(grep -c "captured [0-9]* CUDA graphs" "$out/gpu-server.log" || true)
+  echo "models that recorded their CUDA graphs: $recorded of 2"
+  grep -q "could not capture CUDA graphs" "$out/gpu-server.log" && echo "WARNING: a model ran its decode steps eagerly (see $out/gpu-server.log)"
+fi
+true
