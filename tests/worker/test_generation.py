@@ -44,9 +44,9 @@ class _Worker:
                                        lambda _identity, _request_id: None)
         self.loop = GenerationLoop(runner, self.generations.on_outputs, asyncio.get_running_loop())
 
-    def submit(self, request_id: int, **fields: object) -> bool:
+    def submit(self, request_id: int, priority: int = int(Priority.STANDARD), **fields: object) -> bool:
         payload = wire.GeneratePayload(**{"prompt": "hello there", "max_tokens": 4, "temperature": 0.0, **fields})
-        message = wire.Submit(request_id, "tiny", "1", payload, 30.0, "t", int(Priority.STANDARD))
+        message = wire.Submit(request_id, "tiny", "1", payload, 30.0, "t", priority)
         return self.generations.submit(request_id, b"gateway", message, self.loop)
 
     async def result(self) -> wire.Result:
@@ -72,6 +72,29 @@ def test_an_engine_failure_is_a_503_and_the_loop_serves_the_next_request(runner,
             assert worker.submit(2)
             answer = await worker.result()
             assert answer.outcome is wire.Outcome.OK and interpret(runner.info, answer).payload.num_output_tokens == 4
+        finally:
+            worker.loop.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_priority_class_from_a_newer_gateway_runs_as_standard_and_known_ones_are_kept(runner, monkeypatch):
+    async def scenario() -> None:
+        worker = _Worker(runner)
+        classes: list[Priority] = []
+        submit = worker.loop.submit
+
+        def recording(sequence_id, prepared, priority, *args, **kwargs):
+            classes.append(priority)
+            return submit(sequence_id, prepared, priority, *args, **kwargs)
+
+        monkeypatch.setattr(worker.loop, "submit", recording)
+        try:
+            for request_id, value in ((1, 7), (2, int(Priority.BATCH))):
+                assert worker.submit(request_id, priority=value)
+                answer = await worker.result()
+                assert answer.outcome is wire.Outcome.OK
+            assert classes == [Priority.STANDARD, Priority.BATCH]
         finally:
             worker.loop.stop()
 
