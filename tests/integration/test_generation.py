@@ -131,13 +131,15 @@ def test_a_client_that_disconnects_frees_its_sequence_and_is_charged_for_what_it
     ("/v1/completions", {"prompt": "Keep going", "max_tokens": 800, "ignore_eos": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Keep going"}], "max_tokens": 800,
                               "ignore_eos": True}),
+    (f"/v2/models/{MODEL}/generate", {"text_input": "Keep going", "max_tokens": 800, "ignore_eos": True}),
 ])
 def test_a_client_that_disconnects_while_waiting_for_a_whole_answer_frees_its_sequence(server, path, body):
     cancelled = metric_total(server, "sluice_requests_total", model=MODEL, outcome="cancelled")
 
     def ask_and_leave() -> None:  # gives up on the answer after 2 s: its connection is closed
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}{path}", json={"model": MODEL, "temperature": 0.8, **body},
+            model = {"model": MODEL} if path.startswith("/v1") else {}  # /v2: the model is in the path
+            httpx.post(f"{server.url}{path}", json={**model, "temperature": 0.8, **body},
                        headers={"Cache-Control": "no-cache"}, timeout=httpx.Timeout(10, read=2))
 
     with ThreadPoolExecutor(1) as pool:
@@ -392,6 +394,46 @@ def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_end
     wrong = httpx.post(f"{server.url}/v2/models/{MODEL}/infer", timeout=30, json={
         "inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}]})
     assert wrong.status_code == 400 and "text_input" in wrong.json()["error"]
+
+
+def test_triton_generate_answers_the_completions_text_whole_or_streamed(server, client):
+    """Triton's generate extension: `text_output` is the prompt and its continuation (as the vLLM
+    and TensorRT-LLM backends answer) unless `exclude_input_in_output`; a stream's events carry the
+    new text only, sampling given in `parameters` or beside `text_input`."""
+    prompt = "The weather today is"
+    expected = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    sampling = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    url = f"{server.url}/v2/models/{MODEL}"
+    whole = httpx.post(f"{url}/generate", json={"id": "q1", "text_input": prompt, "parameters": sampling}, timeout=60)
+    assert whole.status_code == 200 and whole.headers["content-type"] == "application/json"
+    assert whole.json() == {"id": "q1", "model_name": MODEL, "model_version": "1", "text_output": prompt + expected}
+    beside = httpx.post(f"{url}/versions/1/generate", timeout=60,
+                        json={"text_input": prompt, "exclude_input_in_output": True, **sampling})
+    assert beside.json()["text_output"] == expected
+
+    with httpx.stream("POST", f"{url}/generate_stream", json={"text_input": prompt, "parameters": sampling},
+                      headers={"Cache-Control": "no-cache"}, timeout=60) as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in stream.iter_lines() if line]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert all(line.startswith("data: ") for line in lines) and len(events) > 1  # no [DONE]: Triton sends none
+    assert all(e["model_name"] == MODEL and e["model_version"] == "1" for e in events)
+    assert "".join(e["text_output"] for e in events) == expected
+
+
+@pytest.mark.parametrize("route, body, words", [
+    ("generate", {"parameters": {"max_tokens": 3}}, ["text_input"]),
+    ("generate", {"text_input": "Hi", "parameters": {"max_tokens": "many"}}, ["max_tokens"]),
+    ("generate", {"text_input": "Hi", "bad_words": ""}, ["bad_words"]),
+    ("generate", {"text_input": "Hi", "stream": True}, ["/generate_stream"]),
+    ("generate_stream", {"text_input": "Hi", "parameters": {"temperature": 5}}, ["temperature"]),
+    ("generate_stream", {"text_input": "word " * 3000}, ["1024"]),
+])
+def test_a_bad_triton_generate_request_is_a_kserve_400_before_the_stream_starts(server, route, body, words):
+    answer = httpx.post(f"{server.url}/v2/models/{MODEL}/{route}", json=body, timeout=60)
+    assert answer.status_code == 400 and answer.headers["content-type"] == "application/json"
+    assert all(word in answer.json()["error"] for word in words), answer.json()
 
 
 @pytest.fixture(scope="module")

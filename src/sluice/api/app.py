@@ -31,7 +31,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
-from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton
+from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton, triton_generate
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
 from sluice.api.common import GONE_SCOPE_KEY, VALID_REQUEST_ID, HotRoute, check_body_size, request_id
@@ -305,6 +305,7 @@ def build_app(
         *tokenize.routes(gateway, config.body_limit_bytes),
         *triton.routes(gateway),  # before kserve's: /v2/models/stats is not a model's metadata
         *kserve.routes(gateway, config.body_limit_bytes),
+        *triton_generate.routes(gateway, config.body_limit_bytes),
         *admin.routes(gateway),
         _metrics_route(gateway),
         *extra_routes,
