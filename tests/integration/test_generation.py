@@ -5,6 +5,7 @@ and the tokenizer endpoints: test_generation_fields.py.)"""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -365,7 +366,9 @@ def test_preemptions_are_exported_from_the_start(one_seq_server):
 
 def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_endpoint_does(server, client):
     """Triton's vLLM-backend convention, built from the model's own metadata: BYTES text_input in,
-    BYTES text_output out; sampling from the request's parameters or a sampling_parameters input."""
+    BYTES text_output out (the prompt and its continuation, unless exclude_input_in_output);
+    sampling from the request's parameters or a sampling_parameters input, whose numbers may be
+    strings as the backend's own client sends them."""
     import numpy as np
     import tritonclient.http as triton
 
@@ -379,11 +382,17 @@ def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_end
     got = [value.decode() for value in answer.as_numpy("text_output")]
     expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
-    assert got == expected
+    assert got == [p + e for p, e in zip(prompts, expected, strict=True)]
+
+    def flag(name: str, value: bool):
+        tensor = triton.InferInput(name, [1], "BOOL")
+        tensor.set_data_from_numpy(np.array([value], dtype=bool))
+        return tensor
+
     sampling = triton.InferInput("sampling_parameters", [1], "BYTES")
-    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": 6, "temperature": 0,
+    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": "6", "temperature": "0",
                                                         "ignore_eos": True}).encode()], dtype=np.object_))
-    json_out = http.infer(MODEL, [text, sampling],
+    json_out = http.infer(MODEL, [text, sampling, flag("stream", False), flag("exclude_input_in_output", True)],
                           outputs=[triton.InferRequestedOutput("text_output", binary_data=False)])  # as JSON
     assert list(json_out.as_numpy("text_output")) == expected  # JSON's BYTES come back as str
 
@@ -394,12 +403,16 @@ def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_end
     wrong = httpx.post(f"{server.url}/v2/models/{MODEL}/infer", timeout=30, json={
         "inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}]})
     assert wrong.status_code == 400 and "text_input" in wrong.json()["error"]
+    streamed = httpx.post(f"{server.url}/v2/models/{MODEL}/infer", timeout=30, json={
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Hi"]},
+                   {"name": "stream", "datatype": "BOOL", "shape": [1], "data": [True]}]})
+    assert streamed.status_code == 400 and "generate_stream" in streamed.json()["error"]
 
 
 def test_triton_generate_answers_the_completions_text_whole_or_streamed(server, client):
     """Triton's generate extension: `text_output` is the prompt and its continuation (as the vLLM
     and TensorRT-LLM backends answer) unless `exclude_input_in_output`; a stream's events carry the
-    new text only, sampling given in `parameters` or beside `text_input`."""
+    new text only; sampling given in `parameters`, beside `text_input`, or as `sampling_parameters`."""
     prompt = "The weather today is"
     expected = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
@@ -411,6 +424,10 @@ def test_triton_generate_answers_the_completions_text_whole_or_streamed(server, 
     beside = httpx.post(f"{url}/versions/1/generate", timeout=60,
                         json={"text_input": prompt, "exclude_input_in_output": True, **sampling})
     assert beside.json()["text_output"] == expected
+    as_inputs = httpx.post(f"{url}/generate", timeout=60, json={  # as the backends' generate clients send
+        "text_input": [prompt], "exclude_input_in_output": [True], "stream": False,
+        "sampling_parameters": json.dumps({"max_tokens": "6", "temperature": 0, "ignore_eos": True})})
+    assert as_inputs.json()["text_output"] == expected
 
     with httpx.stream("POST", f"{url}/generate_stream", json={"text_input": prompt, "parameters": sampling},
                       headers={"Cache-Control": "no-cache"}, timeout=60) as stream:
@@ -427,6 +444,7 @@ def test_triton_generate_answers_the_completions_text_whole_or_streamed(server, 
     ("generate", {"text_input": "Hi", "parameters": {"max_tokens": "many"}}, ["max_tokens"]),
     ("generate", {"text_input": "Hi", "bad_words": ""}, ["bad_words"]),
     ("generate", {"text_input": "Hi", "stream": True}, ["/generate_stream"]),
+    ("generate", {"text_input": "Hi", "sampling_parameters": "[1]"}, ["sampling_parameters"]),
     ("generate_stream", {"text_input": "Hi", "parameters": {"temperature": 5}}, ["temperature"]),
     ("generate_stream", {"text_input": "word " * 3000}, ["1024"]),
 ])
@@ -488,3 +506,48 @@ def test_kserve_grpc_infer_generates_as_http_does(grpc_server):
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "max_tokens" in caught.value.message()
     finally:
         grpc_client.close()
+
+
+def test_a_kserve_grpc_stream_with_stream_true_answers_chunk_by_chunk_as_tritons_llm_backends(grpc_server):
+    """The vLLM backend's own client: a `stream` BOOL input set, sampling as a JSON string of
+    strings, on ModelStreamInfer: one answer per chunk of new text (together the completion), then
+    Triton's empty final answer when asked; ModelInfer refuses a stream with INVALID_ARGUMENT."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.utils import InferenceServerException
+
+    server, port = grpc_server
+    prompt = "The weather today is"
+    expected = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).json()
+    inputs = [triton_grpc.InferInput("text_input", [1], "BYTES"), triton_grpc.InferInput("stream", [1], "BOOL"),
+              triton_grpc.InferInput("sampling_parameters", [1], "BYTES")]
+    inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([True], dtype=bool))
+    inputs[2].set_data_from_numpy(np.array([json.dumps({"max_tokens": "8", "temperature": "0",
+                                                        "ignore_eos": "true"}).encode()], dtype=np.object_))
+    answers = []
+    ended = threading.Event()
+
+    def collect(result, error):
+        answers.append(error or result.get_response(as_json=True))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            ended.set()
+
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        client.start_stream(callback=collect)
+        client.async_stream_infer(MODEL, inputs, request_id="r7", enable_empty_final_response=True)
+        assert ended.wait(60), answers
+        client.stop_stream()
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(MODEL, inputs)
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "ModelStreamInfer" in caught.value.message()
+    finally:
+        client.close()
+    *chunks, final = answers
+    assert all(answer["id"] == "r7" for answer in answers) and len(chunks) > 1
+    assert all(chunk["parameters"]["triton_final_response"] == {"bool_param": False} for chunk in chunks)
+    assert final["parameters"]["triton_final_response"] == {"bool_param": True} and not final.get("outputs")
+    texts = [base64.b64decode(chunk["raw_output_contents"][0])[4:].decode() for chunk in chunks]
+    assert "".join(texts) == expected["choices"][0]["text"]

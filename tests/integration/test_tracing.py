@@ -429,7 +429,7 @@ def test_without_tracing_a_kserve_generation_passes_the_callers_trace_on(tmp_pat
             text.set_data_from_numpy(np.array([SECRET.encode()], dtype=np.object_))
             with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
                 generated = client.infer("proxy", [text], parameters={"max_tokens": 4}, headers=given)
-            assert list(generated.as_numpy("text_output")) == [b"Hello world"]
+            assert list(generated.as_numpy("text_output")) == [SECRET.encode() + b"Hello world"]
             sent.append(_sent(upstream))
             counted = metric_total(server, "sluice_requests_total", model="proxy", outcome="ok")
         finally:

@@ -44,7 +44,7 @@ from sluice.api.common import (
     route_key,
     trace_context,
 )
-from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_payloads
+from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_output, text_request
 from sluice.api.tensors import (
     NUMPY_NAMES,
     NUMPY_TO_KSERVE,
@@ -143,15 +143,16 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             parsed, tensors = parse_request(body, screened.header_length)
             timeout_s, priority = request_terms(parsed.parameters, request.headers.get(PRIORITY_HEADER),
                                                 gateway.max_timeout_s)
-            payloads = text_payloads(info, tensors, parsed.parameters)
+            text = text_request(info, tensors, parsed.parameters,
+                                stream_route=f"gRPC ModelStreamInfer, or POST /v2/models/{info.name}/generate_stream")
             binary_outputs = _binary_outputs(info, parsed)
             classes = class_counts(info, _classifications(parsed))
         # untraced too, as /v1/completions: an upstream call carries the client's trace on
         who = caller(request, priority, is_traced=True, cache=screened.early.cache)
-        payload, headers = await generate_text(gateway, who, info, payloads,
-                                               screened.header_timeout if timeout_s is None else timeout_s,
-                                               screened.arrived_at)
-        return _render(info, parsed, payload, binary_outputs, classes, headers)
+        texts, headers = await generate_text(gateway, who, info, text,
+                                             screened.header_timeout if timeout_s is None else timeout_s,
+                                             screened.arrived_at)
+        return _render(info, parsed, text_output(texts), binary_outputs, classes, headers)
 
     prefixes = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
     table = [

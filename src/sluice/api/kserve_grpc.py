@@ -11,7 +11,9 @@
     RepositoryModelLoad | RepositoryModelUnload   (admin) `api.triton.load_model_of`, as over HTTP
     ModelInfer                                    one request; outputs in `raw_output_contents`
     ModelStreamInfer                              Triton's: many requests on one stream, each
-                                                  answered (by `id`) as soon as it is done
+                                                  answered (by `id`) as soon as it is done; a
+                                                  generation with `stream` true, as Triton's
+                                                  decoupled LLM backends, chunk by chunk
 
 What `tritonclient.grpc` and KServe's client send works unchanged: inputs in `raw_input_contents`
 (tritonclient's default) or in typed `contents`; outputs always go back raw, which is where
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -63,7 +66,7 @@ from sluice.api.kserve import (
     outputs_of,
     request_terms,
 )
-from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, text_payloads
+from sluice.api.kserve_generate import GENERATIVE_KINDS, generate_text, stream_text, text_output, text_request
 from sluice.api.tensors import (
     InputTensor,
     Tensor,
@@ -94,6 +97,9 @@ STREAM_WINDOW = 1024
 """Requests of one `ModelStreamInfer` stream running or answered but not yet sent; the stream is
 not read further until one of their answers is sent (the client's sends then wait: flow control,
 not memory, holds the excess)."""
+FINAL_RESPONSE, EMPTY_FINAL_RESPONSE = "triton_final_response", "triton_enable_empty_final_response"
+"""A streamed generation's answers say whether each is the last; its client may ask for an empty
+last answer (`enable_empty_final_response` in tritonclient), as Triton sends for decoupled models."""
 
 GRPC_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -316,6 +322,7 @@ class KServeGrpc:
         call = _Call(context)
         try:
             response, headers = await self._infer(request, call, arrived_at, context.time_remaining())
+            assert response is not None  # only a streamed generation ends without one
         except SluiceError as exc:
             self._log("ModelInfer", call, request, arrived_at, exc)
             await _abort(context, exc, call.request_id)
@@ -358,15 +365,20 @@ class KServeGrpc:
         waiting for their answer to be sent. The stream ends once the client has closed its side
         and every request is answered."""
         call = _Call(context)
-        answers: asyncio.Queue[Message | None] = asyncio.Queue()
+        # each request's answers (a streamed generation's: one per chunk), and whether it is done
+        answers: asyncio.Queue[tuple[Message | None, bool] | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         running: set[asyncio.Task[None]] = set()
 
         async def answer(request: Any, arrived_at: float) -> None:
             one = call.one()  # its own tenant and model, for its access-log line
+
+            def chunk(response: Message) -> None:
+                answers.put_nowait((_StreamResponse(infer_response=response), False))
+
             try:
-                response, _ = await self._infer(request, one, arrived_at, context.time_remaining())
-                answers.put_nowait(_StreamResponse(infer_response=response))
+                response, _ = await self._infer(request, one, arrived_at, context.time_remaining(), chunk)
+                answers.put_nowait((None if response is None else _StreamResponse(infer_response=response), True))
                 self._log("ModelStreamInfer", one, request, arrived_at)
             except asyncio.CancelledError:
                 self._log("ModelStreamInfer", one, request, arrived_at, outcome="cancelled")
@@ -375,10 +387,10 @@ class KServeGrpc:
                 self._log("ModelStreamInfer", one, request, arrived_at, exc)
                 if not isinstance(exc, SluiceError):
                     log.exception("gRPC ModelStreamInfer request %r failed", request.id)
-                answers.put_nowait(_StreamResponse(
+                answers.put_nowait((_StreamResponse(
                     error_message=exc.message if isinstance(exc, SluiceError) else "internal server error",
                     infer_response=_InferResponse(model_name=request.model_name,
-                                                  model_version=request.model_version, id=request.id)))
+                                                  model_version=request.model_version, id=request.id)), True))
 
         async def read() -> None:
             try:
@@ -399,23 +411,29 @@ class KServeGrpc:
 
         reader = asyncio.create_task(read())
         try:
-            while (response := await answers.get()) is not None:
-                yield response
-                window.release()  # once sent: a client that does not read its answers is not read either
+            while (item := await answers.get()) is not None:
+                response, is_done = item
+                if response is not None:
+                    yield response
+                if is_done:
+                    window.release()  # once sent: a client that does not read its answers is not read either
             await reader  # raises what ended the reading, if it failed
         finally:
             reader.cancel()
             for task in running:
                 task.cancel()
 
-    async def _infer(self, request: Any, call: _Call, arrived_at: float,
-                     time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
+    async def _infer(self, request: Any, call: _Call, arrived_at: float, time_remaining_s: float | None,
+                     chunk: Callable[[Message], None] | None = None) -> tuple[Message | None, dict[str, str]]:
+        """The answer to `request` and its trailing metadata. `chunk`, on a stream, takes a
+        streamed generation's answers as they come; its last answer is then returned (None if
+        the client did not ask for Triton's empty final response)."""
         gateway = self._gateway
         tenant = call.tenant = inference_tenant(call.key, gateway.tenancy)
         info = call.info = gateway.resolve(request.model_name, request.model_version or None,
                                            call.metadata.get(ROUTE_KEY_HEADER), tenant=tenant)
         if info.kind in GENERATIVE_KINDS:  # text in, text out (`kserve_generate`)
-            return await self._generate(request, call, info, tenant, arrived_at, time_remaining_s)
+            return await self._generate(request, call, info, tenant, arrived_at, time_remaining_s, chunk)
         with gateway.reading(info, tenant, arrived_at,
                              _trace_context(call) if gateway.is_tracing else None):
             terms = infer_terms(info, _tensors(request), _parameters(request.parameters),
@@ -432,21 +450,33 @@ class KServeGrpc:
         return _response(info, request.id, result.payload, names, classes), result.headers or {}
 
     async def _generate(self, request: Any, call: _Call, info: wire.ModelInfo, tenant: str, arrived_at: float,
-                        time_remaining_s: float | None) -> tuple[Message, dict[str, str]]:
+                        time_remaining_s: float | None, chunk: Callable[[Message], None] | None
+                        ) -> tuple[Message | None, dict[str, str]]:
         gateway = self._gateway
         with gateway.reading(info, tenant, arrived_at,
                              _trace_context(call) if gateway.is_tracing else None):
             parameters = _parameters(request.parameters)
             timeout_s, priority = request_terms(parameters, call.metadata.get(PRIORITY_HEADER), gateway.max_timeout_s)
-            payloads = text_payloads(info, _tensors(request), parameters)
-            check_outputs(info, [o.name for o in request.outputs])
+            text = text_request(info, _tensors(request), parameters,
+                                stream_route=None if chunk is not None else "gRPC ModelStreamInfer")
+            names = [o.name for o in request.outputs] or None
+            check_outputs(info, names or [])
             classes = class_counts(info, _classifications(request))
         # untraced too, as /v1/completions: an upstream call carries the client's trace on
         who = self._caller(call, tenant, priority, is_traced=True)
-        payload, headers = await generate_text(gateway, who, info, payloads,
-                                               _deadline_s(timeout_s, time_remaining_s, gateway.max_timeout_s),
-                                               arrived_at)
-        return _response(info, request.id, payload, [o.name for o in request.outputs] or None, classes), headers or {}
+        deadline_s = _deadline_s(timeout_s, time_remaining_s, gateway.max_timeout_s)
+        if not text.is_stream:
+            texts, headers = await generate_text(gateway, who, info, text, deadline_s, arrived_at)
+            return _response(info, request.id, text_output(texts), names, classes), headers or {}
+        assert chunk is not None
+        async with aclosing(stream_text(gateway, who, info, text, deadline_s, arrived_at)) as pieces:
+            async for piece in pieces:
+                chunk(_response(info, request.id, text_output([piece]), names, classes, is_final=False))
+        if parameters.get(EMPTY_FINAL_RESPONSE) is True:
+            final = _InferResponse(model_name=info.name, model_version=info.version, id=request.id)
+            final.parameters[FINAL_RESPONSE].bool_param = True  # type: ignore[attr-defined]
+            return final, {}
+        return None, {}
 
     def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0,
                 likely_tokens: float | None = None, *, is_traced: bool = False) -> Caller:
@@ -539,15 +569,19 @@ def _classifications(request: Any) -> list[tuple[str, Any]]:
 
 
 def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload, names: list[str] | None,
-              classes: dict[str, int]) -> Message:
+              classes: dict[str, int], *, is_final: bool | None = None) -> Message:
     """The answer with its outputs (those asked for, else all; `classes`: as their top classes)
-    raw (`raw_output_contents`), where tritonclient reads them."""
+    raw (`raw_output_contents`), where tritonclient reads them. `is_final`: a streamed
+    generation's answer says whether it is the request's last (Triton's `triton_final_response`)."""
     outputs = outputs_of(info, payload, names, classes)
-    return _InferResponse(
+    response = _InferResponse(
         model_name=info.name, model_version=info.version, id=request_id,
         outputs=[_InferResponse.InferOutputTensor(  # type: ignore[attr-defined]
             name=output.name, datatype=output.datatype, shape=output.shape) for output in outputs],
         raw_output_contents=[raw_bytes(output) for output in outputs])
+    if is_final is not None:
+        response.parameters[FINAL_RESPONSE].bool_param = is_final  # type: ignore[attr-defined]
+    return response
 
 
 def _metadata(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:

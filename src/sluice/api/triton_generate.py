@@ -8,8 +8,9 @@
 
 The request is Triton's: `text_input` (the prompt), an optional `id` (echoed back), `parameters`
 (sampling, by the completions API's names, and KServe's own `timeout` and `priority`), and, as
-the vLLM and TensorRT-LLM backends take them, sampling fields, `stream` and
-`exclude_input_in_output` beside `text_input`. As those backends do, a whole answer's
+the vLLM and TensorRT-LLM backends take them, sampling fields, `sampling_parameters` (a JSON
+object as a string), `stream` and `exclude_input_in_output` beside `text_input` (a value there may
+be a list of one, a tensor of one element). As those backends do, a whole answer's
 `text_output` starts with the prompt unless `exclude_input_in_output` is true; a stream's events
 carry only the new text, one event per chunk the worker sends, and no `[DONE]` (Triton's stream
 has none). `stream: false` on `/generate_stream` gives one event holding the whole answer;
@@ -23,7 +24,7 @@ error is an event of that shape and the stream ends. The generation itself is `/
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -46,21 +47,34 @@ from sluice.api.common import (
     route_key,
     stream_failed,
     trace_context,
+    unless_gone,
     with_version,
 )
-from sluice.api.completion_params import CompletionRequest, to_payloads
-from sluice.api.completions import SSE_HEADERS, Events, generations, unless_disconnected, whole_generations
+from sluice.api.completions import SSE_HEADERS
 from sluice.api.errors import error_body
 from sluice.api.kserve import request_terms
-from sluice.api.kserve_generate import GENERATIVE_KINDS, SAMPLING_NAMES, TEXT_INPUT, TEXT_OUTPUT
+from sluice.api.kserve_generate import (
+    EXCLUDE_INPUT,
+    GENERATIVE_KINDS,
+    SAMPLING_INPUT,
+    SAMPLING_NAMES,
+    STREAM,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    TextRequest,
+    build_text_request,
+    generate_text,
+    sampling_object,
+    stream_text,
+)
 from sluice.errors import InvalidInput, SluiceError
-from sluice.gateway import Gateway, InferResult
+from sluice.gateway import Gateway
 
 __all__ = ["routes"]
 
 log = logging.getLogger("sluice.api")
 
-_OWN_FIELDS = frozenset({"id", TEXT_INPUT, "parameters", "stream", "exclude_input_in_output"})
+_OWN_FIELDS = frozenset({"id", TEXT_INPUT, "parameters", SAMPLING_INPUT, STREAM, EXCLUDE_INPUT})
 
 
 def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
@@ -77,14 +91,6 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
     return table
 
 
-class _Terms(msgspec.Struct, frozen=True):
-    payload: wire.GeneratePayload
-    parameters: dict[str, Any]
-    answer_id: str | None
-    prompt: str
-    with_prompt: bool
-
-
 async def _generate(gateway: Gateway, request: Request, body_limit_bytes: int, *, is_stream_route: bool) -> Response:
     arrived_at = arrival(request, gateway.now())
     timeout_s = header_timeout_s(request, gateway.max_timeout_s)
@@ -95,64 +101,68 @@ async def _generate(gateway: Gateway, request: Request, body_limit_bytes: int, *
         raise InvalidInput(f"model {name!r} does not generate text; use /v2/models/{name}/infer")
     body = await read_body(request, body_limit_bytes)
     with gateway.reading(info, tenant, arrived_at, trace_context(request) if gateway.is_tracing else None):
-        terms = _terms(info, decode_json(body, dict[str, Any]), is_stream_route)
-        body_timeout_s, priority = request_terms(terms.parameters, request.headers.get(PRIORITY_HEADER),
+        parsed = decode_json(body, dict[str, Any])
+        text, answer_id, parameters = _text_request(info, parsed, is_stream_route)
+        body_timeout_s, priority = request_terms(parameters, request.headers.get(PRIORITY_HEADER),
                                                  gateway.max_timeout_s)
     who = caller(request, priority, is_traced=True)  # untraced too: an upstream call carries the client's trace on
-    limit_headers: dict[str, str] | None = {} if terms.payload.stream else None
-    streams = generations(gateway, who, info, [terms.payload], timeout_s if body_timeout_s is None else body_timeout_s,
-                          arrived_at, limit_headers)
+    deadline_s = timeout_s if body_timeout_s is None else body_timeout_s
     head: dict[str, Any] = {"model_name": info.name, "model_version": info.version}
-    if terms.answer_id is not None:
-        head = {"id": terms.answer_id, **head}
-    if not terms.payload.stream:
-        (result,) = await unless_disconnected(request, streams, whole_generations(streams))
-        assert isinstance(result.payload, wire.GenerationResult)
-        text = terms.prompt + result.payload.text if terms.with_prompt else result.payload.text
-        answer = {**head, TEXT_OUTPUT: text}
+    if answer_id is not None:
+        head = {"id": answer_id, **head}
+    if not text.is_stream:
+        (whole,), headers = await unless_gone(request, generate_text(gateway, who, info, text, deadline_s, arrived_at))
+        answer = {**head, TEXT_OUTPUT: whole}
         if not is_stream_route:
-            return json_response(answer, headers=with_version(info, result.headers))
+            return json_response(answer, headers=with_version(info, headers))
         return StreamingResponse(_one_event(answer), media_type="text/event-stream",
-                                 headers=with_version(info, {**SSE_HEADERS, **(result.headers or {})}))
-    # errors before the first byte are HTTP statuses
-    first = await unless_disconnected(request, streams, anext(streams[0]))
-    return StreamingResponse(_events(head, first, streams[0], request.scope), media_type="text/event-stream",
-                             headers=with_version(info, {**SSE_HEADERS, **(limit_headers or {})}))
+                                 headers=with_version(info, {**SSE_HEADERS, **(headers or {})}))
+    chunks = stream_text(gateway, who, info, text, deadline_s, arrived_at)
+    try:  # errors before the first byte are HTTP statuses
+        first = await unless_gone(request, anext(chunks, None))
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return StreamingResponse(_events(head, first, chunks, request.scope), media_type="text/event-stream",
+                             headers=with_version(info, SSE_HEADERS))
 
 
-def _terms(info: wire.ModelInfo, body: dict[str, Any], is_stream_route: bool) -> _Terms:
-    """A generate request's generation, checked as `/v1/completions` checks its fields."""
-    prompt = body.get(TEXT_INPUT)
-    if not isinstance(prompt, str):
-        raise InvalidInput(f"a generate request needs {TEXT_INPUT!r}, the prompt, as a string", param=TEXT_INPUT)
+def _text_request(info: wire.ModelInfo, body: dict[str, Any],
+                  is_stream_route: bool) -> tuple[TextRequest, str | None, dict[str, Any]]:
+    """A generate request's generation, its `id` and its `parameters`; a field beside `text_input`
+    is the model input the backends read, a value there a tensor (a list of one is its element)."""
     unknown = sorted(set(body) - _OWN_FIELDS - SAMPLING_NAMES)
     if unknown:
-        raise InvalidInput(f"unknown field(s) {unknown}: a generate request takes {TEXT_INPUT!r}, 'id', 'parameters', "
-                           f"'stream', 'exclude_input_in_output' and the sampling fields {sorted(SAMPLING_NAMES)}")
+        raise InvalidInput(f"unknown field(s) {unknown}: a generate request takes {TEXT_INPUT!r}, 'id', "
+                           f"'parameters', {SAMPLING_INPUT!r}, {STREAM!r}, {EXCLUDE_INPUT!r} and the sampling "
+                           f"fields {sorted(SAMPLING_NAMES)}")
+    given = {name: _element(value) for name, value in body.items() if name != "parameters"}
+    prompt = given.get(TEXT_INPUT)
+    if not isinstance(prompt, str):
+        raise InvalidInput(f"a generate request needs {TEXT_INPUT!r}, the prompt, as a string", param=TEXT_INPUT)
     parameters = body.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be a JSON object", param="parameters")
-    answer_id = body.get("id")
+    answer_id = given.get("id")
     if answer_id is not None and not isinstance(answer_id, str):
         raise InvalidInput("'id' must be a string", param="id")
-    given = {**parameters, **body}  # a field beside text_input is the model input the backends read
-    stream = _flag(given, "stream", is_stream_route)
-    if stream and not is_stream_route:
-        raise InvalidInput("'stream': true needs /generate_stream; /generate answers once", param="stream")
-    exclude = _flag(given, "exclude_input_in_output", False)
-    fields = {name: value for name, value in given.items() if name in SAMPLING_NAMES}
-    try:
-        request = msgspec.convert({**fields, "model": info.name, "prompt": prompt, "stream": stream},
-                                  CompletionRequest)
-    except msgspec.ValidationError as exc:
-        raise InvalidInput(f"sampling parameters: {exc}") from exc
-    (payload,) = to_payloads(request, info)
-    return _Terms(payload, parameters, answer_id, prompt, with_prompt=not stream and not exclude)
+    fields = {name: value for name, value in {**parameters, **given}.items() if name in SAMPLING_NAMES}
+    if SAMPLING_INPUT in given:
+        fields.update(sampling_object(given[SAMPLING_INPUT]))
+    flags = {name: _flag({**parameters, **given}, name) for name in (STREAM, EXCLUDE_INPUT)}
+    stream = is_stream_route if flags[STREAM] is None else bool(flags[STREAM])
+    text = build_text_request(info, [prompt], fields, is_stream=stream, exclude_input=bool(flags[EXCLUDE_INPUT]),
+                              stream_route=None if is_stream_route else f"POST /v2/models/{info.name}/generate_stream")
+    return text, answer_id, parameters
 
 
-def _flag(given: dict[str, Any], name: str, default: bool) -> bool:
-    value = given.get(name, default)
-    if not isinstance(value, bool):
+def _element(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _flag(given: dict[str, Any], name: str) -> bool | None:
+    value = given.get(name)
+    if value is not None and not isinstance(value, bool):
         raise InvalidInput(f"{name!r} must be true or false", param=name)
     return value
 
@@ -161,24 +171,21 @@ async def _one_event(answer: dict[str, Any]) -> AsyncIterator[bytes]:
     yield _event(answer)
 
 
-async def _events(head: dict[str, Any], first: wire.TokenChunk | InferResult, events: Events,
+async def _events(head: dict[str, Any], first: str | None, chunks: AsyncGenerator[str, None],
                   scope: Scope) -> AsyncIterator[bytes]:
-    """One event per chunk with text; an error after the first byte is an error event, then the end."""
+    """One event per chunk of text; an error after the first byte is an error event, then the end."""
     try:
-        event: wire.TokenChunk | InferResult | None = first
-        while isinstance(event, wire.TokenChunk):
-            if event.text:
-                yield _event({**head, TEXT_OUTPUT: event.text})
-            event = await anext(events, None)
-        if event is None:
-            raise RuntimeError("a generation ended without a result")
+        if first is not None:
+            yield _event({**head, TEXT_OUTPUT: first})
+            async for chunk in chunks:
+                yield _event({**head, TEXT_OUTPUT: chunk})
     except Exception as exc:  # SluiceError: the client's or the fleet's; anything else: a bug, still a clean end
         stream_failed(scope, exc)
         if not isinstance(exc, SluiceError):
             log.exception("internal error while streaming a generate request")
         yield _event(error_body(exc, "kserve"))
     finally:
-        await events.aclose()  # withdraws the sequence if we stopped early (client gone)
+        await chunks.aclose()  # withdraws the generation if we stopped early (client gone)
 
 
 def _event(content: Any) -> bytes:
