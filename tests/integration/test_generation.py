@@ -375,6 +375,9 @@ def test_kserve_infer_with_text_input_answers_text_output_as_the_completions_end
     http = triton.InferenceServerClient(server.url.removeprefix("http://"))
     metadata = http.get_model_metadata(MODEL)
     assert [i["name"] for i in metadata["inputs"]] == ["text_input"]
+    optional = {i["name"]: i["data_type"] for i in http.get_model_config(MODEL)["input"] if i.get("optional")}
+    assert optional == {"stream": "TYPE_BOOL", "sampling_parameters": "TYPE_STRING",
+                        "exclude_input_in_output": "TYPE_BOOL"}
     prompts = ["The weather today is", "Once upon a time"]
     text = triton.InferInput("text_input", [2], "BYTES")
     text.set_data_from_numpy(np.array([p.encode() for p in prompts], dtype=np.object_))

@@ -44,6 +44,7 @@ from starlette.routing import Route
 
 from sluice import wire
 from sluice.api.common import MONITOR_SCOPE_KEY, decode_json, json_response, read_body, request_tenant
+from sluice.api.kserve_generate import EXCLUDE_INPUT, GENERATIVE_KINDS, SAMPLING_INPUT, STREAM
 from sluice.api.tensors import NO_SHARED_MEMORY
 from sluice.errors import InvalidInput, ModelNotFound, NotSupported, Unavailable
 from sluice.gateway import Gateway
@@ -79,7 +80,7 @@ def model_config_of(gateway: Gateway, tenant: str, name: str, version: str | Non
         "platform": info.platform,
         "backend": info.kind,
         "max_batch_size": info.max_batch_size,
-        "input": [_tensor_config(spec, batched) for spec in info.inputs],
+        "input": [_tensor_config(spec, batched) for spec in info.inputs] + _optional_inputs(info),
         "output": [_tensor_config(spec, batched) for spec in info.outputs],
         "instance_group": [{"name": info.name, "kind": "KIND_MODEL",
                             "count": gateway.num_replicas(info.name, info.version)}],
@@ -230,6 +231,15 @@ class _IndexRequest(msgspec.Struct):
     repository_name: str = ""
     ready: bool = False
     """Only the versions that are ready."""
+
+
+def _optional_inputs(info: wire.ModelInfo) -> list[dict[str, Any]]:
+    """A generative model's optional inputs (`api.kserve_generate`), declared as Triton's vLLM backend does."""
+    if info.kind not in GENERATIVE_KINDS:
+        return []
+    return [{"name": name, "data_type": data_type, "dims": [1], "optional": True}
+            for name, data_type in ((STREAM, "TYPE_BOOL"), (SAMPLING_INPUT, "TYPE_STRING"),
+                                    (EXCLUDE_INPUT, "TYPE_BOOL"))]
 
 
 def _tensor_config(spec: wire.TensorSpec, batched: bool) -> dict[str, Any]:
