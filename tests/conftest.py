@@ -146,9 +146,10 @@ def write_emulated_model(repo: Path, name: str = "emulated", slo_ms: float = 100
     return repo
 
 
-def write_two_versions(repo: Path, routing: str = "", v2_params: str = "") -> Path:
+def write_two_versions(repo: Path, routing: str = "", v2_params: str = "", max_batch_size: int = 32,
+                       alpha_ms: float = 1.0) -> Path:
     """The emulated model with versions 1 and 2 (2's own settings in its version.toml)."""
-    write_emulated_model(repo, alpha_ms=1.0, beta_ms=0.1)
+    write_emulated_model(repo, max_batch_size=max_batch_size, alpha_ms=alpha_ms, beta_ms=0.1)
     model = repo / "emulated"
     (model / "2").mkdir()
     (model / "2" / "SHA256SUMS").write_text("")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -150,3 +152,23 @@ def test_an_answer_that_failed_on_a_version_names_that_version(make_server: Call
     assert raised.value.response.headers["x-sluice-model-version"] == "2"
     missing = httpx.post(f"{server.url}/v2/models/emulated/versions/9/infer", json={})
     assert missing.status_code == 404 and "x-sluice-model-version" not in missing.headers  # routed nowhere
+
+
+def test_a_request_refused_before_dispatch_still_names_its_version(make_server: Callable[..., ServerProcess],
+                                                                   tmp_path: Path) -> None:
+    """An overload refusal (503) comes before the request is sent to a worker, after its version
+    was chosen: it says which one, as answers and later failures do."""
+    server = make_server(write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }", max_batch_size=1,
+                                            alpha_ms=50))
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(16) as pool:
+        queued = [pool.submit(_infer, client, server) for _ in range(16)]  # 800 ms of work, one at a time
+        time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as raised:
+            sdk.embeddings.create(model="emulated", input=["late"], extra_headers={"x-request-timeout-ms": "80"})
+        refused = [_infer(client, server, **{"x-request-timeout-ms": "80"}) for _ in range(3)]
+        assert all(f.result().status_code == 200 for f in queued)
+    overloaded = [r for r in refused if r.status_code == 503]
+    assert overloaded and all("miss its deadline" in r.json()["error"] for r in overloaded), refused
+    assert all(r.headers["x-sluice-model-version"] == "1" for r in refused)
+    assert raised.value.status_code == 503 and raised.value.response.headers["x-sluice-model-version"] == "1"

@@ -293,8 +293,9 @@ class Gateway:
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
                            caller: Caller | None = None, key: bytes | None = None) -> None:
         """Refuse now, before the body is parsed, a request that cannot meet its deadline
-        (`Admission.shed_if_overloaded`)."""
-        self._admission.shed_if_overloaded(info, timeout_s, arrived_at, caller, key)
+        (`Admission.shed_if_overloaded`). Its refusal names the version chosen, as later ones do."""
+        with _routed_to(info):
+            self._admission.shed_if_overloaded(info, timeout_s, arrived_at, caller, key)
 
     def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float,
                 trace: wire.TraceContext | None = None) -> AbstractContextManager[None]:
