@@ -89,7 +89,10 @@ def show(answer: Any, as_json: bool = False) -> None:
     if as_json:
         click.echo(json.dumps(answer, indent=2))
         return
-    for model in answer["data"] if answer.get("object") == "list" else [answer]:
+    models = answer["data"] if answer.get("object") == "list" else [answer]
+    if not models:
+        click.echo("no models are served (`sluice models load NAME` loads one from the model repository)")
+    for model in models:
         click.echo(describe(model))
 
 

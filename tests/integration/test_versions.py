@@ -172,3 +172,15 @@ def test_a_request_refused_before_dispatch_still_names_its_version(make_server: 
     assert overloaded and all("miss its deadline" in r.json()["error"] for r in overloaded), refused
     assert all(r.headers["x-sluice-model-version"] == "1" for r in refused)
     assert raised.value.status_code == 503 and raised.value.response.headers["x-sluice-model-version"] == "1"
+
+
+def test_status_says_so_when_no_model_is_served(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    server = make_server(write_two_versions(tmp_path / "repo"))
+    runner = CliRunner()
+    assert runner.invoke(main, ["models", "unload", "emulated", "--url", server.url]).exit_code == 0
+    status = runner.invoke(main, ["models", "status", "--url", server.url])
+    assert status.exit_code == 0 and status.stdout.startswith("no models are served"), status.output
+    as_json = runner.invoke(main, ["models", "status", "--url", server.url, "--json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["data"] == []
+    one = runner.invoke(main, ["models", "status", "emulated", "--url", server.url])
+    assert one.exit_code == 1 and "404: model 'emulated' is not served" in one.stderr
