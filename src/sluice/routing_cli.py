@@ -62,6 +62,9 @@ def parse_shares(shares: tuple[str, ...]) -> dict[str, float]:
     parsed: dict[str, float] = {}
     for share in shares:
         version, _, weight = share.partition("=")
+        if version.strip() in parsed:
+            raise click.BadParameter(f"version {version.strip()} is given more than once; give each version once, "
+                                     "with all of its weight", param_hint="SHARES")
         try:
             parsed[version.strip()] = float(weight)
             if not math.isfinite(parsed[version.strip()]):

@@ -81,6 +81,10 @@ def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Cal
         refused = _admin(client, server, "PUT", "/traffic", traffic={"9": 100})
         assert refused.status_code == 400 and "no version '9'" in refused.json()["error"]["message"]
         assert _admin(client, server, "PUT", "/traffic", traffic={"1": -1}).status_code == 400
+        twice = client.put(f"{server.url}/admin/models/emulated/traffic", content=b'{"traffic": {"1": 50, "1": 50}}',
+                           headers={"content-type": "application/json"})  # valid JSON: the last would win
+        assert twice.status_code == 400 and twice.json()["error"]["param"] == "traffic"
+        assert "names version '1' more than once" in twice.json()["error"]["message"]
         assert _admin(client, server, "POST", "/promote").status_code == 409  # no canary running
         assert client.get(f"{server.url}/admin/models/nope").status_code == 404
 
@@ -92,6 +96,8 @@ def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Cal
     assert "version    1   75.00%  ready" in moved.output
     status = runner.invoke(main, ["models", "status", "--url", server.url, "--json"])
     assert json.loads(status.output)["data"][0]["versions"][1]["traffic_percent"] == 25.0
+    twice = runner.invoke(main, ["models", "traffic", "emulated", "1=50", "2=25", "1=25", "--url", server.url])
+    assert twice.exit_code == 2 and "version 1 is given more than once" in twice.stderr, twice.output
     refused = runner.invoke(main, ["models", "canary", "emulated", "9", "--url", server.url])
     assert refused.exit_code == 1 and "400: model 'emulated' has no ready version '9'" in refused.output
 

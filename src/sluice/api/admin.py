@@ -22,6 +22,8 @@ all. Without one, a restarted gateway follows the splits the models declare.
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -89,7 +91,12 @@ def routes(gateway: Gateway) -> list[Route]:
     async def set_traffic(request: Request) -> Response:
         check(request)
         name = _model(gateway, request)
-        body = decode_json(await read_body(request, _BODY_LIMIT), TrafficBody)
+        raw = await read_body(request, _BODY_LIMIT)
+        body = decode_json(raw, TrafficBody)
+        twice = _named_twice(raw)
+        if twice:
+            raise InvalidInput(f"the split names version {twice[0]!r} more than once; give each version once, "
+                               "with all of its weight", param="traffic")
         served = gateway.models(include_recovering=True).get(name, {})
         for version in body.traffic:
             if version not in served:
@@ -188,6 +195,24 @@ async def _changed(gateway: Gateway, name: str, event: CanaryEvent | None, statu
         gateway.canary_event(event)
     await gateway.share_traffic(name)
     return json_response(_describe(gateway, name), status=status)
+
+
+class _Object(dict[str, Any]):
+    """A JSON object as decoded, with the keys it holds more than once (JSON allows it; decoders keep the last)."""
+
+    repeated: list[str]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    decoded = _Object(pairs)
+    decoded.repeated = [key for key, count in Counter(key for key, _ in pairs).items() if count > 1]
+    return decoded
+
+
+def _named_twice(body: bytes) -> list[str]:
+    """The versions a split's body (valid JSON: decoded already) names more than once in `traffic`."""
+    traffic = json.loads(body, object_pairs_hook=_object).get("traffic")
+    return traffic.repeated if isinstance(traffic, _Object) else []
 
 
 def _given(value: T | None, default: T) -> T:
