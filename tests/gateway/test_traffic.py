@@ -209,6 +209,38 @@ def test_a_canary_runs_over_the_split_it_started_from_and_its_outcome_replaces_t
         traffic.promote("m")
 
 
+def test_a_canary_takes_its_callers_from_its_baseline_only_and_keeps_them() -> None:
+    """An A/B split of 1 and 2, and a canary of 3 against 1: every caller of 2 stays on 2, at
+    every step and after; the canary's callers all come from 1, and stay with it as it grows."""
+    keys = [f"user-{i}" for i in range(4000)]
+    rng = random.Random(0)
+
+    def on(version: str, split: Split) -> set[str]:
+        return {key for key in keys if split.choose(SERVED, key, rng) == version}
+
+    traffic, before = Traffic(), Split.of({"1": 50, "2": 50})
+    plan = CanaryPlan(version="3", baseline="1", steps=(10.0, 50.0), step_s=30.0, min_requests=50)
+    traffic.start_canary("m", plan, now=0.0, current=before)
+    first = traffic.split("m", None)
+    assert first.percent() == {"2": 50.0, "3": 5.0, "1": 45.0}
+    assert on("2", first) == on("2", before)
+    assert on("3", first) and on("3", first) <= on("1", before)
+    _feed(traffic.canaries["m"], "3", 50)
+    _feed(traffic.canaries["m"], "1", 50)
+    advanced = traffic.evaluate("m", now=31.0)
+    assert advanced is not None and advanced.kind == "advanced"
+    second = traffic.split("m", None)
+    assert second.percent() == {"2": 50.0, "3": 25.0, "1": 25.0}
+    assert on("2", second) == on("2", before) and on("3", first) < on("3", second) <= on("1", before)
+    traffic.promote("m")
+    assert on("2", traffic.split("m", None)) == on("2", before)
+    assert on("3", traffic.split("m", None)) == on("1", before)  # the baseline's callers, all of them
+    # another gateway follows the same layout
+    follower = Traffic()
+    follower.follow("m", Published.from_json(json.loads(json.dumps(traffic.published("m", "gw", 1.0).to_json()))))
+    assert follower.split("m", None) == traffic.split("m", None)
+
+
 def test_a_canary_of_a_model_with_no_split_ends_on_one_version() -> None:
     traffic = Traffic()
     traffic.start_canary("m", PLAN, now=0.0, current=None)  # all traffic was on the newest (2)

@@ -190,3 +190,35 @@ def test_status_says_so_when_no_model_is_served(make_server: Callable[..., Serve
     assert as_json.exit_code == 0 and json.loads(as_json.stdout)["data"] == []
     one = runner.invoke(main, ["models", "status", "emulated", "--url", server.url])
     assert one.exit_code == 1 and "404: model 'emulated' is not served" in one.stderr
+
+
+def test_a_canary_takes_its_callers_from_its_baseline_only(make_server: Callable[..., ServerProcess],
+                                                           tmp_path: Path) -> None:
+    """An A/B test of versions 1 and 2, then a canary of 3 against 1: 2 keeps its half of the
+    traffic and every one of its callers; the canary's callers were all 1's."""
+    repo = write_two_versions(tmp_path / "repo")
+    (repo / "emulated" / "3").mkdir()
+    (repo / "emulated" / "3" / "SHA256SUMS").write_text("")
+    server = make_server(repo)
+    keys = [f"user-{i}" for i in range(80)]
+    with httpx.Client(timeout=30) as client:
+        def callers() -> dict[str, set[str]]:
+            by_version: dict[str, set[str]] = {}
+            for key in keys:
+                version = _infer(client, server, **{"x-sluice-route-key": key}).json()["model_version"]
+                by_version.setdefault(version, set()).add(key)
+            return by_version
+
+        assert _admin(client, server, "PUT", "/traffic", traffic={"1": 50, "2": 50}).status_code == 200
+        before = callers()
+        started = _admin(client, server, "POST", "/canary", version="3", baseline="1", steps=[30],
+                         step_seconds=600, min_requests=10_000)
+        assert started.status_code == 201, started.text
+        assert [(v["version"], v["traffic_percent"]) for v in started.json()["versions"]] == \
+            [("1", 35.0), ("2", 50.0), ("3", 15.0)]
+        during = callers()
+        assert during["2"] == before["2"]
+        assert during["3"] and during["3"] <= before["1"]
+        assert _admin(client, server, "POST", "/promote").status_code == 200
+        after = callers()
+        assert after["2"] == before["2"] and after["3"] == before["1"]

@@ -13,7 +13,8 @@ user who saw version 2 at a 5% share still sees it at 25%). Versions no worker s
 skipped, their share spread over the rest.
 
 A `Canary` moves a new version through steps of its baseline's traffic (by default 5%, 25%,
-50%, then all; other versions in the split keep their shares), judging each step from the
+50%, then all; other versions in the split keep their shares and their callers: the canary's
+range is cut from the start of its baseline's), judging each step from the
 answers both versions gave in it, side by side under the same load:
 
 - *errors*: once it has `min_requests` answers, the canary is rolled back as soon as the lower
@@ -75,18 +76,25 @@ class Split:
     """Shares of a model's traffic by version: (version, weight), newest version first."""
 
     shares: tuple[tuple[str, float], ...]
+    """In the order their ranges are laid out: a sticky key keeps its version while the ranges
+    before it keep their sizes."""
     sticky: bool = True
 
     @classmethod
     def of(cls, weights: Mapping[str, float], sticky: bool = True) -> Split:
-        """From version -> weight (any positive scale, e.g. percent). Raises ValueError for a
-        negative or non-finite weight, no positive one, or weights whose sum is not finite."""
+        """From version -> weight (any positive scale, e.g. percent), newest version first. Raises
+        ValueError for a negative or non-finite weight, no positive one, or weights whose sum is not
+        finite."""
+        return cls.ordered(dict(sorted(weights.items(), key=lambda vw: version_order(vw[0]), reverse=True)), sticky)
+
+    @classmethod
+    def ordered(cls, weights: Mapping[str, float], sticky: bool = True) -> Split:
+        """As `of`, with the versions' ranges laid out in the order `weights` gives them."""
         for version, weight in weights.items():
             if not isinstance(weight, int | float) or isinstance(weight, bool) or not math.isfinite(weight) \
                     or weight < 0:
                 raise ValueError(f"version {version!r}: a weight must be a number >= 0, got {weight!r}")
-        shares = tuple((v, float(w)) for v, w in sorted(weights.items(), key=lambda vw: version_order(vw[0]),
-                                                         reverse=True) if w > 0)
+        shares = tuple((v, float(w)) for v, w in weights.items() if w > 0)
         if not shares:
             raise ValueError("at least one version needs a weight above 0")
         if not math.isfinite(sum(w for _, w in shares)):  # each finite, their sum not: every share would be 0
@@ -121,13 +129,13 @@ class Split:
 
     @classmethod
     def from_json(cls, value: object) -> Split | None:
-        """The inverse of `to_json` (None for None). Raises ValueError for anything else."""
+        """The inverse of `to_json` (None for None), in the same order. Raises ValueError for anything else."""
         if value is None:
             return None
         if not isinstance(value, dict) or not isinstance(value.get("traffic"), dict) \
                 or not isinstance(value.get("sticky"), bool):
             raise ValueError(f"not a split: {value!r}")
-        return cls.of(value["traffic"], value["sticky"])
+        return cls.ordered(value["traffic"], value["sticky"])
 
 
 def _point(key: str) -> float:
@@ -141,9 +149,9 @@ class CanaryPlan:
     version: str
     """The new version under test."""
     baseline: str
-    """The version it is compared with and rolled back to."""
+    """The version it is compared with, whose callers it takes, and rolled back to."""
     steps: tuple[float, ...] = (5.0, 25.0, 50.0)
-    """The canary's percent of the model's traffic at each step; after the last, it takes all."""
+    """The canary's percent of its baseline's traffic at each step; after the last, it takes all."""
     step_s: float = 60.0
     min_requests: int = 100
     """Canary answers (ok or failed) a step needs before it may end."""
@@ -227,6 +235,8 @@ class Canary:
 
     def __init__(self, model: str, plan: CanaryPlan, now: float, before: Split | None = None) -> None:
         plan.check()
+        if before is not None and plan.baseline not in dict(before.shares):
+            raise ValueError(f"version {plan.baseline} has no traffic for a canary to take its share from")
         self.model = model
         self.plan = plan
         self.before = before
@@ -252,15 +262,25 @@ class Canary:
 
     def _make_split(self) -> Split:
         """The split it started from, with the baseline's weight (and any the canary had) shared
-        between the two by the current step; the other versions keep theirs."""
+        between the two by the current step; the other versions keep theirs, and their places.
+        The canary's range is the start of the baseline's, so every caller it takes was the
+        baseline's, and keeps it as it grows:
+
+            before   | 2: 50            | 1: 50             |
+            step 1   | 2: 50            | 3: 5 | 1: 45      |
+            step 2   | 2: 50            | 3: 12.5 | 1: 37.5 |
+        """
         canary, baseline = self.plan.version, self.plan.baseline
-        weights = dict(self.before.shares) if self.before is not None else {}
-        pool = weights.pop(baseline, 0.0) + weights.pop(canary, 0.0)
-        if pool <= 0:  # the baseline had no traffic: the step is a share of the whole model's
-            weights, pool = {}, 100.0
-        weights[canary] = pool * self.share / 100.0
-        weights[baseline] = pool - weights[canary]
-        return Split.of({v: w for v, w in weights.items() if w > 0}, self.plan.sticky)
+        shares = self.before.shares if self.before is not None else ((baseline, 100.0),)
+        pool = sum(w for v, w in shares if v in (canary, baseline))
+        weights: dict[str, float] = {}
+        for version, weight in shares:
+            if version == baseline:
+                weights[canary] = pool * self.share / 100.0
+                weights[baseline] = pool - weights[canary]
+            elif version != canary:
+                weights[version] = weight
+        return Split.ordered({v: w for v, w in weights.items() if w > 0}, self.plan.sticky)
 
     def observe(self, version: str, outcome: str, exec_s: float) -> None:
         """An answer from `version`: its outcome (`Ticket`'s label) and, if ok, its execution time."""
@@ -534,6 +554,6 @@ def _replace(split: Split, loser: str, winner: str) -> Split | None:
         target = winner if version == loser else version
         weights[target] = weights.get(target, 0.0) + weight
     try:
-        return Split.of(weights, split.sticky)
+        return Split.ordered(weights, split.sticky)
     except ValueError:
         return None
