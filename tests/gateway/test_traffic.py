@@ -241,6 +241,13 @@ def test_a_canary_takes_its_callers_from_its_baseline_only_and_keeps_them() -> N
     assert follower.split("m", None) == traffic.split("m", None)
 
 
+def test_a_canary_whose_baseline_has_no_share_is_refused() -> None:
+    traffic = Traffic()
+    with pytest.raises(ValueError, match="version 1 has no traffic"):
+        traffic.start_canary("m", PLAN, now=0.0, current=Split.of({"2": 50, "3": 50}))
+    assert not traffic.has_canary("m") and traffic.split("m", None) is None
+
+
 def test_a_canary_of_a_model_with_no_split_ends_on_one_version() -> None:
     traffic = Traffic()
     traffic.start_canary("m", PLAN, now=0.0, current=None)  # all traffic was on the newest (2)

@@ -222,3 +222,27 @@ def test_a_canary_takes_its_callers_from_its_baseline_only(make_server: Callable
         assert _admin(client, server, "POST", "/promote").status_code == 200
         after = callers()
         assert after["2"] == before["2"] and after["3"] == before["1"]
+
+
+def test_a_canary_against_a_version_without_traffic_is_refused(make_server: Callable[..., ServerProcess],
+                                                               tmp_path: Path) -> None:
+    """Versions 1 and 2, all traffic to the newest (2): a canary of 2 against 1 would have nothing
+    to take, and would have sent 1 most of the traffic. It is refused, naming 1, until 1 has some."""
+    server = make_server(write_two_versions(tmp_path / "repo"))
+    with httpx.Client(timeout=30) as client:
+        for body in ({"version": "2", "baseline": "1"}, {"version": "2"}):
+            refused = _admin(client, server, "POST", "/canary", **body)
+            assert refused.status_code == 409 and refused.json()["error"]["param"] == "baseline", refused.text
+            assert "version 1 has no traffic" in refused.json()["error"]["message"] or \
+                "give version 1 traffic first" in refused.json()["error"]["message"]
+            assert "sluice models traffic emulated 1=100" in refused.json()["error"]["message"]
+        routing = _admin(client, server, "GET", "").json()
+        assert routing["canary"] is None and routing["split_source"] == "newest version"
+        assert {_infer(client, server).json()["model_version"] for _ in range(10)} == {"2"}
+
+    runner = CliRunner()
+    refused = runner.invoke(main, ["models", "canary", "emulated", "2", "--baseline", "1", "--url", server.url])
+    assert refused.exit_code == 1 and "409: " in refused.stderr and "version 1 has no traffic" in refused.stderr
+    assert runner.invoke(main, ["models", "traffic", "emulated", "1=100", "--url", server.url]).exit_code == 0
+    started = runner.invoke(main, ["models", "canary", "emulated", "2", "--url", server.url])
+    assert started.exit_code == 0 and "canary: version 2 against 1, running at 5%" in started.stdout, started.output

@@ -125,6 +125,7 @@ def routes(gateway: Gateway) -> list[Route]:
         if baseline is None or baseline not in ready:
             raise InvalidInput(f"model {name!r} needs a ready version other than {body.version!r} to compare "
                                "the canary with (`baseline`)", param="baseline")
+        _check_baseline_traffic(gateway, name, body.version, baseline)
         split = gateway.split(name)
         sticky = body.sticky if body.sticky is not None else (split.sticky if split is not None else True)
         default = CanaryPlan(version=body.version, baseline=baseline, sticky=sticky)
@@ -227,6 +228,20 @@ def _main_version(gateway: Gateway, name: str, exclude: str) -> str | None:
     """The version with the largest share of the model's traffic now, other than `exclude`."""
     shares = {v: share for (_, v), share in gateway.traffic_shares(name).items() if v != exclude}
     return max(shares, key=lambda v: (shares[v], version_order(v))) if shares else None
+
+
+def _check_baseline_traffic(gateway: Gateway, name: str, version: str, baseline: str) -> None:
+    """A 409 if `baseline` gets none of the model's traffic now: a canary takes its share from its baseline's."""
+    shares = gateway.traffic_shares(name)
+    if shares.get((name, baseline), 0.0) > 0:
+        return
+    instead = _main_version(gateway, name, exclude=version)
+    raise Conflict(f"cannot start a canary of model {name!r} version {version!r} against version {baseline!r}: "
+                   f"version {baseline} has no traffic for the canary to take its share from (0% of the model's "
+                   f"requests go to it); give it traffic first (`sluice models traffic {name} {baseline}=100`)"
+                   + (f", or compare with a version that has some (--baseline {instead})"
+                      if instead not in (None, baseline) and shares.get((name, instead), 0.0) > 0 else ""),
+                   param="baseline")
 
 
 def _describe(gateway: Gateway, name: str) -> dict[str, Any]:

@@ -438,8 +438,8 @@ class Traffic:
 
     def start_canary(self, model: str, plan: CanaryPlan, now: float, current: Split | None) -> Canary:
         """Start moving `model`'s traffic from `current` (its split now, None: all to the newest
-        version) to the plan's version. Raises ValueError if the plan is unusable or a canary of
-        the model already runs."""
+        version) to the plan's version. Raises ValueError if the plan is unusable, its baseline
+        has no share of `current`, or a canary of the model already runs."""
         if model in self._running:
             raise ValueError(f"a canary of version {self._running[model].plan.version} is already running")
         remote = self._remote.get(model)
