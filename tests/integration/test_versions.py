@@ -98,8 +98,6 @@ def test_an_operator_split_moves_traffic_and_rollback_undoes_it(make_server: Cal
     assert json.loads(status.output)["data"][0]["versions"][1]["traffic_percent"] == 25.0
     twice = runner.invoke(main, ["models", "traffic", "emulated", "1=50", "2=25", "1=25", "--url", server.url])
     assert twice.exit_code == 2 and "version 1 is given more than once" in twice.stderr, twice.output
-    refused = runner.invoke(main, ["models", "canary", "emulated", "9", "--url", server.url])
-    assert refused.exit_code == 1 and "400: model 'emulated' has no ready version '9'" in refused.output
 
 
 def test_a_failing_canary_is_rolled_back_on_its_own(make_server: Callable[..., ServerProcess],
@@ -246,3 +244,48 @@ def test_a_canary_against_a_version_without_traffic_is_refused(make_server: Call
     assert runner.invoke(main, ["models", "traffic", "emulated", "1=100", "--url", server.url]).exit_code == 0
     started = runner.invoke(main, ["models", "canary", "emulated", "2", "--url", server.url])
     assert started.exit_code == 0 and "canary: version 2 against 1, running at 5%" in started.stdout, started.output
+
+
+def test_a_refused_canary_says_what_was_asked_why_not_and_what_to_do(make_server: Callable[..., ServerProcess],
+                                                                     tmp_path: Path) -> None:
+    server = make_server(write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }"))
+    asked = "cannot start a canary of model 'emulated' version '2'"
+    refusals = [  # (body, status, param, what the message says)
+        ({"version": "9"}, 400, "version",
+         ["cannot start a canary of model 'emulated' version '9'", "version 9, is not served by any worker",
+          "serves 1, 2", "load it first (`sluice models load emulated`"]),
+        ({"version": "2", "baseline": "7"}, 400, "baseline",
+         [asked, "its baseline, version 7, is not served by any worker", "sluice models load emulated"]),
+        ({"version": "2", "baseline": "2"}, 400, "baseline", [f"{asked} against itself", "give another `baseline`"]),
+        ({"version": "2", "steps": [50, 5]}, 400, None, [asked, "steps must be increasing percentages"]),
+    ]
+    with httpx.Client(timeout=30) as client:
+        for body, status, param, says in refusals:
+            refused = _admin(client, server, "POST", "/canary", **body)
+            error = refused.json()["error"]
+            assert (refused.status_code, error["param"], error["type"]) == (status, param, "invalid_request_error")
+            assert all(part in error["message"] for part in says), error["message"]
+        for action in ("promote", "rollback"):  # nothing to act on
+            refused = _admin(client, server, "POST", f"/{action}")
+            assert refused.status_code == 409
+            assert refused.json()["error"]["message"].startswith(f"cannot {action} model 'emulated': it has no canary")
+        assert "sluice models canary emulated VERSION" in _admin(client, server, "POST", "/promote").json()["error"][
+            "message"]
+        assert _admin(client, server, "POST", "/canary", version="2", step_seconds=600).status_code == 201
+        again = _admin(client, server, "POST", "/canary", version="2")
+        assert again.status_code == 409 and again.json()["error"]["message"] == (
+            f"{asked}: a canary of version 2 is already running; one runs at a time: let it finish, or end it first "
+            "(`sluice models promote emulated` or `sluice models rollback emulated`)")
+
+    runner = CliRunner()  # the same refusals on the command line: exit 1, the server's message on stderr
+    for args, says in ((["canary", "emulated", "2"], f"409: {asked}: a canary of version 2 is already running"),
+                       (["rollback", "emulated"], None),
+                       (["canary", "emulated", "9"], "400: cannot start a canary of model 'emulated' version '9': "
+                                                     "the canary's version, version 9, is not served by any worker"),
+                       (["canary", "emulated", "2", "--baseline", "2"], f"400: {asked} against itself"),
+                       (["promote", "emulated"], "409: cannot promote model 'emulated': it has no canary running")):
+        answer = runner.invoke(main, ["models", *args, "--url", server.url])
+        if says is None:
+            assert answer.exit_code == 0, answer.output
+        else:
+            assert answer.exit_code == 1 and says in answer.stderr and not answer.stdout, answer.output

@@ -117,56 +117,46 @@ def routes(gateway: Gateway) -> list[Route]:
         check(request)
         name = _model(gateway, request)
         body = decode_json(await read_body(request, _BODY_LIMIT), CanaryBody)
-        ready = gateway.models().get(name, {})
-        if body.version not in ready:
-            raise InvalidInput(f"model {name!r} has no ready version {body.version!r} to send traffic to",
-                               param="version")
-        baseline = body.baseline or _main_version(gateway, name, exclude=body.version)
-        if baseline is None or baseline not in ready:
-            raise InvalidInput(f"model {name!r} needs a ready version other than {body.version!r} to compare "
-                               "the canary with (`baseline`)", param="baseline")
-        _check_baseline_traffic(gateway, name, body.version, baseline)
-        split = gateway.split(name)
-        sticky = body.sticky if body.sticky is not None else (split.sticky if split is not None else True)
-        default = CanaryPlan(version=body.version, baseline=baseline, sticky=sticky)
         try:
-            plan = replace(
-                default, steps=default.steps if body.steps is None else tuple(body.steps),
-                step_s=_given(body.step_seconds, default.step_s),
-                min_requests=_given(body.min_requests, default.min_requests),
-                max_error_rate=_given(body.max_error_rate, default.max_error_rate),
-                max_latency_ratio=_given(body.max_latency_ratio, default.max_latency_ratio))
-            plan.check()
+            gateway.traffic.check_no_canary(name)
         except ValueError as exc:
-            raise InvalidInput(str(exc)) from None
+            raise Conflict(f"{_asked(name, body.version)}: {exc}; one runs at a time: let it finish, or end it "
+                           f"first (`sluice models promote {name}` or `sluice models rollback {name}`)") from None
+        plan = _canary_plan(gateway, name, body)
         try:
-            gateway.traffic.start_canary(name, plan, gateway.now(), split)
-        except ValueError as exc:
-            raise Conflict(str(exc)) from None
+            gateway.traffic.start_canary(name, plan, gateway.now(), gateway.split(name))
+        except ValueError as exc:  # the checks above passed: the state changed meanwhile
+            raise Conflict(f"{_asked(name, plan.version)}: {exc}; look again (`sluice models status {name}`)") \
+                from None
         return await _changed(gateway, name, None, status=201)
 
-    def canary_action(action: str, act: Callable[[str], CanaryEvent | None], nothing_to_do: str) -> Endpoint:
-        """`promote` or `roll_back` on the model in the path; 409 with `nothing_to_do` if it had none.
-        A canary running on another gateway of the cluster is handed to that gateway."""
+    def canary_action(action: str, act: Callable[[str], CanaryEvent | None], why: str, hint: str) -> Endpoint:
+        """`promote` or `roll_back` on the model in the path; 409 saying `why` not and what to do
+        (`hint`, formatted with the model's `name`) if it had nothing to act on. A canary running
+        on another gateway of the cluster is handed to that gateway."""
         async def endpoint(request: Request) -> Response:
             check(request)
             name = _model(gateway, request)
             remote = gateway.traffic.remote_canary(name)
             if remote is not None and gateway.shared_traffic is not None:
                 if not await gateway.shared_traffic.command(name, action):
-                    raise Unavailable(f"the gateway running model {name!r}'s canary "
-                                      f"({(remote.canary or {}).get('owner')}) did not answer", retry_after_s=1.0)
+                    raise Unavailable(f"cannot {action} model {name!r}'s canary now: the gateway running it "
+                                      f"({(remote.canary or {}).get('owner')}) did not answer; try again shortly "
+                                      "(a canary whose gateway is gone is rolled back within seconds)",
+                                      retry_after_s=1.0)
                 return json_response(_describe(gateway, name))
             try:
                 event = act(name)
             except KeyError:
-                raise Conflict(f"model {name!r} has {nothing_to_do}") from None
+                raise Conflict(f"cannot {action} model {name!r}: {why}; {hint.format(name=name)}") from None
             return await _changed(gateway, name, event)
         return endpoint
 
-    promote = canary_action("promote", gateway.traffic.promote, "no canary running")
-    rollback = canary_action("rollback", gateway.traffic.roll_back, "no canary running, no promoted canary to "
-                             "give back and no operator's change of its split to undo")
+    promote = canary_action("promote", gateway.traffic.promote, "it has no canary running to promote",
+                            "start one with `sluice models canary {name} VERSION` (POST /admin/models/{name}/canary)")
+    rollback = canary_action("rollback", gateway.traffic.roll_back,
+                             "it has no canary running, no promoted canary to give back and no operator's change "
+                             "of its split to undo", "`sluice models status {name}` shows where its traffic goes")
 
     prefix = "/admin/models/{name}"
     return [
@@ -216,32 +206,77 @@ def _named_twice(body: bytes) -> list[str]:
     return traffic.repeated if isinstance(traffic, _Object) else []
 
 
+def _asked(name: str, version: str) -> str:
+    return f"cannot start a canary of model {name!r} version {version!r}"
+
+
+def _canary_plan(gateway: Gateway, name: str, body: CanaryBody) -> CanaryPlan:
+    """The plan `body` asks for; a 400 (what it asks is wrong) or 409 (not now) saying what was
+    asked, why it cannot be done, and what to do."""
+    asked = _asked(name, body.version)
+    _check_canary_version(gateway, name, body.version, asked, "version")
+    shares = {v: share for (_, v), share in gateway.traffic_shares(name).items() if share > 0}
+    others = sorted((v for v in shares if v != body.version), key=lambda v: (shares[v], version_order(v)),
+                    reverse=True)
+    baseline = body.baseline
+    if baseline is None:
+        if not others:
+            candidates = [v for v in _sorted(gateway.models().get(name, {})) if v != body.version]
+            which = candidates[0] if len(candidates) == 1 else "VERSION"
+            raise Conflict(f"{asked}: no other version has traffic for it to take (all of the model's requests go "
+                           f"to version {body.version}); a canary takes its share from its baseline's: give "
+                           f"{'the version to compare it with' if which == 'VERSION' else f'version {which}'} "
+                           f"traffic first (`sluice models traffic {name} {which}=100`), then start the canary",
+                           param="baseline")
+        baseline = others[0]
+    elif baseline == body.version:
+        raise InvalidInput(f"{asked} against itself: a canary is compared with another version; give another "
+                           "`baseline` (--baseline), or none for the version with the most traffic", param="baseline")
+    _check_canary_version(gateway, name, baseline, asked, "baseline")
+    if baseline not in shares:
+        instead = [v for v in others if v != baseline]
+        raise Conflict(f"{asked} against version {baseline!r}: version {baseline} has no traffic for the canary to "
+                       f"take its share from (0% of the model's requests go to it); give it traffic first "
+                       f"(`sluice models traffic {name} {baseline}=100`)"
+                       + (f", or compare with a version that has some (--baseline {instead[0]})" if instead else ""),
+                       param="baseline")
+    split = gateway.split(name)
+    sticky = body.sticky if body.sticky is not None else (split.sticky if split is not None else True)
+    default = CanaryPlan(version=body.version, baseline=baseline, sticky=sticky)
+    try:
+        plan = replace(
+            default, steps=default.steps if body.steps is None else tuple(body.steps),
+            step_s=_given(body.step_seconds, default.step_s),
+            min_requests=_given(body.min_requests, default.min_requests),
+            max_error_rate=_given(body.max_error_rate, default.max_error_rate),
+            max_latency_ratio=_given(body.max_latency_ratio, default.max_latency_ratio))
+        plan.check()
+    except ValueError as exc:
+        raise InvalidInput(f"{asked}: {exc}") from None
+    return plan
+
+
+def _check_canary_version(gateway: Gateway, name: str, version: str, asked: str, param: str) -> None:
+    """A 400 if no worker serves `version` of `name` (the canary's, or its baseline), a 409 if it
+    is not ready yet."""
+    role = "the canary's version" if param == "version" else "its baseline"
+    served = gateway.models(include_recovering=True).get(name, {})
+    if version not in served and (name, version) not in gateway.loading_versions():
+        raise InvalidInput(f"{asked}: {role}, version {version}, is not served by any worker (model {name!r} "
+                           f"serves {', '.join(_sorted(served))}); put it in the model's folder of the repository "
+                           f"and load it first (`sluice models load {name}`, or POST "
+                           f"/v2/repository/models/{name}/load)", param=param)
+    if version not in gateway.models().get(name, {}):
+        raise Conflict(f"{asked}: {role}, version {version}, is not ready yet (a worker is loading or restarting "
+                       f"it); start the canary once `sluice models status {name}` shows it ready", param=param)
+
+
 def _given(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
 def _sorted(versions: Any) -> list[str]:
     return sorted(versions, key=version_order)
-
-
-def _main_version(gateway: Gateway, name: str, exclude: str) -> str | None:
-    """The version with the largest share of the model's traffic now, other than `exclude`."""
-    shares = {v: share for (_, v), share in gateway.traffic_shares(name).items() if v != exclude}
-    return max(shares, key=lambda v: (shares[v], version_order(v))) if shares else None
-
-
-def _check_baseline_traffic(gateway: Gateway, name: str, version: str, baseline: str) -> None:
-    """A 409 if `baseline` gets none of the model's traffic now: a canary takes its share from its baseline's."""
-    shares = gateway.traffic_shares(name)
-    if shares.get((name, baseline), 0.0) > 0:
-        return
-    instead = _main_version(gateway, name, exclude=version)
-    raise Conflict(f"cannot start a canary of model {name!r} version {version!r} against version {baseline!r}: "
-                   f"version {baseline} has no traffic for the canary to take its share from (0% of the model's "
-                   f"requests go to it); give it traffic first (`sluice models traffic {name} {baseline}=100`)"
-                   + (f", or compare with a version that has some (--baseline {instead})"
-                      if instead not in (None, baseline) and shares.get((name, instead), 0.0) > 0 else ""),
-                   param="baseline")
 
 
 def _describe(gateway: Gateway, name: str) -> dict[str, Any]:

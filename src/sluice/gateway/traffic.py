@@ -440,17 +440,21 @@ class Traffic:
         """Start moving `model`'s traffic from `current` (its split now, None: all to the newest
         version) to the plan's version. Raises ValueError if the plan is unusable, its baseline
         has no share of `current`, or a canary of the model already runs."""
+        self.check_no_canary(model)
+        canary = Canary(model, plan, now, current)
+        self.canaries[model] = self._running[model] = canary
+        self._undo.pop(model, None)  # the canary's outcome, not an operator's change, is what comes next
+        self._next_evaluation[model] = now + _EVALUATE_EVERY_S
+        return canary
+
+    def check_no_canary(self, model: str) -> None:
+        """Raise ValueError, saying which, if a canary of `model` runs (here or on another gateway)."""
         if model in self._running:
             raise ValueError(f"a canary of version {self._running[model].plan.version} is already running")
         remote = self._remote.get(model)
         if remote is not None and remote.canary is not None:
             raise ValueError(f"a canary of version {remote.canary.get('version')} is already running on gateway "
                              f"{remote.canary.get('owner')}")
-        canary = Canary(model, plan, now, current)
-        self.canaries[model] = self._running[model] = canary
-        self._undo.pop(model, None)  # the canary's outcome, not an operator's change, is what comes next
-        self._next_evaluation[model] = now + _EVALUATE_EVERY_S
-        return canary
 
     def promote(self, model: str) -> CanaryEvent:
         """Give the running canary the baseline's traffic now. Raises KeyError if none runs."""
