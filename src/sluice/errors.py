@@ -18,6 +18,7 @@
      │    └── BudgetExhausted    its device-second budget is spent (do not retry)
      ├── Unavailable             the service cannot take this request now        -> 503
      │    ├── ModelNotReady      no ready replica serves the model
+     │    ├── ModelVersionUnavailable no version of the model's traffic split is served
      │    ├── Overloaded         queued work would make it miss its deadline
      │    └── WorkerLost         the worker died while the request was running
      └── DeadlineExceeded        the deadline passed before the result was ready -> 504
@@ -130,6 +131,13 @@ class Unavailable(SluiceError):
 
 class ModelNotReady(Unavailable):
     """The model exists but no ready worker serves it."""
+
+
+class ModelVersionUnavailable(Unavailable):
+    """A request names no version, and none of the versions its model's traffic split names is
+    served: it is refused rather than sent to a version the split does not name. Without a
+    `retry_after_s` (no version of the split is being loaded) a retry does not help until an
+    operator changes the split or loads a version (answered with `x-should-retry: false`)."""
 
 
 class Overloaded(Unavailable):

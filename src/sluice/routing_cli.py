@@ -106,6 +106,8 @@ def describe(model: dict[str, Any]) -> str:
     for version in model["versions"]:
         state = "ready" if version["ready"] else "not ready"
         lines.append(f"  version {version['version']:>4}  {version['traffic_percent']:6.2f}%  {state}")
+    if model["versions"] and not any(version["traffic_percent"] for version in model["versions"]):
+        lines.append("  none of the versions its split names is served: requests that name no version are refused")
     canary = model.get("canary")
     if canary:
         lines.append(f"  canary: version {canary['version']} against {canary['baseline']}, {canary['status']}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -289,3 +290,43 @@ def test_a_refused_canary_says_what_was_asked_why_not_and_what_to_do(make_server
             assert answer.exit_code == 0, answer.output
         else:
             assert answer.exit_code == 1 and says in answer.stderr and not answer.stdout, answer.output
+
+
+def test_a_split_none_of_whose_versions_is_served_refuses_unversioned_requests(
+        make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    """A split that names only versions no worker serves (here: version 1, taken out of the
+    repository) is answered 503 `model_version_unavailable`, saying how to mend it, rather than
+    sent to a version the split does not name. Requests that name a version are served."""
+    repo = write_two_versions(tmp_path / "repo", routing="traffic = { 1 = 100 }")
+    server = make_server(repo)
+    runner = CliRunner()
+    assert runner.invoke(main, ["models", "traffic", "emulated", "1=100", "--url", server.url]).exit_code == 0
+    shutil.rmtree(repo / "emulated" / "1")
+    loaded = runner.invoke(main, ["models", "load", "emulated", "--url", server.url])
+    assert loaded.exit_code == 0 and "serving version 2" in loaded.stdout, loaded.output
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")  # it would retry a 503 without being told
+    with httpx.Client(timeout=30) as client:
+        refused = _infer(client, server)
+        assert refused.status_code == 503 and "x-sluice-model-version" not in refused.headers
+        message = refused.json()["error"]
+        assert message.startswith("model 'emulated' serves none of the versions its traffic split names (the split "
+                                  "set by an operator: version 1; it serves 2)"), message
+        assert "sluice models traffic emulated 2=100" in message and "sluice models traffic emulated --reset" in message
+        with pytest.raises(openai.APIStatusError) as raised:
+            sdk.embeddings.create(model="emulated", input=["no version named"])
+        assert raised.value.status_code == 503 and raised.value.code == "model_version_unavailable"
+        assert raised.value.response.headers["x-should-retry"] == "false"
+        assert _infer(client, server, "/v2/models/emulated/versions/2/infer").status_code == 200
+        assert sdk.embeddings.create(model="emulated:2", input=["version named"]).model == "emulated"
+        routing = _admin(client, server, "GET", "").json()
+        assert [(v["version"], v["traffic_percent"]) for v in routing["versions"]] == [("2", 0.0)]
+        assert metric_total(server, "sluice_traffic_share", model="emulated", version="2") == 0.0
+        status = runner.invoke(main, ["models", "status", "emulated", "--url", server.url])
+        assert "none of the versions its split names is served" in status.stdout
+
+        # back to model.toml's split: it names version 1 too
+        assert runner.invoke(main, ["models", "traffic", "emulated", "--reset", "--url", server.url]).exit_code == 0
+        declared = _infer(client, server)
+        assert declared.status_code == 503 and "declared in its model.toml [routing]" in declared.json()["error"]
+        assert runner.invoke(main, ["models", "traffic", "emulated", "2=100", "--url", server.url]).exit_code == 0
+        assert _infer(client, server).json()["model_version"] == "2"

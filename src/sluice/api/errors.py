@@ -29,6 +29,7 @@ from sluice.errors import (
     ModelNotPermitted,
     ModelNotReady,
     ModelRefused,
+    ModelVersionUnavailable,
     NotFound,
     NotSupported,
     Overloaded,
@@ -71,6 +72,7 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (NotFound, Status(404, "invalid_request_error", "not_found")),
     (Overloaded, Status(503, "server_overloaded", "overloaded")),
     (ModelNotReady, Status(503, "server_error", "model_not_ready")),
+    (ModelVersionUnavailable, Status(503, "server_error", "model_version_unavailable")),
     (WorkerLost, Status(503, "server_error", "worker_lost")),
     (Unavailable, Status(503, "server_error", "unavailable")),
     (DeadlineExceeded, Status(504, "timeout", "deadline_exceeded")),
@@ -141,8 +143,9 @@ def error_headers(error: Exception) -> dict[str, str]:
     headers = {**error.headers, LIMIT_HEADER: error.limit} if isinstance(error, RateLimited) else {}
     if isinstance(error, Overloaded):
         headers[LIMIT_HEADER] = CAPACITY_LIMIT
-    if isinstance(error, DeadlineUnreachable):
-        headers["x-should-retry"] = "false"  # the openai SDK would retry a 504 twice, in vain
+    if isinstance(error, DeadlineUnreachable) or (isinstance(error, ModelVersionUnavailable)
+                                                  and error.retry_after_s is None):
+        headers["x-should-retry"] = "false"  # the openai SDK would retry a 504 (or 503) twice, in vain
     if isinstance(error, SluiceError) and error.model_version is not None:
         headers["x-sluice-model-version"] = error.model_version  # which version failed (a canary's?)
     retry_after_s = getattr(error, "retry_after_s", None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from sluice import wire
 from sluice.clock import Clock
-from sluice.errors import ModelNotFound, ModelNotReady, ModelRefused, Unavailable
+from sluice.errors import ModelNotFound, ModelNotReady, ModelRefused, ModelVersionUnavailable, Unavailable
 from sluice.gateway.connection import WorkerConnection
 from sluice.gateway.model_index import ModelIndex, versions_of
 from sluice.gateway.tenancy import Tenancy
@@ -230,7 +230,8 @@ class ModelCatalog:
     def resolve(self, name: str, version: str | None, route_key: str | None = None, *,
                 by_split: bool = True, on_demand: bool = True, tenant: str | None = None) -> wire.ModelInfo:
         """The model version a request goes to: the one it names, else the one the model's traffic
-        split gives its `route_key` (`gateway.traffic`), else the newest (also without `by_split`).
+        split gives its `route_key` (`gateway.traffic`; a 503 if the split names no served version),
+        else (no split, or without `by_split`) the newest.
         One that a worker loads on demand and none serves is loaded now (`on_demand`; not for a
         readiness check), and the request answered 503 with when to try again. With `tenant`,
         the tenant's permission for `name` comes first: a model it may not use is its 403, not a
@@ -240,9 +241,12 @@ class ModelCatalog:
         versions = self.models(include_recovering=True).get(name)
         if versions and version is None:
             split = self.split(name) if by_split else None
-            chosen = None if split is None else split.choose(
-                versions, None if route_key is None else f"{name}\0{route_key}", self._rng)
-            return versions[chosen or max(versions, key=version_order)]
+            if split is None:
+                return versions[max(versions, key=version_order)]
+            chosen = split.choose(versions, None if route_key is None else f"{name}\0{route_key}", self._rng)
+            if chosen is None:
+                raise self._split_unserved(name, split, versions)
+            return versions[chosen]
         if versions and version in versions:
             return versions[version]
         if any(model == name and version in (None, v) for model, v in self.indexed().loading):
@@ -275,6 +279,31 @@ class ModelCatalog:
             raise being_loaded
         raise ModelNotFound(f"model {name!r} has no version {version!r}")
 
+    def _split_unserved(self, name: str, split: Split, served: dict[str, wire.ModelInfo]) -> ModelVersionUnavailable:
+        """The 503 for a request that names no version when no version of `name`'s split is served:
+        which split, who set it, and how to mend it (or when to try again, if one is loading)."""
+        named = [version for version, _ in split.shares]
+        source = self._traffic.source(name)
+        who = {None: "declared in its model.toml [routing]", "operator": "set by an operator",
+               "canary": "of its running canary", "canary result": "left by its last canary",
+               "rollback": "left by a rollback"}.get(source, f"set by {source}")
+        newest = max(served, key=version_order)
+        message = (f"model {name!r} serves none of the versions its traffic split names (the split {who}: "
+                   f"version{'s' if len(named) > 1 else ''} {', '.join(named)}; it serves "
+                   f"{', '.join(sorted(served, key=version_order))}), so a request that names no version is refused")
+        loading = sorted((v for n, v in self.indexed().loading if n == name and v in named), key=version_order)
+        if loading:
+            return ModelVersionUnavailable(f"{message} until version {loading[0]} is loaded; try again shortly",
+                                           retry_after_s=1.0)
+        if source is None:
+            fix = (f"name a served version in model.toml's [routing] and reload it (`sluice models load {name}`), "
+                   f"set a split (`sluice models traffic {name} {newest}=100`)")
+        else:
+            fix = (f"set a split of served versions (`sluice models traffic {name} {newest}=100`), go back to the "
+                   f"model's declared one (`sluice models traffic {name} --reset`)")
+        return ModelVersionUnavailable(f"{message}: {fix}, or load one of its versions again; a request may also "
+                                       f"name its version (`{name}:{newest}`, /v2/models/{name}/versions/{newest})")
+
     @property
     def expected_models(self) -> set[str]:
         """The models of `expected_versions`."""
@@ -290,17 +319,17 @@ class ModelCatalog:
 
     def traffic_shares(self, name: str | None = None) -> dict[tuple[str, str], float]:
         """(model, version) -> the share (0-1) of the model's unversioned requests it gets now, for
-        every served version of every model (or of `name`): as `resolve` draws them."""
+        every served version of every model (or of `name`): as `resolve` draws them (all 0 when
+        `resolve` refuses them: no version of the model's split is served)."""
         shares: dict[tuple[str, str], float] = {}
         for model, versions in self.models(include_recovering=True).items():
             if name is not None and model != name:
                 continue
             split = self.split(model)
-            live = [] if split is None else split.live(versions)
-            weights = dict(live) if live else {max(versions, key=version_order): 1.0}
-            total = sum(weights.values())
+            weights = {max(versions, key=version_order): 1.0} if split is None else dict(split.live(versions))
+            total = sum(weights.values())  # 0: no version of the split is served, every request refused
             for version in versions:
-                shares[(model, version)] = weights.get(version, 0.0) / total
+                shares[(model, version)] = weights.get(version, 0.0) / total if total else 0.0
         return shares
 
     def loading_models(self) -> set[str]:
