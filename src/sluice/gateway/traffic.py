@@ -73,7 +73,8 @@ def version_order(version: str) -> tuple[int, str]:
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """Shares of a model's traffic by version: (version, weight), newest version first."""
+    """Shares of a model's traffic by version: (version, weight), newest version first (`of`) or
+    in the order a canary left them (`ordered`: its range cut from its baseline's)."""
 
     shares: tuple[tuple[str, float], ...]
     """In the order their ranges are laid out: a sticky key keeps its version while the ranges
