@@ -473,6 +473,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_model_len: int = 0
     """Generative models: prompt + output tokens it can hold; embedding models: the tokens it keeps
     of an input (0: not known). For checks at the API, and a bound on what a request can use."""
+    max_batch_cost: int = 0
+    """One-shot models: the padded cost (items x longest item's tokens or elements) a batch may hold,
+    as the worker's batcher forms them (`BatchingConfig.max_batch_cost`); 0: not known, batches are
+    bounded by `max_batch_size` alone. How many batches a request needs (`admission.num_batches`)."""
     vocab_size: int = 0
     """Token ids must be below this (0: not known)."""
     accepts_token_ids: bool = False

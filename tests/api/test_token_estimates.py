@@ -4,8 +4,8 @@ tokenizer has seen it: a bound on its tokens, so that concurrent requests cannot
 from __future__ import annotations
 
 from sluice import wire
-from sluice.api.common import estimate_text_tokens
 from sluice.api.completion_params import estimate_tokens
+from sluice.gateway.admission import estimate_text_tokens
 
 
 def test_a_text_reserves_a_token_per_byte_which_no_tokenizer_exceeds():

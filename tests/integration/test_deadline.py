@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 
-from tests.conftest import metric_total
+from tests.conftest import free_port, metric_total, write_emulated_model
 
 BODY = {"inputs": [{"name": "INPUT0", "shape": [2, 8], "datatype": "FP32", "data": [1.0] * 16}]}
 # Longer than the worker's state interval, so the gateway sees an idle device again: it counts
@@ -83,3 +89,54 @@ def test_metrics_say_whose_deadline_a_504_missed(make_server, emulated_repo):
     refused = metric_total(server, "sluice_tenant_rejected_total")
     assert admitted + refused == 2
     assert admitted >= 1  # the second: sent on to the worker, which found its SLO too short
+
+
+WORDS = 512
+"""Words of each text (the emulated model's cost of a text) and values of each row: 32 of them
+fill one batch by count (32) but two by cost (8,192 a batch), each batch 8 + 0.5 * 8192 / 16 =
+264 ms, under the model's SLO of 300 ms; both batches are over it."""
+
+
+def test_a_request_of_many_batches_by_its_cost_gets_the_slo_for_each_and_is_still_shed_when_busy(
+        tmp_path: Path, make_server) -> None:
+    repo = write_emulated_model(tmp_path / "models", slo_ms=300, alpha_ms=8.0, beta_ms=0.5)
+    grpc_port = free_port()
+    server = make_server(repo, "--grpc-port", str(grpc_port))
+    no_cache = {"Cache-Control": "no-store"}
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, default_headers=no_cache)
+    grpc_client = triton.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    texts = [f"{i} " + "w " * (WORDS - 1) for i in range(32)]
+    answer = sdk.embeddings.create(model="emulated", input=texts)
+    assert len(answer.data) == 32
+    with httpx.Client(base_url=server.url, timeout=30, headers=no_cache) as http:
+        ok = http.post("/v2/models/emulated/infer", json=_rows_body(32, WORDS))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["outputs"][0]["data"] == [float(WORDS)] * 32
+        tensor = triton.InferInput("INPUT0", [32, WORDS], "FP32")
+        tensor.set_data_from_numpy(np.ones((32, WORDS), np.float32))
+        by_grpc = grpc_client.infer("emulated", [tensor], headers={"cache-control": "no-store"})
+        assert by_grpc.as_numpy("OUTPUT0").tolist() == [float(WORDS)] * 32
+
+        # 20 batches (5.3 s) ahead: a request of two more cannot finish within its two SLOs, and
+        # is refused at once on each route, not queued to expire
+        busy = threading.Thread(target=lambda: http.post("/v2/models/emulated/infer", json=_rows_body(320, WORDS)))
+        busy.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        refused = http.post("/v2/models/emulated/infer", json=_rows_body(32, WORDS, 2.0))
+        assert refused.status_code == 503, refused.text
+        assert "deadline" in refused.json()["error"] and int(refused.headers["retry-after"]) >= 1
+        with pytest.raises(openai.InternalServerError) as shed:
+            sdk.embeddings.create(model="emulated", input=[f"busy {text}" for text in texts])
+        assert shed.value.status_code == 503
+        with pytest.raises(InferenceServerException) as shed_grpc:
+            grpc_client.infer("emulated", [tensor], headers={"cache-control": "no-store"})
+        assert shed_grpc.value.status() == "StatusCode.UNAVAILABLE"
+        assert time.monotonic() - started < 2.0
+        busy.join()
+    grpc_client.close()
+
+
+def _rows_body(num_rows: int, length: int, value: float = 1.0) -> dict[str, object]:
+    return {"inputs": [{"name": "INPUT0", "shape": [num_rows, length], "datatype": "FP32",
+                        "data": [value] * num_rows * length}]}

@@ -334,24 +334,6 @@ def token_ids(ids: list[Any], param: str, limit: int) -> list[int]:
     return list(ids)
 
 
-TEXT_SPECIAL_TOKENS = 4
-"""Tokens a tokenizer may add to a text besides its bytes' (begin and end markers, a leading space's)."""
-
-
-def estimate_text_tokens(texts: list[str], max_tokens_per_text: int = 0) -> float:
-    """A bound on a text's tokens before the model's tokenizer has seen it, reserved against the
-    tenant's tokens-per-minute limit and settled with the real count afterwards: a token per UTF-8
-    byte plus a few special tokens, since no tokenizer makes more than one token of a byte
-    (byte-level BPE, WordPiece, SentencePiece with byte fallback). A guess per characters would not
-    bound it: digits, punctuation, emoji or CJK text take a token per character or byte, so
-    concurrent requests admitted on a guess could overshoot the limit many times over.
-    `max_tokens_per_text`: what the model keeps of each text (an embedding model truncates its
-    inputs), 0: no bound."""
-    bound = max_tokens_per_text if max_tokens_per_text > 0 else math.inf
-    return float(sum(min((len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
-                         + TEXT_SPECIAL_TOKENS, bound) for text in texts))
-
-
 def likely_text_tokens(texts: list[str], max_tokens_per_text: int = 0) -> float:
     """A guess at a text's tokens (a token per three characters, where English averages four, plus
     two special tokens), which decides whether a request is too large for its tenant's limit at

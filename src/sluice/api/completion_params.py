@@ -19,9 +19,10 @@ from typing import Any
 import msgspec
 
 from sluice import wire
-from sluice.api.common import estimate_text_tokens, likely_text_tokens, texts_or_token_ids, token_ids
+from sluice.api.common import likely_text_tokens, texts_or_token_ids, token_ids
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan, tool_terms
 from sluice.errors import InvalidInput
+from sluice.gateway.admission import estimate_text_tokens
 
 __all__ = ["ChatMessageIn", "ChatRequest", "CompletionRequest", "cache_salt_of", "chat_echo", "check_metadata",
            "estimate_tokens",

@@ -31,7 +31,6 @@ from sluice.api.common import (
     arrival,
     caller,
     check_texts,
-    estimate_text_tokens,
     header_timeout_s,
     is_traced,
     json_response,
@@ -59,6 +58,7 @@ from sluice.api.tensors import (
 )
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
+from sluice.gateway.admission import TEXT_SPECIAL_TOKENS, batches_for, estimate_text_tokens, num_batches
 from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
 
@@ -111,8 +111,9 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             raw = body if header_length is None else b"%d\0%b" % (header_length, body)
             key = gateway.cache_key(info, raw, early)
             first = _Screened(arrived_at, info, header_timeout, header_length, early, key)
-        if b'"timeout"' not in body:  # the deadline is known before parsing
-            gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early, first.key)
+        if b'"timeout"' not in body:  # the deadline is known before parsing, or bounded by the body's size
+            gateway.shed_if_overloaded(first.info, first.header_timeout, first.arrived_at, first.early, first.key,
+                                       _most_batches(first.info, body, first.header_length))
         return first
 
     async def infer(request: Request, body: bytes, first: _Screened | None) -> Response:
@@ -128,11 +129,10 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             classes = class_counts(info, _classifications(parsed))
         who = caller(request, terms.priority, terms.tokens, is_traced=is_traced(gateway, info),
                      cache=screened.early.cache, likely_tokens=terms.likely_tokens)
-        timeout_s = terms.timeout_s
-        if timeout_s is None:
-            timeout_s = screened.header_timeout
-        else:  # the body's deadline, known now
-            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, screened.key)
+        timeout_s = screened.header_timeout if terms.timeout_s is None else terms.timeout_s
+        if terms.timeout_s is not None or b'"timeout"' in body or (timeout_s is None and _most_batches(
+                info, body, screened.header_length) > 1):  # the body's deadline, or its batches' default, known now
+            gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, screened.key, num_batches(info, terms.payload))
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who,
                                      key=screened.key)
         return _render(info, parsed, result.payload, binary_outputs, classes, result.headers)
@@ -180,6 +180,19 @@ class _Screened:
     """Who asks, as known before the body is parsed (its class from headers only)."""
     key: bytes | None
     """The result-cache key, from the body as sent (`cache.cache_key`); None: not cached."""
+
+
+def _most_batches(info: wire.ModelInfo, body: bytes, header_length: int | None) -> int:
+    """The most batches (`admission.num_batches`) a request of this body could need, for the overload
+    check made before the body is parsed: its default deadline is the SLO for each batch it needs,
+    so that check must not take a large request for one of a batch. Counted by bounds that need no
+    parsing: every JSON element but an array's last is followed by a comma, a binary element takes
+    a byte at least, and a text costs at most a token per byte and its special tokens."""
+    if info.kind in GENERATIVE_KINDS:
+        return 1  # its deadline is one generation's
+    header = body if header_length is None else body[:header_length]
+    num_elements = header.count(b",") + header.count(b"[") + (len(body) - len(header))
+    return batches_for(info, num_elements, len(body) + TEXT_SPECIAL_TOKENS * num_elements)
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,7 @@ from sluice.api.triton import (
 )
 from sluice.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, NotSupported, SluiceError, Unavailable
 from sluice.gateway import Caller, Gateway
+from sluice.gateway.admission import num_batches
 from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
 
@@ -444,7 +445,7 @@ class KServeGrpc:
         who = self._caller(call, tenant, terms.priority, terms.tokens, terms.likely_tokens,
                            is_traced=info.kind in CALLING_KINDS)
         key = gateway.cache_key(info, terms.payload, who)
-        gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key)
+        gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key, num_batches(info, terms.payload))
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
         names = [o.name for o in request.outputs] or None
         return _response(info, request.id, result.payload, names, classes), result.headers or {}

@@ -28,7 +28,6 @@ from sluice.api.common import (
     caller,
     check_texts,
     decode_json,
-    estimate_text_tokens,
     header_timeout_s,
     is_traced,
     json_response,
@@ -43,6 +42,7 @@ from sluice.api.common import (
 from sluice.api.completion_params import TOKEN_ID_LIMIT
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
+from sluice.gateway.admission import estimate_text_tokens, num_batches
 
 MAX_DIMENSIONS = 65_536
 _STARTED = int(time.time())
@@ -102,7 +102,8 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             who = caller(request, priority, num_tokens, is_traced=is_traced(gateway, info),
                          likely_tokens=likely_tokens)
             first = _Screened(arrived_at, timeout_s, parsed, info, who, payload, gateway.cache_key(info, payload, who))
-        gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who, first.key)
+        gateway.shed_if_overloaded(first.info, first.timeout_s, first.arrived_at, first.who, first.key,
+                                   num_batches(first.info, first.payload))
         return first
 
     async def embeddings(request: Request, body: bytes, first: _Screened | None) -> Response:

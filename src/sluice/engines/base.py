@@ -152,6 +152,7 @@ def rows_model_info(version: ModelVersion) -> wire.ModelInfo:
         inputs=(wire.TensorSpec("INPUT0", "FP32", (-1, -1)),),
         outputs=(wire.TensorSpec("OUTPUT0", "FP32", (-1,)),),
         max_batch_size=version.batching.max_batch_size,
+        max_batch_cost=version.batching.max_batch_cost,
         slo_s=version.slo_s,
         accepts_text=True,
         accepts_tensor=True,

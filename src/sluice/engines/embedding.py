@@ -97,6 +97,7 @@ class EmbeddingRunner:
             inputs=(wire.TensorSpec("text", "BYTES", (-1,)),),
             outputs=(wire.TensorSpec("embedding", "FP32", (-1, self.dims)),),
             max_batch_size=version.batching.max_batch_size,
+            max_batch_cost=version.batching.max_batch_cost,
             slo_s=version.slo_s,
             accepts_text=True,
             accepts_tensor=False,

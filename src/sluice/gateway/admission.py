@@ -86,18 +86,20 @@ class Admission:
                 and self._cache.local is not None and key in self._cache.local)
 
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
-                           caller: Caller | None = None, key: bytes | None = None) -> None:
+                           caller: Caller | None = None, key: bytes | None = None,
+                           default_s: float | None = None) -> None:
         """Refuse now, before the body is parsed, when every ready replica already reports more
         work ahead of this tenant's class than the request's deadline allows: under overload the
         excess costs the gateway as little as possible and gets its answer at once. A request
         whose cache `key` (`Gateway.cache_key`) this gateway holds an answer for is not refused:
-        it needs no device."""
+        it needs no device. `default_s`: the deadline without a `timeout_s`, as `admit` will set
+        it (default: the model's SLO, one batch's)."""
         caller = caller or LOCAL_CALLER
         allowed = self._tenancy.tenant(caller.tenant)
         self._tenancy.authorize(allowed, info.name)  # a 403 is the answer, not a 503
         if self._holds_answer(key, caller.cache):
             return
-        deadline = arrived_at + (timeout_s if timeout_s is not None else info.slo_s)
+        deadline = arrived_at + (timeout_s if timeout_s is not None else default_s or info.slo_s)
         now = self._clock.now()
         tenant, priority = allowed.name, effective_priority(allowed.priority, caller.priority)
         if now >= deadline:
@@ -243,8 +245,60 @@ def predicted_wait_s(state: wire.WorkerState, tenant: str, priority: Priority,
     return state.work_ahead_s if newcomer is None else newcomer
 
 
-def default_timeout_s(info: wire.ModelInfo, payload: wire.Payload) -> float:
+TEXT_SPECIAL_TOKENS = 4
+"""Tokens a tokenizer may add to a text besides its bytes' (begin and end markers, a leading space's)."""
+
+
+def estimate_text_tokens(texts: list[str], max_tokens_per_text: int = 0) -> float:
+    """A bound on a text's tokens before the model's tokenizer has seen it, reserved against the
+    tenant's tokens-per-minute limit and settled with the real count afterwards: a token per UTF-8
+    byte plus a few special tokens, since no tokenizer makes more than one token of a byte
+    (byte-level BPE, WordPiece, SentencePiece with byte fallback). A guess per characters would not
+    bound it: digits, punctuation, emoji or CJK text take a token per character or byte, so
+    concurrent requests admitted on a guess could overshoot the limit many times over.
+    `max_tokens_per_text`: what the model keeps of each text (an embedding model truncates its
+    inputs), 0: no bound."""
+    bound = max_tokens_per_text if max_tokens_per_text > 0 else math.inf
+    return float(sum(min((len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
+                         + TEXT_SPECIAL_TOKENS, bound) for text in texts))
+
+
+def request_cost(info: wire.ModelInfo, payload: wire.Payload) -> float:
+    """The cost its items add up to, in the units of the worker's batcher (tokens, or a row's
+    elements), as far as the gateway can tell before a worker has seen them: a text's token bound
+    (`estimate_text_tokens`, within what the model keeps of it), a token-id list's length, a row's
+    elements. Padding only adds to a batch's cost; a text's bound may take more than its tokens (a
+    token per byte), which errs toward a longer default deadline rather than a 504 for a request
+    that would have fit."""
+    if isinstance(payload, wire.TextPayload):
+        return estimate_text_tokens(payload.texts, info.max_model_len)
+    if isinstance(payload, wire.TokensPayload):
+        return float(sum(len(ids) for ids in payload.token_ids))
+    if isinstance(payload, wire.TensorPayload):
+        return float(wire.num_items(payload) * max(1, math.prod(payload.shape[1:])))
+    if isinstance(payload, wire.TensorsPayload):
+        per_item = max((math.prod(t.shape[1:]) for t in payload.tensors), default=1)
+        return float(wire.num_items(payload) * max(1, per_item))
+    return 0.0
+
+
+def num_batches(info: wire.ModelInfo, payload: wire.Payload) -> int:
+    """The batches a request needs at least: its items at the model's max batch size, or its cost
+    (`request_cost`) at its max batch cost, whichever needs more. 32 texts of 256 tokens fill one
+    batch of minilm's 32 by count, and two by its cost of 4,096 tokens a batch."""
+    return batches_for(info, wire.num_items(payload), request_cost(info, payload))
+
+
+def batches_for(info: wire.ModelInfo, num_items: float, cost: float) -> int:
+    """`num_batches` of a request of `num_items` items costing `cost` in all (bounds give a bound)."""
+    by_items = math.ceil(num_items / max(info.max_batch_size, 1))
+    by_cost = math.ceil(cost / info.max_batch_cost) if info.max_batch_cost > 0 else 1
+    return max(1, by_items, by_cost)
+
+
+def default_timeout_s(info: wire.ModelInfo, num_batches: int) -> float:
     """A request's deadline when its client sets none: the model's SLO (the latency of one batch's
-    worth) for each batch its items fill at the model's max batch size. One text gets the SLO;
-    2,048 texts, which no device runs in one batch's time, get 64 of them instead of a 504."""
-    return info.slo_s * max(1, math.ceil(wire.num_items(payload) / max(info.max_batch_size, 1)))
+    worth) for each batch it needs (`num_batches`). One text gets the SLO; 2,048 texts, which no
+    device runs in one batch's time, get 64 of them instead of a 504, and so do a few texts long
+    enough to fill as many batches by their tokens."""
+    return info.slo_s * max(num_batches, 1)

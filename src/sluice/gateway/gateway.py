@@ -27,7 +27,7 @@ from sluice import wire
 from sluice.clock import Clock, WallClock
 from sluice.errors import Conflict, DeadlineExceeded, InvalidInput, ModelRefused, SluiceError, Unavailable
 from sluice.gateway import router
-from sluice.gateway.admission import LOCAL_CALLER, Admission, Caller, default_timeout_s
+from sluice.gateway.admission import LOCAL_CALLER, Admission, Caller, default_timeout_s, num_batches
 from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, ResultCache, cache_key
 from sluice.gateway.catalog import ModelCatalog, ModelSync
 from sluice.gateway.config import GatewayConfig
@@ -291,11 +291,20 @@ class Gateway:
         return self._cache_key(info, request, self.tenancy.tenant(caller.tenant).name, caller.cache)
 
     def shed_if_overloaded(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float,
-                           caller: Caller | None = None, key: bytes | None = None) -> None:
+                           caller: Caller | None = None, key: bytes | None = None, num_batches: int = 1) -> None:
         """Refuse now, before the body is parsed, a request that cannot meet its deadline
-        (`Admission.shed_if_overloaded`). Its refusal names the version chosen, as later ones do."""
+        (`Admission.shed_if_overloaded`). Its refusal names the version chosen, as later ones do.
+        `num_batches`: without a `timeout_s`, the batches the request needs (`admission.num_batches`:
+        at most that, before its body is read), for the deadline `infer` gives it (`default_deadline_s`)."""
+        default_s = None if timeout_s is not None else self.default_deadline_s(info, num_batches)
         with _routed_to(info):
-            self._admission.shed_if_overloaded(info, timeout_s, arrived_at, caller, key)
+            self._admission.shed_if_overloaded(info, timeout_s, arrived_at, caller, key, default_s)
+
+    def default_deadline_s(self, info: wire.ModelInfo, num_batches: int) -> float:
+        """A request's deadline when its client sets none: the model's SLO for each batch it needs
+        (`admission.default_timeout_s`), up to the longest a client may ask for: 2,048 texts in
+        batches of 32 get 64 times the SLO of one text."""
+        return max(info.slo_s, min(default_timeout_s(info, num_batches), self._config.max_timeout_s))
 
     def reading(self, info: wire.ModelInfo, tenant: str, arrived_at: float,
                 trace: wire.TraceContext | None = None) -> AbstractContextManager[None]:
@@ -326,11 +335,9 @@ class Gateway:
         The tenant's permission and limits are checked first (403/429, nothing else consumed);
         tokens are reserved from the estimate and settled with the worker's count.
 
-        Without a `timeout_s`, the deadline is the model's SLO for each batch the request fills
-        (`default_timeout_s`), up to the longest a client may ask for: 2,048 texts in batches of
-        32 get 64 times the SLO of one text."""
-        default_s = None if timeout_s is not None else \
-            max(info.slo_s, min(default_timeout_s(info, payload), self._config.max_timeout_s))
+        Without a `timeout_s`, the deadline is the model's SLO for each batch the request needs
+        (`default_deadline_s`)."""
+        default_s = None if timeout_s is not None else self.default_deadline_s(info, num_batches(info, payload))
         with _routed_to(info):
             ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
             ticket.about(payload)
