@@ -313,6 +313,25 @@ def test_v1_deep_nesting_and_invalid_utf8_are_400(http, body):
     v1_error(http.post(EMBED, content=body), 400, "invalid_request")
 
 
+@pytest.mark.parametrize("texts", [rb'"\ud800"', rb'"a \udfff b"', rb'"\ud800\u0041"', rb'["ok", "x\udbff"]'])
+def test_a_lone_utf16_surrogate_is_400_saying_the_text_is_not_unicode(http, texts):
+    """JSON can escape half of a UTF-16 surrogate pair alone (`"\\ud800"`); no Unicode text holds
+    one, so no tokenizer can take it. Each JSON route says so, rather than that the body was cut
+    short (msgspec's words for it)."""
+    for path, body in ((EMBED, b'{"model": "minilm", "input": ' + texts + b"}"),
+                       ("/v1/completions", b'{"model": "tiny-lm", "max_tokens": 1, "prompt": ' + texts + b"}")):
+        message = v1_error(http.post(path, content=body), 400, "invalid_request")
+        assert http.post(path, content=body).json()["error"]["type"] == "invalid_request_error"
+        assert "surrogate" in message and "not valid Unicode" in message, message
+    data = texts if texts.startswith(b"[") else b"[" + texts + b"]"
+    entry = b'{"inputs": [{"name": "text", "shape": [%d], "datatype": "BYTES", "data": %b}]}' % (data.count(b'"') // 2,
+                                                                                              data)
+    v2_error(http.post("/v2/models/minilm/infer", content=entry), 400, "surrogate", "not valid Unicode")
+    # a pair is a character: answered
+    paired = http.post(EMBED, content=b'{"model": "minilm", "input": "smile \ud83d\ude00"}')
+    assert paired.status_code == 200, paired.text
+
+
 @pytest.mark.parametrize(
     "texts, fragment",
     [([], "must not be empty"), ([""], "empty strings"), (["ok", ""], "empty strings"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import re
 import uuid
@@ -377,18 +378,46 @@ def decode_json(body: bytes, kind: type[T]) -> T:
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise unreadable_json(exc) from exc
+        raise unreadable_json(exc, body) from exc
 
 
-def unreadable_json(exc: msgspec.DecodeError | RecursionError | UnicodeDecodeError) -> InvalidInput:
-    """The 400 for a body msgspec could not read. Besides malformed JSON, msgspec raises
-    `RecursionError` for nesting deeper than the interpreter's stack allows (~1,000 levels fit in
-    a 2 KB body) and `UnicodeDecodeError` for a string holding bytes that are not UTF-8."""
+def unreadable_json(exc: msgspec.DecodeError | RecursionError | UnicodeDecodeError, body: bytes) -> InvalidInput:
+    """The 400 for a body msgspec could not read (`json_error_reason`)."""
+    return InvalidInput(f"request body is not valid JSON: {json_error_reason(exc, body)}")
+
+
+def json_error_reason(exc: msgspec.DecodeError | RecursionError | UnicodeDecodeError, body: bytes) -> str:
+    """Why msgspec could not read `body` as JSON, in words the client can act on: the one wording
+    of every JSON route's refusal (OpenAI, KServe v2, admin; a batch's input lines). Besides
+    malformed JSON, msgspec raises `RecursionError` for nesting deeper than the interpreter's
+    stack allows (~1,000 levels fit in a 2 KB body), `UnicodeDecodeError` for a string holding
+    bytes that are not UTF-8, and, for a string holding a lone UTF-16 surrogate escape
+    (`"\\ud800"`: JSON can write it, but it is no Unicode character, so no text or tokenizer
+    could take it), a `DecodeError` that says the input was truncated or a surrogate pair is
+    invalid, which would send the client looking for the wrong fault."""
     if isinstance(exc, RecursionError):
-        return InvalidInput("request body is not valid JSON: it is nested too deeply")
+        return "it is nested too deeply"
     if isinstance(exc, UnicodeDecodeError):
-        return InvalidInput(f"request body is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})")
-    return InvalidInput(f"request body is not valid JSON: {exc}")
+        return f"a string holds bytes that are not UTF-8 ({exc.reason})"
+    if _holds_lone_surrogate(body):
+        return ("a string holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair): "
+                "it is not valid Unicode text")
+    return str(exc)
+
+
+def _holds_lone_surrogate(body: bytes) -> bool:
+    """Read again (on the error path only) by the standard library, which keeps a lone surrogate
+    escape in the string it makes, `body` is JSON but for a string that UTF-8 cannot encode."""
+    if b"\\u" not in body:
+        return False
+    try:
+        value = json.loads(body)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):  # not JSON for other reasons (UnicodeDecodeError among them)
+        return False
+    return False
 
 
 def _param_of(message: str) -> str | None:

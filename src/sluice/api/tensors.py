@@ -134,7 +134,7 @@ def parse_request(body: bytes, header_length: int | None) -> tuple[InferRequestB
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid inference request: {exc}") from exc
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise unreadable_json(exc) from exc
+        raise unreadable_json(exc, header) from exc
     if not request.inputs:
         raise InvalidInput("inference request has no inputs", param="inputs")
     tensors = []
