@@ -131,8 +131,8 @@ def _json_error(entry: dict) -> str:
         ({"shape": [MAX_ELEMENTS + 1]}, "more than"),
         ({"shape": [0, 2**62], "data": []}, "more than"),
         ({"shape": [2**40, 2**40]}, "more than"),
-        ({"datatype": "BYTES", "data": ["a", 2]}, "expected 2 strings"),
-        ({"datatype": "BYTES", "data": ["a"]}, "expected 2 strings"),
+        ({"datatype": "BYTES", "data": ["a", 2]}, "element 1 is a number, not a string"),
+        ({"datatype": "BYTES", "data": ["a"]}, "1 strings do not fill shape [2]"),
     ],
 )
 def test_json_errors_name_the_input_and_the_problem(entry, fragment):

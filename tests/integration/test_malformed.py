@@ -266,7 +266,37 @@ def test_v2_malformed_bytes_tensor(http, raw, shape, fragment):
 
 def test_v2_bytes_in_json_must_be_strings(http):
     entry = tensor(shape=(2,), data=["a", 1], name="text", datatype="BYTES")
-    v2_error(http.post("/v2/models/minilm/infer", json={"inputs": [entry]}), 400, "strings")
+    v2_error(http.post("/v2/models/minilm/infer", json={"inputs": [entry]}), 400, "string")
+
+
+@pytest.mark.parametrize(
+    "data, shape, fragments",
+    [
+        (["a", "b", "c"], (2,), ("input 'text'", "3 strings do not fill shape [2]")),
+        (["a"], (2,), ("input 'text'", "1 strings do not fill shape [2]")),
+        (["a", 1], (2,), ("input 'text'", "element 1 is a number, not a string")),
+        ([["a"], [None]], (2, 1), ("input 'text'", "element 1 is null, not a string")),
+        (["a", {"b": 1}], (2,), ("input 'text'", "element 1 is an object")),
+        ([True], (1,), ("input 'text'", "element 0 is a boolean")),
+    ],
+)
+def test_v2_a_bytes_tensor_in_json_that_is_wrong_says_which_input_and_what(http, data, shape, fragments):
+    entry = tensor(shape=shape, data=data, name="text", datatype="BYTES")
+    v2_error(http.post("/v2/models/minilm/infer", json={"inputs": [entry]}), 400, *fragments)
+
+
+@pytest.mark.parametrize(
+    "raw, shape, fragments",
+    [
+        (struct.pack("<I", 2) + b"ok" + struct.pack("<I", 2) + b"\xc3(", (2,),
+         ("input 'text'", "element 1 holds bytes that are not UTF-8")),
+        (struct.pack("<I", 9) + b"short", (1,), ("input 'text'", "truncated", "4-byte little-endian length")),
+        (struct.pack("<I", 1) + b"a" + struct.pack("<I", 1) + b"b", (3,),
+         ("input 'text'", "2 BYTES elements do not fill shape [3]")),
+    ],
+)
+def test_v2_a_binary_bytes_tensor_that_is_wrong_says_which_input_and_what(http, raw, shape, fragments):
+    v2_error(binary(http, "/v2/models/minilm/infer", _bytes_header(raw, shape), raw), 400, *fragments)
 
 
 # -- OpenAI /v1 ----------------------------------------------------------------------------------

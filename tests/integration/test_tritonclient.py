@@ -249,6 +249,13 @@ def test_bytes_input_with_trailing_unit_dimension(client):
     assert result.as_numpy("embedding").shape == (2, 384)
 
 
+def test_bytes_input_that_is_not_utf8_is_400_naming_the_input_and_element(client):
+    texts = np.array([b"fine", b"caf\xe9"], dtype=object)  # latin-1, not UTF-8
+    error = _error(lambda: client.infer("minilm", [_input(texts, name="text", datatype="BYTES")], headers=roomy()))
+    assert error.status() == "400"
+    assert "input 'text': element 1 holds bytes that are not UTF-8" in error.message(), error.message()
+
+
 def _error(call) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as caught:
         call()

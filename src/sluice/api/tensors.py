@@ -213,8 +213,13 @@ def _from_json(tensor: InputTensor) -> Tensor:
         raise InvalidInput(f"input {tensor.name!r} has no data")
     if tensor.datatype == "BYTES":
         flat = _flatten(tensor.data)
-        if len(flat) != count or not all(isinstance(v, str) for v in flat):
-            raise InvalidInput(f"input {tensor.name!r}: expected {count} strings for shape {tensor.shape}")
+        wrong = next((i for i, v in enumerate(flat) if not isinstance(v, str)), None)
+        if wrong is not None:
+            raise InvalidInput(f"input {tensor.name!r}: BYTES element {wrong} is {_json_kind(flat[wrong])}, "
+                               "not a string", param=tensor.name)
+        if len(flat) != count:
+            raise InvalidInput(f"input {tensor.name!r}: {len(flat)} strings do not fill shape {tensor.shape} "
+                               f"({count} elements)", param=tensor.name)
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), [v.encode() for v in flat])
     numbers = _numeric_array(tensor)
     if numbers.size != count:
@@ -297,10 +302,14 @@ def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
     """An input given as raw little-endian bytes (the binary extension's, gRPC's `raw_input_contents`)."""
     count = _check_shape(tensor)
     if tensor.datatype == "BYTES":
-        values = decode_bytes_elements(raw)
+        try:
+            values = wire.decode_bytes_elements(raw)
+        except ValueError as exc:  # a length that runs past the data
+            raise InvalidInput(f"input {tensor.name!r}: {exc} (each element is a 4-byte little-endian "
+                               "length and that many bytes)", param=tensor.name) from exc
         if len(values) != count:
             raise InvalidInput(f"input {tensor.name!r}: {len(values)} BYTES elements do not fill "
-                               f"shape {tensor.shape}")
+                               f"shape {tensor.shape} ({count} elements)", param=tensor.name)
         return Tensor(tensor.name, "BYTES", tuple(tensor.shape), values)
     if len(raw) != count * DATATYPES[tensor.datatype].itemsize:
         raise InvalidInput(f"input {tensor.name!r}: {len(raw)} bytes do not match shape {tensor.shape}")
@@ -311,10 +320,14 @@ def texts_of(tensor: Tensor) -> list[str]:
     """A BYTES input's elements as text; a 400 for another datatype or bytes that are not UTF-8."""
     if not isinstance(tensor.data, list):
         raise InvalidInput(f"input {tensor.name!r} must be BYTES, got {tensor.datatype}")
-    try:
-        return [value.decode() for value in tensor.data]
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"input {tensor.name!r} holds bytes that are not UTF-8") from exc
+    texts = []
+    for i, value in enumerate(tensor.data):
+        try:
+            texts.append(value.decode())
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"input {tensor.name!r}: element {i} holds bytes that are not UTF-8 text "
+                               f"({exc.reason} at byte {exc.start})", param=tensor.name) from exc
+    return texts
 
 
 def decode_bytes_elements(raw: bytes) -> list[bytes]:
@@ -325,6 +338,17 @@ def decode_bytes_elements(raw: bytes) -> list[bytes]:
 
 
 encode_bytes_elements = wire.encode_bytes_elements
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words, for a message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"
 
 
 def _flatten(data: Any) -> list[Any]:
