@@ -141,3 +141,21 @@ def test_wrong_dimensions_is_bad_request_error(client):
         client.embeddings.create(model="minilm", input="hi", dimensions=128)
     _assert_envelope(caught.value, 400, "invalid_request", "dimensions")
     assert "384" in caught.value.message
+
+
+def test_embeddings_of_a_generative_model_point_to_the_routes_that_generate(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="tiny-lm", input="hi")
+    _assert_envelope(caught.value, 400, "invalid_request", "model")
+    assert "makes no embeddings" in caught.value.message
+    assert "/v1/completions" in caught.value.message and "/v1/chat/completions" in caught.value.message
+
+
+def test_a_generation_asked_of_an_embedding_model_points_to_v1_embeddings(client):
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model="minilm", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    for caught in (completion, chat):
+        _assert_envelope(caught.value, 400, "invalid_request", "model")
+        assert "does not generate text" in caught.value.message and "/v1/embeddings" in caught.value.message

@@ -40,6 +40,7 @@ from sluice.api.common import (
     with_version,
 )
 from sluice.api.completion_params import TOKEN_ID_LIMIT
+from sluice.api.kserve_generate import GENERATIVE_KINDS
 from sluice.errors import InvalidInput, ModelNotReady
 from sluice.gateway import Caller, Gateway
 from sluice.gateway.admission import estimate_text_tokens, num_batches
@@ -92,6 +93,9 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
             with gateway.reading(info, request_tenant(request), arrived_at,
                                  trace_context(request) if gateway.is_tracing else None):
                 timeout_s = header_timeout_s(request, gateway.max_timeout_s)
+                if info.kind in GENERATIVE_KINDS:
+                    raise InvalidInput(f"model {parsed.model!r} generates text and makes no embeddings; use "
+                                       "/v1/completions or /v1/chat/completions", param="model")
                 if not info.accepts_text:
                     raise InvalidInput(f"model {parsed.model!r} does not take text; "
                                        f"use /v2/models/{parsed.model}/infer", param="model")
