@@ -4,6 +4,7 @@ requests are answered without the device, per tenant, shared between gateways th
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -14,10 +15,12 @@ import numpy as np
 import openai
 import pytest
 import redis
+import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 
 from sluice.gateway.tenants import hash_key, new_key
-from tests.conftest import ServerProcess, metric_total, write_emulated_model, write_tiny_lm_model
+from sluice.repository import demo_repository
+from tests.conftest import ServerProcess, free_port, metric_total, write_emulated_model, write_tiny_lm_model
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +47,37 @@ def test_the_openai_sdk_gets_a_repeated_embedding_from_the_cache(demo_server: Se
     assert a.data[0].embedding == pytest.approx(b.data[0].embedding, abs=1e-6)
     assert a.usage.prompt_tokens == b.usage.prompt_tokens > 0
     assert metric_total(demo_server, "sluice_cache_lookups_total", model="minilm", result="hit") >= 1
+
+
+def test_embeddings_share_an_entry_across_routes_that_parse_them_and_dimensions_only_checks(
+        make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    """As the README's Result cache says: the key of an embeddings request and of a gRPC infer is
+    the parsed texts (so they share an entry), `dimensions` and `encoding_format` are not part of
+    it, and a KServe infer over HTTP is keyed by its body as sent (another entry)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_repository() / "minilm", repo / "minilm")
+    grpc_port = free_port()
+    server = make_server(repo, "--grpc-port", str(grpc_port))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    texts = [f"shared between routes {uuid.uuid4().hex}", "and a second text"]
+    first = client.embeddings.with_raw_response.create(model="minilm", input=texts, encoding_format="float")
+    assert first.headers.get("x-sluice-cache") is None
+    items = _items_run(server, "minilm")
+    again = client.embeddings.with_raw_response.create(model="minilm", input=texts, dimensions=384)
+    assert again.headers.get("x-sluice-cache") == "hit"
+    with pytest.raises(openai.BadRequestError) as shortened:  # refused before inference: no device time
+        client.embeddings.create(model="minilm", input=[f"never run {uuid.uuid4().hex}"], dimensions=128)
+    assert shortened.value.param == "dimensions" and "384" in shortened.value.message
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc_client:
+        tensor = triton_grpc.InferInput("text", [2], "BYTES")
+        tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+        by_grpc = grpc_client.infer("minilm", [tensor]).as_numpy("embedding")
+    assert _items_run(server, "minilm") == items  # the gRPC request was the same entry
+    np.testing.assert_allclose(by_grpc, [d.embedding for d in first.parse().data], atol=1e-6)
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": texts}]}
+    by_http = httpx.post(f"{server.url}/v2/models/minilm/infer", json=body, timeout=60)
+    assert by_http.status_code == 200 and by_http.headers.get("x-sluice-cache") is None
+    assert _items_run(server, "minilm") == items + 2  # keyed by its body: run
 
 
 def test_identical_requests_in_flight_run_once(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
