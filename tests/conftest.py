@@ -95,10 +95,16 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
-def wait_workers_ready(url: str, count: int, timeout_s: float = 60.0) -> None:
-    """Until the server at `url` has `count` workers connected and ready (`sluice_workers_ready`)."""
+def wait_workers_ready(url: str, count: int, timeout_s: float = 60.0, *, model: str | None = None) -> None:
+    """Until the server at `url` has `count` workers connected and ready (`sluice_workers_ready`),
+    and, given a `model`, each of them serving it (its Triton config's instance count): a worker
+    is ready as soon as it listens, and loads its models after, so a request sent before then
+    has fewer replicas to choose from than the test started."""
     eventually(lambda: f"sluice_workers_ready {float(count)}" in httpx.get(f"{url}/metrics").text,
                f"{count} workers ready", timeout_s)
+    if model is not None:
+        eventually(lambda: httpx.get(f"{url}/v2/models/{model}/config").json()["instance_group"][0]["count"] == count,
+                   f"{count} workers serving {model}", timeout_s)
 
 
 def free_port() -> int:

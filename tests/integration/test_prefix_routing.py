@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_conversations_return_to_the_worker_that_has_their_prefix_cached(make_server, tmp_path):
     server = make_server(write_tiny_lm_model(tmp_path / "models"), "--workers", "2")
-    wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2, model="tiny")
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
                         default_headers={"Cache-Control": "no-cache"})
     systems = [f"System prompt number {i}: " + "answer briefly, politely and in plain words. " * 6 for i in range(6)]
@@ -34,7 +34,7 @@ def test_conversations_return_to_the_worker_that_has_their_prefix_cached(make_se
 
 def test_without_prefix_affinity_generations_route_by_load_alone(make_server, tmp_path):
     server = make_server(write_tiny_lm_model(tmp_path / "models"), "--workers", "2", "--no-prefix-affinity")
-    wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2, model="tiny")
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     for _ in range(4):
         sdk.completions.create(model="tiny", prompt="A shared start, long enough for several blocks. " * 4,
@@ -47,7 +47,7 @@ def test_a_prompt_under_another_cache_salt_does_not_follow_the_prefix_and_its_ow
     finds nothing cached anywhere: it routes by load, not to the worker that has the same text
     under another salt; a later prompt under a salt seen before goes where that salt's went."""
     server = make_server(write_tiny_lm_model(tmp_path / "models"), "--workers", "2")
-    wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2, model="tiny")
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60,
                         default_headers={"Cache-Control": "no-cache"})
     system = "A shared system prompt: answer briefly, politely and in plain words. " * 4
