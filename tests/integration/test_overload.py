@@ -6,13 +6,21 @@ is the work offered, what autoscaling scales on."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import httpx
 
 from tests.conftest import metric_total
 
-ALPHA_MS, BETA_MS, MAX_BATCH = 20.0, 1.0, 32  # an item of 16 values costs beta: 1 ms; a full batch 52 ms
-REQUESTS = 400
+# The device is offered about twice what it can do within the deadline: 100 items of 17 ms each
+# (a full batch: 32 + 16 * 32 = 544 ms) against 1 s. Few, costly requests rather than many cheap
+# ones: the gateway's own work for the burst (reading and dispatching each request) must stay well
+# under the deadline on a loaded 2-core host, or requests expire there before any device sees
+# them (504), which says nothing about overload. 400 requests against 300 ms did not: under load
+# the burst took the host longer than the deadline, and most of them ended so.
+ALPHA_MS, BETA_MS, MAX_BATCH = 32.0, 16.0, 32  # an item of 16 values costs beta: 16 ms
+SLO_MS = 1000
+REQUESTS = 100
 
 
 async def _send_all(url: str) -> list[httpx.Response]:
@@ -26,18 +34,18 @@ async def _send_all(url: str) -> list[httpx.Response]:
 
 
 def test_excess_load_is_refused_at_once_and_counted_as_demand(make_server, emulated_repo):
-    server = make_server(emulated_repo(alpha_ms=ALPHA_MS, beta_ms=BETA_MS, slo_ms=300))
+    server = make_server(emulated_repo(alpha_ms=ALPHA_MS, beta_ms=BETA_MS, slo_ms=SLO_MS))
     responses = asyncio.run(_send_all(server.url))
 
     statuses = [r.status_code for r in responses]
-    # 504: admitted, then the host stalled past the deadline (seen with the whole suite on 2 cores:
-    # once 144 of 400, beside 138 refusals)
+    # 504: admitted, then the host stalled past the deadline (seen with the whole suite on 2 cores)
+    expired = Counter(r.json()["error"] for r in responses if r.status_code == 504)
     assert set(statuses) <= {200, 503, 504}, sorted(set(statuses))
     # the excess (about half of the work offered) is refused at once, not queued to expire
-    assert statuses.count(503) >= REQUESTS // 4, (statuses.count(503), statuses.count(504))
+    assert statuses.count(503) >= REQUESTS // 4, (statuses.count(503), expired)
     ok = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code == 503]
-    assert ok and refused, statuses.count(200)  # 400 items need ~0.7 s of device time; the deadline is 0.3 s
+    assert ok and refused, statuses.count(200)  # 100 items need ~1.7 s of device time; the deadline is 1 s
     for r in ok:
         data = r.json()["outputs"][0]["data"]
         assert len(data) == 1 and data[0] % 16 == 0
