@@ -7,14 +7,16 @@ gateways find them there, so neither needs the other's address in its configurat
     sluice worker --bind tcp://0.0.0.0:7000 --advertise tcp://10.0.0.5:7000 --registry redis://r:6379/0
     sluice gateway --registry redis://r:6379/0
 
-A worker registers once its models are loaded and deletes its key when it starts draining
-(SIGTERM), so gateways stop sending it work before it goes; a worker that dies without that
-drops out when its key expires. Gateways read the registry every second: a new address is
-connected to, one whose key is gone is disconnected (requests it had not started are sent to
-another worker) — unless the gateway still hears it serving (connected, reporting, not
-draining): then it was the registry that lost the key (Redis restarted without its data, or was
-flushed), not the worker, which registers again within TTL / 5. Redis being unreachable changes
-nothing: workers keep serving, and gateways keep the workers they know until Redis answers again.
+A worker registers once it listens, before its models are loaded (gateways see them loading:
+their requests go to another worker, or get 503 "try again", meanwhile), and deletes its key
+when it starts draining (SIGTERM), so gateways stop sending it work before it goes; a worker
+that dies without that drops out when its key expires. Gateways read the registry every second:
+a new address is connected to, one whose key is gone is disconnected (requests it had not
+started are sent to another worker) — unless the gateway still hears it serving (connected,
+reporting, not draining): then it was the registry that lost the key (Redis restarted without
+its data, or was flushed), not the worker, which registers again within TTL / 5. Redis being
+unreachable changes nothing: workers keep serving, and gateways keep the workers they know until
+Redis answers again.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from sluice.registry import PREFIX
-from tests.conftest import eventually, free_port, stop_all, write_emulated_model
+from tests.conftest import eventually, free_port, stop_all, wait_workers_ready, write_emulated_model
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,9 @@ def test_workers_join_and_leave_a_gateway_through_the_registry(tmp_path: Path, r
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).json()["outputs"][0]["data"] == [3.0]
 
         _, second_address = worker("b")
-        eventually(lambda: _workers_ready(url) == 2, "the second worker to join", timeout_s=60.0)
+        # joined and serving: a worker registers once it listens and loads its models after, and
+        # one still loading cannot take the requests of the worker that leaves
+        wait_workers_ready(url, 2, model="emulated")
 
         statuses: list[int] = []
         failures: list[str] = []
