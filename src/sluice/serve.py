@@ -134,7 +134,7 @@ async def _check_registry(config: ServeConfig) -> None:
 async def _shared_limits(config: ServeConfig) -> SharedLimiter | None:
     if config.limits_redis is None:
         return None
-    limiter = SharedLimiter.from_url(config.limits_redis, lease_s=GatewayConfig().max_timeout_s + 60.0)
+    limiter = SharedLimiter.from_url(config.limits_redis, settle_window_s=GatewayConfig().max_timeout_s + 60.0)
     try:
         await limiter.ping()
     except RedisError as exc:

@@ -64,6 +64,84 @@ def test_concurrency_is_shared_and_a_lost_gateways_requests_expire_with_their_le
     asyncio.run(scenario())
 
 
+def test_a_dead_gateways_slots_free_within_a_lease_while_a_live_ones_stay_taken(redis_url: str) -> None:
+    """Leases are short and renewed: a gateway that stops without settling (it died) frees its
+    tenant's slot once its lease ends; one that lives keeps its slot well past a lease, renewing."""
+    async def scenario() -> None:
+        prefix = f"shared-{next(_PREFIXES)}"
+        dead, live, other = (SharedLimiter(redis.Redis.from_url(redis_url), prefix=prefix, lease_s=1.0, renew_s=0.2)
+                             for _ in range(3))
+        tenant = Tenant(name="t", max_concurrent=2)
+        assert isinstance(await dead.admit(tenant, 0), Reservation)
+        held = await live.admit(tenant, 0)
+        assert isinstance(held, Reservation)
+        await dead.aclose()  # stopped without settling: nothing renews its lease now
+        refused = await other.admit(tenant, 0)
+        assert isinstance(refused, Refusal) and refused.limit == "concurrency"
+        await asyncio.sleep(2.5)  # two and a half leases
+        assert isinstance(await other.admit(tenant, 0), Reservation)  # the dead one's slot came back
+        refused = await other.admit(tenant, 0)  # the live one's is still taken
+        assert isinstance(refused, Refusal) and refused.limit == "concurrency"
+        assert (await other.usage(tenant)).in_flight == 2
+        await live.settle(held, 0, 0.5)
+        assert isinstance(await other.admit(tenant, 0), Reservation)
+        for limiter in (live, other):
+            await limiter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_settled_after_its_lease_ran_out_is_still_charged_once(redis_url: str) -> None:
+    """Redis was away longer than a lease, so nothing renewed it: the request's slot stopped
+    counting, but its settlement, when it comes, still charges its device time (once)."""
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        limiter, other = _pair(redis_url, clock, lease_s=10.0)
+        tenant = Tenant(name="t", max_concurrent=1)
+        held = await limiter.admit(tenant, 0)
+        assert isinstance(held, Reservation)
+        clock.advance(30.0)  # no renewal reached Redis
+        assert isinstance(await other.admit(tenant, 0), Reservation)  # the slot no longer counts
+        await limiter.settle(held, 0, 2.0)
+        await limiter.settle(held, 0, 2.0)  # a replay charges nothing
+        assert (await other.usage(tenant)).device_s == pytest.approx(2.0)
+        for each in (limiter, other):
+            await each.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_renewal_is_one_round_trip_for_all_requests_in_flight(redis_url: str) -> None:
+    async def scenario() -> None:
+        clock = VirtualClock(1_000.0)
+        limiter, other = _pair(redis_url, clock, lease_s=10.0)
+        tenants = [Tenant(name="a", max_concurrent=3), Tenant(name="b", max_concurrent=3)]
+        for tenant in tenants:
+            for _ in range(3):
+                assert isinstance(await limiter.admit(tenant, 0), Reservation)
+        calls = []
+        execute = redis.client.Pipeline.execute
+
+        async def counted(pipeline: redis.client.Pipeline, *args: object, **kwargs: object) -> object:
+            calls.append(len(pipeline.command_stack))
+            return await execute(pipeline, *args, **kwargs)
+
+        redis.client.Pipeline.execute = counted  # type: ignore[method-assign]
+        try:
+            for _ in range(3):
+                clock.advance(8.0)  # within each lease, renewed: 24 s in all
+                await limiter.renew_leases()
+        finally:
+            redis.client.Pipeline.execute = execute  # type: ignore[method-assign]
+        assert calls == [4, 4, 4]  # per round: one pipeline, a ZADD and a PEXPIRE per tenant
+        for tenant in tenants:
+            assert (await other.usage(tenant)).in_flight == 3
+        for each in (limiter, other):
+            await each.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_device_time_settled_by_one_gateway_counts_against_the_others_budget(redis_url: str) -> None:
     async def scenario() -> None:
         clock = VirtualClock(1_000.0)

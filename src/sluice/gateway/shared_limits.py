@@ -10,12 +10,15 @@ rule holds across gateways too (a script runs atomically; no other client's comm
     sluice:limits:{tenant}:inflight   sorted set: one member per admitted request, scored by the
                                       time its lease ends
 
-Concurrency is counted from the in-flight set, whose members expire with their lease (the
-gateway's longest request timeout), so a gateway that dies with requests in flight cannot hold
-its tenants' concurrency forever. A settlement applies only while its request's member is in the
-set, and removes it: one sent again because its reply was lost charges nothing more (nor does
-one that arrives after its lease ran out: a request settles within the longest timeout, unless
-Redis was away longer than its lease, and then its device time goes uncharged). The two keys
+Concurrency is counted from the in-flight set: a member counts while its lease has not ended.
+A lease is short (`lease_s`, 10 s) and the gateway that holds it renews the leases of all its
+requests still in flight every `renew_s` (2 s), in one pipelined round trip, so a gateway that
+dies with requests in flight frees its tenants' concurrency within a lease. A member whose lease
+ended stays in the set (not counted) for `settle_window_s` more, the gateway's longest request
+timeout: a settlement applies while its request's member is in the set, and removes it, so one
+that arrives late (Redis was away, and the lease ran out meanwhile) still charges its tokens and
+device time, and one sent again because its reply was lost charges nothing more. Only a
+settlement later than the window goes uncharged. The two keys
 share the `{tenant}` hash tag, so a Redis Cluster keeps them on one shard. Times are wall-clock
 seconds from the gateway's clock, so gateways must keep their clocks in sync (NTP); a skew of a
 second or two only shifts refills by as much.
@@ -27,7 +30,9 @@ cases against both.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import inspect
 import itertools
 import math
@@ -100,11 +105,12 @@ local function status(b)
 end
 """
 
-# ARGV: now rpm tpm credits period max_concurrent estimated_tokens lease_id lease_until
+# ARGV: now rpm tpm credits period max_concurrent estimated_tokens lease_id lease_until settle_window_s
 _ADMIT = _LOAD + """
 local maxc, est, lease_id, lease_until = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local in_flight = redis.call('ZCARD', KEYS[2])
+local window = tonumber(ARGV[10])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)  -- past even a late settlement
+local in_flight = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')  -- leases not ended
 local function wait(b, amount)
   if b == nil then return 0 end
   local need = math.min(amount, b.cap) - b.level
@@ -128,7 +134,7 @@ if refused == '' then
   if req then req.level = math.min(req.cap, req.level - 1) end
   if tok then tok.level = math.min(tok.cap, tok.level - est) end
   redis.call('ZADD', KEYS[2], lease_until, lease_id)
-  redis.call('PEXPIRE', KEYS[2], math.ceil((lease_until - now) * 1000))
+  redis.call('PEXPIRE', KEYS[2], math.ceil((lease_until + window - now) * 1000))
 end
 save()
 local reply = {refused, tostring(retry), final}
@@ -175,11 +181,23 @@ class SharedLimiter:
     once, so during an outage only one request per `open_s` waits for the socket timeout."""
 
     def __init__(self, client: redis.Redis, clock: Clock | None = None, *, prefix: str = "sluice:limits",
-                 lease_s: float = 3600.0, circuit: CircuitConfig = REDIS_CIRCUIT) -> None:
+                 lease_s: float = 10.0, renew_s: float = 2.0, settle_window_s: float = 3600.0,
+                 circuit: CircuitConfig = REDIS_CIRCUIT) -> None:
+        """`lease_s`: how long an admitted request holds its concurrency slot unless renewed;
+        `renew_s`: how often this gateway renews the leases of its requests in flight;
+        `settle_window_s`: how long after its lease ended a request's settlement still charges it
+        (the gateway's longest request timeout)."""
+        if not (0 < renew_s < lease_s and settle_window_s >= 0):
+            raise ValueError("shared limits need 0 < renew_s < lease_s and settle_window_s >= 0")
         self._client = client
         self._clock = clock or WallClock()
         self._prefix = prefix
         self._lease_s = lease_s
+        self._renew_s = renew_s
+        self._settle_window_s = settle_window_s
+        self._leases: dict[str, str] = {}
+        """This gateway's requests in flight: lease id -> its tenant's in-flight key."""
+        self._renewer: asyncio.Task[None] | None = None
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
         self._ids = itertools.count()
@@ -189,14 +207,43 @@ class SharedLimiter:
         self._is_flushing = False
 
     @classmethod
-    def from_url(cls, url: str, *, lease_s: float) -> SharedLimiter:
-        return cls(redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), lease_s=lease_s)
+    def from_url(cls, url: str, *, settle_window_s: float) -> SharedLimiter:
+        return cls(redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0),
+                   settle_window_s=settle_window_s)
 
     async def ping(self) -> None:
         await self._guarded(self._client.ping())
 
     async def aclose(self) -> None:
+        """Stop renewing (the leases of requests still in flight then end on their own) and close."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
         await self._client.aclose()
+
+    async def renew_leases(self) -> None:
+        """Extend the lease of every request of this gateway still in flight to `lease_s` from now,
+        in one pipelined round trip. A lease already settled is not brought back (`XX`); one that
+        ended while Redis was away is, and counts again. Raises `RedisError`."""
+        if not self._leases:
+            return
+        now = self._clock.now()
+        by_key: dict[str, dict[str, float]] = {}
+        for lease_id, key in self._leases.items():
+            by_key.setdefault(key, {})[lease_id] = now + self._lease_s
+        pipeline = self._client.pipeline(transaction=False)
+        for key, leases in by_key.items():
+            pipeline.zadd(key, leases, xx=True)
+            pipeline.pexpire(key, math.ceil((self._lease_s + self._settle_window_s) * 1000))
+        await self._guarded(pipeline.execute())
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._renew_s)
+            with contextlib.suppress(RedisError):  # the circuit and the outage log have it; tried again next round
+                await self.renew_leases()
 
     async def admit(self, tenant: Tenant, estimated_tokens: float,
                     likely_tokens: float | None = None) -> Reservation | Refusal:
@@ -208,12 +255,17 @@ class SharedLimiter:
             await self._flush_unsettled()  # frees the slots they hold before this request counts them
         now = self._clock.now()
         lease_id = f"{self._owner}:{next(self._ids)}"
-        reply = await self._guarded(self._admit(keys=self._keys(tenant.name), args=[
-            *self._limit_args(tenant, now), tenant.max_concurrent, estimated_tokens, lease_id, now + self._lease_s]))
+        keys = self._keys(tenant.name)
+        reply = await self._guarded(self._admit(keys=keys, args=[
+            *self._limit_args(tenant, now), tenant.max_concurrent, estimated_tokens, lease_id, now + self._lease_s,
+            self._settle_window_s]))
         refused, retry_after_s, is_final = _text(reply[0]), float(reply[1]), bool(int(reply[2]))
         statuses = _statuses([_text(v) for v in reply[3:9]])
         if refused:
             return Refusal(refused, retry_after_s, is_final, statuses)
+        self._leases[lease_id] = keys[1]
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew_forever(), name="sluice-renew-limit-leases")
         return Reservation(tenant.name, estimated_tokens, statuses, lease_id=lease_id, limits=tenant, admitted_at=now)
 
     async def settle(self, reservation: Reservation, tokens: float, device_s: float, *,
@@ -223,6 +275,7 @@ class SharedLimiter:
         reservation.is_settled = True
         if reservation.limits is None:
             return
+        self._leases.pop(reservation.lease_id, None)  # ended: renewed no more, settled or not
         held_s = self._clock.now() - reservation.admitted_at
         settlement = _Settlement(reservation, tokens, device_s, refund_request, held_s)
         try:
