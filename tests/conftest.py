@@ -211,13 +211,13 @@ def emulated_repo(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
-def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
-    """A real `redis-server` with `args` on a free loopback port, its log and data in `folder`;
-    returns once it accepts connections."""
+def start_redis(folder: Path, *args: str, port: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """A real `redis-server` with `args` on `port` (default: a free loopback port), its log and
+    data in `folder`; returns once it accepts connections."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed; ./scripts/test installs it")
-    port = free_port()
+    port = port or free_port()
     process = subprocess.Popen([binary, *args, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
                                stdout=(folder / "log").open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30

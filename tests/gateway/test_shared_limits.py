@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+from pathlib import Path
 
 import pytest
 import redis.asyncio as redis
@@ -19,6 +21,7 @@ from sluice.gateway.tenancy import Tenancy
 from sluice.gateway.tenants import Tenant
 from sluice.metrics import GatewayMetrics
 from sluice.priority import Priority
+from tests.conftest import start_redis
 
 _PREFIXES = itertools.count()
 
@@ -228,3 +231,38 @@ def test_a_settlement_redis_missed_is_sent_again_frees_its_slot_and_is_charged_o
             await each.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_redis_outage_is_logged_once_when_it_starts_and_once_when_it_ends(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        tenants = tmp_path / "tenants.toml"
+        tenants.write_text('[tenants.t]\napi_keys = []\nrequests_per_min = 1000\n')
+        process, port = start_redis(tmp_path, "--save", "", "--appendonly", "no")
+        clock = VirtualClock(1_000.0)
+        limiter = SharedLimiter(redis.Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.5),
+                                clock)
+        tenancy = Tenancy(clock, GatewayMetrics(), tenants, limiter)
+        tenant = tenancy.tenant("t")
+        try:
+            await tenancy.settle(await tenancy.admit(tenant, Priority.STANDARD, 0), 0, 0.1)
+            process.terminate()
+            process.wait(timeout=10)
+            for _ in range(3):  # three trial calls (one per opening of the circuit), each failing
+                for _ in range(5):
+                    await tenancy.settle(await tenancy.admit(tenant, Priority.STANDARD, 0), 0, 0.1)
+                clock.advance(REDIS_CIRCUIT.open_s + 0.1)
+            process, _ = start_redis(tmp_path, "--save", "", "--appendonly", "no", port=port)
+            for _ in range(5):
+                await tenancy.settle(await tenancy.admit(tenant, Priority.STANDARD, 0), 0, 0.1)
+            assert limiter.num_unsettled == 0  # Redis is in use again
+        finally:
+            await tenancy.aclose()
+            process.terminate()
+            process.wait(timeout=10)
+
+    with caplog.at_level(logging.INFO, logger="sluice"):
+        asyncio.run(scenario())
+    records = [r for r in caplog.records if "shared limits in Redis" in r.getMessage()]
+    assert [r.levelname for r in records] == ["WARNING", "INFO"]
+    assert "unavailable" in records[0].getMessage() and "reachable again after 15 s" in records[1].getMessage()

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import inspect
 import itertools
+import logging
 import math
 import os
 import socket
@@ -60,6 +61,8 @@ from sluice.gateway.limits import (
 from sluice.gateway.tenants import Tenant
 
 __all__ = ["SharedLimiter"]
+
+log = logging.getLogger("sluice.tenancy")
 
 T = TypeVar("T")
 
@@ -205,6 +208,9 @@ class SharedLimiter:
         self._breaker = CircuitBreaker(circuit, self._clock)
         self._unsettled: collections.deque[_Settlement] = collections.deque(maxlen=MAX_UNSETTLED)
         self._is_flushing = False
+        self._down_since: float | None = None
+        """When calls to Redis started failing (None: they succeed): an outage is logged when it
+        starts and when it ends, not at every call that fails meanwhile."""
 
     @classmethod
     def from_url(cls, url: str, *, settle_window_s: float) -> SharedLimiter:
@@ -330,10 +336,18 @@ class SharedLimiter:
             raise RedisError(f"not calling Redis for {self._breaker.retry_after_s():.1f} s after a failure")
         try:
             result = await call
-        except RedisError:
+        except RedisError as exc:
             self._breaker.record_failure()
+            if self._down_since is None:
+                self._down_since = self._clock.now()
+                log.warning("shared limits in Redis unavailable (%s): each gateway applies its own limits "
+                            "until Redis is back", exc)
             raise
         self._breaker.record_success()
+        if self._down_since is not None:
+            log.info("shared limits in Redis reachable again after %.0f s: limits are shared again",
+                     self._clock.now() - self._down_since)
+            self._down_since = None
         return result
 
     def _keys(self, tenant: str) -> list[str]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +69,6 @@ class Tenancy:
         self._metrics = metrics
         self._shared = shared
         """Limits kept in Redis for every gateway; None: this gateway's own (`limiter`)."""
-        self._last_shared_warning_at = -math.inf
         self.directory = self._load(path) if path is not None else TenantDirectory.open()
         self.limiter = TenantLimiter(limits_clock or clock)
         self.limiter.configure(self.directory.tenants.values())
@@ -189,10 +186,10 @@ class Tenancy:
             return
         try:
             await shared.settle(reservation, tokens, device_s, refund_request=refund_request)
-        except RedisError as exc:
+        except RedisError:
             # kept by the limiter and sent again before its next admission; until then its
             # concurrency slot stays taken (at the latest its lease frees it)
-            self._shared_failed(exc)
+            self._shared_failed()
 
     async def usage(self) -> list[TenantUsage]:
         usage = []
@@ -201,8 +198,8 @@ class Tenancy:
             if self._shared is not None and not self.is_open:
                 try:
                     used = await self._shared.usage(t)
-                except RedisError as exc:
-                    self._shared_failed(exc)
+                except RedisError:
+                    self._shared_failed()
             limits = {"requests_per_min": t.requests_per_min, "tokens_per_min": t.tokens_per_min,
                       "max_concurrent": t.max_concurrent, "credits_device_s": t.credits_device_s,
                       "credit_period_s": t.credit_period_s}
@@ -223,16 +220,13 @@ class Tenancy:
         if self._shared is not None and not self.is_open:
             try:
                 return await self._shared.admit(tenant, estimated_tokens, likely_tokens)
-            except RedisError as exc:
-                self._shared_failed(exc)
+            except RedisError:
+                self._shared_failed()
         return self.limiter.admit(tenant, estimated_tokens, likely_tokens)
 
-    def _shared_failed(self, exc: Exception) -> None:
+    def _shared_failed(self) -> None:
+        """Counted; logged by the limiter once per outage (when it starts, and when it ends)."""
         self._metrics.shared_limits_error()
-        now = time.monotonic()
-        if now - self._last_shared_warning_at > 10.0:
-            self._last_shared_warning_at = now
-            log.warning("shared limits in Redis unavailable (%s): limits hold per gateway until it is back", exc)
 
 
 class RequestGroup:
