@@ -626,3 +626,18 @@ def test_a_model_whose_warm_up_predicts_every_deadline_missed_still_runs_on_an_i
         clock.advance(0.02)
         scheduler.batch_done(batch, 0.02)
     assert not profile.is_provisional and profile.predict(1) < 0.3
+
+
+def test_after_one_batch_100x_slower_than_predicted_a_request_that_fit_still_is_admitted():
+    """A worker frozen for a moment (a GC pause) must not make admission refuse everything."""
+    scheduler, clock = make_scheduler()
+    own_s = ALPHA_S + BETA_S * 100
+    for request_id in range(100):
+        admit(scheduler, clock, request_id, [100], timeout_s=own_s * 1.5)
+        assert run(scheduler, clock) is not None
+    admit(scheduler, clock, 100, [100], timeout_s=own_s * 1.5)
+    batch = scheduler.next_batch().batch
+    assert batch is not None
+    clock.advance(100 * batch.predicted_s)
+    scheduler.batch_done(batch, 100 * batch.predicted_s)
+    admit(scheduler, clock, 101, [100], timeout_s=own_s * 1.5)  # the same deadline still fits

@@ -137,3 +137,29 @@ def test_a_good_warm_up_is_what_the_first_predictions_follow():
     profile = _warmed_up([(1, 0.05), (4, 0.08), (1, 0.05), (4, 0.08)])  # the prior guessed 20 / 35 ms
     assert 0.035 < profile.predict(1) < 0.05 and 0.06 < profile.predict(4) < 0.08
     assert_sane(profile)
+
+
+def _learned(profile: LatencyProfile, cost: int, seconds: float, num_batches: int) -> LatencyProfile:
+    for _ in range(num_batches):
+        profile.observe(cost, seconds)
+    return profile
+
+
+def test_one_outlier_batch_raises_the_estimate_by_at_most_a_few_times():
+    profile = _learned(LatencyProfile(0.004, 0.00002, 128), 128, 0.010, 200)
+    before_s = profile.predict(128)
+    profile.observe(128, 100 * before_s)  # a GC pause, a frozen worker that resumed
+    assert profile.predict(128) < 1.1 * before_s
+    assert_sane(profile)
+
+
+def test_a_sustained_slowdown_is_still_learned():
+    profile = _learned(LatencyProfile(0.004, 0.00002, 128), 128, 0.010, 200)
+    _learned(profile, 128, 0.100, 150)  # the device really got 10x slower
+    assert profile.predict(128) > 0.05
+
+
+def test_the_first_batches_correct_a_prior_that_was_far_off():
+    """Until measurements outweigh the prior, a batch is learned as measured, however slow."""
+    profile = _learned(LatencyProfile(0.001, 0.0, 128), 128, 0.100, 5)  # the prior 100x too fast
+    assert profile.predict(128) > 0.03

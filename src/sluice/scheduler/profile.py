@@ -14,6 +14,13 @@ weight of one batch, quartered by each real batch (`warmup_fade`): one or two re
 outweigh a warm-up that ran slow throughout. Until they outweigh it `1 / PROVISIONAL_SHARE`
 times, the profile `is_provisional`.
 
+One batch far slower than predicted (a garbage-collection pause, a worker frozen and resumed) is
+learned as at most `OUTLIER_FACTOR` times its prediction, once the profile's measurements outweigh
+its prior: unclamped, a single 100x outlier would raise the estimate enough for admission to
+refuse every request as unable to meet its deadline, and with no batch running nothing would
+bring it back down. A real slowdown is still learned, each batch raising the estimate by up to
+that factor's share, over several batches.
+
 Invariants: `alpha_s >= 0`, `beta_s >= 0`, both finite, so `predict` is non-negative and
 non-decreasing in cost.
 """
@@ -22,6 +29,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+OUTLIER_FACTOR = 4.0
+"""A batch is learned as taking at most this many times its predicted time (see the module's docstring)."""
 
 PROVISIONAL_SHARE = 0.25
 """A profile is provisional while its warm-up timings weigh more than this share of its real batches."""
@@ -79,9 +89,14 @@ class LatencyProfile:
         return self.alpha_s + self.beta_s * padded_cost
 
     def observe(self, padded_cost: float, seconds: float) -> None:
-        """Fold in one measured batch. Negative or non-finite measurements are ignored."""
+        """Fold in one measured batch. Negative or non-finite measurements are ignored; one far
+        slower than predicted counts as `OUTLIER_FACTOR` times the prediction."""
         if not (0 <= seconds < math.inf and 0 <= padded_cost < math.inf):
             return
+        if self._data.s0 + self._warmup.s0 >= self._prior.s0:  # a prediction of its own, not the prior's
+            predicted_s = self.predict(padded_cost)
+            if predicted_s > 0:
+                seconds = min(seconds, OUTLIER_FACTOR * predicted_s)
         self._data.scale(self._decay)
         self._prior.scale(self._prior_fade)
         self._warmup.scale(self._warmup_fade)
