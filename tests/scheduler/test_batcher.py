@@ -6,6 +6,7 @@ Every test builds a `Scheduler` over a `VirtualClock` and plays the worker's par
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -641,3 +642,44 @@ def test_after_one_batch_100x_slower_than_predicted_a_request_that_fit_still_is_
     clock.advance(100 * batch.predicted_s)
     scheduler.batch_done(batch, 100 * batch.predicted_s)
     admit(scheduler, clock, 101, [100], timeout_s=own_s * 1.5)  # the same deadline still fits
+
+
+def _run_taking(scheduler: Scheduler, clock: VirtualClock, exec_s: float) -> None:
+    batch = scheduler.next_batch().batch
+    assert batch is not None
+    clock.advance(exec_s)
+    scheduler.batch_done(batch, exec_s)
+
+
+def test_after_a_slowdown_is_over_an_idle_device_probes_at_a_bounded_rate_and_relearns():
+    """A real slowdown raised the estimate until admission refuses every request with a tight
+    deadline; with no batch running, nothing would bring it down. An idle device lets one such
+    request through as a probe (at most one per interval while probes confirm the slowdown), and
+    once probes come back fast, every request that fits the device at its usual speed runs."""
+    scheduler, clock = make_scheduler()
+    fast_s = ALPHA_S + BETA_S * 100
+    request_ids = itertools.count()
+    for _ in range(100):
+        admit(scheduler, clock, next(request_ids), [100], timeout_s=2 * fast_s)
+        _run_taking(scheduler, clock, fast_s)
+    for _ in range(300):  # the device is 10x slower for a while; these requests had time to spare
+        admit(scheduler, clock, next(request_ids), [100], timeout_s=1.0)
+        _run_taking(scheduler, clock, 10 * fast_s)
+    assert scheduler.profile(M1).predict(100) > 3 * fast_s
+
+    def tight(timeout_s: float = 2 * fast_s) -> Admitted | Rejected:
+        return scheduler.admit(M1, next(request_ids), [100], clock.now() + timeout_s)
+
+    assert tight(0.5 * fast_s) == Rejected(RejectReason.DEADLINE_UNREACHABLE, 0.0)  # too tight for any speed
+    assert isinstance(tight(), Admitted)  # a probe
+    _run_taking(scheduler, clock, 10 * fast_s)  # it confirms the slowdown
+    clock.advance(1.0)
+    assert tight() == Rejected(RejectReason.DEADLINE_UNREACHABLE, 0.0)  # no second probe this soon
+    clock.advance(4.0)
+    assert isinstance(tight(), Admitted)  # the next probe, 5 s after the last
+    _run_taking(scheduler, clock, fast_s)  # the slowdown is over
+    for _ in range(400):  # requests with tight deadlines keep coming, and all run
+        clock.advance(0.01)
+        assert isinstance(tight(), Admitted)
+        _run_taking(scheduler, clock, fast_s)
+    assert scheduler.profile(M1).predict(100) < 2 * fast_s  # relearned: they fit without probing

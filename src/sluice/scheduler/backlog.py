@@ -262,7 +262,7 @@ class Backlog:
         while (item := queue.top(bucket, flow)) is not None:
             if now + queue.profile.predict(item.cost) <= item.deadline:
                 return item
-            if queue.profile.is_provisional and now < item.deadline:
+            if (queue.profile.is_provisional or item.request_id == queue.probe_id) and now < item.deadline:
                 return item  # its prediction is in doubt (`Scheduler.admit`): it runs, and corrects it
             self._expire(self._take(queue, bucket, flow), expired)
         return None
@@ -364,11 +364,14 @@ class Backlog:
             if candidate is None or (is_online and candidate.background):
                 flows.remove(flow)
                 continue
-            if now + profile.predict(candidate.cost) > candidate.deadline:
+            is_probe = candidate.request_id == queue.probe_id  # its siblings run with it, whatever predicted
+            if now + profile.predict(candidate.cost) > candidate.deadline and not is_probe:
                 self._expire(self._take(queue, bucket, flow), expired)
                 continue
             padded = (len(members) + 1) * max(longest, candidate.cost)
             finish = now + profile.predict(padded)
+            if is_probe and padded <= limits.max_batch_cost:
+                finish = min(finish, earliest, candidate.deadline)
             if padded > limits.max_batch_cost or finish > earliest:
                 flows.remove(flow)
                 continue

@@ -67,6 +67,11 @@ class Admitted:
     items: tuple[WorkItem, ...]
 
 
+MIN_PROBE_SLOWDOWN = 2.0
+"""Probes (`Scheduler.admit`) only once the profile's estimate rose this many times over its
+fastest: not for the noise of a device running as usual."""
+
+
 class RejectReason(enum.StrEnum):
     OVERLOADED = "overloaded"
     """The work queued ahead would make the request miss its deadline."""
@@ -97,10 +102,13 @@ class Scheduler:
 
     def __init__(self, clock: Clock, *, drain_halflife_s: float = 2.0,
                  min_class_shares: Mapping[Priority, float] = DEFAULT_MIN_CLASS_SHARES,
-                 background_ride_share: float = 0.02, background_quiet_arrivals: float = 0.05) -> None:
+                 background_ride_share: float = 0.02, background_quiet_arrivals: float = 0.05,
+                 probe_interval_s: float = 5.0) -> None:
         """`background_ride_share` and `background_quiet_arrivals`: how far background (batch job)
-        items yield to online work; see `backlog.py`."""
+        items yield to online work; see `backlog.py`. `probe_interval_s`: at most one probe per
+        model in this long (`admit`)."""
         self._clock = clock
+        self._probe_interval_s = probe_interval_s
         self._backlog = Backlog(FairShare(), ClassShares(min_class_shares), ride_share=background_ride_share,
                                 quiet_arrivals=background_quiet_arrivals)
         self._queues = self._backlog.queues
@@ -151,7 +159,12 @@ class Scheduler:
         - DEADLINE_UNREACHABLE: alone on an idle device it would still finish after `deadline`
           (but not, while the model's latency profile is provisional, on a device idle now: it
           runs at once, and its batch corrects a prediction that no batch could correct if every
-          request were refused on it);
+          request were refused on it; nor, at most once per `probe_interval_s` per model, on a
+          device idle now, when it would fit the device at its fastest and only the profile's
+          estimate, raised `MIN_PROBE_SLOWDOWN` times or more (`LatencyProfile.slowdown`), refuses
+          it: after a real slowdown that is over, such a probe is the only batch that can bring
+          the estimate back down; a probe that ran faster than predicted lets the next request
+          probe at once);
         - QUEUE_FULL: its tenant would have more than `max_queue_items` items queued in its class
           (a cap per flow, so that neither a flood of lower-class work nor another tenant's
           flood can lock a request out; tenants are bounded by configuration);
@@ -182,7 +195,8 @@ class Scheduler:
         estimate = queue.estimate(costs)
         is_busy = background or self._running is not None or not self._backlog.is_empty
         if math.isnan(deadline) or deadline <= now or (
-                now + estimate.alone_s > deadline and (is_busy or not queue.profile.is_provisional)):
+                now + estimate.alone_s > deadline and (is_busy or not queue.profile.is_provisional)
+                and not self._probes(queue, request_id, estimate, now, deadline, is_busy)):
             return Rejected(RejectReason.DEADLINE_UNREACHABLE, 0.0)
         num_queued = self._fair.num_queued(priority, tenant)
         num_over = num_queued + len(costs) - queue.batching.max_queue_items
@@ -205,6 +219,19 @@ class Scheduler:
         self._backlog.push(key, request_id, items)
         self._demand.add(priority, tenant, sum(works_s), now)
         return Admitted(items)
+
+    def _probes(self, queue: ModelQueue, request_id: int, estimate: Estimate, now: float, deadline: float,
+                is_busy: bool) -> bool:
+        """Whether to admit, as a probe, a request refused only by the profile's raised estimate
+        (see `admit`); marks it as the queue's probe if so."""
+        if is_busy or now - queue.last_probe_at < self._probe_interval_s:
+            return False
+        if queue.profile.slowdown < MIN_PROBE_SLOWDOWN:
+            return False
+        if now + estimate.alone_s / queue.profile.slowdown > deadline:
+            return False  # too tight even for the device at its fastest: not the estimate's doing
+        queue.probe_id, queue.last_probe_at = request_id, now
+        return True
 
     def _fits_first_batches(self, key: ModelKey, queue: ModelQueue, estimate: Estimate, now: float,
                             deadline: float) -> bool:
@@ -253,7 +280,12 @@ class Scheduler:
         if batch is not self._running:
             raise RuntimeError("batch_done() for a batch that is not running")
         self._running = None
-        self._queues[batch.model].profile.observe(batch.padded_cost, exec_s)
+        queue = self._queues[batch.model]
+        if queue.probe_id is not None and any(item.request_id == queue.probe_id for item in batch.items):
+            queue.probe_id = None
+            if exec_s < batch.predicted_s:  # the device is faster than thought: probe again at once
+                queue.last_probe_at = -math.inf
+        queue.profile.observe(batch.padded_cost, exec_s)
         self._update_drain_rate(self._clock.now(), exec_s)
         measured_s = max(exec_s, 0.0) if math.isfinite(exec_s) else batch.predicted_s
         self._backlog.account(batch, measured_s)

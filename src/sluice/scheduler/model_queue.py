@@ -31,6 +31,7 @@ fit one batch.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -116,6 +117,10 @@ class ModelQueue:
         self.batching = batching
         self.profile = profile
         self.num_items = 0
+        self.probe_id: int | None = None
+        """A request admitted though the profile predicts it late (`Scheduler.admit`'s probe):
+        it runs whatever the prediction says, while its deadline has not passed."""
+        self.last_probe_at = -math.inf
         self._buckets: dict[int, _Bucket] = {}
         self._num_dead = 0
         self._sums: list[int] = [0, 0, 0, 0, 0]  # the buckets' terms, summed

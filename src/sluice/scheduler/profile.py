@@ -33,6 +33,9 @@ from collections.abc import Sequence
 OUTLIER_FACTOR = 4.0
 """A batch is learned as taking at most this many times its predicted time (see the module's docstring)."""
 
+SETTLED_OBSERVATIONS = 30
+"""`slowdown` compares with fits from this many batches on: the first fits swing with every batch."""
+
 PROVISIONAL_SHARE = 0.25
 """A profile is provisional while its warm-up timings weigh more than this share of its real batches."""
 
@@ -74,6 +77,9 @@ class LatencyProfile:
         self.alpha_s = alpha_s
         self.beta_s = beta_s
         self.num_observations = 0
+        self._reference_cost = reference_cost
+        self._fastest_s = math.inf
+        """The lowest prediction at `reference_cost` since the fit settled (`slowdown`)."""
         if fastest:
             self._refit()
 
@@ -84,6 +90,17 @@ class LatencyProfile:
         of the doubt (`Scheduler.admit`). False for a profile without warm-up timings."""
         return self._warmup.s0 > PROVISIONAL_SHARE * self._data.s0
 
+    @property
+    def slowdown(self) -> float:
+        """How many times slower the profile predicts the device now than at its fastest since its
+        fit settled (`SETTLED_OBSERVATIONS` batches, measurements outweighing the prior), at the
+        reference cost: 1.0 when it never was faster. Admission
+        uses it to tell a request that fits a device at its usual speed, refused only because
+        the estimate went up, from one too tight for the model (`Scheduler.admit`'s probes)."""
+        if not math.isfinite(self._fastest_s) or self._fastest_s <= 0:
+            return 1.0
+        return max(self.predict(self._reference_cost) / self._fastest_s, 1.0)
+
     def predict(self, padded_cost: float) -> float:
         """Predicted execution time, in seconds, of a batch of this padded cost."""
         return self.alpha_s + self.beta_s * padded_cost
@@ -93,7 +110,7 @@ class LatencyProfile:
         slower than predicted counts as `OUTLIER_FACTOR` times the prediction."""
         if not (0 <= seconds < math.inf and 0 <= padded_cost < math.inf):
             return
-        if self._data.s0 + self._warmup.s0 >= self._prior.s0:  # a prediction of its own, not the prior's
+        if self._is_measured:
             predicted_s = self.predict(padded_cost)
             if predicted_s > 0:
                 seconds = min(seconds, OUTLIER_FACTOR * predicted_s)
@@ -103,6 +120,13 @@ class LatencyProfile:
         self._data.add(padded_cost, seconds, 1.0)
         self.num_observations += 1
         self._refit()
+        if self._is_measured and self.num_observations >= SETTLED_OBSERVATIONS:
+            self._fastest_s = min(self._fastest_s, self.predict(self._reference_cost))
+
+    @property
+    def _is_measured(self) -> bool:
+        """Its predictions are its own: measurements (batches, warm-up) outweigh the prior."""
+        return self._data.s0 + self._warmup.s0 >= self._prior.s0
 
     def _refit(self) -> None:
         sums = self._data.plus(self._prior).plus(self._warmup)
