@@ -97,6 +97,14 @@ def _routing_option(command: F) -> F:
                              "that worker is busier than another.")(command)
 
 
+def _graceful_timeout_option(command: F) -> F:
+    """How long a stopping server waits for requests in flight, shared by `serve` and `gateway`."""
+    return click.option("--graceful-timeout", "graceful_timeout_s", type=click.FloatRange(min=0.0), default=30.0,
+                        metavar="SECONDS",
+                        help="On SIGTERM, how long requests in flight may take to finish; those still running "
+                             "then get a 503 (code server_shutting_down) and the server exits.")(command)
+
+
 def _poll_tenants_option(command: F) -> F:
     """Reloading the tenants file when it changes, shared by `serve` and `gateway`."""
     return click.option("--poll-tenants", "poll_tenants_s", type=click.FloatRange(min=0.1), default=None,
@@ -174,6 +182,7 @@ def main() -> None:
 @_memory_option
 @_access_log_option
 @_poll_tenants_option
+@_graceful_timeout_option
 @click.option("--poll-repository", "poll_repository_s", type=click.FloatRange(min=0.1), default=None,
               metavar="SECONDS", help="Look for changes in the model repository this often and load the models "
                                       "that changed. Default: only on `sluice models load`.")
@@ -183,7 +192,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
           grpc_port: int | None, ssl_certfile: Path | None, ssl_keyfile: Path | None,
           ssl_ca_certs: Path | None, prefix_affinity: bool, model_memory_mb: int | None,
           load_concurrency: int | None, access_log: bool, poll_tenants_s: float | None,
-          poll_repository_s: float | None) -> None:
+          graceful_timeout_s: float, poll_repository_s: float | None) -> None:
     """Start the embedded server: an HTTP gateway and supervised worker processes."""
     _metrics_dir()
     _no_grpc_fork_handlers()
@@ -205,7 +214,7 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
                          tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
                          poll_repository_s=poll_repository_s, poll_tenants_s=poll_tenants_s,
                          model_memory_mb=model_memory_mb, load_concurrency=load_concurrency,
-                         api=ApiConfig(access_log=access_log))
+                         graceful_timeout_s=graceful_timeout_s, api=ApiConfig(access_log=access_log))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:
@@ -231,11 +240,12 @@ def serve(models_dir: Path | None, host: str, port: int, num_workers: int | None
 @_routing_option
 @_access_log_option
 @_poll_tenants_option
+@_graceful_timeout_option
 def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int, tenants_file: Path | None,
             log_level: str, data_dir: Path | None, jobs_db: str | None, limits_redis: str | None, cache_mb: int,
             cache_ttl_s: float, cache_redis: str | None, grpc_port: int | None, ssl_certfile: Path | None,
             ssl_keyfile: Path | None, ssl_ca_certs: Path | None, prefix_affinity: bool, access_log: bool,
-            poll_tenants_s: float | None) -> None:
+            poll_tenants_s: float | None, graceful_timeout_s: float) -> None:
     """Run a gateway in front of workers started elsewhere with `sluice worker --bind ...`."""
     import uvloop
 
@@ -255,7 +265,8 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
                          limits_redis=_redis_url(limits_redis),
                          cache=_cache_config(cache_mb, cache_ttl_s, cache_redis), grpc_port=grpc_port,
                          tls=_tls_config(ssl_certfile, ssl_keyfile, ssl_ca_certs), prefix_affinity=prefix_affinity,
-                         poll_tenants_s=poll_tenants_s, api=ApiConfig(access_log=access_log))
+                         poll_tenants_s=poll_tenants_s, graceful_timeout_s=graceful_timeout_s,
+                         api=ApiConfig(access_log=access_log))
     try:
         uvloop.run(run(config))
     except ConfigError as exc:

@@ -20,7 +20,8 @@
      │    ├── ModelNotReady      no ready replica serves the model
      │    ├── ModelVersionUnavailable no version of the model's traffic split is served
      │    ├── Overloaded         queued work would make it miss its deadline
-     │    └── WorkerLost         the worker died while the request was running
+     │    ├── WorkerLost         the worker died while the request was running
+     │    └── ShuttingDown       the server stopped, its drain grace period over
      └── DeadlineExceeded        the deadline passed before the result was ready -> 504
 
 Expected outcomes inside the core (a rejected admission, a full queue) are values; these
@@ -146,6 +147,11 @@ class Overloaded(Unavailable):
 
 class WorkerLost(Unavailable):
     """The worker executing the request died; the request may be retried."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is shutting down (SIGTERM) and its grace period for requests in flight ended
+    before this one did; the request may be retried elsewhere."""
 
 
 class DeviceFailed(Unavailable):

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import urllib.parse
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -289,10 +289,11 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
     server = _Server(uvicorn.Config(
         asgi_app, host=config.host, port=config.port, loop="uvloop",
         http=stamping_protocol(clock, asgi_app.answer_early, config.body_timeout_s, asgi_app.refused),
-        access_log=False, log_config=None, timeout_graceful_shutdown=int(config.graceful_timeout_s), backlog=4096,
+        access_log=False, log_config=None, backlog=4096,
+        timeout_graceful_shutdown=math.ceil(config.graceful_timeout_s + ANSWER_AFTER_GRACE_S),
         timeout_keep_alive=config.keep_alive_s, headers=[("keep-alive", f"timeout={config.keep_alive_s}")],
         **(config.tls.uvicorn_options if config.tls is not None else {}),  # type: ignore[arg-type]
-    ))
+    ), config.graceful_timeout_s, gateway.end_grace)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.handle_exit, sig, None)
@@ -372,12 +373,33 @@ async def _open_job_store(config: ServeConfig, run_dir: Path) -> JobStore:
     return SqliteJobStore(config.data_dir or run_dir / "data")
 
 
+ANSWER_AFTER_GRACE_S = 2.0
+"""After the grace period, how long requests still in flight have to send their 503 before the
+HTTP server closes their connections."""
+
+
 class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful shutdown; a drained sluice exits 0 instead."""
+    """uvicorn re-raises SIGTERM after its graceful shutdown; a drained sluice exits 0 instead.
+
+    When the grace period (`grace_s`) ends with requests still in flight, `on_grace_ended` ends
+    them with a 503 (`ShuttingDown`); uvicorn, whose own timeout is `ANSWER_AFTER_GRACE_S`
+    longer, would otherwise cancel them and drop their connections."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float, on_grace_ended: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._grace_s = grace_s
+        self._on_grace_ended = on_grace_ended
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self._grace_s, self._on_grace_ended)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 async def _announce(config: ServeConfig, server: uvicorn.Server, gateway: Gateway, devices: list[str],

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from sluice.exposition import Scrape
 from tests.conftest import wait_workers_ready, write_emulated_model
@@ -238,6 +239,67 @@ def test_sigterm_while_streaming_finishes_every_stream_then_exits(make_server, t
     for thread in threads:
         thread.join(timeout=90)
     assert sorted(outcomes.values()) == [("finished", 120)] * 3, outcomes
+    assert server.process.wait(timeout=60) == 0
+
+
+def test_requests_still_running_when_the_grace_period_ends_get_a_503_saying_so(make_server, tmp_path):
+    """A batch that takes longer than the shutdown's grace period: its requests are answered 503
+    `server_shutting_down`, in the OpenAI envelope, not cut off with their connection."""
+    repo = write_emulated_model(tmp_path / "models", slo_ms=60000, alpha_ms=20000, beta_ms=1)
+    server = make_server(repo, "--graceful-timeout", "1")
+
+    async def scenario() -> list[httpx.Response]:
+        async def stop_later() -> None:
+            await asyncio.sleep(0.5)
+            server.process.send_signal(signal.SIGTERM)
+
+        stopper = asyncio.create_task(stop_later())
+        responses = await _fire(server.url, 2, 0.0)
+        await stopper
+        return responses
+
+    started = time.monotonic()
+    responses = asyncio.run(scenario())
+    assert time.monotonic() - started < 10, "answered when the grace period ended, not when the batch did"
+    for response in responses:
+        assert response.status_code == 503, response.text
+        assert "shutting down" in response.json()["error"]  # KServe's shape: a message
+    assert server.process.wait(timeout=30) == 0
+
+
+def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event(make_server, tmp_path):
+    import openai
+
+    from tests.conftest import write_tiny_lm_model
+
+    server = make_server(write_tiny_lm_model(tmp_path / "models", max_num_seqs=2), "--graceful-timeout", "0.5")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    received = 0
+    with pytest.raises(openai.APIError) as raised:
+        for _ in client.completions.create(model="tiny", prompt="story", max_tokens=1000, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            received += 1
+            if received == 2:
+                server.process.send_signal(signal.SIGTERM)
+    assert 2 <= received < 1000
+    assert "shutting down" in raised.value.message
+    assert getattr(raised.value, "code", None) in (None, "server_shutting_down")
+    assert server.process.wait(timeout=60) == 0
+
+
+def test_an_unstreamed_completion_still_running_when_the_grace_period_ends_gets_a_503(make_server, tmp_path):
+    import openai
+
+    from tests.conftest import write_tiny_lm_model
+
+    server = make_server(write_tiny_lm_model(tmp_path / "models", max_num_seqs=2), "--graceful-timeout", "0.5")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    threading.Timer(1.0, server.process.send_signal, (signal.SIGTERM,)).start()
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model="tiny", prompt="story", max_tokens=1000, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert raised.value.status_code == 503
+    assert raised.value.code == "server_shutting_down"
     assert server.process.wait(timeout=60) == 0
 
 

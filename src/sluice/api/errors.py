@@ -36,6 +36,7 @@ from sluice.errors import (
     PayloadTooLarge,
     PermissionDenied,
     RateLimited,
+    ShuttingDown,
     SluiceError,
     Unauthenticated,
     Unavailable,
@@ -74,6 +75,7 @@ _TABLE: tuple[tuple[type[SluiceError], Status], ...] = (
     (ModelNotReady, Status(503, "server_error", "model_not_ready")),
     (ModelVersionUnavailable, Status(503, "server_error", "model_version_unavailable")),
     (WorkerLost, Status(503, "server_error", "worker_lost")),
+    (ShuttingDown, Status(503, "server_error", "server_shutting_down")),
     (Unavailable, Status(503, "server_error", "unavailable")),
     (DeadlineExceeded, Status(504, "timeout", "deadline_exceeded")),
 )

@@ -246,6 +246,16 @@ class WorkerConnection:
         future.add_done_callback(lambda _: self._syncs.pop(sync_id, None))
         return future
 
+    def abandon_in_flight(self) -> None:
+        """Resolve every request in flight with None, and tell the worker to drop them: the
+        server is shutting down and will not wait for them."""
+        abandoned = list(self._in_flight.values())
+        self._in_flight.clear()
+        if abandoned:
+            self._send_now(wire.Cancel([in_flight.submit.request_id for in_flight in abandoned]))
+        for in_flight in abandoned:
+            in_flight.resolve(None)
+
     def cancel(self, request_id: int) -> None:
         if self._in_flight.pop(request_id, None) is not None:
             self._send_now(wire.Cancel([request_id]))

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from sluice import wire
 from sluice.clock import Clock
-from sluice.errors import DeadlineExceeded, ModelNotReady, WorkerLost
+from sluice.errors import DeadlineExceeded, ModelNotReady, ShuttingDown, WorkerLost
 from sluice.gateway import router
 from sluice.gateway.admission import excess_s, overloaded
 from sluice.gateway.config import GatewayConfig
@@ -47,6 +47,7 @@ class Dispatcher:
         self._ejections = ejections
         self._affinity = router.PrefixAffinity()
         self._next_id = 0
+        self._is_past_grace = False
 
     async def dispatch(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
         tried_lost = False
@@ -135,6 +136,7 @@ class Dispatcher:
         self._next_id += 1
         request_id = self._next_id
         while True:
+            self._check_past_grace()
             now = self._clock.now()
             if now >= ticket.deadline:
                 if tried_lost:
@@ -156,8 +158,22 @@ class Dispatcher:
                 return connection, in_flight
             await asyncio.sleep(self._config.redispatch_poll_s)  # not connected at this instant
 
+    def end_grace(self) -> None:
+        """The server is shutting down and its grace period is over: every request still in
+        flight ends now with `ShuttingDown` (a 503 its client can retry elsewhere), rather than
+        with its connection dropped when the server exits."""
+        self._is_past_grace = True
+        for connection in list(self._connections.values()):
+            connection.abandon_in_flight()
+
+    def _check_past_grace(self) -> None:
+        if self._is_past_grace:
+            raise ShuttingDown("the server is shutting down and its grace period for requests in flight "
+                               "ended before this one finished; retry it", retry_after_s=1.0)
+
     def _check_restartable(self, connection: WorkerConnection, in_flight: InFlight) -> None:
         """The worker was lost with the request: send it again only if it had not started."""
+        self._check_past_grace()
         if in_flight.is_started:
             raise WorkerLost(f"worker {connection.worker_id} died while executing this request; "
                              "it was not completed", retry_after_s=1.0)

@@ -86,6 +86,11 @@ class Gateway:
         for connection in self._connections.values():
             connection.set_weights(weights)
 
+    def end_grace(self) -> None:
+        """The shutdown's grace period is over: requests still in flight end with `ShuttingDown`."""
+        self.is_draining = True
+        self._dispatcher.end_grace()
+
     def worker_lost(self, worker_id: str) -> None:
         """Called when a worker process is known to have died (e.g. by the supervisor)."""
         connection = self._connections.get(worker_id)
