@@ -66,7 +66,7 @@ class Dispatcher:
                         continue
                 ticket.used(result)
                 return interpret(connection.served(info), result)
-            self._check_restartable(connection, in_flight)
+            self._check_restartable(info, in_flight)
             tried_lost = True
 
     async def whole(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
@@ -126,7 +126,7 @@ class Dispatcher:
                 ticket.used(result)
                 yield interpret(connection.served(info), result)
                 return
-            self._check_restartable(connection, in_flight)
+            self._check_restartable(info, in_flight)
             tried_lost = True
 
     async def _send(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket,
@@ -140,8 +140,9 @@ class Dispatcher:
             now = self._clock.now()
             if now >= ticket.deadline:
                 if tried_lost:
-                    raise WorkerLost("the worker serving this model died and none recovered before the "
-                                     "request's deadline", retry_after_s=1.0)
+                    raise WorkerLost(f"the worker serving model {info.name!r} (version {info.version}) stopped "
+                                     "(it crashed or was killed) and none took its place before this request's "
+                                     "deadline; it was not charged: retry it", retry_after_s=1.0)
                 raise DeadlineExceeded("deadline passed before a worker could take the request")
             connection = self.choose(info, ticket, payload, avoid)
             if connection is None:
@@ -171,12 +172,18 @@ class Dispatcher:
             raise ShuttingDown("the server is shutting down and its grace period for requests in flight "
                                "ended before this one finished; retry it", retry_after_s=1.0)
 
-    def _check_restartable(self, connection: WorkerConnection, in_flight: InFlight) -> None:
-        """The worker was lost with the request: send it again only if it had not started."""
+    def _check_restartable(self, info: wire.ModelInfo, in_flight: InFlight) -> None:
+        """The worker was lost with the request: send it again only if it had not started. The
+        client's error says what happened in its terms (the gateway's log names the worker)."""
         self._check_past_grace()
         if in_flight.is_started:
-            raise WorkerLost(f"worker {connection.worker_id} died while executing this request; "
-                             "it was not completed", retry_after_s=1.0)
+            model = f"model {info.name!r} (version {info.version})"
+            if in_flight.chunks is not None:  # a stream: what it sent counts
+                raise WorkerLost(f"the worker serving {model} stopped (it crashed or was killed) while generating "
+                                 "this stream, which ended early; only the tokens sent were charged: retry it",
+                                 retry_after_s=1.0)
+            raise WorkerLost(f"the worker serving {model} stopped (it crashed or was killed) while running this "
+                             "request, which did not complete; it was not charged: retry it", retry_after_s=1.0)
         self._metrics.redispatched(1)
 
     def _is_recovering(self, info: wire.ModelInfo) -> bool:
