@@ -150,3 +150,10 @@ def test_the_banners_examples_send_a_key_when_the_server_asks_for_one():
     assert any(line.startswith(f'  sluice top --url {url} --key "$SLUICE_METRICS_KEY"') for line in keyed)
     tenant_only = _examples(url, models, needs_key=True)
     assert f"  curl {url}/metrics" in tenant_only  # /metrics is open unless [metrics] access = "keys"
+
+
+def test_the_banner_counts_every_worker_started_with_several_on_one_device(make_server, tmp_path):
+    server = make_server(write_emulated_model(tmp_path / "models", alpha_ms=1), "--workers", "3", "--device", "cpu")
+    [line] = [line for line in _banner(server) if "listening on" in line]
+    assert line.endswith("with 3 worker(s) on cpu"), line
+    assert len(server.worker_pids()) == 3

@@ -442,8 +442,10 @@ def _host(host: str) -> str:
 
 
 def _banner(url: str, gateway: Gateway, devices: list[str], grpc_url: str | None = None) -> list[str]:
+    """`devices` says where the workers are (one entry per worker started here); the count is the
+    workers the gateway has, which with a registry are those found there, not its one entry."""
     lines = [f"[bold]sluice {__version__}[/bold] listening on [cyan]{url}[/cyan] "
-             f"with {len(devices)} worker(s) on {', '.join(sorted(set(devices)))}"]
+             f"with {gateway.num_workers()} worker(s) on {', '.join(sorted(set(devices)))}"]
     if grpc_url is not None:
         lines.append(f"  KServe v2 over gRPC on [cyan]{grpc_url}[/cyan] (tritonclient.grpc, KServe's client)")
     models = gateway.models()

@@ -202,3 +202,24 @@ def test_a_worker_named_with_worker_and_found_in_the_registry_is_connected_once(
         assert httpx.post(f"{url}/v2/models/emulated/infer", json=BODY).status_code == 200
     finally:
         stop_all(processes)
+
+
+def test_the_gateways_banner_counts_the_workers_it_found_in_the_registry(tmp_path: Path, redis_url: str) -> None:
+    registry = redis_url.rsplit("/", 1)[0] + "/7"
+    redis.Redis.from_url(registry).flushdb()
+    repo = write_emulated_model(tmp_path / "models", alpha_ms=2, beta_ms=0.1)
+    processes = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--id", name, "--bind",
+                                   f"tcp://127.0.0.1:{free_port()}", "--models", str(repo), "--registry", registry])
+                 for name in ("a", "b")]
+    log_path = tmp_path / "gateway.log"
+    try:
+        eventually(lambda: len(redis.Redis.from_url(registry).keys(f"{PREFIX}*")) >= 2, "both workers to register",
+                   timeout_s=60.0)
+        processes.append(subprocess.Popen([sys.executable, "-m", "sluice", "gateway", "--registry", registry,
+                                           "--port", str(free_port())], stdout=log_path.open("wb"),
+                                          stderr=subprocess.STDOUT))
+        eventually(lambda: "listening on" in log_path.read_text(), "the banner", timeout_s=60.0)
+        [line] = [line for line in log_path.read_text().splitlines() if "listening on" in line]
+        assert "with 2 worker(s) on those registered in redis://" in line, line
+    finally:
+        stop_all(processes)

@@ -143,6 +143,10 @@ class Gateway:
     def _replicas(self, info: wire.ModelInfo) -> tuple[WorkerConnection, ...]:
         return self.catalog.indexed().replicas.get((info.name, info.version), ())
 
+    def num_workers(self) -> int:
+        """Workers this gateway sends to: its own, those named, those found in the registry."""
+        return len(self._connections)
+
     def ready_workers(self) -> list[WorkerConnection]:
         return [c for c in self._connections.values() if c.is_ready]
 
