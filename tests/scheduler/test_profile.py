@@ -155,8 +155,18 @@ def test_one_outlier_batch_raises_the_estimate_by_at_most_a_few_times():
 
 def test_a_sustained_slowdown_is_still_learned():
     profile = _learned(LatencyProfile(0.004, 0.00002, 128), 128, 0.010, 200)
-    _learned(profile, 128, 0.100, 150)  # the device really got 10x slower
-    assert profile.predict(128) > 0.05
+    _learned(profile, 128, 0.100, 30)  # the device really got 10x slower (a busy host)
+    assert profile.predict(128) > 0.025  # as an unclamped profile learns it: only the first is clamped
+    _learned(profile, 128, 0.100, 150)
+    assert profile.predict(128) > 0.07
+
+
+def test_an_outlier_after_normal_batches_is_clamped_again():
+    profile = _learned(LatencyProfile(0.004, 0.00002, 128), 128, 0.010, 200)
+    for _ in range(5):  # now and then a GC pause, between normal batches
+        profile.observe(128, 1.0)
+        _learned(profile, 128, 0.010, 10)
+    assert profile.predict(128) < 0.013
 
 
 def test_the_first_batches_correct_a_prior_that_was_far_off():

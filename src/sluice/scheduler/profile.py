@@ -18,8 +18,9 @@ One batch far slower than predicted (a garbage-collection pause, a worker frozen
 learned as at most `OUTLIER_FACTOR` times its prediction, once the profile's measurements outweigh
 its prior: unclamped, a single 100x outlier would raise the estimate enough for admission to
 refuse every request as unable to meet its deadline, and with no batch running nothing would
-bring it back down. A real slowdown is still learned, each batch raising the estimate by up to
-that factor's share, over several batches.
+bring it back down. Only a lone outlier is clamped: the next batch, if it too is that slow, is a
+real slowdown (a busy host, a throttled device) and is learned as measured, as is every slow batch
+after it, so a sustained slowdown is learned about as fast as without the clamp.
 
 Invariants: `alpha_s >= 0`, `beta_s >= 0`, both finite, so `predict` is non-negative and
 non-decreasing in cost.
@@ -78,6 +79,8 @@ class LatencyProfile:
         self.beta_s = beta_s
         self.num_observations = 0
         self._reference_cost = reference_cost
+        self._is_after_outlier = False
+        """The last batch was an outlier (`observe`): another one in a row is a real slowdown."""
         self._fastest_s = math.inf
         """The lowest prediction at `reference_cost` since the fit settled (`slowdown`)."""
         if fastest:
@@ -106,14 +109,15 @@ class LatencyProfile:
         return self.alpha_s + self.beta_s * padded_cost
 
     def observe(self, padded_cost: float, seconds: float) -> None:
-        """Fold in one measured batch. Negative or non-finite measurements are ignored; one far
-        slower than predicted counts as `OUTLIER_FACTOR` times the prediction."""
+        """Fold in one measured batch. Negative or non-finite measurements are ignored; a lone one
+        far slower than predicted counts as `OUTLIER_FACTOR` times the prediction."""
         if not (0 <= seconds < math.inf and 0 <= padded_cost < math.inf):
             return
-        if self._is_measured:
-            predicted_s = self.predict(padded_cost)
-            if predicted_s > 0:
-                seconds = min(seconds, OUTLIER_FACTOR * predicted_s)
+        ceiling_s = OUTLIER_FACTOR * self.predict(padded_cost)
+        is_outlier = self._is_measured and 0 < ceiling_s < seconds
+        if is_outlier and not self._is_after_outlier:
+            seconds = ceiling_s
+        self._is_after_outlier = is_outlier
         self._data.scale(self._decay)
         self._prior.scale(self._prior_fade)
         self._warmup.scale(self._warmup_fade)
