@@ -52,7 +52,7 @@ def _fire_while_killing(
 def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(make_server, tmp_path):
     repo = write_emulated_model(tmp_path / "models", slo_ms=5000, alpha_ms=20, beta_ms=1)
     server = make_server(repo, "--workers", "2")
-    wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2, model="emulated")
     responses = _fire_while_killing(server.url, server.worker_pids()[0], 0.5, 300, 0.005)
     statuses = [r.status_code for r in responses]
     assert len(responses) == 300, "every request got an answer"
@@ -64,7 +64,7 @@ def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(ma
             assert message.startswith("the worker serving model 'emulated' (version 1) stopped"), message
             assert "it was not charged: retry it" in message, message
             assert "retry-after" in response.headers
-    wait_workers_ready(server.url, 2)
+    wait_workers_ready(server.url, 2, model="emulated")
     assert len(server.worker_pids()) == 2, "the supervisor restarted the killed worker"
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "sluice_worker_restarts_total 1.0" in metrics
