@@ -411,6 +411,10 @@ class TokenChunk(msgspec.Struct, tag="chunk"):
     """Which choice the text is of, when n > 1."""
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids as the model read them, on a stream's first chunk, if asked (`return_token_ids`)."""
+    is_last: bool = False
+    """The generation's last chunk (it ended by stop or length; its result follows): Triton's
+    streams mark their last answer final with its text. Never set by a worker that cannot tell
+    (an upstream server's stream)."""
 
 
 class TenantWeights(msgspec.Struct, tag="weights"):

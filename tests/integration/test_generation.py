@@ -554,3 +554,68 @@ def test_a_kserve_grpc_stream_with_stream_true_answers_chunk_by_chunk_as_tritons
     assert final["parameters"]["triton_final_response"] == {"bool_param": True} and not final.get("outputs")
     texts = [base64.b64decode(chunk["raw_output_contents"][0])[4:].decode() for chunk in chunks]
     assert "".join(texts) == expected["choices"][0]["text"]
+
+
+def test_kserve_grpc_streams_interleaved_on_one_stream_each_end_final_and_cancel_frees_them(grpc_server):
+    """Three streamed generations and a whole one on one ModelStreamInfer stream: each request's
+    chunks, by its id, are its own completion and its last says `triton_final_response` (as
+    Triton's vLLM backend marks its last answer, no empty final answer asked); the whole one gets
+    its one answer. Cancelling the stream mid-generation frees its sequences on the worker."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    server, port = grpc_server
+
+    def inputs(prompt: str, is_stream: bool) -> list:
+        tensors = [triton_grpc.InferInput("text_input", [1], "BYTES"), triton_grpc.InferInput("stream", [1], "BOOL")]
+        tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        tensors[1].set_data_from_numpy(np.array([is_stream], dtype=bool))
+        return tensors
+
+    texts: dict[str, list[str]] = {}
+    finals: list[str] = []
+    errors: list[Exception] = []
+    all_final = threading.Event()
+
+    def collect(result, error):
+        if error is not None:
+            errors.append(error)
+            return
+        response = result.get_response()
+        texts.setdefault(response.id, []).extend(v.decode() for v in result.as_numpy("text_output"))
+        if "triton_final_response" not in response.parameters or \
+                response.parameters["triton_final_response"].bool_param:
+            finals.append(response.id)
+        if len(finals) == 4:
+            all_final.set()
+
+    prompts = {"a": "The weather today is", "b": "Once upon a time", "c": "Hello there", "whole": "Tell me"}
+    sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        client.start_stream(callback=collect)
+        for request_id, prompt in prompts.items():
+            client.async_stream_infer(MODEL, inputs(prompt, request_id != "whole"), request_id=request_id,
+                                      parameters={**sampling, "exclude_input_in_output": True})
+        assert all_final.wait(60), (texts, finals, errors)
+        client.stop_stream()
+        assert not errors and sorted(finals) == sorted(prompts)
+        for request_id, prompt in prompts.items():
+            expected = httpx.post(f"{server.url}/v1/completions", timeout=60, headers={"Cache-Control": "no-cache"},
+                                  json={"model": MODEL, "prompt": prompt, **sampling}).json()["choices"][0]["text"]
+            assert "".join(texts[request_id]) == expected, request_id
+            assert len(texts[request_id]) == 1 if request_id == "whole" else len(texts[request_id]) > 1
+
+        cancelled = _num_cancelled(server)
+        texts.clear()
+        client.start_stream(callback=collect)
+        for request_id in ("x", "y"):
+            client.async_stream_infer(MODEL, inputs("Keep going", True), request_id=request_id,
+                                      parameters={"max_tokens": 800, "temperature": 0.8, "ignore_eos": True})
+        eventually(lambda: len(texts.get("x", [])) > 2 and len(texts.get("y", [])) > 2, "both streams to start")
+        eventually(lambda: _gauge(server, "vllm:num_requests_running") == 2, "both sequences in the gauge")
+        client.stop_stream(cancel_requests=True)
+        eventually(lambda: _gauge(server, "vllm:num_requests_running") == 0, "the cancelled stream's sequences ended")
+        eventually(lambda: _num_cancelled(server) == cancelled + 2, "the two cancelled requests were not counted")
+    finally:
+        client.close()

@@ -284,8 +284,24 @@ def test_a_choice_that_fails_ends_the_request_and_withdraws_the_others():
     assert result.outcome is wire.Outcome.FAILED and result.request_id == 60
     assert loop.aborted == ["6"]  # the one still running; choice 2 had ended
     (chunk,) = [reply for reply in replies if isinstance(reply, wire.TokenChunk)]
-    assert chunk.index == 2 and chunk.text == "x"
+    assert chunk.index == 2 and chunk.text == "x" and not chunk.is_last  # the other choices were running
     assert not generations
+
+
+def test_a_streamed_generations_chunk_that_ends_it_by_stop_or_length_says_it_is_the_last():
+    """The gateway marks that answer final (Triton's `triton_final_response`) from it."""
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+    for internal_id in (1, 2):
+        submit = wire.Submit(internal_id, "tiny", "1", wire.GeneratePayload(prompt="hi", stream=True), 5.0, "a", 1)
+        assert generations.submit(internal_id, b"gw", submit, _Loop())  # type: ignore[arg-type]
+    generations.on_outputs([RequestOutput("1", (5,), "a", False, None, 3, 0, 1),
+                            RequestOutput("2", (6,), "b", False, None, 3, 0, 1)], 0.01, {"1": 1, "2": 1})
+    generations.on_outputs([RequestOutput("1", (7,), "", True, "stop", 3, 0, 2),
+                            RequestOutput("2", (8,), "c", False, None, 3, 0, 2)], 0.01, {"1": 1, "2": 1})
+    chunks = [(reply.request_id, reply.text, reply.is_last) for reply in replies if isinstance(reply, wire.TokenChunk)]
+    assert chunks == [(1, "a", False), (2, "b", False), (1, "", True), (2, "c", False)]
 
 
 def test_an_unknown_tool_call_parser_refuses_the_model_with_the_choices(tmp_path: Path):

@@ -114,16 +114,26 @@ async def generate_text(gateway: Gateway, who: Caller, info: wire.ModelInfo, req
     return texts, results[0].headers
 
 
+@dataclass(frozen=True, slots=True)
+class TextChunk:
+    """A streamed generation's new text."""
+
+    text: str
+    is_last: bool
+    """The generation's last chunk (its text may be empty): Triton marks that answer final. False
+    throughout where the worker cannot tell (an upstream server's stream): the stream's end says it."""
+
+
 async def stream_text(gateway: Gateway, who: Caller, info: wire.ModelInfo, request: TextRequest,
-                      timeout_s: float | None, arrived_at: float) -> AsyncGenerator[str, None]:
+                      timeout_s: float | None, arrived_at: float) -> AsyncGenerator[TextChunk, None]:
     """A streamed request's new text, chunk by chunk; closing it early withdraws the generation."""
     (events,) = generations(gateway, who, info, request.payloads, timeout_s, arrived_at)
     try:
         async for event in events:
             if isinstance(event, InferResult):
                 return
-            if event.text:
-                yield event.text
+            if event.text or event.is_last:
+                yield TextChunk(event.text, event.is_last)
         raise RuntimeError("a generation ended without a result")
     finally:
         await events.aclose()

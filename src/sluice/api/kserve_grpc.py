@@ -427,8 +427,8 @@ class KServeGrpc:
     async def _infer(self, request: Any, call: _Call, arrived_at: float, time_remaining_s: float | None,
                      chunk: Callable[[Message], None] | None = None) -> tuple[Message | None, dict[str, str]]:
         """The answer to `request` and its trailing metadata. `chunk`, on a stream, takes a
-        streamed generation's answers as they come; its last answer is then returned (None if
-        the client did not ask for Triton's empty final response)."""
+        streamed generation's answers as they come; its last answer is then returned (None when
+        the last chunk, sent to `chunk`, was that final answer)."""
         gateway = self._gateway
         tenant = call.tenant = inference_tenant(call.key, gateway.tenancy)
         info = call.info = gateway.resolve(request.model_name, request.model_version or None,
@@ -470,14 +470,22 @@ class KServeGrpc:
             texts, headers = await generate_text(gateway, who, info, text, deadline_s, arrived_at)
             return _response(info, request.id, text_output(texts), names, classes), headers or {}
         assert chunk is not None
+        # As Triton's LLM backends: the last chunk is the final answer, text and all; with an empty
+        # final answer asked for, that comes after the text instead. A stream whose last chunk was
+        # not known as such (an upstream server's) ends with the empty final answer either way.
+        wants_empty_final = parameters.get(EMPTY_FINAL_RESPONSE) is True
+        is_ended = False
         async with aclosing(stream_text(gateway, who, info, text, deadline_s, arrived_at)) as pieces:
             async for piece in pieces:
-                chunk(_response(info, request.id, text_output([piece]), names, classes, is_final=False))
-        if parameters.get(EMPTY_FINAL_RESPONSE) is True:
-            final = _InferResponse(model_name=info.name, model_version=info.version, id=request.id)
-            final.parameters[FINAL_RESPONSE].bool_param = True  # type: ignore[attr-defined]
-            return final, {}
-        return None, {}
+                is_ended = piece.is_last and not wants_empty_final
+                if piece.text or is_ended:
+                    chunk(_response(info, request.id, text_output([piece.text]), names, classes,
+                                    is_final=is_ended))
+        if is_ended:
+            return None, {}
+        final = _InferResponse(model_name=info.name, model_version=info.version, id=request.id)
+        final.parameters[FINAL_RESPONSE].bool_param = True  # type: ignore[attr-defined]
+        return final, {}
 
     def _caller(self, call: _Call, tenant: str, priority: Priority | None, tokens: float = 0.0,
                 likely_tokens: float | None = None, *, is_traced: bool = False) -> Caller:

@@ -61,6 +61,7 @@ from sluice.api.kserve_generate import (
     STREAM,
     TEXT_INPUT,
     TEXT_OUTPUT,
+    TextChunk,
     TextRequest,
     build_text_request,
     generate_text,
@@ -171,14 +172,16 @@ async def _one_event(answer: dict[str, Any]) -> AsyncIterator[bytes]:
     yield _event(answer)
 
 
-async def _events(head: dict[str, Any], first: str | None, chunks: AsyncGenerator[str, None],
+async def _events(head: dict[str, Any], first: TextChunk | None, chunks: AsyncGenerator[TextChunk, None],
                   scope: Scope) -> AsyncIterator[bytes]:
     """One event per chunk of text; an error after the first byte is an error event, then the end."""
     try:
         if first is not None:
-            yield _event({**head, TEXT_OUTPUT: first})
+            if first.text:
+                yield _event({**head, TEXT_OUTPUT: first.text})
             async for chunk in chunks:
-                yield _event({**head, TEXT_OUTPUT: chunk})
+                if chunk.text:
+                    yield _event({**head, TEXT_OUTPUT: chunk.text})
     except Exception as exc:  # SluiceError: the client's or the fleet's; anything else: a bug, still a clean end
         stream_failed(scope, exc)
         if not isinstance(exc, SluiceError):

@@ -355,9 +355,11 @@ class Generations:
         choice.num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
         if generation.is_streamed and output.new_token_ids:
             prompt_token_ids, generation.prompt_token_ids = generation.prompt_token_ids, None
+            is_last = output.is_finished and output.finish_reason in ("stop", "length") and all(
+                other.finish_reason is not None for i, other in enumerate(generation.choices) if i != index)
             self._reply(generation.identity, wire.TokenChunk(
                 generation.gateway_request_id, text, token_ids, output.num_prompt_tokens, output.num_cached_tokens,
-                generation.device_s, logprobs, prompt, index, prompt_token_ids))
+                generation.device_s, logprobs, prompt, index, prompt_token_ids, is_last))
         else:
             choice.parts.append(text)
             if choice.token_ids is not None:
