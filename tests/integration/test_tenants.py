@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 ROOMY = {"X-Request-Timeout-Ms": "30000"}
 
 KEYS = {name: new_key() for name in ("alpha", "beta", "tiny", "tokens", "budget", "slow", "bulk", "stream", "single",
-                                  "emoji", "prose", "one-at-a-time")}
+                                  "emoji", "prose", "one-at-a-time", "generate")}
 ADMIN_KEY = new_key()
 METRICS_KEY = new_key()
 
@@ -91,6 +91,11 @@ models = ["emulated"]
 [tenants.one-at-a-time]
 api_keys = ["{hash_key(KEYS['one-at-a-time'])}"]
 max_concurrent = 1
+
+[tenants.generate]
+api_keys = ["{hash_key(KEYS['generate'])}"]
+requests_per_min = 2
+models = ["tiny-lm"]
 """
 
 
@@ -330,6 +335,32 @@ def test_kserve_generations_one_after_another_stay_within_a_concurrency_of_one(s
             answer = grpc_client.infer("tiny-lm", [text], parameters={"max_tokens": 2},
                                        headers={"authorization": auth["Authorization"]})
             assert len(answer.as_numpy("text_output")) == 1
+
+
+def test_tritons_generate_routes_answer_the_tenants_keys_and_limits_in_kserves_shape(server):
+    """/generate and /generate_stream: no key 401, a model the key may not use 403, over the
+    requests limit 429 with Retry-After, all as KServe's `{"error": ...}`; a stream carries the
+    tenant's x-ratelimit-* headers as a whole answer does."""
+    url = f"{server.url}/v2/models/tiny-lm"
+    body = {"text_input": "Hi", "max_tokens": 2}
+    for route in ("generate", "generate_stream"):
+        unknown = httpx.post(f"{url}/{route}", json=body, timeout=60)
+        assert unknown.status_code == 401 and "API key" in unknown.json()["error"]
+        forbidden = httpx.post(f"{url}/{route}", json=body, timeout=60,
+                               headers={"Authorization": f"Bearer {KEYS['beta']}"})
+        assert forbidden.status_code == 403 and forbidden.json() == {
+            "error": "this API key may not use the model 'tiny-lm'"}
+    with httpx.Client(headers={"Authorization": f"Bearer {KEYS['generate']}", **ROOMY}, timeout=60) as client:
+        whole = client.post(f"{url}/generate", json=body)
+        assert whole.status_code == 200 and whole.headers["x-ratelimit-remaining-requests"] == "1"
+        with client.stream("POST", f"{url}/generate_stream", json=body) as stream:
+            assert stream.status_code == 200 and [line for line in stream.iter_lines() if line]
+            assert stream.headers["x-ratelimit-limit-requests"] == "2"
+            assert stream.headers["x-ratelimit-remaining-requests"] == "0"
+        for route in ("generate", "generate_stream"):
+            limited = client.post(f"{url}/{route}", json=body)
+            assert limited.status_code == 429 and int(limited.headers["retry-after"]) > 0
+            assert "requests per minute" in limited.json()["error"] and set(limited.json()) == {"error"}
 
 
 def test_tokens_limit_refuses_without_consuming_a_request(server):

@@ -125,9 +125,11 @@ class TextChunk:
 
 
 async def stream_text(gateway: Gateway, who: Caller, info: wire.ModelInfo, request: TextRequest,
-                      timeout_s: float | None, arrived_at: float) -> AsyncGenerator[TextChunk, None]:
-    """A streamed request's new text, chunk by chunk; closing it early withdraws the generation."""
-    (events,) = generations(gateway, who, info, request.payloads, timeout_s, arrived_at)
+                      timeout_s: float | None, arrived_at: float,
+                      limit_headers: dict[str, str] | None = None) -> AsyncGenerator[TextChunk, None]:
+    """A streamed request's new text, chunk by chunk; closing it early withdraws the generation.
+    `limit_headers`, if given, receives the tenant's `x-ratelimit-*` headers once admitted."""
+    (events,) = generations(gateway, who, info, request.payloads, timeout_s, arrived_at, limit_headers)
     try:
         async for event in events:
             if isinstance(event, InferResult):

@@ -118,14 +118,15 @@ async def _generate(gateway: Gateway, request: Request, body_limit_bytes: int, *
             return json_response(answer, headers=with_version(info, headers))
         return StreamingResponse(_one_event(answer), media_type="text/event-stream",
                                  headers=with_version(info, {**SSE_HEADERS, **(headers or {})}))
-    chunks = stream_text(gateway, who, info, text, deadline_s, arrived_at)
+    limit_headers: dict[str, str] = {}  # the tenant's x-ratelimit-* headers, once admitted
+    chunks = stream_text(gateway, who, info, text, deadline_s, arrived_at, limit_headers)
     try:  # errors before the first byte are HTTP statuses
         first = await unless_gone(request, anext(chunks, None))
     except BaseException:
         await chunks.aclose()
         raise
     return StreamingResponse(_events(head, first, chunks, request.scope), media_type="text/event-stream",
-                             headers=with_version(info, SSE_HEADERS))
+                             headers=with_version(info, {**SSE_HEADERS, **limit_headers}))
 
 
 def _text_request(info: wire.ModelInfo, body: dict[str, Any],
