@@ -448,6 +448,8 @@ def test_triton_generate_answers_the_completions_text_whole_or_streamed(server, 
     ("generate", {"text_input": "Hi", "bad_words": ""}, ["bad_words"]),
     ("generate", {"text_input": "Hi", "stream": True}, ["/generate_stream"]),
     ("generate", {"text_input": "Hi", "sampling_parameters": "[1]"}, ["sampling_parameters"]),
+    ("generate", {"text_input": "Hi", "sampling_parameters": {"max_tokens": 3}}, ["as a string", "'parameters'"]),
+    ("generate", {"text_input": ""}, ["'text_input' must not be empty"]),
     ("generate_stream", {"text_input": "Hi", "parameters": {"temperature": 5}}, ["temperature"]),
     ("generate_stream", {"text_input": "word " * 3000}, ["1024"]),
 ])

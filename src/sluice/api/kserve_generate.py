@@ -81,6 +81,10 @@ def sampling_object(raw: Any) -> dict[str, Any]:
         sampling = json.loads(raw) if isinstance(raw, str) else None
     except ValueError:
         sampling = None
+    if isinstance(raw, dict):  # the generate extension's JSON invites it; Triton's input is BYTES
+        raise InvalidInput(f"{SAMPLING_INPUT!r} must be one JSON object as a string (the backends' BYTES input: "
+                           f"\"sampling_parameters\": \"{{\\\"max_tokens\\\": 16}}\"), not an object; or give "
+                           "its fields in 'parameters'", param=SAMPLING_INPUT)
     if not isinstance(sampling, dict):
         raise InvalidInput(f"input {SAMPLING_INPUT!r} must hold one JSON object", param=SAMPLING_INPUT)
     return sampling
@@ -91,6 +95,8 @@ def build_text_request(info: wire.ModelInfo, prompts: list[str], fields: dict[st
     """The generations of `prompts` with sampling `fields` (the completions API's names)."""
     if not prompts:
         raise InvalidInput(f"input {TEXT_INPUT!r} holds no prompt")
+    if "" in prompts:  # named as the client knows it (the completions API would say 'prompt')
+        raise InvalidInput(f"{TEXT_INPUT!r} must not be empty", param=TEXT_INPUT)
     if is_stream and stream_route is not None:
         raise InvalidInput(f"'stream': true needs a stream of answers: {stream_route}", param=STREAM)
     if is_stream and len(prompts) != 1:
