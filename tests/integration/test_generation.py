@@ -621,3 +621,58 @@ def test_kserve_grpc_streams_interleaved_on_one_stream_each_end_final_and_cancel
         eventually(lambda: _num_cancelled(server) == cancelled + 2, "the two cancelled requests were not counted")
     finally:
         client.close()
+
+
+def test_a_deadline_passing_mid_stream_ends_that_request_with_an_error_and_a_cut_stream_frees_its_sequence(
+        grpc_server):
+    """After the first chunk: on /generate_stream an error event ends the stream; on a gRPC stream
+    that request's answer is the error (by its id) and the stream serves the next request. A
+    /generate_stream client that goes mid-stream has its sequence freed and counted cancelled."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    server, port = grpc_server
+    long = {"text_input": "Keep going", "max_tokens": 1000, "ignore_eos": True, "temperature": 0.8}
+    with httpx.stream("POST", f"{server.url}/v2/models/{MODEL}/generate_stream", timeout=60,
+                      json={**long, "parameters": {"timeout": 2_000_000}}) as stream:  # microseconds
+        events = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines() if line]
+    assert len(events) > 1 and all("text_output" in event for event in events[:-1])
+    assert events[-1] == {"error": "the deadline passed before the generation finished"}
+
+    answers: list[object] = []
+    second_done = threading.Event()
+
+    def collect(result, error):
+        if error is not None:
+            answers.append(("error", str(error)))
+            return
+        response = result.get_response()
+        answers.append((response.id, response.parameters["triton_final_response"].bool_param))
+        if response.id == "after" and answers[-1][1]:
+            second_done.set()
+
+    def inputs(prompt: str) -> list:
+        tensors = [triton_grpc.InferInput("text_input", [1], "BYTES"), triton_grpc.InferInput("stream", [1], "BOOL")]
+        tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        tensors[1].set_data_from_numpy(np.array([True], dtype=bool))
+        return tensors
+
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{port}") as client:
+        client.start_stream(callback=collect)
+        client.async_stream_infer(MODEL, inputs("Keep going"), request_id="late", timeout=2_000_000,
+                                  parameters={"max_tokens": 1000, "ignore_eos": True})
+        eventually(lambda: ("error", "the deadline passed before the generation finished") in answers,
+                   "the late request's error")
+        assert answers.index(("late", False)) < answers.index(("error", "the deadline passed before the "
+                                                                        "generation finished"))
+        client.async_stream_infer(MODEL, inputs("Then"), request_id="after", parameters={"max_tokens": 4})
+        assert second_done.wait(60), answers
+        client.stop_stream()
+
+    cancelled = _num_cancelled(server)
+    with httpx.stream("POST", f"{server.url}/v2/models/{MODEL}/generate_stream", json=long, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        eventually(lambda: _gauge(server, "vllm:num_requests_running") == 1, "the sequence in the gauge")
+    eventually(lambda: _gauge(server, "vllm:num_requests_running") == 0, "the cut stream's sequence kept running")
+    eventually(lambda: _num_cancelled(server) == cancelled + 1, "the cut stream was never counted cancelled")
