@@ -440,6 +440,11 @@ def test_triton_generate_answers_the_completions_text_whole_or_streamed(server, 
     assert all(line.startswith("data: ") for line in lines) and len(events) > 1  # no [DONE]: Triton sends none
     assert all(e["model_name"] == MODEL and e["model_version"] == "1" for e in events)
     assert "".join(e["text_output"] for e in events) == expected
+    # a stop string in the first token: no text, and still an event saying so (it was an empty body)
+    stopped = httpx.post(f"{url}/generate_stream", json={"text_input": prompt, "stop": [expected[0]], **sampling},
+                         headers={"Cache-Control": "no-cache"}, timeout=60)
+    assert stopped.status_code == 200 and stopped.text == (
+        f'data: {{"model_name":"{MODEL}","model_version":"1","text_output":""}}\n\n')
 
 
 @pytest.mark.parametrize("route, body, words", [
@@ -562,7 +567,8 @@ def test_kserve_grpc_streams_interleaved_on_one_stream_each_end_final_and_cancel
     """Three streamed generations and a whole one on one ModelStreamInfer stream: each request's
     chunks, by its id, are its own completion and its last says `triton_final_response` (as
     Triton's vLLM backend marks its last answer, no empty final answer asked); the whole one gets
-    its one answer. Cancelling the stream mid-generation frees its sequences on the worker."""
+    its one answer; one stopped in its first token gets one final answer with no text. Cancelling
+    the stream mid-generation frees its sequences on the worker."""
     import numpy as np
     import tritonclient.grpc as triton_grpc
 
@@ -588,25 +594,30 @@ def test_kserve_grpc_streams_interleaved_on_one_stream_each_end_final_and_cancel
         if "triton_final_response" not in response.parameters or \
                 response.parameters["triton_final_response"].bool_param:
             finals.append(response.id)
-        if len(finals) == 4:
+        if len(finals) == 5:
             all_final.set()
 
     prompts = {"a": "The weather today is", "b": "Once upon a time", "c": "Hello there", "whole": "Tell me"}
     sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    expected = {request_id: httpx.post(f"{server.url}/v1/completions", timeout=60, headers={
+        "Cache-Control": "no-cache"}, json={"model": MODEL, "prompt": prompt, **sampling}).json()["choices"][0]["text"]
+        for request_id, prompt in prompts.items()}
     client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
     try:
         client.start_stream(callback=collect)
         for request_id, prompt in prompts.items():
             client.async_stream_infer(MODEL, inputs(prompt, request_id != "whole"), request_id=request_id,
                                       parameters={**sampling, "exclude_input_in_output": True})
+        # a stop string in its first token: its one answer, final, holds no text
+        client.async_stream_infer(MODEL, inputs(prompts["a"], True), request_id="stopped",
+                                  parameters={**sampling, "stop": expected["a"][0]})
         assert all_final.wait(60), (texts, finals, errors)
         client.stop_stream()
-        assert not errors and sorted(finals) == sorted(prompts)
-        for request_id, prompt in prompts.items():
-            expected = httpx.post(f"{server.url}/v1/completions", timeout=60, headers={"Cache-Control": "no-cache"},
-                                  json={"model": MODEL, "prompt": prompt, **sampling}).json()["choices"][0]["text"]
-            assert "".join(texts[request_id]) == expected, request_id
+        assert not errors and sorted(finals) == sorted([*prompts, "stopped"])
+        for request_id in prompts:
+            assert "".join(texts[request_id]) == expected[request_id], request_id
             assert len(texts[request_id]) == 1 if request_id == "whole" else len(texts[request_id]) > 1
+        assert texts["stopped"] == [""]
 
         cancelled = _num_cancelled(server)
         texts.clear()

@@ -175,13 +175,14 @@ async def _one_event(answer: dict[str, Any]) -> AsyncIterator[bytes]:
 
 async def _events(head: dict[str, Any], first: TextChunk | None, chunks: AsyncGenerator[TextChunk, None],
                   scope: Scope) -> AsyncIterator[bytes]:
-    """One event per chunk of text; an error after the first byte is an error event, then the end."""
+    """One event per chunk of text, and the last chunk's even if empty (a stream that ends before
+    any text still says so); an error after the first byte is an error event, then the end."""
     try:
         if first is not None:
-            if first.text:
+            if first.text or first.is_last:
                 yield _event({**head, TEXT_OUTPUT: first.text})
             async for chunk in chunks:
-                if chunk.text:
+                if chunk.text or chunk.is_last:
                     yield _event({**head, TEXT_OUTPUT: chunk.text})
     except Exception as exc:  # SluiceError: the client's or the fleet's; anything else: a bug, still a clean end
         stream_failed(scope, exc)
