@@ -672,10 +672,10 @@ def test_a_deadline_passing_mid_stream_ends_that_request_with_an_error_and_a_cut
         client.start_stream(callback=collect)
         client.async_stream_infer(MODEL, inputs("Keep going"), request_id="late", timeout=2_000_000,
                                   parameters={"max_tokens": 1000, "ignore_eos": True})
-        eventually(lambda: ("error", "the deadline passed before the generation finished") in answers,
+        eventually(lambda: ("error", "request 'late': the deadline passed before the generation finished") in answers,
                    "the late request's error")
-        assert answers.index(("late", False)) < answers.index(("error", "the deadline passed before the "
-                                                                        "generation finished"))
+        assert answers.index(("late", False)) < answers.index(("error", "request 'late': the deadline passed "
+                                                                        "before the generation finished"))
         client.async_stream_infer(MODEL, inputs("Then"), request_id="after", parameters={"max_tokens": 4})
         assert second_done.wait(60), answers
         client.stop_stream()

@@ -223,7 +223,15 @@ def test_a_stream_answers_every_request_by_id_and_fails_only_the_bad_one(client)
     assert sorted(results) == sorted(inputs)
     for request_id, x in inputs.items():
         np.testing.assert_allclose(results[request_id], x.sum(axis=1), rtol=1e-5)
-    assert len(errors) == 1 and "INPUT0" in errors[0]
+    assert len(errors) == 1 and "INPUT0" in errors[0] and errors[0].startswith("request 'bad': ")
+
+
+def test_a_failed_request_on_a_raw_stream_is_answered_by_id_and_final(stub):
+    request = raw_request("emulated", rows(1), id="bad")
+    request.inputs[0].name = "WRONG"
+    (answer,) = stub.ModelStreamInfer(iter([request]), metadata=tuple(auth().items()), timeout=30)
+    assert answer.error_message.startswith("request 'bad': ") and answer.infer_response.id == "bad"
+    assert answer.infer_response.parameters["triton_final_response"].bool_param
 
 
 def test_keys_are_required_and_models_are_scoped(client, stub):

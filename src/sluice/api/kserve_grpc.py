@@ -13,7 +13,8 @@
     ModelStreamInfer                              Triton's: many requests on one stream, each
                                                   answered (by `id`) as soon as it is done; a
                                                   generation with `stream` true, as Triton's
-                                                  decoupled LLM backends, chunk by chunk
+                                                  decoupled LLM backends, chunk by chunk; a failed
+                                                  request's message starts with its `id`
 
 What `tritonclient.grpc` and KServe's client send works unchanged: inputs in `raw_input_contents`
 (tritonclient's default) or in typed `contents`; outputs always go back raw, which is where
@@ -388,10 +389,7 @@ class KServeGrpc:
                 self._log("ModelStreamInfer", one, request, arrived_at, exc)
                 if not isinstance(exc, SluiceError):
                     log.exception("gRPC ModelStreamInfer request %r failed", request.id)
-                answers.put_nowait((_StreamResponse(
-                    error_message=exc.message if isinstance(exc, SluiceError) else "internal server error",
-                    infer_response=_InferResponse(model_name=request.model_name,
-                                                  model_version=request.model_version, id=request.id)), True))
+                answers.put_nowait((_stream_error(request, exc), True))
 
         async def read() -> None:
             try:
@@ -591,6 +589,17 @@ def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload, name
     if is_final is not None:
         response.parameters[FINAL_RESPONSE].bool_param = is_final  # type: ignore[attr-defined]
     return response
+
+
+def _stream_error(request: Any, error: Exception) -> Message:
+    """A stream's answer to a request that failed: its message (naming the request's `id`, which
+    tritonclient hands its callback the message alone of), its `id`, and `triton_final_response`
+    true, since nothing more comes for it (a streamed generation may have sent chunks before)."""
+    message = error.message if isinstance(error, SluiceError) else "internal server error"
+    response = _InferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    response.parameters[FINAL_RESPONSE].bool_param = True  # type: ignore[attr-defined]
+    return _StreamResponse(error_message=f"request {request.id!r}: {message}" if request.id else message,
+                           infer_response=response)
 
 
 def _metadata(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
