@@ -279,7 +279,8 @@ def test_with_continuous_usage_stats_every_chunk_carries_the_counts_so_far(serve
     """vLLM's `stream_options.continuous_usage_stats` (sent by agent frameworks and RL rollouts):
     every chunk's usage counts the prompt and the tokens generated so far, never less than the
     chunk before, and ends at the final usage."""
-    body = {"model": MODEL, **extra, "max_tokens": 5, "ignore_eos": True, "stream": True,
+    # greedy: a sampled token can end inside a character, whose text (and chunk) waits for the next
+    body = {"model": MODEL, **extra, "max_tokens": 5, "ignore_eos": True, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
