@@ -49,6 +49,22 @@ def _fire_while_killing(
     return asyncio.run(scenario())
 
 
+def _fire_while_stopping(server, count: int, stop_after_s: float) -> list[httpx.Response]:
+    """Send `count` requests at once and SIGTERM the server `stop_after_s` into them."""
+
+    async def scenario() -> list[httpx.Response]:
+        async def stop_later() -> None:
+            await asyncio.sleep(stop_after_s)
+            server.process.send_signal(signal.SIGTERM)
+
+        stopper = asyncio.create_task(stop_later())
+        responses = await _fire(server.url, count, 0.0)
+        await stopper
+        return responses
+
+    return asyncio.run(scenario())
+
+
 def test_kill_9_worker_under_load_every_request_answered_and_service_recovers(make_server, tmp_path):
     repo = write_emulated_model(tmp_path / "models", slo_ms=5000, alpha_ms=20, beta_ms=1)
     server = make_server(repo, "--workers", "2")
@@ -92,17 +108,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(make_server, tmp_path):
 
     server = make_server(repo)
 
-    async def scenario() -> list[httpx.Response]:
-        async def stop_later() -> None:
-            await asyncio.sleep(0.3)
-            server.process.send_signal(signal.SIGTERM)
-
-        stopper = asyncio.create_task(stop_later())
-        responses = await _fire(server.url, 8, 0.0)
-        await stopper
-        return responses
-
-    responses = asyncio.run(scenario())
+    responses = _fire_while_stopping(server, 8, 0.3)
     assert [r.status_code for r in responses] == [200] * 8, "in-flight work finished during the drain"
     assert server.process.wait(timeout=30) == 0
     try:
@@ -251,18 +257,8 @@ def test_requests_still_running_when_the_grace_period_ends_get_a_503_saying_so(m
     repo = write_emulated_model(tmp_path / "models", slo_ms=60000, alpha_ms=20000, beta_ms=1)
     server = make_server(repo, "--graceful-timeout", "1")
 
-    async def scenario() -> list[httpx.Response]:
-        async def stop_later() -> None:
-            await asyncio.sleep(0.5)
-            server.process.send_signal(signal.SIGTERM)
-
-        stopper = asyncio.create_task(stop_later())
-        responses = await _fire(server.url, 2, 0.0)
-        await stopper
-        return responses
-
     started = time.monotonic()
-    responses = asyncio.run(scenario())
+    responses = _fire_while_stopping(server, 2, 0.5)
     assert time.monotonic() - started < 10, "answered when the grace period ended, not when the batch did"
     for response in responses:
         assert response.status_code == 503, response.text
