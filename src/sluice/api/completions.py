@@ -287,7 +287,7 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
     try:
         if shape.is_chat:
             for index in range(shape.num_choices):
-                yield _event(shape.role_chunk(index))
+                yield sse_data(shape.role_chunk(index))
         async for p, event in events:
             if isinstance(event, InferResult):
                 payload = event.payload
@@ -295,28 +295,28 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
                 finals.append(payload)
                 shape.count(p, payload)
                 for chunk in shape.finish_chunks(p, payload):
-                    yield _event(chunk)
+                    yield sse_data(chunk)
                 continue
             shape.count(p, event)
             shape.add_token_ids(p, event)
             if event.prompt is not None:  # with the prompt's first token: each of its choices starts with it
                 for index in range(p * n, p * n + n):
-                    yield _event(shape.echo(event.prompt, index))
+                    yield sse_data(shape.echo(event.prompt, index))
             if event.text or (shape.logprobs is not None and event.logprobs):
                 delta = shape.delta(event.text, None, event.logprobs, p * n + event.index)
                 if delta is not None:
-                    yield _event(delta)
+                    yield sse_data(delta)
         if shape.include_usage:
-            yield _event(shape.usage_chunk(finals))
+            yield sse_data(shape.usage_chunk(finals))
     except SluiceError as exc:  # after the first byte: an error event, then the end of the stream
         if scope is not None:
             stream_failed(scope, exc)
-        yield _event(error_body(exc))
+        yield sse_data(error_body(exc))
     except Exception as exc:  # a bug: the client still gets an error event and a clean end
         log.exception("internal error while streaming %s", shape.id)
         if scope is not None:
             stream_failed(scope, exc)
-        yield _event(error_body(exc))
+        yield sse_data(error_body(exc))
     finally:
         await events.aclose()
         for stream in streams:
@@ -324,5 +324,6 @@ async def _sse(shape: ResponseShape, events: AsyncGenerator[tuple[int, wire.Toke
     yield b"data: [DONE]\n\n"
 
 
-def _event(content: Any) -> bytes:
+def sse_data(content: Any) -> bytes:
+    """One Server-Sent Event carrying `content` as JSON."""
     return b"data: " + msgspec.json.encode(content) + b"\n\n"

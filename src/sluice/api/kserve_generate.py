@@ -69,7 +69,7 @@ def text_request(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[s
     if SAMPLING_INPUT in by_name:
         given = texts_of(by_name[SAMPLING_INPUT])
         fields.update(sampling_object(given[0] if len(given) == 1 else None))
-    flags = {name: _bool_input(by_name[name]) if name in by_name else _flag(parameters, name)
+    flags = {name: _bool_input(by_name[name]) if name in by_name else flag(parameters, name)
              for name in (STREAM, EXCLUDE_INPUT)}
     return build_text_request(info, texts_of(by_name[TEXT_INPUT]), fields, is_stream=flags[STREAM] or False,
                               exclude_input=flags[EXCLUDE_INPUT] or False, stream_route=stream_route)
@@ -162,7 +162,8 @@ def _bool_input(tensor: Tensor) -> bool:
     return bool(values.flat[0])
 
 
-def _flag(given: dict[str, Any], name: str) -> bool | None:
+def flag(given: dict[str, Any], name: str) -> bool | None:
+    """A boolean field of `given` (None if absent); a 400 naming it if it is not true or false."""
     value = given.get(name)
     if value is not None and not isinstance(value, bool):
         raise InvalidInput(f"{name!r} must be true or false", param=name)

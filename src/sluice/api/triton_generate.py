@@ -27,7 +27,6 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -50,7 +49,7 @@ from sluice.api.common import (
     unless_gone,
     with_version,
 )
-from sluice.api.completions import SSE_HEADERS
+from sluice.api.completions import SSE_HEADERS, sse_data
 from sluice.api.errors import error_body
 from sluice.api.kserve import request_terms
 from sluice.api.kserve_generate import (
@@ -64,6 +63,7 @@ from sluice.api.kserve_generate import (
     TextChunk,
     TextRequest,
     build_text_request,
+    flag,
     generate_text,
     sampling_object,
     stream_text,
@@ -151,7 +151,7 @@ def _text_request(info: wire.ModelInfo, body: dict[str, Any],
     fields = {name: value for name, value in {**parameters, **given}.items() if name in SAMPLING_NAMES}
     if SAMPLING_INPUT in given:
         fields.update(sampling_object(given[SAMPLING_INPUT]))
-    flags = {name: _flag({**parameters, **given}, name) for name in (STREAM, EXCLUDE_INPUT)}
+    flags = {name: flag({**parameters, **given}, name) for name in (STREAM, EXCLUDE_INPUT)}
     stream = is_stream_route if flags[STREAM] is None else bool(flags[STREAM])
     text = build_text_request(info, [prompt], fields, is_stream=stream, exclude_input=bool(flags[EXCLUDE_INPUT]),
                               stream_route=None if is_stream_route else f"POST /v2/models/{info.name}/generate_stream")
@@ -162,15 +162,8 @@ def _element(value: Any) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def _flag(given: dict[str, Any], name: str) -> bool | None:
-    value = given.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise InvalidInput(f"{name!r} must be true or false", param=name)
-    return value
-
-
 async def _one_event(answer: dict[str, Any]) -> AsyncIterator[bytes]:
-    yield _event(answer)
+    yield sse_data(answer)
 
 
 async def _events(head: dict[str, Any], first: TextChunk | None, chunks: AsyncGenerator[TextChunk, None],
@@ -180,18 +173,14 @@ async def _events(head: dict[str, Any], first: TextChunk | None, chunks: AsyncGe
     try:
         if first is not None:
             if first.text or first.is_last:
-                yield _event({**head, TEXT_OUTPUT: first.text})
+                yield sse_data({**head, TEXT_OUTPUT: first.text})
             async for chunk in chunks:
                 if chunk.text or chunk.is_last:
-                    yield _event({**head, TEXT_OUTPUT: chunk.text})
+                    yield sse_data({**head, TEXT_OUTPUT: chunk.text})
     except Exception as exc:  # SluiceError: the client's or the fleet's; anything else: a bug, still a clean end
         stream_failed(scope, exc)
         if not isinstance(exc, SluiceError):
             log.exception("internal error while streaming a generate request")
-        yield _event(error_body(exc, "kserve"))
+        yield sse_data(error_body(exc, "kserve"))
     finally:
         await chunks.aclose()  # withdraws the generation if we stopped early (client gone)
-
-
-def _event(content: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(content) + b"\n\n"
