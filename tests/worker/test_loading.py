@@ -80,3 +80,36 @@ def test_a_load_that_raises_refuses_the_version_alone(tmp_path):
         assert outcome.reason == "loading failed: MemoryError: out of device memory"
 
     asyncio.run(main())
+
+
+_LOAD_AND_REPORT = """
+import gc, json, sys
+from pathlib import Path
+from sluice.worker.main import RepositorySource, WorkerConfig, scan_models
+config = WorkerConfig("w", "inproc://w", Path(sys.argv[1]))
+report = {}
+for version in sorted(scan_models(config)[0], key=lambda v: v.kind != "emulated"):
+    frozen = gc.get_freeze_count()
+    loaded = RepositorySource(config).load(version)
+    report[version.kind] = {"loaded": type(loaded).__name__, "torch": "torch" in sys.modules,
+                            "frozen_more": gc.get_freeze_count() > frozen}
+print(json.dumps(report))
+"""
+
+
+def test_a_worker_imports_torch_only_when_it_loads_a_model_built_on_it(tmp_path):
+    """A worker of emulated (or upstream, ONNX...) models starts without torch, seconds sooner and
+    hundreds of MB smaller; the first generative load brings it, and freezes its module graph out
+    of the garbage collector's full walks as start-up's objects are."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import write_tiny_lm_model
+
+    repo = write_tiny_lm_model(write_emulated_model(tmp_path / "models"))
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_REPORT, str(repo)], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=Path(__file__).parents[2])
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["emulated"] == {"loaded": "LoadedModel", "torch": False, "frozen_more": False}
+    assert report["generative"] == {"loaded": "LoadedModel", "torch": True, "frozen_more": True}

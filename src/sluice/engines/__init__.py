@@ -3,6 +3,6 @@
     load_runner(version, device) -> Runner
 """
 
-from sluice.engines.base import ItemFailure, PreparedItem, Runner, load_runner
+from sluice.engines.base import ItemFailure, PreparedItem, Runner, is_generative, load_runner
 
-__all__ = ["ItemFailure", "PreparedItem", "Runner", "load_runner"]
+__all__ = ["ItemFailure", "PreparedItem", "Runner", "is_generative", "load_runner"]

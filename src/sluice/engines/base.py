@@ -10,15 +10,21 @@ whole batch failed; the worker then bisects the batch to isolate the poisoned it
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from sluice import wire
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from sluice.engines.generative.runner import GenerativeRunner
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,18 @@ def share_of(total: int, share: Share) -> int:
     up to `total` (never below 1 each, so more workers than calls slightly exceed it)."""
     index, count = share
     return max(total // count + (1 if index < total % count else 0), 1)
+
+
+TORCH_KINDS = frozenset({"generative", "embedding"})
+"""Runner kinds built on torch (a `python` model may import it itself)."""
+
+
+def is_generative(runner: object) -> TypeIs[GenerativeRunner]:
+    """Whether `runner` is a generative model's engine, without importing the engine: it brings
+    torch (2-3 s of a worker's start), which a worker that serves no generative model never needs.
+    No runner can be one before `load_runner` has imported the module."""
+    module = sys.modules.get("sluice.engines.generative.runner")
+    return module is not None and isinstance(runner, module.GenerativeRunner)
 
 
 def load_runner(version: ModelVersion, device: str, share: Share = (0, 1)) -> Runner:

@@ -22,20 +22,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from sluice import wire
 from sluice.clock import Clock
 from sluice.engines.device_gate import DEVICE_GATE
-from sluice.engines.generative.engine import RequestOutput
-from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration, prompt_chars
-from sluice.engines.generative.sequence import TokenLogprobs
-from sluice.engines.generative.tokenizer import Tokenizer
+from sluice.engines.generative.tokenizer import prompt_chars
 from sluice.errors import InvalidInput
 from sluice.priority import Priority, priority_from_wire
 
+if TYPE_CHECKING:  # the engine brings torch: imported once a generative model is loaded (engines.load_runner)
+    from sluice.engines.generative.engine import RequestOutput
+    from sluice.engines.generative.runner import GenerativeRunner, PreparedGeneration
+    from sluice.engines.generative.sequence import TokenLogprobs
+    from sluice.engines.generative.tokenizer import Tokenizer
+
 log = logging.getLogger("sluice.worker")
 
-OnOutputs = Callable[[list[RequestOutput], float, dict[str, int]], None]
+OnOutputs = Callable[[list["RequestOutput"], float, dict[str, int]], None]
 """(a step's outputs, its seconds, the tokens it computed for each sequence)"""
 
 RefusedWork = Callable[[str, str, float], None]

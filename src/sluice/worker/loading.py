@@ -26,15 +26,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sluice import wire
-from sluice.engines.base import Runner
+from sluice.engines.base import Runner, is_generative
 from sluice.engines.device_gate import DEVICE_GATE
-from sluice.engines.generative.runner import GenerativeRunner
 from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 from sluice.repository import ModelVersion
 from sluice.scheduler.batcher import ModelKey
+
+if TYPE_CHECKING:
+    from sluice.engines.generative.runner import GenerativeRunner
 
 log = logging.getLogger("sluice.worker")
 
@@ -80,7 +82,7 @@ def warm_up(model: LoadedModel) -> list[tuple[int, float]]:
     """Run a model's warm-up (it runs the model: off the event loop once the worker serves); a
     batch runner's timed warm-up batches, (cost, seconds)."""
     runner = model.runner
-    if isinstance(runner, GenerativeRunner):
+    if is_generative(runner):
         runner.warmup()
         return []
     if isinstance(runner, OpenAIUpstreamRunner):

@@ -19,7 +19,7 @@ from pathlib import Path
 from sluice import wire
 from sluice.clock import MonotonicClock
 from sluice.engines import load_runner
-from sluice.engines.base import Share
+from sluice.engines.base import TORCH_KINDS, Share
 from sluice.engines.device_gate import one_load_at_a_time
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
@@ -96,6 +96,13 @@ class RepositorySource:
 
     def load(self, version: ModelVersion) -> LoadedModel | wire.RefusedModel:
         """Verify and load one version, or say why not."""
+        if version.kind in TORCH_KINDS and "torch" not in sys.modules:
+            # torch is imported by the first load that needs it (a worker of other models starts
+            # without it, seconds sooner); its module graph is then taken out of the garbage
+            # collector's full walks, as start-up's objects were (before this version's own objects)
+            import torch  # noqa: F401
+
+            settle_garbage_collector()
         try:
             if version.generator == "tiny-lm":
                 from sluice.engines.generative.tiny import ensure_tiny_lm

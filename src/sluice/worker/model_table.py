@@ -14,13 +14,13 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from sluice import wire
 from sluice.clock import Clock
-from sluice.engines.base import Runner
-from sluice.engines.generative.runner import GenerativeRunner
+from sluice.engines.base import Runner, is_generative
 from sluice.engines.openai_upstream import OpenAIUpstreamRunner
 from sluice.metrics import WorkerMetrics
 from sluice.repository import ModelVersion
@@ -30,6 +30,9 @@ from sluice.worker.generation import GenerationLoop, OnOutputs
 from sluice.worker.loading import LoadedModel
 from sluice.worker.outbox import Outbox
 from sluice.worker.upstream import UpstreamLoop
+
+if TYPE_CHECKING:
+    from sluice.engines.generative.runner import GenerativeRunner
 
 log = logging.getLogger("sluice.worker")
 
@@ -78,7 +81,7 @@ class ModelTable:
     def register(self, key: ModelKey, model: LoadedModel, timings: list[tuple[int, float]]) -> None:
         """Serve a loaded, warmed-up model version (its engine's loop starts in `attach`)."""
         runner = model.runner
-        if isinstance(runner, GenerativeRunner):
+        if is_generative(runner):
             self.generators[key] = runner
             self._metrics.engine_started(*key, runner.engine.stats())
         elif isinstance(runner, OpenAIUpstreamRunner):

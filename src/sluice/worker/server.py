@@ -25,13 +25,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from sluice import transport, wire
 from sluice.clock import Clock
 from sluice.engines.base import ItemFailure, ItemOutput
-from sluice.engines.generative.engine import RequestOutput
 from sluice.errors import ConfigError
 from sluice.metrics import WorkerMetrics
 from sluice.repository import ModelVersion
@@ -44,6 +44,9 @@ from sluice.worker.loading import LoadedModel, ModelSource, warm_up
 from sluice.worker.model_table import ModelTable
 from sluice.worker.outbox import Outbox
 from sluice.worker.syncing import DEFAULT_LOAD_CONCURRENCY, ModelSyncer
+
+if TYPE_CHECKING:
+    from sluice.engines.generative.engine import RequestOutput
 
 log = logging.getLogger("sluice.worker")
 

@@ -40,10 +40,11 @@ from sluice.engines.base import num_threads_of
 from sluice.engines.generative.config import EngineConfig
 from sluice.engines.generative.engine import LLMEngine, context_length_message
 from sluice.engines.generative.sequence import SamplingParams
+from sluice.engines.generative.tokenizer import prompt_chars
 from sluice.errors import ConfigError, InvalidInput
 from sluice.repository import ModelVersion
 
-__all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration", "prompt_chars"]
+__all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration"]
 
 TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2",
                      "granite", "internlm", "phi4_mini_json", "qwen3_coder", "glm45")
@@ -51,9 +52,6 @@ TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic", "deepse
 
 MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
-MESSAGE_CHARS = 16
-"""What a chat template writes around each message, at least (`<|im_start|>user\n` ... `<|im_end|>\n`
-is 25 characters; sluice's default template's `<|user|>\n` ... `\n`, 10); at least one token."""
 
 _ENGINE_PARAMS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
                   "max_model_len", "scheduling", "static_reserve", "gpu_memory_utilization", "cuda_graphs")
@@ -264,12 +262,3 @@ def _parsed(arguments: str) -> Any:
     except ValueError:
         return arguments
 
-
-def prompt_chars(payload: wire.GeneratePayload | wire.TokenizePayload) -> int:
-    """The prompt's length in characters, before any tokenization. Messages: their contents and
-    `MESSAGE_CHARS` for each (its role's markers, which the chat template writes), so a
-    conversation of many short messages is rendered off the worker's event loop, and refused
-    untokenized when it is far too long, as a long text is."""
-    if payload.messages is not None:
-        return sum(m.num_chars for m in payload.messages) + MESSAGE_CHARS * len(payload.messages)
-    return len(payload.prompt or "")

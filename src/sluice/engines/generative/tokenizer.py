@@ -24,9 +24,10 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from sluice import wire
 from sluice.errors import ConfigError
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "Detokenizer", "StopChecker", "Tokenizer"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "MESSAGE_CHARS", "Detokenizer", "StopChecker", "Tokenizer", "prompt_chars"]
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
@@ -36,6 +37,9 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 """Used when the model folder has no `chat_template`: the tools (if any) as JSON, then each
 message as `<|role|>\\ncontent\\n`, an assistant's tool calls as JSON after its content."""
+MESSAGE_CHARS = 16
+"""What a chat template writes around each message, at least (`<|im_start|>user\n` ... `<|im_end|>\n`
+is 25 characters; sluice's default template's `<|user|>\n` ... `\n`, 10); at least one token."""
 
 _GIL_FREE_ENCODE_CHARS = 4096
 """Longer texts are encoded with the GIL released, so tokenizing one on a worker thread does not
@@ -242,3 +246,13 @@ class StopChecker:
                 return len(self._text) - at
         self._hold_from = len(self._text)
         return 0
+
+
+def prompt_chars(payload: wire.GeneratePayload | wire.TokenizePayload) -> int:
+    """The prompt's length in characters, before any tokenization. Messages: their contents and
+    `MESSAGE_CHARS` for each (its role's markers, which the chat template writes), so a
+    conversation of many short messages is rendered off the worker's event loop, and refused
+    untokenized when it is far too long, as a long text is."""
+    if payload.messages is not None:
+        return sum(m.num_chars for m in payload.messages) + MESSAGE_CHARS * len(payload.messages)
+    return len(payload.prompt or "")
