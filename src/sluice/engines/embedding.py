@@ -248,7 +248,7 @@ def _torch_device(device: str, model_name: str) -> torch.device:
 
 
 def _load_model(weights_dir: Path, model_name: str) -> Any:
-    transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no tqdm bars in logs
+    transformers.logging.disable_progress_bar()  # no tqdm bars in logs
     try:
         return transformers.AutoModel.from_pretrained(str(weights_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
