@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from sluice.exposition import Scrape
-from tests.conftest import wait_workers_ready, write_emulated_model
+from tests.conftest import eventually, metric_total, wait_workers_ready, write_emulated_model
 
 BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]}
 
@@ -266,39 +266,40 @@ def test_requests_still_running_when_the_grace_period_ends_get_a_503_saying_so(m
     assert server.process.wait(timeout=30) == 0
 
 
-def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event(make_server, tmp_path):
+def test_generations_still_running_when_the_grace_period_ends_get_an_error_event_or_a_503(make_server, tmp_path):
+    """A stream then ends with an SSE error event, an unstreamed completion with a 503
+    `server_shutting_down`, in the OpenAI envelope: neither is cut off with its connection."""
     import openai
 
     from tests.conftest import write_tiny_lm_model
 
     server = make_server(write_tiny_lm_model(tmp_path / "models", max_num_seqs=2), "--graceful-timeout", "0.5")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    ask = {"model": "tiny", "prompt": "story", "max_tokens": 1000, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    unstreamed: list[Exception] = []
+
+    def whole() -> None:
+        try:
+            client.completions.create(**ask)
+        except Exception as exc:  # looked at below
+            unstreamed.append(exc)
+
+    thread = threading.Thread(target=whole)
+    thread.start()
     received = 0
     with pytest.raises(openai.APIError) as raised:
-        for _ in client.completions.create(model="tiny", prompt="story", max_tokens=1000, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
+        for _ in client.completions.create(**ask, stream=True):
             received += 1
             if received == 2:
+                eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name="tiny") == 2,
+                           "the unstreamed completion never ran beside the stream")
                 server.process.send_signal(signal.SIGTERM)
+    thread.join(timeout=60)
     assert 2 <= received < 1000
     assert "shutting down" in raised.value.message
     assert getattr(raised.value, "code", None) in (None, "server_shutting_down")
-    assert server.process.wait(timeout=60) == 0
-
-
-def test_an_unstreamed_completion_still_running_when_the_grace_period_ends_gets_a_503(make_server, tmp_path):
-    import openai
-
-    from tests.conftest import write_tiny_lm_model
-
-    server = make_server(write_tiny_lm_model(tmp_path / "models", max_num_seqs=2), "--graceful-timeout", "0.5")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
-    threading.Timer(1.0, server.process.send_signal, (signal.SIGTERM,)).start()
-    with pytest.raises(openai.APIStatusError) as raised:
-        client.completions.create(model="tiny", prompt="story", max_tokens=1000, temperature=0,
-                                  extra_body={"ignore_eos": True})
-    assert raised.value.status_code == 503
-    assert raised.value.code == "server_shutting_down"
+    assert len(unstreamed) == 1 and isinstance(unstreamed[0], openai.APIStatusError), unstreamed
+    assert unstreamed[0].status_code == 503 and unstreamed[0].code == "server_shutting_down"
     assert server.process.wait(timeout=60) == 0
 
 
