@@ -46,9 +46,7 @@ import random
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from sluice import wire
 from sluice.circuit import CircuitBreaker
@@ -57,6 +55,9 @@ from sluice.engines.base import Share, share_of
 from sluice.engines.retry import RETRYABLE_4XX, RetryConfig, parse_retry
 from sluice.errors import ConfigError
 from sluice.repository import ModelVersion
+
+if TYPE_CHECKING:  # imported when a session opens: a worker serving no upstream starts without it
+    import aiohttp
 
 __all__ = ["CallEnd", "CallFailure", "OpenAIUpstreamConfig", "OpenAIUpstreamRunner", "TextDelta", "parse_config",
            "request_for"]
@@ -241,6 +242,8 @@ class OpenAIUpstreamRunner:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
+        import aiohttp
+
         limit = self.config.max_concurrency
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit))
 
@@ -312,6 +315,8 @@ class OpenAIUpstreamRunner:
 
     async def _post(self, url: str, data: bytes, timeout_s: float,
                     trace: wire.TraceContext | None = None) -> AsyncGenerator[CallEvent, None]:
+        import aiohttp
+
         assert self._session is not None, "start() opens the session"
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
                    "X-Request-Timeout-Ms": str(max(int(timeout_s * 1000), 1))}
