@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, eventually
 from tests.upstream_server import UpstreamServer, expected_text_output
 
 UPSTREAM_DELAY_S = 0.04
@@ -119,6 +119,8 @@ def _profile(metrics: str) -> tuple[float, float] | None:
 def test_latency_profile_learns_the_upstream_latency(server):
     """Batches of 1 to 4 items (the concurrency) each take one round of calls, about the
     upstream's 40 ms: the profile starts at the 200 ms prior and learns alpha ~ 40 ms, beta ~ 0."""
+    # the worker's gauges reach the gateway with its next state report, a moment after it is ready
+    eventually(lambda: _profile(httpx.get(f"{server.url}/metrics").text) is not None, "the profile's metrics")
     assert _profile(httpx.get(f"{server.url}/metrics").text) == pytest.approx((0.2, 0.0), abs=1e-3)
     for i in range(40):
         texts = [f"item {i} {j}" for j in range(1 + i % 4)]
