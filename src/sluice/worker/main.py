@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -99,10 +100,12 @@ class RepositorySource:
         if version.kind in TORCH_KINDS and "torch" not in sys.modules:
             # torch is imported by the first load that needs it (a worker of other models starts
             # without it, seconds sooner); its module graph is then taken out of the garbage
-            # collector's full walks, as start-up's objects were (before this version's own objects)
+            # collector's full walks, as start-up's objects were (before this version's own
+            # objects). No collection first: on a load thread its full walk would stall the loop
+            # serving the other models for as long.
             import torch  # noqa: F401
 
-            settle_garbage_collector()
+            gc.freeze()
         try:
             if version.generator == "tiny-lm":
                 from sluice.engines.generative.tiny import ensure_tiny_lm
