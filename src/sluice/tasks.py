@@ -11,13 +11,28 @@ from typing import Any
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
     """Cancel `tasks`, all of them before waiting for any (so they stop together), then wait until
-    each has ended. Their `CancelledError` is not raised here; any other exception of theirs is."""
+    each has ended. Their `CancelledError` is not raised here; any other exception of theirs is, and so is
+    a cancellation of the caller while it waits (a timeout around an `aclose()` works)."""
     tasks = list(tasks)
     for task in tasks:
         task.cancel()
+    if not tasks:
+        return
+    await asyncio.wait(tasks)  # a cancellation of the caller itself comes through
     for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until `event` is set or `timeout_s` has passed; whether it is set. Unlike Python 3.11's
+    `asyncio.wait_for`, a cancellation that arrives as the event is set is not swallowed (a loop
+    waiting here would go on after its owner's `aclose()` cancelled it, and that `aclose()` would
+    never return)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    return event.is_set()
 
 
 async def stop_process(process: asyncio.subprocess.Process, grace_s: float) -> None:

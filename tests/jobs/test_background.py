@@ -289,3 +289,14 @@ async def test_a_tenant_with_too_many_unanswered_background_responses_is_refused
     await runner.submit("acme", "resp_3", NOW, _request("resp_3"), b"[]")  # answered ones leave room
     await _until(store, "completed", "resp_3")
     await runner.aclose()
+
+
+async def test_a_runner_stops_when_asked_even_as_a_wake_up_arrives(store: JobStore):
+    for turns_between in range(4):  # the ended run's wake-up and the stop, in either order
+        runner = await _started(store, App())
+        await asyncio.sleep(0.05)
+        runner._wake.set()
+        for _ in range(turns_between):
+            await asyncio.sleep(0)
+        async with asyncio.timeout(5):
+            await runner.aclose()

@@ -37,6 +37,7 @@ from sluice.bench.http_client import HttpPool, post_head, post_request, split_ur
 from sluice.bench.promstats import ServerSnapshot, server_delta
 from sluice.bench.stats import TRANSPORT_ERROR, RunSamples
 from sluice.bench.workloads import Workload
+from sluice.tasks import wait_event
 
 DEFAULT_MAX_CONNECTIONS = 1000
 """Enough for 10,000 req/s at 100 ms; a cap stops a stalled generator from opening thousands of
@@ -212,8 +213,7 @@ class LoadGenerator:
         if self._num_done == len(self._done):
             self._drained.set()
         while not self._drained.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), _PROGRESS_EVERY_S)
+            await wait_event(self._drained, _PROGRESS_EVERY_S)
             if progress is not None:
                 progress(self._num_sent, self._num_done)
         if progress is not None:

@@ -32,7 +32,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
@@ -52,7 +51,7 @@ from sluice.jobs.asgi_call import AppResponse, AsgiApp, app_response, call, call
 from sluice.jobs.outage import OutageLog
 from sluice.jobs.store import RUNNING, Event, JobStore, ResponseRun, RunRequest
 from sluice.metrics import BackgroundMetrics
-from sluice.tasks import cancel_and_wait
+from sluice.tasks import cancel_and_wait, wait_event
 
 log = logging.getLogger("sluice.jobs")
 
@@ -95,8 +94,7 @@ class _Live:
         self._wake()
 
     async def changed(self, timeout_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        await wait_event(self._changed, timeout_s)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -324,8 +322,7 @@ class BackgroundResponses:
                 self._outage.failed(exc, "background responses: housekeeping failed")
             else:
                 self._outage.succeeded()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.check_s)
+            await wait_event(self._wake, self.check_s)
 
     async def _keep_leases(self) -> None:
         now = self._clock()

@@ -14,7 +14,6 @@ budget, a load first unloads the least recently used idle versions that load on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from sluice import wire
 from sluice.clock import Clock
 from sluice.repository import ModelVersion, footprint_bytes
 from sluice.scheduler.batcher import ModelKey
+from sluice.tasks import wait_event
 from sluice.worker.loading import Loaded, ModelSource, RepositoryModel, VersionLoad
 from sluice.worker.model_table import ModelTable
 from sluice.worker.outbox import Outbox
@@ -293,8 +293,7 @@ class ModelSyncer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + EVICTION_WAIT_S
         while any(key in self._table.retiring for key in keys) and (left_s := deadline - loop.time()) > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), left_s)
+            await wait_event(self._freed, left_s)
 
     def unload_idle(self) -> None:
         """Take off the versions idle for longer than their `[loading] idle_unload_s`; they are
