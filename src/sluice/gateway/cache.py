@@ -243,7 +243,8 @@ class ResultCache:
                 waiting = self._in_flight[key]
                 if waiting is None:
                     waiting = self._in_flight[key] = loop.create_future()
-                value = await asyncio.wait_for(asyncio.shield(waiting), max(give_up_at - loop.time(), 0.0))
+                async with asyncio.timeout_at(give_up_at):  # not wait_for: it can swallow a client's disconnect
+                    value = await asyncio.shield(waiting)
                 if isinstance(value, BaseException):
                     raise copy.copy(value)
                 if value is not None:

@@ -59,7 +59,8 @@ class RedisCacheStore:
         if not self._breaker.allow():
             return None
         try:
-            raw = await asyncio.wait_for(self._client.get(self._name(key)), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):  # not wait_for: it can swallow a client's disconnect
+                raw = await self._client.get(self._name(key))
         except (RedisError, TimeoutError, OSError) as exc:
             self._failed(exc)
             return None
@@ -80,7 +81,8 @@ class RedisCacheStore:
 
     async def _write(self, name: str, data: bytes) -> None:
         try:
-            await asyncio.wait_for(self._client.set(name, data, px=self._ttl_ms), self._timeout_s * 4)
+            async with asyncio.timeout(self._timeout_s * 4):
+                await self._client.set(name, data, px=self._ttl_ms)
         except (RedisError, TimeoutError, OSError) as exc:
             self._failed(exc)
             return
