@@ -232,6 +232,7 @@ def test_a_failed_request_on_a_raw_stream_is_answered_by_id_and_final(stub):
     (answer,) = stub.ModelStreamInfer(iter([request]), metadata=tuple(auth().items()), timeout=30)
     assert answer.error_message.startswith("request 'bad': ") and answer.infer_response.id == "bad"
     assert answer.infer_response.parameters["triton_final_response"].bool_param
+    assert answer.infer_response.model_version == "1", "the version that was chosen, as a success names"
 
 
 def test_keys_are_required_and_models_are_scoped(client, stub):

@@ -243,7 +243,7 @@ def stamping_protocol(clock: Clock, answer_early: EarlyAnswer | None = None,
                 self._body_timer.cancel()
                 self._body_timer = None
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
             lingering = LingeringTransport(cast(asyncio.Transport, transport), self._may_be_sending, self._on_linger)
             super().connection_made(lingering)  # type: ignore[arg-type]
             # a connection that never sends a request is idle: closed as a kept-alive one is

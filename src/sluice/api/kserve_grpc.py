@@ -389,7 +389,7 @@ class KServeGrpc:
                 self._log("ModelStreamInfer", one, request, arrived_at, exc)
                 if not isinstance(exc, SluiceError):
                     log.exception("gRPC ModelStreamInfer request %r failed", request.id)
-                answers.put_nowait((_stream_error(request, exc), True))
+                answers.put_nowait((_stream_error(request, one.info, exc), True))
 
         async def read() -> None:
             try:
@@ -591,12 +591,14 @@ def _response(info: wire.ModelInfo, request_id: str, payload: wire.Payload, name
     return response
 
 
-def _stream_error(request: Any, error: Exception) -> Message:
+def _stream_error(request: Any, info: wire.ModelInfo | None, error: Exception) -> Message:
     """A stream's answer to a request that failed: its message (naming the request's `id`, which
     tritonclient hands its callback the message alone of), its `id`, and `triton_final_response`
-    true, since nothing more comes for it (a streamed generation may have sent chunks before)."""
+    true, since nothing more comes for it (a streamed generation may have sent chunks before). It
+    names the version chosen (`info`) once one was, as a success does."""
     message = error.message if isinstance(error, SluiceError) else "internal server error"
-    response = _InferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    name, version = (info.name, info.version) if info is not None else (request.model_name, request.model_version)
+    response = _InferResponse(model_name=name, model_version=version, id=request.id)
     response.parameters[FINAL_RESPONSE].bool_param = True  # type: ignore[attr-defined]
     return _StreamResponse(error_message=f"request {request.id!r}: {message}" if request.id else message,
                            infer_response=response)

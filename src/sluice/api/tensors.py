@@ -397,7 +397,7 @@ def unpack_values(datatype: str, data: bytes) -> list[Any]:
     each exactly the element's value)."""
     code = _ARRAY_CODES.get(datatype)
     if code is None:
-        return np.frombuffer(data, dtype=DATATYPES[datatype].newbyteorder("<")).tolist()  # type: ignore[no-any-return]
+        return np.frombuffer(data, dtype=DATATYPES[datatype].newbyteorder("<")).tolist()
     values = array.array(code, data)
     if _SWAP:
         values.byteswap()
