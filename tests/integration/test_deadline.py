@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -140,3 +142,24 @@ def test_a_request_of_many_batches_by_its_cost_gets_the_slo_for_each_and_is_stil
 def _rows_body(num_rows: int, length: int, value: float = 1.0) -> dict[str, object]:
     return {"inputs": [{"name": "INPUT0", "shape": [num_rows, length], "datatype": "FP32",
                         "data": [value] * num_rows * length}]}
+
+
+def test_a_deadline_that_passes_while_the_body_arrives_is_answered_504_before_admission(make_server, emulated_repo):
+    """The deadline counts from the request's arrival (its head): a body that takes longer than it
+    to come is answered 504 at once, counted as expired at the client's deadline, and never
+    admitted or sent to a worker."""
+    server = make_server(emulated_repo())
+    body = json.dumps(BODY).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/emulated/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Timeout-Ms: 200\r\nContent-Length: %d\r\n\r\n" % len(body))
+        sock.sendall(body[:10])
+        time.sleep(0.5)
+        sock.sendall(body[10:])
+        head = sock.recv(65536).split(b"\r\n\r\n", 1)[0].decode()
+    assert head.startswith("HTTP/1.1 504 "), head
+    assert metric_total(server, "sluice_expired_requests_total", deadline="client") == 1
+    assert metric_total(server, "sluice_tenant_rejected_total", reason="expired") == 1
+    assert metric_total(server, "sluice_tenant_admitted_total") == 0
+    assert metric_total(server, "sluice_batch_size_count") == 0, "it reached the device"

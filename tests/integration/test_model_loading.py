@@ -382,6 +382,30 @@ def test_a_slow_load_holds_up_no_other_models_load_or_unload(served, tmp_path):
     assert httpx.get(f"{server.url}/v2/models/gated/ready").status_code == 200
 
 
+def test_a_canary_of_a_version_still_loading_is_refused_until_it_is_ready(served, tmp_path):
+    server, repo = served
+    (tmp_path / "open").touch()
+    toml = add_gated_version(repo / "gated", "1", tmp_path / "open") / "model.toml"
+    toml.write_text(toml.read_text() + "\n[routing]\ntraffic = { 1 = 100 }\n")  # version 1 keeps it: a baseline
+    assert _load(server, "gated").status_code == 200
+    gate = tmp_path / "gate"
+    add_gated_version(repo / "gated", "2", gate)
+    loading = threading.Thread(target=lambda: _load(server, "gated"))
+    loading.start()
+    canary = f"{server.url}/admin/models/gated/canary"
+    try:
+        eventually(lambda: (tmp_path / "gate.started").exists(), "the worker loading version 2")
+        refused = httpx.post(canary, json={"version": "2"}, timeout=20)
+        error = refused.json()["error"]
+        assert (refused.status_code, error["param"]) == (409, "version"), refused.text
+        assert "version 2, is not ready yet" in error["message"] and "sluice models status gated" in error["message"]
+    finally:
+        gate.touch()
+        loading.join()
+    started = httpx.post(canary, json={"version": "2", "step_seconds": 600}, timeout=20)
+    assert started.status_code == 201 and started.json()["canary"]["baseline"] == "1", started.text
+
+
 def test_the_command_line_waits_for_a_long_load_and_says_so_when_it_gives_up(served, tmp_path, monkeypatch):
     import urllib.request
 
