@@ -160,10 +160,6 @@ class RegistryWatcher:
                 await self._add(name, address)
 
     async def aclose(self) -> None:
-        for task in [self._task, *self._removals]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(task for task in [self._task, *self._removals] if task is not None)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.aclose()

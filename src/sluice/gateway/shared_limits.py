@@ -59,6 +59,7 @@ from sluice.gateway.limits import (
     too_large,
 )
 from sluice.gateway.tenants import Tenant
+from sluice.tasks import cancel_and_wait
 
 __all__ = ["SharedLimiter"]
 
@@ -223,9 +224,7 @@ class SharedLimiter:
     async def aclose(self) -> None:
         """Stop renewing (the leases of requests still in flight then end on their own) and close."""
         if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+            await cancel_and_wait([self._renewer])
             self._renewer = None
         await self._client.aclose()
 

@@ -246,11 +246,8 @@ class JobExecutor:
         """Stop the batch's running items (it is cancelled or expired) and record those that finished,
         so that finalizing writes off exactly the items that have no outcome."""
         stopped = [(task, token) for task, (token, owner_batch, _) in self._tasks.items() if owner_batch == batch_id]
-        for task, _ in stopped:
-            task.cancel()
+        await cancel_and_wait(task for task, _ in stopped)
         for task, token in stopped:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             if task.cancelled():
                 self._close_lease(token, 1)
         await self._flush()

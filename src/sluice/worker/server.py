@@ -18,7 +18,6 @@ preparation of large requests run on threads).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -37,6 +36,7 @@ from sluice.metrics import WorkerMetrics
 from sluice.repository import ModelVersion
 from sluice.scheduler import Batch, Decision, Scheduler
 from sluice.scheduler.batcher import ModelKey
+from sluice.tasks import cancel_and_wait
 from sluice.worker.batches import Batches
 from sluice.worker.device import DeviceThread
 from sluice.worker.generation import GenerationLoop, Generations
@@ -125,10 +125,7 @@ class WorkerServer:
             self._broadcast_state()
             self._outbox.flush()
         finally:
-            for task in (ticker, loader):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait([ticker, loader])
             device.stop()
             await self._table.aclose()
             await listener.aclose()  # closing flushes what is still buffered
