@@ -308,10 +308,10 @@ async def run(config: ServeConfig, console: Console | None = None) -> None:
 async def _poll_repository(root: Path, interval_s: float, gateway: Gateway) -> None:
     """Every `interval_s`, load again each model whose folder changed (`--poll-repository`),
     except one an admin unloaded. A load that fails (no worker yet) is tried at the next look."""
-    seen = await asyncio.to_thread(fingerprints, root)
+    seen = await asyncio.to_thread(_fingerprints, root, {})
     while True:
         await asyncio.sleep(interval_s)
-        now = await asyncio.to_thread(fingerprints, root)
+        now = await asyncio.to_thread(_fingerprints, root, seen)
         for name in sorted(set(seen) | set(now)):
             if seen.get(name) == now.get(name) or name in gateway.unloaded:
                 continue
@@ -320,6 +320,9 @@ async def _poll_repository(root: Path, interval_s: float, gateway: Gateway) -> N
             except SluiceError as exc:
                 log.warning("model %s changed in the repository but could not be loaded yet: %s", name, exc.message)
                 continue
+            except Exception:  # a bug: logged, and the poller goes on looking (it tries this model again)
+                log.exception("model %s changed in the repository; loading it again failed", name)
+                continue
             log.warning("model %s changed in the repository: serving version(s) %s%s", name,
                         ", ".join(synced.versions) or "none",
                         "".join(f"; version {version} refused: {why}" for version, why in synced.refused))
@@ -327,6 +330,17 @@ async def _poll_repository(root: Path, interval_s: float, gateway: Gateway) -> N
                 seen[name] = now[name]
             else:
                 seen.pop(name, None)
+
+
+def _fingerprints(root: Path, before: dict[str, int]) -> dict[str, int]:
+    """The repository's fingerprints (`repository.fingerprints`), or `before` if it cannot be read
+    now (a folder removed while it was walked, a volume remounting): the next look tries again,
+    rather than the poller ending and never looking again."""
+    try:
+        return fingerprints(root)
+    except OSError as exc:
+        log.warning("model repository %s not read this time: %s", root, exc)
+        return before
 
 
 async def _poll_tenants(path: Path, interval_s: float, tenancy: Tenancy) -> None:
