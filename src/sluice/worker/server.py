@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -51,6 +51,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.worker")
 
 STATE_INTERVAL_S = 0.05
+
+
+async def _until_done(main: asyncio.Task[Any], helpers: list[asyncio.Task[None]]) -> None:
+    """Wait for `main`; a helper that fails first (a bug in the state reports or in loading at
+    start) is raised, so the worker exits and is restarted instead of staying up unheard: with
+    no state reports the gateway would send it nothing again, and nothing would restart it."""
+    pending: set[asyncio.Task[Any]] = {main, *helpers}
+    while not main.done():
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not main and not task.cancelled() and (error := task.exception()) is not None:
+                log.critical("worker: its %s failed; exiting to be restarted", task.get_name())
+                raise error
 
 
 class WorkerServer:
@@ -118,14 +131,15 @@ class WorkerServer:
         log.info("worker %s listening at %s with %d models, %d to load", self.worker_id, address,
                  len(self._table.runners), len(self._syncer.loading))
         on_listening()
-        ticker = asyncio.create_task(self._state_loop())
-        loader = asyncio.create_task(self._syncer.load_startup())
+        ticker = asyncio.create_task(self._state_loop(), name="state reports")
+        loader = asyncio.create_task(self._syncer.load_startup(), name="loading at start")
+        drained = asyncio.create_task(self._drained.wait())
         try:
-            await self._drained.wait()
+            await _until_done(drained, [ticker, loader])
             self._broadcast_state()
             self._outbox.flush()
         finally:
-            await cancel_and_wait([ticker, loader])
+            await cancel_and_wait([ticker, loader, drained])
             device.stop()
             await self._table.aclose()
             await listener.aclose()  # closing flushes what is still buffered
