@@ -87,7 +87,13 @@ class Supervisor:
         backoff = self._config.initial_backoff_s
         while not self._is_stopping:
             started = time.monotonic()
-            process = await self._spawn(spec)
+            try:
+                process = await self._spawn(spec)
+            except OSError as exc:  # no process to be had now (out of memory or of processes): tried again
+                log.error("worker %s could not be started (%s); trying again in %.1f s", spec.worker_id, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._config.max_backoff_s)
+                continue
             self._processes[spec.worker_id] = process
             code = await process.wait()
             from sluice.metrics import mark_process_dead
