@@ -9,7 +9,7 @@ import pytest
 
 from sluice.jobs.postgres_store import PostgresJobStore
 from sluice.jobs.sqlite_store import SqliteJobStore
-from sluice.jobs.store import BatchStatus, ItemOutcome, JobStore, NewBatch, NewItem
+from sluice.jobs.store import BatchStatus, ItemOutcome, JobStore, NewBatch, NewItem, StoredConversation
 
 NOW = 1_700_000_000
 
@@ -488,3 +488,37 @@ async def test_a_database_from_before_files_expired_is_upgraded_in_place(backend
             assert await store.get_file("acme", "file-old") is not None
         finally:
             await store.aclose()
+
+
+async def test_a_conversation_keeps_its_items_in_order_for_its_owner_until_deleted(store: JobStore):
+    await store.create_conversation("acme", "conv_1", NOW, b'{"k":"v"}', [("a", b'{"id":"a"}'), ("b", b'{"id":"b"}')])
+    assert await store.add_conversation_items("acme", "conv_1", [("c", b'{"id":"c"}')])
+    assert await store.add_conversation_items("acme", "conv_1", [])
+    found = await store.get_conversation("acme", "conv_1", with_items=True)
+    assert found == StoredConversation(NOW, b'{"k":"v"}', (b'{"id":"a"}', b'{"id":"b"}', b'{"id":"c"}'))
+    assert await store.get_conversation("acme", "conv_1") == StoredConversation(NOW, b'{"k":"v"}')
+    # another tenant's: not found, not changed
+    assert await store.get_conversation("other", "conv_1") is None
+    assert not await store.add_conversation_items("other", "conv_1", [("x", b"{}")])
+    assert not await store.update_conversation("other", "conv_1", b"{}")
+    assert not await store.delete_conversation_item("other", "conv_1", "a")
+    assert not await store.delete_conversation("other", "conv_1")
+    assert await store.update_conversation("acme", "conv_1", b'{"k":"w"}')
+    assert await store.delete_conversation_item("acme", "conv_1", "b")
+    assert not await store.delete_conversation_item("acme", "conv_1", "b")
+    assert await store.add_conversation_items("acme", "conv_1", [("d", b'{"id":"d"}')])  # after c, not in b's place
+    found = await store.get_conversation("acme", "conv_1", with_items=True)
+    assert found == StoredConversation(NOW, b'{"k":"w"}', (b'{"id":"a"}', b'{"id":"c"}', b'{"id":"d"}'))
+    assert await store.delete_conversation("acme", "conv_1")
+    assert await store.get_conversation("acme", "conv_1") is None
+    assert not await store.add_conversation_items("acme", "conv_1", [("e", b"{}")])
+    await store.create_conversation("acme", "conv_1", NOW, b"{}", [])  # its id free again; no items left over
+    assert (await store.get_conversation("acme", "conv_1", with_items=True)).items == ()
+
+
+async def test_appends_to_one_conversation_at_once_keep_every_item_once(store: JobStore):
+    await store.create_conversation("acme", "conv_1", NOW, b"{}", [])
+    await asyncio.gather(*(store.add_conversation_items("acme", "conv_1", [(f"{i}a", b"1"), (f"{i}b", b"2")])
+                           for i in range(8)))
+    items = (await store.get_conversation("acme", "conv_1", with_items=True)).items
+    assert len(items) == 16 and items.count(b"1") == 8 and items.count(b"2") == 8

@@ -44,6 +44,7 @@ from sluice.jobs.store import (
     NewItem,
     ResponseRun,
     ResultLine,
+    StoredConversation,
     StoredResponse,
 )
 
@@ -53,6 +54,7 @@ _CLAIM = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id 
           "ORDER BY idx LIMIT %s FOR UPDATE SKIP LOCKED")
 _FIRST_IN_STATE = "SELECT idx FROM items WHERE batch_id = %s AND state = %s AND idx > %s ORDER BY idx LIMIT 1"
 _CLAIM_CONDITIONS = ("state = 'leased' AND lease_until < %s", "state = 'queued' AND not_before <= %s")
+_CONVERSATIONS = rows.ConversationSql("%s")
 _PUT_RESPONSE = "INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (%s, %s, %s, %s, %s)"
 _RESPONSE_EVENTS = ("SELECT e.seq, e.data FROM response_events e JOIN responses r ON r.id = e.response_id "
                     "WHERE e.response_id = %s AND r.owner = %s AND e.seq > %s ORDER BY e.seq LIMIT %s")
@@ -270,6 +272,50 @@ class PostgresJobStore:
 
     async def delete_responses_before(self, created_at: int) -> int:
         return int((await self._one(_DELETE_OLD_RESPONSES, (created_at,)))[0])
+
+    # -- conversations ---------------------------------------------------------------------------
+
+    async def create_conversation(self, owner: str, conversation_id: str, created_at: int, metadata: bytes,
+                                  items: Sequence[tuple[str, bytes]]) -> None:
+        async with self._connection() as conn, conn.transaction():
+            await conn.execute(_CONVERSATIONS.insert, (conversation_id, owner, created_at, metadata))
+            await _append_items(conn, conversation_id, items)
+
+    async def get_conversation(self, owner: str, conversation_id: str,
+                               with_items: bool = False) -> StoredConversation | None:
+        async with self._connection() as conn, conn.transaction():  # the items as of the row read
+            row = await (await conn.execute(_CONVERSATIONS.get, (conversation_id, owner))).fetchone()
+            if row is None:
+                return None
+            items = await (await conn.execute(_CONVERSATIONS.items, (conversation_id,))).fetchall() \
+                if with_items else []
+        return StoredConversation(int(row[0]), bytes(row[1]), tuple(bytes(r[0]) for r in items))
+
+    async def update_conversation(self, owner: str, conversation_id: str, metadata: bytes) -> bool:
+        async with self._connection() as conn:
+            return (await conn.execute(_CONVERSATIONS.update, (metadata, conversation_id, owner))).rowcount > 0
+
+    async def delete_conversation(self, owner: str, conversation_id: str) -> bool:
+        async with self._connection() as conn, conn.transaction():
+            if (await conn.execute(_CONVERSATIONS.delete, (conversation_id, owner))).rowcount == 0:
+                return False
+            await conn.execute(_CONVERSATIONS.delete_items, (conversation_id,))
+            return True
+
+    async def add_conversation_items(self, owner: str, conversation_id: str,
+                                     items: Sequence[tuple[str, bytes]]) -> bool:
+        async with self._connection() as conn, conn.transaction():
+            # the conversation's row locked: appends by other gateways wait, and number after these
+            found = await conn.execute(_CONVERSATIONS.get + " FOR UPDATE", (conversation_id, owner))
+            if await found.fetchone() is None:
+                return False
+            await _append_items(conn, conversation_id, items)
+            return True
+
+    async def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        async with self._connection() as conn:
+            cur = await conn.execute(_CONVERSATIONS.delete_item, (conversation_id, item_id, conversation_id, owner))
+            return cur.rowcount > 0
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          ascending: bool = False) -> list[FileObject]:
@@ -564,3 +610,11 @@ async def _put_events(conn: AsyncConnection[Any], response_id: str, events: Sequ
         async with conn.cursor() as cur:
             await cur.executemany("INSERT INTO response_events (response_id, seq, data) VALUES (%s, %s, %s)",
                                   [(response_id, seq, data) for seq, data in events])
+
+
+async def _append_items(conn: AsyncConnection[Any], conversation_id: str, items: Sequence[tuple[str, bytes]]) -> None:
+    """After the conversation's last item (its row is locked, or new, in this transaction)."""
+    (first,) = await (await conn.execute(_CONVERSATIONS.next_seq, (conversation_id,))).fetchone()  # type: ignore[misc]
+    async with conn.cursor() as cur:
+        await cur.executemany(_CONVERSATIONS.add_item, [(conversation_id, first + i, item_id, data)
+                                                        for i, (item_id, data) in enumerate(items)])

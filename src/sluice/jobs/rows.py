@@ -116,6 +116,19 @@ CREATE TABLE IF NOT EXISTS response_events (
     data {blob} NOT NULL,
     PRIMARY KEY (response_id, seq)
 );
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created_at {int} NOT NULL,
+    metadata {blob} NOT NULL
+);
+CREATE TABLE IF NOT EXISTS conversation_items (
+    conversation_id TEXT NOT NULL,
+    seq {int} NOT NULL,
+    id TEXT NOT NULL,
+    data {blob} NOT NULL,
+    PRIMARY KEY (conversation_id, seq)
+);
 """
 
 ADDED_COLUMNS = (("files", "expires_at", "{int}"), ("batches", "output_expires_after_s", "{int}"))
@@ -223,3 +236,19 @@ class PartWriter:
         self._lines, self._num_pending = [], 0
         self.num_parts += 1
         return part
+
+
+class ConversationSql:
+    """The statements of conversations (`JobStore.*conversation*`), in a backend's parameter style `p`."""
+
+    def __init__(self, p: str) -> None:
+        self.insert = f"INSERT INTO conversations (id, owner, created_at, metadata) VALUES ({p}, {p}, {p}, {p})"
+        self.get = f"SELECT created_at, metadata FROM conversations WHERE id = {p} AND owner = {p}"
+        self.items = f"SELECT data FROM conversation_items WHERE conversation_id = {p} ORDER BY seq"
+        self.next_seq = f"SELECT COALESCE(MAX(seq), -1) + 1 FROM conversation_items WHERE conversation_id = {p}"
+        self.add_item = f"INSERT INTO conversation_items (conversation_id, seq, id, data) VALUES ({p}, {p}, {p}, {p})"
+        self.update = f"UPDATE conversations SET metadata = {p} WHERE id = {p} AND owner = {p}"
+        self.delete = f"DELETE FROM conversations WHERE id = {p} AND owner = {p}"
+        self.delete_items = f"DELETE FROM conversation_items WHERE conversation_id = {p}"
+        self.delete_item = (f"DELETE FROM conversation_items WHERE conversation_id = {p} AND id = {p} AND EXISTS "
+                            f"(SELECT 1 FROM conversations WHERE id = {p} AND owner = {p})")

@@ -36,10 +36,12 @@ from sluice.jobs.store import (
     NewItem,
     ResponseRun,
     ResultLine,
+    StoredConversation,
     StoredResponse,
 )
 
 T = TypeVar("T")
+_CONVERSATIONS = rows.ConversationSql("?")
 _CLAIMABLE_QUEUED = ("SELECT idx, custom_id, url, body, attempts FROM items WHERE batch_id = ? AND state = 'queued' "
                      "AND not_before <= ? ORDER BY idx LIMIT ?")
 _BEGIN_FINALIZING = ("UPDATE batches SET status = ?, finalizing_at = ? WHERE id = ? AND status = ? "
@@ -283,6 +285,61 @@ class SqliteJobStore:
             for statement in _FORGET_OLD_RUNS:
                 db.execute(statement, (created_at,))
             return db.execute("DELETE FROM responses WHERE created_at < ?", (created_at,)).rowcount
+
+        return await self._txn(delete)
+
+    # -- conversations ---------------------------------------------------------------------------
+
+    async def create_conversation(self, owner: str, conversation_id: str, created_at: int, metadata: bytes,
+                                  items: Sequence[tuple[str, bytes]]) -> None:
+        def create(db: sqlite3.Connection) -> None:
+            db.execute(_CONVERSATIONS.insert, (conversation_id, owner, created_at, metadata))
+            _append_items(db, conversation_id, items)
+
+        await self._txn(create)
+
+    async def get_conversation(self, owner: str, conversation_id: str,
+                               with_items: bool = False) -> StoredConversation | None:
+        def get() -> StoredConversation | None:
+            assert self._db is not None
+            row = self._db.execute(_CONVERSATIONS.get, (conversation_id, owner)).fetchone()
+            if row is None:
+                return None
+            items = [bytes(r[0]) for r in self._db.execute(_CONVERSATIONS.items, (conversation_id,))] \
+                if with_items else []
+            return StoredConversation(int(row[0]), bytes(row[1]), tuple(items))
+
+        return await self._call(get)
+
+    async def update_conversation(self, owner: str, conversation_id: str, metadata: bytes) -> bool:
+        def update(db: sqlite3.Connection) -> bool:
+            return db.execute(_CONVERSATIONS.update, (metadata, conversation_id, owner)).rowcount > 0
+
+        return await self._txn(update)
+
+    async def delete_conversation(self, owner: str, conversation_id: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            if db.execute(_CONVERSATIONS.delete, (conversation_id, owner)).rowcount == 0:
+                return False
+            db.execute(_CONVERSATIONS.delete_items, (conversation_id,))
+            return True
+
+        return await self._txn(delete)
+
+    async def add_conversation_items(self, owner: str, conversation_id: str,
+                                     items: Sequence[tuple[str, bytes]]) -> bool:
+        def add(db: sqlite3.Connection) -> bool:
+            if db.execute(_CONVERSATIONS.get, (conversation_id, owner)).fetchone() is None:
+                return False
+            _append_items(db, conversation_id, items)
+            return True
+
+        return await self._txn(add)
+
+    async def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            return db.execute(_CONVERSATIONS.delete_item,
+                              (conversation_id, item_id, conversation_id, owner)).rowcount > 0
 
         return await self._txn(delete)
 
@@ -549,3 +606,10 @@ def _write_files(db: sqlite3.Connection, batch_id: str, owner: str, now: int,
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (writer.file_id, owner, f"{batch_id}_{writer.suffix}.jsonl",
                                                            "batch_output", writer.num_bytes, now, b"", expires_at))
     return [writer.file_id if writer.num_bytes else None for writer in writers]
+
+
+def _append_items(db: sqlite3.Connection, conversation_id: str, items: Sequence[tuple[str, bytes]]) -> None:
+    """After the conversation's last item (the one writer's transaction orders appends)."""
+    (first,) = db.execute(_CONVERSATIONS.next_seq, (conversation_id,)).fetchone()
+    db.executemany(_CONVERSATIONS.add_item, [(conversation_id, first + i, item_id, data)
+                                             for i, (item_id, data) in enumerate(items)])

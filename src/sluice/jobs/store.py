@@ -210,6 +210,17 @@ class StoredResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredConversation:
+    """A Conversations API conversation (`api.conversations`), kept until it is deleted."""
+
+    created_at: int
+    metadata: bytes
+    """Its metadata (a JSON object)."""
+    items: tuple[bytes, ...] = ()
+    """Its items (each a JSON object with an `id`), oldest first, when they were asked for."""
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseRun:
     """A background response still to be answered (`jobs.background`): its response's row says
     `queued` or `in_progress` until the gateway holding this run's lease writes its end."""
@@ -365,6 +376,32 @@ class JobStore(Protocol):
 
     async def delete_responses_before(self, created_at: int) -> int:
         """Forget responses created before `created_at` (their retention is over); how many."""
+        ...
+
+    async def create_conversation(self, owner: str, conversation_id: str, created_at: int, metadata: bytes,
+                                  items: Sequence[tuple[str, bytes]]) -> None:
+        """Keep a new conversation with its first `items` ((id, JSON) each)."""
+        ...
+
+    async def get_conversation(self, owner: str, conversation_id: str,
+                               with_items: bool = False) -> StoredConversation | None: ...
+
+    async def update_conversation(self, owner: str, conversation_id: str, metadata: bytes) -> bool:
+        """Replace its metadata; False if there is no such conversation of `owner`'s."""
+        ...
+
+    async def delete_conversation(self, owner: str, conversation_id: str) -> bool:
+        """Forget a conversation and its items."""
+        ...
+
+    async def add_conversation_items(self, owner: str, conversation_id: str,
+                                     items: Sequence[tuple[str, bytes]]) -> bool:
+        """Append `items` ((id, JSON) each) in order, after any appended before, by any gateway;
+        False if there is no such conversation of `owner`'s."""
+        ...
+
+    async def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        """Take an item out of a conversation; False if it has no such item (or there is no such conversation)."""
         ...
 
     async def put_response_run(self, owner: str, response_id: str, created_at: int, body: bytes, input_items: bytes,
