@@ -249,7 +249,8 @@ def responses_requests(draw) -> dict:
         if draw(st.booleans()):
             body[key] = draw(values)
     _mutate(draw, body, ["model", "input", "instructions", "max_output_tokens", "temperature", "tools",
-                         "tool_choice", "text", "metadata", "store", "previous_response_id", "top_p"])
+                         "tool_choice", "text", "metadata", "store", "previous_response_id", "top_p",
+                         "conversation"])
     return body
 
 
@@ -262,6 +263,36 @@ def test_responses_near_misses_are_never_5xx(generation_http, body):
     if response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream"):
         last = response.text.rstrip("\n").rsplit("\n", 2)
         assert last[-2] in ("event: response.completed", "event: response.incomplete"), response.text[-300:]
+
+
+@st.composite
+def conversation_requests(draw) -> tuple[bool, dict]:
+    """(whether to a conversation's items, body): items as a Responses input's, some of them junk."""
+    text = st.text(max_size=10)
+    part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": text})
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "robot"]),
+                                     "content": text | st.lists(part, max_size=2)})
+    call = st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "image"]),
+                                  "call_id": st.just("call_1"), "name": st.just("f"), "arguments": st.just("{}"),
+                                  "output": text})
+    body: dict = {"items": draw(st.lists(message | call, max_size=3))}
+    if draw(st.booleans()):
+        body["metadata"] = {"k": draw(text)}
+    _mutate(draw, body, ["items", "metadata"])
+    return draw(st.booleans()), body
+
+
+@pytest.fixture(scope="module")
+def conversation_id(generation_http) -> str:
+    return generation_http.post("/v1/conversations", json={}).json()["id"]
+
+
+@SETTINGS
+@given(request=conversation_requests())
+def test_conversation_near_misses_are_never_5xx(generation_http, conversation_id, request):
+    to_items, body = request
+    path = f"/v1/conversations/{conversation_id}/items" if to_items else "/v1/conversations"
+    _assert_answered_openai(generation_http.post(path, content=_encode(body)))
 
 
 @st.composite

@@ -376,3 +376,102 @@ def test_a_background_response_survives_kill_9_of_its_server(tmp_path: Path):
         server.stop()
     assert done.status == "incomplete" and done.usage.output_tokens == 300
     assert done.output_text == foreground.output_text
+
+
+def test_a_conversation_and_its_items_are_kept_listed_and_deleted(sdk):
+    conversation = sdk.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "Where is Oslo?"},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "In Norway."}]}],
+        metadata={"topic": "maps"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "maps"}
+    assert sdk.conversations.retrieve(conversation.id).model_dump() == conversation.model_dump()
+    assert sdk.conversations.update(conversation.id, metadata={"topic": "cities"}).metadata == {"topic": "cities"}
+    added = sdk.conversations.items.create(conversation.id, items=[
+        {"type": "message", "role": "user", "content": "And Lima?"},
+        {"type": "function_call", "call_id": "c1", "name": "find", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "Peru"}])
+    assert [item.type for item in added.data] == ["message", "function_call", "function_call_output"]
+    oldest_first = sdk.conversations.items.list(conversation.id, order="asc")
+    assert [(item.type, getattr(item, "role", None)) for item in oldest_first.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user"), ("function_call", None),
+        ("function_call_output", None)]
+    assert oldest_first.data[0].content[0].type == "input_text" and oldest_first.data[0].status == "completed"
+    assert oldest_first.data[1].content[0].type == "output_text"
+    newest = sdk.conversations.items.list(conversation.id, limit=2)  # newest first by default
+    assert [item.id for item in newest.data] == [oldest_first.data[4].id, oldest_first.data[3].id]
+    assert newest.has_more
+    rest = sdk.conversations.items.list(conversation.id, limit=10, after=newest.data[-1].id)
+    assert [item.id for item in rest.data] == [item.id for item in oldest_first.data[2::-1]] and not rest.has_more
+    third = oldest_first.data[2]
+    assert sdk.conversations.items.retrieve(third.id, conversation_id=conversation.id).model_dump() == \
+        third.model_dump()
+    assert sdk.conversations.items.delete(third.id, conversation_id=conversation.id).id == conversation.id
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.items.retrieve(third.id, conversation_id=conversation.id)
+    assert len(sdk.conversations.items.list(conversation.id).data) == 4
+    deleted = sdk.conversations.delete(conversation.id)
+    assert deleted.deleted and deleted.id == conversation.id
+    for gone in (lambda: sdk.conversations.retrieve(conversation.id),
+                 lambda: sdk.conversations.items.list(conversation.id),
+                 lambda: sdk.conversations.delete(conversation.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+
+
+def test_a_response_in_a_conversation_answers_after_its_items_and_adds_to_them(sdk):
+    conversation = sdk.conversations.create(items=[{"role": "user", "content": "Where is Oslo?"}])
+    first = sdk.responses.create(model="tiny", conversation=conversation.id, input="And Lima?",
+                                 max_output_tokens=6, temperature=0, store=False)
+    asked = [{"role": "user", "content": "Where is Oslo?"}, {"role": "user", "content": "And Lima?"}]
+    text, prompt_tokens, _ = _chat_text(sdk, asked, 6)
+    assert first.output_text == text and first.usage.input_tokens == prompt_tokens
+    assert first.conversation.id == conversation.id
+    items = sdk.conversations.items.list(conversation.id, order="asc").data
+    assert [(item.role, item.content[0].text) for item in items] == [
+        ("user", "Where is Oslo?"), ("user", "And Lima?"), ("assistant", first.output_text)]
+    assert items[2].id == first.output[0].id
+    # streamed, naming it as an object: the answer follows all three, and joins them
+    events = list(sdk.responses.create(model="tiny", conversation={"id": conversation.id}, input="Thanks",
+                                       max_output_tokens=6, temperature=0, stream=True))
+    second = events[-1].response
+    text, _, _ = _chat_text(sdk, [*asked, {"role": "assistant", "content": first.output_text},
+                                  {"role": "user", "content": "Thanks"}], 6)
+    assert second.output_text == text and second.conversation.id == conversation.id
+    assert [item.content[0].text for item in sdk.conversations.items.list(conversation.id, limit=2).data] == [
+        second.output_text, "Thanks"]
+    # in the background: run later, then joined the same way
+    queued = sdk.responses.create(model="tiny", conversation=conversation.id, input="Bye", max_output_tokens=4,
+                                  temperature=0, background=True)
+    assert queued.conversation.id == conversation.id
+    eventually(lambda: sdk.responses.retrieve(queued.id).status == "incomplete", "the background response")
+    done = sdk.responses.retrieve(queued.id)  # (cut at max_output_tokens: an answer all the same)
+    assert [item.content[0].text for item in sdk.conversations.items.list(conversation.id, limit=2).data] == [
+        done.output_text, "Bye"]
+
+
+def test_conversations_refuse_what_they_cannot_keep(sdk, tiny_lm_server):
+    conversation = sdk.conversations.create()
+    refusals = [
+        (lambda: sdk.responses.create(model="tiny", conversation="conv_nope", input="Hi", max_output_tokens=2),
+         openai.NotFoundError, "conversation"),
+        (lambda: sdk.responses.create(model="tiny", conversation=conversation.id, previous_response_id="resp_1",
+                                      input="Hi", max_output_tokens=2), openai.BadRequestError, "conversation"),
+        (lambda: sdk.responses.create(model="tiny", conversation={"name": "x"}, input="Hi", max_output_tokens=2),
+         openai.BadRequestError, "conversation"),
+        (lambda: sdk.conversations.items.create(conversation.id, items=[{"type": "image", "url": "x"}]),
+         openai.BadRequestError, "items"),
+        (lambda: sdk.conversations.items.create(conversation.id, items=[{"role": "robot", "content": "x"}]),
+         openai.BadRequestError, "items"),
+        (lambda: sdk.conversations.create(items=[{"role": "user", "content": "x"}] * 21),
+         openai.BadRequestError, "items"),
+        (lambda: sdk.conversations.create(metadata={"k" * 65: "v"}), openai.BadRequestError, "metadata"),
+        (lambda: sdk.conversations.items.create("conv_nope", items=[{"role": "user", "content": "x"}]),
+         openai.NotFoundError, None),
+    ]
+    for call, error, param in refusals:
+        with pytest.raises(error) as refused:
+            call()
+        assert refused.value.body["param"] == param, refused.value.body
+    assert sdk.conversations.items.list(conversation.id).data == []  # nothing half-added
+    bad = httpx.post(f"{tiny_lm_server.url}/v1/conversations", content=b"{not json")
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -31,7 +31,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import metrics
-from sluice.api import admin, completions, kserve, openai, responses, tokenize, triton, triton_generate
+from sluice.api import admin, completions, conversations, kserve, openai, responses, tokenize, triton, triton_generate
 from sluice.api.access_log import CANCELLED_STATUS, AccessLog
 from sluice.api.auth import AuthMiddleware, authenticate, presented_key
 from sluice.api.common import GONE_SCOPE_KEY, VALID_REQUEST_ID, HotRoute, check_body_size, request_id
@@ -302,6 +302,7 @@ def build_app(
         *openai.routes(gateway, config.body_limit_bytes),
         *completions.routes(gateway, config.body_limit_bytes),
         *responses.routes(gateway, config.body_limit_bytes, responses_store, background_responses),
+        *conversations.routes(responses_store, config.body_limit_bytes),
         *tokenize.routes(gateway, config.body_limit_bytes),
         *triton.routes(gateway),  # before kserve's: /v2/models/stats is not a model's metadata
         *kserve.routes(gateway, config.body_limit_bytes),

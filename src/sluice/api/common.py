@@ -365,6 +365,20 @@ def page_order(query: Mapping[str, str]) -> str:
     return order
 
 
+def items_page(items: list[Any], query: Mapping[str, str], most: int, kind: str, where: str) -> Response:
+    """A page of `items` (oldest first, each with an `id`): `order` (desc, the default, or asc),
+    `after` (an item's id: a 400 saying there is no such `kind` in `where` if none has it), `limit`."""
+    limit, order = page_limit(query, 20, most), page_order(query)
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise InvalidInput(f"no {kind} {after[:80]!r} in {where}", param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    return list_response(ordered[:limit], len(ordered) > limit)
+
+
 def list_response(data: list[dict[str, Any]], has_more: bool) -> Response:
     """OpenAI's list object: a page of `data` (each with an `id`), and whether more follow."""
     return json_response({"object": "list", "data": data, "has_more": has_more,

@@ -27,14 +27,16 @@ answered, for its tenant only, for `retention_s` (30 days, as OpenAI keeps them)
 the new `input`; instructions are not carried over, as at OpenAI); `GET /v1/responses/{id}`,
 `DELETE` and `GET .../input_items` read and forget them. `include:
 ["message.output_text.logprobs"]` (with `top_logprobs: k`) puts the tokens' log-probabilities in
-the output text and its deltas, as chat's `logprobs` reports them.
+the output text and its deltas, as chat's `logprobs` reports them. A request with `conversation`
+(`api.conversations`) answers after that conversation's items instead, and adds its input and its
+output to them once answered (whether or not the response itself is stored).
 
 Background (`background: true`): validated as any request, then stored `queued` with its run and
 answered at once; `jobs.background` runs it (the same request in the foreground, through the app)
 and writes its end, which `GET` polls; `POST .../cancel` ends it. With `stream`, the answer is its
 events as `jobs.background` keeps them, which `GET ...?stream=true&starting_after=N` reads again
 from any gateway. What cannot be served is refused with a 400 rather than ignored: image, file and
-audio inputs, built-in tools (web search, file search, ...), `conversation` objects, `reasoning`
+audio inputs, built-in tools (web search, file search, ...), `reasoning`
 summaries (and `reasoning.effort` for a model whose chat template does not take it, as the chat
 endpoint refuses `reasoning_effort`), `truncation: "auto"`, other `include`d extras.
 """
@@ -64,10 +66,8 @@ from sluice.api.common import (
     caller,
     decode_json,
     header_timeout_s,
+    items_page,
     json_response,
-    list_response,
-    page_limit,
-    page_order,
     read_body,
     request_tenant,
     requested_priority,
@@ -96,6 +96,7 @@ from sluice.api.completions import (
     resolve_generative,
     unless_disconnected,
 )
+from sluice.api.conversations import Conversations, conversation_items
 from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -181,9 +182,10 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
     """`store`: where responses are kept (None: nowhere, every answer says `store: false`);
     `background`: what runs background responses (None: they are refused)."""
     responses = Responses(store, background, retention_s, gateway.max_timeout_s)
+    conversations = Conversations(store)
 
     async def create(request: Request) -> Response:
-        return await _serve(gateway, request, body_limit_bytes, responses)
+        return await _serve(gateway, request, body_limit_bytes, responses, conversations)
 
     async def retrieve(request: Request) -> Response:
         if request.query_params.get("stream", "false").lower() != "false":
@@ -201,7 +203,7 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
 
     async def input_items(request: Request) -> Response:
         items = msgspec.json.decode((await responses.get(request)).input_items)
-        return _page(items, request.query_params)
+        return items_page(items, request.query_params, MAX_ITEMS_PAGE, "input item", "this response")
 
     async def cancel(request: Request) -> Response:
         return await responses.cancel(request)
@@ -323,31 +325,23 @@ class Responses:
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _page(items: list[Any], query: Mapping[str, str]) -> Response:
-    """A page of a response's input items: `order` (desc, the default, or asc), `after` (an item's id), `limit`."""
-    limit, order = page_limit(query, 20, MAX_ITEMS_PAGE), page_order(query)
-    ordered = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
-            raise InvalidInput(f"no input item {after[:80]!r} in this response", param="after")
-        ordered = ordered[ids.index(after) + 1:]
-    return list_response(ordered[:limit], len(ordered) > limit)
-
-
-async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, responses: Responses) -> Response:
+async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, responses: Responses,
+                 conversations: Conversations) -> Response:
     arrived_at = arrival(request, gateway.now())
     timeout_s = header_timeout_s(request, gateway.max_timeout_s)
     body = await read_body(request, body_limit_bytes)
     parsed = decode_json(body, ResponsesRequest)
     _refuse_unsupported(parsed)
+    conversation_id = _conversation_id(parsed)
     info = resolve_generative(gateway, parsed.model, request, parsed.user)
     owner = request_tenant(request)
     with gateway.reading(info, owner, arrived_at, trace_context(request) if gateway.is_tracing else None):
-        items = _items(parsed.input)
+        new_items = items = _items(parsed.input)
         if parsed.previous_response_id is not None:
             items = [*await responses.history(owner, parsed.previous_response_id), *items]
+        elif conversation_id is not None:
+            items = [*await conversations.items_of(owner, conversation_id, param="conversation"), *items]
+        joining = conversation_items(new_items, "input") if conversation_id is not None else []
         chat = chat_request_of(parsed, items)
         try:
             [payload] = to_payloads(chat, info)
@@ -358,8 +352,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     is_stored = responses.store is not None and parsed.store is not False
     shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
     if parsed.background:
-        return await responses.run_later(owner, shape, parsed, items, request.headers,
-                                         request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
+        return await responses.run_later(owner, shape, parsed, new_items if conversation_id else items,
+                                         request.headers, request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
     limit_headers: dict[str, str] | None = {} if payload.stream else None
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
                               caller=caller(request, priority, estimate_tokens(payload, info.max_model_len),
@@ -370,6 +364,12 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     async def keep(response: dict[str, Any]) -> None:
         if is_stored:
             await responses.keep(owner, response, items)
+        if conversation_id is not None:  # its input and its output join the conversation
+            try:
+                await conversations.append(owner, conversation_id, [*joining, *response["output"]])
+            except NotFound:  # deleted while this was answered: the answer is the client's all the same
+                log.info("response %s: its conversation %s was deleted before it was answered", response["id"],
+                         conversation_id)
 
     if not payload.stream:
         result = await renamed(RESPONSES_PARAMS, unless_disconnected(request, [stream], final_result(stream)))
@@ -385,8 +385,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
 
 def _refuse_unsupported(request: ResponsesRequest) -> None:
     refused: list[tuple[bool, str, str]] = [
-        (request.conversation is not None, "conversation", "conversations are not stored by this server: send "
-                                                           "the conversation's items in 'input' instead"),
+        (request.conversation is not None and request.previous_response_id is not None, "conversation",
+         "'conversation' and 'previous_response_id' cannot both be given: a response continues one or the other"),
         (request.prompt is not None, "prompt", "stored prompt templates are not supported"),
         (request.reasoning is not None and any(v is not None for k, v in request.reasoning.items() if k != "effort"),
          "reasoning", "only reasoning 'effort' is supported (for a model whose chat template takes it): no reasoning "
@@ -404,6 +404,19 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         if is_refused:
             raise InvalidInput(message, param=param)
     check_metadata(request.metadata)
+
+
+def _conversation_id(request: ResponsesRequest) -> str | None:
+    """The conversation a request continues: `conversation` as its id, or `{"id": ...}`."""
+    given = request.conversation
+    if isinstance(given, dict):
+        given = given.get("id")
+    if given is None and request.conversation is None:
+        return None
+    if not isinstance(given, str) or not given:
+        raise InvalidInput("'conversation' must be a conversation's id, or an object with its 'id'",
+                           param="conversation")
+    return given
 
 
 def _items(given: str | list[Any]) -> list[Any]:
@@ -552,6 +565,7 @@ class ResponsesShape:
     def __init__(self, request: ResponsesRequest, model: str, payload: wire.GeneratePayload,
                  plan: ToolPlan | None, is_stored: bool = False) -> None:
         self.request = request
+        self.conversation_id = _conversation_id(request)
         self.is_stored = is_stored
         self.model = model
         self.payload = payload
@@ -579,6 +593,7 @@ class ResponsesShape:
             "max_tool_calls": None, "model": self.model, "output": self.output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
+            "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
             "reasoning": {"effort": self.payload.reasoning_effort, "summary": None}, "service_tier": "default",
             "store": self.is_stored,
             "temperature": self.payload.temperature, "text": {"format": text_format, "verbosity": "medium"},
