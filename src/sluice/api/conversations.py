@@ -65,7 +65,7 @@ class ItemsCreate(msgspec.Struct, kw_only=True):
 
 def conversation_items(given: list[Any], param: str = "items") -> list[dict[str, Any]]:
     """Items as a conversation keeps them (see the module's docstring); a 400 naming `param` for
-    one that is not a message, a function call or a function call's output."""
+    one that is not a message, a function call, a function call's output or reasoning passed back."""
     return [_item(item, param) for item in given]
 
 
