@@ -30,10 +30,11 @@ async def _poll_until(gateway: _Gateway, count: int) -> None:
     try:
         async with asyncio.timeout(5):
             while len(gateway.synced) < count:
+                assert not poller.done(), f"the poller ended on its own: {poller.exception()!r}"
                 await asyncio.sleep(0.01)
+        assert not poller.done(), "the poller ended on its own"
     finally:
         poller.cancel()
-    assert not poller.done() or poller.cancelled(), "the poller ended on its own"
 
 
 async def test_a_look_that_cannot_read_the_repository_is_skipped(monkeypatch, caplog):

@@ -115,16 +115,15 @@ class Conversations:
     def __init__(self, store: JobStore | None) -> None:
         self.store = store
 
-    def store_or_refuse(self) -> JobStore:
+    def store_or_refuse(self, param: str | None = None) -> JobStore:
+        """The store; a 400 (naming `param`) on a server that has none."""
         if self.store is None:
-            raise InvalidInput(NOT_STORED)
+            raise InvalidInput(NOT_STORED, param=param)
         return self.store
 
     async def items_of(self, owner: str, conversation_id: str, param: str | None = None) -> list[dict[str, Any]]:
         """Its items, oldest first; a 404 (naming `param`) if `owner` has no such conversation."""
-        if self.store is None:
-            raise InvalidInput(NOT_STORED, param=param)
-        found = await self.store.get_conversation(owner, conversation_id, with_items=True)
+        found = await self.store_or_refuse(param).get_conversation(owner, conversation_id, with_items=True)
         if found is None:
             raise _not_found(conversation_id, param)
         return [msgspec.json.decode(item) for item in found.items]
