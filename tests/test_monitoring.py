@@ -74,8 +74,11 @@ def _promtool() -> str:
 
 def test_the_generated_files_are_what_the_generator_writes():
     outputs = _generator().outputs()
-    assert {path.name for path in outputs} == {"sluice-dashboard.json", "grafana-dashboard.yaml",
-                                               "prometheus-rule.yaml"}
+    root = MONITORING.parents[1]
+    assert {str(path.relative_to(root)) for path in outputs} == {
+        "deploy/monitoring/sluice-dashboard.json", "deploy/kubernetes/monitoring/grafana-dashboard.yaml",
+        "deploy/kubernetes/monitoring/prometheus-rule.yaml", "deploy/helm/sluice/files/sluice-dashboard.json",
+        "deploy/helm/sluice/files/alerts.yaml"}
     for path, text in outputs.items():
         assert path.read_text() == text, f"{path} is out of date: run python deploy/monitoring/dashboard.py"
 

@@ -1,6 +1,6 @@
 """Writes sluice's Grafana dashboard (`sluice-dashboard.json` beside this file) from the panel list
 below, and the Kubernetes objects that install it and `alerts.yaml` with the Prometheus Operator
-and Grafana's dashboard sidecar (`deploy/kubernetes/monitoring/`).
+and Grafana's dashboard sidecar (`deploy/kubernetes/monitoring/`, and the Helm chart's `files/`).
 
     python deploy/monitoring/dashboard.py            # after changing a panel or an alert
 
@@ -26,6 +26,8 @@ import yaml
 PATH = Path(__file__).with_name("sluice-dashboard.json")
 ALERTS = Path(__file__).with_name("alerts.yaml")
 KUBERNETES = Path(__file__).parents[1] / "kubernetes" / "monitoring"
+CHART_FILES = Path(__file__).parents[1] / "helm" / "sluice" / "files"
+"""The Helm chart's copies (a chart reads only files inside its own folder)."""
 GENERATED = "# Written by deploy/monitoring/dashboard.py from {source}: edit that and rerun it.\n"
 PART_OF = {"app.kubernetes.io/part-of": "sluice"}
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -263,7 +265,8 @@ def prometheus_rule() -> str:
 
 def outputs() -> dict[Path, str]:
     return {PATH: render(), KUBERNETES / "grafana-dashboard.yaml": dashboard_config_map(),
-            KUBERNETES / "prometheus-rule.yaml": prometheus_rule()}
+            KUBERNETES / "prometheus-rule.yaml": prometheus_rule(),
+            CHART_FILES / "sluice-dashboard.json": render(), CHART_FILES / "alerts.yaml": ALERTS.read_text()}
 
 
 if __name__ == "__main__":
