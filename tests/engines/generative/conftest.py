@@ -69,6 +69,25 @@ def windowed_dir(request, tmp_path_factory):
     return _save(model.eval(), tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3: each query and key head RMS-normalised before RoPE, a head_dim (32) that is not
+    hidden / heads (16), tied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(5)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rope_theta=500.0, initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms of ones would hide a norm left out or applied to the wrong heads
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return _save(model, tmp_path_factory.mktemp("qwen3"))
+
+
 _HF_CACHE: dict[Path, PreTrainedModel] = {}
 
 

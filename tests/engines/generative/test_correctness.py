@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from sluice.engines.generative import EngineConfig, LLMEngine
-from tests.engines.generative.conftest import check_batch, greedy, prompts, run_to_completion
+from tests.engines.generative.conftest import (
+    check_batch,
+    check_batched_prefix_hits_and_preemptions,
+    greedy,
+    prompts,
+    run_to_completion,
+)
 
 
 def test_single_request_matches_transformers(model_dir, hf_greedy):
@@ -100,3 +106,9 @@ def test_sliding_window_attention_matches_transformers(windowed_dir, hf_greedy):
     batch = prompts(8, 4, 20, 60)
     check_batch(engine, windowed_dir, hf_greedy, [*batch, batch[0] + batch[1][:9]], [30] * 5, join_every=2)
     assert engine.stats().prefix_cache_hit_tokens > 0
+
+
+def test_qwen3_matches_transformers_batched_with_prefix_hits_and_preemptions(qwen3_dir, hf_greedy):
+    engine, _ = check_batched_prefix_hits_and_preemptions(
+        lambda blocks: LLMEngine(qwen3_dir, EngineConfig(block_size=8, num_kv_blocks=blocks)), qwen3_dir, hf_greedy)
+    assert engine.spec.qk_norm and engine.spec.head_dim == 32

@@ -28,6 +28,12 @@ def test_batched_requests_prefix_hits_and_preemptions_on_cuda_match_transformers
     check_batched_prefix_hits_and_preemptions(eager, model_dir, hf_greedy)
 
 
+def test_qwen3_on_cuda_with_decode_graphs_matches_transformers(qwen3_dir, hf_greedy):
+    """Qwen3's per-head query and key norms inside the captured decode graphs too."""
+    check_batched_prefix_hits_and_preemptions(lambda blocks: _engine(qwen3_dir, num_kv_blocks=blocks), qwen3_dir,
+                                              hf_greedy)
+
+
 def test_logprobs_penalties_and_prompt_logprobs_on_cuda_match_transformers(model_dir):
     from sluice.engines.generative import SamplingParams
     from tests.engines.generative.test_logprobs import _check_prompt_logprobs, _outputs, _reference

@@ -48,6 +48,7 @@ class _LlamaLayer:
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [heads + kv heads, head_dim]: each query head's weights, then each key head's
     o: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor
@@ -63,10 +64,10 @@ class LlamaModel:
         self.lm_head = self.embed if tied else w.get("lm_head.weight", dtype, device)
         cos, sin = rope_tables(spec, device)
         self.cos, self.signed_sin = cos.to(dtype), signed(sin).to(dtype)
-        self.layers = [self._layer(w, f"model.layers.{i}.", dtype, device) for i in range(spec.num_layers)]
+        self.layers = [self._layer(spec, w, f"model.layers.{i}.", dtype, device) for i in range(spec.num_layers)]
 
     @staticmethod
-    def _layer(w: _Weights, p: str, dtype: torch.dtype, device: str) -> _LlamaLayer:
+    def _layer(spec: ModelSpec, w: _Weights, p: str, dtype: torch.dtype, device: str) -> _LlamaLayer:
         def get(name: str) -> torch.Tensor:
             return w.get(p + name, dtype, device)
 
@@ -74,8 +75,12 @@ class LlamaModel:
         bias = None
         if w.has(p + "self_attn.q_proj.bias"):
             bias = torch.cat([get(f"self_attn.{n}_proj.bias") for n in "qkv"])
+        qk_norm = None
+        if spec.qk_norm:  # one weight row per head, so both norms are one kernel over the rotated heads
+            qk_norm = torch.cat([get("self_attn.q_norm.weight").expand(spec.num_heads, -1),
+                                 get("self_attn.k_norm.weight").expand(spec.num_kv_heads, -1)]).contiguous()
         gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
-        return _LlamaLayer(get("input_layernorm.weight"), qkv, bias, get("self_attn.o_proj.weight"),
+        return _LlamaLayer(get("input_layernorm.weight"), qkv, bias, qk_norm, get("self_attn.o_proj.weight"),
                            get("post_attention_layernorm.weight"), gate_up, get("mlp.down_proj.weight"))
 
     @torch.inference_mode()
@@ -88,7 +93,10 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, s.norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            qk = rotate(qkv[:, :q_size + kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, s.norm_eps)
+            qk = rotate(qk, cos, sin)
             q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]  # rotated together: one set of kernels
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
             a = attention(q, k, v, i, cache, inp, softmax_scale(s, i))

@@ -1,7 +1,8 @@
 """Decoder-only transformers in plain PyTorch, reading and writing a paged KV cache.
 
 Two architectures: Llama (also Qwen2 / Mistral-style checkpoints: RMSNorm, RoPE, GQA, SwiGLU,
-optional q/k/v biases; Llama 3.1's "llama3" RoPE frequency scaling) and GPT-2 (learned positions,
+optional q/k/v biases; Llama 3.1's "llama3" RoPE frequency scaling; Qwen3's RMSNorm of each query
+and key head before RoPE) and GPT-2 (learned positions,
 LayerNorm, Conv1D weights stored [in, out]). Sliding-window attention (Mistral; Qwen2's
 `use_sliding_window` on its layers from `max_window_layers`; any `layer_types` list): a windowed
 layer's queries attend to their last `sliding_window` positions only, themselves included, by
@@ -83,6 +84,8 @@ class ModelSpec:
     """Windowed layers attend to at most this many positions, their own included; None: none is."""
     windowed_layers: frozenset[int] = frozenset()
     """The layers that use `sliding_window`."""
+    qk_norm: bool = False
+    """Each query and key head is RMS-normalised (its own weights) before RoPE (Qwen3)."""
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
@@ -97,7 +100,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          config["vocab_size"], config["n_positions"], config.get("layer_norm_epsilon", 1e-5),
                          tie_word_embeddings=True,
                          scale_by_layer=bool(config.get("scale_attn_by_inverse_layer_idx", False)))
-    if model_type in ("llama", "qwen2", "mistral"):
+    if model_type in ("llama", "qwen2", "qwen3", "mistral"):
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if config.get("hidden_act", "silu") != "silu":
             raise ConfigError("only the SiLU (SwiGLU) MLP is supported")
@@ -108,8 +111,8 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          config.get("max_position_embeddings", 2048), config.get("rms_norm_eps", 1e-6),
                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                          tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         rope_scaling=_rope_scaling(rope), **_sliding_window(config))
-    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, mistral, gpt2)")
+                         rope_scaling=_rope_scaling(rope), qk_norm=model_type == "qwen3", **_sliding_window(config))
+    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, qwen3, mistral, gpt2)")
 
 
 def _rope_scaling(rope: dict[str, object]) -> Llama3RopeScaling | None:
@@ -130,9 +133,10 @@ def _rope_scaling(rope: dict[str, object]) -> Llama3RopeScaling | None:
 def _sliding_window(config: dict[str, Any]) -> dict[str, Any]:
     """The attention window and the layers that use it, where the checkpoint has one: every layer
     (Mistral), those `layer_types` names "sliding_attention", or Qwen2's layers from
-    `max_window_layers` on when `use_sliding_window` is set (as transformers reads them)."""
+    `max_window_layers` on when `use_sliding_window` is set (as transformers reads them; Qwen3's too)."""
     window = config.get("sliding_window")
-    if window is None or (config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False)):
+    qwen = config.get("model_type") in ("qwen2", "qwen3")
+    if window is None or (qwen and not config.get("use_sliding_window", False)):
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
@@ -140,7 +144,7 @@ def _sliding_window(config: dict[str, Any]) -> dict[str, Any]:
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list):
         layers = {i for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
-    elif config.get("model_type") == "qwen2":
+    elif qwen:
         layers = set(range(int(config.get("max_window_layers", num_layers)), num_layers))
     else:
         layers = set(range(num_layers))
