@@ -496,6 +496,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     tool_call_parser: str = ""
     """Generative models: how the model writes tool calls in its text ("hermes"), for
     `tool_choice: "auto"`; "": not known, so "auto" is refused."""
+    reasoning_parser: str = ""
+    """Generative models: how the model writes its thoughts before its answer ("qwen3",
+    "deepseek_r1"), answered apart from it (`api.reasoning`); "": all of its text is the answer."""
     named_io: bool = False
     """The model takes and gives named tensors (`TensorsPayload`), each input and output in
     `inputs` and `outputs`, rather than one input tensor (or texts) and one output."""

@@ -177,6 +177,35 @@ async def test_streamed_upstream_tool_calls_come_back_as_calls_the_gateway_reads
         ("get_weather", {"city": "Oslo"}), ("get_time", {})]
 
 
+async def test_streamed_upstream_thoughts_come_back_as_a_think_block_the_gateway_reads(upstream, make_runner):
+    """Thoughts stream apart (`reasoning_content`, or vLLM's newer `reasoning`); the relayed text
+    holds them as a `<think>` block ahead of the answer and its calls, which the runner names as
+    its models' reasoning format; an answer with no thoughts has no block."""
+    from sluice.api.reasoning import split_reasoning
+    from sluice.api.tool_calls import ToolPlan
+
+    upstream.sse_plans += [
+        SsePlan(deltas=[{"reasoning_content": "Oslo, "}, {"reasoning": "then."}, "Checking.",
+                        {"tool_calls": [{"index": 0, "function": {"name": "get_weather", "arguments": "{}"}}]}],
+                finish_reason="tool_calls"),
+        SsePlan(deltas=[{"reasoning_content": "cut while thinking"}], finish_reason="length"),
+        SsePlan(deltas=["Just ", "this."])]
+    runner = await make_runner(_base(upstream))
+    assert runner.info.reasoning_parser == "qwen3"
+    chat = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")])
+    texts = []
+    for _ in range(3):
+        *deltas, end = await _events(runner, chat)
+        assert isinstance(end, CallEnd)
+        texts.append("".join(d.text for d in deltas if isinstance(d, TextDelta)))
+    thought, answer = split_reasoning(runner.info.reasoning_parser, texts[0])
+    assert thought == "Oslo, then."
+    content, calls = ToolPlan(None, "hermes", frozenset({"get_weather"})).split(answer)
+    assert content == "Checking." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert split_reasoning(runner.info.reasoning_parser, texts[1]) == ("cut while thinking", "")
+    assert split_reasoning(runner.info.reasoning_parser, texts[2]) == (None, "Just this.")
+
+
 async def test_an_undecodable_event_is_a_retryable_failure_not_an_error():
     from sluice.engines.openai_upstream import _relay
 

@@ -304,12 +304,16 @@ def test_a_streamed_generations_chunk_that_ends_it_by_stop_or_length_says_it_is_
     assert chunks == [(1, "a", False), (2, "b", False), (1, "", True), (2, "c", False)]
 
 
-def test_an_unknown_tool_call_parser_refuses_the_model_with_the_choices(tmp_path: Path):
+@pytest.mark.parametrize(("setting", "refusal"), [
+    ('tool_call_parser = "llama9"', "tool_call_parser must be one of 'hermes'"),
+    ('reasoning_parser = "o1"', "reasoning_parser must be one of 'deepseek_r1', 'qwen3', got 'o1'"),
+])
+def test_an_unknown_parser_refuses_the_model_with_the_choices(tmp_path: Path, setting: str, refusal: str):
     from sluice.errors import ConfigError
 
     repo = write_tiny_lm_model(tmp_path / "repo")
     toml = next(repo.glob("*/model.toml"))
-    toml.write_text(toml.read_text() + 'tool_call_parser = "llama9"\n')
+    toml.write_text(toml.read_text() + setting + "\n")
     (version,) = scan_repository(repo).versions
-    with pytest.raises(ConfigError, match="tool_call_parser must be one of 'hermes'"):
+    with pytest.raises(ConfigError, match=refusal):
         GenerativeRunner(version, "cpu")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import wire
+from sluice.api.reasoning import ReasoningSplitter, split_reasoning, thought_fields
 from sluice.api.tool_calls import ToolPlan, tool_call
 
 __all__ = ["ResponseShape", "usage"]
@@ -24,7 +25,7 @@ class ResponseShape:
     def __init__(self, is_chat: bool, model: str, include_usage: bool = False, logprobs: int | None = None,
                  prompt_texts: Sequence[str | None] = (None,), n: int = 1, tools: ToolPlan | None = None,
                  is_legacy_functions: bool = False, echo: str = "", continuous_usage: bool = False,
-                 return_token_ids: bool = False, response_id: str | None = None) -> None:
+                 return_token_ids: bool = False, response_id: str | None = None, reasoning: str = "") -> None:
         self.is_chat = is_chat
         self.model = model
         self.include_usage = include_usage
@@ -67,6 +68,10 @@ class ResponseShape:
         self._prompt_token_ids: list[list[int] | None] = [None] * len(self.prompt_texts)
         self._unsent_ids: list[list[int]] = [[] for _ in range(self.num_choices)]
         self._is_prompt_ids_sent = [False] * self.num_choices  # per choice (completions) or the first (chat)
+        self.reasoning = reasoning if is_chat else ""
+        """Chat: the model's `reasoning_parser` (`api.reasoning`): its thoughts are answered apart
+        from its content; "": all of its text is content."""
+        self._thinking = [ReasoningSplitter(self.reasoning) for _ in range(self.num_choices)] if self.reasoning else []
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -90,9 +95,11 @@ class ResponseShape:
 
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
+        thought, text = self.thought_and_answer(choice.text)
+        thoughts = thought_fields(thought) if self.reasoning else {}
         if self.is_chat and self.tools is not None:
-            content, calls = self.answer(choice.text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            content, calls = self.answer(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content, **thoughts}
             if calls and self.is_legacy_functions:
                 message["function_call"] = calls[0]["function"]
             elif calls:
@@ -100,7 +107,7 @@ class ResponseShape:
             return {"index": index, "message": message, "logprobs": None,
                     "finish_reason": self._finish_reason(choice.finish_reason, calls)}
         if self.is_chat:
-            return {"index": index, "message": {"role": "assistant", "content": self.echo_text + choice.text},
+            return {"index": index, "message": {"role": "assistant", "content": self.echo_text + text, **thoughts},
                     "logprobs": logprobs, "finish_reason": choice.finish_reason}
         text = choice.text if prompt is None else self._prompt_text(prompt, index) + choice.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
@@ -162,10 +169,35 @@ class ResponseShape:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": self.echo_text},
                             "logprobs": None, "finish_reason": None}, has_ids=False)
 
+    def thought_and_answer(self, text: str) -> tuple[str | None, str]:
+        """A whole output's thoughts (None: none, or the model writes none apart) and its answer."""
+        return split_reasoning(self.reasoning, text) if self.reasoning else (None, text)
+
     def delta(self, text: str, finish_reason: str | None,
               reported: list[wire.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any] | None:
         """A stream's chunk of new text for choice `index` (None: nothing to send yet: tool calls
-        asked for as `required` are sent whole, once they are)."""
+        asked for as `required` are sent whole, once they are; the start of what may be a
+        reasoning model's tag). A reasoning model's thoughts go out as deltas of their own."""
+        if not self._thinking:
+            return self._answer_delta(text, finish_reason, reported, index)
+        splitter = self._thinking[index]
+        thought, text = splitter.feed(text) if finish_reason is None else splitter.last(text)
+        chunk = self._answer_delta(text, finish_reason, reported, index) if text or finish_reason else None
+        if not thought:
+            if chunk is None and reported and self.logprobs is not None:  # held back: its tokens' log-probabilities
+                chunk = self._chunk({"index": index, "delta": {}, "logprobs": self._logprobs(reported, index=index),
+                                     "finish_reason": None})
+            return chunk
+        if chunk is None:
+            logprobs = self._logprobs(reported, index=index) if reported and self.tools is None else None
+            return self._chunk({"index": index, "delta": thought_fields(thought), "logprobs": logprobs,
+                                "finish_reason": None})
+        choice = chunk["choices"][0]
+        choice["delta"] = {**thought_fields(thought), **choice["delta"]}
+        return chunk
+
+    def _answer_delta(self, text: str, finish_reason: str | None, reported: list[wire.TokenLogprob] | None,
+                      index: int) -> dict[str, Any] | None:
         logprobs = self._logprobs(reported, index=index) if reported else None
         if self.is_chat and self.tools is not None and finish_reason is None:
             return self._call_delta(text, index)
@@ -192,10 +224,16 @@ class ResponseShape:
             if self.tools is None:
                 chunks.append(self.delta(choice.text, choice.finish_reason, index=index))
                 continue
+            last_text = choice.text
+            if self._thinking:  # the thoughts' end, before the calls (which are read from the answer)
+                thought, last_text = self._thinking[index].last(last_text)
+                if thought:
+                    chunks.append(self._chunk({"index": index, "delta": thought_fields(thought), "logprobs": None,
+                                               "finish_reason": None}))
             if self.tools.named is not None:
                 calls: list[dict[str, Any]] | None = [] if self._call_ids[index] is not None else None
             else:  # the whole text read as the unstreamed answer reads it: the content not sent yet, the calls
-                content, calls = self._auto_rest(index, choice.text)
+                content, calls = self._auto_rest(index, last_text)
                 if content:
                     chunks.append(self._chunk({"index": index, "delta": {"content": content}, "logprobs": None,
                                                "finish_reason": None}))

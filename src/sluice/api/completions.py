@@ -67,6 +67,7 @@ from sluice.api.completion_params import (
 )
 from sluice.api.completion_shapes import ResponseShape
 from sluice.api.errors import error_body
+from sluice.api.reasoning import request_parser
 from sluice.errors import InvalidInput, SluiceError
 from sluice.gateway import Caller, Gateway, InferResult
 from sluice.gateway.tenancy import RequestGroup
@@ -119,7 +120,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                           first.n, tools, is_legacy_functions=is_legacy,
                           echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "",
                           continuous_usage=options is not None and bool(options.continuous_usage_stats),
-                          return_token_ids=first.return_token_ids, response_id=answer_id)
+                          return_token_ids=first.return_token_ids, response_id=answer_id,
+                          reasoning=request_parser(info.reasoning_parser, first.output_format is not None))
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:

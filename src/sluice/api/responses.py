@@ -29,7 +29,9 @@ the new `input`; instructions are not carried over, as at OpenAI); `GET /v1/resp
 ["message.output_text.logprobs"]` (with `top_logprobs: k`) puts the tokens' log-probabilities in
 the output text and its deltas, as chat's `logprobs` reports them. A request with `conversation`
 (`api.conversations`) answers after that conversation's items instead, and adds its input and its
-output to them once answered (whether or not the response itself is stored).
+output to them once answered (whether or not the response itself is stored). A reasoning
+model's thoughts (its `reasoning_parser`: `api.reasoning`) come first, as a `reasoning` output
+item with their `reasoning_text` (streamed as `response.reasoning_text.delta` events).
 
 Background (`background: true`): validated as any request, then stored `queued` with its run and
 answered at once; `jobs.background` runs it (the same request in the foreground, through the app)
@@ -98,6 +100,7 @@ from sluice.api.completions import (
 )
 from sluice.api.conversations import Conversations, conversation_items
 from sluice.api.errors import error_body
+from sluice.api.reasoning import request_parser
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
@@ -350,7 +353,8 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
             raise _as_responses_error(exc) from exc
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     is_stored = responses.store is not None and parsed.store is not False
-    shape = ResponsesShape(parsed, info.name, payload, plan, is_stored)
+    shape = ResponsesShape(parsed, info.name, payload, plan, is_stored,
+                           reasoning=request_parser(info.reasoning_parser, payload.output_format is not None))
     if parsed.background:
         return await responses.run_later(owner, shape, parsed, new_items if conversation_id else items,
                                          request.headers, request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
@@ -483,7 +487,7 @@ def _messages(given: list[Any]) -> list[ChatMessageIn]:
             messages.append(ChatMessageIn("tool", _text(item.get("output"), "a function_call_output's 'output'"),
                                           tool_call_id=call_id))
         elif kind == "reasoning":
-            continue  # an earlier response's reasoning, passed back: the models served here write none
+            continue  # an earlier response's thoughts, passed back: not shown again (as chat templates drop them)
         else:
             raise InvalidInput(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call "
                                "and function_call_output are)", param="input")
@@ -563,7 +567,7 @@ class ResponsesShape:
     """A Responses request's `response` object, and its stream of events."""
 
     def __init__(self, request: ResponsesRequest, model: str, payload: wire.GeneratePayload,
-                 plan: ToolPlan | None, is_stored: bool = False) -> None:
+                 plan: ToolPlan | None, is_stored: bool = False, reasoning: str = "") -> None:
         self.request = request
         self.conversation_id = _conversation_id(request)
         self.is_stored = is_stored
@@ -571,8 +575,9 @@ class ResponsesShape:
         self.payload = payload
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
-        self.chat = ResponseShape(True, model, logprobs=payload.logprobs, tools=plan)
-        """The chat answer's shape: what reads tool calls out of the text, whole or as it streams."""
+        self.chat = ResponseShape(True, model, logprobs=payload.logprobs, tools=plan, reasoning=reasoning)
+        """The chat answer's shape: what reads a reasoning model's thoughts and tool calls out of the
+        text, whole or as it streams."""
         self.output: list[dict[str, Any]] = []
         """A stream's items so far."""
         self._open: dict[str, Any] | None = None  # the item the stream is adding to
@@ -605,7 +610,10 @@ class ResponsesShape:
 
     def whole(self, result: wire.GenerationResult) -> dict[str, Any]:
         """The unstreamed response."""
-        content, calls = self.chat.answer(result.text) if self.chat.tools is not None else (result.text, None)
+        thought, text = self.chat.thought_and_answer(result.text)
+        if thought is not None:
+            self.output.append(_reasoning(thought, "completed"))
+        content, calls = self.chat.answer(text) if self.chat.tools is not None else (text, None)
         is_cut = result.finish_reason == "length"
         if content or not calls:
             message = _message(content or "", "incomplete" if is_cut else "completed")
@@ -640,6 +648,8 @@ class ResponsesShape:
             return []
         choice = chat_chunk["choices"][0]
         delta, events = choice["delta"], []
+        if delta.get("reasoning_content"):
+            events += self._reasoning_delta(delta["reasoning_content"])
         if delta.get("content"):
             events += self._text_delta(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
         for call in delta.get("tool_calls") or []:
@@ -658,6 +668,16 @@ class ResponsesShape:
         part["logprobs"] += logprobs
         events.append(self.event("response.output_text.delta", item_id=self._open["id"],
                                  output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=logprobs))
+        return events
+
+    def _reasoning_delta(self, text: str) -> list[bytes]:
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close("completed") + self._add(_reasoning("", "in_progress"))
+        assert self._open is not None
+        self._open["content"][0]["text"] += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self._open["id"],
+                                 output_index=len(self.output) - 1, content_index=0, delta=text))
         return events
 
     def _open_message(self) -> list[bytes]:
@@ -683,7 +703,7 @@ class ResponsesShape:
     def _add(self, item: dict[str, Any]) -> list[bytes]:
         self.output.append(item)
         self._open = item
-        announced = {**item, "content": []} if item["type"] == "message" else item
+        announced = {**item, "content": []} if item["type"] in ("message", "reasoning") else item
         return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=announced)]
 
     def _close(self, status: str) -> list[bytes]:
@@ -700,6 +720,9 @@ class ResponsesShape:
                                   content_index=0, text=text, logprobs=part["logprobs"]),
                        self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part)]
+        elif item["type"] == "reasoning":
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=item["content"][0]["text"]))
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=index, name=item["name"], arguments=item["arguments"]))
@@ -710,7 +733,7 @@ class ResponsesShape:
         """The stream's last events but the final one, and the final response."""
         events = [event for chunk in self.chat.finish_chunks(0, result) for event in self.chunk(chunk)]
         final_status = "incomplete" if result.finish_reason == "length" else "completed"
-        if not self.output:  # nothing was generated: still one (empty) message
+        if all(item["type"] == "reasoning" for item in self.output):  # no answer: still one (empty) message
             events += self._open_message() + self._close(final_status)
         return events, self._final(result)
 
@@ -766,6 +789,12 @@ def sse_event(kind: str, sequence_number: int, fields: Mapping[str, Any]) -> byt
 def _message(text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [_text_part(text)]}
+
+
+def _reasoning(text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thoughts (`api.reasoning`) as an output item, ahead of its answer."""
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _text_part(text: str) -> dict[str, Any]:

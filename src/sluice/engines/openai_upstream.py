@@ -13,7 +13,9 @@ With `tool_choice: "auto"` the upstream is asked with "auto" and decides (it nee
 call parser, as vLLM's `--tool-call-parser`); the calls it streams back are written into the
 relayed text as Hermes blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
 format this runner reports as its models' `tool_call_parser`, which the gateway reads back into
-`tool_calls` like any local model's.
+`tool_calls` like any local model's. Thoughts a reasoning model's upstream streams apart
+(`reasoning_content`, or `reasoning`) are written the same way, as a `<think>...</think>` block
+ahead of the answer, which the gateway reads back apart (`reasoning_parser = "qwen3"`).
 
 Retries: a 5xx, 408/429, connection error, timeout or a stream that breaks is retried with
 backoff while nothing has been relayed yet (`RetryConfig`); once text has gone to the client, a
@@ -236,7 +238,8 @@ class OpenAIUpstreamRunner:
             outputs=(wire.TensorSpec("text_output", "BYTES", (-1,)),),
             max_batch_size=self.config.max_concurrency, slo_s=version.slo_s, accepts_text=False,
             accepts_tensor=False,
-            cache_revision=version.cache_revision, tool_call_parser="hermes", takes_reasoning_effort=True,
+            cache_revision=version.cache_revision, tool_call_parser="hermes", reasoning_parser="qwen3",
+            takes_reasoning_effort=True,
         )
         self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
@@ -348,7 +351,7 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
     finish_reasons: dict[int, str] = {}
     usage: dict[str, Any] | None = None
     num_deltas = 0
-    calls = _CallsAsText()
+    calls, thoughts = _CallsAsText(), _ThoughtsAsText()
     async for raw in response.content:
         line = raw.decode("utf-8", errors="replace").strip()
         if not line.startswith("data:"):
@@ -374,9 +377,10 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
             index = choice.get("index", 0)
             if not isinstance(index, int) or not 0 <= index < wire.MAX_CHOICES:
                 continue  # not a choice this request can have asked for
-            text = (text or "") + calls.write(index, delta.get("tool_calls"))
+            answer = (text or "") + calls.write(index, delta.get("tool_calls"))
+            text = thoughts.write(index, delta.get("reasoning_content") or delta.get("reasoning"), answer)
             if choice.get("finish_reason"):
-                text += calls.close(index)
+                text += thoughts.close(index) + calls.close(index)
                 reason = str(choice["finish_reason"])
                 finish_reasons[index] = "stop" if reason == "tool_calls" else reason  # the gateway says tool_calls
             if text or logprobs:
@@ -386,6 +390,35 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
         yield CallFailure("upstream stream ended without a finish_reason", is_retryable=True)
         return
     yield _end(finish_reasons, usage, num_deltas)
+
+
+class _ThoughtsAsText:
+    """An upstream's streamed thoughts (`reasoning_content`, or vLLM's newer `reasoning`) written
+    as a `<think>` block ahead of the answer, choice by choice, as Qwen3 writes them: the gateway
+    reads them back apart (`api.reasoning`, this runner's `reasoning_parser`)."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, bool] = {}  # choice -> still thinking (False: its answer has begun)
+
+    def write(self, choice: int, thought: Any, answer: str) -> str:
+        out = []
+        if isinstance(thought, str) and thought:
+            if choice not in self._started:
+                self._started[choice] = True
+                out.append("<think>")
+            if self._started[choice]:  # (thoughts after the answer began cannot go before it: not shown)
+                out.append(thought)
+        if answer:
+            out.append(self.close(choice) + answer)
+            self._started[choice] = False
+        return "".join(out)
+
+    def close(self, choice: int) -> str:
+        """The block's end, if it is open."""
+        if self._started.get(choice):
+            self._started[choice] = False
+            return "</think>"
+        return ""
 
 
 class _CallsAsText:

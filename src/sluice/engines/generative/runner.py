@@ -14,6 +14,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
     tool_call_parser = "hermes"     # tool_choice "auto": how it writes calls (TOOL_CALL_PARSERS: hermes, mistral, ...)
+    reasoning_parser = "qwen3"      # how it writes its thoughts, answered apart (REASONING_PARSERS: deepseek_r1, qwen3)
     static_reserve = "max_model_len"  # static: KV reserved per sequence ("max_model_len" | "max_tokens")
     cuda_graphs = true              # CUDA: decode steps replay graphs captured at load (false: eager)
 
@@ -50,6 +51,9 @@ TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic", "deepse
                      "granite", "internlm", "phi4_mini_json", "qwen3_coder", "glm45")
 """How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
 
+REASONING_PARSERS = ("", "deepseek_r1", "qwen3")
+"""How a model writes its thoughts before its answer (`api.reasoning`); "": it writes none apart."""
+
 MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""
 
@@ -84,6 +88,10 @@ class GenerativeRunner:
         if parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"{version.name} v{version.version}: [params]: tool_call_parser must be one of "
                               f"{', '.join(repr(p) for p in TOOL_CALL_PARSERS if p)}, got {parser!r}")
+        reasoning_parser = params.get("reasoning_parser", "")
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"{version.name} v{version.version}: [params]: reasoning_parser must be one of "
+                              f"{', '.join(repr(p) for p in REASONING_PARSERS if p)}, got {reasoning_parser!r}")
         _apply_num_threads(version, device)
         try:
             self.engine = LLMEngine(version.weights_dir, config)
@@ -99,7 +107,7 @@ class GenerativeRunner:
             max_batch_size=config.max_num_seqs, slo_s=version.slo_s, accepts_text=False, accepts_tensor=False,
             max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
             max_prompt_chars=MAX_CHARS_PER_TOKEN * self.engine.max_model_len,
-            cache_revision=version.cache_revision, tool_call_parser=parser,
+            cache_revision=version.cache_revision, tool_call_parser=parser, reasoning_parser=reasoning_parser,
             takes_reasoning_effort="reasoning_effort" in self.tokenizer.template_variables(),
         )
 

@@ -1,0 +1,100 @@
+"""A reasoning model's thoughts, answered apart from its answer (what vLLM's `--reasoning-parser` does).
+
+A model that thinks before it answers writes its thoughts between `<think>` and `</think>`. Its
+`model.toml` names how with `reasoning_parser` in `[params]`:
+
+    deepseek_r1   the output starts in the thoughts (the chat template opened them) and they end
+                  at `</think>`; a `<think>` the output starts with is dropped; with no `</think>`,
+                  all of it is thought (cut by max_tokens while thinking)
+    qwen3         thoughts only when the output starts with `<think>` (Qwen3 thinks unless the
+                  request's `chat_template_kwargs` say `enable_thinking: false`); otherwise all of
+                  it is the answer
+
+Chat answers carry the thoughts as the message's `reasoning_content` (DeepSeek's and vLLM's name)
+and `reasoning` (vLLM's newer one), and stream them as deltas of both; the answer is `content`,
+which is what tool calls are read from. Responses answers carry them as a `reasoning` output item.
+An output constrained from its first token (a structured output, tool calls asked for) is read as
+qwen3's: thoughts only where it tags them. Nothing is trimmed: thoughts and answer are the
+output's text on either side of the tags, so a stream's pieces join into the unstreamed answer's.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class ReasoningSplitter:
+    """One choice's output, piece by piece, as (thoughts, answer) pieces. Text that may be the
+    start of a tag is held back until the next piece (or the end) says whether it is one."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}")
+        self.parser = parser
+        self._phase = "start"  # then "thinking" or "answer"
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The thoughts and the answer in `text` (after what was held back) that can be told now."""
+        text, self._held = self._held + text, ""
+        if self._phase == "start":
+            if len(text) < len(OPEN) and OPEN.startswith(text):
+                self._held = text
+                return "", ""
+            if text.startswith(OPEN):
+                text, self._phase = text[len(OPEN):], "thinking"
+            else:
+                self._phase = self._untagged()
+        if self._phase == "answer":
+            return "", text
+        end = text.find(CLOSE)
+        if end < 0:
+            keep = _partial_tag(text, CLOSE)
+            self._held = text[len(text) - keep:]
+            return text[:len(text) - keep], ""
+        self._phase = "answer"
+        return text[:end], text[end + len(CLOSE):]
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the output's end: never a tag after all."""
+        held, self._held = self._held, ""
+        if self._phase == "start":
+            self._phase = self._untagged()
+        return (held, "") if self._phase == "thinking" else ("", held)
+
+    def last(self, text: str) -> tuple[str, str]:
+        """`feed` of the output's last piece, then `finish`."""
+        thought, answer = self.feed(text)
+        held_thought, held_answer = self.finish()
+        return thought + held_thought, answer + held_answer
+
+    def _untagged(self) -> str:
+        """The phase of an output that does not open with `<think>`."""
+        return "thinking" if self.parser == "deepseek_r1" else "answer"
+
+
+def thought_fields(thought: str | None) -> dict[str, str | None]:
+    """A chat message's or delta's thoughts, under both names clients read."""
+    return {"reasoning_content": thought, "reasoning": thought}
+
+
+def request_parser(model_parser: str, is_constrained: bool) -> str:
+    """The parser of one request to a model with `model_parser`. An output constrained from its
+    first token (a structured output, tool calls asked for) cannot have begun in thoughts the chat
+    template opened, so then only what it tags is thought: qwen3's reading."""
+    return "qwen3" if model_parser and is_constrained else model_parser
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+    """A whole output's (thoughts, answer); thoughts None when it has none."""
+    thought, answer = ReasoningSplitter(parser).last(text)
+    return thought or None, answer
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (shorter than it)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0

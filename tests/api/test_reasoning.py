@@ -1,0 +1,78 @@
+"""A reasoning model's thoughts read apart from its answer (`api.reasoning`), whole and streamed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice import wire
+from sluice.api.completion_shapes import ResponseShape
+from sluice.api.reasoning import REASONING_PARSERS, ReasoningSplitter, request_parser, split_reasoning
+from sluice.engines.generative.runner import REASONING_PARSERS as RUNNER_PARSERS
+
+
+@pytest.mark.parametrize(("parser", "text", "expected"), [
+    ("qwen3", "<think>\nweigh it\n</think>\n\nYes.", ("\nweigh it\n", "\n\nYes.")),
+    ("qwen3", "Yes, at once.", (None, "Yes, at once.")),  # enable_thinking: false
+    ("qwen3", "<think>cut while thinki", ("cut while thinki", "")),
+    ("qwen3", "<thin", (None, "<thin")),  # a tag's start, never finished: the answer's text
+    ("qwen3", "2 < 3 </think> is not a tag here", (None, "2 < 3 </think> is not a tag here")),
+    ("deepseek_r1", "weigh it</think>Yes.", ("weigh it", "Yes.")),  # the template opened the thoughts
+    ("deepseek_r1", "<think>weigh it</think>Yes.", ("weigh it", "Yes.")),
+    ("deepseek_r1", "cut while thinking </thi", ("cut while thinking </thi", "")),
+    ("deepseek_r1", "</think>Yes.", (None, "Yes.")),
+    ("deepseek_r1", "", (None, "")),
+])
+def test_whole_outputs(parser: str, text: str, expected: tuple[str | None, str]) -> None:
+    assert split_reasoning(parser, text) == expected
+
+
+@given(parser=st.sampled_from(REASONING_PARSERS),
+       pieces=st.lists(st.sampled_from(["<", "<think>", "</think>", "</", "think", ">", "a", " ", "\n", "é", "<t",
+                                        "k>", "</th"]), max_size=12),
+       cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=6))
+def test_a_stream_cut_anywhere_joins_into_the_whole_answer(parser: str, pieces: list[str], cuts: list[int]) -> None:
+    """However the output arrives (a tag split over chunks, several tags in one), the thoughts and
+    answer streamed join into exactly the whole output's, and together they lose nothing but the tags."""
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    splitter = ReasoningSplitter(parser)
+    thoughts, answers = [], []
+    for start, end in itertools.pairwise(bounds):
+        thought, answer = splitter.feed(text[start:end])
+        thoughts.append(thought)
+        answers.append(answer)
+    thought, answer = splitter.finish()
+    whole = split_reasoning(parser, text)
+    assert ("".join([*thoughts, thought]) or None, "".join([*answers, answer])) == whole
+    assert len((whole[0] or "") + whole[1]) >= len(text) - len("<think>") - len("</think>")
+
+
+def test_the_runner_and_the_gateway_know_the_same_parsers() -> None:
+    assert set(RUNNER_PARSERS) - {""} == set(REASONING_PARSERS)
+
+
+def test_a_constrained_output_is_thought_only_where_it_is_tagged() -> None:
+    assert request_parser("deepseek_r1", is_constrained=False) == "deepseek_r1"
+    assert split_reasoning(request_parser("deepseek_r1", is_constrained=True), '{"a": 1}') == (None, '{"a": 1}')
+    assert request_parser("", is_constrained=True) == ""
+
+
+def test_chat_chunks_carry_thoughts_then_content_and_the_whole_message_both() -> None:
+    pieces = ["<th", "ink>hm", "m</thi", "nk>\n\nYe", "s", "!"]
+    shape = ResponseShape(True, "m", reasoning="qwen3")
+    deltas = [shape.delta(p, None) for p in pieces]
+    deltas += shape.finish_chunks(0, wire.GenerationResult("", "stop", 3, 0, 6))  # a stream's result has no text
+    sent = [chunk["choices"][0]["delta"] for chunk in deltas if chunk is not None]
+    assert "".join(d.get("reasoning_content", "") for d in sent) == "hmm"
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in sent)
+    assert "".join(d.get("content", "") for d in sent) == "\n\nYes!"
+    assert deltas[0] is None  # "<th" may be a tag: held back, nothing sent
+    whole = ResponseShape(True, "m", reasoning="qwen3").whole([wire.GenerationResult("".join(pieces), "stop", 3, 0, 6)])
+    message = whole["choices"][0]["message"]
+    assert (message["reasoning_content"], message["reasoning"], message["content"]) == ("hmm", "hmm", "\n\nYes!")
+    plain = ResponseShape(True, "m").whole([wire.GenerationResult("<think>hmm</think>", "stop", 3, 0, 6)])
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "<think>hmm</think>"}
