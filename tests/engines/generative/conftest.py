@@ -88,6 +88,24 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(model, tmp_path_factory.mktemp("qwen3"))
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mixtures of 4 experts, 2 per token: Mixtral's on both layers, renormalised; Qwen3-MoE's with
+    its first layer dense (`mlp_only_layers`) and the chosen probabilities left as they are."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(6)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, rope_theta=500.0, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                 num_experts_per_tok=2)
+    if request.param == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=96, num_local_experts=4))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=128, moe_intermediate_size=48,
+                                                   num_experts=4, head_dim=32, mlp_only_layers=[0]))
+    return _save(model.eval(), tmp_path_factory.mktemp(request.param))
+
+
 _HF_CACHE: dict[Path, PreTrainedModel] = {}
 
 

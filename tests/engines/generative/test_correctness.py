@@ -112,3 +112,10 @@ def test_qwen3_matches_transformers_batched_with_prefix_hits_and_preemptions(qwe
     engine, _ = check_batched_prefix_hits_and_preemptions(
         lambda blocks: LLMEngine(qwen3_dir, EngineConfig(block_size=8, num_kv_blocks=blocks)), qwen3_dir, hf_greedy)
     assert engine.spec.qk_norm and engine.spec.head_dim == 32
+
+
+def test_mixtures_of_experts_match_transformers_batched_with_prefix_hits_and_preemptions(moe_dir, hf_greedy):
+    engine, _ = check_batched_prefix_hits_and_preemptions(
+        lambda blocks: LLMEngine(moe_dir, EngineConfig(block_size=8, num_kv_blocks=blocks)), moe_dir, hf_greedy)
+    assert engine.spec.num_experts == 4 and engine.spec.experts_per_token == 2
+    assert engine.spec.moe_layers == ({0, 1} if "mixtral" in moe_dir.name else {1})

@@ -28,6 +28,14 @@ def test_batched_requests_prefix_hits_and_preemptions_on_cuda_match_transformers
     check_batched_prefix_hits_and_preemptions(eager, model_dir, hf_greedy)
 
 
+def test_mixtures_of_experts_on_cuda_match_transformers(moe_dir, hf_greedy):
+    """Mixtral and Qwen3-MoE, every step eager (a mixture picks its experts on the host, so its
+    engine captures no graphs even when asked to)."""
+    engine, _ = check_batched_prefix_hits_and_preemptions(lambda blocks: _engine(moe_dir, num_kv_blocks=blocks),
+                                                          moe_dir, hf_greedy)
+    assert engine.spec.num_experts == 4
+
+
 def test_qwen3_on_cuda_with_decode_graphs_matches_transformers(qwen3_dir, hf_greedy):
     """Qwen3's per-head query and key norms inside the captured decode graphs too."""
     check_batched_prefix_hits_and_preemptions(lambda blocks: _engine(qwen3_dir, num_kv_blocks=blocks), qwen3_dir,

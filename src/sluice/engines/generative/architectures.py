@@ -51,8 +51,9 @@ class _LlamaLayer:
     qk_norm: torch.Tensor | None  # [heads + kv heads, head_dim]: each query head's weights, then each key head's
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor  # a dense MLP's; a mixture's: [experts, 2 * intermediate, hidden]
+    down: torch.Tensor  # a dense MLP's; a mixture's: [experts, hidden, intermediate]
+    router: torch.Tensor | None = None  # a mixture of experts' router, [experts, hidden]; None: dense
 
 
 class LlamaModel:
@@ -64,10 +65,12 @@ class LlamaModel:
         self.lm_head = self.embed if tied else w.get("lm_head.weight", dtype, device)
         cos, sin = rope_tables(spec, device)
         self.cos, self.signed_sin = cos.to(dtype), signed(sin).to(dtype)
-        self.layers = [self._layer(spec, w, f"model.layers.{i}.", dtype, device) for i in range(spec.num_layers)]
+        self.layers = [self._layer(spec, w, i, dtype, device) for i in range(spec.num_layers)]
 
     @staticmethod
-    def _layer(spec: ModelSpec, w: _Weights, p: str, dtype: torch.dtype, device: str) -> _LlamaLayer:
+    def _layer(spec: ModelSpec, w: _Weights, i: int, dtype: torch.dtype, device: str) -> _LlamaLayer:
+        p = f"model.layers.{i}."
+
         def get(name: str) -> torch.Tensor:
             return w.get(p + name, dtype, device)
 
@@ -79,9 +82,13 @@ class LlamaModel:
         if spec.qk_norm:  # one weight row per head, so both norms are one kernel over the rotated heads
             qk_norm = torch.cat([get("self_attn.q_norm.weight").expand(spec.num_heads, -1),
                                  get("self_attn.k_norm.weight").expand(spec.num_kv_heads, -1)]).contiguous()
-        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
+        if i in spec.moe_layers:
+            router, gate_up, down = _experts(spec, w, p, dtype, device)
+        else:
+            router, down = None, get("mlp.down_proj.weight")
+            gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
         return _LlamaLayer(get("input_layernorm.weight"), qkv, bias, qk_norm, get("self_attn.o_proj.weight"),
-                           get("post_attention_layernorm.weight"), gate_up, get("mlp.down_proj.weight"))
+                           get("post_attention_layernorm.weight"), gate_up, down, router)
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput, cache: KVCache) -> torch.Tensor:
@@ -102,10 +109,60 @@ class LlamaModel:
             a = attention(q, k, v, i, cache, inp, softmax_scale(s, i))
             x = x + F.linear(a.view(num_tokens, q_size), layer.o)
             h = rms_norm(x, layer.post_norm, s.norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            if layer.router is not None:
+                x = x + mixture_of_experts(h, layer, s)
+            else:
+                gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(gate) * up, layer.down)
         x = rms_norm(x[inp.logits_index], self.norm, s.norm_eps)
         return F.linear(x, self.lm_head).float()
+
+
+def _experts(spec: ModelSpec, w: _Weights, p: str, dtype: torch.dtype,
+             device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mixture's router and its experts' weights stacked: as checkpoints keep them, one expert
+    at a time (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, Qwen3-MoE's
+    `mlp.experts.N.gate_proj/up_proj/down_proj`), or already stacked (`mlp.experts.gate_up_proj`)."""
+    block = "block_sparse_moe." if w.has(p + "block_sparse_moe.gate.weight") else "mlp."
+    router = w.get(p + block + "gate.weight", dtype, device)
+    experts = p + block + "experts."
+    if w.has(experts + "gate_up_proj"):
+        return router, w.get(experts + "gate_up_proj", dtype, device), w.get(experts + "down_proj", dtype, device)
+    names = ("w1", "w3", "w2") if block == "block_sparse_moe." else ("gate_proj", "up_proj", "down_proj")
+    gate_up = torch.stack([torch.cat([w.get(f"{experts}{e}.{names[0]}.weight", dtype, device),
+                                      w.get(f"{experts}{e}.{names[1]}.weight", dtype, device)])
+                           for e in range(spec.num_experts)])
+    down = torch.stack([w.get(f"{experts}{e}.{names[2]}.weight", dtype, device) for e in range(spec.num_experts)])
+    return router, gate_up, down
+
+
+def mixture_of_experts(h: torch.Tensor, layer: _LlamaLayer, spec: ModelSpec) -> torch.Tensor:
+    """Each token [T, hidden] through its top k experts by the router's probabilities (computed
+    in float32; the k renormalised where the model does), their outputs weighed by them and summed
+    expert by expert in the experts' order, as transformers sums them. Only the experts some token
+    chose run, each on its tokens alone; finding them reads the choice back to the host, so a
+    mixture's decode steps are not captured as CUDA graphs."""
+    assert layer.router is not None
+    probs = torch.softmax(F.linear(h, layer.router).float(), dim=-1)
+    weights, chosen = torch.topk(probs, spec.experts_per_token, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, rank) pairs grouped by expert, in token order
+    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
+    flat_weights = weights.reshape(-1)
+    out = torch.zeros_like(h)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // spec.experts_per_token
+        gate, up = F.linear(h[tokens], layer.gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, layer.down[expert])
+        out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(h.dtype))
+    return out
 
 
 @dataclass(slots=True)

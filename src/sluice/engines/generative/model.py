@@ -2,7 +2,8 @@
 
 Two architectures: Llama (also Qwen2 / Mistral-style checkpoints: RMSNorm, RoPE, GQA, SwiGLU,
 optional q/k/v biases; Llama 3.1's "llama3" RoPE frequency scaling; Qwen3's RMSNorm of each query
-and key head before RoPE) and GPT-2 (learned positions,
+and key head before RoPE; Mixtral's and Qwen3-MoE's mixture-of-experts MLPs, each token through
+the top k of the layer's experts by its router) and GPT-2 (learned positions,
 LayerNorm, Conv1D weights stored [in, out]). Sliding-window attention (Mistral; Qwen2's
 `use_sliding_window` on its layers from `max_window_layers`; any `layer_types` list): a windowed
 layer's queries attend to their last `sliding_window` positions only, themselves included, by
@@ -86,6 +87,14 @@ class ModelSpec:
     """The layers that use `sliding_window`."""
     qk_norm: bool = False
     """Each query and key head is RMS-normalised (its own weights) before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """A mixture-of-experts MLP's experts (Mixtral, Qwen3-MoE); 0: every MLP is dense."""
+    experts_per_token: int = 0
+    """The top k experts by the router that each token goes through."""
+    norm_topk_prob: bool = True
+    """The k chosen experts' router probabilities are renormalised to sum to 1 (Mixtral always)."""
+    moe_layers: frozenset[int] = frozenset()
+    """The layers whose MLP is the mixture (Qwen3-MoE may keep some dense)."""
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
@@ -100,7 +109,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          config["vocab_size"], config["n_positions"], config.get("layer_norm_epsilon", 1e-5),
                          tie_word_embeddings=True,
                          scale_by_layer=bool(config.get("scale_attn_by_inverse_layer_idx", False)))
-    if model_type in ("llama", "qwen2", "qwen3", "mistral"):
+    if model_type in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"):
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if config.get("hidden_act", "silu") != "silu":
             raise ConfigError("only the SiLU (SwiGLU) MLP is supported")
@@ -111,8 +120,10 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          config.get("max_position_embeddings", 2048), config.get("rms_norm_eps", 1e-6),
                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                          tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         rope_scaling=_rope_scaling(rope), qk_norm=model_type == "qwen3", **_sliding_window(config))
-    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, qwen3, mistral, gpt2)")
+                         rope_scaling=_rope_scaling(rope), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                         **_sliding_window(config), **_experts(config))
+    raise ConfigError(f"unsupported model_type {model_type!r} "
+                      "(supported: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gpt2)")
 
 
 def _rope_scaling(rope: dict[str, object]) -> Llama3RopeScaling | None:
@@ -135,7 +146,7 @@ def _sliding_window(config: dict[str, Any]) -> dict[str, Any]:
     (Mistral), those `layer_types` names "sliding_attention", or Qwen2's layers from
     `max_window_layers` on when `use_sliding_window` is set (as transformers reads them; Qwen3's too)."""
     window = config.get("sliding_window")
-    qwen = config.get("model_type") in ("qwen2", "qwen3")
+    qwen = config.get("model_type") in ("qwen2", "qwen3", "qwen3_moe")
     if window is None or (qwen and not config.get("use_sliding_window", False)):
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -149,6 +160,28 @@ def _sliding_window(config: dict[str, Any]) -> dict[str, Any]:
     else:
         layers = set(range(num_layers))
     return {"sliding_window": window, "windowed_layers": frozenset(layers)} if layers else {}
+
+
+def _experts(config: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts checkpoint's experts, top k and sparse layers (as transformers reads
+    them: Mixtral's on every layer; Qwen3-MoE's on every `decoder_sparse_step`-th, but those in
+    `mlp_only_layers`)."""
+    model_type = config.get("model_type")
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)  # (transformers 5 writes
+    # Qwen3-MoE's under Mixtral's name; the published checkpoints have "num_experts")
+    top_k = int(config.get("num_experts_per_tok", 2))
+    if not 0 < top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok must be between 1 and the {num_experts} experts (num_experts), "
+                          f"got {top_k}")
+    num_layers = config["num_hidden_layers"]
+    if model_type == "mixtral":
+        return {"num_experts": num_experts, "experts_per_token": top_k, "moe_layers": frozenset(range(num_layers))}
+    step, dense = int(config.get("decoder_sparse_step", 1)), set(config.get("mlp_only_layers") or ())
+    layers = frozenset(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+    return {"num_experts": num_experts, "experts_per_token": top_k, "moe_layers": layers,
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
 
 
 @dataclass(frozen=True, slots=True)
