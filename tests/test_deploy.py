@@ -372,6 +372,7 @@ def test_one_gateway_with_no_shared_job_store_and_no_tenants() -> None:
     gateway = by_kind(documents, "Deployment")["sluice-gateway"]
     assert gateway["spec"]["replicas"] == 1
     assert not by_kind(documents, "HorizontalPodAutoscaler") and not by_kind(documents, "NetworkPolicy")
+    assert "sluice-gateway" not in by_kind(documents, "PodDisruptionBudget")  # it would block every node drain
     (container,) = gateway["spec"]["template"]["spec"]["containers"]
     assert "--tenants" not in container["args"] and "--grpc-port" not in container["args"]
     assert container["args"][-2:] == ["--cache-mb", "512"]

@@ -189,6 +189,12 @@ class OutputFormat(msgspec.Struct, frozen=True):
     param: str = "response_format"
     """The request field it came from, named in errors."""
 
+    @property
+    def is_json(self) -> bool:
+        """A JSON answer, which a reasoning model may think before (`api.reasoning`); the other
+        kinds hold the whole output, as the client wrote them."""
+        return self.kind in ("json_schema", "json_object")
+
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """A generation request: a prompt (text or token ids) or chat messages the worker renders with

@@ -55,10 +55,12 @@ def test_the_runner_and_the_gateway_know_the_same_parsers() -> None:
     assert set(RUNNER_PARSERS) - {""} == set(REASONING_PARSERS)
 
 
-def test_a_constrained_output_is_thought_only_where_it_is_tagged() -> None:
-    assert request_parser("deepseek_r1", is_constrained=False) == "deepseek_r1"
-    assert split_reasoning(request_parser("deepseek_r1", is_constrained=True), '{"a": 1}') == (None, '{"a": 1}')
-    assert request_parser("", is_constrained=True) == ""
+def test_a_json_answer_follows_thoughts_and_any_other_format_is_thought_only_where_tagged() -> None:
+    json_answer = wire.OutputFormat("json_schema", '{"type": "object"}')
+    assert request_parser("deepseek_r1", None) == request_parser("deepseek_r1", json_answer) == "deepseek_r1"
+    assert request_parser("deepseek_r1", wire.OutputFormat("regex", "Yes|No")) == "qwen3"
+    assert split_reasoning(request_parser("deepseek_r1", wire.OutputFormat("regex", "Yes|No")), "No") == (None, "No")
+    assert request_parser("", json_answer) == ""
 
 
 def test_chat_chunks_carry_thoughts_then_content_and_the_whole_message_both() -> None:

@@ -1,7 +1,8 @@
 """A reasoning model's thoughts answered apart from its answer (`reasoning_parser`), through the
 real `openai` SDK against a real server: chat unary and streamed, with tool calls after the
-thoughts, and the Responses API. The random-weight model is made to think by a regular
-expression (vLLM's `guided_regex`): a constrained output's thoughts are what it tags."""
+thoughts, a JSON answer's grammar leaving the thoughts free, and the Responses API. The
+random-weight model is made to think by a regular expression (vLLM's `guided_regex`), which holds
+the whole output: its thoughts are what it tags."""
 
 from __future__ import annotations
 
@@ -82,6 +83,19 @@ def test_tool_calls_are_read_from_the_answer_after_the_thoughts(client: openai.O
     (streamed,) = [call for d in deltas for call in d.tool_calls or []]
     assert streamed.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(d.content or "" for d in deltas).strip()
+
+
+def test_a_json_answer_may_come_after_free_thoughts(client: openai.OpenAI) -> None:
+    """A structured output's grammar leaves a reasoning model's thoughts free: DeepSeek-R1's
+    reading starts in them, and this model, cut by max_tokens before any `</think>`, is still
+    thinking, in text no JSON schema would allow."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    answer = client.chat.completions.create(model="r1", **_ask(max_tokens=16, response_format={
+        "type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}))
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "length" and message.content == ""
+    thought = message.model_extra["reasoning_content"]
+    assert thought and not thought.lstrip().startswith("{")
 
 
 def test_responses_answer_thoughts_as_a_reasoning_item(client: openai.OpenAI) -> None:

@@ -13,12 +13,15 @@ A model that thinks before it answers writes its thoughts between `<think>` and 
 Chat answers carry the thoughts as the message's `reasoning_content` (DeepSeek's and vLLM's name)
 and `reasoning` (vLLM's newer one), and stream them as deltas of both; the answer is `content`,
 which is what tool calls are read from. Responses answers carry them as a `reasoning` output item.
-An output constrained from its first token (a structured output, tool calls asked for) is read as
-qwen3's: thoughts only where it tags them. Nothing is trimmed: thoughts and answer are the
+A JSON answer (a structured output, tool calls asked for) may come after thoughts, which its
+grammar leaves free; a regular expression, choice or grammar holds the whole output, so it is read
+as qwen3's: thoughts only where it tags them. Nothing is trimmed: thoughts and answer are the
 output's text on either side of the tags, so a stream's pieces join into the unstreamed answer's.
 """
 
 from __future__ import annotations
+
+from sluice import wire
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
@@ -79,11 +82,15 @@ def thought_fields(thought: str | None) -> dict[str, str | None]:
     return {"reasoning_content": thought, "reasoning": thought}
 
 
-def request_parser(model_parser: str, is_constrained: bool) -> str:
-    """The parser of one request to a model with `model_parser`. An output constrained from its
-    first token (a structured output, tool calls asked for) cannot have begun in thoughts the chat
-    template opened, so then only what it tags is thought: qwen3's reading."""
-    return "qwen3" if model_parser and is_constrained else model_parser
+def request_parser(model_parser: str, output_format: wire.OutputFormat | None) -> str:
+    """The parser of one request to a model with `model_parser`. A JSON answer (a JSON schema or
+    object, tool calls asked for) comes after the thoughts the model's grammar lets it write first
+    (`engines.generative.structured.with_thoughts`); any other format holds the whole output from
+    its first token, so it cannot have begun in thoughts the template opened: only what it tags is
+    thought (qwen3's reading)."""
+    if not model_parser or output_format is None or output_format.is_json:
+        return model_parser
+    return "qwen3"
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:

@@ -153,3 +153,28 @@ def test_object_schemas_that_say_nothing_of_other_keys_are_closed(tiny_lm):
     assert accepts(nested, '[{"a": 1}]') and not accepts(nested, '[{"a": 1, "z": 0}]')
     named = {"type": "object", "properties": {"properties": point}}  # a property called "properties"
     assert accepts(named, '{"properties": {"a": 3}}') and not accepts(named, '{"properties": {"a": 3}, "x": 1}')
+
+
+@pytest.mark.parametrize("reasoning", ["deepseek_r1", "qwen3"])
+def test_a_reasoning_model_may_think_before_a_json_answer_held_to_its_format(tiny_lm, reasoning):
+    """Thoughts are free text up to `</think>` (a deepseek_r1 model starts in them, a qwen3 model
+    opens them or answers at once); the answer after them is held to the schema. A regular
+    expression holds the whole output, as the client wrote it."""
+    engine = _engine(tiny_lm)
+    assert engine.tokenizer is not None and engine.grammars is not None
+
+    def accepts(output_format: wire.OutputFormat, text: str) -> bool:
+        matcher = engine.grammars.matcher(output_format, reasoning)  # type: ignore[union-attr]
+        tokens = engine.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
+        return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
+
+    schema = _format("json_schema", SCHEMA)
+    answer = json.dumps({"color": "red", "count": 3, "ok": True, "name": "x"})
+    assert accepts(schema, f"<think>Red? {{maybe}} </thin</think>{answer}")
+    assert accepts(schema, f"weighing it</think>{answer}") == (reasoning == "deepseek_r1")
+    assert accepts(schema, answer) == (reasoning == "qwen3")
+    assert not accepts(schema, '<think>hmm</think>{"color": "pink"')
+    assert not accepts(schema, f"<think>hmm</think>\n\n{answer}")  # the answer is the format's alone
+    assert accepts(_format("json_object"), '<think>hmm</think>{"a": 1}')
+    assert accepts(_format("regex", "<think>[a-z]+</think>(Yes|No)"), "<think>hmm</think>No")
+    assert not accepts(_format("regex", "Yes|No"), "<think>hmm</think>No")

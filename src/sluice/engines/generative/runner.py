@@ -167,7 +167,7 @@ class GenerativeRunner:
             raise InvalidInput("a structured output needs tokens to generate (max_tokens > 0)", param="max_tokens")
         assert self.engine.grammars is not None  # a generative runner has a tokenizer
         try:
-            return self.engine.grammars.matcher(output_format)
+            return self.engine.grammars.matcher(output_format, self.info.reasoning_parser)
         except ValueError as exc:
             raise InvalidInput(str(exc), param=output_format.param) from exc
 

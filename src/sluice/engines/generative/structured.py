@@ -10,6 +10,12 @@ tokenizer: every token's bytes are checked against the grammar, so a constrained
 only produce text the grammar accepts. A JSON schema is compiled without free whitespace (items
 separated by ", ", keys by ": "): a weak model cannot then spend its tokens on blank space.
 
+A reasoning model (its `reasoning_parser`, `api.reasoning`) may think before a JSON answer (a
+JSON schema or object, tool calls asked for): its grammar then frees the text up to `</think>`
+(which a deepseek_r1 model's output starts in, and a qwen3 model's opens with `<think>` if it
+thinks at all), and holds what follows it to the format. A regular expression,
+choice or grammar holds the whole output, thoughts included, as the client wrote it.
+
 An object schema that lists its `properties` but says nothing of `additionalProperties` is read
 as closed (no other keys), as OpenAI's strict structured outputs require and vLLM's backends do
 by default: JSON Schema would allow any other key, and a sampling model then writes some. Say
@@ -37,8 +43,25 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separato
 """How JSON is laid out: compact but readable, as Python's `json.dumps` does."""
 
 
-def grammar_of(output_format: wire.OutputFormat) -> str:
-    """The llguidance grammar for a requested format; ValueError if the format is unusable."""
+def grammar_of(output_format: wire.OutputFormat, reasoning: str = "") -> str:
+    """The llguidance grammar for a requested format (after a reasoning model's thoughts, for a
+    JSON answer: `with_thoughts`); ValueError if the format is unusable."""
+    grammar = _grammar_of(output_format)
+    return with_thoughts(grammar, reasoning) if reasoning and output_format.is_json else grammar
+
+
+def with_thoughts(grammar: str, reasoning: str) -> str:
+    """`grammar` after thoughts as a `reasoning` model writes them: free text up to `</think>`
+    (llguidance's lazy lexeme with a stop string), then at once the grammar (the answer is the
+    format's alone, with no blank lines before it)."""
+    inner = json.loads(grammar)["grammars"]
+    inner[0]["name"] = "answer"
+    start = "thoughts @answer" if reasoning == "deepseek_r1" else '@answer | "<think>" thoughts @answer'
+    lark = f'start: {start}\nthoughts[stop="</think>"]: /(?s:.*)/\n'
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *inner]})
+
+
+def _grammar_of(output_format: wire.OutputFormat) -> str:
     kind, spec = output_format.kind, output_format.spec
     try:
         if kind == "json_object":
@@ -96,9 +119,10 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def matcher(self, output_format: wire.OutputFormat) -> llguidance.LLMatcher:
-        """A fresh matcher for one sequence; ValueError naming what is wrong with the format."""
-        grammar = grammar_of(output_format)
+    def matcher(self, output_format: wire.OutputFormat, reasoning: str = "") -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence (of a model with this `reasoning_parser`: `grammar_of`);
+        ValueError naming what is wrong with the format."""
+        grammar = grammar_of(output_format, reasoning)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"unusable {output_format.kind.replace('_', ' ')}: {matcher.get_error()}")
