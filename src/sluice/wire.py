@@ -191,7 +191,7 @@ class OutputFormat(msgspec.Struct, frozen=True):
 
     @property
     def is_json(self) -> bool:
-        """A JSON answer, which a reasoning model may think before (`api.reasoning`); the other
+        """A JSON answer, which a reasoning model may think before (`sluice.reasoning`); the other
         kinds hold the whole output, as the client wrote them."""
         return self.kind in ("json_schema", "json_object")
 
@@ -279,6 +279,8 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     """Choice 0's output token ids, if asked (`return_token_ids`; unstreamed)."""
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids as the model read them, if asked (`return_token_ids`; unstreamed)."""
+    num_reasoning_tokens: int = 0
+    """Of `num_output_tokens`, those a reasoning model thought with (`sluice.reasoning`), all choices'."""
 
 
 class ChatTemplateOptions(msgspec.Struct, frozen=True):
@@ -504,7 +506,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     `tool_choice: "auto"`; "": not known, so "auto" is refused."""
     reasoning_parser: str = ""
     """Generative models: how the model writes its thoughts before its answer ("qwen3",
-    "deepseek_r1"), answered apart from it (`api.reasoning`); "": all of its text is the answer."""
+    "deepseek_r1"), answered apart from it (`sluice.reasoning`); "": all of its text is the answer."""
     named_io: bool = False
     """The model takes and gives named tensors (`TensorsPayload`), each input and output in
     `inputs` and `outputs`, rather than one input tensor (or texts) and one output."""

@@ -1,4 +1,4 @@
-"""A reasoning model's thoughts read apart from its answer (`api.reasoning`), whole and streamed."""
+"""A reasoning model's thoughts read apart from its answer (`sluice.reasoning`), whole and streamed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from sluice import wire
 from sluice.api.completion_shapes import ResponseShape
-from sluice.api.reasoning import REASONING_PARSERS, ReasoningSplitter, request_parser, split_reasoning
-from sluice.engines.generative.runner import REASONING_PARSERS as RUNNER_PARSERS
+from sluice.reasoning import PARSERS, ReasoningSplitter, ThoughtTokens, request_parser, split_reasoning
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), [
@@ -30,7 +29,7 @@ def test_whole_outputs(parser: str, text: str, expected: tuple[str | None, str])
     assert split_reasoning(parser, text) == expected
 
 
-@given(parser=st.sampled_from(REASONING_PARSERS),
+@given(parser=st.sampled_from(PARSERS),
        pieces=st.lists(st.sampled_from(["<", "<think>", "</think>", "</", "think", ">", "a", " ", "\n", "é", "<t",
                                         "k>", "</th"]), max_size=12),
        cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=6))
@@ -51,8 +50,20 @@ def test_a_stream_cut_anywhere_joins_into_the_whole_answer(parser: str, pieces: 
     assert len((whole[0] or "") + whole[1]) >= len(text) - len("<think>") - len("</think>")
 
 
-def test_the_runner_and_the_gateway_know_the_same_parsers() -> None:
-    assert set(RUNNER_PARSERS) - {""} == set(REASONING_PARSERS)
+@pytest.mark.parametrize(("parser", "tokens", "thought"), [
+    ("qwen3", ["<", "think", ">", "hm", "m", "</", "think", ">", "\n\n", "Yes"], 8),  # the tags' tokens count
+    ("qwen3", ["<think>hmm</think>Yes", "!"], 1),  # one token that opens and closes them
+    ("qwen3", ["<", "Yes"], 0),  # "<" might have opened them: it did not
+    ("qwen3", ["Yes", "<think>"], 0),
+    ("deepseek_r1", ["hm", "m", "</think>", "Yes"], 3),
+    ("deepseek_r1", ["<", "th"], 2),  # cut by max_tokens while thinking
+    ("deepseek_r1", ["</think>", "Yes"], 1),
+])
+def test_the_tokens_a_model_thought_with_are_counted(parser: str, tokens: list[str], thought: int) -> None:
+    counter = ThoughtTokens(parser)
+    for token in tokens:
+        counter.add(token, 1)
+    assert counter.finish() == thought
 
 
 def test_a_json_answer_follows_thoughts_and_any_other_format_is_thought_only_where_tagged() -> None:

@@ -181,23 +181,26 @@ async def test_streamed_upstream_thoughts_come_back_as_a_think_block_the_gateway
     """Thoughts stream apart (`reasoning_content`, or vLLM's newer `reasoning`); the relayed text
     holds them as a `<think>` block ahead of the answer and its calls, which the runner names as
     its models' reasoning format; an answer with no thoughts has no block."""
-    from sluice.api.reasoning import split_reasoning
     from sluice.api.tool_calls import ToolPlan
+    from sluice.reasoning import split_reasoning
 
     upstream.sse_plans += [
         SsePlan(deltas=[{"reasoning_content": "Oslo, "}, {"reasoning": "then."}, "Checking.",
                         {"tool_calls": [{"index": 0, "function": {"name": "get_weather", "arguments": "{}"}}]}],
-                finish_reason="tool_calls"),
+                finish_reason="tool_calls", usage={"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                                                   "completion_tokens_details": {"reasoning_tokens": 4}}),
         SsePlan(deltas=[{"reasoning_content": "cut while thinking"}], finish_reason="length"),
         SsePlan(deltas=["Just ", "this."])]
     runner = await make_runner(_base(upstream))
     assert runner.info.reasoning_parser == "qwen3"
     chat = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hey")])
-    texts = []
+    texts, ends = [], []
     for _ in range(3):
         *deltas, end = await _events(runner, chat)
         assert isinstance(end, CallEnd)
         texts.append("".join(d.text for d in deltas if isinstance(d, TextDelta)))
+        ends.append(end)
+    assert [end.num_reasoning_tokens for end in ends] == [4, 0, 0]  # as the upstream counted them, where it did
     thought, answer = split_reasoning(runner.info.reasoning_parser, texts[0])
     assert thought == "Oslo, then."
     content, calls = ToolPlan(None, "hermes", frozenset({"get_weather"})).split(answer)

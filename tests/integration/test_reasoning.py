@@ -48,10 +48,12 @@ def test_thoughts_come_apart_from_the_answer_unary_and_streamed(client: openai.O
     answer = client.chat.completions.create(model="qwen", **_ask(extra_body={"guided_regex": THINKING}))
     message = answer.choices[0].message
     assert message.content == "\n\nYes." and answer.choices[0].finish_reason == "stop"
+    assert 0 < answer.usage.completion_tokens_details.reasoning_tokens < answer.usage.completion_tokens
     thought = message.model_extra["reasoning_content"]
     assert thought in ("\nweigh it\n", "\nweighing it\n") and message.model_extra["reasoning"] == thought
-    chunks = list(client.chat.completions.create(model="qwen", stream=True,
+    chunks = list(client.chat.completions.create(model="qwen", stream=True, stream_options={"include_usage": True},
                                                  **_ask(extra_body={"guided_regex": THINKING})))
+    assert chunks[-1].usage == answer.usage  # the same seed: the same tokens
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
     assert "".join(d.content or "" for d in deltas) == "\n\nYes."
@@ -62,9 +64,12 @@ def test_thoughts_come_apart_from_the_answer_unary_and_streamed(client: openai.O
 def test_a_model_that_starts_in_its_thoughts_and_one_that_does_not(client: openai.OpenAI) -> None:
     """Untagged, unconstrained text: all thought for DeepSeek-R1's reading (its template opened
     them, and max_tokens cut them), all answer for Qwen3's (it was asked not to think)."""
-    r1 = client.chat.completions.create(model="r1", **_ask(max_tokens=12)).choices[0].message
-    qwen = client.chat.completions.create(model="qwen", **_ask(
-        max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}})).choices[0].message
+    r1_answer = client.chat.completions.create(model="r1", **_ask(max_tokens=12))
+    qwen_answer = client.chat.completions.create(model="qwen", **_ask(
+        max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    r1, qwen = r1_answer.choices[0].message, qwen_answer.choices[0].message
+    assert r1_answer.usage.completion_tokens_details.reasoning_tokens == r1_answer.usage.completion_tokens == 12
+    assert qwen_answer.usage.completion_tokens_details.reasoning_tokens == 0
     assert qwen.content and qwen.model_extra["reasoning_content"] is None
     assert r1.model_extra["reasoning_content"] == qwen.content and r1.content == ""
 
@@ -109,6 +114,8 @@ def test_responses_answer_thoughts_as_a_reasoning_item(client: openai.OpenAI) ->
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
     assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text == plain.output_text
     assert message.type == "message" and response.output_text == "" and response.status == "incomplete"
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 12
+    assert plain.usage.output_tokens_details.reasoning_tokens == 0
     events = list(client.responses.create(model="r1", stream=True, **ask))
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     (done,) = [e for e in events if e.type == "response.reasoning_text.done"]

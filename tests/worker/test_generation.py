@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,10 +157,15 @@ def test_a_prompt_far_longer_than_the_context_is_refused_untokenized(runner, mon
     asyncio.run(scenario())
 
 
+def _runner(prepare: Callable[[wire.GeneratePayload], object]) -> SimpleNamespace:
+    """What `Generations` uses of a `GenerativeRunner`: `prepare`, and its model's reasoning parser."""
+    return SimpleNamespace(prepare=prepare, info=SimpleNamespace(reasoning_parser=""))
+
+
 class _Loop:
     """What `Generations` uses of a `GenerationLoop`: its runner's `prepare`, and `submit`."""
 
-    runner = SimpleNamespace(prepare=lambda payload: PreparedGeneration([1, 2, 3], SamplingParams()))
+    runner = _runner(lambda payload: PreparedGeneration([1, 2, 3], SamplingParams()))
 
     def submit(self, *args: object, **kwargs: object) -> None:
         pass
@@ -205,7 +210,7 @@ def test_a_refused_generation_is_counted_as_the_device_time_it_would_have_used()
         payload = wire.GeneratePayload(prompt="hi", max_tokens=max_tokens)
         loop = _Loop()
         prepared = PreparedGeneration([1, 2, 3], SamplingParams(max_tokens=max_tokens))
-        loop.runner = SimpleNamespace(prepare=lambda _: prepared)
+        loop.runner = _runner(lambda _: prepared)
         assert generations.submit(internal_id, b"gw", wire.Submit(internal_id, "tiny", "1", payload, 5.0, "a", 1),
                                   loop)  # type: ignore[arg-type]
 
@@ -225,7 +230,7 @@ def test_a_request_whose_preparation_fails_unexpectedly_is_answered_and_not_kept
                               lambda identity, request_id: None)
 
     class Broken(_Loop):
-        runner = SimpleNamespace(prepare=lambda payload: 1 / 0)
+        runner = _runner(lambda payload: 1 / 0)
 
     submit = wire.Submit(41, "tiny", "1", wire.GeneratePayload(prompt="hi"), 5.0, "a", 1)
     assert not generations.submit(7, b"gw", submit, Broken())  # type: ignore[arg-type]
@@ -254,7 +259,7 @@ def test_n_choices_run_as_seeded_sequences_and_are_answered_once_all_have_ended(
     generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
                               lambda identity, request_id: None)
     loop = _RecordingLoop()
-    loop.runner = SimpleNamespace(prepare=lambda _: PreparedGeneration([1, 2, 3], SamplingParams(seed=2**63 - 2)))
+    loop.runner = _runner(lambda _: PreparedGeneration([1, 2, 3], SamplingParams(seed=2**63 - 2)))
     payload = wire.GeneratePayload(prompt="hi", n=3)
     assert generations.submit(5, b"gw", wire.Submit(50, "tiny", "1", payload, 5.0, "a", 1), loop)  # type: ignore[arg-type]
     assert [(rid, params.seed, prefix_of) for rid, params, prefix_of in loop.submitted] == [
@@ -317,3 +322,26 @@ def test_an_unknown_parser_refuses_the_model_with_the_choices(tmp_path: Path, se
     (version,) = scan_repository(repo).versions
     with pytest.raises(ConfigError, match=refusal):
         GenerativeRunner(version, "cpu")
+
+
+def test_a_reasoning_models_chat_reports_the_tokens_it_thought_with():
+    """Counted as the tokens come (the tags' own included), for a chat; a completion of the same
+    model has no thoughts apart, so none."""
+    replies: list[wire.Message] = []
+    generations = Generations(VirtualClock(0.0), lambda identity, message: replies.append(message),
+                              lambda identity, request_id: None)
+    loop = _Loop()
+    loop.runner = SimpleNamespace(prepare=lambda _: PreparedGeneration([1, 2, 3], SamplingParams()),
+                                  info=SimpleNamespace(reasoning_parser="qwen3"))
+    chat = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hi")])
+    for internal_id, payload in ((1, chat), (2, wire.GeneratePayload(prompt="hi"))):
+        assert generations.submit(internal_id, b"gw", wire.Submit(internal_id, "tiny", "1", payload, 5.0, "a", 1),
+                                  loop)  # type: ignore[arg-type]
+    for step, text in enumerate(["<th", "ink>", "hmm", "</think>", "Yes"], start=1):
+        generations.on_outputs([RequestOutput(str(i), (9,), text, step == 5, "stop" if step == 5 else None, 3, 0, step)
+                                for i in (1, 2)], 0.01, {"1": 1, "2": 1})
+    results = {reply.request_id: reply.payload for reply in replies if isinstance(reply, wire.Result)}
+    assert isinstance(results[1], wire.GenerationResult) and isinstance(results[2], wire.GenerationResult)
+    assert (results[1].num_reasoning_tokens, results[1].num_output_tokens) == (4, 5)
+    assert results[1].text == results[2].text == "<think>hmm</think>Yes"  # the gateway splits the text
+    assert results[2].num_reasoning_tokens == 0

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import wire
-from sluice.api.reasoning import ReasoningSplitter, split_reasoning, thought_fields
 from sluice.api.tool_calls import ToolPlan, tool_call
+from sluice.reasoning import ReasoningSplitter, split_reasoning, thought_fields
 
 __all__ = ["ResponseShape", "usage"]
 
@@ -69,7 +69,7 @@ class ResponseShape:
         self._unsent_ids: list[list[int]] = [[] for _ in range(self.num_choices)]
         self._is_prompt_ids_sent = [False] * self.num_choices  # per choice (completions) or the first (chat)
         self.reasoning = reasoning if is_chat else ""
-        """Chat: the model's `reasoning_parser` (`api.reasoning`): its thoughts are answered apart
+        """Chat: the model's `reasoning_parser` (`sluice.reasoning`): its thoughts are answered apart
         from its content; "": all of its text is content."""
         self._thinking = [ReasoningSplitter(self.reasoning) for _ in range(self.num_choices)] if self.reasoning else []
 
@@ -91,7 +91,7 @@ class ResponseShape:
         head = self._head("chat.completion" if self.is_chat else "text_completion")
         if self.return_token_ids and self.is_chat:
             head["prompt_token_ids"] = payloads[0].prompt_token_ids if payloads else None
-        return {**head, "choices": choices, "usage": usage(payloads)}
+        return {**head, "choices": choices, "usage": usage(payloads, bool(self.reasoning))}
 
     def _choice(self, index: int, choice: wire.GeneratedChoice, prompt: wire.EchoedPrompt | None) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], prompt, index)
@@ -322,7 +322,7 @@ class ResponseShape:
 
     def usage_chunk(self, payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return {**self._head(name), "choices": [], "usage": usage(payloads)}
+        return {**self._head(name), "choices": [], "usage": usage(payloads, bool(self.reasoning))}
 
     def logprobs_of(self, reported: list[wire.TokenLogprob]) -> dict[str, Any] | None:
         """Tokens' log-probabilities in the endpoint's shape (None when they were not asked for)."""
@@ -379,13 +379,17 @@ def _chat_logprob(token: str, logprob: float, token_bytes: bytes | None) -> dict
     return {"token": token, "logprob": logprob, "bytes": list(token.encode() if token_bytes is None else token_bytes)}
 
 
-def usage(payloads: Sequence[wire.GenerationResult]) -> dict[str, Any]:
-    """The request's token counts: every prompt's, and every choice's output."""
+def usage(payloads: Sequence[wire.GenerationResult], reasoning: bool = False) -> dict[str, Any]:
+    """The request's token counts: every prompt's, and every choice's output (of a reasoning
+    model's chat, those it thought with too)."""
     num_prompt_tokens = sum(p.num_prompt_tokens for p in payloads)
     num_output_tokens = sum(p.num_output_tokens for p in payloads)
-    return {
+    counts: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(p.num_cached_tokens for p in payloads)},
     }
+    if reasoning:
+        counts["completion_tokens_details"] = {"reasoning_tokens": sum(p.num_reasoning_tokens for p in payloads)}
+    return counts

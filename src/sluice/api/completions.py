@@ -67,10 +67,10 @@ from sluice.api.completion_params import (
 )
 from sluice.api.completion_shapes import ResponseShape
 from sluice.api.errors import error_body
-from sluice.api.reasoning import request_parser
 from sluice.errors import InvalidInput, SluiceError
 from sluice.gateway import Caller, Gateway, InferResult
 from sluice.gateway.tenancy import RequestGroup
+from sluice.reasoning import request_parser
 
 log = logging.getLogger("sluice.api")
 

@@ -30,7 +30,7 @@ the new `input`; instructions are not carried over, as at OpenAI); `GET /v1/resp
 the output text and its deltas, as chat's `logprobs` reports them. A request with `conversation`
 (`api.conversations`) answers after that conversation's items instead, and adds its input and its
 output to them once answered (whether or not the response itself is stored). A reasoning
-model's thoughts (its `reasoning_parser`: `api.reasoning`) come first, as a `reasoning` output
+model's thoughts (its `reasoning_parser`: `sluice.reasoning`) come first, as a `reasoning` output
 item with their `reasoning_text` (streamed as `response.reasoning_text.delta` events).
 
 Background (`background: true`): validated as any request, then stored `queued` with its run and
@@ -100,11 +100,11 @@ from sluice.api.completions import (
 )
 from sluice.api.conversations import Conversations, conversation_items
 from sluice.api.errors import error_body
-from sluice.api.reasoning import request_parser
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 from sluice.jobs.store import RUNNING, JobStore, RunRequest, StoredResponse
+from sluice.reasoning import request_parser
 
 if TYPE_CHECKING:
     from sluice.jobs.background import BackgroundResponses
@@ -792,7 +792,7 @@ def _message(text: str, status: str) -> dict[str, Any]:
 
 
 def _reasoning(text: str, status: str) -> dict[str, Any]:
-    """A reasoning model's thoughts (`api.reasoning`) as an output item, ahead of its answer."""
+    """A reasoning model's thoughts (`sluice.reasoning`) as an output item, ahead of its answer."""
     return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 
@@ -809,5 +809,6 @@ def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
 def _usage(result: wire.GenerationResult) -> dict[str, Any]:
     return {"input_tokens": result.num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": result.num_cached_tokens},
-            "output_tokens": result.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": result.num_output_tokens,
+            "output_tokens_details": {"reasoning_tokens": result.num_reasoning_tokens},
             "total_tokens": result.num_prompt_tokens + result.num_output_tokens}

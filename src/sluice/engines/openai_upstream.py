@@ -128,6 +128,8 @@ class CallEnd:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    num_reasoning_tokens: int = 0
+    """As the upstream counted them (`completion_tokens_details`); 0 if it did not say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +397,7 @@ async def _relay(response: aiohttp.ClientResponse) -> AsyncGenerator[CallEvent, 
 class _ThoughtsAsText:
     """An upstream's streamed thoughts (`reasoning_content`, or vLLM's newer `reasoning`) written
     as a `<think>` block ahead of the answer, choice by choice, as Qwen3 writes them: the gateway
-    reads them back apart (`api.reasoning`, this runner's `reasoning_parser`)."""
+    reads them back apart (`sluice.reasoning`, this runner's `reasoning_parser`)."""
 
     def __init__(self) -> None:
         self._started: dict[int, bool] = {}  # choice -> still thinking (False: its answer has begun)
@@ -491,8 +493,9 @@ def _end(finish_reasons: dict[int, str], usage: dict[str, Any] | None, num_delta
     if not usage:
         return CallEnd(reasons, 0, 0, num_deltas)
     details = usage.get("prompt_tokens_details") or {}
+    output_details = usage.get("completion_tokens_details") or {}
     return CallEnd(reasons, int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
-                   int(usage.get("completion_tokens") or 0))
+                   int(usage.get("completion_tokens") or 0), int(output_details.get("reasoning_tokens") or 0))
 
 
 def _refusal(status: int, text: str) -> CallFailure:

@@ -30,6 +30,7 @@ from sluice.engines.device_gate import DEVICE_GATE
 from sluice.engines.generative.tokenizer import prompt_chars
 from sluice.errors import InvalidInput
 from sluice.priority import Priority, priority_from_wire
+from sluice.reasoning import ThoughtTokens, request_parser
 
 if TYPE_CHECKING:  # the engine brings torch: imported once a generative model is loaded (engines.load_runner)
     from sluice.engines.generative.engine import RequestOutput
@@ -126,6 +127,8 @@ class _Choice:
     """An unstreamed generation's output token ids so far, if it asked for them (`return_token_ids`)."""
     num_output_tokens: int = 0
     finish_reason: str | None = None
+    thoughts: ThoughtTokens | None = None
+    """A reasoning model's chat: how many of its tokens are thought (`sluice.reasoning`)."""
 
 
 @dataclass(slots=True)
@@ -268,6 +271,10 @@ class Generations:
         generation.max_tokens = prepared.params.max_tokens
         generation.is_prompt_only = prepared.is_prompt_only
         generation.choices = [_Choice() for _ in range(payload.n)]
+        parser = request_parser(generation.loop.runner.info.reasoning_parser, payload.output_format)
+        if parser and payload.messages is not None:  # (the chat's answer reads it: `api.completion_shapes`)
+            for choice in generation.choices:
+                choice.thoughts = ThoughtTokens(parser)
         if payload.echo:
             generation.echo_prompt_ids = prepared.prompt_token_ids
         if payload.return_token_ids:
@@ -357,6 +364,8 @@ class Generations:
             token_ids, text, logprobs = [], "", None
         choice = generation.choices[index]
         choice.num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
+        if choice.thoughts is not None:
+            choice.thoughts.add(text, len(token_ids))
         if generation.is_streamed and output.new_token_ids:
             prompt_token_ids, generation.prompt_token_ids = generation.prompt_token_ids, None
             is_last = output.is_finished and output.finish_reason in ("stop", "length") and all(
@@ -423,7 +432,8 @@ class Generations:
                 [wire.GeneratedChoice("".join(c.parts) if is_whole else "", c.finish_reason or reason,
                                       c.logprobs if is_whole else None, c.token_ids if is_whole else None)
                  for c in others],
-                first.token_ids if is_whole else None, generation.prompt_token_ids if is_whole else None)
+                first.token_ids if is_whole else None, generation.prompt_token_ids if is_whole else None,
+                sum(c.thoughts.finish() for c in generation.choices if c.thoughts is not None))
             return wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                device_s=generation.device_s, batch_size=generation.batch_size)
         if reason == "refused":  # the engine's early refusal: the queue ahead is too long

@@ -43,6 +43,7 @@ from sluice.engines.generative.engine import LLMEngine, context_length_message
 from sluice.engines.generative.sequence import SamplingParams
 from sluice.engines.generative.tokenizer import prompt_chars
 from sluice.errors import ConfigError, InvalidInput
+from sluice.reasoning import PARSERS
 from sluice.repository import ModelVersion
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration"]
@@ -51,8 +52,8 @@ TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "pythonic", "deepse
                      "granite", "internlm", "phi4_mini_json", "qwen3_coder", "glm45")
 """How a model writes the tool calls it decides on in its text (`api.tool_calls`); "": none known."""
 
-REASONING_PARSERS = ("", "deepseek_r1", "qwen3")
-"""How a model writes its thoughts before its answer (`api.reasoning`); "": it writes none apart."""
+REASONING_PARSERS = ("", *PARSERS)
+"""How a model writes its thoughts before its answer (`sluice.reasoning`); "": it writes none apart."""
 
 MAX_CHARS_PER_TOKEN = 32
 """A prompt longer than this many characters per token of context cannot fit it: refused untokenized."""

@@ -10,7 +10,7 @@ tokenizer: every token's bytes are checked against the grammar, so a constrained
 only produce text the grammar accepts. A JSON schema is compiled without free whitespace (items
 separated by ", ", keys by ": "): a weak model cannot then spend its tokens on blank space.
 
-A reasoning model (its `reasoning_parser`, `api.reasoning`) may think before a JSON answer (a
+A reasoning model (its `reasoning_parser`, `sluice.reasoning`) may think before a JSON answer (a
 JSON schema or object, tool calls asked for): its grammar then frees the text up to `</think>`
 (which a deepseek_r1 model's output starts in, and a qwen3 model's opens with `<think>` if it
 thinks at all), and holds what follows it to the format. A regular expression,

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from sluice import wire
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3")
+"""The `reasoning_parser`s a model may name."""
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -32,39 +33,44 @@ class ReasoningSplitter:
     start of a tag is held back until the next piece (or the end) says whether it is one."""
 
     def __init__(self, parser: str) -> None:
-        if parser not in REASONING_PARSERS:
+        if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}")
         self.parser = parser
-        self._phase = "start"  # then "thinking" or "answer"
+        self.phase = "start"
+        """"start" (not known yet), "thinking" or "answer"."""
+        self.has_thought = False
+        """The output has been in its thoughts."""
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         """The thoughts and the answer in `text` (after what was held back) that can be told now."""
         text, self._held = self._held + text, ""
-        if self._phase == "start":
+        if self.phase == "start":
             if len(text) < len(OPEN) and OPEN.startswith(text):
                 self._held = text
                 return "", ""
             if text.startswith(OPEN):
-                text, self._phase = text[len(OPEN):], "thinking"
+                text, self.phase, self.has_thought = text[len(OPEN):], "thinking", True
             else:
-                self._phase = self._untagged()
-        if self._phase == "answer":
+                self.phase = self._untagged()
+                self.has_thought = self.phase == "thinking"
+        if self.phase == "answer":
             return "", text
         end = text.find(CLOSE)
         if end < 0:
             keep = _partial_tag(text, CLOSE)
             self._held = text[len(text) - keep:]
             return text[:len(text) - keep], ""
-        self._phase = "answer"
+        self.phase = "answer"
         return text[:end], text[end + len(CLOSE):]
 
     def finish(self) -> tuple[str, str]:
         """What was held back, at the output's end: never a tag after all."""
         held, self._held = self._held, ""
-        if self._phase == "start":
-            self._phase = self._untagged()
-        return (held, "") if self._phase == "thinking" else ("", held)
+        if self.phase == "start":
+            self.phase = self._untagged()
+            self.has_thought = self.phase == "thinking"
+        return (held, "") if self.phase == "thinking" else ("", held)
 
     def last(self, text: str) -> tuple[str, str]:
         """`feed` of the output's last piece, then `finish`."""
@@ -91,6 +97,40 @@ def request_parser(model_parser: str, output_format: wire.OutputFormat | None) -
     if not model_parser or output_format is None or output_format.is_json:
         return model_parser
     return "qwen3"
+
+
+class ThoughtTokens:
+    """How many of an output's tokens are thought (usage's `reasoning_tokens`), counted piece by
+    piece as the worker generates them: those that came while the output was in its thoughts,
+    the tags' own included."""
+
+    def __init__(self, parser: str) -> None:
+        self._splitter = ReasoningSplitter(parser)
+        self._undecided = 0  # tokens before the output says whether it opens with thoughts
+        self.count = 0
+
+    def add(self, text: str, num_tokens: int) -> None:
+        before = self._splitter.phase
+        self._splitter.feed(text)
+        self._settle(before, num_tokens)
+
+    def finish(self) -> int:
+        """The count, once the output has ended."""
+        before = self._splitter.phase
+        self._splitter.finish()
+        self._settle(before, 0)
+        return self.count
+
+    def _settle(self, before: str, num_tokens: int) -> None:
+        """Count a piece that came in thoughts, or that opened them (with the pieces before it
+        that could not yet tell), or that opened and closed them at once."""
+        after = self._splitter.phase
+        if after == "start":
+            self._undecided += num_tokens
+            return
+        if before == "thinking" or after == "thinking" or (before == "start" and self._splitter.has_thought):
+            self.count += self._undecided + num_tokens
+        self._undecided = 0
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
