@@ -373,6 +373,8 @@ def test_one_gateway_with_no_shared_job_store_and_no_tenants() -> None:
     assert gateway["spec"]["replicas"] == 1
     assert not by_kind(documents, "HorizontalPodAutoscaler") and not by_kind(documents, "NetworkPolicy")
     assert "sluice-gateway" not in by_kind(documents, "PodDisruptionBudget")  # it would block every node drain
+    scaled_from_one = helm_template({"gateway": {"autoscaling": {"minReplicas": 1}}})
+    assert "sluice-gateway" not in by_kind(scaled_from_one, "PodDisruptionBudget")  # the HPA may leave one
     (container,) = gateway["spec"]["template"]["spec"]["containers"]
     assert "--tenants" not in container["args"] and "--grpc-port" not in container["args"]
     assert container["args"][-2:] == ["--cache-mb", "512"]

@@ -94,7 +94,9 @@ def request_parser(model_parser: str, output_format: wire.OutputFormat | None) -
     (`engines.generative.structured.with_thoughts`); any other format holds the whole output from
     its first token, so it cannot have begun in thoughts the template opened: only what it tags is
     thought (qwen3's reading)."""
-    if not model_parser or output_format is None or output_format.is_json:
+    if model_parser not in PARSERS:  # none, or one a newer worker knows: the text is all answer
+        return ""
+    if output_format is None or output_format.is_json:
         return model_parser
     return "qwen3"
 
@@ -131,6 +133,14 @@ class ThoughtTokens:
         if before == "thinking" or after == "thinking" or (before == "start" and self._splitter.has_thought):
             self.count += self._undecided + num_tokens
         self._undecided = 0
+
+
+def thought_token_count(parser: str, tokens: list[str]) -> int:
+    """How many of an output's tokens (their texts, in order) are thought: `ThoughtTokens`'s count."""
+    counter = ThoughtTokens(parser)
+    for token in tokens:
+        counter.add(token, 1)
+    return counter.finish()
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:

@@ -72,6 +72,7 @@ def test_a_json_answer_follows_thoughts_and_any_other_format_is_thought_only_whe
     assert request_parser("deepseek_r1", wire.OutputFormat("regex", "Yes|No")) == "qwen3"
     assert split_reasoning(request_parser("deepseek_r1", wire.OutputFormat("regex", "Yes|No")), "No") == (None, "No")
     assert request_parser("", json_answer) == ""
+    assert request_parser("o7", None) == ""  # one a newer worker knows: all answer, never an error
 
 
 def test_chat_chunks_carry_thoughts_then_content_and_the_whole_message_both() -> None:

@@ -101,17 +101,21 @@ def test_a_json_answer_may_come_after_free_thoughts(client: openai.OpenAI) -> No
     assert answer.choices[0].finish_reason == "length" and message.content == ""
     thought = message.model_extra["reasoning_content"]
     assert thought and not thought.lstrip().startswith("{")
+    completion = client.completions.create(model="r1", prompt="Is it?", max_tokens=16, seed=1,
+                                           extra_body={"response_format": {"type": "json_object"}})
+    assert completion.choices[0].text.startswith("{")  # a completion is answered whole: no thoughts first
 
 
 def test_responses_answer_thoughts_as_a_reasoning_item(client: openai.OpenAI) -> None:
     """DeepSeek-R1's reading of untagged text cut by max_output_tokens: all of it a reasoning
     item, then an empty message, unary and streamed; Qwen3's: all of it the message."""
-    ask = {"input": "Is it?", "max_output_tokens": 12, "temperature": 0}
+    ask = {"input": "Is it?", "max_output_tokens": 12, "temperature": 0, "include": ["message.output_text.logprobs"]}
     plain = client.responses.create(model="qwen", **ask)
     assert [item.type for item in plain.output] == ["message"] and plain.output_text
     response = client.responses.create(model="r1", **ask)
     reasoning, message = response.output
-    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.status == "incomplete"
+    assert message.content[0].logprobs == []  # its tokens were all thought
     assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text == plain.output_text
     assert message.type == "message" and response.output_text == "" and response.status == "incomplete"
     assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 12
@@ -124,5 +128,6 @@ def test_responses_answer_thoughts_as_a_reasoning_item(client: openai.OpenAI) ->
     assert added == ["reasoning", "message"]
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].status == "incomplete" and final.output[1].content[0].logprobs == []
     assert final.output[0].content[0].text == plain.output_text
 

@@ -183,18 +183,23 @@ class ResponseShape:
         splitter = self._thinking[index]
         thought, text = splitter.feed(text) if finish_reason is None else splitter.last(text)
         chunk = self._answer_delta(text, finish_reason, reported, index) if text or finish_reason else None
+        logprobs = reported if self.tools is None else None  # (a stream of tool calls carries none)
         if not thought:
-            if chunk is None and reported and self.logprobs is not None:  # held back: its tokens' log-probabilities
-                chunk = self._chunk({"index": index, "delta": {}, "logprobs": self._logprobs(reported, index=index),
+            if chunk is None and logprobs and self.logprobs is not None:  # held back: its tokens' log-probabilities
+                chunk = self._chunk({"index": index, "delta": {}, "logprobs": self._logprobs(logprobs, index=index),
                                      "finish_reason": None})
             return chunk
         if chunk is None:
-            logprobs = self._logprobs(reported, index=index) if reported and self.tools is None else None
-            return self._chunk({"index": index, "delta": thought_fields(thought), "logprobs": logprobs,
-                                "finish_reason": None})
+            return self._thought_chunk(thought, index, logprobs)
         choice = chunk["choices"][0]
         choice["delta"] = {**thought_fields(thought), **choice["delta"]}
         return chunk
+
+    def _thought_chunk(self, thought: str, index: int,
+                       reported: list[wire.TokenLogprob] | None = None) -> dict[str, Any]:
+        logprobs = self._logprobs(reported, index=index) if reported else None
+        return self._chunk({"index": index, "delta": thought_fields(thought), "logprobs": logprobs,
+                            "finish_reason": None})
 
     def _answer_delta(self, text: str, finish_reason: str | None, reported: list[wire.TokenLogprob] | None,
                       index: int) -> dict[str, Any] | None:
@@ -228,8 +233,7 @@ class ResponseShape:
             if self._thinking:  # the thoughts' end, before the calls (which are read from the answer)
                 thought, last_text = self._thinking[index].last(last_text)
                 if thought:
-                    chunks.append(self._chunk({"index": index, "delta": thought_fields(thought), "logprobs": None,
-                                               "finish_reason": None}))
+                    chunks.append(self._thought_chunk(thought, index))
             if self.tools.named is not None:
                 calls: list[dict[str, Any]] | None = [] if self._call_ids[index] is not None else None
             else:  # the whole text read as the unstreamed answer reads it: the content not sent yet, the calls

@@ -104,7 +104,7 @@ from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, 
 from sluice.errors import InvalidInput, NotFound, SluiceError
 from sluice.gateway import Gateway
 from sluice.jobs.store import RUNNING, JobStore, RunRequest, StoredResponse
-from sluice.reasoning import request_parser
+from sluice.reasoning import request_parser, thought_token_count
 
 if TYPE_CHECKING:
     from sluice.jobs.background import BackgroundResponses
@@ -611,13 +611,15 @@ class ResponsesShape:
     def whole(self, result: wire.GenerationResult) -> dict[str, Any]:
         """The unstreamed response."""
         thought, text = self.chat.thought_and_answer(result.text)
-        if thought is not None:
-            self.output.append(_reasoning(thought, "completed"))
-        content, calls = self.chat.answer(text) if self.chat.tools is not None else (text, None)
         is_cut = result.finish_reason == "length"
+        logprobs = result.logprobs or []
+        if thought is not None:  # (cut while thinking: the thoughts are what is incomplete)
+            self.output.append(_reasoning(thought, "incomplete" if is_cut and not text else "completed"))
+            logprobs = logprobs[thought_token_count(self.chat.reasoning, [t.token for t in logprobs]):]
+        content, calls = self.chat.answer(text) if self.chat.tools is not None else (text, None)
         if content or not calls:
             message = _message(content or "", "incomplete" if is_cut else "completed")
-            message["content"][0]["logprobs"] = self._logprobs(result.logprobs)
+            message["content"][0]["logprobs"] = self._logprobs(logprobs)
             self.output.append(message)
         self.output += [_function_call(call, "completed") for call in calls or []]
         return self._final(result)
@@ -650,8 +652,9 @@ class ResponsesShape:
         delta, events = choice["delta"], []
         if delta.get("reasoning_content"):
             events += self._reasoning_delta(delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._text_delta(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
+        if delta.get("content"):  # (the log-probabilities of a piece that ends the thoughts are theirs)
+            logprobs = [] if delta.get("reasoning_content") else (choice.get("logprobs") or {}).get("content") or []
+            events += self._text_delta(delta["content"], logprobs)
         for call in delta.get("tool_calls") or []:
             events += self._call_delta(call)
         if choice["finish_reason"] is not None:

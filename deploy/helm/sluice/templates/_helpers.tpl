@@ -21,6 +21,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- end -}}
 
+{{/* A component's labels: the chart's and its name, (dict "root" $ "component" "gateway"). */}}
+{{- define "sluice.componentLabels" -}}
+{{ include "sluice.labels" .root }}
+app.kubernetes.io/name: sluice-{{ .component }}
+{{- end -}}
+
 {{/* A component's selector: (dict "root" $ "component" "gateway"). */}}
 {{- define "sluice.selector" -}}
 app.kubernetes.io/name: sluice-{{ .component }}
@@ -86,4 +92,12 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{- define "sluice.tenantsSecret" -}}
+{{- default (printf "%s-tenants" (include "sluice.fullname" .)) .Values.tenants.existingSecret -}}
+{{- end -}}
+
+{{- define "sluice.jobsSecret" -}}
+{{- default (printf "%s-jobs-db" (include "sluice.fullname" .)) .Values.jobs.database.existingSecret -}}
 {{- end -}}

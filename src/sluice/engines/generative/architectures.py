@@ -83,7 +83,7 @@ class LlamaModel:
             qk_norm = torch.cat([get("self_attn.q_norm.weight").expand(spec.num_heads, -1),
                                  get("self_attn.k_norm.weight").expand(spec.num_kv_heads, -1)]).contiguous()
         if i in spec.moe_layers:
-            router, gate_up, down = _experts(spec, w, p, dtype, device)
+            router, gate_up, down = _expert_weights(spec, w, p, dtype, device)
         else:
             router, down = None, get("mlp.down_proj.weight")
             gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
@@ -118,8 +118,8 @@ class LlamaModel:
         return F.linear(x, self.lm_head).float()
 
 
-def _experts(spec: ModelSpec, w: _Weights, p: str, dtype: torch.dtype,
-             device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _expert_weights(spec: ModelSpec, w: _Weights, p: str, dtype: torch.dtype,
+                    device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A mixture's router and its experts' weights stacked: as checkpoints keep them, one expert
     at a time (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, Qwen3-MoE's
     `mlp.experts.N.gate_proj/up_proj/down_proj`), or already stacked (`mlp.experts.gate_up_proj`)."""
@@ -138,8 +138,9 @@ def _experts(spec: ModelSpec, w: _Weights, p: str, dtype: torch.dtype,
 
 def mixture_of_experts(h: torch.Tensor, layer: _LlamaLayer, spec: ModelSpec) -> torch.Tensor:
     """Each token [T, hidden] through its top k experts by the router's probabilities (computed
-    in float32; the k renormalised where the model does), their outputs weighed by them and summed
-    expert by expert in the experts' order, as transformers sums them. Only the experts some token
+    in float32; the k renormalised where the model does; cast to the model's dtype where it does),
+    their outputs weighed by them and summed expert by expert in the experts' order, as
+    transformers sums them. Only the experts some token
     chose run, each on its tokens alone; finding them reads the choice back to the host, so a
     mixture's decode steps are not captured as CUDA graphs."""
     assert layer.router is not None
@@ -147,6 +148,8 @@ def mixture_of_experts(h: torch.Tensor, layer: _LlamaLayer, spec: ModelSpec) -> 
     weights, chosen = torch.topk(probs, spec.experts_per_token, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.router_weights_in_model_dtype:
+        weights = weights.to(h.dtype)
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, rank) pairs grouped by expert, in token order
     counts = torch.bincount(flat, minlength=spec.num_experts).tolist()

@@ -95,6 +95,9 @@ class ModelSpec:
     """The k chosen experts' router probabilities are renormalised to sum to 1 (Mixtral always)."""
     moe_layers: frozenset[int] = frozenset()
     """The layers whose MLP is the mixture (Qwen3-MoE may keep some dense)."""
+    router_weights_in_model_dtype: bool = False
+    """The chosen experts' weights are cast to the model's dtype before they weigh their outputs
+    (Qwen3-MoE); else they weigh them in float32 (Mixtral)."""
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
@@ -121,7 +124,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                          tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                          rope_scaling=_rope_scaling(rope), qk_norm=model_type in ("qwen3", "qwen3_moe"),
-                         **_sliding_window(config), **_experts(config))
+                         **_sliding_window(config), **_mixture(config))
     raise ConfigError(f"unsupported model_type {model_type!r} "
                       "(supported: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gpt2)")
 
@@ -162,7 +165,7 @@ def _sliding_window(config: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_window": window, "windowed_layers": frozenset(layers)} if layers else {}
 
 
-def _experts(config: dict[str, Any]) -> dict[str, Any]:
+def _mixture(config: dict[str, Any]) -> dict[str, Any]:
     """A mixture-of-experts checkpoint's experts, top k and sparse layers (as transformers reads
     them: Mixtral's on every layer; Qwen3-MoE's on every `decoder_sparse_step`-th, but those in
     `mlp_only_layers`)."""
@@ -181,7 +184,7 @@ def _experts(config: dict[str, Any]) -> dict[str, Any]:
     step, dense = int(config.get("decoder_sparse_step", 1)), set(config.get("mlp_only_layers") or ())
     layers = frozenset(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
     return {"num_experts": num_experts, "experts_per_token": top_k, "moe_layers": layers,
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "router_weights_in_model_dtype": True}
 
 
 @dataclass(frozen=True, slots=True)

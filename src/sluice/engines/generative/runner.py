@@ -43,7 +43,7 @@ from sluice.engines.generative.engine import LLMEngine, context_length_message
 from sluice.engines.generative.sequence import SamplingParams
 from sluice.engines.generative.tokenizer import prompt_chars
 from sluice.errors import ConfigError, InvalidInput
-from sluice.reasoning import PARSERS
+from sluice.reasoning import PARSERS, request_parser
 from sluice.repository import ModelVersion
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "GenerativeRunner", "PreparedGeneration"]
@@ -167,8 +167,10 @@ class GenerativeRunner:
         if payload.echo and payload.max_tokens == 0:
             raise InvalidInput("a structured output needs tokens to generate (max_tokens > 0)", param="max_tokens")
         assert self.engine.grammars is not None  # a generative runner has a tokenizer
+        is_chat = payload.messages is not None  # (a completion is answered whole: no thoughts apart)
+        reasoning = request_parser(self.info.reasoning_parser, output_format) if is_chat else ""
         try:
-            return self.engine.grammars.matcher(output_format, self.info.reasoning_parser)
+            return self.engine.grammars.matcher(output_format, reasoning)
         except ValueError as exc:
             raise InvalidInput(str(exc), param=output_format.param) from exc
 
