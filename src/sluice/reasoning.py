@@ -88,14 +88,16 @@ def thought_fields(thought: str | None) -> dict[str, str | None]:
     return {"reasoning_content": thought, "reasoning": thought}
 
 
-def request_parser(model_parser: str, output_format: wire.OutputFormat | None) -> str:
-    """The parser of one request to a model with `model_parser`. A JSON answer (a JSON schema or
+def request_parser(model_parser: str, payload: wire.GeneratePayload) -> str:
+    """The parser of one request to a model with `model_parser`: only a chat's answer is read apart
+    (a completion is answered whole: ""). A JSON answer (a JSON schema or
     object, tool calls asked for) comes after the thoughts the model's grammar lets it write first
     (`engines.generative.structured.with_thoughts`); any other format holds the whole output from
     its first token, so it cannot have begun in thoughts the template opened: only what it tags is
     thought (qwen3's reading)."""
-    if model_parser not in PARSERS:  # none, or one a newer worker knows: the text is all answer
+    if model_parser not in PARSERS or payload.messages is None:  # (an unknown one: a newer worker's)
         return ""
+    output_format = payload.output_format
     if output_format is None or output_format.is_json:
         return model_parser
     return "qwen3"

@@ -68,11 +68,16 @@ def test_the_tokens_a_model_thought_with_are_counted(parser: str, tokens: list[s
 
 def test_a_json_answer_follows_thoughts_and_any_other_format_is_thought_only_where_tagged() -> None:
     json_answer = wire.OutputFormat("json_schema", '{"type": "object"}')
-    assert request_parser("deepseek_r1", None) == request_parser("deepseek_r1", json_answer) == "deepseek_r1"
-    assert request_parser("deepseek_r1", wire.OutputFormat("regex", "Yes|No")) == "qwen3"
-    assert split_reasoning(request_parser("deepseek_r1", wire.OutputFormat("regex", "Yes|No")), "No") == (None, "No")
-    assert request_parser("", json_answer) == ""
-    assert request_parser("o7", None) == ""  # one a newer worker knows: all answer, never an error
+    def chat(output_format: wire.OutputFormat | None = None) -> wire.GeneratePayload:
+        return wire.GeneratePayload(messages=[wire.ChatMessage("user", "hi")], output_format=output_format)
+
+    regex = wire.OutputFormat("regex", "Yes|No")
+    assert request_parser("deepseek_r1", chat()) == request_parser("deepseek_r1", chat(json_answer)) == "deepseek_r1"
+    assert request_parser("deepseek_r1", chat(regex)) == "qwen3"
+    assert split_reasoning(request_parser("deepseek_r1", chat(regex)), "No") == (None, "No")
+    assert request_parser("", chat(json_answer)) == ""
+    assert request_parser("o7", chat()) == ""  # one a newer worker knows: all answer, never an error
+    assert request_parser("deepseek_r1", wire.GeneratePayload(prompt="hi", output_format=json_answer)) == ""
 
 
 def test_chat_chunks_carry_thoughts_then_content_and_the_whole_message_both() -> None:

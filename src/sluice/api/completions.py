@@ -121,7 +121,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int,
                           echo=chat_echo(parsed) if isinstance(parsed, ChatRequest) else "",
                           continuous_usage=options is not None and bool(options.continuous_usage_stats),
                           return_token_ids=first.return_token_ids, response_id=answer_id,
-                          reasoning=request_parser(info.reasoning_parser, first.output_format))
+                          reasoning=request_parser(info.reasoning_parser, first))
     # the model's own refusals name `max_tokens`: the client may have sent `max_completion_tokens`
     names = {"max_tokens": "max_completion_tokens"} if getattr(parsed, "max_completion_tokens", None) else {}
     if not first.stream:

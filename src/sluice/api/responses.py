@@ -354,7 +354,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
         priority = requested_priority(request, ("service_tier", parsed.service_tier), ("priority", parsed.priority))
     is_stored = responses.store is not None and parsed.store is not False
     shape = ResponsesShape(parsed, info.name, payload, plan, is_stored,
-                           reasoning=request_parser(info.reasoning_parser, payload.output_format))
+                           reasoning=request_parser(info.reasoning_parser, payload))
     if parsed.background:
         return await responses.run_later(owner, shape, parsed, new_items if conversation_id else items,
                                          request.headers, request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)

@@ -271,8 +271,8 @@ class Generations:
         generation.max_tokens = prepared.params.max_tokens
         generation.is_prompt_only = prepared.is_prompt_only
         generation.choices = [_Choice() for _ in range(payload.n)]
-        parser = request_parser(generation.loop.runner.info.reasoning_parser, payload.output_format)
-        if parser and payload.messages is not None:  # (the chat's answer reads it: `api.completion_shapes`)
+        parser = request_parser(generation.loop.runner.info.reasoning_parser, payload)
+        if parser:  # (as the gateway reads the answer: `api.completion_shapes`)
             for choice in generation.choices:
                 choice.thoughts = ThoughtTokens(parser)
         if payload.echo:

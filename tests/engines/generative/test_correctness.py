@@ -119,3 +119,4 @@ def test_mixtures_of_experts_match_transformers_batched_with_prefix_hits_and_pre
         lambda blocks: LLMEngine(moe_dir, EngineConfig(block_size=8, num_kv_blocks=blocks)), moe_dir, hf_greedy)
     assert engine.spec.num_experts == 4 and engine.spec.experts_per_token == 2
     assert engine.spec.moe_layers == ({0, 1} if "mixtral" in moe_dir.name else {1})
+    assert not engine._runner.use_decode_graphs(4, 64)  # its experts are picked on the host: never captured

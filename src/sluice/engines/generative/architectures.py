@@ -140,9 +140,9 @@ def mixture_of_experts(h: torch.Tensor, layer: _LlamaLayer, spec: ModelSpec) -> 
     """Each token [T, hidden] through its top k experts by the router's probabilities (computed
     in float32; the k renormalised where the model does; cast to the model's dtype where it does),
     their outputs weighed by them and summed expert by expert in the experts' order, as
-    transformers sums them. Only the experts some token
-    chose run, each on its tokens alone; finding them reads the choice back to the host, so a
-    mixture's decode steps are not captured as CUDA graphs."""
+    transformers sums them. Only the experts some token chose run, each on its tokens alone;
+    finding them reads the choice back to the host, so a mixture's decode steps are not captured
+    as CUDA graphs (`ModelRunner.use_decode_graphs`)."""
     assert layer.router is not None
     probs = torch.softmax(F.linear(h, layer.router).float(), dim=-1)
     weights, chosen = torch.topk(probs, spec.experts_per_token, dim=-1)

@@ -131,8 +131,7 @@ class LLMEngine:
                 config.gpu_memory_utilization, config.max_num_batched_tokens, bytes_per_block))
         self.num_blocks = self._runner.cache.num_blocks
         self._max_model_len = min(self.spec.max_model_len, config.max_model_len or self.spec.max_model_len)
-        if config.cuda_graphs and config.device.startswith("cuda") and not self.spec.num_experts:
-            # (a mixture of experts picks its experts on the host: `architectures.mixture_of_experts`)
+        if config.cuda_graphs and config.device.startswith("cuda"):
             self._runner.use_decode_graphs(config.max_num_seqs, self._max_model_len)
         self._blocks = BlockManager(self.num_blocks, config.block_size)
         self._scheduler = self._make_scheduler(config)

@@ -109,9 +109,10 @@ class ModelRunner:
     def use_decode_graphs(self, max_seqs: int, max_len: int) -> bool:
         """Pure decode steps of up to `max_seqs` sequences and `max_len` tokens of context go
         through `graphs.DecodeGraph`s: captured now on CUDA, run eagerly (padded alike) on the CPU.
-        False (and nothing changes) for a model with sliding-window layers. Call after the cache's
-        last `allocate_cache`."""
-        if self.spec.windowed_layers:
+        False (and nothing changes) for a model with sliding-window layers, or with a mixture of
+        experts (it picks its experts on the host: `architectures.mixture_of_experts`). Call after
+        the cache's last `allocate_cache`."""
+        if self.spec.windowed_layers or self.spec.num_experts:
             return False
         graphs = DecodeGraphs(max_seqs, max_len, self.block_size, self.cache.scratch_block, self.device)
         if self.device != "cpu":

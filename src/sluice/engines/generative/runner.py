@@ -167,10 +167,8 @@ class GenerativeRunner:
         if payload.echo and payload.max_tokens == 0:
             raise InvalidInput("a structured output needs tokens to generate (max_tokens > 0)", param="max_tokens")
         assert self.engine.grammars is not None  # a generative runner has a tokenizer
-        is_chat = payload.messages is not None  # (a completion is answered whole: no thoughts apart)
-        reasoning = request_parser(self.info.reasoning_parser, output_format) if is_chat else ""
         try:
-            return self.engine.grammars.matcher(output_format, reasoning)
+            return self.engine.grammars.matcher(output_format, request_parser(self.info.reasoning_parser, payload))
         except ValueError as exc:
             raise InvalidInput(str(exc), param=output_format.param) from exc
 

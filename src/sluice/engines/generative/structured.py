@@ -13,8 +13,8 @@ separated by ", ", keys by ": "): a weak model cannot then spend its tokens on b
 A reasoning model (its `reasoning_parser`, `sluice.reasoning`) may think before a JSON answer (a
 JSON schema or object, tool calls asked for): its grammar then frees the text up to `</think>`
 (which a deepseek_r1 model's output starts in, and a qwen3 model's opens with `<think>` if it
-thinks at all), and holds what follows it to the format. A regular expression,
-choice or grammar holds the whole output, thoughts included, as the client wrote it.
+thinks at all), and holds what follows it to the format. A regular expression, choice or grammar
+holds the whole output, thoughts included, as the client wrote it.
 
 An object schema that lists its `properties` but says nothing of `additionalProperties` is read
 as closed (no other keys), as OpenAI's strict structured outputs require and vLLM's backends do
