@@ -5,10 +5,11 @@ cancellation, and an `aclose()` waiting for the loop then never returns)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
-from sluice.tasks import cancel_and_wait, wait_event
+from sluice.tasks import cancel_and_wait, sleep, wait_event
 
 
 @pytest.mark.parametrize("turns_between", range(5))
@@ -31,6 +32,30 @@ async def test_a_cancel_arriving_with_the_event_stops_the_waiting_loop(turns_bet
     async with asyncio.timeout(2):
         await cancel_and_wait([task])
     assert task.cancelled()
+
+
+async def test_a_loop_whose_call_lost_the_cancel_ends_at_its_next_pause():
+    """As redis-py's write under Python 3.11's `wait_for`: the call returns its result although the
+    task was cancelled in it. The loop ends at its next `tasks.sleep` instead of going on for ever."""
+    calls = 0
+
+    async def call_that_drops_a_cancel() -> str:
+        nonlocal calls
+        calls += 1
+        with contextlib.suppress(asyncio.CancelledError):  # finished anyway: the cancel is dropped
+            await asyncio.sleep(10)
+        return "OK"
+
+    async def renew() -> None:
+        while True:
+            await call_that_drops_a_cancel()
+            await sleep(0.001)
+
+    task = asyncio.create_task(renew())
+    await asyncio.sleep(0.01)
+    async with asyncio.timeout(2):
+        await cancel_and_wait([task])
+    assert task.cancelled() and calls == 1
 
 
 async def test_it_says_whether_the_event_came_or_the_time_ran_out():

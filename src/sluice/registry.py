@@ -30,7 +30,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from sluice.tasks import cancel_and_wait
+from sluice.tasks import cancel_and_wait, sleep
 
 log = logging.getLogger("sluice.registry")
 
@@ -66,7 +66,7 @@ class WorkerRegistration:
                 if not failing:
                     log.warning("cannot register in the worker registry (retrying): %s", exc)
                 failing = True
-            await asyncio.sleep(self._ttl_ms / 5000)
+            await sleep(self._ttl_ms / 5000)
 
     def withdraw(self) -> None:
         """Stop renewing and delete the entry (in the background): the worker is draining."""
@@ -128,7 +128,7 @@ class RegistryWatcher:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(self._poll_s)
+            await sleep(self._poll_s)
             await self.refresh()
 
     async def refresh(self) -> None:

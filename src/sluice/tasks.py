@@ -35,6 +35,17 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
+async def sleep(delay_s: float) -> None:
+    """`asyncio.sleep`, for a loop whose other awaits may lose a cancellation: redis-py writes through
+    Python 3.11's `asyncio.wait_for`, which returns the result and drops a cancel that arrives as the
+    write completes. The task still counts that cancel (`cancelling()`), so it is raised here, at the
+    loop's next pause, and the loop's owner, waiting in `cancel_and_wait`, is not left waiting forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    await asyncio.sleep(delay_s)
+
+
 async def stop_process(process: asyncio.subprocess.Process, grace_s: float) -> None:
     """End a child process that is still running: SIGTERM, then SIGKILL if it has not exited
     within `grace_s`; returns once it has exited."""

@@ -59,7 +59,7 @@ from sluice.gateway.limits import (
     too_large,
 )
 from sluice.gateway.tenants import Tenant
-from sluice.tasks import cancel_and_wait
+from sluice.tasks import cancel_and_wait, sleep
 
 __all__ = ["SharedLimiter"]
 
@@ -246,7 +246,7 @@ class SharedLimiter:
 
     async def _renew_forever(self) -> None:
         while True:
-            await asyncio.sleep(self._renew_s)
+            await sleep(self._renew_s)
             with contextlib.suppress(RedisError):  # the circuit and the outage log have it; tried again next round
                 await self.renew_leases()
 

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from sluice.gateway.traffic import CanaryEvent, Published, Traffic
-from sluice.tasks import cancel_and_wait
+from sluice.tasks import cancel_and_wait, sleep
 
 log = logging.getLogger("sluice.gateway")
 
@@ -74,7 +74,7 @@ class SharedTraffic:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._poll_s)
+            await sleep(self._poll_s)
             try:
                 await self.sync()
             except (RedisError, OSError) as exc:
