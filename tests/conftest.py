@@ -12,6 +12,7 @@ import contextlib
 import glob
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -113,28 +114,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_SERVERS = itertools.count(1)
+_LISTENING = re.compile(r"(?:Uvicorn running on|listening on) https?://127\.0\.0\.1:(\d+)")
+"""uvicorn's line once its socket is bound (at `--log-level info`), or sluice's banner once models are loaded."""
+
+
 def start_server(models_dir: Path, log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
                  tls: ssl.SSLContext | None = None) -> ServerProcess:
     """`sluice serve` of `models_dir` on a free port, once it is ready; `tls`: the client context
-    to check its readiness with, for a server started with `--ssl-certfile` (its url then https)."""
-    port = free_port()
-    log_path = log_dir / f"sluice-{port}.log"
+    to check its readiness with, for a server started with `--ssl-certfile` (its url then https).
+    The server binds `--port 0` and the port is read from its log: a port picked here and bound
+    there could be taken in between."""
+    log_path = log_dir / f"sluice-{next(_SERVERS)}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("SLUICE_CACHE_DIR", str(log_dir / "sluice-cache"))  # generated demo weights (tiny-lm)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "sluice", "serve", "--models", str(models_dir), "--port", str(port),
+        [sys.executable, "-m", "sluice", "serve", "--models", str(models_dir), "--port", "0",
          "--log-level", "info", *extra],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env,
     )
-    server = ServerProcess(f"{'http' if tls is None else 'https'}://127.0.0.1:{port}", port, process, log_path)
+    scheme = "http" if tls is None else "https"
+    server = ServerProcess(f"{scheme}://127.0.0.1:0", 0, process, log_path)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"sluice serve exited with {process.returncode}:\n{server.log()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/v2/health/ready", timeout=1, verify=tls or True).status_code == 200:
-                return server
+        if server.port == 0 and (listening := _LISTENING.search(server.log())) is not None:
+            server = ServerProcess(f"{scheme}://127.0.0.1:{listening[1]}", int(listening[1]), process, log_path)
+        if server.port != 0:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/v2/health/ready", timeout=1, verify=tls or True).status_code == 200:
+                    return server
         time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"sluice serve did not become ready:\n{server.log()}")
