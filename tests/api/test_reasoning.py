@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice import wire
 from sluice.api.completion_shapes import ResponseShape
+from sluice.api.responses import ResponsesRequest, ResponsesShape
 from sluice.reasoning import PARSERS, ReasoningSplitter, ThoughtTokens, request_parser, split_reasoning
 
 
@@ -95,3 +97,27 @@ def test_chat_chunks_carry_thoughts_then_content_and_the_whole_message_both() ->
     assert (message["reasoning_content"], message["reasoning"], message["content"]) == ("hmm", "hmm", "\n\nYes!")
     plain = ResponseShape(True, "m").whole([wire.GenerationResult("<think>hmm</think>", "stop", 3, 0, 6)])
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": "<think>hmm</think>"}
+
+
+@pytest.mark.parametrize(("parser", "tokens", "answered"), [
+    ("qwen3", ["<", "b", ">", "hi"], ["<", "b", ">", "hi"]),  # held back as a possible tag, then answer
+    ("qwen3", ["<think>", "</think>", "x", "y"], ["x", "y"]),  # empty thoughts: their tags are not the answer's
+    ("deepseek_r1", ["</think>", "x"], ["x"]),
+    ("qwen3", ["<think>", "h", "</think>", "<", "i", ">"], ["<", "i", ">"]),
+])
+def test_a_responses_message_carries_its_answers_log_probabilities_streamed_or_not(
+        parser: str, tokens: list[str], answered: list[str]) -> None:
+    request = msgspec.convert({"model": "m", "input": "hi", "include": ["message.output_text.logprobs"]},
+                              ResponsesRequest)
+    payload = wire.GeneratePayload(messages=[wire.ChatMessage("user", "hi")], logprobs=0)
+    logprobs = [wire.TokenLogprob(token, i, -0.5, []) for i, token in enumerate(tokens)]
+    result = wire.GenerationResult("".join(tokens), "stop", 1, 0, len(tokens), logprobs)
+    whole = ResponsesShape(request, "m", payload, None, reasoning=parser).whole(result)
+    streaming = ResponsesShape(request, "m", payload, None, reasoning=parser)
+    streaming.start()
+    for entry in logprobs:
+        streaming.chunk(streaming.chat.delta(entry.token, None, [entry]))
+    _, streamed = streaming.finish(wire.GenerationResult("", "stop", 1, 0, len(tokens)))
+    for response in (whole, streamed):
+        (message,) = [item for item in response["output"] if item["type"] == "message"]
+        assert [entry["token"] for entry in message["content"][0]["logprobs"]] == answered

@@ -107,7 +107,9 @@ class ResponseShape:
             return {"index": index, "message": message, "logprobs": None,
                     "finish_reason": self._finish_reason(choice.finish_reason, calls)}
         if self.is_chat:
-            return {"index": index, "message": {"role": "assistant", "content": self.echo_text + text, **thoughts},
+            # all thought and no answer (cut by max_tokens while thinking): null, as vLLM's parsers answer
+            content = (self.echo_text + text) or (None if thought else "")
+            return {"index": index, "message": {"role": "assistant", "content": content, **thoughts},
                     "logprobs": logprobs, "finish_reason": choice.finish_reason}
         text = choice.text if prompt is None else self._prompt_text(prompt, index) + choice.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}

@@ -581,6 +581,8 @@ class ResponsesShape:
         self.output: list[dict[str, Any]] = []
         """A stream's items so far."""
         self._open: dict[str, Any] | None = None  # the item the stream is adding to
+        self._held_logprobs: list[dict[str, Any]] = []
+        """Log-probabilities of tokens whose text the stream held back, until it is known to be answer."""
         self._sequence = 0
 
     def response(self, status: str, usage: dict[str, Any] | None = None,
@@ -615,6 +617,7 @@ class ResponsesShape:
         logprobs = result.logprobs or []
         if thought is not None:  # (cut while thinking: the thoughts are what is incomplete)
             self.output.append(_reasoning(thought, "incomplete" if is_cut and not text else "completed"))
+        if self.chat.reasoning:  # the answer's alone (not the tags of thoughts, even empty ones)
             logprobs = logprobs[thought_token_count(self.chat.reasoning, [t.token for t in logprobs]):]
         content, calls = self.chat.answer(text) if self.chat.tools is not None else (text, None)
         if content or not calls:
@@ -650,16 +653,26 @@ class ResponsesShape:
             return []
         choice = chat_chunk["choices"][0]
         delta, events = choice["delta"], []
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
         if delta.get("reasoning_content"):
+            self._held_logprobs = []  # what was held back was thought
             events += self._reasoning_delta(delta["reasoning_content"])
         if delta.get("content"):  # (the log-probabilities of a piece that ends the thoughts are theirs)
-            logprobs = [] if delta.get("reasoning_content") else (choice.get("logprobs") or {}).get("content") or []
-            events += self._text_delta(delta["content"], logprobs)
+            events += self._text_delta(delta["content"], [] if delta.get("reasoning_content")
+                                       else self._answer_logprobs(delta["content"], logprobs))
+        elif not delta:  # text held back (it may be a tag): its tokens' log-probabilities wait for it
+            self._held_logprobs += logprobs
         for call in delta.get("tool_calls") or []:
             events += self._call_delta(call)
         if choice["finish_reason"] is not None:
             events += self._close("incomplete" if choice["finish_reason"] == "length" else "completed")
         return events
+
+    def _answer_logprobs(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The log-probabilities of a piece of answer `text`: those held back before it, when their
+        tokens are where it starts (not tags that ended empty thoughts), then its own."""
+        held, self._held_logprobs = self._held_logprobs, []
+        return (held if text.startswith("".join(entry["token"] for entry in held)) else []) + logprobs
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         events = []
