@@ -10,8 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice import wire
+from sluice.api.completion_params import messages_of
 from sluice.api.completion_shapes import ResponseShape
-from sluice.api.responses import ResponsesRequest, ResponsesShape
+from sluice.api.responses import ResponsesRequest, ResponsesShape, chat_request_of
+from sluice.errors import InvalidInput
 from sluice.reasoning import PARSERS, ReasoningSplitter, ThoughtTokens, request_parser, split_reasoning
 
 
@@ -121,3 +123,26 @@ def test_a_responses_message_carries_its_answers_log_probabilities_streamed_or_n
     for response in (whole, streamed):
         (message,) = [item for item in response["output"] if item["type"] == "message"]
         assert [entry["token"] for entry in message["content"][0]["logprobs"]] == answered
+
+
+def test_thoughts_passed_back_to_responses_are_the_next_assistant_turns() -> None:
+    """A Responses tool loop passes an earlier response's output back (reasoning, function call,
+    its output): the thoughts go to the assistant turn after them, as a chat message's `reasoning`
+    would, for a template that shows them (Qwen3's, after the last user message)."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Oslo? Ask the tool."}]}
+    items = [{"role": "user", "content": "Weather in Oslo?"}, thought,
+             {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "12 C"},
+             {**thought, "content": [{"type": "reasoning_text", "text": "Rain."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "12 C."}]},
+             {"role": "user", "content": "Thanks"}]
+    request = msgspec.convert({"model": "m", "input": "x"}, ResponsesRequest)
+    messages = messages_of(chat_request_of(request, items).messages)
+    assert [(m.role, m.reasoning) for m in messages] == [
+        ("user", None), ("assistant", "Oslo? Ask the tool."), ("tool", None), ("assistant", "Rain."), ("user", None)]
+    assert messages[1].tool_calls[0].name == "weather" and messages[3].content == "12 C."
+    for bad in ({**thought, "content": "Oslo?"}, {**thought, "content": [{"type": "reasoning_text"}]}):
+        with pytest.raises(InvalidInput) as refused:
+            chat_request_of(request, [bad, {"role": "user", "content": "Hi"}])
+        assert refused.value.param == "input"

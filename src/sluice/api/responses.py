@@ -461,6 +461,7 @@ def _effort(request: ResponsesRequest) -> str | None:
 def _messages(given: list[Any]) -> list[ChatMessageIn]:
     messages: list[ChatMessageIn] = []
     call_ids: set[str] = set()  # of the function calls so far: an output answers one of them
+    thought: str | None = None  # a reasoning item's, for the assistant turn that follows it
     for item in given:
         if not isinstance(item, dict):
             raise InvalidInput("each 'input' item must be an object", param="input")
@@ -470,15 +471,18 @@ def _messages(given: list[Any]) -> list[ChatMessageIn]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidInput(f"an input message's role must be user, system, developer or assistant, got "
                                    f"{str(role)[:40]!r}", param="input")
-            messages.append(ChatMessageIn(role, _text(item.get("content"), "an input message's 'content'")))
+            text = _text(item.get("content"), "an input message's 'content'")
+            messages.append(ChatMessageIn(role, text, reasoning=thought if role == "assistant" else None))
+            thought = None
         elif kind == "function_call":
             call = ToolCallIn(_string(item, "call_id"), ToolCallFunctionIn(_string(item, "name"),
                                                                             _string(item, "arguments")))
             call_ids.add(call.id)
-            if messages and messages[-1].role == "assistant":  # one assistant turn: its text and its calls
+            if messages and messages[-1].role == "assistant" and thought is None:  # one turn: its text and calls
                 messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
             else:
-                messages.append(ChatMessageIn("assistant", None, tool_calls=[call]))
+                messages.append(ChatMessageIn("assistant", None, tool_calls=[call], reasoning=thought))
+            thought = None
         elif kind == "function_call_output":
             call_id = _string(item, "call_id")
             if call_id not in call_ids:
@@ -486,14 +490,25 @@ def _messages(given: list[Any]) -> list[ChatMessageIn]:
                                    f"{call_id[:64]!r}", param="input")
             messages.append(ChatMessageIn("tool", _text(item.get("output"), "a function_call_output's 'output'"),
                                           tool_call_id=call_id))
-        elif kind == "reasoning":
-            continue  # an earlier response's thoughts, passed back: not shown again (as chat templates drop them)
+        elif kind == "reasoning":  # an earlier response's thoughts, passed back: the next assistant turn's, for
+            thought = _reasoning_text(item) or None  # a template that shows them (Qwen3's, in a tool loop)
         else:
             raise InvalidInput(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call "
                                "and function_call_output are)", param="input")
     if not messages:
         raise InvalidInput("'input' must not be empty", param="input")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's thoughts: its `reasoning_text` parts, joined (a summary is not them)."""
+    content = item.get("content") or []
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise InvalidInput("a reasoning input item's 'content' must be a list of reasoning_text parts", param="input")
+    texts = [part.get("text") for part in content if part.get("type") == "reasoning_text"]
+    if not all(isinstance(text, str) for text in texts):
+        raise InvalidInput("a reasoning_text part needs its 'text' (a string)", param="input")
+    return "".join(texts)
 
 
 def _text(content: Any, what: str) -> str:
