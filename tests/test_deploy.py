@@ -460,6 +460,14 @@ def test_the_manifests_commands_make_a_working_cluster(tmp_path: Path) -> None:
         busy = re.search(r'^sluice_device_busy_seconds_total\{worker="sluice-worker-0"\} (\S+)$', worker_metrics,
                          re.MULTILINE)
         assert busy is not None and float(busy.group(1)) > 0, worker_metrics[:2000]
+        for name in ("worker", "gateway"):  # each HTTP probe's path, on the port it names, answers 200
+            container = containers(documents)[name]
+            ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if (check := container.get(probe, {}).get("httpGet")) is not None:
+                    port = localized(str(ports.get(check["port"], check["port"])))
+                    answered = httpx.get(f"http://127.0.0.1:{port}{check['path']}")
+                    assert answered.status_code == 200, (name, probe, answered.text)
         stop_all(processes[1:])  # the worker withdraws its registration
         client = redis.Redis(port=redis_port, password=values["REDIS_PASSWORD"], db=8)
         kept = {key: client.dump(key) for key in client.scan_iter() if client.ttl(key) == -1}

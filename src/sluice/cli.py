@@ -280,7 +280,8 @@ def gateway(workers: tuple[str, ...], registry: str | None, host: str, port: int
 @click.option("--models", "models_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="Serve this worker's /metrics on this port.")
+              help="Serve this worker's /metrics on this port, and /ready: 200 once the models it "
+                   "starts with are loaded, until it drains (a readiness probe's).")
 @click.option("--registry", default=None, metavar="redis://...",
               help="Announce this worker in this Redis, where `sluice gateway --registry` finds it.")
 @click.option("--advertise", default=None, callback=lambda ctx, param, value: _addresses(value, "--advertise"),
@@ -301,15 +302,6 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
     process = f"worker-{worker_id}"
     logs.configure(os.environ.get("SLUICE_LOG_LEVEL", "warning"), process=process,
                    on_dropped=metrics.log_lines_dropped(process))
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        from sluice.metrics import worker_registry
-
-        try:
-            start_http_server(metrics_port, registry=worker_registry())
-        except OSError as exc:
-            raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror or exc}") from None
     from sluice.worker.main import WorkerConfig
     from sluice.worker.main import main as worker_main
     from sluice.worker.syncing import DEFAULT_LOAD_CONCURRENCY
@@ -318,7 +310,8 @@ def worker(worker_id: str, address: str, models_dir: Path, device: str, metrics_
         worker_main(WorkerConfig(worker_id, address, models_dir, device, share=share,
                                  registry=_redis_url(registry, "--registry"),
                                  advertise=_advertised(address, advertise, registry),
-                                 memory_budget_mb=model_memory_mb, exit_with_parent=exit_with_parent,
+                                 memory_budget_mb=model_memory_mb, metrics_port=metrics_port,
+                                 exit_with_parent=exit_with_parent,
                                  load_concurrency=load_concurrency or DEFAULT_LOAD_CONCURRENCY))
     except ConfigError as exc:
         raise click.ClickException(exc.message) from exc

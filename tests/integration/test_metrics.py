@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from tests.conftest import (
     write_tiny_lm_model,
 )
 from tests.upstream_server import UpstreamServer
+from tests.user_models import add_gated_version
 
 pytestmark = pytest.mark.slow
 
@@ -205,6 +207,32 @@ def test_a_workers_own_metrics_are_its_own_series_and_pass_promtool(tmp_path: Pa
     own = {name.removesuffix("_total") for name in exported if name.startswith("sluice_")}
     assert own <= metrics._WORKER_FAMILIES, "the gateway's series, at 0, on a worker's /metrics"
     assert _promtool_lints(text) == []
+
+
+def test_a_worker_is_ready_for_traffic_once_its_models_are_loaded(tmp_path: Path) -> None:
+    """A worker listens for gateways before it loads (they see what it is loading), so a probe of
+    its RPC port passed at once and a rolling update stopped old workers while the new ones were
+    still loading: `/ready` on its metrics port answers 503 until then, 200 after, and the port's
+    `/metrics` stays the metrics."""
+    repo = add_gated_version(write_emulated_model(tmp_path / "models") / "gated", "1", tmp_path / "gate").parent
+    address, metrics_port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    ready = f"http://127.0.0.1:{metrics_port}/ready"
+    worker = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--bind", address, "--models", str(repo),
+                               "--metrics-port", str(metrics_port)], env=_environment(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        eventually(lambda: (tmp_path / "gate.started").exists(), "the worker loading the gated model", timeout_s=60)
+        loading = httpx.get(ready)
+        assert (loading.status_code, loading.text) == (503, "loading its models\n")
+        host, port = address.removeprefix("tcp://").split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # listening meanwhile
+        (tmp_path / "gate").touch()
+        eventually(lambda: httpx.get(ready).status_code == 200, "the worker ready", timeout_s=60)
+        assert httpx.get(ready).text == "ready\n"
+        assert "sluice_device_busy_seconds_total" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    finally:
+        stop_all([worker])
+    assert worker.returncode == 0
 
 
 def _environment() -> dict[str, str]:

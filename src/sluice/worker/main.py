@@ -23,11 +23,12 @@ from sluice.engines import load_runner
 from sluice.engines.base import TORCH_KINDS, Share
 from sluice.engines.device_gate import one_load_at_a_time
 from sluice.errors import ConfigError
-from sluice.metrics import WorkerMetrics
+from sluice.metrics import WorkerMetrics, worker_registry
 from sluice.registry import WorkerRegistration
 from sluice.repository import ModelVersion, footprint_bytes, scan_repository, verify
 from sluice.runtime import settle_garbage_collector
 from sluice.worker.loading import LoadedModel, RepositoryModel
+from sluice.worker.probes import serve_probes
 from sluice.worker.server import WorkerServer
 from sluice.worker.syncing import DEFAULT_LOAD_CONCURRENCY
 
@@ -52,6 +53,8 @@ class WorkerConfig:
     """What its models may take (`WorkerServer`'s `memory_budget_bytes`); None: no bound."""
     load_concurrency: int = DEFAULT_LOAD_CONCURRENCY
     """How many of its versions it loads at once when it starts (`sluice worker --load-concurrency`)."""
+    metrics_port: int | None = None
+    """Serve `/metrics` and the readiness probe's `/ready` on this port (`worker.probes`)."""
     exit_with_parent: bool = False
     """Drain when the parent process dies (`exit_with_parent`): for the workers `sluice serve`
     supervises, not for one started on its own, which outlives the shell that started it."""
@@ -140,6 +143,11 @@ async def run_worker(config: WorkerConfig) -> None:
                           RepositorySource(config), dormant,
                           None if config.memory_budget_mb is None else config.memory_budget_mb * 1024 * 1024,
                           startup=startup, load_concurrency=config.load_concurrency)
+    if config.metrics_port is not None:
+        try:
+            probes = serve_probes(config.metrics_port, worker_registry(), server.not_ready)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on port {config.metrics_port}: {exc.strerror or exc}") from None
     settle_garbage_collector()
     registration = None if config.registry is None else WorkerRegistration(
         config.registry, config.worker_id, config.advertise or config.address)
@@ -157,6 +165,9 @@ async def run_worker(config: WorkerConfig) -> None:
     finally:
         if registration is not None:
             await registration.aclose()
+        if config.metrics_port is not None:
+            await asyncio.to_thread(probes.shutdown)
+            probes.server_close()
 
 
 def exit_with_parent() -> None:

@@ -108,6 +108,8 @@ class WorkerServer:
         self._gateways: dict[bytes, int] = {}
         """Each gateway heard from, with the highest request id it has sent (`WorkerState.seen_request_id`)."""
         self._is_draining = False
+        self._has_loaded = False
+        """The versions it starts with are loaded or refused (`not_ready`)."""
         self._drained = asyncio.Event()
         self._busy_s = 0.0
         self._reported_a_wait = False
@@ -132,7 +134,7 @@ class WorkerServer:
                  len(self._table.runners), len(self._syncer.loading))
         on_listening()
         ticker = asyncio.create_task(self._state_loop(), name="state reports")
-        loader = asyncio.create_task(self._syncer.load_startup(), name="loading at start")
+        loader = asyncio.create_task(self._load_at_start(), name="loading at start")
         drained = asyncio.create_task(self._drained.wait())
         try:
             await _until_done(drained, [ticker, loader])
@@ -143,6 +145,18 @@ class WorkerServer:
             device.stop()
             await self._table.aclose()
             await listener.aclose()  # closing flushes what is still buffered
+
+    async def _load_at_start(self) -> None:
+        await self._syncer.load_startup()
+        self._has_loaded = True
+
+    def not_ready(self) -> str | None:
+        """Why a readiness probe should not send it traffic yet (or any more): None once the
+        versions it starts with are loaded or refused, until it drains (`worker.probes`). Called
+        from the probes' thread: it reads two flags."""
+        if self._is_draining:
+            return "draining"
+        return None if self._has_loaded else "loading its models"
 
     def drain(self) -> None:
         """Stop admitting; exit once every admitted request has been answered."""
