@@ -105,27 +105,32 @@ def request_parser(model_parser: str, payload: wire.GeneratePayload) -> str:
 
 class ThoughtTokens:
     """How many of an output's tokens are thought (usage's `reasoning_tokens`), counted piece by
-    piece as the worker generates them: those that came while the output was in its thoughts,
-    the tags' own included."""
+    piece as the worker generates them: those that came while the output was in its thoughts. A
+    tag that is a token of its own (as `<think>` and `</think>` are in Qwen3's and DeepSeek-R1's
+    vocabularies) is not thought, as vLLM counts them; a tag spelt in several tokens, by a model
+    without them, is counted with the thoughts. `spent` counts the tags too: the tokens before the
+    answer."""
 
     def __init__(self, parser: str) -> None:
         self._splitter = ReasoningSplitter(parser)
         self._undecided = 0  # tokens before the output says whether it opens with thoughts
         self.count = 0
+        self.spent = 0
 
     def add(self, text: str, num_tokens: int) -> None:
         before = self._splitter.phase
         self._splitter.feed(text)
-        self._settle(before, num_tokens)
+        is_tag = num_tokens == 1 and text in (OPEN, CLOSE) and before != "answer"
+        self._settle(before, num_tokens, 0 if is_tag else num_tokens)
 
     def finish(self) -> int:
         """The count, once the output has ended."""
         before = self._splitter.phase
         self._splitter.finish()
-        self._settle(before, 0)
+        self._settle(before, 0, 0)
         return self.count
 
-    def _settle(self, before: str, num_tokens: int) -> None:
+    def _settle(self, before: str, num_tokens: int, thought_tokens: int) -> None:
         """Count a piece that came in thoughts, or that opened them (with the pieces before it
         that could not yet tell), or that opened and closed them at once."""
         after = self._splitter.phase
@@ -133,16 +138,19 @@ class ThoughtTokens:
             self._undecided += num_tokens
             return
         if before == "thinking" or after == "thinking" or (before == "start" and self._splitter.has_thought):
-            self.count += self._undecided + num_tokens
+            self.count += self._undecided + thought_tokens
+            self.spent += self._undecided + num_tokens
         self._undecided = 0
 
 
 def thought_token_count(parser: str, tokens: list[str]) -> int:
-    """How many of an output's tokens (their texts, in order) are thought: `ThoughtTokens`'s count."""
+    """How many of an output's tokens (their texts, in order) come before its answer: its
+    thoughts and their tags (`ThoughtTokens.spent`)."""
     counter = ThoughtTokens(parser)
     for token in tokens:
         counter.add(token, 1)
-    return counter.finish()
+    counter.finish()
+    return counter.spent
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:

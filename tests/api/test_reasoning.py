@@ -55,13 +55,14 @@ def test_a_stream_cut_anywhere_joins_into_the_whole_answer(parser: str, pieces: 
 
 
 @pytest.mark.parametrize(("parser", "tokens", "thought"), [
-    ("qwen3", ["<", "think", ">", "hm", "m", "</", "think", ">", "\n\n", "Yes"], 8),  # the tags' tokens count
+    ("qwen3", ["<think>", "hm", "m", "</think>", "\n\n", "Yes"], 2),  # tags of their own are not thought
+    ("qwen3", ["<", "think", ">", "hm", "m", "</", "think", ">", "\n\n", "Yes"], 8),  # spelt out: counted
     ("qwen3", ["<think>hmm</think>Yes", "!"], 1),  # one token that opens and closes them
     ("qwen3", ["<", "Yes"], 0),  # "<" might have opened them: it did not
     ("qwen3", ["Yes", "<think>"], 0),
-    ("deepseek_r1", ["hm", "m", "</think>", "Yes"], 3),
+    ("deepseek_r1", ["hm", "m", "</think>", "Yes"], 2),
     ("deepseek_r1", ["<", "th"], 2),  # cut by max_tokens while thinking
-    ("deepseek_r1", ["</think>", "Yes"], 1),
+    ("deepseek_r1", ["</think>", "Yes"], 0),
 ])
 def test_the_tokens_a_model_thought_with_are_counted(parser: str, tokens: list[str], thought: int) -> None:
     counter = ThoughtTokens(parser)
