@@ -213,9 +213,10 @@ def test_a_stored_response_continues_its_conversation_and_can_be_read_and_delete
                                               {"role": "user", "content": "And Lima?"}], 6)
     assert second.output_text == text and second.usage.input_tokens == prompt_tokens
     items = sdk.responses.input_items.list(second.id, order="asc")
-    assert [(item.role, item.content[0].text if isinstance(item.content, list) else item.content)
-            for item in items.data] == [("user", "Where is Oslo?"), ("assistant", first.output_text),
-                                        ("user", "And Lima?")]
+    assert [(item.role, item.status, [part.type for part in item.content], item.content[0].text)
+            for item in items.data] == [("user", "completed", ["input_text"], "Where is Oslo?"),
+                                        ("assistant", first.output[0].status, ["output_text"], first.output_text),
+                                        ("user", "completed", ["input_text"], "And Lima?")]
     newest = sdk.responses.input_items.list(second.id, limit=1)
     assert [item.id for item in newest.data] == [items.data[-1].id] and newest.has_more
     assert sdk.responses.delete(first.id) is None
@@ -286,7 +287,7 @@ def test_a_background_response_is_queued_then_polled_to_the_foreground_answer(sd
     assert done.output_text == foreground.output_text and done.usage.output_tokens == 12
     assert done.metadata == {"job": "7"} and done.instructions == "Answer briefly."
     assert metric_total(tiny_lm_server, "sluice_background_responses_total", status="incomplete") == ended + 1
-    assert [item.content for item in sdk.responses.input_items.list(done.id).data] == ["Where is Oslo?"]
+    assert [item.content[0].text for item in sdk.responses.input_items.list(done.id).data] == ["Where is Oslo?"]
     follow = sdk.responses.create(model="tiny", previous_response_id=done.id, input="And Lima?",
                                   max_output_tokens=4, temperature=0)
     assert follow.status == "incomplete" and follow.previous_response_id == done.id
@@ -447,6 +448,11 @@ def test_a_response_in_a_conversation_answers_after_its_items_and_adds_to_them(s
     done = sdk.responses.retrieve(queued.id)  # (cut at max_output_tokens: an answer all the same)
     assert [item.content[0].text for item in sdk.conversations.items.list(conversation.id, limit=2).data] == [
         done.output_text, "Bye"]
+    # what each answered after: the conversation as it was, then its input, in the foreground or not
+    before_second = ["Where is Oslo?", "And Lima?", first.output_text, "Thanks"]
+    for response, listed in ((second, before_second), (done, [*before_second, second.output_text, "Bye"])):
+        items = sdk.responses.input_items.list(response.id, order="asc").data
+        assert [item.content[0].text for item in items] == listed
 
 
 def test_conversations_refuse_what_they_cannot_keep(sdk, tiny_lm_server):

@@ -97,6 +97,16 @@ def _item(item: Any, param: str) -> dict[str, Any]:
     return {**item, "type": kind, "id": item_id, "status": item.get("status") or "completed"}
 
 
+def listed_item(item: Any) -> Any:
+    """A response's input item as `GET .../input_items` lists it: a message given as a string has
+    its text as a part (input_text, an assistant's output_text) and a status, as OpenAI lists it."""
+    is_text_message = isinstance(item, dict) and item.get("type", "message") == "message"
+    if not is_text_message or not isinstance(item.get("content"), str):
+        return item
+    part = "output_text" if item.get("role") == "assistant" else "input_text"
+    return {"type": "message", "status": "completed", **item, "content": _parts(item["content"], part, "input")}
+
+
 def _parts(content: Any, part: str, param: str) -> list[dict[str, Any]]:
     """A message's content as text parts."""
     if isinstance(content, str):

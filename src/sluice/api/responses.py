@@ -98,7 +98,7 @@ from sluice.api.completions import (
     resolve_generative,
     unless_disconnected,
 )
-from sluice.api.conversations import Conversations, conversation_items
+from sluice.api.conversations import Conversations, conversation_items, listed_item
 from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -205,7 +205,7 @@ def routes(gateway: Gateway, body_limit_bytes: int, store: JobStore | None = Non
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(request: Request) -> Response:
-        items = msgspec.json.decode((await responses.get(request)).input_items)
+        items = [listed_item(item) for item in msgspec.json.decode((await responses.get(request)).input_items)]
         return items_page(items, request.query_params, MAX_ITEMS_PAGE, "input item", "this response")
 
     async def cancel(request: Request) -> Response:
@@ -281,8 +281,11 @@ class Responses:
         return Response(found.body, media_type="application/json")
 
     async def run_later(self, owner: str, shape: ResponsesShape, request: ResponsesRequest, items: list[Any],
-                        headers: Mapping[str, str], is_batch_item: bool) -> Response:
-        """Store a background response, queued, and answer that; it runs in `self.background`."""
+                        input_items: list[Any], headers: Mapping[str, str], is_batch_item: bool) -> Response:
+        """Store a background response, queued, and answer that; it runs in `self.background` with
+        `items` as its input (in a conversation, the new ones: it reads the conversation when it
+        runs). `input_items`: what `GET .../input_items` lists, as for a response in the foreground
+        (a conversation's items as they are now, then the new ones)."""
         if self.background is None:
             raise InvalidInput(NOT_STORED if self.store is None else "background responses are not run by this "
                                "server", param="background")
@@ -300,7 +303,7 @@ class Responses:
             passed.append((TIMEOUT_HEADER, str(int(self.background_timeout_s * 1000))))
         await self.background.submit(owner, shape.id, shape.created_at, RunRequest(
             msgspec.json.encode(foreground), passed, msgspec.json.encode(queued), is_streamed),
-            msgspec.json.encode(items))
+            msgspec.json.encode(input_items))
         if not is_streamed:
             return json_response(queued)
         return StreamingResponse(self.background.follow(owner, shape.id, -1), media_type="text/event-stream",
@@ -356,7 +359,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
     shape = ResponsesShape(parsed, info.name, payload, plan, is_stored,
                            reasoning=request_parser(info.reasoning_parser, payload))
     if parsed.background:
-        return await responses.run_later(owner, shape, parsed, new_items if conversation_id else items,
+        return await responses.run_later(owner, shape, parsed, new_items if conversation_id else items, items,
                                          request.headers, request.scope.get(BACKGROUND_SCOPE_KEY, False) is True)
     limit_headers: dict[str, str] | None = {} if payload.stream else None
     stream = gateway.generate(info, payload, timeout_s, arrived_at=arrived_at,
