@@ -217,6 +217,7 @@ def test_a_stored_response_continues_its_conversation_and_can_be_read_and_delete
             for item in items.data] == [("user", "completed", ["input_text"], "Where is Oslo?"),
                                         ("assistant", first.output[0].status, ["output_text"], first.output_text),
                                         ("user", "completed", ["input_text"], "And Lima?")]
+    assert all(part.annotations == [] for item in items.data if item.role == "assistant" for part in item.content)
     newest = sdk.responses.input_items.list(second.id, limit=1)
     assert [item.id for item in newest.data] == [items.data[-1].id] and newest.has_more
     assert sdk.responses.delete(first.id) is None
@@ -468,6 +469,10 @@ def test_conversations_refuse_what_they_cannot_keep(sdk, tiny_lm_server):
          openai.BadRequestError, "items"),
         (lambda: sdk.conversations.items.create(conversation.id, items=[{"role": "robot", "content": "x"}]),
          openai.BadRequestError, "items"),
+        (lambda: sdk.conversations.create(items=[{"type": ["message"], "role": "user", "content": "x"}]),
+         openai.BadRequestError, "items"),  # a type that is not a string: was a 500
+        (lambda: sdk.responses.create(model="tiny", conversation=conversation.id, input=[{"type": {"x": 1}}],
+                                      max_output_tokens=2), openai.BadRequestError, "input"),
         (lambda: sdk.conversations.create(items=[{"role": "user", "content": "x"}] * 21),
          openai.BadRequestError, "items"),
         (lambda: sdk.conversations.create(metadata={"k" * 65: "v"}), openai.BadRequestError, "metadata"),
@@ -479,5 +484,8 @@ def test_conversations_refuse_what_they_cannot_keep(sdk, tiny_lm_server):
             call()
         assert refused.value.body["param"] == param, refused.value.body
     assert sdk.conversations.items.list(conversation.id).data == []  # nothing half-added
+    said = sdk.conversations.create(items=[{"role": "assistant", "content": "y"}])
+    (part,) = sdk.conversations.items.list(said.id).data[0].content
+    assert (part.type, part.text, part.annotations, part.logprobs) == ("output_text", "y", [], [])
     bad = httpx.post(f"{tiny_lm_server.url}/v1/conversations", content=b"{not json")
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

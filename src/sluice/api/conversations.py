@@ -21,6 +21,7 @@ conversation's items, and then adds its own input and its output to them (`api.r
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -73,7 +74,7 @@ def _item(item: Any, param: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidInput("each item must be an object", param=param)
     kind = item.get("type", "message")
-    if kind not in _ID_PREFIXES:
+    if not isinstance(kind, str) or kind not in _ID_PREFIXES:
         raise InvalidInput(f"items of type {str(kind)[:40]!r} are not supported (message, function_call, "
                            "function_call_output and reasoning are)", param=param)
     item_id = item.get("id") or f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"
@@ -98,25 +99,33 @@ def _item(item: Any, param: str) -> dict[str, Any]:
 
 
 def listed_item(item: Any) -> Any:
-    """A response's input item as `GET .../input_items` lists it: a message given as a string has
-    its text as a part (input_text, an assistant's output_text) and a status, as OpenAI lists it."""
-    is_text_message = isinstance(item, dict) and item.get("type", "message") == "message"
-    if not is_text_message or not isinstance(item.get("content"), str):
+    """A response's input item as `GET .../input_items` lists it, as OpenAI lists it: with its
+    `type` and `status`, and a message's text as parts (input_text, an assistant's output_text)."""
+    if not isinstance(item, dict):
         return item
-    part = "output_text" if item.get("role") == "assistant" else "input_text"
-    return {"type": "message", "status": "completed", **item, "content": _parts(item["content"], part, "input")}
+    listed = {"type": "message", "status": "completed", **item}
+    if listed["type"] == "message" and isinstance(item.get("content"), str | list):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        with contextlib.suppress(InvalidInput):  # (what the request was answered with: text parts)
+            listed["content"] = _parts(item["content"], part, "input")
+    return listed
 
 
 def _parts(content: Any, part: str, param: str) -> list[dict[str, Any]]:
     """A message's content as text parts."""
     if isinstance(content, str):
-        return [{"type": part, "text": content}]
+        return [_part({"type": part, "text": content})]
     if isinstance(content, list) and content and all(
             isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
             and isinstance(p.get("text"), str) for p in content):
-        return [{**p, "type": part if p["type"] == "text" else p["type"]} for p in content]
+        return [_part({**p, "type": part if p["type"] == "text" else p["type"]}) for p in content]
     raise InvalidInput("a message's 'content' must be a string or a list of text parts (input_text): image, file "
                        "and audio inputs are not supported", param=param)
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    """A text part as OpenAI lists it: an output_text part has its annotations and log-probabilities."""
+    return {"annotations": [], "logprobs": [], **part} if part["type"] == "output_text" else part
 
 
 class Conversations:
