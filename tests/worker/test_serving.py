@@ -40,8 +40,11 @@ async def test_a_worker_whose_state_reports_fail_exits(tmp_path, caplog):
 
 async def test_a_drained_worker_returns(tmp_path):
     server = _server(tmp_path)
+    assert server.not_ready() == "loading its models"  # (its readiness probe's answer, `worker.probes`)
     serving = asyncio.create_task(server.serve(f"ipc://{tmp_path}/w.sock"))
     await asyncio.sleep(0.2)
+    assert server.not_ready() is None
     server.drain()
+    assert server.not_ready() == "draining"
     async with asyncio.timeout(10):
         await serving

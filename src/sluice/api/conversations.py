@@ -85,9 +85,8 @@ def _item(item: Any, param: str) -> dict[str, Any]:
         if role not in (*_INPUT_ROLES, "assistant"):
             raise InvalidInput(f"a message's role must be user, system, developer or assistant, got "
                                f"{str(role)[:40]!r}", param=param)
-        part = "output_text" if role == "assistant" else "input_text"
         return {"type": "message", "id": item_id, "status": "completed", "role": role,
-                "content": _parts(item.get("content"), part, param)}
+                "content": _parts(item.get("content"), _part_type(role), param)}
     if kind == "reasoning":  # an earlier response's, passed back: kept, and skipped as input (`api.responses`)
         return {**item, "id": item_id}
     for key in ("call_id", "name", "arguments") if kind == "function_call" else ("call_id",):
@@ -105,9 +104,8 @@ def listed_item(item: Any) -> Any:
         return item
     listed = {"type": "message", "status": "completed", **item}
     if listed["type"] == "message" and isinstance(item.get("content"), str | list):
-        part = "output_text" if item.get("role") == "assistant" else "input_text"
         with contextlib.suppress(InvalidInput):  # (what the request was answered with: text parts)
-            listed["content"] = _parts(item["content"], part, "input")
+            listed["content"] = _parts(item["content"], _part_type(item.get("role")), "input")
     return listed
 
 
@@ -121,6 +119,11 @@ def _parts(content: Any, part: str, param: str) -> list[dict[str, Any]]:
         return [_part({**p, "type": part if p["type"] == "text" else p["type"]}) for p in content]
     raise InvalidInput("a message's 'content' must be a string or a list of text parts (input_text): image, file "
                        "and audio inputs are not supported", param=param)
+
+
+def _part_type(role: Any) -> str:
+    """The type of a message's text parts: an assistant's are output, the others' input."""
+    return "output_text" if role == "assistant" else "input_text"
 
 
 def _part(part: dict[str, Any]) -> dict[str, Any]:

@@ -143,6 +143,7 @@ async def run_worker(config: WorkerConfig) -> None:
                           RepositorySource(config), dormant,
                           None if config.memory_budget_mb is None else config.memory_budget_mb * 1024 * 1024,
                           startup=startup, load_concurrency=config.load_concurrency)
+    probes = None
     if config.metrics_port is not None:
         try:
             probes = serve_probes(config.metrics_port, worker_registry(), server.not_ready)
@@ -165,7 +166,7 @@ async def run_worker(config: WorkerConfig) -> None:
     finally:
         if registration is not None:
             await registration.aclose()
-        if config.metrics_port is not None:
+        if probes is not None:
             await asyncio.to_thread(probes.shutdown)
             probes.server_close()
 
