@@ -361,9 +361,11 @@ def test_a_background_response_survives_kill_9_of_its_server(tmp_path: Path):
     server = start_server(repo, tmp_path, "--data-dir", data_dir)
     try:
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as sdk:
-            queued = sdk.responses.create(**ask, background=True)
+            with sdk.responses.create(**ask, background=True, stream=True) as opened:
+                queued = next(iter(opened)).response  # streamed: the client goes away after the first event
             eventually(lambda: metric_total(server, "vllm:num_requests_running", model_name="tiny") == 1,
                        "the background response to be generating", timeout_s=10)
+            time.sleep(0.3)  # some of its answer's events are stored before the kill
         workers = server.worker_pids()
         server.process.kill()  # SIGKILL: no drain, nothing written
         server.process.wait()
@@ -373,11 +375,19 @@ def test_a_background_response_survives_kill_9_of_its_server(tmp_path: Path):
                            default_headers={"Cache-Control": "no-cache"}) as sdk:
             done = _polled(sdk, queued.id, timeout_s=120)
             foreground = sdk.responses.create(**ask)
+            with sdk.responses.stream(response_id=queued.id) as followed:  # both starts' events, accumulated
+                events = list(followed)
         assert metric_total(server, "sluice_background_responses_taken_over_total") == 1
     finally:
         server.stop()
     assert done.status == "incomplete" and done.usage.output_tokens == 300
     assert done.output_text == foreground.output_text
+    assert [e.type for e in events].count("response.in_progress") == 2, "the takeover started the answer again"
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert len(added) == 2 and added[1] > added[0], "the earlier start's item and the takeover's, each index once"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta" and e.output_index == added[1]) \
+        == done.output_text
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == done.output_text
 
 
 def test_a_conversation_and_its_items_are_kept_listed_and_deleted(sdk):

@@ -272,6 +272,43 @@ async def test_a_cancelled_streamed_run_ends_its_readers(store: JobStore):
     await runner.aclose()
 
 
+def _event(kind: str, seq: int, **fields: Any) -> tuple[int, bytes]:
+    return seq, f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n".encode()
+
+
+async def test_a_taken_over_stream_closes_the_earlier_items_and_numbers_its_own_after_them(store: JobStore):
+    from sluice.jobs.background import TAKEOVER_GAP
+
+    message = {"type": "message", "id": "msg_old", "status": "in_progress", "role": "assistant", "content": []}
+    earlier = [_event("response.created", 0, response=QUEUED), _event("response.queued", 1, response=QUEUED),
+               _event("response.in_progress", 2, response={**QUEUED, "status": "in_progress"}),
+               _event("response.output_item.added", 3, output_index=0, item=message),
+               _event("response.output_text.delta", 4, item_id="msg_old", output_index=0, delta="Hel")]
+    await store.put_response_run("acme", "resp_1", NOW, msgspec.json.encode(QUEUED), b"[]",
+                                 msgspec.json.encode(_request(stream=True)), "gw-dead", 0.0, earlier)
+    new_message = {**message, "id": "msg_new"}
+    app = App((200, [*STREAM[:2], ("response.output_item.added", {"output_index": 0, "item": new_message}),
+                     ("response.output_text.delta", {"item_id": "msg_new", "output_index": 0, "delta": "Hello"}),
+                     ("response.output_item.done", {"output_index": 0, "item": {**new_message, "status": "done"}}),
+                     STREAM[-1]], {}))
+    runner = await _started(store, app)  # the earlier gateway is gone: this one takes the run over
+    events = await asyncio.wait_for(_read(runner), 10)
+    assert [(e["type"], e.get("output_index")) for e in events] == [
+        ("response.created", None), ("response.queued", None), ("response.in_progress", None),
+        ("response.output_item.added", 0), ("response.output_text.delta", 0),
+        ("response.output_item.done", 0), ("response.in_progress", None),  # the takeover's
+        ("response.output_item.added", 1), ("response.output_text.delta", 1), ("response.output_item.done", 1),
+        ("response.completed", None)]
+    assert events[5]["item"] == {**message, "status": "incomplete"}, "the earlier start's item, left unfinished"
+    assert events[7]["item"]["id"] == "msg_new"
+    numbers = [e["sequence_number"] for e in events]
+    assert numbers == [*range(5), *range(5 + TAKEOVER_GAP, 11 + TAKEOVER_GAP)]
+    assert await _read(runner, after=4) == events[5:], "resumed after the last stored event: the takeover's"
+    assert await _read(runner, after=4 + 3) == events[5:], "after events never stored: the takeover's too"
+    assert (await _body(store))["output"] == ANSWER["output"], "the answer is the new start's alone"
+    await runner.aclose()
+
+
 async def test_a_tenant_with_too_many_unanswered_background_responses_is_refused_more(store: JobStore):
     from sluice.errors import RateLimited
 

@@ -23,7 +23,12 @@
   `response.queued` at creation, `response.in_progress`, ..., `response.completed`), in memory
   while it runs and in the store every `FLUSH_EVERY_S`. `follow` reads them live on the gateway
   that runs it and from the store elsewhere, so a client that dropped its stream resumes it
-  anywhere. A takeover starts the answer again: its events follow a second `response.in_progress`.
+  anywhere. A takeover starts the answer again. Its events follow the stored ones with a gap in
+  their numbers (`TAKEOVER_GAP`: a reader may have seen events its gateway never stored), close
+  the items the earlier start left open (`response.output_item.done`, status `incomplete`), say
+  `response.in_progress` again and number the new items' `output_index` after the earlier ones, so
+  a reader accumulating the stream (the `openai` SDK's does) sees each index added once; the
+  final event's response holds the new start's output alone.
 - Cancelling (`POST .../cancel`) or deleting a running response ends its run in the store
   whichever gateway holds it; that gateway stops its work at its next renewal, within `check_s`
   (at once when it is this one), and an answer that arrives later is not written.
@@ -64,6 +69,10 @@ POLL_S = 0.1
 """How often a reader of a run that is not here looks for its new events."""
 STATUS_CHECK_S = 0.5
 """How often such a reader, seeing none, looks whether the response was cancelled or deleted."""
+TAKEOVER_GAP = 10_000
+"""A taken-over stream's events are numbered from this many past its last stored one: the events
+its earlier gateway had sent but not yet stored (at most `FLUSH_EVERY_S` of them while the store
+answers) were seen by that gateway's readers, and one resuming after them must not skip new ones."""
 
 
 class _Live:
@@ -71,6 +80,8 @@ class _Live:
 
     def __init__(self, next_seq: int) -> None:
         self.first_seq = next_seq
+        self.index_offset = 0
+        """Added to the answer's `output_index`es: how many items earlier starts of the run announced."""
         self.events: list[Event] = []
         self.pending: list[Event] = []
         self.flushed_at = time.monotonic()
@@ -242,7 +253,9 @@ class BackgroundResponses:
     async def _run(self, run: ResponseRun) -> None:
         request = msgspec.json.decode(run.request, type=RunRequest)
         response = msgspec.json.decode(request.response)
-        live = _Live(run.last_event + 1) if request.stream else None
+        live = None
+        if request.stream:
+            live = _Live(run.last_event + 1 + (TAKEOVER_GAP if run.attempts > 1 else 0))
         if live is not None:
             self._live[run.response_id] = live
         try:
@@ -254,6 +267,8 @@ class BackgroundResponses:
             else:
                 started = {**response, "status": "in_progress"}
                 if live is not None:
+                    if run.attempts > 1:
+                        await self._close_earlier_items(run, live)
                     live.emit("response.in_progress", response=started)
                 if not await self._write(run, started, live, is_final=False):
                     return  # cancelled or deleted meanwhile, or another gateway has it
@@ -302,6 +317,25 @@ class BackgroundResponses:
                 return ended(response, answer)
             await asyncio.sleep(max(wait_s, 0.05))
         raise AssertionError("unreachable")
+
+    async def _close_earlier_items(self, run: ResponseRun, live: _Live) -> None:
+        """A taken-over stream: end the output items its earlier starts announced and left open,
+        and number the new start's items after all of theirs."""
+        opened: dict[int, dict[str, Any]] = {}
+        after = -1
+        while found := await self.store.response_events(run.owner, run.response_id, after, 500):
+            after = found[-1][0]
+            for _, data in found:
+                event = msgspec.json.decode(data.partition(b"data: ")[2])
+                if "output_index" not in event:
+                    continue
+                live.index_offset = max(live.index_offset, event["output_index"] + 1)
+                if event["type"] == "response.output_item.added":
+                    opened[event["output_index"]] = event["item"]
+                elif event["type"] == "response.output_item.done":
+                    opened.pop(event["output_index"], None)
+        for index, item in sorted(opened.items()):
+            live.emit("response.output_item.done", output_index=index, item={**item, "status": "incomplete"})
 
     async def _write(self, run: ResponseRun, response: dict[str, Any] | None, live: _Live | None, *,
                      is_final: bool) -> bool:
@@ -387,6 +421,8 @@ class _Feed:
                                      str(event.get("message") or "the answer failed"))
             self.live.emit("response.failed", response=self.live.final)
         else:
+            if "output_index" in event:
+                event["output_index"] += self.live.index_offset
             self.live.emit(kind, **event)
 
 
