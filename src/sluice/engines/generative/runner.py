@@ -9,7 +9,7 @@ translation from a wire `GeneratePayload` to prompt token ids and sampling param
     max_num_seqs = 64               # sequences running at once
     max_num_batched_tokens = 2048   # tokens one step may compute (decodes + prefill chunks)
     long_prefill_token_threshold = 512
-    dtype = "float32"               # or bfloat16 / float16 (on CUDA)
+    dtype = "float32"               # or bfloat16 (CUDA, or a CPU with bf16 instructions) / float16 (CUDA)
     max_model_len = 1024            # cap on prompt + output tokens (default: the model's context)
     num_threads = 2                 # torch intra-op threads on CPU (default: torch's choice)
     scheduling = "continuous"       # "static": request-level batching, a benchmark baseline only
