@@ -466,6 +466,23 @@ def test_a_response_in_a_conversation_answers_after_its_items_and_adds_to_them(s
         assert [item.content[0].text for item in items] == listed
 
 
+def test_a_response_without_input_answers_its_conversations_items(sdk):
+    conversation = sdk.conversations.create()
+    sdk.conversations.items.create(conversation.id, items=[{"role": "user", "content": "Where is Oslo?"}])
+    answer = sdk.responses.create(model="tiny", conversation=conversation.id, max_output_tokens=6, temperature=0)
+    text, prompt_tokens, _ = _chat_text(sdk, [{"role": "user", "content": "Where is Oslo?"}], 6)
+    assert answer.output_text == text and answer.usage.input_tokens == prompt_tokens
+    assert [item.role for item in sdk.conversations.items.list(conversation.id, order="asc").data] == [
+        "user", "assistant"], "only its answer joins the conversation"
+    assert [item.content[0].text for item in sdk.responses.input_items.list(answer.id).data] == ["Where is Oslo?"]
+    again = sdk.responses.create(model="tiny", previous_response_id=answer.id, max_output_tokens=6, temperature=0)
+    assert again.usage.input_tokens > prompt_tokens + answer.usage.output_tokens, "it answered after both turns"
+    for nothing in ({"conversation": sdk.conversations.create().id}, {}):  # nothing to answer: a 400 naming input
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.responses.create(model="tiny", max_output_tokens=2, **nothing)
+        assert refused.value.body["param"] == "input"
+
+
 def test_conversations_refuse_what_they_cannot_keep(sdk, tiny_lm_server):
     conversation = sdk.conversations.create()
     refusals = [

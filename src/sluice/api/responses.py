@@ -144,7 +144,8 @@ class TextOptions(msgspec.Struct):
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: str
-    input: str | list[Any]
+    input: str | list[Any] = msgspec.field(default_factory=list)
+    """Optional, as OpenAI's: a response may answer a conversation's or a previous response's items alone."""
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -499,7 +500,8 @@ def _messages(given: list[Any]) -> list[ChatMessageIn]:
             raise InvalidInput(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call "
                                "and function_call_output are)", param="input")
     if not messages:
-        raise InvalidInput("'input' must not be empty", param="input")
+        raise InvalidInput("'input' must not be empty (nor, without it, the conversation or previous response it "
+                           "would continue)", param="input")
     return messages
 
 
