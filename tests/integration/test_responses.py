@@ -144,6 +144,9 @@ def test_required_tools_and_a_conversation_carried_in_input(sdk):
                   {"role": "tool", "tool_call_id": call.call_id, "content": "12 C and rain"}])
     assert followed.output_text == chat.choices[0].message.content
     assert followed.usage.input_tokens == chat.usage.prompt_tokens
+    listed = sdk.responses.input_items.list(followed.id, order="asc").data
+    assert [(item.type, item.id.split("_")[0]) for item in listed] == [
+        ("message", "msg"), ("function_call", "fc"), ("function_call_output", "fco")], "ids prefixed by their type"
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -70,6 +70,12 @@ def conversation_items(given: list[Any], param: str = "items") -> list[dict[str,
     return [_item(item, param) for item in given]
 
 
+def new_item_id(kind: Any) -> str:
+    """A fresh id for an item of this `type`, prefixed as OpenAI's are (`msg_`, `fc_`, ...)."""
+    prefix = _ID_PREFIXES.get(kind, "msg") if isinstance(kind, str) else "msg"
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 def _item(item: Any, param: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidInput("each item must be an object", param=param)
@@ -77,7 +83,7 @@ def _item(item: Any, param: str) -> dict[str, Any]:
     if not isinstance(kind, str) or kind not in _ID_PREFIXES:
         raise InvalidInput(f"items of type {str(kind)[:40]!r} are not supported (message, function_call, "
                            "function_call_output and reasoning are)", param=param)
-    item_id = item.get("id") or f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"
+    item_id = item.get("id") or new_item_id(kind)
     if not isinstance(item_id, str) or len(item_id) > 128:
         raise InvalidInput("an item's 'id' must be a string of up to 128 characters", param=param)
     if kind == "message":

@@ -98,7 +98,7 @@ from sluice.api.completions import (
     resolve_generative,
     unless_disconnected,
 )
-from sluice.api.conversations import Conversations, conversation_items, listed_item
+from sluice.api.conversations import Conversations, conversation_items, listed_item, new_item_id
 from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -430,9 +430,9 @@ def _conversation_id(request: ResponsesRequest) -> str | None:
 def _items(given: str | list[Any]) -> list[Any]:
     """A request's `input` as items (a string is one user message), each with an id (for `input_items`)."""
     if isinstance(given, str):
-        return [{"type": "message", "role": "user", "content": given, "id": f"msg_{uuid.uuid4().hex}"}]
-    return [{**item, "id": item.get("id") or f"msg_{uuid.uuid4().hex}"} if isinstance(item, dict) else item
-            for item in given]
+        return [{"type": "message", "role": "user", "content": given, "id": new_item_id("message")}]
+    return [{**item, "id": item.get("id") or new_item_id(item.get("type", "message"))} if isinstance(item, dict)
+            else item for item in given]
 
 
 def chat_request_of(request: ResponsesRequest, items: list[Any]) -> ChatRequest:
@@ -823,13 +823,13 @@ def sse_event(kind: str, sequence_number: int, fields: Mapping[str, Any]) -> byt
 
 
 def _message(text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+    return {"type": "message", "id": new_item_id("message"), "status": status, "role": "assistant",
             "content": [_text_part(text)]}
 
 
 def _reasoning(text: str, status: str) -> dict[str, Any]:
     """A reasoning model's thoughts (`sluice.reasoning`) as an output item, ahead of its answer."""
-    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+    return {"type": "reasoning", "id": new_item_id("reasoning"), "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
@@ -838,7 +838,7 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+    return {"type": "function_call", "id": new_item_id("function_call"), "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
