@@ -218,3 +218,27 @@ def test_a_sequence_whose_prompt_logprobs_fail_ends_alone(llama_dir, hf_greedy, 
     outs = _outputs(engine)
     assert outs["scored"][-1].finish_reason == "error" and not outs["scored"][-1].new_token_ids
     assert [t for o in outs["plain"] for t in o.new_token_ids] == hf_greedy(llama_dir, prompt, 4)
+
+
+def test_a_bfloat16_engine_on_the_cpu_gives_the_models_log_probabilities_to_bf16_precision(llama_dir):
+    """bf16 weights and KV cache on the CPU (faster where the CPU has bf16 instructions): chunked,
+    batched beside other requests and after a prefix-cache hit, each chosen token's log-probability
+    is transformers' float32 one to within bf16's rounding, and its top alternatives are too."""
+    engine = LLMEngine(llama_dir, EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=24,
+                                               dtype="bfloat16"))
+    assert engine._runner.cache.k.dtype == torch.bfloat16
+    prompt = prompts(21, 1, 40, 40)[0]
+    for round_ in range(2):  # the second round's prompt is a prefix-cache hit
+        for i, other in enumerate(prompts(22 + round_, 3, 5, 30)):
+            engine.add_request(f"noise{round_}-{i}", other, SamplingParams(max_tokens=9, temperature=1.0,
+                                                                            ignore_eos=True))
+        engine.add_request(f"scored{round_}", prompt, greedy(10, logprobs=5))
+        outs = _outputs(engine)
+        reported = [lp for o in outs[f"scored{round_}"] for lp in o.logprobs]
+        output = [t for o in outs[f"scored{round_}"] for t in o.new_token_ids]
+        assert len(output) == 10
+        expected = _reference(llama_dir, prompt, output)
+        for position, lp in enumerate(reported):
+            assert lp.logprob == pytest.approx(expected[position][lp.token_id].item(), abs=0.05)
+            assert [v for _, v in lp.top] == pytest.approx([expected[position][t].item() for t, _ in lp.top], abs=0.05)
+    assert engine.stats().prefix_cache_hit_tokens >= 32
