@@ -500,8 +500,8 @@ def _messages(given: list[Any]) -> list[ChatMessageIn]:
             raise InvalidInput(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call "
                                "and function_call_output are)", param="input")
     if not messages:
-        raise InvalidInput("'input' must not be empty (nor, without it, the conversation or previous response it "
-                           "would continue)", param="input")
+        raise InvalidInput("'input' must not be empty unless a conversation or previous_response_id gives the "
+                           "items to answer", param="input")
     return messages
 
 
