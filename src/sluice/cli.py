@@ -484,6 +484,70 @@ def top(url: str, key: str | None, interval_s: float, once: bool, as_json: bool,
         raise click.ClickException(str(exc)) from None
 
 
+@main.command()
+@click.option("--rate", "rate_per_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Requests per second, all devices together.")
+@click.option("--rpm", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Requests per minute instead.")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), required=True,
+              help="Each request's time budget, from its arrival to its answer.")
+@click.option("--alpha-ms", type=click.FloatRange(min=0), default=None,
+              help="The device's fixed cost of a batch (its latency profile's alpha).")
+@click.option("--beta-ms", type=click.FloatRange(min=0), default=None,
+              help="The device's cost per unit of a batch's padded cost (its profile's beta).")
+@click.option("--url", default=None, callback=lambda ctx, param, value: value and check_server_url(ctx, param, value),
+              help="Read alpha and beta from this running server's /metrics instead (with --model).")
+@click.option("--model", default=None, help="With --url: the model whose learned latency profile to read.")
+@click.option("--version", "model_version", default=None,
+              help="With --url: its version (default: the newest one a worker reports).")
+@click.option("--key", default=None, help="With --url: a metrics or admin key, if /metrics asks for one.")
+@click.option("--cost", "cost_per_item", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Each item's cost in the profile's unit (values per row, tokens per input).")
+@click.option("--items", "items_per_request", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Items (rows, inputs) per request.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-batch-cost", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--on-time", "on_time_target", type=click.FloatRange(0, 1, min_open=True), default=0.99,
+              show_default=True, help="The share of requests that must be answered within the SLO.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=5), default=30.0, show_default=True,
+              help="Simulated seconds per device count.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(rate_per_s: float | None, rpm: float | None, slo_ms: float, alpha_ms: float | None,
+         beta_ms: float | None, url: str | None, model: str | None, model_version: str | None, key: str | None,
+         cost_per_item: int, items_per_request: int, max_batch_size: int, max_batch_cost: int,
+         on_time_target: float, duration_s: float, seed: int, as_json: bool) -> None:
+    """How many devices serve a load within its SLO: a formula's bound, then sluice's own
+    scheduler on a virtual clock with the load spread over 1, 2, ... devices."""
+    from sluice.plan_cli import as_json as plan_json
+    from sluice.plan_cli import as_text, profile_from
+    from sluice.scheduler.plan import Load
+    from sluice.scheduler.plan import plan as make_plan
+
+    if (rate_per_s is None) == (rpm is None):
+        raise click.UsageError("give the load as --rate (requests/s) or --rpm (requests/min)")
+    if url is not None:
+        from sluice.top import TopError, fetch
+
+        if model is None or alpha_ms is not None or beta_ms is not None:
+            raise click.UsageError("--url reads the profile of --model: give --model, and not --alpha-ms/--beta-ms")
+        try:
+            _, alpha_s, beta_s = profile_from(fetch(url, key), model, model_version)
+        except (TopError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+    elif alpha_ms is None or beta_ms is None:
+        raise click.UsageError("describe the device with --alpha-ms and --beta-ms, or read them with --url and --model")
+    else:
+        alpha_s, beta_s = alpha_ms / 1e3, beta_ms / 1e3
+    try:
+        load = Load(rate_per_s if rate_per_s is not None else (rpm or 0.0) / 60, slo_ms / 1e3, alpha_s, beta_s,
+                    cost_per_item, items_per_request, max_batch_size, max_batch_cost, on_time_target)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    result = make_plan(load, duration_s, seed)
+    click.echo(plan_json(result) if as_json else as_text(result, duration_s))
+
+
 @main.group()
 def keys() -> None:
     """API keys in a tenants file."""

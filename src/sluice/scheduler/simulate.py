@@ -295,14 +295,15 @@ def summarize(arrivals: Sequence[Arrival], trace: Trace, window: tuple[float, fl
         latencies = sorted(finished[r] - arrivals[r].at_s for r in on_time)
         groups[group] = GroupSummary(
             group[0], group[1], len(ids), sum(1 for r in ids if r in admitted), len(on_time),
-            _percentile(latencies, 0.5), _percentile(latencies, 0.99),
+            percentile(latencies, 0.5), percentile(latencies, 0.99),
             good.get(group, 0) / (end_s - start_s),
             used_s.get(group, 0.0), used_s.get(group, 0.0) / total_used_s if total_used_s else 0.0,
         )
     return Summary(groups, total_used_s / (end_s - start_s))
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted values (the nearest rank at or above it; nan when there are none)."""
     if not sorted_values:
         return math.nan
     return sorted_values[min(int(q * len(sorted_values)), len(sorted_values) - 1)]
