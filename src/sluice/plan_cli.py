@@ -64,12 +64,13 @@ def as_text(plan: Plan, duration_s: float) -> str:
         f"ms <= SLO) serve {plan.capacity_per_device:,.0f} items/s per device: at least {plan.formula_devices} "
         f"device{'s' if plan.formula_devices > 1 else ''}",
         "",
-        f"simulated ({duration_s:g} s of Poisson arrivals spread at random over the devices, sluice's scheduler on "
-        "a virtual clock):",
+        f"simulated (Poisson arrivals spread at random over the devices, at least {duration_s:g} s of them, sluice's "
+        "scheduler on a virtual clock; one device's requests counted after 3 s):",
     ]
-    rows = [("devices", "requests/s each", "on time", "refused", "p50", "p99", "busy", "mean batch")]
+    rows = [("devices", "requests/s each", "requests", "on time", "refused", "p50", "p99", "busy", "mean batch")]
     for tried in plan.tried:
-        rows.append((str(tried.devices), f"{tried.rate_per_device:,.1f}", f"{tried.on_time_ratio:.2%}",
+        rows.append((str(tried.devices), f"{tried.rate_per_device:,.1f}", f"{tried.num_requests:,}",
+                     f"{tried.on_time_ratio:.2%}",
                      f"{tried.rejected_ratio:.2%}", _ms(tried.latency_p50_s), _ms(tried.latency_p99_s),
                      f"{tried.busy_ratio:.0%}", f"{tried.mean_batch_size:.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

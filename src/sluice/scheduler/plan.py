@@ -35,6 +35,8 @@ from sluice.scheduler.simulate import Arrival, EmulatedDevice, percentile, simul
 __all__ = ["DeviceResult", "Load", "Plan", "capacity_per_device", "largest_batch", "plan", "simulate_device"]
 
 _MODEL = ("planned", "1")
+MIN_MEASURED_ARRIVALS = 2_000
+"""A simulation's window grows (for low rates) until this many requests arrive in it, on average."""
 MAX_SIMULATED_ARRIVALS = 200_000
 """A simulation's requests at most (its window shrinks for very high rates)."""
 
@@ -128,7 +130,7 @@ def simulate_device(load: Load, devices: int, duration_s: float = 30.0, warmup_s
     """One of `devices` devices under its random share of the load, through sluice's scheduler
     (its latency profile exact); results from requests that arrive after `warmup_s`."""
     rate = load.rate_per_s / devices
-    duration_s = min(duration_s, warmup_s + MAX_SIMULATED_ARRIVALS / rate)
+    duration_s = min(max(duration_s, warmup_s + MIN_MEASURED_ARRIVALS / rate), warmup_s + MAX_SIMULATED_ARRIVALS / rate)
     rng = random.Random(seed)
     arrivals: list[Arrival] = []
     at_s = rng.expovariate(rate)
