@@ -75,8 +75,10 @@ class StreamedCompletion(Completion):
 
 
 def valid(model: type[BaseModel], body: Any) -> Any:
-    """`model.model_validate(body)`, naming the body when it fails (pydantic's message shows only the field)."""
+    """`model.model_validate(body)`, and strictly (JSON mode: a number sent as a string, which lax
+    validation coerces, fails too), naming the body when it fails (pydantic's message shows only the field)."""
     try:
+        model.model_validate_json(json.dumps(body), strict=True)
         return model.model_validate(body)
     except Exception as error:
         raise AssertionError(f"{model.__name__} rejects {json.dumps(body)[:2000]}:\n{error}") from None
@@ -90,9 +92,10 @@ def _members(union: Any) -> dict[str, type[BaseModel]]:
 
 
 def valid_as(adapter: TypeAdapter[Any], members: dict[str, type[BaseModel]], body: Any) -> Any:
-    """`adapter.validate_python(body)`; when it fails, the failure of the member its `type` names
-    (the union's own message lists every member's)."""
+    """`adapter.validate_python(body)`, and strictly as `valid`; when it fails, the failure of the
+    member its `type` names (the union's own message lists every member's)."""
     try:
+        adapter.validate_json(json.dumps(body), strict=True)
         return adapter.validate_python(body)
     except Exception:
         if body.get("type") not in members:
