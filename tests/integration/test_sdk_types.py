@@ -74,6 +74,18 @@ class StreamedCompletion(Completion):
     choices: list[StreamedChoice]  # type: ignore[assignment]
 
 
+class EmptyResponseItemList(ResponseItemList):
+    # An empty page (after its last item) has no first or last item to name: sluice says null, as
+    # OpenAI's list pages do; the SDK types both ids as str alone, which nothing truthful fits.
+    first_id: str | None  # type: ignore[assignment]
+    last_id: str | None  # type: ignore[assignment]
+
+
+class EmptyConversationItemList(ConversationItemList):
+    first_id: str | None  # type: ignore[assignment]  # as EmptyResponseItemList
+    last_id: str | None  # type: ignore[assignment]
+
+
 def valid(model: type[BaseModel], body: Any) -> Any:
     """`model.model_validate(body)`, and strictly (JSON mode: a number sent as a string, which lax
     validation coerces, fails too), naming the body when it fails (pydantic's message shows only the field)."""
@@ -334,6 +346,18 @@ def test_conversations_and_their_items(http):
     valid(Conversation, ok(http.delete(f"/conversations/{conversation.id}/items/{item.id}")))
     gone = valid(ConversationDeletedResource, ok(http.delete(f"/conversations/{conversation.id}")))
     assert gone.deleted and gone.id == conversation.id
+
+
+def test_an_empty_page_of_items_names_no_first_or_last(http):
+    response = valid(Response, ok(http.post("/responses", json=ASK)))
+    [item] = valid(ResponseItemList, ok(http.get(f"/responses/{response.id}/input_items"))).data
+    after = ok(http.get(f"/responses/{response.id}/input_items", params={"after": item.id}))
+    assert after["data"] == [] and after["first_id"] is None and after["last_id"] is None
+    valid(EmptyResponseItemList, after)
+    conversation = valid(Conversation, ok(http.post("/conversations", json={})))
+    empty = ok(http.get(f"/conversations/{conversation.id}/items"))
+    assert empty["data"] == [] and empty["first_id"] is None and empty["last_id"] is None
+    valid(EmptyConversationItemList, empty)
 
 
 # -- prompt caching ------------------------------------------------------------------------------------
