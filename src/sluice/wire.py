@@ -281,6 +281,9 @@ class GenerationResult(msgspec.Struct, frozen=True, tag="generation"):
     """The prompt's token ids as the model read them, if asked (`return_token_ids`; unstreamed)."""
     num_reasoning_tokens: int = 0
     """Of `num_output_tokens`, those a reasoning model thought with (`sluice.reasoning`), all choices'."""
+    num_cache_write_tokens: int | None = None
+    """Prompt tokens written to the prefix cache (usage's `cache_write_tokens`), all choices';
+    None where it is not known (an upstream server that did not say)."""
 
 
 class ChatTemplateOptions(msgspec.Struct, frozen=True):

@@ -82,6 +82,14 @@ def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt_and_sums_usage():
     assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 3
 
 
+def test_the_prompt_tokens_written_to_the_cache_are_summed_and_left_out_where_unknown():
+    shape = ResponseShape(False, "m", prompt_texts=[None, None])
+    known = shape.whole([_result(num_cache_write_tokens=16), _result(num_cache_write_tokens=32, num_cached_tokens=8)])
+    assert known["usage"]["prompt_tokens_details"] == {"cached_tokens": 8, "cache_write_tokens": 48}
+    unknown = shape.whole([_result(num_cache_write_tokens=16), _result()])  # an upstream server that did not say
+    assert unknown["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
 AUTO = ToolPlan(None, "hermes", frozenset({"get_weather"}))
 CALLED = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 

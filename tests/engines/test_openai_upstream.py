@@ -145,6 +145,14 @@ async def test_deltas_are_relayed_then_the_end_with_usage_and_the_key_is_sent(up
     assert upstream.last_body["stream_options"] == {"include_usage": True}
 
 
+async def test_the_prompt_tokens_the_upstream_wrote_to_its_cache_are_carried_when_it_says(upstream, make_runner):
+    runner = await make_runner(_base(upstream))
+    upstream.sse_plans.append(SsePlan(usage={"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {
+        "cached_tokens": 1, "cache_write_tokens": 4}}))
+    assert (await _events(runner))[-1] == CallEnd(("stop",), 5, 1, 2, num_cache_write_tokens=4)
+    assert (await _events(runner))[-1].num_cache_write_tokens is None  # not said: not taken as none written
+
+
 def test_auto_tool_choice_is_asked_of_the_upstream_as_auto():
     config = parse_config(_version("http://h:1/v1"))
     weather = wire.ToolSpec("get_weather", "", '{"type": "object"}')

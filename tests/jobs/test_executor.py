@@ -14,6 +14,7 @@ from starlette.responses import Response
 from sluice.api.errors import error_response
 from sluice.errors import BudgetExhausted, Overloaded, RateLimited, Unavailable
 from sluice.jobs.executor import ExecutorConfig, JobExecutor, backoff_s
+from sluice.jobs.lines import read_usage
 from sluice.jobs.sqlite_store import SqliteJobStore
 from sluice.jobs.store import BatchJob, BatchStatus, NewBatch, NewItem
 
@@ -581,3 +582,11 @@ async def _until_true(condition, timeout_s: float = 10.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("timed out")
+
+
+def test_an_answers_tokens_are_read_in_each_endpoints_words():
+    """Chat and completions count `prompt_tokens`/`completion_tokens`, the Responses API
+    `input_tokens`/`output_tokens`: a batch of /v1/responses items counted none."""
+    assert read_usage(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}') == (3, 4)
+    assert read_usage(b'{"usage": {"input_tokens": 5, "output_tokens": 6, "total_tokens": 11}}') == (5, 6)
+    assert read_usage(b'{"error": {"message": "x"}}') == (0, 0)

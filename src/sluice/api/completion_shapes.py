@@ -396,6 +396,9 @@ def usage(payloads: Sequence[wire.GenerationResult], reasoning: bool = False) ->
         "total_tokens": num_prompt_tokens + num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(p.num_cached_tokens for p in payloads)},
     }
+    writes = [p.num_cache_write_tokens for p in payloads]
+    if None not in writes:  # known (an upstream server may not say)
+        counts["prompt_tokens_details"]["cache_write_tokens"] = sum(w for w in writes if w is not None)
     if reasoning:
         counts["completion_tokens_details"] = {"reasoning_tokens": sum(p.num_reasoning_tokens for p in payloads)}
     return counts

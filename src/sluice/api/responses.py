@@ -843,8 +843,12 @@ def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
 
 
 def _usage(result: wire.GenerationResult) -> dict[str, Any]:
+    """`cache_write_tokens` only where known: an upstream server that does not say is not taken to have written none."""
+    details: dict[str, Any] = {"cached_tokens": result.num_cached_tokens}
+    if result.num_cache_write_tokens is not None:
+        details["cache_write_tokens"] = result.num_cache_write_tokens
     return {"input_tokens": result.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": result.num_cached_tokens},
+            "input_tokens_details": details,
             "output_tokens": result.num_output_tokens,
             "output_tokens_details": {"reasoning_tokens": result.num_reasoning_tokens},
             "total_tokens": result.num_prompt_tokens + result.num_output_tokens}

@@ -130,6 +130,8 @@ class CallEnd:
     num_output_tokens: int
     num_reasoning_tokens: int = 0
     """As the upstream counted them (`completion_tokens_details`); 0 if it did not say."""
+    num_cache_write_tokens: int | None = None
+    """As the upstream counted them (`prompt_tokens_details`); None if it did not say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,8 +496,10 @@ def _end(finish_reasons: dict[int, str], usage: dict[str, Any] | None, num_delta
         return CallEnd(reasons, 0, 0, num_deltas)
     details = usage.get("prompt_tokens_details") or {}
     output_details = usage.get("completion_tokens_details") or {}
+    writes = details.get("cache_write_tokens")
     return CallEnd(reasons, int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
-                   int(usage.get("completion_tokens") or 0), int(output_details.get("reasoning_tokens") or 0))
+                   int(usage.get("completion_tokens") or 0), int(output_details.get("reasoning_tokens") or 0),
+                   None if writes is None else int(writes))
 
 
 def _refusal(status: int, text: str) -> CallFailure:

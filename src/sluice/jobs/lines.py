@@ -19,8 +19,12 @@ _encode = msgspec.json.encode
 
 
 class _Usage(msgspec.Struct):
+    """Completions' and chat's counts, or the Responses API's (`input_tokens`, `output_tokens`)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class _Answer(msgspec.Struct):
@@ -60,4 +64,4 @@ def read_usage(body: bytes) -> tuple[int, int]:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0, 0
     usage = answer.usage or _Usage()
-    return usage.prompt_tokens, usage.completion_tokens
+    return usage.prompt_tokens + usage.input_tokens, usage.completion_tokens + usage.output_tokens

@@ -126,6 +126,8 @@ class _Choice:
     token_ids: list[int] | None = None
     """An unstreamed generation's output token ids so far, if it asked for them (`return_token_ids`)."""
     num_output_tokens: int = 0
+    num_cache_write_tokens: int = 0
+    """Its prompt tokens it wrote to the prefix cache (the first choice writes what the others read)."""
     finish_reason: str | None = None
     thoughts: ThoughtTokens | None = None
     """A reasoning model's chat: how many of its tokens are thought (`sluice.reasoning`)."""
@@ -364,6 +366,7 @@ class Generations:
             token_ids, text, logprobs = [], "", None
         choice = generation.choices[index]
         choice.num_output_tokens = 0 if generation.is_prompt_only else output.num_output_tokens
+        choice.num_cache_write_tokens = output.num_cache_write_tokens
         if choice.thoughts is not None:
             choice.thoughts.add(text, len(token_ids))
         if generation.is_streamed and output.new_token_ids:
@@ -433,7 +436,8 @@ class Generations:
                                       c.logprobs if is_whole else None, c.token_ids if is_whole else None)
                  for c in others],
                 first.token_ids if is_whole else None, generation.prompt_token_ids if is_whole else None,
-                sum(c.thoughts.finish() for c in generation.choices if c.thoughts is not None))
+                sum(c.thoughts.finish() for c in generation.choices if c.thoughts is not None),
+                sum(c.num_cache_write_tokens for c in generation.choices))
             return wire.Result(request_id, wire.Outcome.OK, payload=payload, num_tokens=num_tokens,
                                device_s=generation.device_s, batch_size=generation.batch_size)
         if reason == "refused":  # the engine's early refusal: the queue ahead is too long

@@ -240,4 +240,5 @@ def _generation_result(call: _Call, end: CallEnd) -> wire.GenerationResult:
     text, reason, logprobs = choice(0)
     others = [wire.GeneratedChoice(*choice(i)) for i in range(1, call.payload.n)]
     return wire.GenerationResult(text, reason, end.num_prompt_tokens, end.num_cached_tokens, end.num_output_tokens,
-                                 logprobs, choices=others, num_reasoning_tokens=end.num_reasoning_tokens)
+                                 logprobs, choices=others, num_reasoning_tokens=end.num_reasoning_tokens,
+                                 num_cache_write_tokens=end.num_cache_write_tokens)

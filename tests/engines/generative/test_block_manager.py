@@ -69,6 +69,18 @@ def test_shared_prefix_blocks_are_reference_counted():
     assert bm.cached_prefix(tokens, salt="") == hits  # still cached while free, until evicted
 
 
+def test_commit_says_which_blocks_it_wrote_to_the_cache_not_those_an_equal_block_holds():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    bm.allocate("a", 10)
+    bm.allocate("b", 10)  # the same prompt computed beside it, not read from the cache
+    assert bm.commit("a", tokens, 6, salt="") == [0]
+    assert bm.commit("a", tokens, 10, salt="") == [1]  # the partial third block is not written
+    assert bm.commit("a", tokens, 10, salt="") == []
+    assert bm.commit("b", tokens, 10, salt="") == []  # a's blocks stay the cached ones
+    assert bm.cached_prefix(tokens, salt="") == bm.block_table("a")[:2]
+
+
 def test_salt_isolates_tenants():
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(12))

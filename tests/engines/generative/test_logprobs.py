@@ -189,9 +189,10 @@ def test_choices_of_one_prompt_compute_it_once_and_share_its_blocks(llama_dir, h
     assert engine.last_step_tokens == {"c0": 61} and [o.request_id for o in first] == ["c0"]
     outs = _outputs(engine)
     expected = hf_greedy(llama_dir, prompt, 6)
+    assert outs["c0"][-1].num_cache_write_tokens == 56  # its prompt's 7 full blocks, not its output's
     for i in (1, 2, 3):
         assert [t for o in outs[f"c{i}"] for t in o.new_token_ids] == expected
-        assert outs[f"c{i}"][0].num_cached_tokens == 56
+        assert outs[f"c{i}"][0].num_cached_tokens == 56 and outs[f"c{i}"][-1].num_cache_write_tokens == 0
     assert engine.stats().prefix_cache_hit_tokens == 3 * 56
 
 

@@ -158,19 +158,24 @@ class BlockManager:
         self._ref_counts[block_id] = 1
         return block_id
 
-    def commit(self, seq_id: str, token_ids: Seq[int], num_computed_tokens: int, salt: str) -> None:
-        """Register the sequence's newly full, computed blocks in the prefix cache."""
+    def commit(self, seq_id: str, token_ids: Seq[int], num_computed_tokens: int, salt: str) -> list[int]:
+        """Register the sequence's newly full, computed blocks in the prefix cache; returns the
+        positions in its table of those it wrote there (not those an equal block held already)."""
         table = self._tables[seq_id]
         done = self._hashes.setdefault(seq_id, [])
         num_full = num_computed_tokens // self.block_size
         if num_full <= len(done):
-            return
+            return []
         hashes = chain_hashes(token_ids[:num_full * self.block_size], self.block_size, salt, done)
+        written = []
         for i in range(len(done), num_full):
             block_id = table[i]
-            self._cached.setdefault(hashes[i], block_id)  # an equal block cached earlier stays canonical
+            canonical = self._cached.setdefault(hashes[i], block_id)  # an equal block cached earlier stays canonical
+            if canonical == block_id:
+                written.append(i)
             self._block_hash.setdefault(block_id, hashes[i])
         self._hashes[seq_id] = hashes
+        return written
 
     def free(self, seq_id: str) -> None:
         """Drop a sequence's references; blocks reaching 0 become evictable, tail blocks first."""

@@ -60,6 +60,8 @@ class RequestOutput:
     """With the first new token, if the request asked for them: one per prompt token but the first."""
     message: str | None = None
     """"unusable_format": what its grammar's matcher gave up on."""
+    num_cache_write_tokens: int = 0
+    """Prompt tokens it wrote to the prefix cache (`Sequence.num_cache_write_tokens`)."""
 
 
 class UnusableFormat(ValueError):
@@ -433,7 +435,8 @@ class LLMEngine:
                 logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestOutput:
         reason = seq.finish_reason.value if seq.finish_reason else None
         return RequestOutput(seq.request_id, new_token_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens, seq.retry_after_s, logprobs)
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.retry_after_s, logprobs,
+                             num_cache_write_tokens=seq.num_cache_write_tokens)
 
 
 def context_length_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:

@@ -496,7 +496,10 @@ class Scheduler:
             if seq is None:  # finished meanwhile
                 continue
             seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
-            self.blocks.commit(seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.prefix_salt)
+            written = self.blocks.commit(seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.prefix_salt)
+            if seq.num_preemptions == 0:
+                size = self.blocks.block_size
+                seq.num_cache_write_tokens += size * sum((i + 1) * size <= seq.num_prompt_tokens for i in written)
             token = sampled.get(chunk.request_id)
             if token is not None:
                 seq.append(token)

@@ -152,6 +152,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission (usage.cached_tokens)."""
+    num_cache_write_tokens: int = 0
+    """Prompt tokens whose full blocks it computed and wrote to the prefix cache before any
+    preemption (usage.cache_write_tokens); not those an equal block was cached for meanwhile."""
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     retry_after_s: float | None = None
