@@ -297,10 +297,11 @@ def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]
 def _triton_priority(raw: Any) -> Any:
     """Triton's `priority` parameter is a level, 1 the highest and 0 the model's default (what
     `tritonclient`'s `priority=` sends); sluice also takes a class name there."""
-    if isinstance(raw, bool) or not isinstance(raw, int):
+    if raw is None or isinstance(raw, str):
         return raw
-    if raw < 0:
-        raise InvalidInput("parameter 'priority' must be a non-negative level or a class name", param="priority")
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:  # (a float: gRPC's double_param, JSON's 1.5)
+        raise InvalidInput(f"parameter 'priority' must be a non-negative level (an integer, 1 the highest) or a "
+                           f"class name (interactive, standard or batch), got {raw!r}", param="priority")
     return None if raw == 0 else ("interactive", "standard")[raw - 1] if raw <= 2 else "batch"
 
 
