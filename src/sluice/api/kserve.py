@@ -49,6 +49,7 @@ from sluice.api.tensors import (
     NUMPY_TO_KSERVE,
     InferRequestBody,
     Tensor,
+    check_input,
     check_no_shared_memory,
     decode_bytes_elements,
     encode_bytes_elements,
@@ -296,10 +297,11 @@ def _refused(gateway: Gateway, name: str, version: str | None) -> dict[str, Any]
 def _triton_priority(raw: Any) -> Any:
     """Triton's `priority` parameter is a level, 1 the highest and 0 the model's default (what
     `tritonclient`'s `priority=` sends); sluice also takes a class name there."""
-    if isinstance(raw, bool) or not isinstance(raw, int):
+    if raw is None or isinstance(raw, str):
         return raw
-    if raw < 0:
-        raise InvalidInput("parameter 'priority' must be a non-negative level or a class name", param="priority")
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:  # (a float: gRPC's double_param, JSON's 1.5)
+        raise InvalidInput(f"parameter 'priority' must be a non-negative level (an integer, 1 the highest) or a "
+                           f"class name (interactive, standard or batch), got {raw!r}", param="priority")
     return None if raw == 0 else ("interactive", "standard")[raw - 1] if raw <= 2 else "batch"
 
 
@@ -335,7 +337,7 @@ def _to_payload(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.Payload:
         names = [t.name for t in tensors]
         raise InvalidInput(f"model {info.name} takes one input named {expected.name!r}, got {names}")
     tensor = tensors[0]
-    _check_input(tensor, expected)
+    check_input(tensor, expected)
     if isinstance(tensor.data, list):  # BYTES
         return wire.TextPayload(check_texts(texts_of(tensor), f"input {tensor.name!r}", param=tensor.name))
     return wire.TensorPayload(NUMPY_NAMES[tensor.datatype], tensor.shape, tensor.data)
@@ -360,7 +362,7 @@ def _to_tensors(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.TensorsPayl
     named = []
     for name, spec in specs.items():
         tensor = given[name]
-        _check_input(tensor, spec)
+        check_input(tensor, spec)
         data = encode_bytes_elements(tensor.data) if isinstance(tensor.data, list) else tensor.data
         named.append(wire.NamedTensor(name, tensor.datatype, tensor.shape, data))
     rows = {t.shape[0] for t in named}
@@ -368,24 +370,6 @@ def _to_tensors(info: wire.ModelInfo, tensors: list[Tensor]) -> wire.TensorsPayl
         counts = ", ".join(f"{t.name!r} {t.shape[0]}" for t in named)
         raise InvalidInput(f"inputs must have the same first (batch) dimension, got {counts}")
     return wire.TensorsPayload(named)
-
-
-def _check_input(tensor: Tensor, expected: wire.TensorSpec) -> None:
-    if tensor.datatype != expected.datatype:
-        raise InvalidInput(f"input {tensor.name!r} must be {expected.datatype}, got {tensor.datatype}",
-                           param=tensor.name)
-    if not _fits(tensor.shape, expected):
-        raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
-                           f"got {list(tensor.shape)}", param=tensor.name)
-
-
-def _fits(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:
-    """Same rank with every fixed dimension equal; BYTES also takes `[n, 1]` for `[n]`."""
-    if expected.datatype == "BYTES" and len(expected.shape) == 1 and len(shape) == 2 and shape[1] == 1:
-        shape = shape[:1]
-    if len(shape) != len(expected.shape):
-        return False
-    return all(e < 0 or d == e for d, e in zip(shape, expected.shape, strict=True))
 
 
 def _binary_outputs(info: wire.ModelInfo, request: InferRequestBody) -> set[str]:

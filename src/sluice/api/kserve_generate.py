@@ -30,7 +30,7 @@ import msgspec
 from sluice import wire
 from sluice.api.completion_params import CompletionRequest, to_payloads
 from sluice.api.completions import generations, whole_generations
-from sluice.api.tensors import Tensor, texts_of
+from sluice.api.tensors import Tensor, check_input, texts_of
 from sluice.errors import InvalidInput
 from sluice.gateway import Caller, Gateway, InferResult
 
@@ -65,6 +65,9 @@ def text_request(info: wire.ModelInfo, tensors: list[Tensor], parameters: dict[s
     if TEXT_INPUT not in by_name or unknown or len(by_name) != len(tensors):
         raise InvalidInput(f"model {info.name} takes a BYTES input named {TEXT_INPUT!r} (and optionally "
                            f"{SAMPLING_INPUT!r}, {STREAM!r} and {EXCLUDE_INPUT!r}), got {[t.name for t in tensors]}")
+    declared = next((spec for spec in info.inputs if spec.name == TEXT_INPUT), None)
+    if declared is not None:  # one prompt per element, as the metadata says: [n] (or [n, 1]), not [2, 2]
+        check_input(by_name[TEXT_INPUT], declared)
     fields = {name: value for name, value in parameters.items() if name in SAMPLING_NAMES}
     if SAMPLING_INPUT in by_name:
         given = texts_of(by_name[SAMPLING_INPUT])

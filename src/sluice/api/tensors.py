@@ -316,6 +316,25 @@ def tensor_from_raw(tensor: InputTensor, raw: bytes) -> Tensor:
     return Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), bytes(raw))
 
 
+def check_input(tensor: Tensor, expected: wire.TensorSpec) -> None:
+    """An input of the datatype its model declares, of a shape that fits the declared one (`_fits_shape`)."""
+    if tensor.datatype != expected.datatype:
+        raise InvalidInput(f"input {tensor.name!r} must be {expected.datatype}, got {tensor.datatype}",
+                           param=tensor.name)
+    if not _fits_shape(tensor.shape, expected):
+        raise InvalidInput(f"input {tensor.name!r} must have shape like {list(expected.shape)}, "
+                           f"got {list(tensor.shape)}", param=tensor.name)
+
+
+def _fits_shape(shape: tuple[int, ...], expected: wire.TensorSpec) -> bool:
+    """Same rank with every fixed dimension equal; BYTES also takes `[n, 1]` for `[n]`."""
+    if expected.datatype == "BYTES" and len(expected.shape) == 1 and len(shape) == 2 and shape[1] == 1:
+        shape = shape[:1]
+    if len(shape) != len(expected.shape):
+        return False
+    return all(e < 0 or d == e for d, e in zip(shape, expected.shape, strict=True))
+
+
 def texts_of(tensor: Tensor) -> list[str]:
     """A BYTES input's elements as text; a 400 for another datatype or bytes that are not UTF-8."""
     if not isinstance(tensor.data, list):
