@@ -254,7 +254,7 @@ def test_keys_are_required_and_models_are_scoped(client, stub):
 def test_tritons_configuration_statistics_and_index_over_grpc_for_the_callers_models(client, stub):
     """tritonclient.grpc decodes sluice's answers with Triton's own classes."""
     extensions = set(client.get_server_metadata(headers=auth()).extensions)
-    assert {"model_configuration", "statistics", "model_repository"} <= extensions
+    assert {"model_configuration", "statistics", "model_repository", "schedule_policy"} <= extensions
     config = client.get_model_config("slow", headers=auth()).config
     assert (config.name, config.max_batch_size, config.backend) == ("slow", 1, "emulated")
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("INPUT0", model_config_pb2.TYPE_FP32, [-1])]

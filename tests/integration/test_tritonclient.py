@@ -377,7 +377,8 @@ def test_a_classification_that_cannot_be_answered_is_400(demo_server, model, out
 def test_model_configuration_is_what_triton_clients_read(client):
     """Triton's example clients size their batches and inputs from `max_batch_size` and `dims`
     (which leave out the batch dimension)."""
-    assert {"model_configuration", "statistics", "model_repository"} <= set(client.get_server_metadata()["extensions"])
+    extensions = set(client.get_server_metadata()["extensions"])
+    assert {"model_configuration", "statistics", "model_repository", "schedule_policy"} <= extensions
     emulated = client.get_model_config("emulated")
     assert (emulated["name"], emulated["platform"], emulated["max_batch_size"]) == ("emulated", "sluice_emulated", 32)
     assert emulated["input"] == [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]

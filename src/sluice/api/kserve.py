@@ -64,9 +64,10 @@ from sluice.gateway.cache import cache_policy
 from sluice.priority import Priority
 
 HEADER_LENGTH = "inference-header-content-length"
-SERVED_EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics")
+SERVED_EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration", "model_repository",
+                     "schedule_policy", "statistics")
 """The protocol extensions `GET /v2` and gRPC `ServerMetadata` list (`classification`: `api.classification`;
-the last three: `api.triton`).
+`schedule_policy`: a request's `priority` and `timeout` parameters, here; the other three: `api.triton`).
 Not Triton's `model_repository(unload_dependents)`: sluice has no ensembles, so there are no
 dependents to unload (the parameter is accepted and changes nothing)."""
 
