@@ -517,8 +517,8 @@ def plan(rate_per_s: float | None, rpm: float | None, slo_ms: float, alpha_ms: f
          beta_ms: float | None, url: str | None, model: str | None, model_version: str | None, key: str | None,
          cost_per_item: int, items_per_request: int, max_batch_size: int, max_batch_cost: int,
          on_time_target: float, duration_s: float, seed: int, as_json: bool) -> None:
-    """How many devices serve a load within its SLO: a formula's bound, then sluice's own
-    scheduler on a virtual clock with the load spread over 1, 2, ... devices."""
+    """How many devices serve a load within its SLO: a formula's estimate, then sluice's own
+    scheduler on a virtual clock with the load spread over device counts around it."""
     from sluice.plan_cli import as_json as plan_json
     from sluice.plan_cli import as_text, profile_from
     from sluice.scheduler.plan import Load

@@ -61,7 +61,7 @@ def as_text(plan: Plan, duration_s: float) -> str:
         return "\n".join(lines)
     lines += [
         f"formula: batches of up to {n} items (waiting out one and riding the next: 2 x {load.batch_s(n) * 1e3:,.1f} "
-        f"ms <= SLO) serve {plan.capacity_per_device:,.0f} items/s per device: at least {plan.formula_devices} "
+        f"ms <= SLO) serve {plan.capacity_per_device:,.0f} items/s per device: about {plan.formula_devices} "
         f"device{'s' if plan.formula_devices > 1 else ''}",
         "",
         f"simulated (Poisson arrivals spread at random over the devices, at least {duration_s:g} s of them, sluice's "

@@ -7,15 +7,17 @@ answered within `2 * T(n)` when batches hold at most n items. The formula:
 
     n*        = the largest batch with 2 * T(n) <= SLO (and within max_batch_size, max_batch_cost)
     capacity  = n* / T(n*)                  items per second per device, batches full
-    devices  >= ceil(rate * items_per_request / capacity)
+    devices  ~= ceil(rate * items_per_request / capacity)
 
-The formula ignores Poisson bursts and the scheduler's own choices, so the plan then runs the
+The formula ignores Poisson bursts (which need more devices) and that most requests wait less
+than a whole batch (which lets batches grow past n*), so the plan then runs the
 offered load through sluice's scheduler on a virtual clock (`simulate`), one device at a time:
 with requests spread at random over k devices, each device sees a Poisson stream of rate / k,
 so one simulation per k answers for all k. The gateway routes by least predicted wait, which
 does at least as well as random spreading: the device count found is an upper bound for it.
-The plan tries k from the formula's bound (less one, to show the knee) until the share of
-requests answered on time reaches the target and their p99 is within the SLO.
+The plan tries k from the formula's estimate less one (to show the knee) upward until the share
+of requests answered on time reaches the target with their p99 within the SLO, or downward while
+fewer devices still do.
 
 Pure: numbers in, numbers out; no clock, no I/O.
 """
@@ -119,7 +121,7 @@ class Plan:
     capacity_per_device: float
     """Items per second (the formula's)."""
     formula_devices: int | None
-    """The formula's lower bound (None: no batch meets the SLO on this device)."""
+    """The formula's estimate (None: no batch meets the SLO on this device)."""
     tried: tuple[DeviceResult, ...]
     devices: int | None
     """The fewest devices whose simulation met the target (None: none of those tried did)."""
@@ -165,17 +167,19 @@ def simulate_device(load: Load, devices: int, duration_s: float = 30.0, warmup_s
 
 
 def plan(load: Load, duration_s: float = 30.0, seed: int = 0, max_tries: int = 8) -> Plan:
-    """The formula's bound, then simulations from one device below it upward until one meets the
-    target (at most `max_tries` device counts)."""
+    """The formula's estimate, then simulations from one device below it: upward until one meets
+    the target, or downward while one still does (at most `max_tries` device counts)."""
     capacity = capacity_per_device(load)
-    bound = math.ceil(load.rate_per_s * load.items_per_request / capacity - 1e-9) if capacity else None
-    tried: list[DeviceResult] = []
+    estimate = math.ceil(load.rate_per_s * load.items_per_request / capacity - 1e-9) if capacity else None
+    tried: dict[int, DeviceResult] = {}
     found: int | None = None
-    if bound is not None:
-        for devices in range(max(1, bound - 1), max(1, bound - 1) + max_tries):
-            result = simulate_device(load, devices, duration_s, seed=seed)
-            tried.append(result)
+    if estimate is not None:
+        devices = max(1, estimate - 1)
+        while len(tried) < max_tries and devices >= 1 and devices not in tried:
+            result = tried[devices] = simulate_device(load, devices, duration_s, seed=seed)
             if result.meets(load):
                 found = devices
-                break
-    return Plan(load, largest_batch(load), capacity, bound, tuple(tried), found)
+                devices -= 1  # fewer may do too
+            elif found is None:
+                devices += 1
+    return Plan(load, largest_batch(load), capacity, estimate, tuple(tried[k] for k in sorted(tried)), found)
