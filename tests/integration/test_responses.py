@@ -486,6 +486,32 @@ def test_a_response_without_input_answers_its_conversations_items(sdk):
         assert refused.value.body["param"] == "input"
 
 
+def test_an_item_whose_id_is_already_there_is_refused_as_openai_refuses_it(sdk):
+    conversation = sdk.conversations.create(items=[{"id": "msg_a", "role": "user", "content": "Where is Oslo?"}])
+    answer = sdk.responses.create(model="tiny", conversation=conversation.id, input="And Lima?", max_output_tokens=4,
+                                  temperature=0)
+    passed_back = answer.output[0].model_dump(exclude_none=True)
+    again = [
+        lambda: sdk.conversations.create(items=[{"id": "msg_b", "role": "user", "content": "x"}] * 2),
+        lambda: sdk.conversations.items.create(conversation.id, items=[{"id": "msg_a", "role": "user",
+                                                                         "content": "x"}]),
+        lambda: sdk.responses.create(model="tiny", conversation=conversation.id, max_output_tokens=2,
+                                     input=[passed_back, {"role": "user", "content": "Thanks"}]),
+        lambda: sdk.responses.create(model="tiny", previous_response_id=answer.id, max_output_tokens=2,
+                                     input=[passed_back, {"role": "user", "content": "Thanks"}]),
+    ]
+    for call in again:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.body["message"].startswith("Duplicate item found with id ")
+        assert refused.value.body["param"] in ("items", "input")
+    listed = sdk.conversations.items.list(conversation.id, order="asc").data
+    assert [item.id for item in listed] == ["msg_a", listed[1].id, answer.output[0].id], "nothing added twice"
+    followed = sdk.responses.create(model="tiny", previous_response_id=answer.id, max_output_tokens=2,
+                                    input=[{"role": "user", "content": "Thanks"}])
+    assert followed.status in ("completed", "incomplete"), "without the repeated item it is answered"
+
+
 def test_conversations_refuse_what_they_cannot_keep(sdk, tiny_lm_server):
     conversation = sdk.conversations.create()
     refusals = [

@@ -70,6 +70,20 @@ def conversation_items(given: list[Any], param: str = "items") -> list[dict[str,
     return [_item(item, param) for item in given]
 
 
+def refuse_duplicate_ids(earlier: list[Any], given: list[Any], param: str) -> None:
+    """A 400 naming `param`, as OpenAI's, if an item of `given` repeats the id of another of them or
+    of one `earlier` (a conversation's items, a previous response's chain): a client passing back
+    items the server already holds would otherwise have them read, listed and deleted twice."""
+    seen = {item.get("id") for item in earlier if isinstance(item, dict)}
+    for item in given:
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if isinstance(item_id, str):
+            if item_id in seen:
+                raise InvalidInput(f"Duplicate item found with id {item_id[:128]}. Remove duplicate items from your "
+                                   "input and try again.", param=param)
+            seen.add(item_id)
+
+
 def new_item_id(kind: Any) -> str:
     """A fresh id for an item of this `type`, prefixed as OpenAI's are (`msg_`, `fc_`, ...)."""
     prefix = _ID_PREFIXES.get(kind, "msg") if isinstance(kind, str) else "msg"
@@ -176,6 +190,7 @@ def routes(store: JobStore | None, body_limit_bytes: int) -> list[Route]:
         given = decode_json(await read_body(request, body_limit_bytes), ConversationCreate)
         check_metadata(given.metadata)
         items = conversation_items(_bounded(given.items or []))
+        refuse_duplicate_ids([], items, "items")
         conversation = _conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), given.metadata or {})
         await conversations.store_or_refuse().create_conversation(
             request_tenant(request), conversation["id"], conversation["created_at"],
@@ -203,7 +218,9 @@ def routes(store: JobStore | None, body_limit_bytes: int) -> list[Route]:
     async def add_items(request: Request) -> Response:
         given = decode_json(await read_body(request, body_limit_bytes), ItemsCreate)
         items = conversation_items(_bounded(given.items))
-        added = await conversations.append(request_tenant(request), request.path_params["conversation_id"], items)
+        owner, conversation_id = request_tenant(request), request.path_params["conversation_id"]
+        refuse_duplicate_ids(await conversations.items_of(owner, conversation_id), items, "items")
+        added = await conversations.append(owner, conversation_id, items)
         return list_response(added, False)
 
     async def list_items(request: Request) -> Response:

@@ -98,7 +98,13 @@ from sluice.api.completions import (
     resolve_generative,
     unless_disconnected,
 )
-from sluice.api.conversations import Conversations, conversation_items, listed_item, new_item_id
+from sluice.api.conversations import (
+    Conversations,
+    conversation_items,
+    listed_item,
+    new_item_id,
+    refuse_duplicate_ids,
+)
 from sluice.api.errors import error_body
 from sluice.api.tool_calls import ChosenFunction, FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from sluice.errors import InvalidInput, NotFound, SluiceError
@@ -348,6 +354,7 @@ async def _serve(gateway: Gateway, request: Request, body_limit_bytes: int, resp
             items = [*await responses.history(owner, parsed.previous_response_id), *items]
         elif conversation_id is not None:
             items = [*await conversations.items_of(owner, conversation_id, param="conversation"), *items]
+        refuse_duplicate_ids(items[:len(items) - len(new_items)], new_items, "input")
         joining = conversation_items(new_items, "input") if conversation_id is not None else []
         chat = chat_request_of(parsed, items)
         try:
