@@ -255,9 +255,11 @@ def test_a_batch_of_responses_answers_what_each_request_would(make_server, tmp_p
     from tests.conftest import write_tiny_lm_model
 
     server = make_server(write_tiny_lm_model(tmp_path / "repo", "tiny"), "--data-dir", str(tmp_path / "data"))
-    asks = [{"model": "tiny", "input": f"Question {i}", "max_output_tokens": 4, "temperature": 0, "store": False}
-            for i in range(3)]
+    shared = "Tell me, in a few words and plainly, about the weather we had here last week. "  # a cached prefix
+    asks = [{"model": "tiny", "input": f"{shared}Question {i}", "max_output_tokens": 4, "temperature": 0,
+             "store": False} for i in range(3)]
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        client.responses.create(**{**asks[0], "input": f"{shared}Anything", "max_output_tokens": 1})
         uploaded = client.files.create(file=("in.jsonl", jsonl([
             *({"custom_id": f"q-{i}", "method": "POST", "url": "/v1/responses", "body": ask}
               for i, ask in enumerate(asks)),
@@ -277,6 +279,11 @@ def test_a_batch_of_responses_answers_what_each_request_would(make_server, tmp_p
             direct = client.responses.create(**ask)
             assert answer["body"]["output"][0]["content"][0]["text"] == direct.output_text
             assert answer["body"]["usage"]["output_tokens"] == 4
+        usages = [rows[f"q-{i}"]["body"]["usage"] for i in range(3)]
+        assert batch.usage.input_tokens == sum(u["input_tokens"] for u in usages)
+        assert batch.usage.output_tokens == 12 and batch.usage.output_tokens_details.reasoning_tokens == 0
+        cached = [u["input_tokens_details"]["cached_tokens"] for u in usages]
+        assert batch.usage.input_tokens_details.cached_tokens == sum(cached) and min(cached) > 0
 
 
 def gated_lines(n: int, model: str, prefix: str) -> list[dict]:

@@ -587,6 +587,13 @@ async def _until_true(condition, timeout_s: float = 10.0) -> None:
 def test_an_answers_tokens_are_read_in_each_endpoints_words():
     """Chat and completions count `prompt_tokens`/`completion_tokens`, the Responses API
     `input_tokens`/`output_tokens`: a batch of /v1/responses items counted none."""
-    assert read_usage(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}') == (3, 4)
-    assert read_usage(b'{"usage": {"input_tokens": 5, "output_tokens": 6, "total_tokens": 11}}') == (5, 6)
-    assert read_usage(b'{"error": {"message": "x"}}') == (0, 0)
+    assert read_usage(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}') == (3, 4, 0, 0)
+    assert read_usage(b'{"usage": {"input_tokens": 5, "output_tokens": 6, "total_tokens": 11}}') == (5, 6, 0, 0)
+    assert read_usage(b'{"error": {"message": "x"}}') == (0, 0, 0, 0)
+    chat = (b'{"usage": {"prompt_tokens": 30, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 16},'
+            b' "completion_tokens_details": {"reasoning_tokens": 3}}}')
+    assert read_usage(chat) == (30, 4, 16, 3)
+    responses = (b'{"usage": {"input_tokens": 30, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 16},'
+                 b' "output_tokens_details": {"reasoning_tokens": 3}}}')
+    assert read_usage(responses) == (30, 4, 16, 3)
+    assert read_usage(b'{"usage": {"prompt_tokens": 7, "prompt_tokens_details": null}}') == (7, 0, 0, 0)

@@ -26,7 +26,8 @@ async def _started(store: JobStore, num_items: int, owner: str = "acme") -> str:
 
 
 def _done(item_batch: str, idx: int, is_error: bool = False) -> ItemOutcome:
-    return ItemOutcome(item_batch, idx, f'{{"custom_id": "req-{idx}"}}\n'.encode(), is_error, input_tokens=2)
+    return ItemOutcome(item_batch, idx, f'{{"custom_id": "req-{idx}"}}\n'.encode(), is_error, input_tokens=2,
+                       output_tokens=3, cached_tokens=1, reasoning_tokens=2)
 
 
 async def test_files_round_trip_and_are_scoped_to_their_owner(store: JobStore):
@@ -80,7 +81,8 @@ async def test_claims_lease_each_item_once_and_expired_leases_return(store: JobS
     assert await store.record(later.token, [_done(batch_id, 0)]) == 1
     assert await store.record(later.token, [_done(batch_id, 0)]) == 0  # exactly once
     batch = await store.get_batch(None, batch_id)
-    assert batch is not None and batch.num_completed == 1 and batch.input_tokens == 2
+    assert batch is not None and batch.num_completed == 1
+    assert (batch.input_tokens, batch.output_tokens, batch.cached_tokens, batch.reasoning_tokens) == (2, 3, 1, 2)
 
 
 async def test_concurrent_claims_never_share_an_item(store: JobStore):
@@ -479,6 +481,7 @@ async def test_a_database_from_before_files_expired_is_upgraded_in_place(backend
             assert old is not None and old.expires_at is None and await store.file_content("acme", old.id) == b"x"
             old_batch = await store.get_batch("acme", "batch_old")
             assert old_batch is not None and old_batch.output_expires_after_s is None
+            assert (old_batch.cached_tokens, old_batch.reasoning_tokens) == (0, 0)
             new = await store.create_file("acme", "new.jsonl", "batch", b"y", NOW, expires_at=NOW + 3600)
             assert (await store.get_file("acme", new.id)) == new and new.expires_at == NOW + 3600
             batch = await store.create_batch(NewBatch("acme", "/v1/embeddings", new.id, "24h", None, NOW, NOW + 1,

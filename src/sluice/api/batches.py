@@ -366,8 +366,9 @@ def batch_json(b: BatchJob) -> dict[str, Any]:
         "expired_at": b.expired_at, "cancelling_at": b.cancelling_at, "cancelled_at": b.cancelled_at,
         "request_counts": {"total": b.num_total, "completed": b.num_completed, "failed": b.num_failed},
         "usage": {"input_tokens": b.input_tokens, "output_tokens": b.output_tokens,
-                  "total_tokens": b.input_tokens + b.output_tokens, "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
+                  "total_tokens": b.input_tokens + b.output_tokens,
+                  "input_tokens_details": {"cached_tokens": b.cached_tokens},
+                  "output_tokens_details": {"reasoning_tokens": b.reasoning_tokens}},
         "metadata": b.metadata,
     }
 

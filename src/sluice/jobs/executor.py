@@ -284,7 +284,7 @@ class JobExecutor:
             self._waiting[(item.batch_id, item.idx)] = item_model(item.url, item.body)
         else:
             self._waiting.pop((item.batch_id, item.idx), None)
-        input_tokens, output_tokens = lines.read_usage(answer.body)
+        usage = lines.read_usage(answer.body)
         refusal = _limit_refusal(answer)
         if refusal is not None:  # wait for the limit, attempts untouched
             self._pacer.refused(owner, refusal, now)
@@ -304,7 +304,8 @@ class JobExecutor:
         is_error = not 200 <= status < 300
         self._metrics.item_done("dead_letter" if is_error and is_transient else "error" if is_error else "ok")
         line = lines.response_line(item.custom_id, status, answer.request_id, answer.body)
-        return ItemOutcome(item.batch_id, item.idx, line, is_error, input_tokens, output_tokens, attempts=attempts)
+        return ItemOutcome(item.batch_id, item.idx, line, is_error, usage.input_tokens, usage.output_tokens,
+                           usage.cached_tokens, usage.reasoning_tokens, attempts=attempts)
 
     def _finish(self, token: str, outcome: ItemOutcome) -> None:
         self._outcomes.setdefault(token, []).append(outcome)

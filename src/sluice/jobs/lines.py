@@ -12,10 +12,19 @@ calling it broke) has `response: null` and the reason in `error`.
 from __future__ import annotations
 
 import secrets
+from typing import NamedTuple
 
 import msgspec
 
 _encode = msgspec.json.encode
+
+
+class _InputDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class _OutputDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
 
 
 class _Usage(msgspec.Struct):
@@ -25,6 +34,19 @@ class _Usage(msgspec.Struct):
     completion_tokens: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    prompt_tokens_details: _InputDetails | None = None
+    completion_tokens_details: _OutputDetails | None = None
+    input_tokens_details: _InputDetails | None = None
+    output_tokens_details: _OutputDetails | None = None
+
+
+class Usage(NamedTuple):
+    """An answer's token counts, as a batch sums them (`BatchJob`'s usage)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class _Answer(msgspec.Struct):
@@ -57,11 +79,14 @@ def error_only_line(custom_id: str, code: str, message: str) -> bytes:
                      b"}\n"))
 
 
-def read_usage(body: bytes) -> tuple[int, int]:
-    """(input tokens, output tokens) from a response body."""
+def read_usage(body: bytes) -> Usage:
+    """The token counts of a response body, in any endpoint's words (none: zeros)."""
     try:
         answer = _decode_answer(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0, 0
+        return Usage()
     usage = answer.usage or _Usage()
-    return usage.prompt_tokens + usage.input_tokens, usage.completion_tokens + usage.output_tokens
+    inputs = usage.prompt_tokens_details or usage.input_tokens_details or _InputDetails()
+    outputs = usage.completion_tokens_details or usage.output_tokens_details or _OutputDetails()
+    return Usage(usage.prompt_tokens + usage.input_tokens, usage.completion_tokens + usage.output_tokens,
+                 inputs.cached_tokens, outputs.reasoning_tokens)

@@ -467,16 +467,19 @@ class PostgresJobStore:
             while True:
                 for batch_id, idx in await cur.fetchall():
                     o = finals[(batch_id, idx)]
-                    sums = totals.setdefault(batch_id, [0, 0, 0, 0])
+                    sums = totals.setdefault(batch_id, [0, 0, 0, 0, 0, 0])
                     sums[1 if o.is_error else 0] += 1
                     sums[2] += o.input_tokens
                     sums[3] += o.output_tokens
+                    sums[4] += o.cached_tokens
+                    sums[5] += o.reasoning_tokens
                     applied += 1
                 if not cur.nextset():
                     break
             await cur.executemany(
                 "UPDATE batches SET num_completed = num_completed + %s, num_failed = num_failed + %s, "
-                "input_tokens = input_tokens + %s, output_tokens = output_tokens + %s WHERE id = %s",
+                "input_tokens = input_tokens + %s, output_tokens = output_tokens + %s, "
+                "cached_tokens = cached_tokens + %s, reasoning_tokens = reasoning_tokens + %s WHERE id = %s",
                 [(*sums, batch_id) for batch_id, sums in totals.items()])
         return applied
 

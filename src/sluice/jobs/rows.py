@@ -65,6 +65,8 @@ CREATE TABLE IF NOT EXISTS batches (
     idempotency_key TEXT,
     seq {int} NOT NULL,
     output_expires_after_s {int},
+    cached_tokens {int} NOT NULL DEFAULT 0,
+    reasoning_tokens {int} NOT NULL DEFAULT 0,
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq);
@@ -131,7 +133,9 @@ CREATE TABLE IF NOT EXISTS conversation_items (
 );
 """
 
-ADDED_COLUMNS = (("files", "expires_at", "{int}"), ("batches", "output_expires_after_s", "{int}"))
+ADDED_COLUMNS = (("files", "expires_at", "{int}"), ("batches", "output_expires_after_s", "{int}"),
+                 ("batches", "cached_tokens", "{int} NOT NULL DEFAULT 0"),
+                 ("batches", "reasoning_tokens", "{int} NOT NULL DEFAULT 0"))
 """Columns added to tables after they were first released: a database made before has the table
 (`CREATE TABLE IF NOT EXISTS` leaves it as it is), so each backend adds those it lacks at startup."""
 AFTER_ADDED_COLUMNS = "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at)"
@@ -152,7 +156,8 @@ FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at, expires_at"
 BATCH_COLUMNS = ("id, owner, endpoint, input_file_id, completion_window, status, metadata, created_at, "
                  "expires_at, num_total, num_completed, num_failed, input_tokens, output_tokens, "
                  "in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
-                 "cancelled_at, output_file_id, error_file_id, errors, output_expires_after_s")
+                 "cancelled_at, output_file_id, error_file_id, errors, output_expires_after_s, cached_tokens, "
+                 "reasoning_tokens")
 _ERRORS = BATCH_COLUMNS.split(", ").index("errors")
 ITEM_COLUMNS = "idx, custom_id, url, body, attempts"
 

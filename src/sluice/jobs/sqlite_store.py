@@ -556,12 +556,15 @@ def _record(db: sqlite3.Connection, token: str, outcomes: Sequence[ItemOutcome])
                            (o.line, int(o.is_error), o.attempts, o.batch_id, o.idx, token)).rowcount
         if count:
             applied += 1
-            sums = totals.setdefault(o.batch_id, [0, 0, 0, 0])
+            sums = totals.setdefault(o.batch_id, [0, 0, 0, 0, 0, 0])
             sums[1 if o.is_error else 0] += 1
             sums[2] += o.input_tokens
             sums[3] += o.output_tokens
+            sums[4] += o.cached_tokens
+            sums[5] += o.reasoning_tokens
     db.executemany("UPDATE batches SET num_completed = num_completed + ?, num_failed = num_failed + ?, "
-                   "input_tokens = input_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
+                   "input_tokens = input_tokens + ?, output_tokens = output_tokens + ?, "
+                   "cached_tokens = cached_tokens + ?, reasoning_tokens = reasoning_tokens + ? WHERE id = ?",
                    ((*sums, batch_id) for batch_id, sums in totals.items()))
     return applied
 

@@ -139,6 +139,10 @@ class BatchJob:
     """Validation errors, each `{"code", "message", "param", "line"}` (line numbers from 1)."""
     output_expires_after_s: int | None = None
     """The output and error files expire this long after they are written (None: kept)."""
+    cached_tokens: int = 0
+    """Of `input_tokens`, those its answers said came from a prefix cache."""
+    reasoning_tokens: int = 0
+    """Of `output_tokens`, those its answers said a reasoning model thought with."""
 
     @property
     def is_active(self) -> bool:
@@ -188,6 +192,8 @@ class ItemOutcome:
     is_error: bool = False
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
     retry_at: float | None = None
     attempts: int = 0
 
