@@ -16,7 +16,8 @@ import sluice
 PACKAGE = Path(sluice.__file__).parent
 IO_MODULES = {"asyncio", "socket", "zmq", "aiohttp", "httpx", "starlette", "uvicorn", "subprocess", "torch",
               "transformers", "sqlite3", "prometheus_client", "os", "requests"}
-PURE = ["scheduler", "gateway/router.py", "gateway/traffic.py", "gateway/limits.py", "clock.py", "errors.py",
+PURE = ["scheduler", "gateway/router.py", "gateway/traffic.py", "gateway/shadow.py", "gateway/limits.py", "clock.py",
+        "errors.py",
         "priority.py", "circuit.py",
         "engines/generative/block_manager.py", "engines/generative/scheduler.py", "engines/generative/sequence.py",
         "engines/generative/config.py"]

@@ -430,6 +430,29 @@ def models_canary(name: str, version: str, baseline: str | None, steps: str | No
                     {key: value for key, value in body.items() if value is not None}))
 
 
+@models.command("shadow")
+@click.argument("name")
+@click.argument("version", required=False)
+@click.option("--share", type=float, default=None, help="Share (0-1] of NAME's routed requests copied [default: 1].")
+@click.option("--stop", is_flag=True, help="Stop copying NAME's requests to its shadow version.")
+@_admin_options
+def models_shadow(name: str, version: str | None, share: float | None, stop: bool, url: str,
+                  admin_key: str | None) -> None:
+    """Copy NAME's requests that name no version to VERSION as well: clients are answered by the
+    version their traffic split chose; the copy's answer is only measured (sluice_shadow_* metrics)."""
+    from sluice.routing_cli import admin_call, model_path, show
+
+    if stop == (version is not None):
+        raise click.UsageError("give VERSION (and --share), or --stop")
+    if stop:
+        show(admin_call(url, admin_key, "DELETE", model_path(name, "/shadow")))
+    else:
+        body: dict[str, object] = {"version": version}
+        if share is not None:
+            body["share"] = share
+        show(admin_call(url, admin_key, "PUT", model_path(name, "/shadow"), body))
+
+
 @models.command("promote")
 @click.argument("name")
 @_admin_options

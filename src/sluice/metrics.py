@@ -197,6 +197,17 @@ TRAFFIC_SHARE = Gauge("sluice_traffic_share", "Share (0-1) of a model's requests
                       multiprocess_mode="livemax")
 CANARY_EVENTS = Counter("sluice_canary_events", "Canary steps passed and canaries ended, by what happened "
                         "(advanced, promoted, rolled_back).", ["model", "event"])
+SHADOW_REQUESTS = Counter(
+    "sluice_shadow_requests", "Copies of requests sent to a model's shadow version (never answered to a client), by "
+    "outcome: ok, failed (device, worker or internal failure), refused (overload), expired (the original's "
+    "deadline passed), invalid (the version refused the input), dropped (the version is not served, or the "
+    "gateway is shutting down).", ["model", "version", "outcome"])
+SHADOW_LATENCY = Histogram("sluice_shadow_latency_seconds", "Time from a request's arrival to its shadow copy's "
+                           "answer, for copies answered ok.", ["model", "version"], buckets=_LATENCY_BUCKETS)
+SHADOW_COMPARISONS = Counter(
+    "sluice_shadow_comparisons", "Shadow copies answered ok whose outputs were compared with the answer the client "
+    "got: same (within a relative tolerance of 1e-3) or different. Generations are not compared.",
+    ["model", "version", "result"])
 CACHE_EVICTIONS = Counter("sluice_cache_evictions", "Answers dropped from the gateway's own cache to make room.")
 CACHE_ERRORS = Counter("sluice_cache_errors", "Calls to the shared result cache in Redis that failed (a miss).")
 
@@ -394,6 +405,15 @@ class GatewayMetrics(_Demand):
         for key, is_ejected in replicas.items():
             _child(EJECTED, *key).set(1.0 if is_ejected else 0.0)
         self._ejections_seen |= replicas.keys()
+
+    def shadow_done(self, model: str, version: str, outcome: str, seconds: float | None = None) -> None:
+        """A shadow copy to `version` ended; `seconds`: its latency, if it was answered ok."""
+        _child(SHADOW_REQUESTS, model, version, outcome).inc()
+        if seconds is not None:
+            _child(SHADOW_LATENCY, model, version).observe(seconds)
+
+    def shadow_compared(self, model: str, version: str, is_same: bool) -> None:
+        _child(SHADOW_COMPARISONS, model, version, "same" if is_same else "different").inc()
 
     def retried(self, model: str, version: str) -> None:
         _child(RETRIED, model, version).inc()

@@ -1,4 +1,4 @@
-"""`sluice models status|traffic|canary|promote|rollback|load|unload`: calls to a running server's
+"""`sluice models status|traffic|canary|shadow|promote|rollback|load|unload`: calls to a running server's
 admin API (`api.admin`, and `api.triton`'s model loading) and their answers in a few lines."""
 
 from __future__ import annotations
@@ -118,4 +118,8 @@ def describe(model: dict[str, Any]) -> str:
                          f"p95 {p95}")
         if canary["reason"]:
             lines.append(f"    {canary['reason']}")
+    shadow = model.get("shadow")
+    if shadow:
+        lines.append(f"  shadow: version {shadow['version']} gets a copy of {100 * shadow['share']:g}% of the requests "
+                     "routed to the others (answers measured, not returned)")
     return "\n".join(lines)

@@ -14,10 +14,15 @@
     POST /admin/models/{name}/rollback    stop the canary (its traffic back to its baseline); else
                                           give a promoted canary's traffic back to its baseline, or
                                           undo an operator's last change of the split
+    PUT  /admin/models/{name}/shadow      {"version": "2", "share": 0.1}: copy that share of the
+                                          requests routed to other versions to version 2 as well,
+                                          measured and thrown away (`gateway.shadow`)
+    DELETE /admin/models/{name}/shadow    stop copying
 
 Splits and canaries live in the gateway's memory (`gateway.traffic`); gateways that share a
 registry share them too (`gateway.shared_traffic`), so a change sent to any of them applies to
-all. Without one, a restarted gateway follows the splits the models declare.
+all. Without one, a restarted gateway follows the splits the models declare. A shadow is set
+per gateway: behind several, set it on each (or on one: it copies that gateway's share).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from sluice.api.auth import ADMIN_SCOPE_KEY
 from sluice.api.common import decode_json, json_response, read_body
 from sluice.errors import ConfigError, Conflict, InvalidInput, ModelNotFound, PermissionDenied, Unavailable
 from sluice.gateway import Gateway
+from sluice.gateway.shadow import Shadow
 from sluice.gateway.traffic import CanaryEvent, CanaryPlan, Split, version_order
 from sluice.metrics import tenant_label
 
@@ -48,6 +54,11 @@ T = TypeVar("T")
 class TrafficBody(msgspec.Struct, forbid_unknown_fields=True):
     traffic: dict[str, float]
     sticky: bool = True
+
+
+class ShadowBody(msgspec.Struct, forbid_unknown_fields=True):
+    version: str
+    share: float = 1.0
 
 
 class CanaryBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -130,6 +141,32 @@ def routes(gateway: Gateway) -> list[Route]:
                 from None
         return await _changed(gateway, name, None, status=201)
 
+    async def set_shadow(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        body = decode_json(await read_body(request, _BODY_LIMIT), ShadowBody)
+        shadow = Shadow(body.version, body.share)
+        try:
+            shadow.check()
+        except ValueError as exc:
+            raise InvalidInput(str(exc), param="share") from None
+        served = gateway.models(include_recovering=True).get(name, {})
+        if body.version not in served:
+            raise ModelNotFound(f"model {name!r} has no version {body.version!r} served (it has "
+                                f"{', '.join(_sorted(served))}); load it first (`sluice models load {name}`)")
+        if len(served) == 1 or gateway.traffic_shares(name).get((name, body.version), 0.0) >= 1.0:
+            raise Conflict(f"cannot shadow model {name!r} with version {body.version!r}: every request that names "
+                           "no version goes to it already, so there is nothing to copy to it; move the traffic "
+                           f"to another version first (`sluice models traffic {name} VERSION=100`)", param="version")
+        gateway.mirror.shadows.start(name, shadow)
+        return json_response(_describe(gateway, name))
+
+    async def stop_shadow(request: Request) -> Response:
+        check(request)
+        name = _model(gateway, request)
+        gateway.mirror.shadows.stop(name)
+        return json_response(_describe(gateway, name))
+
     def canary_action(action: str, act: Callable[[str], CanaryEvent | None], why: str, hint: str) -> Endpoint:
         """`promote` or `roll_back` on the model in the path; 409 saying `why` not and what to do
         (`hint`, formatted with the model's `name`) if it had nothing to act on. A canary running
@@ -167,6 +204,8 @@ def routes(gateway: Gateway) -> list[Route]:
         Route(prefix + "/traffic", set_traffic, methods=["PUT"]),
         Route(prefix + "/traffic", reset_traffic, methods=["DELETE"]),
         Route(prefix + "/canary", canary, methods=["POST"]),
+        Route(prefix + "/shadow", set_shadow, methods=["PUT"]),
+        Route(prefix + "/shadow", stop_shadow, methods=["DELETE"]),
         Route(prefix + "/promote", promote, methods=["POST"]),
         Route(prefix + "/rollback", rollback, methods=["POST"]),
     ]
@@ -299,5 +338,6 @@ def _describe(gateway: Gateway, name: str) -> dict[str, Any]:
         "sticky": split.sticky if split is not None else None,
         "declared": None if declared is None else {"traffic": declared.percent(), "sticky": declared.sticky},
         "canary": remote.canary if remote is not None else None if canary is None else canary.describe(now),
+        "shadow": None if (shadow := gateway.mirror.shadows.get(name)) is None else shadow.to_json(),
     }
 

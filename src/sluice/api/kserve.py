@@ -136,7 +136,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
                 info, body, screened.header_length) > 1):  # the body's deadline, or its batches' default, known now
             gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, screened.key, num_batches(info, terms.payload))
         result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who,
-                                     key=screened.key)
+                                     key=screened.key, routed=_path(request)[1] is None)
         return _render(info, parsed, result.payload, binary_outputs, classes, result.headers)
 
     async def _infer_text(request: Request, body: bytes, screened: _Screened) -> Response:

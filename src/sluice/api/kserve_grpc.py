@@ -444,7 +444,8 @@ class KServeGrpc:
                            is_traced=info.kind in CALLING_KINDS)
         key = gateway.cache_key(info, terms.payload, who)
         gateway.shed_if_overloaded(info, timeout_s, arrived_at, who, key, num_batches(info, terms.payload))
-        result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key)
+        result = await gateway.infer(info, terms.payload, timeout_s, arrived_at=arrived_at, caller=who, key=key,
+                                     routed=not request.model_version)
         names = [o.name for o in request.outputs] or None
         return _response(info, request.id, result.payload, names, classes), result.headers or {}
 

@@ -114,7 +114,7 @@ def routes(gateway: Gateway, body_limit_bytes: int) -> list[Route]:
         screened = screen(request, body, first)
         info, parsed = screened.info, screened.parsed
         result = await gateway.infer(info, screened.payload, screened.timeout_s, arrived_at=screened.arrived_at,
-                                     caller=screened.who, key=screened.key)
+                                     caller=screened.who, key=screened.key, routed=parsed.model == info.name)
         vectors_payload = result.payload
         assert isinstance(vectors_payload, wire.TensorPayload)
         vectors = np.frombuffer(vectors_payload.data, dtype=vectors_payload.dtype).reshape(vectors_payload.shape)

@@ -25,7 +25,15 @@ from redis.exceptions import RedisError
 
 from sluice import wire
 from sluice.clock import Clock, WallClock
-from sluice.errors import Conflict, DeadlineExceeded, InvalidInput, ModelRefused, SluiceError, Unavailable
+from sluice.errors import (
+    Conflict,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelRefused,
+    ShuttingDown,
+    SluiceError,
+    Unavailable,
+)
 from sluice.gateway import router
 from sluice.gateway.admission import LOCAL_CALLER, Admission, Caller, default_timeout_s, num_batches
 from sluice.gateway.cache import CACHE_HEADER, CachedResult, CachePolicy, ResultCache, cache_key
@@ -33,6 +41,8 @@ from sluice.gateway.catalog import ModelCatalog, ModelSync
 from sluice.gateway.config import GatewayConfig
 from sluice.gateway.connection import WorkerConnection
 from sluice.gateway.dispatch import Dispatcher
+from sluice.gateway.mirror import Mirror
+from sluice.gateway.shadow import Shadows
 from sluice.gateway.shared_traffic import SharedTraffic, Stale
 from sluice.gateway.statistics import InferenceStatistics, Ran
 from sluice.gateway.tenancy import Tenancy
@@ -56,7 +66,7 @@ class Gateway:
         self.tenancy = tenancy or Tenancy(clock, metrics)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._connections: dict[str, WorkerConnection] = {}
-        rng = random.Random()
+        rng = self._rng = random.Random()
         self._ejections = router.Ejections()
         self.is_draining = False
         self.tenancy.on_weights(self._send_weights)
@@ -71,6 +81,9 @@ class Gateway:
                                     self._config.max_timeout_s, self._replicas, self._observe)
         self._dispatcher = Dispatcher(clock, metrics, self._config, self._connections, self.catalog.indexed,
                                       rng, self._ejections)
+        self.mirror = Mirror(clock, metrics, self.tenancy, Shadows(), rng,
+                             lambda name: self.catalog.models().get(name, {}), self._run_copy)
+        """Shadow copies of requests that name no version (`gateway.shadow`; `api.admin` sets them)."""
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -133,6 +146,7 @@ class Gateway:
 
     async def aclose(self) -> None:
         self.catalog.cancel_loads()
+        await self.mirror.aclose()
         for connection in self._connections.values():
             await connection.aclose()
 
@@ -336,6 +350,7 @@ class Gateway:
     async def infer(
         self, info: wire.ModelInfo, payload: wire.Payload, timeout_s: float | None = None,
         *, arrived_at: float | None = None, caller: Caller | None = None, key: bytes | None = None,
+        routed: bool = False,
     ) -> InferResult:
         """Run one request on `info` (from `resolve`) for `caller`. The deadline counts from
         `arrived_at`, the moment the request reached the gateway (default: now). `key`: its cache
@@ -345,19 +360,29 @@ class Gateway:
         tokens are reserved from the estimate and settled with the worker's count.
 
         Without a `timeout_s`, the deadline is the model's SLO for each batch the request needs
-        (`default_deadline_s`)."""
+        (`default_deadline_s`). `routed`: the request named no version (its traffic split chose
+        `info`), so the model's shadow may copy it (`gateway.mirror`)."""
         default_s = None if timeout_s is not None else self.default_deadline_s(info, num_batches(info, payload))
         with _routed_to(info):
             ticket = await self._admit(info, timeout_s, arrived_at, caller, default_s)
             ticket.about(payload)
             policy = (caller or LOCAL_CALLER).cache
             async with ticket:
-                key = key or self._cache_key(info, payload, ticket.tenant, policy)
-                if key is None:
-                    result = await self._dispatcher.dispatch(info, payload, ticket)
-                else:
-                    result = await self._cached(key, info, ticket, policy,
-                                                lambda: self._dispatcher.dispatch(info, payload, ticket))
+                copy = self.mirror.copy(info, payload, ticket.tenant, ticket.started, ticket.deadline) \
+                    if routed else None
+                try:
+                    key = key or self._cache_key(info, payload, ticket.tenant, policy)
+                    if key is None:
+                        result = await self._dispatcher.dispatch(info, payload, ticket)
+                    else:
+                        result = await self._cached(key, info, ticket, policy,
+                                                    lambda: self._dispatcher.dispatch(info, payload, ticket))
+                except BaseException:
+                    if copy is not None:
+                        copy.answered(None)  # nothing to compare the copy with
+                    raise
+                if copy is not None:
+                    copy.answered(result.payload)
                 ticket.done(result)
                 return ticket.with_limits(result)
 
@@ -391,6 +416,12 @@ class Gateway:
                         ticket.done(event)
                         event = ticket.with_limits(event)
                     yield event
+
+    async def _run_copy(self, info: wire.ModelInfo, payload: wire.Payload, ticket: Ticket) -> InferResult:
+        """A shadow copy's run (`gateway.mirror`): straight to the workers, never the result cache."""
+        if self.is_draining:
+            raise ShuttingDown("server is shutting down")
+        return await self._dispatcher.dispatch(info, payload, ticket)
 
     async def _admit(self, info: wire.ModelInfo, timeout_s: float | None, arrived_at: float | None,
                      caller: Caller | None, default_s: float | None = None) -> Ticket:
