@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from sluice.exposition import Scrape
+from sluice.gateway.traffic import version_order
 from sluice.scheduler.plan import Plan
 
 ALPHA = "sluice_latency_profile_alpha_seconds"
@@ -26,7 +27,7 @@ def profile_from(scrape: Scrape, model: str, version: str | None) -> tuple[str, 
             found = dict(labels)
             if found.get("model") == model and math.isfinite(value):
                 into.setdefault(found.get("version", ""), []).append(value)
-    versions = sorted(alphas.keys() & betas.keys(), key=lambda v: (len(v), v))
+    versions = sorted(alphas.keys() & betas.keys(), key=version_order)
     if not versions:
         known = sorted({dict(labels).get("model", "") for labels in scrape.samples.get(ALPHA, {})})
         raise ValueError(f"the server reports no latency profile of model {model!r} (it has: "
@@ -80,7 +81,7 @@ def as_text(plan: Plan, duration_s: float) -> str:
         lines.append(f"plan: none of {len(plan.tried)} device counts tried met the target")
     else:
         lines.append(f"plan: {plan.devices} device{'s' if plan.devices > 1 else ''} ({load.on_time_target:.1%} of "
-                     "requests or more on time, their p99 within the SLO; sluice's least-wait routing does at least "
+                     "requests or more answered within the SLO; sluice's least-wait routing does at least "
                      "as well as the random spreading simulated)")
     return "\n".join(lines)
 

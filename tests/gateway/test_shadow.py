@@ -58,3 +58,45 @@ def test_answers_are_the_same_within_a_small_relative_tolerance() -> None:
 def test_generations_are_not_compared() -> None:
     text = wire.GenerationResult("hi", "stop", 1, 0, 1)
     assert same_answer(text, text) is None
+
+
+async def test_copies_in_flight_are_capped_and_the_rest_counted_refused() -> None:
+    """Copies skip the gateway's admission: a shadow version slower than the traffic must not pile
+    them up; beyond `MAX_COPIES_IN_FLIGHT` of a model a copy is not sent."""
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    from sluice.clock import VirtualClock
+    from sluice.gateway.mirror import MAX_COPIES_IN_FLIGHT, Mirror
+    from sluice.gateway.tenancy import Tenancy
+    from sluice.metrics import GatewayMetrics
+
+    release = asyncio.Event()
+    sent: list[str] = []
+
+    async def run(info, payload, ticket):
+        sent.append(info.version)
+        await release.wait()
+        raise asyncio.CancelledError
+
+    info = wire.ModelInfo("capped", "1", "emulated", "p", (), (), 32, 0.27, False, True)
+    shadow_info = wire.ModelInfo("capped", "2", "emulated", "p", (), (), 32, 0.27, False, True)
+    metrics = GatewayMetrics()
+    mirror = Mirror(VirtualClock(), metrics, Tenancy(VirtualClock(), metrics), Shadows(), random.Random(0),
+                    lambda name: {"1": info, "2": shadow_info}, run)
+    mirror.shadows.start("capped", Shadow("2"))
+
+    def refused() -> float:
+        return REGISTRY.get_sample_value("sluice_shadow_requests_total",
+                                         {"model": "capped", "version": "2", "outcome": "refused"}) or 0.0
+
+    before = refused()
+    copies = [mirror.copy(info, _tensor([1.0]), "acme", 0.0, 10.0) for _ in range(MAX_COPIES_IN_FLIGHT + 3)]
+    await asyncio.sleep(0)
+    assert sum(c is not None for c in copies) == MAX_COPIES_IN_FLIGHT and refused() - before == 3
+    assert len(sent) == MAX_COPIES_IN_FLIGHT
+    await mirror.aclose()  # the ones in flight are cancelled: room again
+    mirror.is_closed = False
+    assert mirror.copy(info, _tensor([1.0]), "acme", 0.0, 10.0) is not None
+    await mirror.aclose()

@@ -597,3 +597,6 @@ def test_an_answers_tokens_are_read_in_each_endpoints_words():
                  b' "output_tokens_details": {"reasoning_tokens": 3}}}')
     assert read_usage(responses) == (30, 4, 16, 3)
     assert read_usage(b'{"usage": {"prompt_tokens": 7, "prompt_tokens_details": null}}') == (7, 0, 0, 0)
+    nulls = (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": null},'
+             b' "completion_tokens_details": {"reasoning_tokens": null}}}')
+    assert read_usage(nulls) == (7, 3, 0, 0), "a null detail keeps the counts beside it"

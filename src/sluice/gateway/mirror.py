@@ -30,6 +30,10 @@ from sluice.priority import Priority
 
 log = logging.getLogger("sluice.gateway")
 
+MAX_COPIES_IN_FLIGHT = 256
+"""Copies of one model in flight at most: copies skip the gateway's admission, so a slow shadow
+version must not pile them up on the workers; beyond this a copy is not sent (counted `refused`)."""
+
 Run = Callable[[wire.ModelInfo, wire.Payload, Ticket], Awaitable[InferResult]]
 
 
@@ -62,6 +66,7 @@ class Mirror:
         self._served = served
         self._run = run
         self._tasks: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[str, int] = {}
         self.is_closed = False
 
     def copy(self, info: wire.ModelInfo, payload: wire.Payload, tenant: str, started: float,
@@ -70,12 +75,24 @@ class Mirror:
         version = self.shadows.target(info.name, info.version, self._rng)
         if version is None:
             return None
+        if self._in_flight.get(info.name, 0) >= MAX_COPIES_IN_FLIGHT:
+            self._metrics.shadow_done(info.name, version, "refused")
+            return None
         copy = Copy()
         task = asyncio.get_running_loop().create_task(
             self._send(info.name, version, payload, tenant, started, deadline, copy))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._in_flight[info.name] = self._in_flight.get(info.name, 0) + 1
+        task.add_done_callback(lambda done: self._forget(info.name, done))
         return copy
+
+    def _forget(self, name: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        left = self._in_flight.get(name, 1) - 1
+        if left > 0:
+            self._in_flight[name] = left
+        else:
+            self._in_flight.pop(name, None)
 
     async def _send(self, name: str, version: str, payload: wire.Payload, tenant: str, started: float,
                     deadline: float, copy: Copy) -> None:

@@ -260,6 +260,8 @@ class BackgroundResponses:
             self._live[run.response_id] = live
         try:
             if run.attempts > self.max_attempts:
+                if live is not None:
+                    await self._close_earlier_items(run, live)
                 log.warning("background response %s: ended failed after %d starts", run.response_id,
                             run.attempts - 1)
                 final = failed(response, "server_error",
@@ -400,18 +402,22 @@ class _Feed:
             return  # an error answer (JSON): read whole
         *whole, rest = bytes(self.raw).split(b"\n\n")
         self.raw = bytearray(rest)
+        announced = False
         for event in whole:
             _, _, data = event.partition(b"data: ")
             if data:
-                self._translate(msgspec.json.decode(data))
-        if time.monotonic() - self.live.flushed_at >= FLUSH_EVERY_S:
+                announced |= self._translate(msgspec.json.decode(data)) == "response.output_item.added"
+        # an item's announcement is stored at once: a takeover numbers its items after every one
+        # a reader may have seen (`_close_earlier_items` reads the store)
+        if announced or time.monotonic() - self.live.flushed_at >= FLUSH_EVERY_S:
             await self.runner._write(self.run, None, self.live, is_final=False)
 
-    def _translate(self, event: dict[str, Any]) -> None:
-        kind = event.pop("type")
+    def _translate(self, event: dict[str, Any]) -> str:
+        """Emit `event` as the background response's; returns its kind."""
+        kind = str(event.pop("type"))
         event.pop("sequence_number", None)
         if kind in ("response.created", "response.in_progress"):
-            return  # said already, of the background response
+            return kind  # said already, of the background response
         if kind in ("response.completed", "response.incomplete"):
             self.live.final = ended(self.response, AppResponse(200, "", msgspec.json.encode(event["response"])))
             self.live.emit(kind, response=self.live.final)
@@ -424,6 +430,7 @@ class _Feed:
             if "output_index" in event:
                 event["output_index"] += self.live.index_offset
             self.live.emit(kind, **event)
+        return kind
 
 
 def ended(response: dict[str, Any], answer: AppResponse) -> dict[str, Any]:

@@ -20,11 +20,11 @@ _encode = msgspec.json.encode
 
 
 class _InputDetails(msgspec.Struct):
-    cached_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 class _OutputDetails(msgspec.Struct):
-    reasoning_tokens: int = 0
+    reasoning_tokens: int | None = None
 
 
 class _Usage(msgspec.Struct):
@@ -89,4 +89,4 @@ def read_usage(body: bytes) -> Usage:
     inputs = usage.prompt_tokens_details or usage.input_tokens_details or _InputDetails()
     outputs = usage.completion_tokens_details or usage.output_tokens_details or _OutputDetails()
     return Usage(usage.prompt_tokens + usage.input_tokens, usage.completion_tokens + usage.output_tokens,
-                 inputs.cached_tokens, outputs.reasoning_tokens)
+                 inputs.cached_tokens or 0, outputs.reasoning_tokens or 0)
